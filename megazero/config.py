@@ -1,0 +1,361 @@
+"""Configuration dataclasses and the one `validate` that rejects bad combinations before any work.
+
+Library components take their own sub-config (``ModelConfig``, ``ParallelConfig``, ...); only entry
+points parse command lines. Field names are Megatron's flag names with ``-`` turned into ``_``, so an
+error can name the flag a user typed (``flag('num_attention_heads') == '--num-attention-heads'``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the flag and the fix."""
+
+
+FLAG_ALIASES = {
+    "tp": "--tensor-model-parallel-size/--tp",
+    "pp": "--pipeline-model-parallel-size/--pp",
+    "dp": "--data-parallel-size/--dp",
+    "zero_stage": "--zero-stage",
+}
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a config field."""
+    return FLAG_ALIASES.get(name, "--" + name.replace("_", "-"))
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a GPT-2 style decoder. ``vocab_size`` is the tokenizer's; the embedding is padded."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None          # default 4 * hidden_size
+    seq_length: int = 64
+    max_position_embeddings: int | None = None  # default seq_length
+    vocab_size: int = 512
+    make_vocab_size_divisible_by: int = 128
+    untie_embeddings_and_output_weights: bool = False
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    init_method_std: float = 0.02
+    scaled_output_init: bool = True             # GPT-2: output projections std / sqrt(2 * layers)
+    layernorm_epsilon: float = 1e-5
+    activation: str = "gelu_tanh"               # "gelu_tanh" (GPT-2/HF) or "gelu" (exact erf)
+    recompute_activations: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocab rounded up to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule)."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+@dataclass
+class ParallelConfig:
+    """Layout of the tensor-, pipeline- and data-parallel dimensions."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None                       # inferred as world // (tp * pp) when None
+    order: str = "tp-dp-pp"
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    pipeline_schedule: str = "1f1b"             # 1f1b | gpipe | interleaved (implied by virtual stages)
+    sequence_parallel: bool = False
+    virtual_stages: int = 1                     # model chunks per rank (v); derived by validate()
+
+
+@dataclass
+class ZeroConfig:
+    """Data-parallel gradient reduction and ZeRO sharding."""
+
+    zero_stage: int = 0
+    bucket_size: int = 4_000_000                # elements per gradient bucket
+    overlap_grad_reduce: bool = True
+    prefetch_layers: int = 1                    # stage 3: gathered layers in flight ahead of compute
+    keep_params_gathered: bool = False          # stage 3 with pp: keep gathered for the whole step
+
+
+@dataclass
+class PrecisionConfig:
+    bf16: bool = False
+    fp16: bool = False
+    initial_loss_scale: float = 2.0 ** 16
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000               # growth interval
+    hysteresis: int = 2
+
+    @property
+    def dtype_name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None           # default train_iters
+    lr_decay_style: str = "cosine"              # constant | linear | cosine
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0                      # 0 disables clipping
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = field(default_factory=list)   # [prefix] or [w1, prefix1, w2, prefix2, ...]
+    split: str = "969,30,1"
+    mock_data: bool = False
+    tokenizer_type: str | None = None           # GPT2BPETokenizer | SentencePieceTokenizer
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
+    data_cache_path: str | None = None
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int | None = None        # default micro_batch_size * dp
+    train_iters: int = 100
+    seed: int = 1234
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    log_interval: int = 10
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    finetune: bool = False                      # load weights only: no optimizer, iteration 0
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard_dir: str | None = None
+    metrics_file: str | None = None
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per step on each data-parallel rank (gradient accumulation steps)."""
+        assert self.parallel.dp is not None, "validate() resolves dp first"
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+DECAY_STYLES = ("constant", "linear", "cosine")
+TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer")
+
+
+def validate(job: JobConfig, world_size: int) -> JobConfig:
+    """Check every field and combination; return the config with derived values filled in.
+
+    Raises :class:`ConfigError` naming the offending flag and the fix. Call before creating any
+    process group, model or dataset. Derived values: ``parallel.dp`` (when None), the pipeline
+    schedule and ``parallel.virtual_stages`` (interleaved when
+    --num-layers-per-virtual-pipeline-stage is given), ``train.global_batch_size`` (when None),
+    ``optimizer.lr_decay_iters`` (when None).
+    """
+    job = _copy(job)
+    _check_layout(job.parallel, world_size)
+    _check_model(job.model, job.parallel)
+    _check_pipeline(job.model, job.parallel)
+    _check_batches(job)
+    _check_precision_and_optimizer(job)
+    _check_data(job.data)
+    return job
+
+
+def _copy(job: JobConfig) -> JobConfig:
+    return JobConfig(**{f.name: dataclasses.replace(getattr(job, f.name)) for f in dataclasses.fields(job)})
+
+
+def _fail(msg: str) -> None:
+    raise ConfigError(msg)
+
+
+def _positive(value, name: str) -> None:
+    if value is None or value < 1:
+        _fail(f"{flag(name)} must be a positive integer, got {value}")
+
+
+def _check_layout(par: ParallelConfig, world: int) -> None:
+    _positive(par.tp, "tp")
+    _positive(par.pp, "pp")
+    mp = par.tp * par.pp
+    if par.dp is None:
+        if world % mp:
+            _fail(f"world size {world} is not divisible by tp*pp = {par.tp}*{par.pp} = {mp}: "
+                  f"launch a multiple of {mp} processes (e.g. --nproc-per-node {mp * max(1, world // mp)}) "
+                  f"or change {flag('tp')} / {flag('pp')}")
+        par.dp = world // mp
+    _positive(par.dp, "dp")
+    if par.tp * par.pp * par.dp != world:
+        _fail(f"tp*pp*dp = {par.tp}*{par.pp}*{par.dp} = {par.tp * par.pp * par.dp} does not equal the "
+              f"world size {world}: launch {par.tp * par.pp * par.dp} processes or change "
+              f"{flag('dp')} (or leave it out to infer it)")
+    if sorted(par.order.split("-")) != ["dp", "pp", "tp"]:
+        _fail(f"--parallel-order {par.order!r} must name tp, dp and pp once each, e.g. 'tp-dp-pp'")
+
+
+def _check_model(m: ModelConfig, par: ParallelConfig) -> None:
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                 "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by"):
+        _positive(getattr(m, name), name)
+    if m.hidden_size % m.num_attention_heads:
+        _fail(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+              f"{m.num_attention_heads}: choose a head count that divides the hidden size")
+    if m.num_attention_heads % par.tp:
+        _fail(f"--num-attention-heads {m.num_attention_heads} is not divisible by {flag('tp')} {par.tp}: "
+              f"each tensor-parallel rank needs whole heads; use a tp that divides the head count")
+    if m.ffn_hidden_size % par.tp:
+        _fail(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by {flag('tp')} {par.tp}: "
+              f"choose an ffn size that is a multiple of tp")
+    if m.padded_vocab_size(par.tp) % par.tp:
+        _fail(f"padded vocab {m.padded_vocab_size(par.tp)} is not divisible by {flag('tp')} {par.tp}: "
+              f"set --make-vocab-size-divisible-by to a multiple of tp")
+    if m.max_position_embeddings < m.seq_length:
+        _fail(f"--max-position-embeddings {m.max_position_embeddings} is smaller than --seq-length "
+              f"{m.seq_length}: raise it to at least the sequence length")
+    if par.sequence_parallel and m.seq_length % par.tp:
+        _fail(f"--sequence-parallel needs --seq-length ({m.seq_length}) divisible by {flag('tp')} "
+              f"{par.tp}: change the sequence length or drop --sequence-parallel")
+    for name in ("attention_dropout", "hidden_dropout"):
+        if not 0.0 <= getattr(m, name) < 1.0:
+            _fail(f"{flag(name)} must be in [0, 1), got {getattr(m, name)}")
+    if m.activation not in ("gelu", "gelu_tanh"):
+        _fail(f"--activation must be gelu or gelu_tanh, got {m.activation!r}")
+
+
+def _check_pipeline(m: ModelConfig, par: ParallelConfig) -> None:
+    if par.pipeline_schedule not in SCHEDULES:
+        _fail(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {par.pipeline_schedule!r}")
+    per_virtual = par.num_layers_per_virtual_pipeline_stage
+    if per_virtual is not None:
+        _positive(per_virtual, "num_layers_per_virtual_pipeline_stage")
+        if par.pp < 2:
+            _fail(f"--num-layers-per-virtual-pipeline-stage needs {flag('pp')} >= 2 (got {par.pp}): "
+                  f"drop it or use pipeline parallelism")
+        if m.num_layers % (par.pp * per_virtual):
+            _fail(f"--num-layers {m.num_layers} is not divisible by {flag('pp')} {par.pp} * "
+                  f"--num-layers-per-virtual-pipeline-stage {per_virtual}: each rank needs whole chunks")
+        par.virtual_stages = m.num_layers // (par.pp * per_virtual)
+        if par.virtual_stages < 2:
+            _fail(f"--num-layers-per-virtual-pipeline-stage {per_virtual} gives one chunk per rank "
+                  f"({m.num_layers} layers / pp {par.pp}): use a smaller value or drop it")
+        par.pipeline_schedule = "interleaved"
+    elif par.pipeline_schedule == "interleaved":
+        _fail("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage")
+    if m.num_layers % par.pp:
+        _fail(f"--num-layers {m.num_layers} is not divisible by {flag('pp')} {par.pp}: "
+              f"each pipeline stage needs the same number of layers")
+
+
+def _check_batches(job: JobConfig) -> None:
+    t, par = job.train, job.parallel
+    _positive(t.micro_batch_size, "micro_batch_size")
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * par.dp
+    _positive(t.global_batch_size, "global_batch_size")
+    per_step = t.micro_batch_size * par.dp
+    if t.global_batch_size % per_step:
+        _fail(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+              f"{t.micro_batch_size} * dp {par.dp} = {per_step}: use a multiple of {per_step}")
+    m = job.num_micro_batches
+    if par.pp > 1 and par.pipeline_schedule in ("1f1b", "interleaved") and m < par.pp:
+        _fail(f"{m} micro-batches per step is fewer than {par.pp} pipeline stages, which leaves the "
+              f"{par.pipeline_schedule} pipeline mostly idle: raise --global-batch-size to at least "
+              f"{par.pp * per_step} (micro-batches = global / (micro * dp))")
+    if par.pipeline_schedule == "interleaved" and m % par.pp:
+        _fail(f"the interleaved schedule needs micro-batches ({m}) divisible by {flag('pp')} {par.pp}: "
+              f"make --global-batch-size a multiple of {par.pp * per_step}")
+    _positive(t.train_iters, "train_iters")
+    for name in ("eval_interval", "log_interval"):
+        _positive(getattr(t, name), name)
+    if t.eval_iters < 0:
+        _fail(f"--eval-iters must be >= 0, got {t.eval_iters}")
+
+
+def _check_precision_and_optimizer(job: JobConfig) -> None:
+    pr, opt, z = job.precision, job.optimizer, job.zero
+    if pr.bf16 and pr.fp16:
+        _fail("--bf16 and --fp16 are exclusive: pick one")
+    if z.zero_stage not in (0, 1, 2, 3):
+        _fail(f"--zero-stage must be 0, 1, 2 or 3, got {z.zero_stage}")
+    _positive(z.bucket_size, "bucket_size")
+    _positive(z.prefetch_layers, "prefetch_layers")
+    if opt.lr_decay_style not in DECAY_STYLES:
+        _fail(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, got {opt.lr_decay_style!r}")
+    if opt.lr <= 0 or opt.min_lr < 0 or opt.min_lr > opt.lr:
+        _fail(f"need 0 <= --min-lr ({opt.min_lr}) <= --lr ({opt.lr}) and --lr > 0")
+    if opt.lr_decay_iters is None:
+        opt.lr_decay_iters = job.train.train_iters
+    if opt.lr_warmup_iters < 0 or opt.lr_warmup_iters > opt.lr_decay_iters:
+        _fail(f"--lr-warmup-iters {opt.lr_warmup_iters} must be between 0 and --lr-decay-iters "
+              f"{opt.lr_decay_iters}")
+    if not (0 <= opt.adam_beta1 < 1 and 0 <= opt.adam_beta2 < 1):
+        _fail("--adam-beta1 and --adam-beta2 must be in [0, 1)")
+    if opt.clip_grad < 0 or opt.weight_decay < 0:
+        _fail("--clip-grad and --weight-decay must be >= 0")
+
+
+def _check_data(d: DataConfig) -> None:
+    parts = d.split.replace("/", ",").split(",")
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        weights = []
+    if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        _fail(f"--split {d.split!r} must be up to three non-negative weights like 969,30,1")
+    if d.mock_data and d.data_path:
+        _fail("--mock-data and --data-path are exclusive: drop one")
+    if d.tokenizer_type is not None and d.tokenizer_type not in TOKENIZERS:
+        _fail(f"--tokenizer-type must be one of {', '.join(TOKENIZERS)}, got {d.tokenizer_type!r}")
+    if d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file and d.merge_file):
+        _fail("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    if d.tokenizer_type == "SentencePieceTokenizer" and not d.tokenizer_model:
+        _fail("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
+    if len(d.data_path) > 1:
+        if len(d.data_path) % 2:
+            _fail("--data-path with several datasets takes weight-prefix pairs: "
+                  "--data-path 0.3 a_text_document 0.7 b_text_document")
+        for w in d.data_path[0::2]:
+            try:
+                float(w)
+            except ValueError:
+                _fail(f"--data-path weight {w!r} is not a number (expected weight-prefix pairs)")

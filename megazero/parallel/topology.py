@@ -1,0 +1,229 @@
+"""Process-group topology: which ranks form each tensor-, pipeline- and data-parallel group.
+
+Two halves:
+
+* :func:`rank_grid` is pure: from (world, tp, pp, dp, order) it lists the ranks of every group.
+  No ``torch.distributed`` needed, so it is unit-tested against hand-written listings.
+* :class:`Topology` is built once per process after the default group exists. It creates every
+  group (all ranks must create all groups, in the same order) and holds this rank's coordinates.
+  It is passed explicitly to every component; nothing here is a module-level global.
+
+Rank order. ``order`` names the dimensions from fastest- to slowest-varying; the default
+``"tp-dp-pp"`` is Megatron's: neighbouring ranks share a tensor-parallel group (they talk most), then
+data-parallel, then pipeline. Worked example, world 16 with tp=2, pp=4, dp=2 (Megatron's listing)::
+
+    rank = tp_rank + 2 * dp_rank + 4 * pp_rank
+
+    tensor-parallel   [0,1] [2,3] [4,5] [6,7] [8,9] [10,11] [12,13] [14,15]
+    data-parallel     [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]
+    pipeline          [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]
+    model-parallel    [0,1,4,5,8,9,12,13] [2,3,6,7,10,11,14,15]      (tp x pp: one model replica)
+    embedding         [0,12] [1,13] [2,14] [3,15]      (first and last stage of each pipeline)
+
+With pp=1 the embedding group of a rank is just that rank: first and last stage coincide.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DIMS = ("tp", "dp", "pp")
+DEFAULT_ORDER = "tp-dp-pp"
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Rank lists of every group of a (tp, pp, dp) layout. Each list of groups is sorted."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    order: str
+    tensor: list[list[int]]
+    pipeline: list[list[int]]
+    data: list[list[int]]
+    model: list[list[int]]
+    embedding: list[list[int]]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """{'tp': tp_rank, 'dp': dp_rank, 'pp': pp_rank} of a global rank."""
+        return _coords(rank, self.order, self.tp, self.pp, self.dp)
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The group of kind ('tensor', 'pipeline', 'data', 'model', 'embedding') holding rank."""
+        for group in getattr(self, kind):
+            if rank in group:
+                return group
+        raise ValueError(f"rank {rank} is in no {kind} group")
+
+
+def _parse_order(order: str) -> list[str]:
+    names = order.split("-")
+    if sorted(names) != sorted(DIMS):
+        raise ValueError(f"order {order!r} must name each of tp, dp, pp once, e.g. {DEFAULT_ORDER!r}")
+    return names
+
+
+def _sizes_in_order(order: str, tp: int, pp: int, dp: int) -> list[tuple[str, int]]:
+    size = {"tp": tp, "pp": pp, "dp": dp}
+    return [(name, size[name]) for name in _parse_order(order)]
+
+
+def _coords(rank: int, order: str, tp: int, pp: int, dp: int) -> dict[str, int]:
+    out, rest = {}, rank
+    for name, size in _sizes_in_order(order, tp, pp, dp):
+        out[name] = rest % size
+        rest //= size
+    return out
+
+
+def _rank_of(coords: dict[str, int], order: str, tp: int, pp: int, dp: int) -> int:
+    rank, stride = 0, 1
+    for name, size in _sizes_in_order(order, tp, pp, dp):
+        rank += coords[name] * stride
+        stride *= size
+    return rank
+
+
+def _groups_varying(varying: tuple[str, ...], order: str, tp: int, pp: int, dp: int) -> list[list[int]]:
+    """All groups whose members differ only in the `varying` dims (the others fixed)."""
+    size = {"tp": tp, "pp": pp, "dp": dp}
+    fixed = [d for d in DIMS if d not in varying]
+    groups = []
+    for fixed_vals in itertools.product(*(range(size[d]) for d in fixed)):
+        members = []
+        for var_vals in itertools.product(*(range(size[d]) for d in varying)):
+            coords = dict(zip(fixed, fixed_vals)) | dict(zip(varying, var_vals))
+            members.append(_rank_of(coords, order, tp, pp, dp))
+        groups.append(sorted(members))
+    return sorted(groups)
+
+
+def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER) -> RankGrid:
+    """List the ranks of every group for a tp x pp x dp layout (pure; see the module docstring)."""
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if tp * pp * dp != world_size:
+        raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != world size {world_size}")
+    pipeline = _groups_varying(("pp",), order, tp, pp, dp)
+    by_stage = [_in_stage_order(g, order, tp, pp, dp) for g in pipeline]
+    embedding = sorted(sorted({g[0], g[-1]}) for g in by_stage)
+    return RankGrid(
+        world_size=world_size, tp=tp, pp=pp, dp=dp, order=order,
+        tensor=_groups_varying(("tp",), order, tp, pp, dp),
+        pipeline=pipeline,
+        data=_groups_varying(("dp",), order, tp, pp, dp),
+        model=_groups_varying(("tp", "pp"), order, tp, pp, dp),
+        embedding=embedding,
+    )
+
+
+def _in_stage_order(group: list[int], order: str, tp: int, pp: int, dp: int) -> list[int]:
+    """A pipeline group's ranks ordered by stage (pp_rank), which need not be rank order."""
+    return sorted(group, key=lambda r: _coords(r, order, tp, pp, dp)["pp"])
+
+
+def default_backend() -> str:
+    """nccl when CUDA is present, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> torch.device:
+    """Initialise the default process group from torchrun's environment and return this rank's device.
+
+    Works without torchrun too (a single process: rank 0 of world 1). With CUDA, binds the process
+    to ``LOCAL_RANK``'s GPU.
+    """
+    backend = backend or os.environ.get("MEGAZERO_BACKEND") or default_backend()
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Topology:
+    """The process groups of one tp x pp x dp layout and this rank's place in them.
+
+    Build once per process, after the default group is initialised, and pass it to every component::
+
+        topo = Topology(tp=2, pp=2, dp=2)       # on each of 8 ranks
+        topo.tp_rank, topo.pp_rank, topo.dp_rank
+        topo.tp_group, topo.pp_group, topo.dp_group, topo.mp_group, topo.embedding_group
+        topo.next_rank, topo.prev_rank        # global ranks of the neighbouring stages (or None)
+
+    ``dp`` may be omitted: it is inferred as world // (tp * pp).
+    """
+
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, order: str = DEFAULT_ORDER,
+                 device: torch.device | None = None):
+        world = dist.get_world_size()
+        rank = dist.get_rank()
+        dp = dp if dp is not None else world // (tp * pp)
+        self.grid = rank_grid(world, tp, pp, dp, order)
+        self.world_size, self.rank = world, rank
+        self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
+        self.device = device or torch.device("cpu")
+        coords = self.grid.coords(rank)
+        self.tp_rank, self.pp_rank, self.dp_rank = coords["tp"], coords["pp"], coords["dp"]
+
+        # Every rank creates every group in the same order (a torch.distributed requirement).
+        self.tp_group, self.tp_ranks = self._create(self.grid.tensor)
+        self.pp_group, self.pp_ranks = self._create(self.grid.pipeline)
+        self.dp_group, self.dp_ranks = self._create(self.grid.data)
+        self.mp_group, self.mp_ranks = self._create(self.grid.model)
+        self.embedding_group, self.embedding_ranks = self._create(self.grid.embedding)
+        self.pp_ranks = _in_stage_order(self.pp_ranks, order, tp, pp, dp)
+
+    def _create(self, groups: list[list[int]]) -> tuple[dist.ProcessGroup, list[int]]:
+        mine = None
+        for ranks in groups:
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = (group, ranks)
+        assert mine is not None, f"rank {self.rank} not found in {groups}"
+        return mine
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def next_rank(self) -> int | None:
+        """Global rank of the next pipeline stage, or None on the last stage."""
+        return None if self.is_last_stage else self.pp_ranks[self.pp_rank + 1]
+
+    @property
+    def prev_rank(self) -> int | None:
+        """Global rank of the previous pipeline stage, or None on the first stage."""
+        return None if self.is_first_stage else self.pp_ranks[self.pp_rank - 1]
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
+                f"pp {self.pp_rank}/{self.pp_size} dp {self.dp_rank}/{self.dp_size}")

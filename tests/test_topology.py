@@ -1,0 +1,113 @@
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import run_on_ranks
+
+from megazero.parallel.topology import Topology, rank_grid
+
+
+def test_megatron_16_rank_listing():
+    # Megatron's worked example: tp=2, pp=4, dp=2 on 16 GPUs.
+    g = rank_grid(16, tp=2, pp=4, dp=2)
+    assert g.tensor == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert g.data == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert g.pipeline == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert g.model == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+    assert g.embedding == [[0, 12], [1, 13], [2, 14], [3, 15]]
+    assert g.coords(13) == {"tp": 1, "dp": 0, "pp": 3}
+
+
+def test_32_ranks_tp4_pp4_dp2():
+    g = rank_grid(32, tp=4, pp=4, dp=2)
+    assert g.tensor == [list(range(i, i + 4)) for i in range(0, 32, 4)]
+    assert g.data == [[base + t, base + 4 + t] for base in range(0, 32, 8) for t in range(4)]
+    assert g.pipeline == [[r, r + 8, r + 16, r + 24] for r in range(8)]
+    assert g.model == [[0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27],
+                       [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31]]
+    assert g.embedding == [[r, r + 24] for r in range(8)]
+    # Every rank is in exactly one group of each kind.
+    for kind in ("tensor", "pipeline", "data", "model"):
+        members = sorted(r for grp in getattr(g, kind) for r in grp)
+        assert members == list(range(32)), kind
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), (4, 1, 1), (1, 4, 1), (1, 1, 4)])
+def test_degenerate_sizes(tp, pp, dp):
+    world = tp * pp * dp
+    g = rank_grid(world, tp, pp, dp)
+    everyone = [list(range(world))]
+    singles = [[r] for r in range(world)]
+    assert g.tensor == (everyone if tp > 1 else singles)
+    assert g.pipeline == (everyone if pp > 1 else singles)
+    assert g.data == (everyone if dp > 1 else singles)
+    assert g.model == (everyone if tp * pp > 1 else singles)
+    assert g.embedding == ([[0, world - 1]] if pp > 1 else singles)
+
+
+def test_other_order_puts_pp_before_dp():
+    g = rank_grid(8, tp=2, pp=2, dp=2, order="tp-pp-dp")
+    assert g.pipeline == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g.data == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g.embedding == g.pipeline
+
+
+def test_bad_grid_inputs():
+    with pytest.raises(ValueError, match="world size 8"):
+        rank_grid(8, tp=2, pp=2, dp=1)
+    with pytest.raises(ValueError, match="order"):
+        rank_grid(8, 2, 2, 2, order="tp-dp")
+
+
+def _check_topology(rank, world_size):
+    topo = Topology(tp=2, pp=2)  # dp inferred: 2
+    grid = rank_grid(8, 2, 2, 2)
+    coords = grid.coords(rank)
+    assert (topo.tp_rank, topo.dp_rank, topo.pp_rank) == (coords["tp"], coords["dp"], coords["pp"])
+    assert (topo.tp_size, topo.pp_size, topo.dp_size) == (2, 2, 2)
+    assert topo.is_first_stage == (topo.pp_rank == 0) and topo.is_last_stage == (topo.pp_rank == 1)
+    assert topo.next_rank == (rank + 4 if topo.pp_rank == 0 else None)
+    assert topo.prev_rank == (rank - 4 if topo.pp_rank == 1 else None)
+    # An all_reduce of 2**rank over each group sums exactly the expected members.
+    sums = {}
+    for name, group, kind in (("tp", topo.tp_group, "tensor"), ("pp", topo.pp_group, "pipeline"),
+                              ("dp", topo.dp_group, "data"), ("mp", topo.mp_group, "model"),
+                              ("emb", topo.embedding_group, "embedding")):
+        t = torch.tensor([2 ** rank], dtype=torch.int64)
+        dist.all_reduce(t, group=group)
+        expected = sum(2 ** r for r in grid.group_of(kind, rank))
+        assert t.item() == expected, (name, t.item(), expected)
+        sums[name] = t.item()
+    return sums
+
+
+def test_topology_groups_on_8_ranks():
+    sums = run_on_ranks(8, _check_topology)
+    assert sums[0] == {"tp": 0b11, "pp": 0b10001, "dp": 0b101, "mp": 0b110011, "emb": 0b10001}
+    assert sums[7]["tp"] == 0b11000000
+
+
+def _fail_on_rank_one(rank, world_size):
+    assert rank != 1, "deliberate failure on rank 1"
+    return rank
+
+
+def _hang_on_rank_zero(rank, world_size):
+    if rank == 0:
+        dist.barrier()  # rank 1 never joins
+    return rank
+
+
+def test_harness_reports_the_failing_rank():
+    with pytest.raises(AssertionError, match="(?s)rank 1 of 2 failed.*deliberate failure"):
+        run_on_ranks(2, _fail_on_rank_one)
+    assert run_on_ranks(2, _ranks) == [0, 1]  # the next test gets a working pool
+
+
+def _ranks(rank, world_size):
+    return rank
+
+
+def test_harness_times_out_instead_of_hanging():
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\]"):
+        run_on_ranks(2, _hang_on_rank_zero, timeout=5)
+    assert run_on_ranks(2, _ranks) == [0, 1]  # a fresh pool replaced the broken one
