@@ -133,7 +133,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     micro_batch_size: int = 4
-    global_batch_size: int | None = None        # default micro_batch_size * dp
+    global_batch_size: int | None = None        # default micro_batch_size * dp * pp (m = pp micro-batches)
     train_iters: int = 100
     seed: int = 1234
     eval_interval: int = 1000
@@ -290,7 +290,7 @@ def _check_batches(job: JobConfig) -> None:
     t, par = job.train, job.parallel
     _positive(t.micro_batch_size, "micro_batch_size")
     if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * par.dp
+        t.global_batch_size = t.micro_batch_size * par.dp * par.pp
     _positive(t.global_batch_size, "global_batch_size")
     per_step = t.micro_batch_size * par.dp
     if t.global_batch_size % per_step:

@@ -1,0 +1,205 @@
+"""The trainer's command line: Megatron flag names -> a validated :class:`JobConfig`.
+
+Imported only by the entry point ``pretrain_gpt.py`` (tools have their own small parsers and never
+import this). Every flag maps to one dataclass field (``section.field``); its default is the dataclass
+default, so defaults live in one place (``megazero/config.py``).
+
+A config file (``--config run.toml`` or ``.yaml``) uses the same names as keys (dashes or underscores,
+short aliases allowed, optionally grouped in tables); flags given on the command line override it::
+
+    # run.toml
+    tp = 2
+    pp = 2
+    zero-stage = 1
+    [model]                      # tables only group keys; the names are the flag names
+    num-layers = 4
+    hidden-size = 128
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+from megazero.config import ConfigError, JobConfig, validate
+
+# (flags, "section.field", argparse kwargs). Booleans are store_true unless a kwarg says otherwise.
+ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
+    "parallelism": [
+        (("--tensor-model-parallel-size", "--tp"), "parallel.tp", dict(type=int)),
+        (("--pipeline-model-parallel-size", "--pp"), "parallel.pp", dict(type=int)),
+        (("--data-parallel-size", "--dp"), "parallel.dp", dict(type=int, help="inferred when absent")),
+        (("--num-layers-per-virtual-pipeline-stage",), "parallel.num_layers_per_virtual_pipeline_stage",
+         dict(type=int, help="interleaved 1F1B: layers per model chunk")),
+        (("--pipeline-schedule",), "parallel.pipeline_schedule", dict(choices=["1f1b", "gpipe", "interleaved"])),
+        (("--sequence-parallel",), "parallel.sequence_parallel", dict(action="store_true")),
+        (("--parallel-order",), "parallel.order", dict(help="rank order, fastest first (default tp-dp-pp)")),
+        (("--zero-stage",), "zero.zero_stage", dict(type=int, choices=[0, 1, 2, 3])),
+        (("--bucket-size",), "zero.bucket_size", dict(type=int, help="elements per gradient bucket")),
+        (("--overlap-grad-reduce",), "zero.overlap_grad_reduce", dict(action=argparse.BooleanOptionalAction)),
+        (("--zero3-prefetch-layers",), "zero.prefetch_layers", dict(type=int)),
+        (("--zero3-keep-params-gathered",), "zero.keep_params_gathered", dict(action="store_true")),
+    ],
+    "model": [
+        (("--num-layers",), "model.num_layers", dict(type=int)),
+        (("--hidden-size",), "model.hidden_size", dict(type=int)),
+        (("--ffn-hidden-size",), "model.ffn_hidden_size", dict(type=int, help="default 4 * hidden size")),
+        (("--num-attention-heads",), "model.num_attention_heads", dict(type=int)),
+        (("--seq-length",), "model.seq_length", dict(type=int)),
+        (("--max-position-embeddings",), "model.max_position_embeddings", dict(type=int)),
+        (("--vocab-size",), "model.vocab_size", dict(type=int, help="with --mock-data; else the tokenizer's")),
+        (("--make-vocab-size-divisible-by",), "model.make_vocab_size_divisible_by", dict(type=int)),
+        (("--untie-embeddings-and-output-weights",), "model.untie_embeddings_and_output_weights",
+         dict(action="store_true")),
+        (("--attention-dropout",), "model.attention_dropout", dict(type=float)),
+        (("--hidden-dropout",), "model.hidden_dropout", dict(type=float)),
+        (("--init-method-std",), "model.init_method_std", dict(type=float)),
+        (("--scaled-output-init",), "model.scaled_output_init", dict(action=argparse.BooleanOptionalAction)),
+        (("--layernorm-epsilon",), "model.layernorm_epsilon", dict(type=float)),
+        (("--activation",), "model.activation", dict(choices=["gelu", "gelu_tanh"])),
+        (("--recompute-activations",), "model.recompute_activations", dict(action="store_true")),
+    ],
+    "training": [
+        (("--micro-batch-size",), "train.micro_batch_size", dict(type=int)),
+        (("--global-batch-size",), "train.global_batch_size", dict(type=int,
+                                                                   help="gradient accumulation derived")),
+        (("--train-iters",), "train.train_iters", dict(type=int)),
+        (("--seed",), "train.seed", dict(type=int)),
+        (("--eval-interval",), "train.eval_interval", dict(type=int)),
+        (("--eval-iters",), "train.eval_iters", dict(type=int)),
+        (("--log-interval",), "train.log_interval", dict(type=int)),
+    ],
+    "optimizer": [
+        (("--lr",), "optimizer.lr", dict(type=float)),
+        (("--min-lr",), "optimizer.min_lr", dict(type=float)),
+        (("--lr-warmup-iters",), "optimizer.lr_warmup_iters", dict(type=int)),
+        (("--lr-decay-iters",), "optimizer.lr_decay_iters", dict(type=int)),
+        (("--lr-decay-style",), "optimizer.lr_decay_style", dict(choices=["constant", "linear", "cosine"])),
+        (("--weight-decay",), "optimizer.weight_decay", dict(type=float)),
+        (("--adam-beta1",), "optimizer.adam_beta1", dict(type=float)),
+        (("--adam-beta2",), "optimizer.adam_beta2", dict(type=float)),
+        (("--adam-eps",), "optimizer.adam_eps", dict(type=float)),
+        (("--clip-grad",), "optimizer.clip_grad", dict(type=float, help="0 disables")),
+    ],
+    "mixed precision": [
+        (("--bf16",), "precision.bf16", dict(action="store_true")),
+        (("--fp16",), "precision.fp16", dict(action="store_true")),
+        (("--initial-loss-scale",), "precision.initial_loss_scale", dict(type=float)),
+        (("--min-loss-scale",), "precision.min_loss_scale", dict(type=float)),
+        (("--loss-scale-window",), "precision.loss_scale_window", dict(type=int)),
+        (("--hysteresis",), "precision.hysteresis", dict(type=int)),
+    ],
+    "data": [
+        (("--data-path",), "data.data_path", dict(nargs="+", help="prefix, or weight prefix pairs")),
+        (("--split",), "data.split", dict()),
+        (("--mock-data",), "data.mock_data", dict(action="store_true")),
+        (("--tokenizer-type",), "data.tokenizer_type",
+         dict(choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])),
+        (("--vocab-file",), "data.vocab_file", dict()),
+        (("--merge-file",), "data.merge_file", dict()),
+        (("--tokenizer-model",), "data.tokenizer_model", dict()),
+        (("--data-cache-path",), "data.data_cache_path", dict()),
+    ],
+    "checkpointing": [
+        (("--save",), "checkpoint.save", dict()),
+        (("--load",), "checkpoint.load", dict()),
+        (("--save-interval",), "checkpoint.save_interval", dict(type=int)),
+        (("--finetune",), "checkpoint.finetune", dict(action="store_true",
+                                                      help="load weights only: no optimizer, iteration 0")),
+    ],
+    "logging": [
+        (("--tensorboard-dir",), "logging.tensorboard_dir", dict()),
+        (("--metrics-file",), "logging.metrics_file", dict(help="JSON lines, one per logged iteration")),
+    ],
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py", allow_abbrev=False,
+        description="Pretrain a GPT with tensor, pipeline and data parallelism and ZeRO. With no data "
+                    "flags it trains a tiny GPT on the bundled sample corpus.")
+    parser.add_argument("--config", help="TOML or YAML file with flag names as keys; CLI overrides it")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with CUDA, else gloo")
+    for title, entries in ARGUMENTS.items():
+        group = parser.add_argument_group(title)
+        for flags, dest, kwargs in entries:
+            group.add_argument(*flags, dest=dest, default=argparse.SUPPRESS, **kwargs)
+    return parser
+
+
+def _key_to_dest() -> dict[str, str]:
+    """Every spelling of every flag (dashes or underscores, no leading --) -> its dest."""
+    table = {}
+    for entries in ARGUMENTS.values():
+        for flags, dest, _ in entries:
+            for f in flags:
+                name = f.lstrip("-")
+                table[name] = table[name.replace("-", "_")] = dest
+    return table
+
+
+def load_config_file(path: str) -> dict[str, object]:
+    """Read a TOML or YAML config file into {dest: value}; unknown keys are an error naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError as e:
+            raise ConfigError(f"--config {path}: YAML needs PyYAML (pip install pyyaml), or use TOML") from e
+        raw = yaml.safe_load(text) or {}
+    else:
+        import tomllib
+
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config {path}: not valid TOML: {e}") from e
+    flat: dict[str, object] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):  # a table just groups keys
+            flat.update(value)
+        else:
+            flat[key] = value
+    known, out = _key_to_dest(), {}
+    for key, value in flat.items():
+        if key not in known:
+            raise ConfigError(f"--config {path}: unknown key {key!r} (keys are the flag names, e.g. "
+                              f"'num-layers' for --num-layers)")
+        dest = known[key]
+        out[dest] = value.split() if dest == "data.data_path" and isinstance(value, str) else value
+    return out
+
+
+def job_from_values(values: dict[str, object]) -> JobConfig:
+    """Build a JobConfig from {"section.field": value}, starting from the dataclass defaults."""
+    sections: dict[str, dict[str, object]] = {}
+    for dest, value in values.items():
+        section, name = dest.split(".")
+        sections.setdefault(section, {})[name] = value
+    # Construct each section afresh (not dataclasses.replace) so derived defaults such as
+    # ffn_hidden_size = 4 * hidden_size follow the given values.
+    kinds = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
+    return JobConfig(**{name: kinds[name](**sections.get(name, {})) for name in kinds})
+
+
+def parse_job(argv: list[str] | None = None, world_size: int | None = None) -> tuple[JobConfig, argparse.Namespace]:
+    """Parse the command line (and --config), validate against the world size, return (job, namespace).
+
+    Unknown flags and invalid combinations exit with status 2 and a one-line message naming the flag.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        values = load_config_file(args.config) if args.config else {}
+        values.update({k: v for k, v in vars(args).items() if "." in k})
+        job = validate(job_from_values(values), world_size)
+    except (ConfigError, TypeError) as e:
+        first = os.environ.get("RANK", "0") == "0"  # one line from the launcher, not one per rank
+        parser.exit(2, f"pretrain_gpt.py: error: {e}\n" if first else None)
+    return job, args

@@ -1,0 +1,75 @@
+"""The trainer's command line: Megatron flag names, config files, and errors that name the flag."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megazero.arguments import parse_job
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_megatron_flags_and_aliases_map_to_config():
+    job, _ = parse_job(["--tensor-model-parallel-size", "2", "--pp", "2", "--zero-stage", "1",
+                        "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+                        "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "3e-4",
+                        "--bf16", "--data-path", "0.3", "a", "0.7", "b", "--no-overlap-grad-reduce"],
+                       world_size=8)
+    assert (job.parallel.tp, job.parallel.pp, job.parallel.dp) == (2, 2, 2)
+    assert job.zero.zero_stage == 1 and job.zero.overlap_grad_reduce is False
+    assert job.model.ffn_hidden_size == 128 and job.num_micro_batches == 4
+    assert job.optimizer.lr == 3e-4 and job.precision.bf16
+    assert job.data.data_path == ["0.3", "a", "0.7", "b"]
+
+
+def test_config_file_with_cli_override(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('tp = 2\nzero-stage = 2\n[model]\nnum_layers = 6\nhidden-size = 48\n'
+                   'num-attention-heads = 4\n')
+    job, _ = parse_job(["--config", str(cfg), "--zero-stage", "1"], world_size=4)
+    assert job.parallel.tp == 2 and job.parallel.dp == 2
+    assert job.model.num_layers == 6 and job.model.hidden_size == 48
+    assert job.zero.zero_stage == 1  # the command line wins
+
+
+def test_yaml_config_file(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("pp: 2\nnum-layers: 4\ndata-path: 1.0 prefix\n")
+    job, _ = parse_job(["--config", str(cfg)], world_size=2)
+    assert job.parallel.pp == 2 and job.data.data_path == ["1.0", "prefix"]
+
+
+def test_unknown_config_key_is_an_error(tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("num-layerz = 4\n")
+    with pytest.raises(SystemExit) as e:
+        parse_job(["--config", str(cfg)], world_size=1)
+    assert e.value.code == 2
+    assert "unknown key 'num-layerz'" in capsys.readouterr().err
+
+
+def test_unknown_flag_is_an_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_job(["--tensor-parallel", "2"], world_size=1)
+    assert e.value.code == 2 and "unrecognized arguments: --tensor-parallel" in capsys.readouterr().err
+
+
+def test_invalid_combination_exits_with_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_job(["--tp", "2", "--num-attention-heads", "3", "--hidden-size", "48"], world_size=2)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--num-attention-heads 3" in err
+
+
+def test_torchrun_with_indivisible_world_fails_at_once():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                           str(ROOT / "pretrain_gpt.py"), "--tp", "2"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode != 0
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error")]
+    assert lines == ["pretrain_gpt.py: error: world size 3 is not divisible by tp*pp = 2*1 = 2: launch a "
+                     "multiple of 2 processes (e.g. --nproc-per-node 2) or change "
+                     "--tensor-model-parallel-size/--tp / --pipeline-model-parallel-size/--pp"]

@@ -1,0 +1,87 @@
+"""Every invalid layout or shape is rejected by validate() with a message naming the flag."""
+import pytest
+
+from megazero.config import (ConfigError, DataConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                             PrecisionConfig, TrainConfig, ZeroConfig, validate)
+
+
+def job(**sections) -> JobConfig:
+    j = JobConfig()
+    for name, value in sections.items():
+        setattr(j, name, value)
+    return j
+
+
+def test_valid_layout_fills_derived_values():
+    j = validate(job(model=ModelConfig(num_layers=8), parallel=ParallelConfig(tp=2, pp=2,
+                 num_layers_per_virtual_pipeline_stage=2), train=TrainConfig(micro_batch_size=2,
+                 global_batch_size=16)), world_size=8)
+    assert j.parallel.dp == 2 and j.parallel.virtual_stages == 2
+    assert j.parallel.pipeline_schedule == "interleaved"
+    assert j.num_micro_batches == 4
+    assert j.optimizer.lr_decay_iters == j.train.train_iters
+
+
+def test_validate_does_not_mutate_its_input():
+    original = job(parallel=ParallelConfig(tp=2))
+    validate(original, world_size=4)
+    assert original.parallel.dp is None and original.train.global_batch_size is None
+
+
+def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
+    m = ModelConfig(vocab_size=50257)
+    assert m.padded_vocab_size(1) == 50304 and m.padded_vocab_size(4) == 50688
+    assert ModelConfig(vocab_size=50257, make_vocab_size_divisible_by=1).padded_vocab_size(3) == 50259
+
+
+@pytest.mark.parametrize("world,sections,pattern", [
+    (3, dict(parallel=ParallelConfig(tp=2)), r"world size 3 is not divisible by tp\*pp = 2\*1 = 2"),
+    (8, dict(parallel=ParallelConfig(tp=2, pp=2, dp=4)), r"does not equal the world size 8.*--dp"),
+    (2, dict(parallel=ParallelConfig(tp=2), model=ModelConfig(num_attention_heads=3, hidden_size=48)),
+     r"--num-attention-heads 3 is not divisible by --tensor-model-parallel-size/--tp 2"),
+    (2, dict(parallel=ParallelConfig(tp=2), model=ModelConfig(ffn_hidden_size=129)),
+     r"--ffn-hidden-size 129 is not divisible by --tensor-model-parallel-size/--tp 2"),
+    (3, dict(parallel=ParallelConfig(tp=3), model=ModelConfig(num_attention_heads=3, hidden_size=48,
+                                                              ffn_hidden_size=96)), None),
+    (2, dict(parallel=ParallelConfig(pp=2), model=ModelConfig(num_layers=3)),
+     r"--num-layers 3 is not divisible by --pipeline-model-parallel-size/--pp 2"),
+    (2, dict(parallel=ParallelConfig(pp=2, num_layers_per_virtual_pipeline_stage=3),
+             model=ModelConfig(num_layers=8)), r"--num-layers 8 is not divisible by .*virtual-pipeline-stage 3"),
+    (2, dict(parallel=ParallelConfig(pp=2, num_layers_per_virtual_pipeline_stage=2),
+             model=ModelConfig(num_layers=4)), r"gives one chunk per rank"),
+    (4, dict(train=TrainConfig(micro_batch_size=3, global_batch_size=16)),
+     r"--global-batch-size 16 is not divisible by --micro-batch-size 3 \* dp 4 = 12"),
+    (4, dict(parallel=ParallelConfig(pp=4), model=ModelConfig(num_layers=4),
+             train=TrainConfig(micro_batch_size=1, global_batch_size=2)),
+     r"2 micro-batches per step is fewer than 4 pipeline stages.*--global-batch-size to at least 4"),
+    (2, dict(parallel=ParallelConfig(pp=2, num_layers_per_virtual_pipeline_stage=1), model=ModelConfig(num_layers=4),
+             train=TrainConfig(micro_batch_size=1, global_batch_size=3)), r"interleaved schedule needs micro-batches \(3\)"),
+    (1, dict(zero=ZeroConfig(zero_stage=4)), r"--zero-stage must be 0, 1, 2 or 3, got 4"),
+    (1, dict(precision=PrecisionConfig(bf16=True, fp16=True)), r"--bf16 and --fp16 are exclusive"),
+    (2, dict(parallel=ParallelConfig(tp=2, sequence_parallel=True), model=ModelConfig(seq_length=33,
+                                                                                      max_position_embeddings=64)),
+     r"--sequence-parallel needs --seq-length \(33\) divisible"),
+    (1, dict(model=ModelConfig(seq_length=128, max_position_embeddings=64)), r"--max-position-embeddings 64"),
+    (1, dict(model=ModelConfig(hidden_size=65)), r"--hidden-size 65 is not divisible by --num-attention-heads"),
+    (1, dict(optimizer=OptimizerConfig(lr_decay_style="step")), r"--lr-decay-style must be one of"),
+    (1, dict(optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-3)), r"--min-lr"),
+    (1, dict(data=DataConfig(split="a,b")), r"--split 'a,b'"),
+    (1, dict(data=DataConfig(mock_data=True, data_path=["x"])), r"--mock-data and --data-path are exclusive"),
+    (1, dict(data=DataConfig(data_path=["0.3", "a", "b"])), r"weight-prefix pairs"),
+    (1, dict(data=DataConfig(tokenizer_type="GPT2BPETokenizer")), r"needs --vocab-file and --merge-file"),
+    (1, dict(model=ModelConfig(num_layers=0)), r"--num-layers must be a positive integer"),
+    (1, dict(model=ModelConfig(hidden_dropout=1.0)), r"--hidden-dropout must be in \[0, 1\)"),
+])
+def test_invalid_configs_name_the_flag(world, sections, pattern):
+    if pattern is None:  # a valid odd-sized layout: padded vocab stays divisible by tp
+        assert validate(job(**sections), world).model.padded_vocab_size(3) % 3 == 0
+        return
+    with pytest.raises(ConfigError, match=pattern):
+        validate(job(**sections), world)
+
+
+def test_padded_vocab_always_divisible_by_tp():
+    # The divisor is multiplied by tp, so the check can only fail if the rule itself breaks.
+    for tp in (1, 2, 3, 4, 8):
+        for div in (1, 7, 128):
+            assert ModelConfig(vocab_size=1001, make_vocab_size_divisible_by=div).padded_vocab_size(tp) % tp == 0
