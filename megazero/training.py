@@ -1,0 +1,145 @@
+"""The training loop: one step = pipeline schedule over micro-batches -> finalize grads -> optimizer step.
+
+nanoGPT-shaped and top-down. Every rank runs the same loop; who does what inside a step is decided by
+the schedule (pipeline stage), the gradient engine (data parallel / ZeRO) and the layers (tensor
+parallel). Only global rank 0 prints and writes metrics; the loss it reports is the last pipeline
+stage's, averaged over micro-batches and data-parallel ranks.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megazero.config import JobConfig
+from megazero.metrics import (MetricsLog, device_peak_tflops, learning_rate, model_flops_per_token,
+                              peak_memory_bytes)
+from megazero.parallel.pipeline import activation_shape, run_schedule
+from megazero.parallel.topology import Topology
+
+
+@dataclass
+class TrainState:
+    """What a resume needs besides weights and optimizer state."""
+
+    iteration: int = 0              # optimizer steps taken
+    consumed_samples: int = 0       # global samples consumed (the data order depends only on this)
+    skipped_iterations: int = 0     # fp16 steps skipped on overflow
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+
+
+def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
+    """Mean of the last stage's micro-batch losses over all data-parallel ranks, known on every rank.
+
+    Only last-stage ranks with tp_rank 0 contribute (tp ranks hold identical losses), so a single
+    all-reduce over the world of (sum, count) gives the same number everywhere, rank 0 included.
+    """
+    contributes = topo.is_last_stage and topo.tp_rank == 0 and losses
+    total = torch.stack([torch.stack(losses).sum().float(), torch.tensor(float(len(losses)))]) if contributes \
+        else torch.zeros(2)
+    total = total.to(topo.device)
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+
+
+def _boundary_shape(job: JobConfig) -> tuple[int, int, int]:
+    """Shape of the activations passed between pipeline stages."""
+    return activation_shape(job.model, job.train.micro_batch_size, job.parallel.tp, job.parallel.sequence_parallel)
+
+
+def train_step(chunks, micro_batches: list[dict], topo: Topology, engine, job: JobConfig) -> StepResult:
+    """Forward and backward over every micro-batch, reduce gradients, clip, and step the optimizer."""
+    engine.zero_grad()
+    losses = run_schedule(chunks, micro_batches, topo, schedule=job.parallel, tensor_shape=_boundary_shape(job),
+                          loss_scale=engine.loss_scale, grad_sync=engine)
+    engine.finalize_grads()
+    grad_norm, skipped = engine.step()
+    return StepResult(global_mean_loss(losses, topo), grad_norm, skipped, engine.loss_scale)
+
+
+@torch.no_grad()
+def evaluate(chunks, batches: Iterator[list[dict]], topo: Topology, job: JobConfig, iters: int) -> float:
+    """Mean validation loss over ``iters`` steps' worth of micro-batches (forward only)."""
+    for chunk in chunks:
+        chunk.eval()
+    losses = []
+    for _ in range(iters):
+        step_losses = run_schedule(chunks, next(batches), topo, schedule=job.parallel,
+                                   tensor_shape=_boundary_shape(job), forward_only=True)
+        losses.append(global_mean_loss(step_losses, topo))
+    for chunk in chunks:
+        chunk.train()
+    return sum(losses) / len(losses)
+
+
+def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callable[[int], Iterator[list[dict]]],
+          valid_batches: Callable[[], Iterator[list[dict]]] | None, log: MetricsLog, state: TrainState,
+          save: Callable[[TrainState], None] | None = None) -> TrainState:
+    """Run from ``state.iteration`` to ``train_iters``; evaluate and save at their intervals.
+
+    ``train_batches(consumed_samples)`` yields, per step, this data-parallel rank's micro-batches of the
+    global batch, starting at the given sample so a resumed run continues exactly.
+    """
+    t, opt = job.train, job.optimizer
+    tokens_per_step = t.global_batch_size * job.model.seq_length
+    flops_per_step = model_flops_per_token(job.model, job.model.padded_vocab_size(job.parallel.tp),
+                                           job.model.recompute_activations) * tokens_per_step
+    peak = device_peak_tflops(topo.device, job.precision.dtype_name)
+    batches = train_batches(state.consumed_samples)
+    window_start, window_iters = time.perf_counter(), 0
+    while state.iteration < t.train_iters:
+        engine.set_lr(learning_rate(state.iteration, opt))
+        result = train_step(chunks, next(batches), topo, engine, job)
+        state.iteration += 1
+        state.consumed_samples += t.global_batch_size
+        state.skipped_iterations += int(result.skipped)
+        window_iters += 1
+        if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
+            step_time = (time.perf_counter() - window_start) / window_iters
+            _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo)
+            window_start, window_iters = time.perf_counter(), 0
+        if valid_batches and t.eval_iters and (state.iteration % t.eval_interval == 0
+                                               or state.iteration == t.train_iters):
+            _log_eval(log, state, evaluate(chunks, valid_batches(), topo, job, t.eval_iters))
+            window_start = time.perf_counter()
+        if save and job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0:
+            save(state)
+            window_start = time.perf_counter()
+    return state
+
+
+def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, step_time: float,
+              tokens_per_step: int, flops_per_step: float, peak_tflops: float | None, topo: Topology) -> None:
+    lr = learning_rate(state.iteration - 1, job.optimizer)
+    tflops = flops_per_step / step_time / 1e12 / topo.world_size
+    record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, "loss": r.loss,
+              "lr": lr, "grad_norm": r.grad_norm, "loss_scale": r.loss_scale, "skipped": r.skipped,
+              "skipped_iterations": state.skipped_iterations, "step_time_s": step_time,
+              "tokens_per_sec": tokens_per_step / step_time, "tflops_per_rank": tflops,
+              "peak_memory_bytes": peak_memory_bytes(topo.device)}
+    if peak_tflops:
+        record["mfu"] = tflops / peak_tflops
+    log.record(record, state.iteration)
+    mfu = f" | MFU {100 * record['mfu']:.1f}%" if peak_tflops else ""
+    log.print(f" iteration {state.iteration:>6}/{job.train.train_iters} | consumed samples "
+              f"{state.consumed_samples:>8} | ms/iter {1000 * step_time:8.1f} | lr {lr:.3e} | "
+              f"loss {r.loss:.4f} | grad norm {r.grad_norm:.3f} | loss scale {r.loss_scale:g} | "
+              f"skipped {state.skipped_iterations} | tokens/s {tokens_per_step / step_time:,.0f} | "
+              f"TFLOP/s/rank {tflops:.3f}{mfu} | peak mem {record['peak_memory_bytes'] / 2**20:.0f} MiB"
+              + (" | step skipped: fp16 overflow, loss scale lowered" if r.skipped else ""))
+
+
+def _log_eval(log: MetricsLog, state: TrainState, valid_loss: float) -> None:
+    ppl = float("inf") if valid_loss > 700 else float(torch.tensor(valid_loss).exp())
+    log.record({"iteration": state.iteration, "valid_loss": valid_loss, "valid_ppl": ppl}, state.iteration)
+    log.print(f" validation at iteration {state.iteration} | loss {valid_loss:.4f} | ppl {ppl:.2f}")
