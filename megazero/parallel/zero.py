@@ -1,0 +1,269 @@
+"""Optimizers over the bucketed gradients of :mod:`megazero.parallel.data`: AdamW with fp32 master
+weights, optional ZeRO sharding over the data-parallel group, global-norm clipping, fp16 loss scaling.
+
+Who holds what (dp = N ranks, one bucket of 2N elements, rank r owns elements [2r, 2r + 2))::
+
+    class                   grads after the sync      fp32 master + Adam m, v     after step
+    DataParallelOptimizer   all N: full bucket        all N: full bucket           copy master -> params
+    ZeroStage1Optimizer     full buffer, shard valid  rank r: its shard only       copy shard, all-gather
+    ZeroStage2Optimizer     rank r: its shard only    rank r: its shard only       copy shard, all-gather
+
+All three share :class:`_BucketAdamW`, which steps one (bucket, owned range) at a time:
+unscale (fp16) -> inf/nan check over all ranks (skip + shrink the scale on overflow) -> global
+gradient norm -> clip -> AdamW on the flat fp32 range -> publish the new weights to the model.
+With fp32 parameters the "master" of a range *is* the model's parameter buffer (a view: no copy,
+no extra memory); with bf16/fp16 it is a separate fp32 tensor.
+
+Global norm: every element of the full model is counted exactly once across the world --
+dp: sharded optimizers count their own shard (sum over all ranks); the unsharded one counts the
+full gradient and sums over the model-parallel group only, since dp replicas are identical;
+tp: a ``tensor_parallel`` parameter counts on every tp rank (distinct shards), a replicated one
+only on tp rank 0; pp: each stage its own parameters, and the tied embedding's last-stage copy
+(``shared_embedding`` on the last stage when pp > 1) is not counted.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megazero.config import OptimizerConfig, PrecisionConfig
+from megazero.optim import adamw_update, merge_ranges, wants_weight_decay
+from megazero.parallel import comm
+from megazero.parallel.data import (AllReduceGradSync, Bucket, ParamSlot, ReduceScatterGradSync,
+                                    ShardedGradSync, _BucketedGradSync)
+from megazero.precision import DynamicLossScaler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _RangeState:
+    """Optimizer state of elements [lo, hi) of one bucket (ranges below are relative to lo)."""
+
+    bucket: Bucket
+    lo: int
+    hi: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    decay_ranges: list[tuple[int, int]]
+    norm_ranges: list[tuple[int, int]]
+    master_is_param: bool
+
+
+class _BucketAdamW:
+    """Shared step logic; subclasses choose the owned range, the norm group and how to publish."""
+
+    def __init__(self, grad_sync: _BucketedGradSync, opt_cfg: OptimizerConfig | None = None,
+                 precision: PrecisionConfig | None = None):
+        self._check_grad_sync(grad_sync)
+        self.grad_sync, self.topo = grad_sync, grad_sync.topo
+        self.cfg = opt_cfg or OptimizerConfig()
+        self.lr = self.cfg.lr
+        self.comm_log = grad_sync.comm_log
+        precision = precision or PrecisionConfig()
+        self.scaler = DynamicLossScaler.from_config(precision) if precision.fp16 else None
+        self.step_count = 0
+        self.ranges = [self._make_range(b) for b in grad_sync.buckets]
+
+    def _check_grad_sync(self, grad_sync) -> None:
+        pass
+
+    def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _norm_group(self):
+        raise NotImplementedError
+
+    def _publish(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ setup
+    def _make_range(self, bucket: Bucket) -> _RangeState:
+        lo, hi = self._owned_range(bucket)
+        params = bucket.param_data[lo:hi]
+        is_fp32 = params.dtype == torch.float32
+        master = params if is_fp32 else params.detach().float().clone()
+        decay, norm = [], []
+        for slot in bucket.slots:
+            a, b = max(lo, slot.start) - lo, min(hi, slot.end) - lo
+            if a >= b:
+                continue
+            if wants_weight_decay(slot.param):
+                decay.append((a, b))
+            if self._counts_in_norm(slot):
+                norm.append((a, b))
+        return _RangeState(bucket, lo, hi, master, torch.zeros_like(master), torch.zeros_like(master),
+                           merge_ranges(decay), merge_ranges(norm), is_fp32)
+
+    def _counts_in_norm(self, slot: ParamSlot) -> bool:
+        p, topo = slot.param, self.topo
+        if not getattr(p, "tensor_parallel", False) and topo.tp_rank != 0:
+            return False      # replicated across tp: tp rank 0 counts it
+        if getattr(p, "shared_embedding", False) and topo.pp_size > 1 and topo.is_last_stage:
+            return False      # the tied embedding is counted on the first stage
+        return True
+
+    # ------------------------------------------------------------------- step
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the loss by this before backward (1.0 unless fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    def zero_grad(self) -> None:
+        self.grad_sync.zero_grad()
+
+    @torch.no_grad()
+    def step(self) -> tuple[float, bool]:
+        """Clip and apply one AdamW step; returns (global grad norm before clipping, skipped)."""
+        self.grad_sync.check_synced()
+        grads = [self._main_grad(r) for r in self.ranges]
+        if self.scaler is not None and self._found_inf(grads):
+            old = self.scaler.scale
+            self.scaler.update(found_inf=True)
+            log.warning("fp16: inf/nan in gradients, skipping step %d; loss scale %g -> %g",
+                        self.step_count + 1, old, self.scaler.scale)
+            return float("inf"), True
+        norm = self.global_grad_norm(grads)
+        if self.cfg.clip_grad > 0:
+            coef = min(self.cfg.clip_grad / (norm + 1e-6), 1.0)
+            for g in grads:
+                g.mul_(coef)
+        self.step_count += 1
+        for r, g in zip(self.ranges, grads):
+            adamw_update(r.master, g, r.exp_avg, r.exp_avg_sq, step=self.step_count, lr=self.lr,
+                         beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps,
+                         weight_decay=self.cfg.weight_decay, decay_ranges=r.decay_ranges)
+        self._publish()
+        if self.scaler is not None:
+            self.scaler.update(found_inf=False)
+        return norm, False
+
+    def _main_grad(self, r: _RangeState) -> torch.Tensor:
+        """fp32, unscaled gradient of the owned range (a view when already fp32, else a copy)."""
+        g = self.grad_sync.reduced_grad(r.bucket, r.lo, r.hi)
+        g = g if g.dtype == torch.float32 else g.float()
+        if self.scaler is not None:
+            g.mul_(1.0 / self.scaler.scale)
+        return g
+
+    def _found_inf(self, grads: list[torch.Tensor]) -> bool:
+        flag = torch.zeros(1, dtype=torch.float32, device=self.topo.device)
+        for g in grads:
+            if not bool(torch.isfinite(g).all()):
+                flag.fill_(1.0)
+                break
+        comm.all_reduce(flag, None, self.comm_log, "world", op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def global_grad_norm(self, grads: list[torch.Tensor] | None = None) -> float:
+        """L2 norm of the whole model's gradient, each element counted once (see module doc)."""
+        if grads is None:
+            grads = [self._main_grad(r) for r in self.ranges]
+        sq = torch.zeros(1, dtype=torch.float64, device=self.topo.device)
+        for r, g in zip(self.ranges, grads):
+            for a, b in r.norm_ranges:
+                sq += torch.sum(g[a:b].double() ** 2)
+        group, tag = self._norm_group()
+        comm.all_reduce(sq, group, self.comm_log, tag)
+        return math.sqrt(sq.item())
+
+    # ------------------------------------------------------------- accounting
+    def master_bytes(self) -> int:
+        return sum(r.master.numel() * 4 for r in self.ranges if not r.master_is_param)
+
+    def state_bytes(self) -> int:
+        return sum((r.exp_avg.numel() + r.exp_avg_sq.numel()) * 4 for r in self.ranges)
+
+
+class DataParallelOptimizer(_BucketAdamW):
+    """Stage 0: every DP rank keeps fp32 masters and Adam state for every parameter."""
+
+    def _check_grad_sync(self, grad_sync) -> None:
+        if type(grad_sync) is not AllReduceGradSync:
+            raise TypeError("DataParallelOptimizer needs full gradients: use AllReduceGradSync (--zero-stage 0)")
+
+    def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        return 0, bucket.numel
+
+    def _norm_group(self):
+        return self.topo.mp_group, "mp"
+
+    def _publish(self) -> None:
+        for r in self.ranges:
+            if not r.master_is_param:
+                r.bucket.param_data[r.lo:r.hi].copy_(r.master)
+
+
+class ZeroStage1Optimizer(_BucketAdamW):
+    """ZeRO-1: rank r keeps fp32 masters and Adam state for shard r of every bucket, steps it and
+    all-gathers the updated parameters over dp. Gradients stay full-size (ReduceScatterGradSync, or
+    AllReduceGradSync where an all-reduce is the cheaper collective)."""
+
+    def _check_grad_sync(self, grad_sync) -> None:
+        if type(grad_sync) not in (ReduceScatterGradSync, AllReduceGradSync):
+            raise TypeError("ZeroStage1Optimizer needs ReduceScatterGradSync or AllReduceGradSync (--zero-stage 1)")
+
+    def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        return self.grad_sync.shard_range(bucket)
+
+    def _norm_group(self):
+        return None, "world"
+
+    def _publish(self) -> None:
+        handles = []
+        for r in self.ranges:
+            shard = r.bucket.param_data[r.lo:r.hi]
+            if not r.master_is_param:
+                shard.copy_(r.master)
+            handles.append(comm.all_gather(r.bucket.param_data, shard, self.grad_sync.dp_group,
+                                           self.comm_log, "dp", async_op=True))
+        for h in handles:
+            if h is not None:
+                h.wait()
+
+
+class ZeroStage2Optimizer(ZeroStage1Optimizer):
+    """ZeRO-2: as stage 1, over gradients that are themselves sharded (ShardedGradSync)."""
+
+    def _check_grad_sync(self, grad_sync) -> None:
+        if not isinstance(grad_sync, ShardedGradSync):
+            raise TypeError("ZeroStage2Optimizer needs ShardedGradSync (--zero-stage 2)")
+
+
+OPTIMIZER_BY_STAGE = {0: DataParallelOptimizer, 1: ZeroStage1Optimizer, 2: ZeroStage2Optimizer}
+
+
+def build_optimizer(grad_sync: _BucketedGradSync, opt_cfg: OptimizerConfig,
+                    precision: PrecisionConfig | None = None, stage: int | None = None) -> _BucketAdamW:
+    """The optimizer for ``stage`` (default: the grad sync's ``zero_stage``)."""
+    stage = grad_sync.cfg.zero_stage if stage is None else stage
+    if stage not in OPTIMIZER_BY_STAGE:
+        raise ValueError(f"--zero-stage {stage}: only 0, 1 and 2 are implemented")
+    return OPTIMIZER_BY_STAGE[stage](grad_sync, opt_cfg, precision)
+
+
+def model_state_bytes(grad_sync: _BucketedGradSync, optimizer: _BucketAdamW | None = None) -> dict[str, int]:
+    """Bytes this rank holds right now in model parameters, gradients, fp32 master weights (only
+    those that are separate from the parameters) and optimizer state (Adam m and v), plus the total.
+    Padding is included. Measure after ``step()``: that is the steady state between steps."""
+    out = {
+        "params": sum(b.numel() * b.element_size() for b in grad_sync.param_buffers),
+        "grads": sum(t.numel() * t.element_size() for t in grad_sync.held_grad_tensors()),
+        "master_weights": optimizer.master_bytes() if optimizer is not None else 0,
+        "optimizer_state": optimizer.state_bytes() if optimizer is not None else 0,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def zero_paper_bytes(psi: int, n: int, stage: int) -> float:
+    """Model-state bytes per rank in the ZeRO paper for mixed-precision Adam (K = 12):
+    stage 0: 2Ψ + 2Ψ + 12Ψ; stage 1: 4Ψ + 12Ψ/N; stage 2: 2Ψ + 14Ψ/N."""
+    return {0: 16.0 * psi, 1: 4.0 * psi + 12.0 * psi / n, 2: 2.0 * psi + 14.0 * psi / n}[stage]
