@@ -42,8 +42,8 @@ import torch
 import torch.nn as nn
 
 from megazero.config import ZeroConfig
-from megazero.parallel import comm
-from megazero.parallel.comm import CommLog
+from megazero.parallel import counted_comm as comm
+from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.topology import Topology
 
 PAD_MULTIPLE = 64  # elements per shard are a multiple of this (128-byte aligned in half precision)

@@ -31,7 +31,7 @@ import torch
 
 from megazero.config import OptimizerConfig, PrecisionConfig
 from megazero.optim import adamw_update, merge_ranges, wants_weight_decay
-from megazero.parallel import comm
+from megazero.parallel import counted_comm as comm
 from megazero.parallel.data import (AllReduceGradSync, Bucket, ParamSlot, ReduceScatterGradSync,
                                     ShardedGradSync, _BucketedGradSync)
 from megazero.precision import DynamicLossScaler

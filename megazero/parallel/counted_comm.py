@@ -1,15 +1,13 @@
 """The collectives megazero's data-parallel and ZeRO code issues, each one recording its bytes.
 
-One small home for three things:
+Thin wrappers over :mod:`megazero.parallel.comm` (which holds the torch-version shims) that
 
-* version shims: torch >= 2.6 names the flat-tensor collectives ``all_gather_single`` /
-  ``reduce_scatter_single`` and deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor``;
-  :func:`all_gather` and :func:`reduce_scatter` use whichever exists, so no warnings on new torch and
-  no breakage on old;
-* a no-op at group size 1 (nothing is sent, nothing is counted);
-* a :class:`CommLog` that every call records into, keyed by a tag naming the group ("dp", "tp",
-  "emb", "world", ...). The log is an explicit object handed to whoever issues collectives; there
-  is no module-level counter.
+* take ``async_op`` and return the work handle, so bucket reductions overlap backward;
+* are a no-op at group size 1 (nothing is sent, nothing is counted); ``group=None`` means size 1,
+  as everywhere in :mod:`~megazero.parallel.comm` -- pass ``dist.group.WORLD`` for the world;
+* record into a :class:`CommLog`, keyed by a tag naming the group ("dp", "tp", "emb", "mp",
+  "world"). The log is an explicit object handed to whoever issues collectives; there is no
+  module-level counter.
 
 Byte convention (per rank, bytes *sent*, ring algorithm, N = group size, S = bytes of the full tensor):
 
@@ -28,6 +26,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+from megazero.parallel.comm import _ALL_GATHER, _REDUCE_SCATTER, group_size
 
 
 class CommLog:
@@ -60,10 +60,6 @@ class CommLog:
         self._calls.clear()
 
 
-def group_size(group) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -92,8 +88,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, log: CommLo
         return None
     if log is not None:
         log.record(tag, (n - 1) / n * _nbytes(input))
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    return _REDUCE_SCATTER(output, input, group=group, async_op=async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, log: CommLog | None, tag: str, *,
@@ -109,5 +104,4 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, log: CommLog | 
         return None
     if log is not None:
         log.record(tag, (n - 1) / n * _nbytes(output))
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    return _ALL_GATHER(output, input, group=group, async_op=async_op)
