@@ -105,9 +105,8 @@ def _parity_body(rank, world_size, stage, micro_batches):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_dp_matches_single_process(world, stage):
-    micro = 2 if world == 2 else 1  # gradient accumulation on dp=2, one micro-batch on dp=4
     ref_losses, ref_norms, ref_params = reference_run(5, 8)
-    results = run_on_ranks(world, _parity_body, stage, micro)
+    results = run_on_ranks(world, _parity_body, stage, 2)  # 2 micro-batches: accumulation too
     for losses, norms, params in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)

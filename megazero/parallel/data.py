@@ -120,11 +120,10 @@ class _BucketedGradSync:
     keeps_full_grads = True
 
     def __init__(self, chunks: nn.Module | list[nn.Module], topo: Topology, zero_cfg: ZeroConfig | None = None,
-                 *, sequence_parallel: bool = False, comm_log: CommLog | None = None):
+                 *, comm_log: CommLog | None = None):
         self.chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
         self.topo = topo
         self.cfg = zero_cfg or ZeroConfig()
-        self.sequence_parallel = sequence_parallel
         self.comm_log = comm_log if comm_log is not None else CommLog()
         self.dp_group, self.dp_size, self.dp_rank = topo.dp_group, topo.dp_size, topo.dp_rank
         self.buckets: list[Bucket] = []
@@ -259,15 +258,16 @@ class _BucketedGradSync:
         return [self.reduced_grad(slot.bucket, a, b)] if a < b else []
 
     def finalize_grads(self) -> None:
-        """Finish the DP reduction, then sum sequence-parallel partial grads over tp and the tied
-        embedding's grads over the embedding group (first + last pipeline stage).
+        """Finish the DP reduction, then sum the partial grads of parameters marked
+        ``sequence_parallel_grad`` (set by the layers only under sequence parallelism) over tp, and the
+        tied embedding's grads over the embedding group (first + last pipeline stage).
 
         Both extra sums act on the reduced gradients this rank holds; tp peers and the two embedding
         stages have identical bucket layouts for those parameters (the tied embedding sits in a
         bucket of its own), so the shards line up and the sums commute with the DP average.
         """
         self.finish_grad_sync()
-        if self.sequence_parallel and self.topo.tp_size > 1:
+        if self.topo.tp_size > 1:
             self._sum_segments([s for s in self.slots if getattr(s.param, "sequence_parallel_grad", False)],
                                self.topo.tp_group, "tp")
         if self.topo.pp_size > 1:
@@ -379,7 +379,7 @@ class ShardedGradSync(ReduceScatterGradSync):
 GRAD_SYNC_BY_STAGE = {0: AllReduceGradSync, 1: ReduceScatterGradSync, 2: ShardedGradSync}
 
 
-def wrap_data_parallel(chunks, topo: Topology, zero_cfg: ZeroConfig, *, sequence_parallel: bool = False,
+def wrap_data_parallel(chunks, topo: Topology, zero_cfg: ZeroConfig, *,
                        comm_log: CommLog | None = None) -> _BucketedGradSync:
     """The gradient synchroniser for ``zero_cfg.zero_stage`` (0, 1 or 2) over ``topo``'s DP group.
 
@@ -390,7 +390,7 @@ def wrap_data_parallel(chunks, topo: Topology, zero_cfg: ZeroConfig, *, sequence
         cls = GRAD_SYNC_BY_STAGE[zero_cfg.zero_stage]
     except KeyError:
         raise ValueError(f"--zero-stage {zero_cfg.zero_stage} is not supported by data.py (0, 1 or 2)") from None
-    return cls(chunks, topo, zero_cfg, sequence_parallel=sequence_parallel, comm_log=comm_log)
+    return cls(chunks, topo, zero_cfg, comm_log=comm_log)
 
 
 def finalize_grads(grad_sync: _BucketedGradSync) -> None:

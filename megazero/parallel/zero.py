@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megazero.config import OptimizerConfig, PrecisionConfig
 from megazero.optim import adamw_update, merge_ranges, wants_weight_decay
@@ -159,7 +160,7 @@ class _BucketAdamW:
             if not bool(torch.isfinite(g).all()):
                 flag.fill_(1.0)
                 break
-        comm.all_reduce(flag, None, self.comm_log, "world", op=torch.distributed.ReduceOp.MAX)
+        comm.all_reduce(flag, dist.group.WORLD, self.comm_log, "world", op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
     def global_grad_norm(self, grads: list[torch.Tensor] | None = None) -> float:
@@ -214,7 +215,7 @@ class ZeroStage1Optimizer(_BucketAdamW):
         return self.grad_sync.shard_range(bucket)
 
     def _norm_group(self):
-        return None, "world"
+        return dist.group.WORLD, "world"
 
     def _publish(self) -> None:
         handles = []
@@ -267,3 +268,50 @@ def zero_paper_bytes(psi: int, n: int, stage: int) -> float:
     """Model-state bytes per rank in the ZeRO paper for mixed-precision Adam (K = 12):
     stage 0: 2Ψ + 2Ψ + 12Ψ; stage 1: 4Ψ + 12Ψ/N; stage 2: 2Ψ + 14Ψ/N."""
     return {0: 16.0 * psi, 1: 4.0 * psi + 12.0 * psi / n, 2: 2.0 * psi + 14.0 * psi / n}[stage]
+
+
+class ZeroEngine:
+    """What the training loop drives each step: the gradient sync and the optimizer, together.
+
+        engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+        engine.zero_grad()
+        losses = run_schedule(chunks, micro_batches, topo, loss_scale=engine.loss_scale, grad_sync=engine)
+        engine.finalize_grads()
+        grad_norm, skipped = engine.step()
+    """
+
+    def __init__(self, grad_sync: _BucketedGradSync, optimizer: _BucketAdamW):
+        self.grad_sync, self.optimizer = grad_sync, optimizer
+        self.comm_log = grad_sync.comm_log
+
+    def before_backward(self, chunk_id: int, is_last_microbatch: bool) -> None:
+        self.grad_sync.before_backward(chunk_id, is_last_microbatch)
+
+    def finalize_grads(self) -> None:
+        self.grad_sync.finalize_grads()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> tuple[float, bool]:
+        return self.optimizer.step()
+
+    def set_lr(self, lr: float) -> None:
+        self.optimizer.set_lr(lr)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizer.loss_scale
+
+    def model_state_bytes(self) -> dict[str, int]:
+        return model_state_bytes(self.grad_sync, self.optimizer)
+
+
+def build_engine(chunks, topo, zero_cfg, opt_cfg: OptimizerConfig,
+                 precision: PrecisionConfig | None = None) -> ZeroEngine:
+    """Wrap this rank's model chunks for ``zero_cfg.zero_stage`` and build the matching optimizer.
+    Build it after the model and before the first forward: parameters move into the DP buffers."""
+    from megazero.parallel.data import wrap_data_parallel
+
+    grad_sync = wrap_data_parallel(chunks, topo, zero_cfg)
+    return ZeroEngine(grad_sync, build_optimizer(grad_sync, opt_cfg, precision))
