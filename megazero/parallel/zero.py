@@ -307,11 +307,12 @@ class ZeroEngine:
         return model_state_bytes(self.grad_sync, self.optimizer)
 
 
-def build_engine(chunks, topo, zero_cfg, opt_cfg: OptimizerConfig,
-                 precision: PrecisionConfig | None = None) -> ZeroEngine:
+def build_engine(chunks, topo, zero_cfg, opt_cfg: OptimizerConfig, precision: PrecisionConfig | None = None,
+                 *, grad_sync_cls: type | None = None) -> ZeroEngine:
     """Wrap this rank's model chunks for ``zero_cfg.zero_stage`` and build the matching optimizer.
-    Build it after the model and before the first forward: parameters move into the DP buffers."""
+    Build it after the model and before the first forward: parameters move into the DP buffers.
+    ``grad_sync_cls``: see :func:`megazero.parallel.data.wrap_data_parallel`."""
     from megazero.parallel.data import wrap_data_parallel
 
-    grad_sync = wrap_data_parallel(chunks, topo, zero_cfg)
+    grad_sync = wrap_data_parallel(chunks, topo, zero_cfg, grad_sync_cls=grad_sync_cls)
     return ZeroEngine(grad_sync, build_optimizer(grad_sync, opt_cfg, precision))

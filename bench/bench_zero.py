@@ -1,0 +1,219 @@
+"""dp = 2 on one machine: megazero's data parallelism / ZeRO against torch's own, same tiny GPT.
+
+    OMP_NUM_THREADS=1 python bench/bench_zero.py [--reps 3] [--steps 6] [--layers 4 --hidden 256]
+
+Pairs compared (each variant runs in 2 fresh processes, so peak RSS is that variant's own):
+
+    ours ZeRO-0 (bucketed all-reduce, fp32 AdamW)      vs  torch DistributedDataParallel + AdamW
+    ours ZeRO-1 (reduce-scatter + all-gather)          vs  DDP + ZeroRedundancyOptimizer(AdamW)
+    plus ours ZeRO-1 with all-reduced gradients (the cheaper collective on gloo) and ours ZeRO-2.
+
+Every variant trains the same GPT from the same init on the same data (2 micro-batches per step,
+clipping at 1.0), so all must end at the same loss; the script checks that. Variants run in an
+alternating, rotated order for ``--reps`` rounds (step times on shared machines drift), and the
+table reports, per variant: median step time over all timed steps of all rounds (rank 0), the
+median ratio to its torch peer, peak RSS per rank (max over ranks and rounds) and the growth of RSS
+from after the model is built to the end, and model-state bytes (params + grads + fp32 master +
+Adam state) per rank as held after a step.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megazero.config import ModelConfig, OptimizerConfig, ZeroConfig  # noqa: E402
+from megazero.models import GPT, masked_mean  # noqa: E402
+from megazero.optim import weight_decay_groups  # noqa: E402
+from megazero.parallel.data import AllReduceGradSync  # noqa: E402
+from megazero.parallel.topology import Topology  # noqa: E402
+from megazero.parallel.zero import build_engine  # noqa: E402
+
+VARIANTS = ["ours-zero0", "torch-ddp", "ours-zero1", "torch-ddp-zero", "ours-zero1-allreduce", "ours-zero2"]
+PEERS = {"ours-zero0": "torch-ddp", "ours-zero1": "torch-ddp-zero", "ours-zero1-allreduce": "torch-ddp-zero",
+         "ours-zero2": "torch-ddp-zero"}
+OPT = OptimizerConfig(lr=1e-3, weight_decay=0.1, clip_grad=1.0)
+MICRO, MB = 2, 2
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _batches(cfg: ModelConfig, steps: int, rank: int):
+    g = torch.Generator().manual_seed(100)
+    out = []
+    for _ in range(steps):
+        step = []
+        for r in range(2):
+            for _ in range(MICRO):
+                tok = torch.randint(0, cfg.vocab_size, (MB, cfg.seq_length + 1), generator=g)
+                if r == rank:
+                    step.append((tok[:, :-1], tok[:, 1:], torch.ones(MB, cfg.seq_length)))
+        out.append(step)
+    return out
+
+
+def _torch_step(model, opt, micro):
+    opt.zero_grad(set_to_none=False)
+    total = 0.0
+    for i, (x, y, m) in enumerate(micro):
+        ctx = model.no_sync() if i < len(micro) - 1 else _null()
+        with ctx:
+            loss = masked_mean(model(x, y), m)
+            (loss / len(micro)).backward()
+        total += loss.item() / len(micro)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), OPT.clip_grad)
+    opt.step()
+    return total
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _ours_step(model, engine, micro):
+    engine.zero_grad()
+    total = 0.0
+    for i, (x, y, m) in enumerate(micro):
+        engine.before_backward(0, i == len(micro) - 1)
+        loss = masked_mean(model(x, y), m)
+        (loss / len(micro)).backward()
+        total += loss.item() / len(micro)
+    engine.finalize_grads()
+    engine.step()
+    return total
+
+
+def _build(variant: str, model, topo):
+    """(step function, model-state bytes function) for a variant."""
+    if variant.startswith("ours"):
+        stage = {"ours-zero0": 0, "ours-zero1": 1, "ours-zero1-allreduce": 1, "ours-zero2": 2}[variant]
+        cls = AllReduceGradSync if variant == "ours-zero1-allreduce" else None
+        engine = build_engine(model, topo, ZeroConfig(zero_stage=stage), OPT, grad_sync_cls=cls)
+        return (lambda micro: _ours_step(model, engine, micro)), (lambda: engine.model_state_bytes()["total"])
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model)
+    groups = weight_decay_groups(ddp.module.named_parameters(), OPT.weight_decay)
+    kw = dict(lr=OPT.lr, betas=(OPT.adam_beta1, OPT.adam_beta2), eps=OPT.adam_eps)
+    if variant == "torch-ddp":
+        opt = torch.optim.AdamW(groups, **kw)
+    else:
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      weight_decay=OPT.weight_decay, **kw)
+        opt.add_param_group(groups[1])
+
+    def state_bytes():
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        local = opt.optim if variant == "torch-ddp-zero" else opt
+        state = [t for s in local.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        params = list(model.parameters())
+        return nbytes(params) + nbytes([p.grad for p in params if p.grad is not None]) + nbytes(state)
+
+    return (lambda micro: _torch_step(ddp, opt, micro)), state_bytes
+
+
+def _worker(rank: int, variant: str, args, init_file: str, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    topo = Topology(dp=2)
+    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                      seq_length=args.seq, vocab_size=args.vocab)
+    model = GPT(cfg, seed=1234)
+    rss_model = _rss_mb()
+    step, state_bytes = _build(variant, model, topo)
+    times, losses = [], []
+    for i, micro in enumerate(_batches(cfg, args.warmup + args.steps, rank)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(step(micro))
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    states = state_bytes()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    queue.put((rank, times, losses, peak, peak - rss_model, states))
+    dist.destroy_process_group()
+
+
+def run_variant(variant: str, args) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="bench_zero_")
+    os.close(fd)
+    os.unlink(init_file)
+    procs = [ctx.Process(target=_worker, args=(r, variant, args, init_file, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = sorted(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    variants = args.variants.split(",")
+    results: dict[str, list] = {v: [] for v in variants}
+    for rep in range(args.reps):
+        order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+        for v in order:
+            results[v].append(run_variant(v, args))
+            print(f"round {rep + 1}/{args.reps} {v:22s} step {1000 * statistics.median(results[v][-1][0][1]):7.1f} ms",
+                  flush=True)
+    report(results, args)
+
+
+def report(results: dict, args) -> None:
+    med = {v: statistics.median(t for run in runs for t in run[0][1]) for v, runs in results.items()}
+    print(f"\ndp=2, GPT {args.layers} layers x {args.hidden} hidden, seq {args.seq}, vocab {args.vocab}, "
+          f"{MICRO} micro-batches of {MB} per rank, fp32, gloo, {args.reps} rounds x {args.steps} timed steps")
+    print(f"| variant | median step (ms) | vs torch peer | peak RSS/rank (MiB) | RSS growth/rank (MiB) "
+          f"| model states/rank (MiB) | final loss |")
+    print("|---|---|---|---|---|---|---|")
+    for v, runs in results.items():
+        peer = PEERS.get(v)
+        ratio = ""
+        if peer in results:
+            pairs = [statistics.median(a[0][1]) / statistics.median(b[0][1]) for a, b in zip(runs, results[peer])]
+            ratio = f"{statistics.median(pairs):.2f}x"
+        peak = max(r[3] for run in runs for r in run)
+        growth = max(r[4] for run in runs for r in run)
+        states = max(r[5] for run in runs for r in run) / 2**20
+        loss = runs[-1][0][2][-1]
+        print(f"| {v} | {1000 * med[v]:.1f} | {ratio} | {peak:.0f} | {growth:.0f} | {states:.1f} | {loss:.5f} |")
+    final = {v: runs[-1][0][2][-1] for v, runs in results.items()}
+    spread = max(final.values()) - min(final.values())
+    print(f"\nfinal-loss spread across variants: {spread:.2e} "
+          f"({'same loss' if spread < 1e-4 * max(final.values()) else 'MISMATCH'})")
+
+
+if __name__ == "__main__":
+    main()
