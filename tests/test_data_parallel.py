@@ -67,10 +67,12 @@ def reference_run(steps: int, global_batch: int, opt_cfg: OptimizerConfig = OPT)
 
 
 def train_dp(topo, stage: int, steps: int, global_batch: int, micro_batches: int, bucket_size: int = 300,
-             dtype=torch.float32, precision: PrecisionConfig | None = None, model=None, hidden: int = HIDDEN):
+             dtype=torch.float32, precision: PrecisionConfig | None = None, model=None, hidden: int = HIDDEN,
+             overlap: bool = True):
     """Train TinyNet data-parallel; returns (global losses, norms, params, grad_sync, optimizer)."""
     model = model or TinyNet(dtype=dtype, hidden=hidden)
-    sync = wrap_data_parallel(model, topo, ZeroConfig(zero_stage=stage, bucket_size=bucket_size))
+    sync = wrap_data_parallel(model, topo, ZeroConfig(zero_stage=stage, bucket_size=bucket_size,
+                                                      overlap_grad_reduce=overlap))
     opt = build_optimizer(sync, OPT, precision)
     per_rank = global_batch // topo.dp_size
     mb = per_rank // micro_batches
@@ -120,16 +122,17 @@ def test_dp_matches_single_process(world, stage):
 def _accumulation_body(rank, world_size):
     topo = Topology(dp=world_size)
     out = {}
-    for micro in (1, 4):
-        losses, norms, params, _, _ = train_dp(topo, 2, steps=3, global_batch=16, micro_batches=micro)
-        out[micro] = (losses, params)
+    for micro, overlap in ((1, True), (4, True), (4, False)):
+        losses, norms, params, _, _ = train_dp(topo, 2, steps=3, global_batch=16, micro_batches=micro,
+                                               overlap=overlap)
+        out[micro, overlap] = (losses, params)
     return out
 
 
-def test_accumulation_over_four_micro_batches_equals_one():
+def test_accumulation_over_four_micro_batches_and_no_overlap_equal_one_process():
     ref_losses, _, ref_params = reference_run(3, 16)
     for out in run_on_ranks(2, _accumulation_body):
-        for micro in (1, 4):
+        for micro in out:
             losses, params = out[micro]
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
             for name, ref in ref_params.items():

@@ -108,9 +108,10 @@ def _global_loss(losses, topo) -> float:
     return (t[0] / t[1]).item()
 
 
-def _gpt_body(rank, world_size, tp, pp, stage, sequence_parallel, steps):
+def _gpt_body(rank, world_size, tp, pp, stage, sequence_parallel, steps, virtual_stages=1):
     topo = Topology(tp=tp, pp=pp)
-    par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sequence_parallel)
+    par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sequence_parallel,
+                         virtual_stages=virtual_stages)
     chunks = build_model_chunks(ModelConfig(**GPT_CFG), par, topo, seed=SEED)
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, bucket_size=3000), GPT_OPT)
     losses, norms = [], []
@@ -150,4 +151,10 @@ def test_gpt_tp2_pp2_dp2_matches_single_process(stage, sequence_parallel):
 
 def test_gpt_tp2_dp2_stage0_sequence_parallel_matches_single_process():
     results = run_on_ranks(4, _gpt_body, 2, 1, 0, True, 3)
+    _check_against_reference(results, 3, dp=2)
+
+
+def test_gpt_interleaved_pp2_dp2_stage2_matches_single_process():
+    """Two model chunks per rank: each chunk's buckets reduce on that chunk's last micro-batch."""
+    results = run_on_ranks(4, _gpt_body, 1, 2, 2, False, 3, 2)
     _check_against_reference(results, 3, dp=2)
