@@ -1,20 +1,24 @@
 """dp = 2 on one machine: megazero's data parallelism / ZeRO against torch's own, same tiny GPT.
 
-    OMP_NUM_THREADS=1 python bench/bench_zero.py [--reps 3] [--steps 6] [--layers 4 --hidden 256]
+    OMP_NUM_THREADS=1 python bench/bench_zero.py [--rounds 8] [--layers 4 --hidden 256]
 
-Pairs compared (each variant runs in 2 fresh processes, so peak RSS is that variant's own):
+Pairs compared:
 
     ours ZeRO-0 (bucketed all-reduce, fp32 AdamW)      vs  torch DistributedDataParallel + AdamW
     ours ZeRO-1 (reduce-scatter + all-gather)          vs  DDP + ZeroRedundancyOptimizer(AdamW)
-    plus ours ZeRO-1 with all-reduced gradients (the cheaper collective on gloo) and ours ZeRO-2.
+    plus ours ZeRO-1 over all-reduced gradients (the cheaper collective on gloo) and ours ZeRO-2,
+    also against DDP + ZeroRedundancyOptimizer.
 
 Every variant trains the same GPT from the same init on the same data (2 micro-batches per step,
-clipping at 1.0), so all must end at the same loss; the script checks that. Variants run in an
-alternating, rotated order for ``--reps`` rounds (step times on shared machines drift), and the
-table reports, per variant: median step time over all timed steps of all rounds (rank 0), the
-median ratio to its torch peer, peak RSS per rank (max over ranks and rounds) and the growth of RSS
-from after the model is built to the end, and model-state bytes (params + grads + fp32 master +
-Adam state) per rank as held after a step.
+clipping at 1.0) and must end at the same loss; the script checks that.
+
+Step time: one pair of processes holds all variants and runs one step of each per round, in a
+rotated order, so every variant sees the same machine load (step times on shared machines drift
+by tens of percent between runs). Reported: median step time of rank 0 over the rounds after a
+warmup, and the median over rounds of the ratio to the torch peer's step in the same round.
+Memory: each variant then runs alone in 2 fresh processes for a few steps; peak RSS per rank
+(max over ranks), its growth from after the model is built, and model-state bytes per rank
+(params + grads + separate fp32 master + Adam state, as held after a step).
 """
 from __future__ import annotations
 
@@ -130,38 +134,60 @@ def _build(variant: str, model, topo):
     return (lambda micro: _torch_step(ddp, opt, micro)), state_bytes
 
 
-def _worker(rank: int, variant: str, args, init_file: str, queue) -> None:
+def _gpt(args) -> tuple[ModelConfig, GPT]:
+    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                      seq_length=args.seq, vocab_size=args.vocab)
+    return cfg, GPT(cfg, seed=1234)
+
+
+def _timing_worker(rank: int, variants: list[str], args, init_file: str, queue) -> None:
+    """All variants in one process pair, one step each per round, rotated order."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     topo = Topology(dp=2)
-    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                      seq_length=args.seq, vocab_size=args.vocab)
-    model = GPT(cfg, seed=1234)
-    rss_model = _rss_mb()
-    step, state_bytes = _build(variant, model, topo)
-    times, losses = [], []
-    for i, micro in enumerate(_batches(cfg, args.warmup + args.steps, rank)):
-        dist.barrier()
-        t0 = time.perf_counter()
-        losses.append(step(micro))
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    states = state_bytes()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    queue.put((rank, times, losses, peak, peak - rss_model, states))
+    steps, cfg = {}, None
+    for v in variants:
+        cfg, model = _gpt(args)
+        steps[v] = _build(v, model, topo)[0]
+    batches = _batches(cfg, args.rounds, rank)
+    times = {v: [] for v in variants}
+    losses = {v: [] for v in variants}
+    for i, micro in enumerate(batches):
+        order = variants[i % len(variants):] + variants[:i % len(variants)]
+        for v in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[v].append(steps[v](micro))
+            times[v].append(time.perf_counter() - t0)
+    queue.put((rank, times, losses))
     dist.destroy_process_group()
 
 
-def run_variant(variant: str, args) -> list:
+def _memory_worker(rank: int, variant: str, args, init_file: str, queue) -> None:
+    """One variant alone: peak RSS and model-state bytes."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    topo = Topology(dp=2)
+    cfg, model = _gpt(args)
+    rss_model = _rss_mb()
+    step, state_bytes = _build(variant, model, topo)
+    for micro in _batches(cfg, 3, rank):
+        step(micro)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    queue.put((rank, peak, peak - rss_model, state_bytes()))
+    dist.destroy_process_group()
+
+
+def _spawn(target, payload, args) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="bench_zero_")
     os.close(fd)
     os.unlink(init_file)
-    procs = [ctx.Process(target=_worker, args=(r, variant, args, init_file, queue)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, payload, args, init_file, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    out = sorted(queue.get(timeout=600) for _ in procs)
+    out = sorted((queue.get(timeout=900) for _ in procs), key=lambda x: x[0])
     for p in procs:
         p.join()
     return out
@@ -169,8 +195,7 @@ def run_variant(variant: str, args) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=10, help="steps per variant (first --warmup not timed)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
@@ -181,38 +206,35 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     variants = args.variants.split(",")
-    results: dict[str, list] = {v: [] for v in variants}
-    for rep in range(args.reps):
-        order = variants[rep % len(variants):] + variants[:rep % len(variants)]
-        for v in order:
-            results[v].append(run_variant(v, args))
-            print(f"round {rep + 1}/{args.reps} {v:22s} step {1000 * statistics.median(results[v][-1][0][1]):7.1f} ms",
-                  flush=True)
-    report(results, args)
+    t0 = time.perf_counter()
+    timing = _spawn(_timing_worker, variants, args)
+    memory = {v: _spawn(_memory_worker, v, args) for v in variants}
+    report(variants, timing, memory, args)
+    print(f"(benchmark wall time {time.perf_counter() - t0:.0f} s)")
 
 
-def report(results: dict, args) -> None:
-    med = {v: statistics.median(t for run in runs for t in run[0][1]) for v, runs in results.items()}
-    print(f"\ndp=2, GPT {args.layers} layers x {args.hidden} hidden, seq {args.seq}, vocab {args.vocab}, "
-          f"{MICRO} micro-batches of {MB} per rank, fp32, gloo, {args.reps} rounds x {args.steps} timed steps")
-    print(f"| variant | median step (ms) | vs torch peer | peak RSS/rank (MiB) | RSS growth/rank (MiB) "
-          f"| model states/rank (MiB) | final loss |")
+def report(variants, timing, memory, args) -> None:
+    _, times, losses = timing[0]
+    w = args.warmup
+    print(f"dp=2, GPT {args.layers} layers x {args.hidden} hidden, seq {args.seq}, vocab {args.vocab}, "
+          f"{MICRO} micro-batches of {MB} per rank, fp32, gloo, {args.rounds - w} timed rounds")
+    print("| variant | median step (ms) | vs torch peer (median of per-round ratios) | peak RSS/rank (MiB) "
+          "| RSS growth/rank (MiB) | model states/rank (MiB) | final loss |")
     print("|---|---|---|---|---|---|---|")
-    for v, runs in results.items():
+    for v in variants:
         peer = PEERS.get(v)
         ratio = ""
-        if peer in results:
-            pairs = [statistics.median(a[0][1]) / statistics.median(b[0][1]) for a, b in zip(runs, results[peer])]
-            ratio = f"{statistics.median(pairs):.2f}x"
-        peak = max(r[3] for run in runs for r in run)
-        growth = max(r[4] for run in runs for r in run)
-        states = max(r[5] for run in runs for r in run) / 2**20
-        loss = runs[-1][0][2][-1]
-        print(f"| {v} | {1000 * med[v]:.1f} | {ratio} | {peak:.0f} | {growth:.0f} | {states:.1f} | {loss:.5f} |")
-    final = {v: runs[-1][0][2][-1] for v, runs in results.items()}
+        if peer in times:
+            ratio = f"{statistics.median(a / b for a, b in zip(times[v][w:], times[peer][w:])):.2f}x"
+        peak = max(r[1] for r in memory[v])
+        growth = max(r[2] for r in memory[v])
+        states = max(r[3] for r in memory[v]) / 2**20
+        print(f"| {v} | {1000 * statistics.median(times[v][w:]):.1f} | {ratio} | {peak:.0f} | {growth:.0f} "
+              f"| {states:.1f} | {losses[v][-1]:.5f} |")
+    final = {v: losses[v][-1] for v in variants}
     spread = max(final.values()) - min(final.values())
-    print(f"\nfinal-loss spread across variants: {spread:.2e} "
-          f"({'same loss' if spread < 1e-4 * max(final.values()) else 'MISMATCH'})")
+    print(f"final-loss spread across variants: {spread:.2e} "
+          f"({'same loss' if spread <= 1e-5 * max(final.values()) else 'MISMATCH'})")
 
 
 if __name__ == "__main__":

@@ -68,16 +68,18 @@ def reference_run(steps: int, global_batch: int, opt_cfg: OptimizerConfig = OPT)
 
 def train_dp(topo, stage: int, steps: int, global_batch: int, micro_batches: int, bucket_size: int = 300,
              dtype=torch.float32, precision: PrecisionConfig | None = None, model=None, hidden: int = HIDDEN,
-             overlap: bool = True):
+             overlap: bool = True, start: int = 0, opt_state: dict | None = None):
     """Train TinyNet data-parallel; returns (global losses, norms, params, grad_sync, optimizer)."""
     model = model or TinyNet(dtype=dtype, hidden=hidden)
     sync = wrap_data_parallel(model, topo, ZeroConfig(zero_stage=stage, bucket_size=bucket_size,
                                                       overlap_grad_reduce=overlap))
     opt = build_optimizer(sync, OPT, precision)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
     per_rank = global_batch // topo.dp_size
     mb = per_rank // micro_batches
     losses, norms = [], []
-    for tokens, labels in make_batches(steps, global_batch):
+    for tokens, labels in make_batches(start + steps, global_batch)[start:]:
         lo = topo.dp_rank * per_rank
         local = 0.0
         sync.comm_log.reset()

@@ -8,7 +8,7 @@ bucket is padded so that it splits into ``dp`` equal, 64-element-aligned shards.
 same layout: ``param.grad`` is a view into the gradient storage of its bucket, so autograd
 accumulates micro-batches in place.
 
-Worked example, dp = 2, bucket_size = 8, three parameters w (6), b (3), ln (2) registered in that
+Worked example, dp = 2, bucket_size = 5, three parameters w (6), b (3), ln (2) registered in that
 order, pad multiple 1 for readability::
 
     bucket 0: ln[0:2] b[0:3] + pad 1      -> 6 elements, rank 0 owns [0, 3), rank 1 owns [3, 6)

@@ -175,6 +175,60 @@ class _BucketAdamW:
         comm.all_reduce(sq, group, self.comm_log, tag)
         return math.sqrt(sq.item())
 
+    # ------------------------------------------------------------- checkpoint
+    _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+    def _pieces(self):
+        """(slot, range state, a, b): elements [a, b) of the bucket that are this rank's part of slot."""
+        for r in self.ranges:
+            for slot in r.bucket.slots:
+                a, b = max(r.lo, slot.start), min(r.hi, slot.end)
+                if a < b:
+                    yield slot, r, a, b
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state by parameter name, as flat fp32 pieces::
+
+            {"step": 3, "loss_scaler": {...} | None,
+             "params": {"layers.0.mlp.dense_h_to_4h.weight":
+                            {"offset": 128, "master": [n], "exp_avg": [n], "exp_avg_sq": [n]}, ...}}
+
+        ``offset`` is where the piece starts in the flattened (tp-local) parameter. The pieces of all
+        DP ranks merge into whole tensors (:func:`merge_optimizer_states`); :meth:`load_state_dict`
+        takes any pieces covering this rank's part, so a state saved at one dp size / ZeRO stage
+        loads into another. Plain tensors, numbers and strings only (safe to ``torch.save``).
+        """
+        params = {}
+        for slot, r, a, b in self._pieces():
+            sl = slice(a - r.lo, b - r.lo)
+            params[slot.name] = {"offset": a - slot.start,
+                                 **{k: getattr(r, k)[sl].clone() for k in self._STATE_KEYS}}
+        return {"step": self.step_count, "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+                "params": params}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Load pieces (e.g. whole tensors at offset 0) and write the masters into the model's
+        parameters. A collective over dp for ZeRO stages (the parameter all-gather): call on all ranks."""
+        self.step_count = int(state["step"])
+        if self.scaler is not None and state.get("loss_scaler"):
+            self.scaler.load_state_dict(state["loss_scaler"])
+        for slot, r, a, b in self._pieces():
+            piece = state["params"].get(slot.name)
+            if piece is None:
+                raise KeyError(f"optimizer state has no entry for parameter {slot.name!r}: the checkpoint "
+                               f"was saved from a different model")
+            lo = a - slot.start - int(piece["offset"])
+            hi = lo + (b - a)
+            if lo < 0 or hi > piece["master"].numel():
+                raise ValueError(f"optimizer state for {slot.name!r} covers elements [{piece['offset']}, "
+                                 f"{piece['offset'] + piece['master'].numel()}) but this rank needs "
+                                 f"[{a - slot.start}, {b - slot.start}): merge the DP ranks' pieces first "
+                                 f"(merge_optimizer_states)")
+            for k in self._STATE_KEYS:
+                getattr(r, k)[a - r.lo:b - r.lo].copy_(piece[k][lo:hi])
+        self._publish()
+
     # ------------------------------------------------------------- accounting
     def master_bytes(self) -> int:
         return sum(r.master.numel() * 4 for r in self.ranges if not r.master_is_param)
@@ -250,6 +304,26 @@ def build_optimizer(grad_sync: _BucketedGradSync, opt_cfg: OptimizerConfig,
     return OPTIMIZER_BY_STAGE[stage](grad_sync, opt_cfg, precision)
 
 
+def merge_optimizer_states(states: list[dict]) -> dict:
+    """Merge the ``state_dict()`` of every DP rank (same tp and pp position) into whole flattened
+    tensors at offset 0, loadable at any dp size or ZeRO stage."""
+    merged: dict[str, dict] = {}
+    for state in states:
+        for name, piece in state["params"].items():
+            merged.setdefault(name, []).append(piece)
+    params = {}
+    for name, pieces in merged.items():
+        pieces.sort(key=lambda p: p["offset"])
+        end = 0
+        for p in pieces:
+            if int(p["offset"]) != end:
+                raise ValueError(f"optimizer pieces of {name!r} leave a gap or overlap at element {end}: "
+                                 f"pass the state of every DP rank exactly once")
+            end += p["master"].numel()
+        params[name] = {"offset": 0, **{k: torch.cat([p[k] for p in pieces]) for k in _BucketAdamW._STATE_KEYS}}
+    return {"step": states[0]["step"], "loss_scaler": states[0]["loss_scaler"], "params": params}
+
+
 def model_state_bytes(grad_sync: _BucketedGradSync, optimizer: _BucketAdamW | None = None) -> dict[str, int]:
     """Bytes this rank holds right now in model parameters, gradients, fp32 master weights (only
     those that are separate from the parameters) and optimizer state (Adam m and v), plus the total.
@@ -305,6 +379,12 @@ class ZeroEngine:
 
     def model_state_bytes(self) -> dict[str, int]:
         return model_state_bytes(self.grad_sync, self.optimizer)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
 
 
 def build_engine(chunks, topo, zero_cfg, opt_cfg: OptimizerConfig, precision: PrecisionConfig | None = None,
