@@ -176,6 +176,25 @@ def test_recompute_gives_same_grads(activation):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+def _recompute_body(rank, world_size):
+    topo = Topology(tp=world_size)
+    tokens, labels, mask = _batch()
+    grads = []
+    for recompute in (False, True):
+        cfg = _cfg(recompute_activations=recompute, attention_dropout=0.1, hidden_dropout=0.1)
+        model = GPT(cfg, topo, sequence_parallel=True, seed=SEED).train()
+        masked_mean(model(tokens, labels), mask).backward()
+        allreduce_sequence_parallel_grads(model.parameters(), model.tp_group)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-6, atol=1e-7, msg=name)
+    return True
+
+
+def test_recompute_with_sequence_parallel_and_dropout_gives_same_grads():
+    assert run_on_ranks(2, _recompute_body) == [True, True]
+
+
 def test_bf16_params_give_fp32_loss():
     model = GPT(_cfg(), seed=SEED, dtype=torch.bfloat16)
     tokens, labels, _ = _batch()

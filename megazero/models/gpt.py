@@ -295,7 +295,7 @@ class GPT(nn.Module):
             h = copy_to_tp_region(h, self.tp_group)
         weight = self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight
         logits = F.linear(h.transpose(0, 1), weight)
-        return mask_padded_vocab(logits, self.cfg.vocab_size, self.ctx.tp_rank * weight.shape[0])
+        return mask_padded_vocab(logits, self.cfg.vocab_size, self.ctx.tp_rank * weight.shape[0], inplace=True)
 
     def _checkpointed(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """Run ``layer`` without keeping its activations; backward recomputes it with the same dropout

@@ -74,7 +74,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.group), None
+        # The incoming gradient may be a tensor the caller still holds: reduce a copy.
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -375,12 +376,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = torch.log(sum_exp) - target_logit
 
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, owned)
+        ctx.used = False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.used:
+            raise RuntimeError("vocab_parallel_cross_entropy reuses its saved softmax as the gradient "
+                               "buffer, so its graph can be back-propagated only once (no retain_graph)")
+        ctx.used = True
         softmax, local_target, owned = ctx.saved_tensors
-        grad = softmax.clone()
+        grad = softmax                                  # in place: saves a logits-sized buffer
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None
@@ -407,12 +413,16 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, vocab_size
     return loss
 
 
-def mask_padded_vocab(logits_shard, vocab_size: int, vocab_start: int):
-    """Set logits of padded vocab entries (global id >= ``vocab_size``) to -inf; no-op if none here."""
+def mask_padded_vocab(logits_shard, vocab_size: int, vocab_start: int, inplace: bool = False):
+    """Set logits of padded vocab entries (global id >= ``vocab_size``) to -inf; no-op if none here.
+
+    ``inplace`` is for a fresh tensor that autograd does not need (e.g. a matmul's output)."""
     local_vocab = logits_shard.shape[-1]
     if vocab_start + local_vocab <= vocab_size:
         return logits_shard
     ids = torch.arange(vocab_start, vocab_start + local_vocab, device=logits_shard.device)
+    if inplace:
+        return logits_shard.masked_fill_(ids >= vocab_size, float("-inf"))
     return logits_shard.masked_fill(ids >= vocab_size, float("-inf"))
 
 
