@@ -232,3 +232,25 @@ class _FakeTopo:
 
     def __init__(self, tp):
         self.tp_size, self.tp_group, self.device = tp, object(), torch.device("cpu")
+
+
+def test_fused_qkv_layout_matches_block_attention():
+    """The documented QKV layout: converting our rows to [Q; K; V] blocks and running textbook
+    attention reproduces the layer (the contract the checkpoint converters rely on)."""
+    from megazero.models.gpt import qkv_blocks_to_interleaved, qkv_interleaved_to_blocks
+    cfg = _cfg(hidden_size=32, num_attention_heads=4)
+    attn = GPT(cfg, seed=SEED).layers["0"].attention
+    with torch.no_grad():
+        attn.qkv.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+        attn.dense.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(3))          # [s, b, h]
+    w = qkv_interleaved_to_blocks(attn.qkv.weight.detach(), 4)
+    b = qkv_interleaved_to_blocks(attn.qkv.bias.detach(), 4)
+    assert torch.equal(qkv_blocks_to_interleaved(w, 4), attn.qkv.weight.detach())
+    q, k, v = (x @ w[i * 32:(i + 1) * 32].T + b[i * 32:(i + 1) * 32] for i in range(3))
+    heads = [t.view(16, 2, 4, 8).permute(1, 2, 0, 3) for t in (q, k, v)]            # [b, nh, s, d]
+    scores = heads[0] @ heads[1].transpose(-1, -2) / 8 ** 0.5
+    scores = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    out = (scores.softmax(-1) @ heads[2]).permute(2, 0, 1, 3).reshape(16, 2, 32)
+    want = out @ attn.dense.weight.detach().T + attn.dense.bias.detach()
+    torch.testing.assert_close(attn(x).detach(), want, rtol=1e-5, atol=1e-6)
