@@ -188,10 +188,19 @@ def _recompute_body(rank, world_size):
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-6, atol=1e-7, msg=name)
+
+    # Two chained stages under sequence parallel pass [s/tp, b, h] chunks and match the whole model.
+    cfg = _cfg(num_layers=4)
+    stage0 = GPT(cfg, topo, sequence_parallel=True, layer_ids=[0, 1], post_process=False, seed=SEED)
+    stage1 = GPT(cfg, topo, sequence_parallel=True, layer_ids=[2, 3], pre_process=False, seed=SEED)
+    hidden = stage0(tokens)
+    assert hidden.shape == (16 // world_size, 2, 32)
+    whole = GPT(cfg, topo, sequence_parallel=True, seed=SEED)(tokens, labels)
+    torch.testing.assert_close(stage1(hidden, labels), whole, rtol=1e-6, atol=1e-6)
     return True
 
 
-def test_recompute_with_sequence_parallel_and_dropout_gives_same_grads():
+def test_sequence_parallel_recompute_with_dropout_and_stage_split():
     assert run_on_ranks(2, _recompute_body) == [True, True]
 
 

@@ -38,7 +38,7 @@ Worked example: an MLP ``h=4 -> ffn=8 -> h=4`` at tp=2 on input x [s=6, b, 4]::
     dense_h_to_4h  ColumnParallelLinear(4, 8): rank r holds weight rows 4r..4r+3 ([4, 4]) and bias[4r:4r+4]
     dense_4h_to_h  RowParallelLinear(8, 4):    rank r holds weight cols 4r..4r+3 ([4, 4]); bias [4] on both
 
-    no sequence parallel: x [6,b,4] on both -> copy_to (bwd all-reduce) -> [6,b,4/2 of ffn=4] -> GELU
+    no sequence parallel: x [6,b,4] on both -> copy_to (bwd all-reduce) -> [6,b,4] (this rank's 4 of 8 ffn) -> GELU
                           -> partial [6,b,4] -> reduce_from (all-reduce) -> + bias -> [6,b,4] on both
     sequence parallel:    x [3,b,4] (rank r: positions 3r..3r+2) -> all-gather -> [6,b,4] -> ... -> partial
                           [6,b,4] -> reduce-scatter -> [3,b,4] + bias (bias grad partial: sum over tp)
