@@ -263,7 +263,96 @@ PARITY_CASES = [  # (tp, pp, schedule, v, m, sequence_parallel, dtype)
 ]
 
 
-@pytest.mark.parametrize("tp,pp,schedule,v,m,sp,dtype", PARITY_CASES)
+def _case_id(case) -> str:
+    tp, pp, schedule, v, m, sp, dtype = case
+    return f"tp{tp}-pp{pp}-{schedule}-v{v}-m{m}{'-sp' if sp else ''}-{'fp64' if dtype == F64 else 'fp32'}"
+
+
+@pytest.mark.parametrize("tp,pp,schedule,v,m,sp,dtype", PARITY_CASES, ids=[_case_id(c) for c in PARITY_CASES])
 def test_pipeline_matches_serial(tp, pp, schedule, v, m, sp, dtype):
     results = run_on_ranks(tp * pp, _parallel_body, tp, pp, schedule, v, m, sp, dtype, timeout=120)
     _check_parity(results, m, pp, schedule, v, dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation (forward only), the data-parallel hook, stages given no data, p2p shape errors
+# --------------------------------------------------------------------------------------------------
+
+
+class _HookRecorder:
+    def __init__(self, stats: PipelineStats):
+        self.calls, self.stats = [], stats
+
+    def before_backward(self, chunk_id, is_last_microbatch):
+        self.calls.append((chunk_id, is_last_microbatch, self.stats.num_backward))
+
+
+def _eval_and_hook_body(rank, world, pp, schedule, v, m):
+    topo = _Topology(pp=pp)
+    cfg = _model_cfg()
+    par = ParallelConfig(pp=pp, pipeline_schedule=schedule, virtual_stages=v)
+    chunks = build_model_chunks(cfg, par, topo, seed=SEED)
+    mbs = _batches(0, m, cfg)
+    if not (topo.is_first_stage or topo.is_last_stage):
+        mbs = [None] * m                     # middle stages read no data
+    elif topo.is_last_stage and v == 1:
+        mbs = [{"labels": b["labels"], "loss_mask": b["loss_mask"]} for b in mbs]
+    shape = activation_shape(cfg, MICRO)
+    stats = PipelineStats()
+    eval_losses = run_schedule(chunks, mbs, topo, forward_only=True, schedule=schedule, tensor_shape=shape,
+                               stats=stats)
+    no_grads = all(p.grad is None for c in chunks for p in c.parameters())
+    eval_peak = stats.peak_in_flight
+    hook = _HookRecorder(stats)
+    train_losses = run_schedule(chunks, mbs, topo, schedule=schedule, tensor_shape=shape, stats=stats,
+                                grad_sync=hook)
+    return {"pp_rank": topo.pp_rank, "eval": [x.item() for x in eval_losses],
+            "train": [x.item() for x in train_losses], "no_grads": no_grads, "eval_peak": eval_peak,
+            "calls": hook.calls}
+
+
+@pytest.mark.parametrize("pp,schedule,v,m", [(4, "1f1b", 1, 4), (2, "interleaved", 2, 4)])
+def test_forward_only_and_grad_sync_hook(pp, schedule, v, m):
+    results = run_on_ranks(pp, _eval_and_hook_body, pp, schedule, v, m, timeout=120)
+    cfg = _model_cfg()
+    mbs = _batches(0, m, cfg)
+    with torch.no_grad():
+        model = GPT(cfg, None, seed=SEED)
+        ref = [masked_mean(model(b["tokens"], b["labels"]), b["loss_mask"]).item() for b in mbs]
+    for r in results:
+        last = r["pp_rank"] == pp - 1
+        assert r["eval"] == (pytest.approx(ref, rel=1e-5) if last else [])
+        assert r["train"] == (pytest.approx(ref, rel=1e-5) if last else [])
+        assert r["no_grads"] and r["eval_peak"] == 0
+        # The hook fires right before each backward; is_last_microbatch only on a chunk's m-th one.
+        assert [n for _, _, n in r["calls"]] == list(range(m * v))
+        for c in range(v):
+            flags = [last_mb for chunk, last_mb, _ in r["calls"] if chunk == c]
+            assert flags == [False] * (m - 1) + [True]
+
+
+def test_p2p_rejects_wrong_shape_before_communicating():
+    from types import SimpleNamespace
+
+    from megazero.parallel.pipeline import StageComm
+
+    topo = SimpleNamespace(device=torch.device("cpu"), pp_group=None, pp_size=2, pp_rank=0, pp_ranks=[0, 1],
+                           prev_rank=None, next_rank=1)
+    comm = StageComm(topo, (16, 2, 32), torch.float32)
+    with pytest.raises(RuntimeError, match="--micro-batch-size"):
+        comm.send_forward(torch.zeros(16, 4, 32))
+    with pytest.raises(RuntimeError, match="does not match"):
+        comm.send_forward(torch.zeros(16, 2, 32, dtype=torch.float64))
+    assert comm.num_batches == 0
+    # The first stage has no previous rank: nothing is received and nothing is posted.
+    assert comm.recv_forward() is None and comm.num_batches == 0
+
+
+def test_run_schedule_needs_a_shape_it_can_infer():
+    from types import SimpleNamespace
+
+    topo = SimpleNamespace(device=torch.device("cpu"), pp_group=None, pp_size=2, pp_rank=1, pp_ranks=[0, 1],
+                           prev_rank=0, next_rank=None, tp_size=1, is_first_stage=False, is_last_stage=True)
+    chunk = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="tensor_shape=activation_shape"):
+        run_schedule([chunk], [None, None], topo, schedule="1f1b")
