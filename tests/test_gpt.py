@@ -176,6 +176,34 @@ def test_recompute_gives_same_grads(activation):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+def _recompute_body(rank, world_size):
+    topo = Topology(tp=world_size)
+    tokens, labels, mask = _batch()
+    grads = []
+    for recompute in (False, True):
+        cfg = _cfg(recompute_activations=recompute, attention_dropout=0.1, hidden_dropout=0.1)
+        model = GPT(cfg, topo, sequence_parallel=True, seed=SEED).train()
+        masked_mean(model(tokens, labels), mask).backward()
+        allreduce_sequence_parallel_grads(model.parameters(), model.tp_group)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-6, atol=1e-7, msg=name)
+
+    # Two chained stages under sequence parallel pass [s/tp, b, h] chunks and match the whole model.
+    cfg = _cfg(num_layers=4)
+    stage0 = GPT(cfg, topo, sequence_parallel=True, layer_ids=[0, 1], post_process=False, seed=SEED)
+    stage1 = GPT(cfg, topo, sequence_parallel=True, layer_ids=[2, 3], pre_process=False, seed=SEED)
+    hidden = stage0(tokens)
+    assert hidden.shape == (16 // world_size, 2, 32)
+    whole = GPT(cfg, topo, sequence_parallel=True, seed=SEED)(tokens, labels)
+    torch.testing.assert_close(stage1(hidden, labels), whole, rtol=1e-6, atol=1e-6)
+    return True
+
+
+def test_sequence_parallel_recompute_with_dropout_and_stage_split():
+    assert run_on_ranks(2, _recompute_body) == [True, True]
+
+
 def test_bf16_params_give_fp32_loss():
     model = GPT(_cfg(), seed=SEED, dtype=torch.bfloat16)
     tokens, labels, _ = _batch()
@@ -213,3 +241,25 @@ class _FakeTopo:
 
     def __init__(self, tp):
         self.tp_size, self.tp_group, self.device = tp, object(), torch.device("cpu")
+
+
+def test_fused_qkv_layout_matches_block_attention():
+    """The documented QKV layout: converting our rows to [Q; K; V] blocks and running textbook
+    attention reproduces the layer (the contract the checkpoint converters rely on)."""
+    from megazero.models.gpt import qkv_blocks_to_interleaved, qkv_interleaved_to_blocks
+    cfg = _cfg(hidden_size=32, num_attention_heads=4)
+    attn = GPT(cfg, seed=SEED).layers["0"].attention
+    with torch.no_grad():
+        attn.qkv.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+        attn.dense.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(3))          # [s, b, h]
+    w = qkv_interleaved_to_blocks(attn.qkv.weight.detach(), 4)
+    b = qkv_interleaved_to_blocks(attn.qkv.bias.detach(), 4)
+    assert torch.equal(qkv_blocks_to_interleaved(w, 4), attn.qkv.weight.detach())
+    q, k, v = (x @ w[i * 32:(i + 1) * 32].T + b[i * 32:(i + 1) * 32] for i in range(3))
+    heads = [t.view(16, 2, 4, 8).permute(1, 2, 0, 3) for t in (q, k, v)]            # [b, nh, s, d]
+    scores = heads[0] @ heads[1].transpose(-1, -2) / 8 ** 0.5
+    scores = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    out = (scores.softmax(-1) @ heads[2]).permute(2, 0, 1, 3).reshape(16, 2, 32)
+    want = out @ attn.dense.weight.detach().T + attn.dense.bias.detach()
+    torch.testing.assert_close(attn(x).detach(), want, rtol=1e-5, atol=1e-6)

@@ -47,7 +47,7 @@ from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, T
                                       mask_padded_vocab, set_tp_attributes, shard,
                                       vocab_parallel_cross_entropy)
 
-__all__ = ["GPT", "masked_mean", "param_seed"]
+__all__ = ["GPT", "masked_mean", "param_seed", "qkv_blocks_to_interleaved", "qkv_interleaved_to_blocks"]
 
 
 def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -62,6 +62,20 @@ def param_seed(seed: int, name: str) -> int:
     """The generator seed of parameter ``name`` (stable across processes and Python versions)."""
     digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def qkv_blocks_to_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder a full fused-QKV weight [3h, ...] (or bias [3h]) from blocks [Q_all; K_all; V_all]
+    (HF GPT-2 ``c_attn`` after transposing its [h, 3h] Conv1D weight) to our per-head
+    [q_0; k_0; v_0; q_1; ...] rows (see :class:`SelfAttention`)."""
+    d = w.shape[0] // (3 * num_heads)
+    return w.reshape(3, num_heads, d, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def qkv_interleaved_to_blocks(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of :func:`qkv_blocks_to_interleaved`: our per-head rows -> [Q_all; K_all; V_all]."""
+    d = w.shape[0] // (3 * num_heads)
+    return w.reshape(num_heads, 3, d, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
 
 
 class _Context:
@@ -134,9 +148,12 @@ class SelfAttention(nn.Module):
 
     tp rank r holds the contiguous rows ``r*3h/tp .. (r+1)*3h/tp - 1``, i.e. whole heads
     ``r*heads/tp .. (r+1)*heads/tp - 1`` each as [q; k; v]. This full layout does not depend on tp.
-    (HF GPT-2's ``c_attn`` is [h, 3h] = [Q_all | K_all | V_all] columns: transpose it, then for each
-    head take its q, k and v blocks to build our rows.) ``dense`` ([h, h], split on dim 1) takes the
-    heads' outputs concatenated in head order, the same order as HF ``c_proj`` input features.
+    Worked example, h=4, 2 heads (d=2), tp=2: full rows are
+    ``[q0 q0 k0 k0 v0 v0 | q1 q1 k1 k1 v1 v1]``; tp rank 0 holds rows 0-5 (head 0), rank 1 rows 6-11.
+    HF GPT-2's ``c_attn.weight`` is [h, 3h] with columns [Q_all | K_all | V_all]: ours is
+    ``qkv_blocks_to_interleaved(c_attn.weight.t(), heads)`` (bias likewise, without the transpose).
+    ``dense`` ([h, h], split on dim 1) takes the heads' outputs concatenated in head order, the same
+    order as HF ``c_proj``'s input features (its weight is ``c_proj.weight.t()``).
     """
 
     def __init__(self, ctx: _Context):
@@ -295,7 +312,7 @@ class GPT(nn.Module):
             h = copy_to_tp_region(h, self.tp_group)
         weight = self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight
         logits = F.linear(h.transpose(0, 1), weight)
-        return mask_padded_vocab(logits, self.cfg.vocab_size, self.ctx.tp_rank * weight.shape[0])
+        return mask_padded_vocab(logits, self.cfg.vocab_size, self.ctx.tp_rank * weight.shape[0], inplace=True)
 
     def _checkpointed(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """Run ``layer`` without keeping its activations; backward recomputes it with the same dropout

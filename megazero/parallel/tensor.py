@@ -32,10 +32,21 @@ Parameter attributes set by the layers (read by data-parallel, ZeRO, grad-norm a
   parameters whose gradient is then partial per tp rank (layer norms, row-parallel bias, position
   embedding); :func:`allreduce_sequence_parallel_grads` sums them over tp.
 - ``shared_embedding``: the tied word-embedding weight (set by the model).
+
+Worked example: an MLP ``h=4 -> ffn=8 -> h=4`` at tp=2 on input x [s=6, b, 4]::
+
+    dense_h_to_4h  ColumnParallelLinear(4, 8): rank r holds weight rows 4r..4r+3 ([4, 4]) and bias[4r:4r+4]
+    dense_4h_to_h  RowParallelLinear(8, 4):    rank r holds weight cols 4r..4r+3 ([4, 4]); bias [4] on both
+
+    no sequence parallel: x [6,b,4] on both -> copy_to (bwd all-reduce) -> [6,b,4] (this rank's 4 of 8 ffn) -> GELU
+                          -> partial [6,b,4] -> reduce_from (all-reduce) -> + bias -> [6,b,4] on both
+    sequence parallel:    x [3,b,4] (rank r: positions 3r..3r+2) -> all-gather -> [6,b,4] -> ... -> partial
+                          [6,b,4] -> reduce-scatter -> [3,b,4] + bias (bias grad partial: sum over tp)
+
+The TP-aware dropout RNG lives in :mod:`megazero.parallel.rng` (re-exported here).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -45,6 +56,7 @@ from torch import nn
 
 from megazero.parallel.comm import (all_gather_dim0, all_gather_last_dim, all_reduce, group_rank,
                                     group_size, reduce_scatter_dim0)
+from megazero.parallel.rng import TensorParallelRNG  # noqa: F401  (re-exported: part of this API)
 
 __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
@@ -74,7 +86,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.group), None
+        # The incoming gradient may be a tensor the caller still holds: reduce a copy.
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -375,12 +388,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = torch.log(sum_exp) - target_logit
 
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, owned)
+        ctx.used = False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.used:
+            raise RuntimeError("vocab_parallel_cross_entropy reuses its saved softmax as the gradient "
+                               "buffer, so its graph can be back-propagated only once (no retain_graph)")
+        ctx.used = True
         softmax, local_target, owned = ctx.saved_tensors
-        grad = softmax.clone()
+        grad = softmax                                  # in place: saves a logits-sized buffer
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None
@@ -407,76 +425,17 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, vocab_size
     return loss
 
 
-def mask_padded_vocab(logits_shard, vocab_size: int, vocab_start: int):
-    """Set logits of padded vocab entries (global id >= ``vocab_size``) to -inf; no-op if none here."""
+def mask_padded_vocab(logits_shard, vocab_size: int, vocab_start: int, inplace: bool = False):
+    """Set logits of padded vocab entries (global id >= ``vocab_size``) to -inf; no-op if none here.
+
+    ``inplace`` is for a fresh tensor that autograd does not need (e.g. a matmul's output)."""
     local_vocab = logits_shard.shape[-1]
     if vocab_start + local_vocab <= vocab_size:
         return logits_shard
     ids = torch.arange(vocab_start, vocab_start + local_vocab, device=logits_shard.device)
+    if inplace:
+        return logits_shard.masked_fill_(ids >= vocab_size, float("-inf"))
     return logits_shard.masked_fill(ids >= vocab_size, float("-inf"))
-
-
-# ----------------------------------------------------------------------------- RNG
-
-class TensorParallelRNG:
-    """Dropout random streams that are the same on every tp rank outside TP regions and distinct inside.
-
-    Two named streams, each a saved generator state, swapped into the global (CPU or CUDA) generator
-    only while a ``with rng.fork(name):`` block runs, so the caller's global RNG is untouched:
-
-    - ``"default"``: seeded with ``seed + offset``; identical across tp ranks (dropout on replicated
-      activations: embedding and residual dropout without sequence parallel).
-    - ``"tensor-parallel"``: seeded with ``seed + 2718 + offset + 97 * tp_rank``; differs across tp
-      ranks (dropout inside a TP region: attention probabilities of this rank's heads; and any
-      dropout on a sequence-parallel chunk).
-
-    ``offset`` lets different model chunks/stages draw different streams. Everything derives from the
-    seed, so runs are reproducible. ``get_states``/``set_states`` let activation checkpointing
-    replay the exact masks.
-    """
-
-    DEFAULT = "default"
-    TP = "tensor-parallel"
-
-    def __init__(self, seed: int, tp_rank: int = 0, offset: int = 0, device=None):
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.states = {
-            self.DEFAULT: self._seeded_state(seed + offset),
-            self.TP: self._seeded_state(seed + 2718 + offset + 97 * tp_rank),
-        }
-
-    def _seeded_state(self, seed: int) -> torch.Tensor:
-        g = torch.Generator(device=self.device)
-        g.manual_seed(seed)
-        return g.get_state()
-
-    def _get_global(self) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return torch.cuda.get_rng_state(self.device)
-        return torch.get_rng_state()
-
-    def _set_global(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
-
-    @contextlib.contextmanager
-    def fork(self, name: str = TP):
-        """Run the block with stream ``name`` as the global generator; save its advanced state."""
-        saved = self._get_global()
-        self._set_global(self.states[name])
-        try:
-            yield
-        finally:
-            self.states[name] = self._get_global()
-            self._set_global(saved)
-
-    def get_states(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.states.items()}
-
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states = {k: v.clone() for k, v in states.items()}
 
 
 def init_std_scaled(std: float, num_layers: int) -> float:
