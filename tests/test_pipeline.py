@@ -356,3 +356,10 @@ def test_run_schedule_needs_a_shape_it_can_infer():
     chunk = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="tensor_shape=activation_shape"):
         run_schedule([chunk], [None, None], topo, schedule="1f1b")
+
+
+def test_pipeline_inside_a_data_parallel_grid():
+    """pp=2 x dp=2 (4 ranks, pipelines [0, 2] and [1, 3]): each replica, fed the same batches, trains
+    exactly like the serial model (the data-parallel gradient reduction is not part of this module)."""
+    results = run_on_ranks(4, _parallel_body, 1, 2, "interleaved", 2, 4, False, F32, timeout=120)
+    _check_parity(results, 4, 2, "interleaved", 2, F32)
