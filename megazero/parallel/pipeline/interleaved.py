@@ -20,8 +20,11 @@ from the next rank. :func:`_arrival_chunks` lists those chunks ahead of time.
 When to receive. A receive must sit in the same exchange as the neighbour's matching send
 (otherwise both block). On middle ranks every step sends and receives; the first rank gets nothing
 while the last rank finishes chunk v-1 (no send) and the last rank gets no gradient while the first
-rank runs chunk 0's backwards. In the steady phase the last rank runs pp-1 steps ahead of the first
-rank in forward index, so their decisions use index ``k - (pp - 1)``.
+rank runs chunk 0's backwards. In the steady phase, at the exchange where the first rank receives
+from the last, the first rank has run forward k and the last rank is sending forward k - (pp - 1)
+(the first rank is pp-1 forwards ahead); likewise the last rank is pp-1 backwards ahead of the
+first. So each end decides with index ``k - (pp - 1)`` whether the other end is sending.
+(tests/pipeline_sim.py runs these rules under strict rendezvous semantics for many pp, v, m.)
 """
 from __future__ import annotations
 

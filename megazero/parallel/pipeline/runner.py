@@ -9,13 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megazero.models.gpt import masked_mean
 from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage
-
-
-def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """sum(loss * mask) / sum(mask) (the GPT's loss reduction; same formula as models.gpt)."""
-    mask = loss_mask.to(per_token_loss.dtype)
-    return (per_token_loss * mask).sum() / mask.sum()
 
 
 @dataclass
