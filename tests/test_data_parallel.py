@@ -12,7 +12,7 @@ from multiproc import run_on_ranks
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.optim import weight_decay_groups
-from megazero.parallel.data import ShardedGradSync, plan_buckets, wrap_data_parallel
+from megazero.parallel.data import AllReduceGradSync, ShardedGradSync, plan_buckets, wrap_data_parallel
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_optimizer
 
@@ -68,11 +68,11 @@ def reference_run(steps: int, global_batch: int, opt_cfg: OptimizerConfig = OPT)
 
 def train_dp(topo, stage: int, steps: int, global_batch: int, micro_batches: int, bucket_size: int = 300,
              dtype=torch.float32, precision: PrecisionConfig | None = None, model=None, hidden: int = HIDDEN,
-             overlap: bool = True, start: int = 0, opt_state: dict | None = None):
+             overlap: bool = True, start: int = 0, opt_state: dict | None = None, grad_sync_cls=None):
     """Train TinyNet data-parallel; returns (global losses, norms, params, grad_sync, optimizer)."""
     model = model or TinyNet(dtype=dtype, hidden=hidden)
     sync = wrap_data_parallel(model, topo, ZeroConfig(zero_stage=stage, bucket_size=bucket_size,
-                                                      overlap_grad_reduce=overlap))
+                                                      overlap_grad_reduce=overlap), grad_sync_cls=grad_sync_cls)
     opt = build_optimizer(sync, OPT, precision)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
@@ -121,6 +121,22 @@ def test_dp_matches_single_process(world, stage):
     assert not torch.allclose(ref_params["fc1.weight"], TinyNet().fc1.weight)
 
 
+def _allreduce_zero1_body(rank, world_size):
+    topo = Topology(dp=world_size)
+    losses, norms, params, _, _ = train_dp(topo, 1, steps=5, global_batch=8, micro_batches=2,
+                                           grad_sync_cls=AllReduceGradSync)
+    return losses, norms, params
+
+
+def test_zero1_over_all_reduced_grads_matches_single_process():
+    ref_losses, ref_norms, ref_params = reference_run(5, 8)
+    for losses, norms, params in run_on_ranks(2, _allreduce_zero1_body):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _accumulation_body(rank, world_size):
     topo = Topology(dp=world_size)
     out = {}
@@ -141,10 +157,11 @@ def test_accumulation_over_four_micro_batches_and_no_overlap_equal_one_process()
                 torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _comm_body(rank, world_size, stage, dtype):
+def _comm_body(rank, world_size, stage, dtype, grad_sync_cls=None):
     topo = Topology(dp=world_size)
     _, _, _, sync, _ = train_dp(topo, stage, steps=2, global_batch=8, micro_batches=2, dtype=dtype,
-                                bucket_size=8000, hidden=64, precision=PrecisionConfig(bf16=True) if dtype == torch.bfloat16 else None)
+                                bucket_size=8000, hidden=64, grad_sync_cls=grad_sync_cls,
+                                precision=PrecisionConfig(bf16=True) if dtype == torch.bfloat16 else None)
     padded = sum(b.numel for b in sync.buckets)
     psi = sum(p.numel() for p in sync.parameters())
     return sync.comm_log.bytes(), sync.comm_log.calls(), padded, psi, len(sync.buckets)
@@ -163,6 +180,9 @@ def test_bytes_per_step_equal_plain_data_parallel(world):
             assert calls["dp"] == (nbuckets if stage == 0 else 2 * nbuckets)  # one per bucket / two
             per_stage[stage] = dp_bytes["dp"]
         assert per_stage[0] == per_stage[1] == per_stage[2]
+        # the opt-in ZeRO-1 over all-reduced gradients (cheaper on gloo) sends 3 Psi (N-1)/N: say so
+        dp_bytes, _, padded, _, _ = run_on_ranks(world, _comm_body, 1, dtype, AllReduceGradSync)[0]
+        assert dp_bytes["dp"] == pytest.approx(3 * padded * elem * (world - 1) / world)
 
 
 def test_plan_buckets_worked_example():

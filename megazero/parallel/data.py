@@ -117,8 +117,6 @@ class _BucketedGradSync:
     (``_after_reduce``) and where the reduced gradient of a bucket range lives (``reduced_grad``).
     """
 
-    keeps_full_grads = True
-
     def __init__(self, chunks: nn.Module | list[nn.Module], topo: Topology, zero_cfg: ZeroConfig | None = None,
                  *, comm_log: CommLog | None = None):
         self.chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
@@ -327,8 +325,6 @@ class ReduceScatterGradSync(_BucketedGradSync):
 
 class ShardedGradSync(ReduceScatterGradSync):
     """Stage 2: reduce-scatter into a persistent 1/dp shard; full bucket storage is transient."""
-
-    keeps_full_grads = False
 
     def __init__(self, *args, **kwargs):
         self.grad_shards: dict[int, torch.Tensor] = {}
