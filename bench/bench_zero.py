@@ -17,8 +17,9 @@ rotated order, so every variant sees the same machine load (step times on shared
 by tens of percent between runs). Reported: median step time of rank 0 over the rounds after a
 warmup, and the median over rounds of the ratio to the torch peer's step in the same round.
 Memory: each variant then runs alone in 2 fresh processes for a few steps; peak RSS per rank
-(max over ranks), its growth from after the model is built, and model-state bytes per rank
-(params + grads + separate fp32 master + Adam state, as held after a step).
+(max over ranks), its growth from after the model is built, model-state bytes per rank
+(params + grads + separate fp32 master + Adam state, as held after a step) and the most gradient
+memory held at once during the steps (ZeRO-2 frees full-size buckets once reduced).
 """
 from __future__ import annotations
 
@@ -104,13 +105,17 @@ def _ours_step(model, engine, micro):
     return total
 
 
+def _totals(b: dict) -> tuple[int, int]:
+    return b["total"], b["grads_peak"]
+
+
 def _build(variant: str, model, topo):
     """(step function, model-state bytes function) for a variant."""
     if variant.startswith("ours"):
         stage = {"ours-zero0": 0, "ours-zero1": 1, "ours-zero1-allreduce": 1, "ours-zero2": 2}[variant]
         cls = AllReduceGradSync if variant == "ours-zero1-allreduce" else None
         engine = build_engine(model, topo, ZeroConfig(zero_stage=stage), OPT, grad_sync_cls=cls)
-        return (lambda micro: _ours_step(model, engine, micro)), (lambda: engine.model_state_bytes()["total"])
+        return (lambda micro: _ours_step(model, engine, micro)), (lambda: _totals(engine.model_state_bytes()))
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -129,7 +134,8 @@ def _build(variant: str, model, topo):
         local = opt.optim if variant == "torch-ddp-zero" else opt
         state = [t for s in local.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         params = list(model.parameters())
-        return nbytes(params) + nbytes([p.grad for p in params if p.grad is not None]) + nbytes(state)
+        grads = nbytes([p.grad for p in params if p.grad is not None])
+        return nbytes(params) + grads + nbytes(state), grads
 
     return (lambda micro: _torch_step(ddp, opt, micro)), state_bytes
 
@@ -219,8 +225,8 @@ def report(variants, timing, memory, args) -> None:
     print(f"dp=2, GPT {args.layers} layers x {args.hidden} hidden, seq {args.seq}, vocab {args.vocab}, "
           f"{MICRO} micro-batches of {MB} per rank, fp32, gloo, {args.rounds - w} timed rounds")
     print("| variant | median step (ms) | vs torch peer (median of per-round ratios) | peak RSS/rank (MiB) "
-          "| RSS growth/rank (MiB) | model states/rank (MiB) | final loss |")
-    print("|---|---|---|---|---|---|---|")
+          "| RSS growth/rank (MiB) | model states/rank (MiB) | peak grads/rank (MiB) | final loss |")
+    print("|---|---|---|---|---|---|---|---|")
     for v in variants:
         peer = PEERS.get(v)
         ratio = ""
@@ -228,9 +234,10 @@ def report(variants, timing, memory, args) -> None:
             ratio = f"{statistics.median(a / b for a, b in zip(times[v][w:], times[peer][w:])):.2f}x"
         peak = max(r[1] for r in memory[v])
         growth = max(r[2] for r in memory[v])
-        states = max(r[3] for r in memory[v]) / 2**20
+        states = max(r[3][0] for r in memory[v]) / 2**20
+        grads_peak = max(r[3][1] for r in memory[v]) / 2**20
         print(f"| {v} | {1000 * statistics.median(times[v][w:]):.1f} | {ratio} | {peak:.0f} | {growth:.0f} "
-              f"| {states:.1f} | {losses[v][-1]:.5f} |")
+              f"| {states:.1f} | {grads_peak:.1f} | {losses[v][-1]:.5f} |")
     final = {v: losses[v][-1] for v in variants}
     spread = max(final.values()) - min(final.values())
     print(f"final-loss spread across variants: {spread:.2e} "

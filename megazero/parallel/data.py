@@ -23,16 +23,18 @@ Three reductions, one small class each:
     AllReduceGradSync      stage 0 (plain DP): all-reduce; every rank holds the full averaged grads.
     ReduceScatterGradSync  stage 1: reduce-scatter in place; rank r's shard of every bucket holds the
                            averaged grads, the rest of its full-size buffer is stale.
-    ShardedGradSync        stage 2: reduce-scatter into a persistent shard (1/dp of the grads); a
-                           bucket's full-size gradient storage exists only from its first gradient
-                           of the step until its reduction completes.
+    ShardedGradSync        stage 2: reduce-scatter into a 1/dp shard; a bucket's full-size storage
+                           exists only from its first gradient of the step until its reduction
+                           completes.
 
-Memory, honestly: stage 2 keeps 1/dp of the gradients between steps (optimizer step, forward
-passes). During backward a bucket's full storage is allocated when its first gradient arrives, so
-at the start of backward (the activation peak) no gradient memory is held; with several
-micro-batches every bucket holds its full storage from the first micro-batch's backward until the
-reduction on the last one (the reduction happens once, so the full-precision sum must live
-somewhere until then).
+Memory, honestly: stage 2 holds 1/dp of the gradients during the optimizer step and none during
+the next forward. A bucket's full storage is allocated when its first gradient arrives, so at the
+start of backward (the activation peak) no gradient memory is held. With several micro-batches
+every bucket holds its full storage from the first micro-batch's backward until its reduction on
+the last one (the reduction happens once, so the sum must live somewhere until then): the
+gradient peak is then the full size, as in stages 0/1, and what stage 2 saves is the 2Ψ(N-1)/N
+outside backward. DeepSpeed instead reduces every micro-batch into the shard, trading N_micro
+times the gradient traffic for a lower peak; we keep the traffic of plain DP.
 """
 from __future__ import annotations
 
@@ -303,6 +305,11 @@ class _BucketedGradSync:
         """Gradient storage held right now (for memory accounting)."""
         return [b for b in self.grad_buffers if b is not None]
 
+    @property
+    def peak_grad_bytes(self) -> int:
+        """Most gradient bytes held at once (stages 0/1: the persistent buffers)."""
+        return sum(_nbytes(t) for t in self.held_grad_tensors())
+
 
 class AllReduceGradSync(_BucketedGradSync):
     """Stage 0, plain data parallelism: every bucket is all-reduced (averaged) over dp."""
@@ -324,22 +331,37 @@ class ReduceScatterGradSync(_BucketedGradSync):
 
 
 class ShardedGradSync(ReduceScatterGradSync):
-    """Stage 2: reduce-scatter into a persistent 1/dp shard; full bucket storage is transient."""
+    """Stage 2: each rank keeps only its 1/dp shard of the reduced gradients.
+
+    Lifetimes, per bucket: the full-size storage is allocated by the bucket's first gradient of the
+    step and released as soon as its reduce-scatter is seen complete (polled whenever another
+    bucket is launched, at the latest in ``finish_grad_sync``); the shard is allocated when the
+    reduce-scatter is launched and released by ``zero_grad`` at the start of the next step. So the
+    optimizer step holds only shards, the next forward holds no gradients at all, and backward
+    holds the full storage of buckets not yet reduced. ``peak_grad_bytes`` records the most held
+    at once.
+    """
 
     def __init__(self, *args, **kwargs):
         self.grad_shards: dict[int, torch.Tensor] = {}
+        self._held = 0
+        self._peak = 0
         super().__init__(*args, **kwargs)
 
     def _make_grad_buffer(self, total: int, dtype, device) -> None:
         return None
 
     def _attach_grads(self, bucket: Bucket) -> None:
-        self.grad_shards[id(bucket)] = torch.zeros(bucket.shard_size, dtype=bucket.param_data.dtype,
-                                                   device=bucket.param_data.device)
+        pass                                     # nothing persistent: see the class docstring
+
+    def _track(self, nbytes: int) -> None:
+        self._held += nbytes
+        self._peak = max(self._peak, self._held)
 
     def _ensure_grad_storage(self, bucket: Bucket) -> torch.Tensor:
         if bucket.grad_data is None:
             bucket.grad_data = torch.zeros_like(bucket.param_data)
+            self._track(_nbytes(bucket.grad_data))
             for s in bucket.slots:
                 if s.param.grad is not None:          # a gradient autograd made before we saw it
                     bucket.grad_data[s.start:s.end].add_(s.param.grad.reshape(-1))
@@ -347,12 +369,27 @@ class ShardedGradSync(ReduceScatterGradSync):
         return bucket.grad_data
 
     def _launch(self, bucket: Bucket, grad_data: torch.Tensor):
-        return comm.reduce_scatter(self.grad_shards[id(bucket)], grad_data, self.dp_group, self.comm_log,
-                                   "dp", async_op=True)
+        shard = self.grad_shards.get(id(bucket))
+        if shard is None:
+            shard = self.grad_shards[id(bucket)] = torch.empty(bucket.shard_size, dtype=grad_data.dtype,
+                                                               device=grad_data.device)
+            self._track(_nbytes(shard))
+        return comm.reduce_scatter(shard, grad_data, self.dp_group, self.comm_log, "dp", async_op=True)
+
+    def _start(self, bucket: Bucket) -> None:
+        super()._start(bucket)
+        for b in self.buckets:                   # release every bucket whose reduction is done
+            if b.launched and b.grad_data is not None and (b.handle is None or b.handle.is_completed()):
+                if b.handle is not None:
+                    b.handle.wait()
+                b.handle = None
+                self._after_reduce(b)
 
     def _after_reduce(self, bucket: Bucket) -> None:
         for s in bucket.slots:
             s.param.grad = None
+        if bucket.grad_data is not None:
+            self._held -= _nbytes(bucket.grad_data)
         bucket.grad_data = None
 
     def reduced_grad(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
@@ -363,13 +400,23 @@ class ShardedGradSync(ReduceScatterGradSync):
         return self.grad_shards[id(bucket)][lo - base:hi - base]
 
     def zero_grad(self) -> None:
-        for bucket in self.buckets:         # normally already released by finish_grad_sync
+        for bucket in self.buckets:         # full storage is normally released by finish_grad_sync
             self._after_reduce(bucket)
+        self._held -= sum(_nbytes(t) for t in self.grad_shards.values())
+        self.grad_shards.clear()
         self._synced = False
 
     def held_grad_tensors(self) -> list[torch.Tensor]:
         full = [b.grad_data for b in self.buckets if b.grad_data is not None]
         return list(self.grad_shards.values()) + full
+
+    @property
+    def peak_grad_bytes(self) -> int:
+        return self._peak
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 GRAD_SYNC_BY_STAGE = {0: AllReduceGradSync, 1: ReduceScatterGradSync, 2: ShardedGradSync}

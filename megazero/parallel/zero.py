@@ -327,7 +327,9 @@ def merge_optimizer_states(states: list[dict]) -> dict:
 def model_state_bytes(grad_sync: _BucketedGradSync, optimizer: _BucketAdamW | None = None) -> dict[str, int]:
     """Bytes this rank holds right now in model parameters, gradients, fp32 master weights (only
     those that are separate from the parameters) and optimizer state (Adam m and v), plus the total.
-    Padding is included. Measure after ``step()``: that is the steady state between steps."""
+    Padding is included. Measure after ``step()``: that is the steady state between steps.
+    ``grads_peak`` (not in the total) is the most gradient memory held at once so far, which for
+    stage 2 includes the transient full-size buckets of backward."""
     out = {
         "params": sum(b.numel() * b.element_size() for b in grad_sync.param_buffers),
         "grads": sum(t.numel() * t.element_size() for t in grad_sync.held_grad_tensors()),
@@ -335,6 +337,7 @@ def model_state_bytes(grad_sync: _BucketedGradSync, optimizer: _BucketAdamW | No
         "optimizer_state": optimizer.state_bytes() if optimizer is not None else 0,
     }
     out["total"] = sum(out.values())
+    out["grads_peak"] = grad_sync.peak_grad_bytes
     return out
 
 
