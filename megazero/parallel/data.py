@@ -32,8 +32,8 @@ the next forward. A bucket's full storage is allocated when its first gradient a
 start of backward (the activation peak) no gradient memory is held. With several micro-batches
 every bucket holds its full storage from the first micro-batch's backward until its reduction on
 the last one (the reduction happens once, so the sum must live somewhere until then): the
-gradient peak is then the full size, as in stages 0/1, and what stage 2 saves is the 2Ψ(N-1)/N
-outside backward. DeepSpeed instead reduces every micro-batch into the shard, trading N_micro
+gradient peak is then the full size plus the shards of the buckets in flight (a little more than
+stages 0/1), and what stage 2 saves is 2Ψ(N-1)/N bytes outside backward. DeepSpeed instead reduces every micro-batch into the shard, trading N_micro
 times the gradient traffic for a lower peak; we keep the traffic of plain DP.
 """
 from __future__ import annotations
