@@ -72,7 +72,7 @@ def test_activation_shape_with_sequence_parallel():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pp,m", list(itertools.product([2, 3, 4], [1, 2, 3, 4, 7])))
+@pytest.mark.parametrize("pp,m", list(itertools.product([2, 3, 4, 8], [1, 2, 3, 4, 7, 16])))
 def test_1f1b_and_gpipe_simulated(pp, m):
     for fo in (False, True):
         runs = simulate(one_f_one_b, pp, m, forward_only=fo)
@@ -88,7 +88,7 @@ def test_1f1b_and_gpipe_simulated(pp, m):
             assert [k for k, _, _ in run.stats.order] == ["F"] * m + ([] if fo else ["B"] * m)
 
 
-@pytest.mark.parametrize("pp,v,mult", list(itertools.product([2, 3, 4], [2, 3], [1, 2, 3])))
+@pytest.mark.parametrize("pp,v,mult", list(itertools.product([2, 3, 4, 8], [2, 3, 4], [1, 2, 3])))
 def test_interleaved_simulated(pp, v, mult):
     m = pp * mult
     for fo in (False, True):
