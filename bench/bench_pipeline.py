@@ -29,9 +29,12 @@ into pp stages (v = 2 chunks per rank for interleaved). Then:
    schedule from the machine: it must equal the analytic figure, and does.
 
 Caveats printed with the table: with more processes than cores (pp=4 on a 2-core machine) the
-ranks time-share the cores, the measured per-stage time already includes that sharing and the
-bubble is distorted (idle ranks give their core to busy ones); timings on shared machines move by up
-to ~30% between runs, so compare configurations within one run.
+ranks time-share the cores, the measured compute times include waiting for a core, idle ranks give
+their core to busy ones, and the measured bubble is distorted in either direction. Timings on shared
+machines move by up to ~30% between runs (more under heavy load: the load average is printed), so
+compare configurations within one run and trust the "order" column for the schedule itself. On
+gloo each exchange costs a TCP round trip, and interleaving makes v times more of them, so on CPU
+its measured bubble is usually no better than 1F1B's.
 """
 from __future__ import annotations
 
@@ -248,7 +251,8 @@ def main(argv=None) -> None:
                       f"{(pp - 1) / (v * m):>9.3f}")
         if pp > cores:
             print(f"    note: pp={pp} runs {pp} processes on {cores} cores (oversubscribed): ranks time-share "
-                  f"cores, so idle stages lend their core to busy ones and the bubble is understated/noisy")
+                  f"cores, so compute times include waiting for a core, idle stages lend theirs to busy "
+                  f"ones, and the measured bubbles are distorted (in either direction)")
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("bubble (1st) = step / ideal - 1, ideal = m * slowest stage's per-micro-batch F+B measured alone;\n"
           "bubble (2nd) = step / busy - 1, busy = slowest rank's F+B time inside the same step;\n"
