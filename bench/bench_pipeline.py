@@ -17,6 +17,9 @@ into pp stages (v = 2 chunks per rank for interleaved). Then:
    Configurations are visited round-robin, ``--reps`` times, after one warm-up round; the table
    shows medians (the bubble column is the median of the per-round ratios).
 3. Measured bubble = ``step / ideal - 1``: idle (plus p2p) time relative to the ideal compute time.
+   A second estimate uses ``busy``, the slowest rank's forward + backward time inside the same step
+   (StageRunner calls timed by this script), ``step / busy - 1``: no separate measurement, so it is
+   less exposed to the machine's load changing between the two.
    That is the quantity of Narayanan et al.'s analytic bubble fraction ``(p-1)/m`` for GPipe and
    1F1B and ``(p-1)/(v*m)`` for interleaved 1F1B (bubble time / ideal time). It also contains the
    p2p cost (interleaved sends v times more messages) and any stage imbalance, so expect it above
@@ -26,9 +29,12 @@ into pp stages (v = 2 chunks per rank for interleaved). Then:
    schedule from the machine: it must equal the analytic figure, and does.
 
 Caveats printed with the table: with more processes than cores (pp=4 on a 2-core machine) the
-ranks time-share the cores, the measured per-stage time already includes that sharing and the
-bubble is distorted (idle ranks give their core to busy ones); timings on shared machines move by up
-to ~30% between runs, so compare configurations within one run.
+ranks time-share the cores, the measured compute times include waiting for a core, idle ranks give
+their core to busy ones, and the measured bubble is distorted in either direction. Timings on shared
+machines move by up to ~30% between runs (more under heavy load: the load average is printed), so
+compare configurations within one run and trust the "order" column for the schedule itself. On
+gloo each exchange costs a TCP round trip, and interleaving makes v times more of them, so on CPU
+its measured bubble is usually no better than 1F1B's.
 """
 from __future__ import annotations
 
@@ -127,6 +133,25 @@ def order_bubble(orders: list[list[tuple]], pp: int, v: int, t_f: float = 1.0, t
     return max(free) / (m * (t_f + t_b)) - 1
 
 
+_BUSY = [0.0]        # seconds this process spent in forward/backward during the current step
+
+
+def _instrument_compute() -> None:
+    """Time every StageRunner.forward/backward (bench-only; CPU wall time, meaningful without CUDA)."""
+    from megazero.parallel.pipeline.runner import StageRunner
+
+    def timed(fn):
+        def wrapper(self, *args):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args)
+            finally:
+                _BUSY[0] += time.perf_counter() - t0
+        return wrapper
+
+    StageRunner.forward, StageRunner.backward = timed(StageRunner.forward), timed(StageRunner.backward)
+
+
 def _max_over_ranks(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -139,6 +164,7 @@ def _worker(rank, pp, port, a, out_queue):
     dist.init_process_group("gloo", rank=rank, world_size=pp, timeout=datetime.timedelta(seconds=600))
     topo = _Topology(pp=pp)
     cfg = _model_cfg(a)
+    _instrument_compute()
     chunks_of = {name: build_model_chunks(cfg, ParallelConfig(pp=pp, pipeline_schedule=name, virtual_stages=v),
                                           topo, seed=1234) for name, v in SCHEDULES}
     shape = activation_shape(cfg, a.micro_batch_size)
@@ -151,22 +177,27 @@ def _worker(rank, pp, port, a, out_queue):
             stage = _max_over_ranks(_stage_compute_time(chunks, cfg, a.micro_batch_size, 3))
             mbs = _batches(cfg, m, a.micro_batch_size)
             dist.barrier()
+            _BUSY[0] = 0.0
             t0 = time.perf_counter()
             stats = PipelineStats()
             run_schedule(chunks, mbs, topo, schedule=name, tensor_shape=shape, stats=stats)
             sync_tied_embedding_grads(chunks, topo)
             step = _max_over_ranks(time.perf_counter() - t0)
+            busy = _max_over_ranks(_BUSY[0])
             for chunk in chunks:
                 chunk.zero_grad(set_to_none=True)
             if rep:
-                rows[(name, v, m)].append((step, m * stage))
+                rows[(name, v, m)].append((step, m * stage, busy))
             else:
                 every = [None] * pp
                 dist.all_gather_object(every, stats.order)
                 orders[(name, v, m)] = order_bubble(every, pp, v)
     if rank == 0:
-        out_queue.put({c: (statistics.median(s for s, _ in r), statistics.median(i for _, i in r),
-                           statistics.median(s / i - 1 for s, i in r), orders[c]) for c, r in rows.items()})
+        med = statistics.median
+        out_queue.put({c: dict(step=med(s for s, _, _ in r), ideal=med(i for _, i, _ in r),
+                               busy=med(b for _, _, b in r), vs_ideal=med(s / i - 1 for s, i, _ in r),
+                               vs_busy=med(s / b - 1 for s, _, b in r), order=orders[c])
+                       for c, r in rows.items()})
     dist.destroy_process_group()
 
 
@@ -208,22 +239,25 @@ def main(argv=None) -> None:
     print(f"GPT {a.layers} layers, hidden {a.hidden}, seq {a.seq}, vocab {a.vocab}, micro-batch "
           f"{a.micro_batch_size}; gloo on CPU, 1 thread per rank, {cores} cores; medians of {a.reps} rounds")
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print(f"{'pp':>3} {'schedule':>12} {'v':>2} {'m':>3} {'step ms':>9} {'ideal ms':>9} "
-          f"{'measured bubble':>16} {'order bubble':>13} {'analytic':>9}")
+    print(f"{'pp':>3} {'schedule':>12} {'v':>2} {'m':>3} {'step ms':>8} {'ideal ms':>9} {'bubble':>7} "
+          f"{'busy ms':>8} {'bubble':>7} {'order':>6} {'analytic':>9}")
     for pp in a.pp:
         res = _run_pp(pp, a)
         for m in a.micro_batches:
             for name, v in SCHEDULES:
-                step, ideal, bubble, replay = res[(name, v, m)]
-                print(f"{pp:>3} {name:>12} {v:>2} {m:>3} {step * 1e3:>9.1f} {ideal * 1e3:>9.1f} "
-                      f"{bubble:>16.3f} {replay:>13.3f} {(pp - 1) / (v * m):>9.3f}")
+                r = res[(name, v, m)]
+                print(f"{pp:>3} {name:>12} {v:>2} {m:>3} {r['step'] * 1e3:>8.1f} {r['ideal'] * 1e3:>9.1f} "
+                      f"{r['vs_ideal']:>7.3f} {r['busy'] * 1e3:>8.1f} {r['vs_busy']:>7.3f} {r['order']:>6.3f} "
+                      f"{(pp - 1) / (v * m):>9.3f}")
         if pp > cores:
             print(f"    note: pp={pp} runs {pp} processes on {cores} cores (oversubscribed): ranks time-share "
-                  f"cores, so idle stages lend their core to busy ones and the bubble is understated/noisy")
+                  f"cores, so compute times include waiting for a core, idle stages lend theirs to busy "
+                  f"ones, and the measured bubbles are distorted (in either direction)")
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print("measured bubble = step / (m * slowest stage's per-micro-batch F+B time) - 1; order bubble = "
-          "the executed F/B order replayed with F=1, B=2 and free p2p; analytic = (p-1)/m, interleaved "
-          "(p-1)/(v*m)")
+    print("bubble (1st) = step / ideal - 1, ideal = m * slowest stage's per-micro-batch F+B measured alone;\n"
+          "bubble (2nd) = step / busy - 1, busy = slowest rank's F+B time inside the same step;\n"
+          "order = the executed F/B order replayed with F=1, B=2 and free p2p; "
+          "analytic = (p-1)/m, interleaved (p-1)/(v*m)")
 
 
 if __name__ == "__main__":

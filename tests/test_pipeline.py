@@ -72,7 +72,7 @@ def test_activation_shape_with_sequence_parallel():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pp,m", list(itertools.product([2, 3, 4], [1, 2, 3, 4, 7])))
+@pytest.mark.parametrize("pp,m", list(itertools.product([2, 3, 4, 8], [1, 2, 3, 4, 7, 16])))
 def test_1f1b_and_gpipe_simulated(pp, m):
     for fo in (False, True):
         runs = simulate(one_f_one_b, pp, m, forward_only=fo)
@@ -88,7 +88,7 @@ def test_1f1b_and_gpipe_simulated(pp, m):
             assert [k for k, _, _ in run.stats.order] == ["F"] * m + ([] if fo else ["B"] * m)
 
 
-@pytest.mark.parametrize("pp,v,mult", list(itertools.product([2, 3, 4], [2, 3], [1, 2, 3])))
+@pytest.mark.parametrize("pp,v,mult", list(itertools.product([2, 3, 4, 8], [2, 3, 4], [1, 2, 3])))
 def test_interleaved_simulated(pp, v, mult):
     m = pp * mult
     for fo in (False, True):
@@ -304,7 +304,8 @@ def _eval_and_hook_body(rank, world, pp, schedule, v, m):
     no_grads = all(p.grad is None for c in chunks for p in c.parameters())
     eval_peak = stats.peak_in_flight
     hook = _HookRecorder(stats)
-    train_losses = run_schedule(chunks, mbs, topo, schedule=schedule, tensor_shape=shape, stats=stats,
+    inferred = None if mbs[0] is not None else shape      # stages with data infer the boundary shape
+    train_losses = run_schedule(chunks, mbs, topo, schedule=schedule, tensor_shape=inferred, stats=stats,
                                 grad_sync=hook)
     return {"pp_rank": topo.pp_rank, "eval": [x.item() for x in eval_losses],
             "train": [x.item() for x in train_losses], "no_grads": no_grads, "eval_peak": eval_peak,
