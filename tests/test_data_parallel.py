@@ -12,7 +12,7 @@ from multiproc import run_on_ranks
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.optim import weight_decay_groups
-from megazero.parallel.data import AllReduceGradSync, ShardedGradSync, plan_buckets, wrap_data_parallel
+from megazero.parallel.data import AllReduceGradSync, plan_buckets, wrap_data_parallel
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_optimizer
 
