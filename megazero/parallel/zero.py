@@ -156,10 +156,8 @@ class _BucketAdamW:
 
     def _found_inf(self, grads: list[torch.Tensor]) -> bool:
         flag = torch.zeros(1, dtype=torch.float32, device=self.topo.device)
-        for g in grads:
-            if not bool(torch.isfinite(g).all()):
-                flag.fill_(1.0)
-                break
+        for g in grads:                      # no host sync per tensor: one .item() at the end
+            flag += (~torch.isfinite(g)).any()
         comm.all_reduce(flag, dist.group.WORLD, self.comm_log, "world", op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -170,7 +168,7 @@ class _BucketAdamW:
         sq = torch.zeros(1, dtype=torch.float64, device=self.topo.device)
         for r, g in zip(self.ranges, grads):
             for a, b in r.norm_ranges:
-                sq += torch.sum(g[a:b].double() ** 2)
+                sq += torch.linalg.vector_norm(g[a:b]).double() ** 2
         group, tag = self._norm_group()
         comm.all_reduce(sq, group, self.comm_log, tag)
         return math.sqrt(sq.item())
