@@ -1,0 +1,248 @@
+"""dp = 2 on one machine: megazero's data parallelism / ZeRO against torch's own, same tiny GPT.
+
+    OMP_NUM_THREADS=1 python bench/bench_zero.py [--rounds 8] [--layers 4 --hidden 256]
+
+Pairs compared:
+
+    ours ZeRO-0 (bucketed all-reduce, fp32 AdamW)      vs  torch DistributedDataParallel + AdamW
+    ours ZeRO-1 (reduce-scatter + all-gather)          vs  DDP + ZeroRedundancyOptimizer(AdamW)
+    plus ours ZeRO-1 over all-reduced gradients (the cheaper collective on gloo) and ours ZeRO-2,
+    also against DDP + ZeroRedundancyOptimizer.
+
+Every variant trains the same GPT from the same init on the same data (2 micro-batches per step,
+clipping at 1.0) and must end at the same loss; the script checks that.
+
+Step time: one pair of processes holds all variants and runs one step of each per round, in a
+rotated order, so every variant sees the same machine load (step times on shared machines drift
+by tens of percent between runs). Reported: median step time of rank 0 over the rounds after a
+warmup, and the median over rounds of the ratio to the torch peer's step in the same round.
+Memory: each variant then runs alone in 2 fresh processes for a few steps; peak RSS per rank
+(max over ranks), its growth from after the model is built, model-state bytes per rank
+(params + grads + separate fp32 master + Adam state, as held after a step) and the most gradient
+memory held at once during the steps (ZeRO-2 frees full-size buckets once reduced).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megazero.config import ModelConfig, OptimizerConfig, ZeroConfig  # noqa: E402
+from megazero.models import GPT, masked_mean  # noqa: E402
+from megazero.optim import weight_decay_groups  # noqa: E402
+from megazero.parallel.data import AllReduceGradSync  # noqa: E402
+from megazero.parallel.topology import Topology  # noqa: E402
+from megazero.parallel.zero import build_engine  # noqa: E402
+
+VARIANTS = ["ours-zero0", "torch-ddp", "ours-zero1", "torch-ddp-zero", "ours-zero1-allreduce", "ours-zero2"]
+PEERS = {"ours-zero0": "torch-ddp", "ours-zero1": "torch-ddp-zero", "ours-zero1-allreduce": "torch-ddp-zero",
+         "ours-zero2": "torch-ddp-zero"}
+OPT = OptimizerConfig(lr=1e-3, weight_decay=0.1, clip_grad=1.0)
+MICRO, MB = 2, 2
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _batches(cfg: ModelConfig, steps: int, rank: int):
+    g = torch.Generator().manual_seed(100)
+    out = []
+    for _ in range(steps):
+        step = []
+        for r in range(2):
+            for _ in range(MICRO):
+                tok = torch.randint(0, cfg.vocab_size, (MB, cfg.seq_length + 1), generator=g)
+                if r == rank:
+                    step.append((tok[:, :-1], tok[:, 1:], torch.ones(MB, cfg.seq_length)))
+        out.append(step)
+    return out
+
+
+def _torch_step(model, opt, micro):
+    opt.zero_grad(set_to_none=False)
+    total = 0.0
+    for i, (x, y, m) in enumerate(micro):
+        ctx = model.no_sync() if i < len(micro) - 1 else _null()
+        with ctx:
+            loss = masked_mean(model(x, y), m)
+            (loss / len(micro)).backward()
+        total += loss.item() / len(micro)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), OPT.clip_grad)
+    opt.step()
+    return total
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _ours_step(model, engine, micro):
+    engine.zero_grad()
+    total = 0.0
+    for i, (x, y, m) in enumerate(micro):
+        engine.before_backward(0, i == len(micro) - 1)
+        loss = masked_mean(model(x, y), m)
+        (loss / len(micro)).backward()
+        total += loss.item() / len(micro)
+    engine.finalize_grads()
+    engine.step()
+    return total
+
+
+def _totals(b: dict) -> tuple[int, int]:
+    return b["total"], b["grads_peak"]
+
+
+def _build(variant: str, model, topo):
+    """(step function, model-state bytes function) for a variant."""
+    if variant.startswith("ours"):
+        stage = {"ours-zero0": 0, "ours-zero1": 1, "ours-zero1-allreduce": 1, "ours-zero2": 2}[variant]
+        cls = AllReduceGradSync if variant == "ours-zero1-allreduce" else None
+        engine = build_engine(model, topo, ZeroConfig(zero_stage=stage), OPT, grad_sync_cls=cls)
+        return (lambda micro: _ours_step(model, engine, micro)), (lambda: _totals(engine.model_state_bytes()))
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model)
+    groups = weight_decay_groups(ddp.module.named_parameters(), OPT.weight_decay)
+    kw = dict(lr=OPT.lr, betas=(OPT.adam_beta1, OPT.adam_beta2), eps=OPT.adam_eps)
+    if variant == "torch-ddp":
+        opt = torch.optim.AdamW(groups, **kw)
+    else:
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      weight_decay=OPT.weight_decay, **kw)
+        opt.add_param_group(groups[1])
+
+    def state_bytes():
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        local = opt.optim if variant == "torch-ddp-zero" else opt
+        state = [t for s in local.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        params = list(model.parameters())
+        grads = nbytes([p.grad for p in params if p.grad is not None])
+        return nbytes(params) + grads + nbytes(state), grads
+
+    return (lambda micro: _torch_step(ddp, opt, micro)), state_bytes
+
+
+def _gpt(args) -> tuple[ModelConfig, GPT]:
+    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                      seq_length=args.seq, vocab_size=args.vocab)
+    return cfg, GPT(cfg, seed=1234)
+
+
+def _timing_worker(rank: int, variants: list[str], args, init_file: str, queue) -> None:
+    """All variants in one process pair, one step each per round, rotated order."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    topo = Topology(dp=2)
+    steps, cfg = {}, None
+    for v in variants:
+        cfg, model = _gpt(args)
+        steps[v] = _build(v, model, topo)[0]
+    batches = _batches(cfg, args.rounds, rank)
+    times = {v: [] for v in variants}
+    losses = {v: [] for v in variants}
+    for i, micro in enumerate(batches):
+        order = variants[i % len(variants):] + variants[:i % len(variants)]
+        for v in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[v].append(steps[v](micro))
+            times[v].append(time.perf_counter() - t0)
+    queue.put((rank, times, losses))
+    dist.destroy_process_group()
+
+
+def _memory_worker(rank: int, variant: str, args, init_file: str, queue) -> None:
+    """One variant alone: peak RSS and model-state bytes."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    topo = Topology(dp=2)
+    cfg, model = _gpt(args)
+    rss_model = _rss_mb()
+    step, state_bytes = _build(variant, model, topo)
+    for micro in _batches(cfg, 3, rank):
+        step(micro)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    queue.put((rank, peak, peak - rss_model, state_bytes()))
+    dist.destroy_process_group()
+
+
+def _spawn(target, payload, args) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="bench_zero_")
+    os.close(fd)
+    os.unlink(init_file)
+    procs = [ctx.Process(target=target, args=(r, payload, args, init_file, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = sorted((queue.get(timeout=900) for _ in procs), key=lambda x: x[0])
+    for p in procs:
+        p.join()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=10, help="steps per variant (first --warmup not timed)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    variants = args.variants.split(",")
+    t0 = time.perf_counter()
+    timing = _spawn(_timing_worker, variants, args)
+    memory = {v: _spawn(_memory_worker, v, args) for v in variants}
+    report(variants, timing, memory, args)
+    print(f"(benchmark wall time {time.perf_counter() - t0:.0f} s)")
+
+
+def report(variants, timing, memory, args) -> None:
+    _, times, losses = timing[0]
+    w = args.warmup
+    print(f"dp=2, GPT {args.layers} layers x {args.hidden} hidden, seq {args.seq}, vocab {args.vocab}, "
+          f"{MICRO} micro-batches of {MB} per rank, fp32, gloo, {args.rounds - w} timed rounds")
+    print("| variant | median step (ms) | vs torch peer (median of per-round ratios) | peak RSS/rank (MiB) "
+          "| RSS growth/rank (MiB) | model states/rank (MiB) | peak grads/rank (MiB) | final loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for v in variants:
+        peer = PEERS.get(v)
+        ratio = ""
+        if peer in times:
+            ratio = f"{statistics.median(a / b for a, b in zip(times[v][w:], times[peer][w:])):.2f}x"
+        peak = max(r[1] for r in memory[v])
+        growth = max(r[2] for r in memory[v])
+        states = max(r[3][0] for r in memory[v]) / 2**20
+        grads_peak = max(r[3][1] for r in memory[v]) / 2**20
+        print(f"| {v} | {1000 * statistics.median(times[v][w:]):.1f} | {ratio} | {peak:.0f} | {growth:.0f} "
+              f"| {states:.1f} | {grads_peak:.1f} | {losses[v][-1]:.5f} |")
+    final = {v: losses[v][-1] for v in variants}
+    spread = max(final.values()) - min(final.values())
+    print(f"final-loss spread across variants: {spread:.2e} "
+          f"({'same loss' if spread <= 1e-5 * max(final.values()) else 'MISMATCH'})")
+
+
+if __name__ == "__main__":
+    main()

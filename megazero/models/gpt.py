@@ -1,0 +1,336 @@
+"""GPT-2 style decoder built from the tensor-parallel layers, usable as a whole model or a pipeline stage.
+
+Shape: pre-LayerNorm blocks ``x + Dropout(Attn(LN(x)))``, ``x + Dropout(MLP(LN(x)))``, learned
+position embeddings, GELU MLP, causal attention via ``F.scaled_dot_product_attention``, final
+LayerNorm, output layer tied to the word embedding unless ``untie_embeddings_and_output_weights``.
+
+Parameter names are the same on every tp/pp layout (a stage simply lacks what it does not own)::
+
+    embedding.word_embeddings.weight              [V_pad/tp, h]   split dim 0 (vocab rows)
+    embedding.position_embeddings.weight          [max_pos, h]    replicated (first stage only)
+    layers.<i>.input_layernorm.{weight,bias}      [h]             replicated
+    layers.<i>.attention.qkv.{weight,bias}        [3h/tp, h]      split dim 0, see SelfAttention
+    layers.<i>.attention.dense.weight             [h, h/tp]       split dim 1;  .bias [h] replicated
+    layers.<i>.post_attention_layernorm.{weight,bias}
+    layers.<i>.mlp.dense_h_to_4h.{weight,bias}    [ffn/tp, h]     split dim 0
+    layers.<i>.mlp.dense_4h_to_h.weight           [h, ffn/tp]     split dim 1;  .bias [h] replicated
+    final_norm.{weight,bias}                      [h]             (last stage only)
+    output_layer.weight                           [V_pad/tp, h]   only when untied
+
+``<i>`` is the *global* layer index. With tied embeddings a last stage that is not also the first
+(pipeline) still owns ``embedding.word_embeddings.weight`` (same init, ``shared_embedding=True``);
+the pipeline code keeps the two copies' gradients in sync.
+
+Padded vocabulary: rows ``vocab_size .. V_pad-1`` of the word embedding (and untied output layer)
+are initialised to zero and their logits are set to -inf inside the model, so padded entries never
+receive probability mass (in the loss or in returned logits) and never get a gradient.
+
+Layout-independent init: every parameter is drawn WHOLE (its tp=1 shape; vocab rows beyond
+``vocab_size`` zero) from a CPU ``torch.Generator`` seeded by ``hash(seed, parameter name)`` and then
+sliced for this tp rank, so one seed gives the same full model for any tp/pp.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megazero.config import ModelConfig, ParallelConfig, _check_model
+from megazero.parallel.comm import group_rank, group_size
+from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
+                                      VocabParallelEmbedding, copy_to_tp_region,
+                                      gather_from_sequence_parallel_region, init_std_scaled,
+                                      mask_padded_vocab, set_tp_attributes, shard,
+                                      vocab_parallel_cross_entropy)
+
+__all__ = ["GPT", "masked_mean", "param_seed", "qkv_blocks_to_interleaved", "qkv_interleaved_to_blocks"]
+
+
+def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """sum(loss * mask) / sum(mask) as a scalar (0 when the mask is empty)."""
+    mask = loss_mask.to(per_token_loss.dtype)
+    total = mask.sum()
+    return torch.where(total > 0, (per_token_loss * mask).sum() / total.clamp(min=1e-30),
+                       torch.zeros((), dtype=per_token_loss.dtype, device=per_token_loss.device))
+
+
+def param_seed(seed: int, name: str) -> int:
+    """The generator seed of parameter ``name`` (stable across processes and Python versions)."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def qkv_blocks_to_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder a full fused-QKV weight [3h, ...] (or bias [3h]) from blocks [Q_all; K_all; V_all]
+    (HF GPT-2 ``c_attn`` after transposing its [h, 3h] Conv1D weight) to our per-head
+    [q_0; k_0; v_0; q_1; ...] rows (see :class:`SelfAttention`)."""
+    d = w.shape[0] // (3 * num_heads)
+    return w.reshape(3, num_heads, d, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def qkv_interleaved_to_blocks(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of :func:`qkv_blocks_to_interleaved`: our per-head rows -> [Q_all; K_all; V_all]."""
+    d = w.shape[0] // (3 * num_heads)
+    return w.reshape(num_heads, 3, d, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+class _Context:
+    """What every submodule needs to know about the layout (one shared object, not a global)."""
+
+    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, rng: TensorParallelRNG,
+                 dtype, device):
+        self.cfg, self.tp_group, self.sp, self.rng = cfg, tp_group, sequence_parallel, rng
+        self.dtype, self.device = dtype, device
+        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
+        # Dropout on replicated activations uses the stream shared by tp ranks; on a sequence chunk
+        # (sequence parallel) each rank holds different tokens, so it uses the per-rank stream.
+        self.hidden_region = TensorParallelRNG.TP if sequence_parallel else TensorParallelRNG.DEFAULT
+
+    def dropout(self, x, p: float, training: bool, region: str):
+        if not training or p == 0.0:
+            return x
+        with self.rng.fork(region):
+            return F.dropout(x, p, training=True)
+
+    def layer_norm(self) -> nn.LayerNorm:
+        norm = nn.LayerNorm(self.cfg.hidden_size, eps=self.cfg.layernorm_epsilon,
+                            dtype=self.dtype, device=self.device)
+        for p in norm.parameters():
+            set_tp_attributes(p, False, sequence_parallel_grad=self.sp)
+        return norm
+
+
+class Embedding(nn.Module):
+    """Word (vocab-parallel) + learned position embeddings, then dropout. ids [b, s] -> [s(/tp), b, h]."""
+
+    def __init__(self, ctx: _Context, padded_vocab_size: int, with_positions: bool = True):
+        super().__init__()
+        self.ctx = ctx
+        cfg = ctx.cfg
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size, ctx.tp_group,
+                                                      sequence_parallel=ctx.sp, dtype=ctx.dtype,
+                                                      device=ctx.device)
+        self.position_embeddings = None
+        if with_positions:
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                                    dtype=ctx.dtype, device=ctx.device)
+            set_tp_attributes(self.position_embeddings.weight, False, sequence_parallel_grad=ctx.sp)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ctx, s = self.ctx, ids.shape[1]
+        if s > ctx.cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {s} exceeds --max-position-embeddings "
+                             f"{ctx.cfg.max_position_embeddings}")
+        words = self.word_embeddings(ids)          # [b, s, h], or [s/tp, b, h] with sequence parallel
+        if ctx.sp:
+            chunk = s // ctx.tp_size
+            pos = torch.arange(ctx.tp_rank * chunk, (ctx.tp_rank + 1) * chunk, device=ids.device)
+            x = words + self.position_embeddings(pos).unsqueeze(1)
+        else:
+            pos = torch.arange(s, device=ids.device)
+            x = (words + self.position_embeddings(pos)).transpose(0, 1).contiguous()
+        return ctx.dropout(x, ctx.cfg.hidden_dropout, self.training, ctx.hidden_region)
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention with heads split across tp ranks.
+
+    Fused QKV layout. The FULL ``qkv.weight`` [3h, h] (and ``qkv.bias`` [3h]) is ordered head by
+    head, q, k, v inside each head (head_dim d = h / heads)::
+
+        row  head*3d + 0*d + j   -> query  feature j of head `head`
+        row  head*3d + 1*d + j   -> key    feature j of head `head`
+        row  head*3d + 2*d + j   -> value  feature j of head `head`
+
+    tp rank r holds the contiguous rows ``r*3h/tp .. (r+1)*3h/tp - 1``, i.e. whole heads
+    ``r*heads/tp .. (r+1)*heads/tp - 1`` each as [q; k; v]. This full layout does not depend on tp.
+    Worked example, h=4, 2 heads (d=2), tp=2: full rows are
+    ``[q0 q0 k0 k0 v0 v0 | q1 q1 k1 k1 v1 v1]``; tp rank 0 holds rows 0-5 (head 0), rank 1 rows 6-11.
+    HF GPT-2's ``c_attn.weight`` is [h, 3h] with columns [Q_all | K_all | V_all]: ours is
+    ``qkv_blocks_to_interleaved(c_attn.weight.t(), heads)`` (bias likewise, without the transpose).
+    ``dense`` ([h, h], split on dim 1) takes the heads' outputs concatenated in head order, the same
+    order as HF ``c_proj``'s input features (its weight is ``c_proj.weight.t()``).
+    """
+
+    def __init__(self, ctx: _Context):
+        super().__init__()
+        self.ctx = ctx
+        cfg = ctx.cfg
+        h = cfg.hidden_size
+        self.heads_local = cfg.num_attention_heads // ctx.tp_size
+        self.head_dim = cfg.head_dim
+        kw = dict(sequence_parallel=ctx.sp, dtype=ctx.dtype, device=ctx.device)
+        self.qkv = ColumnParallelLinear(h, 3 * h, ctx.tp_group, **kw)
+        self.dense = RowParallelLinear(h, h, ctx.tp_group, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)                                               # [s, b, heads_local*3*d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim)
+        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))   # [b, heads_local, s, d]
+        p = self.ctx.cfg.attention_dropout if self.training else 0.0
+        if p > 0.0:
+            with self.ctx.rng.fork(TensorParallelRNG.TP):
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
+        return self.dense(out)
+
+
+class MLP(nn.Module):
+    """h -> ffn (column-parallel) -> GELU -> h (row-parallel)."""
+
+    def __init__(self, ctx: _Context):
+        super().__init__()
+        cfg = ctx.cfg
+        kw = dict(sequence_parallel=ctx.sp, dtype=ctx.dtype, device=ctx.device)
+        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ctx.tp_group, **kw)
+        self.dense_4h_to_h = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, ctx.tp_group, **kw)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate=self.approximate))
+
+
+class TransformerLayer(nn.Module):
+    """One pre-LN block on [s(/tp), b, h]."""
+
+    def __init__(self, ctx: _Context):
+        super().__init__()
+        self.ctx = ctx
+        self.input_layernorm = ctx.layer_norm()
+        self.attention = SelfAttention(ctx)
+        self.post_attention_layernorm = ctx.layer_norm()
+        self.mlp = MLP(ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx, p = self.ctx, self.ctx.cfg.hidden_dropout
+        x = x + ctx.dropout(self.attention(self.input_layernorm(x)), p, self.training, ctx.hidden_region)
+        return x + ctx.dropout(self.mlp(self.post_attention_layernorm(x)), p, self.training, ctx.hidden_region)
+
+
+class GPT(nn.Module):
+    """The GPT model, or the part of it one pipeline stage owns.
+
+    ``GPT(cfg, topo, sequence_parallel=False, layer_ids=None, pre_process=True, post_process=True,
+    seed=1234, dtype=torch.float32, device=None)``. ``forward(x, labels=None)``:
+
+    - ``x``: token ids [b, s] int64 when ``pre_process``, else hidden [s(/tp), b, h] from the
+      previous stage;
+    - returns per-token loss [b, s] float32 (``post_process`` and labels), this rank's logits shard
+      [b, s, V_pad/tp] (``post_process``, no labels; padded entries -inf), else hidden [s(/tp), b, h].
+    """
+
+    def __init__(self, model_cfg: ModelConfig, topo=None, *, sequence_parallel: bool = False,
+                 layer_ids: Sequence[int] | None = None, pre_process: bool = True,
+                 post_process: bool = True, seed: int = 1234, dtype=torch.float32, device=None):
+        super().__init__()
+        cfg = model_cfg
+        tp = topo.tp_size if topo is not None else 1
+        _check_model(cfg, ParallelConfig(tp=tp, sequence_parallel=sequence_parallel))
+        tp_group = topo.tp_group if tp > 1 else None
+        sequence_parallel = sequence_parallel and tp > 1
+        device = torch.device(device) if device is not None else (topo.device if topo is not None
+                                                                   else torch.device("cpu"))
+        layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
+        self.cfg, self.tp_group, self.sequence_parallel = cfg, tp_group, sequence_parallel
+        self.pre_process, self.post_process, self.layer_ids = pre_process, post_process, layer_ids
+        self.tied = not cfg.untie_embeddings_and_output_weights
+        self.padded_vocab_size = cfg.padded_vocab_size(tp)
+        self.rng = TensorParallelRNG(seed, group_rank(tp_group), offset=100 * min(layer_ids, default=0),
+                                     device=device)
+        ctx = self.ctx = _Context(cfg, tp_group, sequence_parallel, self.rng, dtype, device)
+
+        if pre_process or (post_process and self.tied):
+            self.embedding = Embedding(ctx, self.padded_vocab_size, with_positions=pre_process)
+            self.embedding.word_embeddings.weight.shared_embedding = self.tied
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(ctx) for i in layer_ids})
+        if post_process:
+            self.final_norm = ctx.layer_norm()
+            if not self.tied:
+                self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, tp_group,
+                                                         bias=False, sequence_parallel=sequence_parallel,
+                                                         dtype=dtype, device=device)
+        for p in self.parameters():
+            if not hasattr(p, "tensor_parallel"):
+                set_tp_attributes(p, False)
+        self.reset_parameters(seed)
+
+    # ------------------------------------------------------------------ init
+    def reset_parameters(self, seed: int) -> None:
+        """Fill every parameter from its whole-tensor init (see module docstring), sliced for this rank."""
+        norms = {id(p) for m in self.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+        tp, rank = self.ctx.tp_size, self.ctx.tp_rank
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                full_shape = list(p.shape)
+                if p.tensor_parallel:
+                    full_shape[p.partition_dim] *= tp
+                full = self.full_init(name, tuple(full_shape), seed, is_norm=id(p) in norms)
+                p.copy_(shard(full, p.partition_dim, rank, tp))
+
+    def full_init(self, name: str, shape: tuple[int, ...], seed: int, is_norm: bool = False) -> torch.Tensor:
+        """The tp=1 value of parameter ``name`` (float32, CPU): GPT-2 init, deterministic in (seed, name)."""
+        cfg = self.cfg
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        if is_norm:
+            return torch.ones(shape)
+        std = cfg.init_method_std
+        if cfg.scaled_output_init and name.endswith(("attention.dense.weight", "mlp.dense_4h_to_h.weight")):
+            std = init_std_scaled(std, cfg.num_layers)
+        gen = torch.Generator().manual_seed(param_seed(seed, name))
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            full = torch.zeros(shape)                    # padded vocab rows stay zero
+            full[:cfg.vocab_size].normal_(0.0, std, generator=gen)
+            return full
+        return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embedding(x) if self.pre_process else x
+        recompute = self.cfg.recompute_activations and torch.is_grad_enabled()
+        for layer in self.layers.values():
+            h = self._checkpointed(layer, h) if recompute else layer(h)
+        if not self.post_process:
+            return h
+        logits = self._logits(self.final_norm(h))
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[s(/tp), b, h] -> this rank's [b, s, V_pad/tp] logits with padded entries at -inf."""
+        if self.sequence_parallel:
+            h = gather_from_sequence_parallel_region(h, self.tp_group)
+        else:
+            h = copy_to_tp_region(h, self.tp_group)
+        weight = self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight
+        logits = F.linear(h.transpose(0, 1), weight)
+        return mask_padded_vocab(logits, self.cfg.vocab_size, self.ctx.tp_rank * weight.shape[0], inplace=True)
+
+    def _checkpointed(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """Run ``layer`` without keeping its activations; backward recomputes it with the same dropout
+        masks (the global RNG via checkpoint's preserve_rng_state, our streams via saved states)."""
+        saved = self.rng.get_states()
+        calls = []
+
+        def run(inp):
+            if not calls:                      # the real forward
+                calls.append(1)
+                return layer(inp)
+            after = self.rng.get_states()      # the recomputation in backward: replay the streams
+            self.rng.set_states(saved)
+            try:
+                return layer(inp)
+            finally:
+                self.rng.set_states(after)
+
+        return checkpoint(run, h, use_reentrant=False, preserve_rng_state=True)
+
+    masked_mean = staticmethod(masked_mean)

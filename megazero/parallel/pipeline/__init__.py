@@ -1,0 +1,30 @@
+"""Pipeline parallelism: stage split, point-to-point exchange, schedules, tied embeddings.
+
+Typical use, on every rank of a tp x pp (x dp) job::
+
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=job.train.seed)
+    shape = activation_shape(job.model, job.train.micro_batch_size, topo.tp_size, job.parallel.sequence_parallel)
+    losses = run_schedule(chunks, micro_batches, topo, schedule=get_schedule(job.parallel),
+                          tensor_shape=shape)            # per-micro-batch losses on the last stage
+    sync_tied_embedding_grads(chunks, topo)              # (or the DP wrapper's finalize_grads)
+    optimizer.step()
+
+Modules: ``stages`` (who holds which layers, tied-embedding sync), ``p2p`` (batched isend/irecv),
+``runner`` (one forward/backward of one micro-batch), ``schedules`` (no-pipelining, GPipe, 1F1B and
+the dispatcher), ``interleaved`` (interleaved 1F1B).
+"""
+from megazero.parallel.pipeline.api import run_schedule
+from megazero.parallel.pipeline.interleaved import chunk_of, interleaved_one_f_one_b, interleaved_warmup
+from megazero.parallel.pipeline.p2p import StageComm
+from megazero.parallel.pipeline.runner import PipelineStats, StageRunner
+from megazero.parallel.pipeline.schedules import (default_schedule, get_schedule, gpipe, no_pipelining,
+                                                  one_f_one_b, schedule_by_name)
+from megazero.parallel.pipeline.stages import (activation_shape, build_model_chunks, shared_embedding_params,
+                                               stage_layer_ids, sync_tied_embedding_grads)
+
+__all__ = [
+    "activation_shape", "build_model_chunks", "chunk_of", "default_schedule", "get_schedule", "gpipe",
+    "interleaved_one_f_one_b", "interleaved_warmup", "no_pipelining", "one_f_one_b", "PipelineStats",
+    "run_schedule", "schedule_by_name", "shared_embedding_params", "StageComm", "StageRunner",
+    "stage_layer_ids", "sync_tied_embedding_grads",
+]

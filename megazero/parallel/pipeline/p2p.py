@@ -1,0 +1,100 @@
+"""Point-to-point exchange of activations (forward) and their gradients (backward) between stages.
+
+Every exchange is one batch of ``isend`` / ``irecv`` (``torch.distributed.batch_isend_irecv``) whose
+request handles are waited on before returning; there is no barrier and no device synchronize. The
+receive buffers are allocated from the known activation shape (``[s(/tp), b, h]``) and the model's
+dtype, so no shape metadata travels.
+
+Who talks to whom, pp=4 with tp=2 (rank = tp_rank + 2 * pp_rank, Megatron's order)::
+
+    tp rank 0:  0 -> 2 -> 4 -> 6        activations go right, gradients go left
+    tp rank 1:  1 -> 3 -> 5 -> 7        (each tp rank talks to the same tp rank of its neighbours)
+
+With ``ring=True`` (interleaved schedule) the last stage's next rank is the first stage and vice
+versa (6 -> 0 above): the output of chunk c on the last stage feeds chunk c+1 on the first.
+
+Ordering rule. A send and a receive are matched by their order between a pair of ranks (NCCL
+ignores tags, and we use one tag on gloo too so CPU tests see the same matching). Every batch posts
+its operations in the same order -- send-next, recv-prev, send-prev, recv-next -- so when two ranks
+are each other's prev *and* next (pp=2 ring) the activation is always matched before the gradient
+on both sides. Deadlock freedom comes from the schedules: each batch on one rank meets a batch on
+its neighbour containing the matching operations (both backends only complete a send once the peer
+has posted the receive).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class StageComm:
+    """Batched p2p between this rank and its pipeline neighbours for one activation shape.
+
+    ``shape``/``dtype``: the tensor every stage boundary carries (see
+    :func:`megazero.parallel.pipeline.stages.activation_shape`). Methods return ``None`` for a
+    direction with no peer (the first stage's ``recv_forward`` without ``ring``, ...).
+    ``num_batches`` / ``num_messages`` count what was exchanged (cheap instrumentation).
+    """
+
+    def __init__(self, topo, shape, dtype: torch.dtype, *, ring: bool = False):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, topo.device
+        self.group = topo.pp_group
+        p, r = topo.pp_size, topo.pp_rank
+        if ring and p > 1:
+            self.prev, self.next = topo.pp_ranks[(r - 1) % p], topo.pp_ranks[(r + 1) % p]
+        else:
+            self.prev, self.next = topo.prev_rank, topo.next_rank
+        self.num_batches = self.num_messages = 0
+
+    def exchange(self, *, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
+                 recv_prev: bool = False, recv_next: bool = False):
+        """One batch: optionally send to next / prev and receive from prev / next.
+
+        Returns ``(from_prev, from_next)``; each is a fresh tensor or ``None`` when not received.
+        A send or receive towards a missing neighbour (``None`` rank) is skipped.
+        """
+        ops, from_prev, from_next = [], None, None
+        if send_next is not None and self.next is not None:
+            ops.append(dist.P2POp(dist.isend, self._check(send_next, "send_next"), self.next, self.group))
+        if recv_prev and self.prev is not None:
+            from_prev = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev, self.group))
+        if send_prev is not None and self.prev is not None:
+            ops.append(dist.P2POp(dist.isend, self._check(send_prev, "send_prev"), self.prev, self.group))
+        if recv_next and self.next is not None:
+            from_next = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, from_next, self.next, self.group))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+            self.num_batches += 1
+            self.num_messages += len(ops)
+        return from_prev, from_next
+
+    def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        if tuple(t.shape) != self.shape or t.dtype != self.dtype:
+            raise RuntimeError(f"pipeline {what}: tensor {tuple(t.shape)} {t.dtype} does not match the "
+                               f"configured stage boundary {self.shape} {self.dtype}; check --seq-length, "
+                               f"--micro-batch-size, --hidden-size and --sequence-parallel")
+        return t.detach().contiguous()
+
+    # Named exchanges, as the schedules use them (Megatron's vocabulary).
+    def recv_forward(self):
+        return self.exchange(recv_prev=True)[0]
+
+    def send_forward(self, output):
+        self.exchange(send_next=output)
+
+    def recv_backward(self):
+        return self.exchange(recv_next=True)[1]
+
+    def send_backward(self, input_grad):
+        self.exchange(send_prev=input_grad)
+
+    def send_forward_recv_backward(self, output):
+        """1F1B steady state: hand the activation on, get the gradient of an earlier one back."""
+        return self.exchange(send_next=output, recv_next=True)[1]
+
+    def send_backward_recv_forward(self, input_grad):
+        """1F1B steady state: hand the gradient back, get the next micro-batch's activation."""
+        return self.exchange(send_prev=input_grad, recv_prev=True)[0]

@@ -1,0 +1,123 @@
+"""Forward and backward of one micro-batch through one model chunk, with the bookkeeping the
+schedules share: the activations kept for backward (per chunk, first in first out), the losses of
+the last stage, the gradient-sync hook and the in-flight count.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from megazero.models.gpt import masked_mean
+from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage
+
+
+@dataclass
+class PipelineStats:
+    """What one schedule run did on this rank (pass one to ``run_schedule(stats=...)``).
+
+    ``peak_in_flight``: the most micro-batches whose forward had run and whose backward had not,
+    summed over this rank's chunks: the number of activation sets held at once. 1F1B promises
+    ``<= pp - pp_rank``; GPipe holds all ``m``.
+    """
+
+    schedule: str = ""
+    num_forward: int = 0
+    num_backward: int = 0
+    in_flight: int = 0
+    peak_in_flight: int = 0
+    order: list = field(default_factory=list)   # ("F" | "B", chunk, micro-batch) in execution order
+
+    def reset(self, schedule: str) -> None:
+        self.schedule, self.num_forward, self.num_backward = schedule, 0, 0
+        self.in_flight = self.peak_in_flight = 0
+        self.order = []
+
+
+class StageRunner:
+    """Runs this rank's chunks on the step's micro-batches, one forward or backward at a time.
+
+    ``chunks[c]`` is virtual stage ``c * pp + pp_rank``. Forward of chunk c always takes the next
+    micro-batch of that chunk (0, 1, 2, ...), and backward the oldest one still held, so the
+    schedules only decide *which chunk* runs next, never which micro-batch.
+    """
+
+    def __init__(self, chunks, micro_batches, topo, *, forward_only: bool = False, loss_scale: float = 1.0,
+                 grad_sync=None, stats: PipelineStats | None = None, loss_fn=None):
+        self.chunks, self.micro_batches, self.topo = list(chunks), list(micro_batches), topo
+        self.num_micro, self.v = len(self.micro_batches), len(self.chunks)
+        if self.num_micro == 0:
+            raise ValueError("run_schedule needs at least one micro-batch")
+        self.forward_only, self.loss_scale, self.grad_sync = forward_only, loss_scale, grad_sync
+        self.stats = stats if stats is not None else PipelineStats()
+        self.loss_fn = loss_fn or masked_mean
+        self.losses: list[torch.Tensor] = []
+        self.next_micro = [0] * self.v
+        self.done_backward = [0] * self.v
+        self.held: list[deque] = [deque() for _ in range(self.v)]
+
+    def is_first(self, c: int) -> bool:
+        return is_first_virtual_stage(self.topo.pp_rank, c)
+
+    def is_last(self, c: int) -> bool:
+        return is_last_virtual_stage(self.topo.pp_rank, self.topo.pp_size, c, self.v)
+
+    def _batch(self, i: int, key: str) -> torch.Tensor:
+        mb = self.micro_batches[i]
+        if mb is None or mb.get(key) is None:
+            raise ValueError(f"micro-batch {i} has no {key!r}, which pipeline rank {self.topo.pp_rank} needs")
+        return mb[key].to(self.topo.device)
+
+    def forward(self, c: int, received: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward of chunk c on its next micro-batch. ``received`` is the activation from the
+        previous virtual stage (None on the first). Returns the activation to send on, or None on
+        the last virtual stage (which records the micro-batch loss instead)."""
+        i = self.next_micro[c]
+        if i >= self.num_micro:
+            raise RuntimeError(f"schedule bug: chunk {c} asked for micro-batch {i} of {self.num_micro}")
+        self.next_micro[c] += 1
+        first, last = self.is_first(c), self.is_last(c)
+        if first:
+            x = self._batch(i, "tokens")
+        else:
+            if received is None:
+                raise RuntimeError(f"schedule bug: chunk {c} micro-batch {i} has no input activation")
+            x = received.requires_grad_(not self.forward_only)
+        with torch.set_grad_enabled(not self.forward_only):
+            out = self.chunks[c](x, self._batch(i, "labels") if last else None)
+            if last:
+                loss = self.loss_fn(out, self._batch(i, "loss_mask"))
+                self.losses.append(loss.detach())
+                out = loss * (self.loss_scale / self.num_micro)
+        s = self.stats
+        s.num_forward += 1
+        s.order.append(("F", c, i))
+        if not self.forward_only:
+            self.held[c].append((None if first else x, out))
+            s.in_flight += 1
+            s.peak_in_flight = max(s.peak_in_flight, s.in_flight)
+        return None if last else out
+
+    def backward(self, c: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Backward of chunk c on its oldest held micro-batch. ``output_grad`` is the gradient from
+        the next virtual stage (None on the last, whose output is the scaled loss). Returns the
+        gradient of the chunk's input, to send back (None on the first virtual stage)."""
+        if not self.held[c]:
+            raise RuntimeError(f"schedule bug: backward of chunk {c} with no activations held")
+        x, out = self.held[c].popleft()
+        i = self.done_backward[c]
+        self.done_backward[c] += 1
+        if self.grad_sync is not None:
+            self.grad_sync.before_backward(c, self.done_backward[c] == self.num_micro)
+        if self.is_last(c):
+            out.backward()
+        else:
+            if output_grad is None:
+                raise RuntimeError(f"schedule bug: chunk {c} micro-batch {i} has no output gradient")
+            torch.autograd.backward(out, grad_tensors=output_grad)
+        s = self.stats
+        s.num_backward += 1
+        s.in_flight -= 1
+        s.order.append(("B", c, i))
+        return None if x is None else x.grad

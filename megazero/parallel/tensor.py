@@ -1,0 +1,452 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022).
+
+Everything here takes the tensor-parallel process group explicitly (``topo.tp_group``); ``None`` or a
+group of one rank turns every communication into a no-op, so the same layers serve tp=1.
+
+Activations are [s, b, h] (sequence first). With sequence parallel the tensor *between* TP regions
+is this rank's contiguous sequence chunk [s/tp, b, h]: tp rank r holds positions
+``r*s/tp .. (r+1)*s/tp - 1``.
+
+Communication functions (autograd-aware; forward / backward):
+
+=========================================== ======================== ===========================
+function                                    forward                  backward
+=========================================== ======================== ===========================
+copy_to_tp_region                           identity                 all-reduce
+reduce_from_tp_region                       all-reduce               identity
+scatter_to_tp_region                        keep own last-dim chunk  all-gather last dim
+gather_from_tp_region                       all-gather last dim      keep own last-dim chunk
+scatter_to_sequence_parallel_region         keep own dim-0 chunk     all-gather dim 0
+gather_from_sequence_parallel_region        all-gather dim 0         reduce-scatter dim 0 (*)
+reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0     all-gather dim 0
+=========================================== ======================== ===========================
+
+(*) or "keep own dim-0 chunk" with ``tensor_parallel_output_grad=False`` (when the gathered tensor is
+used identically on every rank rather than feeding a tensor-parallel layer).
+
+Parameter attributes set by the layers (read by data-parallel, ZeRO, grad-norm and checkpoint code):
+
+- ``tensor_parallel``: this rank holds a distinct shard of the full tensor.
+- ``partition_dim``: dim of the full tensor that is split (contiguous chunks in tp-rank order), or -1.
+- ``sequence_parallel_grad``: set only on layers built with ``sequence_parallel=True`` for replicated
+  parameters whose gradient is then partial per tp rank (layer norms, row-parallel bias, position
+  embedding); :func:`allreduce_sequence_parallel_grads` sums them over tp.
+- ``shared_embedding``: the tied word-embedding weight (set by the model).
+
+Worked example: an MLP ``h=4 -> ffn=8 -> h=4`` at tp=2 on input x [s=6, b, 4]::
+
+    dense_h_to_4h  ColumnParallelLinear(4, 8): rank r holds weight rows 4r..4r+3 ([4, 4]) and bias[4r:4r+4]
+    dense_4h_to_h  RowParallelLinear(8, 4):    rank r holds weight cols 4r..4r+3 ([4, 4]); bias [4] on both
+
+    no sequence parallel: x [6,b,4] on both -> copy_to (bwd all-reduce) -> [6,b,4] (this rank's 4 of 8 ffn) -> GELU
+                          -> partial [6,b,4] -> reduce_from (all-reduce) -> + bias -> [6,b,4] on both
+    sequence parallel:    x [3,b,4] (rank r: positions 3r..3r+2) -> all-gather -> [6,b,4] -> ... -> partial
+                          [6,b,4] -> reduce-scatter -> [3,b,4] + bias (bias grad partial: sum over tp)
+
+The TP-aware dropout RNG lives in :mod:`megazero.parallel.rng` (re-exported here).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.parallel.comm import (all_gather_dim0, all_gather_last_dim, all_reduce, group_rank,
+                                    group_size, reduce_scatter_dim0)
+from megazero.parallel.rng import TensorParallelRNG  # noqa: F401  (re-exported: part of this API)
+
+__all__ = [
+    "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "ColumnParallelLinear", "RowParallelLinear",
+    "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "column_parallel_linear",
+    "set_tp_attributes", "allreduce_sequence_parallel_grads", "TensorParallelRNG", "shard",
+    "gather_full", "mask_padded_vocab",
+]
+
+
+# ----------------------------------------------------------------------------- communication
+
+def _chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's contiguous chunk of ``x`` along ``dim``."""
+    size = group_size(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by the tp size {size}")
+    return x.chunk(size, dim=dim)[group_rank(group)].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The incoming gradient may be a tensor the caller still holds: reduce a copy.
+        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _chunk(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_last_dim(grad, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _chunk(grad, -1, ctx.group), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _chunk(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_dim0(grad, ctx.group), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group, ctx.reduce = group, tensor_parallel_output_grad
+        return all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce:
+            return reduce_scatter_dim0(grad, ctx.group), None, None
+        return _chunk(grad, 0, ctx.group), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_dim0(grad, ctx.group), None
+
+
+def _single(group) -> bool:
+    return group_size(group) == 1
+
+
+def copy_to_tp_region(x, group):
+    """Enter a TP region: identity forward, all-reduce of the input gradient backward."""
+    return x if _single(group) else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x, group):
+    """Leave a TP region: all-reduce (sum of partial results) forward, identity backward."""
+    return x if _single(group) else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp_region(x, group):
+    """Keep this rank's chunk of the last dim forward; all-gather the gradient backward."""
+    return x if _single(group) else _ScatterToTP.apply(x, group)
+
+
+def gather_from_tp_region(x, group):
+    """All-gather the last dim (rank order) forward; keep this rank's gradient chunk backward."""
+    return x if _single(group) else _GatherFromTP.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x, group):
+    """[s, ...] -> this rank's [s/tp, ...] chunk; backward all-gathers the gradient."""
+    return x if _single(group) else _ScatterToSP.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad: bool = True):
+    """[s/tp, ...] -> [s, ...] by all-gather. Backward: reduce-scatter (the gathered tensor fed a
+    tensor-parallel layer, so each rank's gradient is partial) or, with
+    ``tensor_parallel_output_grad=False``, keep this rank's chunk."""
+    return x if _single(group) else _GatherFromSP.apply(x, group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    """[s, ...] partial sums -> summed [s/tp, ...] chunk; backward all-gathers the gradient."""
+    return x if _single(group) else _ReduceScatterToSP.apply(x, group)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def set_tp_attributes(p: nn.Parameter, tensor_parallel: bool, partition_dim: int = -1,
+                      sequence_parallel_grad: bool = False) -> nn.Parameter:
+    """Stamp the contract attributes on a parameter (``shared_embedding`` defaults to False)."""
+    p.tensor_parallel = tensor_parallel
+    p.partition_dim = partition_dim if tensor_parallel else -1
+    p.sequence_parallel_grad = sequence_parallel_grad
+    if not hasattr(p, "shared_embedding"):
+        p.shared_embedding = False
+    return p
+
+
+def shard(full: torch.Tensor, partition_dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """tp rank ``tp_rank``'s contiguous chunk of a full tensor (the inverse of concatenating shards)."""
+    if partition_dim < 0 or tp_size == 1:
+        return full
+    return full.chunk(tp_size, dim=partition_dim)[tp_rank]
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {d}")
+    return n // d
+
+
+def allreduce_sequence_parallel_grads(params, tp_group) -> None:
+    """Sum over tp the gradients marked ``sequence_parallel_grad`` (partial under sequence parallel).
+
+    Uses ``p.main_grad`` when a parameter has one (a data-parallel gradient buffer), else ``p.grad``.
+    One flat all-reduce per dtype. No-op at tp size 1.
+    """
+    if group_size(tp_group) == 1:
+        return
+    grads = []
+    for p in params:
+        if getattr(p, "sequence_parallel_grad", False):
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                grads.append(g)
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=tp_group)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+# ----------------------------------------------------------------------------- layers
+
+def column_parallel_linear(x, weight, bias, group, *, sequence_parallel: bool = False,
+                           gather_output: bool = False):
+    """y = x @ W_shard.T + b_shard for a column-parallel weight [out/tp, in].
+
+    ``x``: [s, b, in] replicated (or [s/tp, b, in] with sequence parallel, all-gathered here).
+    Returns [s, b, out/tp] (or [s, b, out] with ``gather_output``).
+    """
+    if sequence_parallel:
+        x = gather_from_sequence_parallel_region(x, group)
+    else:
+        x = copy_to_tp_region(x, group)
+    y = F.linear(x, weight, bias)
+    return gather_from_tp_region(y, group) if gather_output else y
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear(in, out)`` with the weight split along dim 0 (the output features).
+
+    tp rank r holds ``weight[r*out/tp:(r+1)*out/tp, :]`` and the same slice of the bias. Input is
+    replicated ([s/tp, b, in] chunks with ``sequence_parallel``, all-gathered along the sequence);
+    output is this rank's [.., out/tp] slice unless ``gather_output``. Parameters are allocated
+    uninitialised: the model fills them (see ``megazero.models.gpt`` for layout-independent init).
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group=None, *, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        local = _divide(out_features, group_size(tp_group), "ColumnParallelLinear out_features")
+        self.weight = set_tp_attributes(nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device)),
+                                        True, 0)
+        self.bias = None
+        if bias:
+            self.bias = set_tp_attributes(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)), True, 0)
+
+    def forward(self, x):
+        return column_parallel_linear(x, self.weight, self.bias, self.tp_group,
+                                      sequence_parallel=self.sequence_parallel, gather_output=self.gather_output)
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear(in, out)`` with the weight split along dim 1 (the input features).
+
+    tp rank r holds ``weight[:, r*in/tp:(r+1)*in/tp]``; the bias is replicated and added once after
+    the partial products are summed (all-reduce, or reduce-scatter along the sequence with
+    ``sequence_parallel``, giving [s/tp, b, out]). Input is already split on its last dim unless
+    ``input_is_parallel=False``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group=None, *, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        local = _divide(in_features, group_size(tp_group), "RowParallelLinear in_features")
+        self.weight = set_tp_attributes(nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device)),
+                                        True, 1)
+        self.bias = None
+        if bias:
+            self.bias = set_tp_attributes(nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)),
+                                          False, sequence_parallel_grad=sequence_parallel)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp_group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        else:
+            y = reduce_from_tp_region(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding(num_embeddings, dim)`` with the (padded) vocabulary split along dim 0.
+
+    tp rank r holds rows ``r*V/tp .. (r+1)*V/tp - 1``; a token owned by another rank looks up zeros
+    here and the partial results are summed. ``forward(ids [b, s])`` returns [b, s, dim], or with
+    ``sequence_parallel`` this rank's sequence chunk [s/tp, b, dim] (transposed and reduce-scattered).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None, *,
+                 sequence_parallel: bool = False, dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        local = _divide(num_embeddings, group_size(tp_group), "padded vocab size")
+        self.vocab_start = group_rank(tp_group) * local
+        self.vocab_end = self.vocab_start + local
+        self.weight = set_tp_attributes(
+            nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype, device=device)), True, 0)
+
+    def forward(self, ids):
+        if group_size(self.tp_group) > 1:
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+            local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            out = F.embedding(ids, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out.transpose(0, 1), self.tp_group)
+        return reduce_from_tp_region(out, self.tp_group)
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Softmax cross-entropy over logits split on the last dim; never gathers the full logits.
+
+    1. global max over the vocab (all-reduce MAX) for stability;
+    2. the target's logit from the rank that owns it (others contribute 0; all-reduce SUM);
+    3. sum of exp over the vocab (all-reduce SUM);  loss = log(sum_exp) - target_logit.
+    Backward: softmax - one_hot(target) on the local shard, times the incoming gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start):
+        ctx.in_dtype = logits.dtype
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()                  # the loss is at least float32
+        local_vocab = logits.shape[-1]
+        max_logit = all_reduce(logits.max(dim=-1).values, group, op=dist.ReduceOp.MAX)
+        shifted = logits - max_logit.unsqueeze(-1)
+
+        owned = (target >= vocab_start) & (target < vocab_start + local_vocab)
+        local_target = (target - vocab_start).masked_fill(~owned, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        all_reduce(target_logit, group)
+
+        exp = shifted.exp_()
+        sum_exp = all_reduce(exp.sum(dim=-1), group)
+        loss = torch.log(sum_exp) - target_logit
+
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, owned)
+        ctx.used = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.used:
+            raise RuntimeError("vocab_parallel_cross_entropy reuses its saved softmax as the gradient "
+                               "buffer, so its graph can be back-propagated only once (no retain_graph)")
+        ctx.used = True
+        softmax, local_target, owned = ctx.saved_tensors
+        grad = softmax                                  # in place: saves a logits-sized buffer
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, vocab_size: int | None = None,
+                                 loss_mask=None):
+    """Per-token cross-entropy (float32, or float64 for float64 logits; shape of ``target``) from this
+    rank's logits shard.
+
+    ``logits_shard``: [..., V/tp] where tp rank r holds vocab entries ``r*V/tp .. (r+1)*V/tp - 1``
+    (fp16/bf16 are computed in float32). ``target``: int64 [...] of global vocab ids < ``vocab_size``.
+    ``vocab_size``: the real vocab; entries at or beyond it (padding) are masked to -inf, so they get
+    no probability mass and no gradient. ``loss_mask``: optional [...] weights multiplied into the
+    per-token loss (masked positions contribute 0 loss and 0 gradient).
+    """
+    local_vocab = logits_shard.shape[-1]
+    vocab_start = group_rank(group) * local_vocab
+    if vocab_size is not None:
+        logits_shard = mask_padded_vocab(logits_shard, vocab_size, vocab_start)
+    loss = _VocabParallelCrossEntropy.apply(logits_shard, target, group, vocab_start)
+    if loss_mask is not None:
+        loss = loss * loss_mask.to(loss.dtype)
+    return loss
+
+
+def mask_padded_vocab(logits_shard, vocab_size: int, vocab_start: int, inplace: bool = False):
+    """Set logits of padded vocab entries (global id >= ``vocab_size``) to -inf; no-op if none here.
+
+    ``inplace`` is for a fresh tensor that autograd does not need (e.g. a matmul's output)."""
+    local_vocab = logits_shard.shape[-1]
+    if vocab_start + local_vocab <= vocab_size:
+        return logits_shard
+    ids = torch.arange(vocab_start, vocab_start + local_vocab, device=logits_shard.device)
+    if inplace:
+        return logits_shard.masked_fill_(ids >= vocab_size, float("-inf"))
+    return logits_shard.masked_fill(ids >= vocab_size, float("-inf"))
+
+
+def init_std_scaled(std: float, num_layers: int) -> float:
+    """GPT-2's init for output projections feeding the residual stream: std / sqrt(2 * layers)."""
+    return std / math.sqrt(2.0 * num_layers)
+
+
+def gather_full(tensor: torch.Tensor, partition_dim: int, group) -> torch.Tensor:
+    """The full tensor from every tp rank's shard (concatenated along ``partition_dim`` in rank order);
+    replicated tensors (``partition_dim`` -1) are returned as they are. A collective over ``group``."""
+    if partition_dim < 0 or group_size(group) == 1:
+        return tensor
+    gathered = all_gather_dim0(tensor.detach().movedim(partition_dim, 0), group)
+    return gathered.movedim(0, partition_dim).contiguous()

@@ -1,0 +1,166 @@
+"""A strict, thread-based stand-in for the pipeline's p2p and compute, to check schedules fast.
+
+Each pipeline rank is a thread running the real schedule function with a fake runner and a fake
+comm. Tensors are replaced by labels ("act", virtual_stage, micro) / ("grad", virtual_stage, micro)
+so every received message is checked against what the receiving chunk expects. Exchanges have
+rendezvous semantics like NCCL and gloo: a batch returns only when every send in it has met its
+receive and vice versa, matched in order per (sender, receiver) pair; a schedule that would hang
+raises instead (after ``timeout`` seconds).
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+from megazero.parallel.pipeline.runner import PipelineStats
+
+
+class _Topo:
+    def __init__(self, pp: int, r: int):
+        self.pp_size, self.pp_rank, self.tp_size = pp, r, 1
+        self.pp_ranks = list(range(pp))
+        self.is_first_stage, self.is_last_stage = r == 0, r == pp - 1
+        self.prev_rank = None if r == 0 else r - 1
+        self.next_rank = None if r == pp - 1 else r + 1
+
+
+class Network:
+    def __init__(self, timeout: float = 5.0):
+        self.cv = threading.Condition()
+        self.sends = defaultdict(list)    # (src, dst) -> payloads in send order
+        self.recv_posted = defaultdict(int)
+        self.timeout = timeout
+
+    def batch(self, me: int, ops: list) -> list:
+        """ops: ("send", peer, payload) | ("recv", peer). Returns payloads of the receives."""
+        with self.cv:
+            slots = []
+            for op in ops:
+                if op[0] == "send":
+                    key = (me, op[1])
+                    slots.append(("send", key, len(self.sends[key])))
+                    self.sends[key].append(op[2])
+                else:
+                    key = (op[1], me)
+                    slots.append(("recv", key, self.recv_posted[key]))
+                    self.recv_posted[key] += 1
+            self.cv.notify_all()
+            done = lambda: all((self.recv_posted[k] > n) if kind == "send" else (len(self.sends[k]) > n)
+                               for kind, k, n in slots)
+            if not self.cv.wait_for(done, timeout=self.timeout):
+                raise TimeoutError(f"rank {me} blocked in exchange {ops} (deadlock)")
+            return [self.sends[k][n] for kind, k, n in slots if kind == "recv"]
+
+
+class FakeComm:
+    def __init__(self, net: Network, topo: _Topo, ring: bool):
+        self.net, self.me = net, topo.pp_rank
+        p, r = topo.pp_size, topo.pp_rank
+        self.prev, self.next = ((r - 1) % p, (r + 1) % p) if ring else (topo.prev_rank, topo.next_rank)
+
+    def exchange(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        ops, want = [], []
+        if send_next is not None and self.next is not None:
+            ops.append(("send", self.next, send_next))
+        if recv_prev and self.prev is not None:
+            ops.append(("recv", self.prev)); want.append("prev")
+        if send_prev is not None and self.prev is not None:
+            ops.append(("send", self.prev, send_prev))
+        if recv_next and self.next is not None:
+            ops.append(("recv", self.next)); want.append("next")
+        got = dict(zip(want, self.net.batch(self.me, ops))) if ops else {}
+        return got.get("prev"), got.get("next")
+
+    def recv_forward(self):
+        return self.exchange(recv_prev=True)[0]
+
+    def send_forward(self, t):
+        self.exchange(send_next=t)
+
+    def recv_backward(self):
+        return self.exchange(recv_next=True)[1]
+
+    def send_backward(self, t):
+        self.exchange(send_prev=t)
+
+    def send_forward_recv_backward(self, t):
+        return self.exchange(send_next=t, recv_next=True)[1]
+
+    def send_backward_recv_forward(self, t):
+        return self.exchange(send_prev=t, recv_prev=True)[0]
+
+
+class FakeRunner:
+    """Same interface as StageRunner; checks every input is the right (virtual stage, micro-batch)."""
+
+    def __init__(self, topo: _Topo, v: int, m: int, forward_only: bool = False):
+        self.topo, self.v, self.num_micro, self.forward_only = topo, v, m, forward_only
+        self.stats = PipelineStats()
+        self.next_micro, self.done = [0] * v, [0] * v
+        self.held = [[] for _ in range(v)]
+
+    def vs(self, c):
+        return c * self.topo.pp_size + self.topo.pp_rank
+
+    def is_first(self, c):
+        return self.vs(c) == 0
+
+    def is_last(self, c):
+        return self.vs(c) == self.topo.pp_size * self.v - 1
+
+    def forward(self, c, x):
+        i = self.next_micro[c]
+        self.next_micro[c] += 1
+        assert i < self.num_micro, f"chunk {c} ran too many forwards"
+        expected = None if self.is_first(c) else ("act", self.vs(c) - 1, i)
+        assert x == expected, f"rank {self.topo.pp_rank} chunk {c} micro {i}: got {x}, expected {expected}"
+        self.stats.order.append(("F", c, i))
+        if not self.forward_only:
+            self.held[c].append(i)
+            self.stats.in_flight += 1
+            self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.stats.in_flight)
+        return None if self.is_last(c) else ("act", self.vs(c), i)
+
+    def backward(self, c, dy):
+        i = self.held[c].pop(0)
+        assert i == self.done[c]
+        self.done[c] += 1
+        expected = None if self.is_last(c) else ("grad", self.vs(c) + 1, i)
+        assert dy == expected, f"rank {self.topo.pp_rank} chunk {c} micro {i}: got {dy}, expected {expected}"
+        self.stats.order.append(("B", c, i))
+        self.stats.in_flight -= 1
+        return None if self.is_first(c) else ("grad", self.vs(c), i)
+
+
+def simulate(schedule, pp: int, m: int, v: int = 1, ring: bool = False, forward_only: bool = False,
+             timeout: float = 5.0) -> list[FakeRunner]:
+    """Run ``schedule`` on pp threads; return each rank's runner (its stats hold the order)."""
+    net = Network(timeout)
+    runners = [FakeRunner(_Topo(pp, r), v, m, forward_only) for r in range(pp)]
+    errors = [None] * pp
+
+    def main(r):
+        try:
+            schedule(runners[r], FakeComm(net, runners[r].topo, ring))
+        except BaseException as e:  # noqa: BLE001
+            errors[r] = e
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(pp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 4)
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise AssertionError(f"rank {r}: {e!r}") from e
+    for r, run in enumerate(runners):
+        assert run.next_micro == [m] * v, f"rank {r} forwards {run.next_micro}"
+        if not forward_only:
+            assert run.done == [m] * v, f"rank {r} backwards {run.done}"
+        # all sent messages were received
+    with net.cv:
+        for key, sent in net.sends.items():
+            assert net.recv_posted[key] == len(sent), f"unreceived messages on {key}"
+        for key, n in net.recv_posted.items():
+            assert len(net.sends[key]) == n, f"receives without sends on {key}"
+    return runners

@@ -1,0 +1,242 @@
+"""Data parallelism and ZeRO 0/1/2 against the single-process run with the same global batch.
+
+The tiny model here is shared with tests/test_zero.py and tests/test_precision.py.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from multiproc import run_on_ranks
+
+from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.optim import weight_decay_groups
+from megazero.parallel.data import AllReduceGradSync, plan_buckets, wrap_data_parallel
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero import build_optimizer
+
+VOCAB, HIDDEN, SEQ = 32, 16, 8
+OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
+
+
+class TinyNet(nn.Module):
+    """Embedding -> (linear, layer norm, gelu, linear) residual -> untied head. ~2.6k parameters,
+    with weights (decayed), biases and norm parameters (not decayed)."""
+
+    def __init__(self, seed: int = 0, dtype=torch.float32, hidden: int = HIDDEN):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, hidden)
+        self.fc1 = nn.Linear(hidden, 2 * hidden)
+        self.ln = nn.LayerNorm(2 * hidden)
+        self.fc2 = nn.Linear(2 * hidden, hidden)
+        self.head = nn.Linear(hidden, VOCAB, bias=False)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        self.to(dtype)
+
+    def forward(self, tokens, labels):
+        h = self.emb(tokens)  # [b, s, h]
+        h = h + self.fc2(F.gelu(self.ln(self.fc1(h))))
+        logits = self.head(h).float()
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.view(-1))
+
+
+def make_batches(steps: int, global_batch: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (global_batch, SEQ), generator=g),
+             torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)) for _ in range(steps)]
+
+
+def reference_run(steps: int, global_batch: int, opt_cfg: OptimizerConfig = OPT):
+    """Single process, plain torch: AdamW (decay on >=2-D weights only) + clip_grad_norm_."""
+    model = TinyNet()
+    opt = torch.optim.AdamW(weight_decay_groups(model.named_parameters(), opt_cfg.weight_decay),
+                            lr=opt_cfg.lr, betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2), eps=opt_cfg.adam_eps)
+    losses, norms = [], []
+    for tokens, labels in make_batches(steps, global_batch):
+        loss = model(tokens, labels)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.clip_grad)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_dp(topo, stage: int, steps: int, global_batch: int, micro_batches: int, bucket_size: int = 300,
+             dtype=torch.float32, precision: PrecisionConfig | None = None, model=None, hidden: int = HIDDEN,
+             overlap: bool = True, start: int = 0, opt_state: dict | None = None, grad_sync_cls=None):
+    """Train TinyNet data-parallel; returns (global losses, norms, params, grad_sync, optimizer)."""
+    model = model or TinyNet(dtype=dtype, hidden=hidden)
+    sync = wrap_data_parallel(model, topo, ZeroConfig(zero_stage=stage, bucket_size=bucket_size,
+                                                      overlap_grad_reduce=overlap), grad_sync_cls=grad_sync_cls)
+    opt = build_optimizer(sync, OPT, precision)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    per_rank = global_batch // topo.dp_size
+    mb = per_rank // micro_batches
+    losses, norms = [], []
+    for tokens, labels in make_batches(start + steps, global_batch)[start:]:
+        lo = topo.dp_rank * per_rank
+        local = 0.0
+        opt.zero_grad()                 # at the start of a step, like megazero.training
+        sync.comm_log.reset()
+        for m in range(micro_batches):
+            sl = slice(lo + m * mb, lo + (m + 1) * mb)
+            sync.before_backward(0, m == micro_batches - 1)
+            loss = model(tokens[sl], labels[sl])
+            (loss * opt.loss_scale / micro_batches).backward()
+            local += loss.item() / micro_batches
+        sync.finalize_grads()
+        norm, _ = opt.step()
+        t = torch.tensor([local])
+        torch.distributed.all_reduce(t, group=topo.dp_group)
+        losses.append(t.item() / topo.dp_size)
+        norms.append(norm)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, params, sync, opt
+
+
+def _parity_body(rank, world_size, stage, micro_batches):
+    topo = Topology(dp=world_size)
+    losses, norms, params, _, _ = train_dp(topo, stage, steps=5, global_batch=8, micro_batches=micro_batches)
+    return losses, norms, params
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_dp_matches_single_process(world, stage):
+    ref_losses, ref_norms, ref_params = reference_run(5, 8)
+    results = run_on_ranks(world, _parity_body, stage, 2)  # 2 micro-batches: accumulation too
+    for losses, norms, params in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        assert params.keys() == ref_params.keys()
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    # the parameters really moved (the comparison is not of an untouched init)
+    assert not torch.allclose(ref_params["fc1.weight"], TinyNet().fc1.weight)
+
+
+def _allreduce_zero1_body(rank, world_size):
+    topo = Topology(dp=world_size)
+    losses, norms, params, _, _ = train_dp(topo, 1, steps=5, global_batch=8, micro_batches=2,
+                                           grad_sync_cls=AllReduceGradSync)
+    return losses, norms, params
+
+
+def test_zero1_over_all_reduced_grads_matches_single_process():
+    ref_losses, ref_norms, ref_params = reference_run(5, 8)
+    for losses, norms, params in run_on_ranks(2, _allreduce_zero1_body):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _accumulation_body(rank, world_size):
+    topo = Topology(dp=world_size)
+    out = {}
+    for micro, overlap in ((1, True), (4, True), (4, False)):
+        losses, norms, params, _, _ = train_dp(topo, 2, steps=3, global_batch=16, micro_batches=micro,
+                                               overlap=overlap)
+        out[micro, overlap] = (losses, params)
+    return out
+
+
+def test_accumulation_over_four_micro_batches_and_no_overlap_equal_one_process():
+    ref_losses, _, ref_params = reference_run(3, 16)
+    for out in run_on_ranks(2, _accumulation_body):
+        for micro in out:
+            losses, params = out[micro]
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+            for name, ref in ref_params.items():
+                torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _comm_body(rank, world_size, stage, dtype, grad_sync_cls=None):
+    topo = Topology(dp=world_size)
+    _, _, _, sync, _ = train_dp(topo, stage, steps=2, global_batch=8, micro_batches=2, dtype=dtype,
+                                bucket_size=8000, hidden=64, grad_sync_cls=grad_sync_cls,
+                                precision=PrecisionConfig(bf16=True) if dtype == torch.bfloat16 else None)
+    padded = sum(b.numel for b in sync.buckets)
+    psi = sum(p.numel() for p in sync.parameters())
+    return sync.comm_log.bytes(), sync.comm_log.calls(), padded, psi, len(sync.buckets)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_per_step_equal_plain_data_parallel(world):
+    """Per rank per step on the dp group: 2 Psi (N-1)/N bytes for stages 0, 1 and 2."""
+    for dtype, elem in ((torch.float32, 4), (torch.bfloat16, 2)):
+        per_stage = {}
+        for stage in (0, 1, 2):
+            dp_bytes, calls, padded, psi, nbuckets = run_on_ranks(world, _comm_body, stage, dtype)[0]
+            expected = 2 * padded * elem * (world - 1) / world
+            assert dp_bytes["dp"] == pytest.approx(expected), (stage, dtype)
+            assert dp_bytes["dp"] == pytest.approx(2 * psi * elem * (world - 1) / world, rel=0.05)
+            assert calls["dp"] == (nbuckets if stage == 0 else 2 * nbuckets)  # one per bucket / two
+            per_stage[stage] = dp_bytes["dp"]
+        assert per_stage[0] == per_stage[1] == per_stage[2]
+        # the opt-in ZeRO-1 over all-reduced gradients (cheaper on gloo) sends 3 Psi (N-1)/N: say so
+        dp_bytes, _, padded, _, _ = run_on_ranks(world, _comm_body, 1, dtype, AllReduceGradSync)[0]
+        assert dp_bytes["dp"] == pytest.approx(3 * padded * elem * (world - 1) / world)
+
+
+def test_plan_buckets_worked_example():
+    # the module docstring's example: w(6), b(3), ln(2) filled in reverse order: ln, b, w
+    plan = plan_buckets([2, 3, 6], [False, False, False], bucket_size=5, dp=2, pad_multiple=1)
+    assert plan == [([(0, 0, 2), (1, 2, 5)], 6), ([(2, 0, 6)], 6)]
+    # a tied embedding gets a bucket of its own; padding to dp * pad_multiple
+    plan = plan_buckets([4, 10, 4], [False, True, False], bucket_size=100, dp=4, pad_multiple=2)
+    assert plan == [([(0, 0, 4)], 8), ([(1, 0, 10)], 16), ([(2, 0, 4)], 8)]
+
+
+def _overlap_body(rank, world_size):
+    """Buckets are reduced during backward; stage 2 releases full-size grads once reduced."""
+    topo = Topology(dp=world_size)
+    model = TinyNet()
+    sync = wrap_data_parallel(model, topo, ZeroConfig(zero_stage=2, bucket_size=300))
+    (tokens, labels), = make_batches(1, 4)
+    launched_in_backward = []
+    # the embedding's gradient comes last in backward and lives in the last bucket
+    assert sync.buckets[-1].slots[-1].param is model.emb.weight
+    model.emb.weight.register_hook(lambda g: launched_in_backward.append([b.launched for b in sync.buckets]))
+    sync.before_backward(0, True)
+    model(tokens, labels).backward()
+    sync.finish_grad_sync()
+    full = sum(b.numel for b in sync.buckets) * 4
+    shards = sum(b.shard_size for b in sync.buckets) * 4
+    held_after = sum(b.grad_data is not None for b in sync.buckets)
+    return (launched_in_backward[0], held_after, all(p.grad is None for p in model.parameters()),
+            sync.peak_grad_bytes, full, shards)
+
+
+def test_buckets_reduce_during_backward_and_stage2_frees_full_grads():
+    launched, held_after, grads_none, peak, full, shards = run_on_ranks(2, _overlap_body)[0]
+    # when the last bucket's first gradient arrives, the earlier buckets are already in flight
+    assert len(launched) >= 3 and all(launched[:-1]) and not launched[-1]
+    assert held_after == 0 and grads_none
+    assert shards < peak <= full + shards
+
+
+def test_finalize_is_required_before_step():
+    assert run_on_ranks(2, _finalize_body) == [True, True]
+
+
+def _finalize_body(rank, world_size):
+    topo = Topology(dp=world_size)
+    model = TinyNet()
+    sync = wrap_data_parallel(model, topo, ZeroConfig(zero_stage=1))
+    opt = build_optimizer(sync, OPT)
+    tokens, labels = make_batches(1, 4)[0]
+    model(tokens, labels).backward()
+    try:
+        opt.step()
+        raise AssertionError("step() accepted unsynchronised gradients")
+    except RuntimeError as e:
+        assert "finalize_grads" in str(e)
+    sync.finalize_grads()
+    return math.isfinite(opt.step()[0])
