@@ -46,7 +46,7 @@ class PreprocessConfig:
     workers: int = 1
     txt_separator: str = "\n\n"
     log_interval: int = 10000          # documents between progress lines (0: none)
-    batch_bytes: int = 1 << 20
+    batch_bytes: int = 1 << 18         # text per batch handed to a worker
 
 
 @dataclass
