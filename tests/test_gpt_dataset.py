@@ -13,7 +13,8 @@ from megazero.data.gpt_dataset import (BlendedDataset, DataError, GPTDataset, In
                                        build_train_valid_test_datasets, parse_data_path, split_ranges)
 from megazero.data.indexed_dataset import IndexedDataset, write_indexed_dataset
 from megazero.data.sample import default_sample, sample_documents, sample_tokenizer
-from megazero.data.samplers import MicroBatchIterator, micro_batch_sample_ids, samples_to_batch
+from megazero.data.samplers import (MicroBatchIterator, build_data_iterators, micro_batch_sample_ids,
+                                     samples_to_batch)
 
 
 def _make(tmp_path, name="d", n_docs=50, seed=0, vocab=1000, max_len=40):
@@ -242,3 +243,21 @@ def test_default_sample_end_to_end(tmp_path):
     mb = it.next_step()[0]
     assert mb["tokens"].shape == (4, 32) and mb["tokens"].max() < 4000
     assert os.path.isdir(os.path.join(tmp_path, "cache", "GPTDataset_indices"))
+
+
+def test_build_data_iterators_for_a_run(tmp_path):
+    prefix = default_sample(tmp_path)
+    tok = sample_tokenizer()
+    cfg = DataConfig(data_path=[prefix], split="98,1,1", data_cache_path=str(tmp_path / "c"), eod_mask_loss=True)
+    kw = dict(seq_length=16, seed=7, micro_batch_size=2, global_batch_size=8, dp_size=2, train_iters=10,
+              eval_iters=2, eval_interval=5, vocab_size=tok.vocab_size, eod=tok.eod)
+    its = [build_data_iterators(cfg, dp_rank=r, **kw) for r in range(2)]
+    tr, va, te = its[0]
+    assert len(tr.dataset) >= 80 and len(va.dataset) >= 3 * 2 * 8 and len(te.dataset) >= 16
+    steps = [[it[0].next_step() for _ in range(3)] for it in its]
+    resumed = build_data_iterators(cfg, dp_rank=1, consumed_train_samples=16, **kw)[0]
+    assert torch.equal(resumed.next_step()[1]["tokens"], steps[1][2][1]["tokens"])
+    assert not torch.equal(steps[0][0][0]["tokens"], steps[1][0][0]["tokens"])
+    masks = torch.cat([mb["loss_mask"] for s in steps[0] for mb in s])
+    toks = torch.cat([mb["tokens"] for s in steps[0] for mb in s])
+    assert torch.equal(masks == 0, toks == tok.eod)

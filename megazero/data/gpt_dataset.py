@@ -153,7 +153,11 @@ class IndexCache:
 
     @staticmethod
     def _save(base: str, description: dict, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        os.makedirs(os.path.dirname(base), exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(base), exist_ok=True)
+        except OSError as e:
+            raise DataError(f"cannot create the index cache directory {os.path.dirname(base)} ({e}): "
+                            f"pass a writable --data-cache-path") from e
         tmp = f".tmp{os.getpid()}"
         for n, a in arrays.items():
             with open(f"{base}-{n}.npy{tmp}", "wb") as f:

@@ -14,7 +14,6 @@ saved ``consumed_samples`` reads exactly what the uninterrupted run would have r
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 
 def micro_batch_sample_ids(consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
@@ -38,6 +37,8 @@ def samples_to_batch(samples: np.ndarray, eod: int | None = None, eod_mask_loss:
     positions whose input token is ``eod``: the model is not asked to guess the first token of the
     next, unrelated document.
     """
+    import torch   # imported here so that preprocessing tools never load torch
+
     data = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.int64))
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
@@ -89,3 +90,27 @@ class MicroBatchIterator:
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed_samples = int(state["consumed_samples"])
+
+
+def build_data_iterators(data_cfg, *, seq_length: int, seed: int, micro_batch_size: int, global_batch_size: int,
+                         dp_rank: int, dp_size: int, train_iters: int, eval_iters: int, eval_interval: int,
+                         vocab_size: int, eod: int | None, consumed_train_samples: int = 0,
+                         is_writer: bool = True, barrier=None) -> tuple:
+    """(train, valid, test) :class:`MicroBatchIterator` for a run (``None`` for an empty split).
+
+    Sample counts as Megatron sizes them: train ``train_iters * global_batch``; valid enough for an
+    evaluation every ``eval_interval`` steps plus one at the end; test one evaluation. Valid and
+    test iterators wrap around. ``is_writer``/``barrier``: see ``build_train_valid_test_datasets``.
+    """
+    from .gpt_dataset import build_train_valid_test_datasets
+
+    evals = train_iters // eval_interval + 1
+    num_samples = (train_iters * global_batch_size, evals * eval_iters * global_batch_size,
+                   eval_iters * global_batch_size)
+    datasets = build_train_valid_test_datasets(data_cfg, seq_length=seq_length, seed=seed, num_samples=num_samples,
+                                               vocab_size=vocab_size, is_writer=is_writer, barrier=barrier)
+    kw = dict(micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, dp_rank=dp_rank,
+              dp_size=dp_size, eod=eod, eod_mask_loss=getattr(data_cfg, "eod_mask_loss", False))
+    return tuple(None if ds is None else
+                 MicroBatchIterator(ds, consumed_samples=consumed_train_samples if k == 0 else 0, wrap=k > 0, **kw)
+                 for k, ds in enumerate(datasets))
