@@ -5,7 +5,9 @@ Memory stays bounded whatever the input size: the input is read in batches of ab
 straight to the ``.bin`` in input order. Only the index (12 bytes per document) grows with the input.
 
 * ``workers == 1``: the main process reads, encodes and writes.
-* ``workers == N > 1``: N spawned processes encode; the main process reads and writes.
+* ``workers == N > 1``: N spawned processes encode; the main process reads and writes. (Spawned,
+  not forked, so it is safe from a process that holds threads; a script calling :func:`preprocess`
+  with workers must guard its entry point with ``if __name__ == "__main__":``.)
 
 Input formats: ``.jsonl``/``.json`` (one JSON object per line; ``json_keys`` name the text fields,
 each written to ``{prefix}_{key}_document``) or plain text (documents separated by
