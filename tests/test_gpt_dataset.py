@@ -261,3 +261,15 @@ def test_build_data_iterators_for_a_run(tmp_path):
     masks = torch.cat([mb["loss_mask"] for s in steps[0] for mb in s])
     toks = torch.cat([mb["tokens"] for s in steps[0] for mb in s])
     assert torch.equal(masks == 0, toks == tok.eod)
+
+
+def _sample_body(rank, world, cache_dir):
+    from megazero.data.sample import default_sample as ds_fn
+    prefix = ds_fn(cache_dir)                      # both ranks at once, no coordination
+    return prefix, IndexedDataset(prefix).num_tokens
+
+
+def test_default_sample_concurrent_callers(tmp_path):
+    out = run_on_ranks(2, _sample_body, str(tmp_path), timeout=120)
+    assert out[0] == out[1] and out[0][1] == 329_013
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]

@@ -169,3 +169,14 @@ def test_megatron_read_by_ours(tmp_path, megatron, dtype):
     ours = IndexedDataset(str(tmp_path / "m"))
     assert ours.dtype == dtype and _read_all(ours) == docs
     assert ours.document_indices.tolist() == list(range(len(docs) + 1))
+
+
+def test_pointer_check_in_chunks(good):
+    from megazero.data.indexed_dataset import _pointers_consistent
+    ds = IndexedDataset(good)
+    lengths, pointers = np.asarray(ds.sequence_lengths), np.asarray(ds.sequence_pointers).copy()
+    for chunk in (1, 2, 3, 100):
+        assert _pointers_consistent(lengths, pointers, 2, chunk)
+        bad = pointers.copy()
+        bad[-1] += 2
+        assert not _pointers_consistent(lengths, bad, 2, chunk)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 
 import numpy as np
 
@@ -158,7 +159,7 @@ class IndexCache:
         except OSError as e:
             raise DataError(f"cannot create the index cache directory {os.path.dirname(base)} ({e}): "
                             f"pass a writable --data-cache-path") from e
-        tmp = f".tmp{os.getpid()}"
+        tmp = f".tmp{os.getpid()}-{uuid.uuid4().hex[:8]}"   # unique even across hosts
         for n, a in arrays.items():
             with open(f"{base}-{n}.npy{tmp}", "wb") as f:
                 np.save(f, a)

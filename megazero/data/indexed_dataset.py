@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import struct
+import uuid
 from array import array
 
 import numpy as np
@@ -72,7 +73,7 @@ class IndexedDatasetWriter:
             raise IndexedDatasetError(f"{prefix}: cannot write dtype {self.dtype}; use one of "
                                       f"{sorted(str(d) for d in CODE_OF_DTYPE)}")
         self._info = np.iinfo(self.dtype)
-        suffix = f".tmp{os.getpid()}"
+        suffix = f".tmp{os.getpid()}-{uuid.uuid4().hex[:8]}"   # unique even across hosts
         self._bin_tmp, self._idx_tmp = bin_path(prefix) + suffix, idx_path(prefix) + suffix
         self._bin = open(self._bin_tmp, "wb")
         self._lengths = array("i")
@@ -183,6 +184,20 @@ def _read_index(path: str):
     return np.dtype(DTYPE_OF_CODE[code]), lengths, pointers, bounds
 
 
+def _pointers_consistent(lengths, pointers, itemsize: int, chunk: int = 1 << 24) -> bool:
+    """pointers == exclusive running sum of lengths * itemsize, checked in chunks (bounded memory)."""
+    expected = 0
+    for s in range(0, len(lengths), chunk):
+        n = lengths[s:s + chunk].astype(np.int64)
+        if n.size and n.min() < 0:
+            return False
+        want = expected + np.concatenate(([0], np.cumsum(n[:-1]))) * itemsize
+        if not np.array_equal(pointers[s:s + chunk], want):
+            return False
+        expected = int(want[-1]) + int(n[-1]) * itemsize
+    return True
+
+
 class IndexedDataset:
     """Memory-mapped reader. ``ds[i]`` is sequence ``i`` as a numpy view; ``ds.get(i, offset, length)``
     a slice of it. ``document_indices[d]:document_indices[d+1]`` are the sequences of document ``d``.
@@ -213,8 +228,7 @@ class IndexedDataset:
             raise IndexedDatasetError(f"{bpath}: data file is {have} bytes but {ipath} describes {need} "
                                       f"({'truncated' if have < need else 'extra bytes'}; the pair does not "
                                       f"match -- re-run tools/preprocess_data.py)")
-        if len(lengths) and (lengths.min() < 0 or pointers[0] != 0 or
-                             np.any(np.diff(pointers) != lengths[:-1].astype(np.int64) * itemsize)):
+        if not _pointers_consistent(lengths, pointers, itemsize):
             raise IndexedDatasetError(f"{ipath}: sequence offsets are not the running sum of the lengths: corrupt index")
         if len(bounds) == 0 or bounds[0] != 0 or bounds[-1] != len(lengths) or np.any(np.diff(bounds) < 0):
             raise IndexedDatasetError(f"{ipath}: document boundaries must rise from 0 to the sequence count "
