@@ -4,7 +4,8 @@
 
 The corpus is the embedded 1 MB Jargon File as JSON lines (one lexicon entry per line), repeated to
 the requested size. Each run is a fresh process (``--child``), so its peak RSS (``ru_maxrss``) is its
-own; with workers, the largest worker's peak is reported too. Also prints the raw encode speed of
+own; with workers, the largest worker's peak is reported too, and CPU seconds of the main process
+and of the workers show whether a slow parallel run lacked cores (busy machine) or did extra work. Also prints the raw encode speed of
 the two GPT-2 BPE libraries on the (unrepeated) 1 MB text, which is why tiktoken backs
 ``GPT2BPETokenizer``.
 """
@@ -68,9 +69,11 @@ def child(args) -> None:
                            vocab_file=os.path.join(args.vocab_dir, "vocab.json"),
                            merge_file=os.path.join(args.vocab_dir, "merges.txt"),
                            append_eod=True, workers=args.workers, log_interval=0)
+    import resource
     res = preprocess(cfg, log=lambda s: None)
     stop.set()
-    print(json.dumps({"mb": res.bytes_read / 1e6, "seconds": res.seconds, "docs": res.documents,
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(json.dumps({"cpu_main": me.ru_utime + me.ru_stime, "cpu_workers": kids.ru_utime + kids.ru_stime,"mb": res.bytes_read / 1e6, "seconds": res.seconds, "docs": res.documents,
                       "tokens": res.tokens, "rss_main_mb": _hwm_mb(),
                       "rss_worker_mb": max(peaks.values(), default=0.0)}))
 
@@ -131,6 +134,7 @@ def main() -> None:
                 r = min(runs, key=lambda x: x["seconds"])
                 print(f"{nbytes / 1e6:6.1f} MB  workers={w}  {r['mb'] / r['seconds']:6.2f} MB/s  "
                       f"({r['docs']:,} docs, {r['tokens']:,} tokens, {r['seconds']:.2f} s)  "
+                      f"CPU s main {r['cpu_main']:.2f} workers {r['cpu_workers']:.2f}  "
                       f"peak RSS main {r['rss_main_mb']:.0f} MB" +
                       (f", per worker {r['rss_worker_mb']:.0f} MB" if w > 1 else ""))
 

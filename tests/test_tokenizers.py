@@ -126,3 +126,8 @@ def test_train_tokenizer_tool_round_trips(tmp_path):
     assert sp.vocab_size == 400 and sp.eod == 2
     other = "Unseen: ß∂ƒ 🎉 \t  spaces\n\n"
     assert sp.detokenize(sp.tokenize(text)) == text and sp.detokenize(sp.tokenize(other)) == other
+
+
+def test_embedded_sample_is_the_published_corpus():
+    assert hashlib.sha256(CORPUS.read_bytes()).hexdigest() == \
+        "90999871857da8df6f9430cb0e683e82c996b36fff69d0d585698a79a55c3152"
