@@ -128,6 +128,7 @@ class DataConfig:
     merge_file: str | None = None
     tokenizer_model: str | None = None
     data_cache_path: str | None = None
+    eod_mask_loss: bool = False                 # loss 0 where the input token is the end-of-document id
 
 
 @dataclass
