@@ -194,16 +194,16 @@ class Topology:
         self.pp_group, self.pp_ranks = self._create(self.grid.pipeline)
         self.dp_group, self.dp_ranks = self._create(self.grid.data)
         self.mp_group, self.mp_ranks = self._create(self.grid.model)
-        self.embedding_group, self.embedding_ranks = self._create(self.grid.embedding)
+        self.embedding_group, self.embedding_ranks = self._create(self.grid.embedding, required=False)  # middle stages: None, []
         self.pp_ranks = _in_stage_order(self.pp_ranks, order, tp, pp, dp)
 
-    def _create(self, groups: list[list[int]]) -> tuple[dist.ProcessGroup, list[int]]:
-        mine = None
+    def _create(self, groups: list[list[int]], required: bool = True):
+        mine = (None, [])
         for ranks in groups:
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 mine = (group, ranks)
-        assert mine is not None, f"rank {self.rank} not found in {groups}"
+        assert mine[0] is not None or not required, f"rank {self.rank} not found in {groups}"
         return mine
 
     @property
