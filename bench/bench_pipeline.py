@@ -60,17 +60,6 @@ from megazero.parallel.topology import Topology  # noqa: E402
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2))
 
 
-class _Topology(Topology):
-    """Tolerates pp >= 3, whose middle stages belong to no embedding group (the shared Topology
-    asserts every rank is in one, after having created every group)."""
-
-    def _create(self, groups):
-        try:
-            return super()._create(groups)
-        except AssertionError:
-            return None, []
-
-
 def _model_cfg(a) -> ModelConfig:
     return ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                        seq_length=a.seq, vocab_size=a.vocab, make_vocab_size_divisible_by=64)
@@ -162,7 +151,7 @@ def _worker(rank, pp, port, a, out_queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=pp, timeout=datetime.timedelta(seconds=600))
-    topo = _Topology(pp=pp)
+    topo = Topology(pp=pp)
     cfg = _model_cfg(a)
     _instrument_compute()
     chunks_of = {name: build_model_chunks(cfg, ParallelConfig(pp=pp, pipeline_schedule=name, virtual_stages=v),
