@@ -23,6 +23,7 @@ only on tp rank 0; pp: each stage its own parameters, and the tied embedding's l
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -227,6 +228,14 @@ class _BucketAdamW:
                 getattr(r, k)[a - r.lo:b - r.lo].copy_(piece[k][lo:hi])
         self._publish()
 
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Make the fp32 masters equal the model's parameters again (after the parameters were
+        written directly, e.g. by a checkpoint load). A no-op for fp32, where they are the same memory."""
+        for r in self.ranges:
+            if not r.master_is_param:
+                r.master.copy_(r.bucket.param_data[r.lo:r.hi])
+
     # ------------------------------------------------------------- accounting
     def master_bytes(self) -> int:
         return sum(r.master.numel() * 4 for r in self.ranges if not r.master_is_param)
@@ -386,6 +395,15 @@ class ZeroEngine:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, write_back: bool = False):
+        """Inside: every parameter of the chunks holds its full tp-local value (stages 0-2 always do).
+        With ``write_back``, on a normal exit the parameters become the truth: the fp32 masters are
+        refreshed from them (matters for bf16/fp16). Call on every rank (stage 3 gathers here)."""
+        yield
+        if write_back:
+            self.optimizer.refresh_masters()
 
 
 def build_engine(chunks, topo, zero_cfg, opt_cfg: OptimizerConfig, precision: PrecisionConfig | None = None,

@@ -1,0 +1,15 @@
+"""Checkpoints: crash-safe, layout-free save and load (any tp/pp/dp/ZeRO layout reads any other).
+
+    save_checkpoint(save_dir, state, chunks=..., engine=..., topo=..., job=...) -> Path   (collective)
+    load_checkpoint(load_dir, chunks=..., engine=..., topo=..., job=..., weights_only=False)
+        -> TrainState | None                                                            (collective)
+    latest_iteration(save_dir) -> int | None
+
+The on-disk format is described in :mod:`megazero.checkpoint.format`; single-process tools read
+and write it through :mod:`megazero.checkpoint.offline` (whole tensors by stable name).
+"""
+from megazero.checkpoint.distributed import check_model_compatible, latest_iteration, load_checkpoint, save_checkpoint
+from megazero.checkpoint.format import CheckpointError, CheckpointReader
+
+__all__ = ["CheckpointError", "CheckpointReader", "check_model_compatible", "latest_iteration", "load_checkpoint",
+           "save_checkpoint"]

@@ -1,0 +1,274 @@
+"""Checkpoints at library level: save under one tp/pp/dp/ZeRO layout, load under others; exact resume;
+crash safety (SIGKILL during a save); corrupted files refused by name; the offline reader and tools."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import run_on_ranks
+
+from megazero.checkpoint import CheckpointError, CheckpointReader, latest_iteration, load_checkpoint, save_checkpoint
+from megazero.checkpoint.offline import partition_dim_of, read_model, write_weights_checkpoint
+from megazero.config import JobConfig, ModelConfig, OptimizerConfig, ParallelConfig, ZeroConfig
+from megazero.models import GPT
+from megazero.parallel.pipeline import build_model_chunks, run_schedule
+from megazero.parallel.tensor import gather_full
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero import build_engine
+from megazero.training import TrainState
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB, SEED, MB_SIZE, GLOBAL_MB = 200, 4321, 2, 8
+# divisible-by 48: padded vocab 240 at tp1, 288 at tp2 -- the stored form must not depend on it
+MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
+             make_vocab_size_divisible_by=48)
+OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, clip_grad=0.3, adam_eps=1e-6)
+
+
+def _job(tp, pp, dp, stage, dropout=0.0):
+    model = ModelConfig(**MODEL, hidden_dropout=dropout, attention_dropout=dropout)
+    return JobConfig(model=model, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp), zero=ZeroConfig(zero_stage=stage,
+                     bucket_size=3000), optimizer=OPT)
+
+
+def _batches(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    s = MODEL["seq_length"]
+    return [{"tokens": torch.randint(0, VOCAB, (MB_SIZE, s), generator=g),
+             "labels": torch.randint(0, VOCAB, (MB_SIZE, s), generator=g),
+             "loss_mask": (torch.rand(MB_SIZE, s, generator=g) > 0.2).float()} for _ in range(GLOBAL_MB)]
+
+
+def _loss(out, topo):
+    t = torch.zeros(2)
+    if topo.is_last_stage and topo.tp_rank == 0:
+        t[0], t[1] = float(sum(x.item() for x in out)), float(len(out))
+    dist.all_reduce(t)
+    return (t[0] / t[1]).item()
+
+
+def _setup(tp, pp, stage, dropout=0.0):
+    topo = Topology(tp=tp, pp=pp)
+    job = _job(tp, pp, topo.dp_size, stage, dropout)
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED)
+    return topo, job, chunks, build_engine(chunks, topo, job.zero, job.optimizer)
+
+
+def _step(topo, chunks, engine, step):
+    per = GLOBAL_MB // topo.dp_size
+    mine = _batches(step)[topo.dp_rank * per:(topo.dp_rank + 1) * per]
+    engine.zero_grad()
+    out = run_schedule(chunks, mine, topo, loss_scale=engine.loss_scale, grad_sync=engine)
+    engine.finalize_grads()
+    engine.step()
+    return _loss(out, topo)
+
+
+def _full_params(chunks, topo):
+    return {n: gather_full(p.detach(), p.partition_dim, topo.tp_group).clone()
+            for c in chunks for n, p in c.named_parameters()}
+
+
+def _run_body(rank, world_size, tp, pp, stage, steps, save_dir=None, save_at=(), load_dir=None,
+              dropout=0.0, weights_only=False):
+    """Train until ``steps`` (from a checkpoint when ``load_dir``), saving after the steps in save_at.
+    Returns (losses of the steps run, full params right after loading, full params at the end)."""
+    topo, job, chunks, engine = _setup(tp, pp, stage, dropout)
+    state, loaded = TrainState(), None
+    if load_dir:
+        state = load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job, weights_only=weights_only)
+        loaded = _full_params(chunks, topo)
+    losses = []
+    while state.iteration < steps:
+        losses.append(_step(topo, chunks, engine, state.iteration))
+        state.iteration += 1
+        state.consumed_samples += GLOBAL_MB * MB_SIZE
+        if state.iteration in save_at:
+            save_checkpoint(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job)
+    return losses, loaded, _full_params(chunks, topo), state
+
+
+@pytest.fixture(scope="module")
+def saved_tp2pp2dp2(tmp_path_factory):
+    """tp2 pp2 dp2 ZeRO-1: 3 steps, checkpoint after step 2; the uninterrupted losses."""
+    d = tmp_path_factory.mktemp("ckpt_8")
+    res = run_on_ranks(8, _run_body, 2, 2, 1, 3, str(d), (2,), timeout=300)
+    final = {}
+    for r in res:
+        final.update(r[2])
+    return d, res[-1][0], final
+
+
+def _check_loaded(d, results, ref_losses, ref_final):
+    model = read_model(d)[1]
+    for losses, loaded, final, state in results:
+        assert state.iteration == 3
+        for name, value in loaded.items():                 # the saved weights, exactly
+            assert torch.equal(_unpad(name, value), model[name]), name
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[2:]), rtol=1e-5, atol=0)
+        for name, value in final.items():          # the uninterrupted run's weights after step 3
+            torch.testing.assert_close(_unpad(name, value), _unpad(name, ref_final[name]), rtol=1e-5, atol=1e-6,
+                                       msg=name)
+
+
+def _unpad(name, value):
+    """The vocab rows (the padding differs between tp sizes)."""
+    return value[:VOCAB] if "word_embeddings" in name else value
+
+
+def test_save_tp2pp2dp2_zero1_load_tp1pp1dp1(saved_tp2pp2dp2):
+    d, ref_losses, ref_final = saved_tp2pp2dp2
+    assert latest_iteration(d) == 2
+    _check_loaded(d, run_on_ranks(1, _run_body, 1, 1, 0, 3, load_dir=str(d)), ref_losses, ref_final)
+
+
+def test_save_tp2pp2dp2_zero1_load_tp1pp4dp2_zero2(saved_tp2pp2dp2):
+    d, ref_losses, ref_final = saved_tp2pp2dp2
+    _check_loaded(d, run_on_ranks(8, _run_body, 1, 4, 2, 3, load_dir=str(d), timeout=300), ref_losses, ref_final)
+
+
+def test_checkpoint_is_layout_free(saved_tp2pp2dp2):
+    d = saved_tp2pp2dp2[0]
+    reader = CheckpointReader(d / "iter_0000002")
+    assert reader.index["layout"]["tp"] == 2 and reader.index["train_state"]["iteration"] == 2
+    assert reader.shape("model/embedding.word_embeddings.weight") == [VOCAB, 32]
+    assert reader.shape("optim.exp_avg/layers.3.attention.dense.weight") == [32, 32]
+    assert "optim.master/layers.0.attention.qkv.weight" not in reader.tensors   # fp32: masters are the weights
+    assert len(reader.verify_all()) == 4 + 8 + 1                                # shards, rng per rank, index
+    assert json.loads((d / "iter_0000002" / "index.json").read_text())["job"]["zero"]["zero_stage"] == 1
+
+
+def _resume_body(rank, world_size, tp, pp, stage, save_dir, dropout):
+    """Straight 4 steps vs 2 + save + (new model, engine) load + 2: bitwise equal with dropout on."""
+    straight = _run_body(rank, world_size, tp, pp, stage, 4, dropout=dropout)
+    torch.manual_seed(999)                          # disturb the global RNG: the load must restore it
+    first = _run_body(rank, world_size, tp, pp, stage, 2, save_dir, (2,), dropout=dropout)
+    resumed = _run_body(rank, world_size, tp, pp, stage, 4, load_dir=save_dir, dropout=dropout)
+    assert first[0] + resumed[0] == straight[0], (first[0], resumed[0], straight[0])
+    for name, value in straight[2].items():
+        assert torch.equal(value, resumed[2][name]), name
+    return True
+
+
+@pytest.mark.parametrize("tp,pp,stage", [(2, 1, 2), (1, 2, 1)])
+def test_exact_resume_with_dropout(tmp_path, tp, pp, stage):
+    assert all(run_on_ranks(4, _resume_body, tp, pp, stage, str(tmp_path), 0.1))
+
+
+def _weights_only_body(rank, world_size, load_dir):
+    topo, job, chunks, engine = _setup(1, 1, 1)
+    state = load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job, weights_only=True)
+    assert state == TrainState() and engine.state_dict()["step"] == 0
+    return _full_params(chunks, topo)
+
+
+def test_weights_only_and_offline_writer(saved_tp2pp2dp2, tmp_path):
+    d = saved_tp2pp2dp2[0]
+    cfg, tensors, index = read_model(d)
+    job = _job(1, 1, 1, 0)
+    out = write_weights_checkpoint(tmp_path, tensors, job, tp=2, pp=2)
+    assert latest_iteration(tmp_path) == 0 and (out / "model_tp01_pp001.safetensors").is_file()
+    for loaded in run_on_ranks(2, _weights_only_body, str(tmp_path)):
+        for name, value in loaded.items():
+            assert torch.equal(_unpad(name, value), tensors[name]), name
+
+
+def _refuses_body(rank, world_size, load_dir, weights_only=False):
+    topo, job, chunks, engine = _setup(1, 1, 0)
+    try:
+        load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job, weights_only=weights_only)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_flipped_byte_is_refused_naming_the_file(saved_tp2pp2dp2, tmp_path):
+    import shutil
+
+    shutil.copytree(saved_tp2pp2dp2[0], tmp_path / "c")
+    shard = tmp_path / "c" / "iter_0000002" / "model_tp01_pp001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    msgs = run_on_ranks(2, _refuses_body, str(tmp_path / "c"))
+    assert any(m and str(shard) in m and "sha256" in m for m in msgs), msgs
+    assert all(m for m in msgs)                     # every rank raises, none waits forever
+
+
+def test_weights_only_checkpoint_needs_finetune(saved_tp2pp2dp2, tmp_path):
+    cfg, tensors, _ = read_model(saved_tp2pp2dp2[0])
+    write_weights_checkpoint(tmp_path, tensors, _job(1, 1, 1, 0))
+    [msg] = run_on_ranks(1, _refuses_body, str(tmp_path))
+    assert "--finetune" in msg
+
+
+def test_partition_dims_match_the_model():
+    model = GPT(ModelConfig(**MODEL, untie_embeddings_and_output_weights=True))
+    for name, p in model.named_parameters():
+        assert partition_dim_of(name) == p.partition_dim, name
+
+
+_CRASH_SCRIPT = textwrap.dedent("""
+    import os, sys, time, torch, torch.distributed as dist
+    sys.path.insert(0, {root!r})
+    import megazero.checkpoint.format as fmt
+    from megazero.checkpoint import save_checkpoint
+    from megazero.config import JobConfig, ModelConfig
+    from megazero.parallel.pipeline import build_model_chunks
+    from megazero.parallel.topology import Topology
+    from megazero.parallel.zero import build_engine
+    from megazero.training import TrainState
+    dist.init_process_group("gloo", init_method="file://{init}", rank=0, world_size=1)
+    job = JobConfig(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                      vocab_size=100, make_vocab_size_divisible_by=16))
+    topo = Topology()
+    chunks = build_model_chunks(job.model, job.parallel, topo)
+    engine = build_engine(chunks, topo, job.zero, job.optimizer)
+    save_checkpoint({d!r}, TrainState(1, 8, 0), chunks=chunks, engine=engine, topo=topo, job=job)
+    hold = {where!r}
+    real_write, real_commit = fmt.write_tensor_file, fmt.replace_tracker
+    def pause():
+        print("PAUSED", flush=True)
+        time.sleep(60)
+    def write(*a, **k):
+        out = real_write(*a, **k)
+        if hold == "shard":
+            pause()
+        return out
+    def tracker(*a, **k):
+        if hold == "tracker":
+            pause()
+        return real_commit(*a, **k)
+    fmt.write_tensor_file, fmt.replace_tracker = write, tracker
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.add_(1.0)
+    save_checkpoint({d!r}, TrainState(2, 16, 0), chunks=chunks, engine=engine, topo=topo, job=job)
+""")
+
+
+@pytest.mark.parametrize("where", ["shard", "tracker"])
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, where):
+    d = tmp_path / "save"
+    script = _CRASH_SCRIPT.format(root=str(ROOT), init=str(tmp_path / "pg"), d=str(d), where=where)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "PAUSED", proc.stderr.read()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert latest_iteration(d) == 1
+    cfg, tensors, index = read_model(d)              # complete and verified
+    assert index["train_state"] == {"iteration": 1, "consumed_samples": 8, "skipped_iterations": 0}
+    if where == "shard":                             # the half-written save is a hidden temporary
+        assert (d / ".iter_0000002.tmp").exists() and not (d / "iter_0000002").exists()
+    else:                                            # complete but not yet the latest
+        assert (d / "iter_0000002" / "manifest.json").is_file()
