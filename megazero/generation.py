@@ -1,0 +1,83 @@
+"""Text generation with a single-process GPT: greedy decoding, top-k and nucleus (top-p) sampling.
+
+    model, job = build_full_model("checkpoints/")        # megazero.checkpoint.offline
+    new_ids = generate(model, tokenizer.tokenize("Hello"), 20)                  # greedy
+    new_ids = generate(model, prompt_ids, 20, top_k=40, top_p=0.9, temperature=0.8,
+                       generator=torch.Generator().manual_seed(0))             # sampling
+
+No KV cache: every new token re-runs the model over the last ``max_position_embeddings`` tokens,
+which is what a small model on a CPU needs and keeps the code obviously right.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """Set to -inf every logit outside the ``top_k`` largest and outside the smallest set of tokens
+    whose probabilities sum to at least ``top_p`` (the most likely token always survives).
+
+    >>> filter_logits(torch.tensor([1.0, 3.0, 2.0]), top_k=2)
+    tensor([-inf, 3., 2.])
+    """
+    logits = logits.clone()
+    if top_k:
+        k = min(int(top_k), logits.numel())
+        kth = torch.topk(logits, k).values[-1]
+        logits[logits < kth] = float("-inf")
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p     # mass before this token already >= p
+        drop[0] = False
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def next_token(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
+               temperature: float = 1.0, generator: torch.Generator | None = None) -> int:
+    """Greedy (argmax) unless ``top_k`` or ``top_p`` is given, then a sample from the filtered,
+    temperature-scaled distribution. ``top_k=0`` samples from the whole vocabulary."""
+    if (top_k is None and top_p is None) or temperature == 0.0:
+        return int(torch.argmax(logits))
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
+    probs = torch.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, top_k: int | None = None,
+             top_p: float | None = None, temperature: float = 1.0, generator: torch.Generator | None = None,
+             eos_id: int | None = None) -> list[int]:
+    """The ``max_new_tokens`` token ids that follow ``prompt_ids`` (fewer if ``eos_id`` is produced;
+    it is included). ``model`` is a whole GPT on one process (tp=1, all layers); its training mode
+    is restored afterwards. Greedy unless ``top_k``/``top_p`` is given (see :func:`next_token`)."""
+    if getattr(model, "ctx", None) is not None and model.ctx.tp_size != 1:
+        raise ValueError("generate needs a single-process model (tp=1): build it with "
+                         "megazero.checkpoint.offline.build_full_model")
+    if not (model.pre_process and model.post_process) or len(model.layer_ids) != model.cfg.num_layers:
+        raise ValueError("generate needs the whole model (all layers, embedding and output), not a pipeline stage")
+    ids = [int(i) for i in prompt_ids]
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token id")
+    vocab, window = model.cfg.vocab_size, model.cfg.max_position_embeddings
+    if max(ids) >= vocab or min(ids) < 0:
+        raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            x = torch.tensor([ids[-window:]], dtype=torch.long, device=device)
+            logits = model(x)[0, -1, :vocab]
+            ids.append(next_token(logits, top_k=top_k, top_p=top_p, temperature=temperature, generator=generator))
+            if eos_id is not None and ids[-1] == eos_id:
+                break
+    finally:
+        model.train(was_training)
+    return ids[len(prompt_ids):]

@@ -1,0 +1,80 @@
+"""Convert checkpoints: megazero (any layout) <-> HuggingFace GPT2LMHeadModel, or re-split megazero files.
+
+    python tools/convert_checkpoint.py --input ckpt/ --output gpt2-hf/ --to hf
+    python tools/convert_checkpoint.py --input gpt2-hf/ --output ckpt-tp2pp2/ --to megazero --target-tp 2 --target-pp 2
+
+``--input`` is a megazero save directory (its latest checkpoint), an ``iter_*`` directory, or (for
+``--to megazero``) an HF model directory with config.json + model.safetensors. HF output is
+config.json + model.safetensors (Conv1D [in, out] weights, q/k/v as consecutive blocks, the GELU variant
+in ``activation_function``). megazero output is a weights-only checkpoint (iteration 0): train from it
+with ``--load DIR --finetune``. Configurations the other side cannot express are refused.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import torch  # noqa: E402
+
+from megazero.checkpoint import CheckpointError  # noqa: E402
+from megazero.checkpoint.hf import load_hf, save_hf  # noqa: E402
+from megazero.checkpoint.offline import job_from_dict, read_model, write_weights_checkpoint  # noqa: E402
+from megazero.config import ConfigError, JobConfig, ParallelConfig, _check_model  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="megazero save/iter directory, or an HF model directory")
+    p.add_argument("--output", required=True, help="directory to write")
+    p.add_argument("--to", required=True, choices=["megazero", "hf"])
+    p.add_argument("--target-tp", type=int, default=1, help="megazero output: files split for this tp")
+    p.add_argument("--target-pp", type=int, default=1, help="megazero output: files split for this pp")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the written tensors")
+    p.add_argument("--seq-length", type=int, help="HF input: training sequence length to record "
+                                                   "(default n_positions)")
+    return p.parse_args(argv)
+
+
+def convert(args: argparse.Namespace) -> Path:
+    src, dtype = Path(args.input), DTYPES[args.dtype]
+    if args.to == "hf":
+        if (src / "config.json").is_file():
+            raise CheckpointError(f"{src} is already an HF model directory")
+        cfg, tensors, _ = read_model(src)
+        return save_hf(args.output, tensors, cfg, dtype)
+    if (src / "config.json").is_file():
+        cfg, tensors = load_hf(src, args.seq_length)
+        job = JobConfig(model=cfg)
+    else:
+        _, tensors, index = read_model(src)
+        job = job_from_dict(index["job"])
+    try:
+        _check_model(job.model, ParallelConfig(tp=args.target_tp, pp=args.target_pp))
+        if args.target_pp < 1 or job.model.num_layers % args.target_pp:
+            raise ConfigError(f"--target-pp {args.target_pp} must divide --num-layers {job.model.num_layers}")
+    except ConfigError as e:
+        raise CheckpointError(str(e).replace("--tensor-model-parallel-size/--tp", "--target-tp")) from None
+    tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    return write_weights_checkpoint(args.output, tensors, job, tp=args.target_tp, pp=args.target_pp)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        out = convert(args)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

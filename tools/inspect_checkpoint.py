@@ -1,0 +1,67 @@
+"""Print what a megazero checkpoint holds and verify every file against its manifest.
+
+    python tools/inspect_checkpoint.py ckpt/                 # the latest checkpoint under --save's dir
+    python tools/inspect_checkpoint.py ckpt/iter_0000100 --no-verify
+
+Prints the layout it was saved with, the iteration and train state, the model config, then every
+tensor with its global shape, dtype and number of shards; exits 1 if a file is missing or corrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from megazero.checkpoint import CheckpointError, CheckpointReader  # noqa: E402
+from megazero.checkpoint.offline import resolve  # noqa: E402
+
+
+def describe(path: str, verify: bool = True) -> list[str]:
+    directory = resolve(path)
+    reader = CheckpointReader(directory, verify=verify)
+    idx = reader.index
+    lay, ts, model = idx["layout"], idx["train_state"], idx["job"]["model"]
+    lines = [f"checkpoint {directory}",
+             f"  saved with: tp {lay['tp']} pp {lay['pp']} dp {lay['dp']} (world {lay['world_size']}, "
+             f"{lay['virtual_stages']} chunk(s)/rank, order {lay['order']}) zero stage {lay['zero_stage']}, "
+             f"{lay['dtype']}",
+             f"  iteration {ts['iteration']}, consumed samples {ts['consumed_samples']}, "
+             f"skipped iterations {ts['skipped_iterations']}",
+             f"  optimizer: {'step ' + str(idx['optimizer']['step']) if idx['optimizer'] else 'none (weights only)'}",
+             "  model: " + ", ".join(f"{k}={model[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                                                 "ffn_hidden_size", "vocab_size",
+                                                                 "max_position_embeddings", "activation"))]
+    numel = 0
+    for name in sorted(reader.tensors):
+        e = reader.tensors[name]
+        lines.append(f"  {name:<60} {str(e['shape']):<16} {e['dtype']:<9} {len(e['shards'])} shard(s)")
+        if name.startswith("model/"):
+            n = 1
+            for d in e["shape"]:
+                n *= d
+            numel += n
+    lines.append(f"  {numel:,} model parameters")
+    if verify:
+        files = reader.verify_all()
+        lines.append(f"  checksums OK: {len(files)} files")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="a save directory (uses its latest checkpoint) or an iter_* directory")
+    p.add_argument("--no-verify", action="store_true", help="skip the size/sha256 checks")
+    args = p.parse_args(argv)
+    try:
+        print("\n".join(describe(args.path, verify=not args.no_verify)))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
