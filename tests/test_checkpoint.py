@@ -272,3 +272,38 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, where):
         assert (d / ".iter_0000002.tmp").exists() and not (d / "iter_0000002").exists()
     else:                                            # complete but not yet the latest
         assert (d / "iter_0000002" / "manifest.json").is_file()
+
+
+def _half_body(rank, world_size, save_dir, stage, load: bool):
+    """fp16 with a loss scaler: separate fp32 masters are saved and restored exactly, with the scaler."""
+    from megazero.config import PrecisionConfig
+
+    topo = Topology(dp=world_size)
+    job = _job(1, 1, world_size, stage)
+    job.precision = PrecisionConfig(fp16=True, initial_loss_scale=2.0 ** 10, loss_scale_window=2)
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, dtype=torch.float16)
+    engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    state = TrainState()
+    if load:
+        state = load_checkpoint(save_dir, chunks=chunks, engine=engine, topo=topo, job=job)
+    else:
+        for it in range(3):
+            _step(topo, chunks, engine, it)
+        state = TrainState(3, 3 * GLOBAL_MB * MB_SIZE, 0)
+        save_checkpoint(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job)
+    return engine.state_dict(), state
+
+
+def test_fp16_masters_moments_and_loss_scaler_across_dp_and_stage(tmp_path):
+    from megazero.parallel.zero import merge_optimizer_states
+
+    saved = merge_optimizer_states([s for s, _ in run_on_ranks(2, _half_body, str(tmp_path), 2, False)])
+    assert saved["loss_scaler"]["scale"] > 2.0 ** 10                 # grew: the state is worth checking
+    [(loaded, state)] = run_on_ranks(1, _half_body, str(tmp_path), 0, True)
+    assert state.iteration == 3 and loaded["step"] == saved["step"] == 3
+    assert loaded["loss_scaler"] == saved["loss_scaler"]
+    reader = CheckpointReader(tmp_path / "iter_0000003")
+    assert reader.has("optim.master/layers.0.attention.qkv.weight")
+    for name, piece in saved["params"].items():
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded["params"][name][key], piece[key]), (name, key)
