@@ -307,3 +307,31 @@ def test_fp16_masters_moments_and_loss_scaler_across_dp_and_stage(tmp_path):
     for name, piece in saved["params"].items():
         for key in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(loaded["params"][name][key], piece[key]), (name, key)
+
+
+def _resume_rules_body(rank, world_size, root):
+    from megazero.checkpoint import checkpoint_saver, resume
+
+    topo, job, chunks, engine = _setup(1, 1, 0)
+    ck, out = job.checkpoint, {}
+    ck.load = ck.save = f"{root}/auto"                     # auto-resume: nothing yet -> fresh
+    out["fresh"] = resume(job, chunks, engine, topo)
+    checkpoint_saver(job, chunks, engine, topo)(TrainState(5, 80, 1))
+    out["auto"] = resume(job, chunks, engine, topo)
+    ck.save, ck.load = None, f"{root}/missing"
+    try:
+        resume(job, chunks, engine, topo)
+    except CheckpointError as e:
+        out["missing"] = str(e)
+    ck.load, ck.finetune, ck.save = f"{root}/auto", True, f"{root}/ft"
+    out["finetune"] = resume(job, chunks, engine, topo)
+    checkpoint_saver(job, chunks, engine, topo)(TrainState(2, 32, 0))
+    out["finetune_restart"] = resume(job, chunks, engine, topo)
+    return out
+
+
+def test_load_save_finetune_rules(tmp_path):
+    [out] = run_on_ranks(1, _resume_rules_body, str(tmp_path))
+    assert out["fresh"] == TrainState() and out["auto"] == TrainState(5, 80, 1)
+    assert f"--load {tmp_path}/missing does not exist" in out["missing"]
+    assert out["finetune"] == TrainState() and out["finetune_restart"] == TrainState(2, 32, 0)

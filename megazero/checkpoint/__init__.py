@@ -4,12 +4,15 @@
     load_checkpoint(load_dir, chunks=..., engine=..., topo=..., job=..., weights_only=False)
         -> TrainState | None                                                            (collective)
     latest_iteration(save_dir) -> int | None
+    resume(job, chunks, engine, topo) -> TrainState          (--load / --finetune / auto-resume rules)
+    checkpoint_saver(job, chunks, engine, topo) -> save(state) | None
 
 The on-disk format is described in :mod:`megazero.checkpoint.format`; single-process tools read
 and write it through :mod:`megazero.checkpoint.offline` (whole tensors by stable name).
 """
 from megazero.checkpoint.distributed import check_model_compatible, latest_iteration, load_checkpoint, save_checkpoint
 from megazero.checkpoint.format import CheckpointError, CheckpointReader
+from megazero.checkpoint.resume import checkpoint_saver, resume
 
-__all__ = ["CheckpointError", "CheckpointReader", "check_model_compatible", "latest_iteration", "load_checkpoint",
-           "save_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointReader", "check_model_compatible", "checkpoint_saver", "latest_iteration",
+           "load_checkpoint", "resume", "save_checkpoint"]
