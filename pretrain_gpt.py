@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.arguments import parse_job
+from megazero.checkpoint import CheckpointError, check_flags, checkpoint_saver, resume
 from megazero.config import ConfigError, JobConfig, validate
 from megazero.data.samplers import build_data_iterators
 from megazero.data.tokenizers import Tokenizer, tokenizer_from_config
@@ -24,7 +25,7 @@ from megazero.metrics import MetricsLog
 from megazero.parallel.pipeline import build_model_chunks
 from megazero.parallel.topology import Topology, init_distributed
 from megazero.parallel.zero import build_engine
-from megazero.training import TrainState, describe_run, gather_full_model, greedy_continuation, train
+from megazero.training import describe_run, gather_full_model, greedy_continuation, train
 
 SAMPLE_PROMPT = "A hacker is"
 
@@ -32,6 +33,10 @@ SAMPLE_PROMPT = "A hacker is"
 def main(argv: list[str] | None = None) -> int:
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     job, args = parse_job(argv, world)
+    try:
+        check_flags(job)
+    except ConfigError as e:
+        raise SystemExit(f"pretrain_gpt.py: error: {e}") from e
     embedded_default = not (job.data.mock_data or job.data.data_path)
     job, tokenizer = resolve_data(job, world)
 
@@ -44,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     header = describe_run(job, topo, chunks)           # counts parameters before ZeRO moves them
     engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
     log.print(header + model_state_line(engine, topo))
+    try:
+        state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
+    except CheckpointError as e:
+        raise SystemExit(f"pretrain_gpt.py: error: {e}") from e
 
     t = job.train
     train_data, valid_data, _ = build_data_iterators(
@@ -57,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         train_data.consumed_samples = consumed_samples
         return _steps(train_data, topo.device)
 
+    if valid_data is not None:                           # evaluations already run continue where they were
+        valid_data.consumed_samples = (state.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
     valid_steps = _steps(valid_data, topo.device) if valid_data is not None else None
     state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
-                  log, TrainState())
+                  log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print))
 
     if embedded_default:                                 # show what the tiny GPT learnt
         model = gather_full_model(chunks, topo, job, engine)

@@ -90,7 +90,8 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     """Run from ``state.iteration`` to ``train_iters``; evaluate and save at their intervals.
 
     ``train_batches(consumed_samples)`` yields, per step, this data-parallel rank's micro-batches of the
-    global batch, starting at the given sample so a resumed run continues exactly.
+    global batch, starting at the given sample so a resumed run continues exactly. ``--exit-interval``
+    stops early after a multiple of it. With ``save``, the last iteration run is always saved too.
     """
     t, opt = job.train, job.optimizer
     tokens_per_step = t.global_batch_size * job.model.seq_length
@@ -99,6 +100,7 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     peak = device_peak_tflops(topo.device, job.precision.dtype_name)
     batches = train_batches(state.consumed_samples)
     window_start, window_iters = time.perf_counter(), 0
+    saved_at = state.iteration                    # a resumed run starts from a saved iteration
     while state.iteration < t.train_iters:
         engine.set_lr(learning_rate(state.iteration, opt))
         result = train_step(chunks, next(batches), topo, engine, job)
@@ -116,7 +118,12 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
             window_start = time.perf_counter()
         if save and job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0:
             save(state)
-            window_start = time.perf_counter()
+            saved_at, window_start = state.iteration, time.perf_counter()
+        if t.exit_interval and state.iteration % t.exit_interval == 0 and state.iteration < t.train_iters:
+            log.print(f" exiting after iteration {state.iteration} (--exit-interval {t.exit_interval})")
+            break
+    if save and saved_at != state.iteration:
+        save(state)
     return state
 
 
@@ -223,10 +230,8 @@ def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
 
 @torch.no_grad()
 def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The next ``max_new_tokens`` ids a single-process GPT predicts greedily after ``prompt_ids``."""
-    ids = list(prompt_ids)
-    window = model.cfg.seq_length
-    for _ in range(max_new_tokens):
-        logits = model(torch.tensor([ids[-window:]]))[0, -1, :model.cfg.vocab_size]
-        ids.append(int(logits.argmax()))
-    return ids[len(prompt_ids):]
+    """The next ``max_new_tokens`` ids a single-process GPT predicts greedily after ``prompt_ids``
+    (:func:`megazero.generation.generate`, which also samples with top-k / top-p)."""
+    from megazero.generation import generate
+
+    return generate(model, prompt_ids, max_new_tokens)

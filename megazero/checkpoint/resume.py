@@ -26,6 +26,20 @@ from megazero.checkpoint.format import CheckpointError
 log = logging.getLogger(__name__)
 
 
+def check_flags(job) -> None:
+    """Reject checkpoint flag combinations that cannot do what they say (ConfigError naming the flag)."""
+    from megazero.config import ConfigError
+
+    ck, t = job.checkpoint, job.train
+    for name, value in (("--save-interval", ck.save_interval), ("--exit-interval", t.exit_interval)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value}")
+    if ck.save_interval and not ck.save:
+        raise ConfigError("--save-interval needs --save DIR (where to write the checkpoints)")
+    if ck.finetune and not ck.load:
+        raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
+
+
 def _same_dir(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
 
@@ -39,7 +53,7 @@ def resume(job, chunks, engine, topo, extra_rng: dict | None = None, say: Callab
     kw = dict(chunks=chunks, engine=engine, topo=topo, job=job, extra_rng=extra_rng)
     if ck.finetune and ck.save and not _same_dir(ck.load, ck.save) and latest_iteration(ck.save) is not None:
         state = load_checkpoint(ck.save, **kw)
-        say(f"resumed the finetuning run from {ck.save} at iteration {state.iteration}")
+        say(f" resumed the finetuning run from {ck.save} at iteration {state.iteration}")
         return state
     if ck.load is None:
         if ck.finetune:
@@ -47,16 +61,16 @@ def resume(job, chunks, engine, topo, extra_rng: dict | None = None, say: Callab
         return TrainState()
     if latest_iteration(ck.load) is None:
         if _same_dir(ck.load, ck.save):
-            say(f"no checkpoint in {ck.load} yet (--load equals --save): starting fresh")
+            say(f" no checkpoint in {ck.load} yet (--load equals --save): starting fresh")
             return TrainState()
         what = "does not exist" if not os.path.isdir(ck.load) else "holds no checkpoint (no latest_checkpointed_iteration.txt)"
         raise CheckpointError(f"--load {ck.load} {what}: point --load at a --save directory of an earlier run, "
                               f"or set --load equal to --save to start fresh and resume automatically after a restart")
     state = load_checkpoint(ck.load, weights_only=ck.finetune, **kw)
     if ck.finetune:
-        say(f"loaded weights only from {ck.load} (--finetune): iteration 0, fresh optimizer")
+        say(f" loaded weights only from {ck.load} (--finetune): iteration 0, fresh optimizer")
     else:
-        say(f"resumed from {ck.load} at iteration {state.iteration} "
+        say(f" resumed from {ck.load} at iteration {state.iteration} "
             f"({state.consumed_samples} samples consumed)")
     return state
 
@@ -71,6 +85,6 @@ def checkpoint_saver(job, chunks, engine, topo, extra_rng: dict | None = None,
     def save(state) -> None:
         path = save_checkpoint(job.checkpoint.save, state, chunks=chunks, engine=engine, topo=topo, job=job,
                                extra_rng=extra_rng)
-        say(f"saved checkpoint {path}")
+        say(f" saved checkpoint {path}")
 
     return save
