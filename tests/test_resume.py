@@ -1,0 +1,130 @@
+"""End to end through pretrain_gpt.py: exact resume (20 straight = 10 + stop + 10, bitwise), resume under
+another layout (same next losses), and a torchrun restart after a rank is killed mid-training."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from multiproc import run_on_ranks
+from test_pretrain_gpt import TINY, _main_body, assert_same_losses, read_metrics
+
+from megazero.checkpoint import CheckpointReader, latest_iteration
+
+ROOT = Path(__file__).resolve().parents[1]
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+
+
+def _main(world, argv, timeout=300):
+    assert run_on_ranks(world, _main_body, [str(a) for a in argv], timeout=timeout) == [0] * world
+
+
+def _records(path, keys=("loss", "valid_loss", "lr", "grad_norm")):
+    train, valid = read_metrics(path)
+    return [(r["iteration"],) + tuple(r.get(k) for k in keys) for r in train + valid]
+
+
+def _assert_same_checkpoints(a: Path, b: Path) -> None:
+    ra, rb = CheckpointReader(a), CheckpointReader(b)
+    assert set(ra.tensors) == set(rb.tensors)
+    for name in ra.tensors:
+        assert torch.equal(ra.read_full(name), rb.read_full(name)), name
+
+
+@pytest.mark.parametrize("world,flags", [
+    (2, ["--dp", "2", "--zero-stage", "1"] + DROPOUT),
+    (4, ["--pp", "2", "--dp", "2", "--zero-stage", "2"] + DROPOUT),
+    (2, ["--tp", "2", "--sequence-parallel"] + DROPOUT),
+], ids=["dp2-zero1-dropout", "pp2dp2-zero2-dropout", "tp2-sp-dropout"])
+def test_exact_resume_20_straight_vs_10_plus_10(tmp_path, world, flags):
+    args = TINY + flags + ["--train-iters", 20, "--save-interval", 10]
+    _main(world, args + ["--save", tmp_path / "a", "--metrics-file", tmp_path / "a.jsonl"])
+    resumable = args + ["--save", tmp_path / "b", "--load", tmp_path / "b", "--metrics-file", tmp_path / "b.jsonl"]
+    _main(world, resumable + ["--exit-interval", 10])                   # stops after iteration 10
+    assert latest_iteration(tmp_path / "b") == 10
+    _main(world, resumable)                                               # resumes at 11
+    assert _records(tmp_path / "b.jsonl") == _records(tmp_path / "a.jsonl")  # bitwise: same floats
+    assert len(_records(tmp_path / "a.jsonl")) == 20 + 4
+    _assert_same_checkpoints(tmp_path / "a" / "iter_0000020", tmp_path / "b" / "iter_0000020")
+
+
+CROSS = TINY + ["--train-iters", 20, "--global-batch-size", 16]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serial") / "m.jsonl"
+    _main(1, CROSS + ["--metrics-file", path])
+    return read_metrics(path)
+
+
+@pytest.fixture(scope="module")
+def saved_tp2pp2dp2(tmp_path_factory, uninterrupted):
+    d = tmp_path_factory.mktemp("tp2pp2dp2")
+    _main(8, CROSS + ["--tp", 2, "--pp", 2, "--dp", 2, "--zero-stage", 1, "--save", d / "ck", "--save-interval", 10,
+                      "--exit-interval", 10, "--metrics-file", d / "m.jsonl"])
+    train, valid = read_metrics(d / "m.jsonl")
+    assert_same_losses(train, uninterrupted[0][:10], "loss")
+    return d / "ck"
+
+
+@pytest.mark.parametrize("world,flags", [(8, ["--pp", 4, "--dp", 2, "--zero-stage", 2]), (1, ["--zero-stage", 0])],
+                         ids=["tp1pp4dp2-zero2", "tp1pp1dp1"])
+def test_resume_under_another_layout(saved_tp2pp2dp2, uninterrupted, tmp_path, world, flags):
+    _main(world, CROSS + flags + ["--load", saved_tp2pp2dp2, "--metrics-file", tmp_path / "m.jsonl"])
+    train, valid = read_metrics(tmp_path / "m.jsonl")
+    assert_same_losses(train, uninterrupted[0][10:], "loss")
+    assert_same_losses(valid, uninterrupted[1][2:], "valid_loss")
+
+
+def test_load_without_checkpoint_is_an_error(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *map(str, TINY), "--load", tmp_path / "none"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and f"--load {tmp_path / 'none'} does not exist" in run.stderr
+
+
+_CRASH_ONCE = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import megazero.training as training
+    import pretrain_gpt
+
+    real_step, calls = training.train_step, []
+    def train_step(chunks, micro_batches, topo, engine, job):
+        out = real_step(chunks, micro_batches, topo, engine, job)
+        calls.append(1)
+        if topo.rank == 1 and len(calls) == 7 and not os.path.exists({marker!r}):
+            open({marker!r}, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)        # a hard failure mid-training, after iteration 7
+        return out
+    training.train_step = train_step
+    sys.exit(pretrain_gpt.main())
+""")
+
+
+def test_torchrun_restart_after_a_killed_rank_resumes_from_the_checkpoint(tmp_path):
+    script = tmp_path / "crash_once.py"
+    script.write_text(_CRASH_ONCE.format(root=str(ROOT), marker=str(tmp_path / "crashed")))
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           "1", str(script), *map(str, TINY), "--pp", "2", "--save", str(ck), "--load", str(ck), "--save-interval",
+           "5", "--metrics-file", str(metrics)]
+    # torch 2.13's launcher keeps one shared TCP store across restarts without a per-attempt key prefix,
+    # so the restarted workers' gloo mesh reads the dead attempt's addresses ("Connection refused");
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each attempt a fresh store hosted by its rank 0.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "crashed").exists()
+    assert "resumed from" in run.stdout and "at iteration 5" in run.stdout
+    train, _ = read_metrics(metrics)
+    iterations = [r["iteration"] for r in train]
+    assert iterations.count(1) == 1 and iterations.count(6) == 2     # restarted from 5, not from scratch
+    last = {r["iteration"]: r for r in train}                         # the records after the restart
+    serial = tmp_path / "serial.jsonl"
+    _main(1, TINY + ["--metrics-file", serial])
+    assert_same_losses([last[i] for i in sorted(last)], read_metrics(serial)[0], "loss")
