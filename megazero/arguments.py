@@ -69,8 +69,6 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--eval-interval",), "train.eval_interval", dict(type=int)),
         (("--eval-iters",), "train.eval_iters", dict(type=int)),
         (("--log-interval",), "train.log_interval", dict(type=int)),
-        (("--exit-interval",), "train.exit_interval",
-         dict(type=int, help="stop after an iteration that is a multiple of this (saving first with --save)")),
     ],
     "optimizer": [
         (("--lr",), "optimizer.lr", dict(type=float)),

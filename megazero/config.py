@@ -144,7 +144,6 @@ class TrainConfig:
     eval_interval: int = 100
     eval_iters: int = 10
     log_interval: int = 10
-    exit_interval: int | None = None            # stop (after saving) once the iteration is a multiple of it
 
 
 @dataclass

@@ -90,8 +90,8 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     """Run from ``state.iteration`` to ``train_iters``; evaluate and save at their intervals.
 
     ``train_batches(consumed_samples)`` yields, per step, this data-parallel rank's micro-batches of the
-    global batch, starting at the given sample so a resumed run continues exactly. ``--exit-interval``
-    stops early after a multiple of it. With ``save``, the last iteration run is always saved too.
+    global batch, starting at the given sample so a resumed run continues exactly. With ``save``, the
+    last iteration is always saved too.
     """
     t, opt = job.train, job.optimizer
     tokens_per_step = t.global_batch_size * job.model.seq_length
@@ -119,9 +119,6 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
         if save and job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0:
             save(state)
             saved_at, window_start = state.iteration, time.perf_counter()
-        if t.exit_interval and state.iteration % t.exit_interval == 0 and state.iteration < t.train_iters:
-            log.print(f" exiting after iteration {state.iteration} (--exit-interval {t.exit_interval})")
-            break
     if save and saved_at != state.iteration:
         save(state)
     return state

@@ -19,8 +19,37 @@ ROOT = Path(__file__).resolve().parents[1]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
-def _main(world, argv, timeout=300):
-    assert run_on_ranks(world, _main_body, [str(a) for a in argv], timeout=timeout) == [0] * world
+def _main(world, argv, timeout=300, stop_after=None):
+    body = _main_body if stop_after is None else _stopping_main_body
+    extra = () if stop_after is None else (stop_after,)
+    assert run_on_ranks(world, body, [str(a) for a in argv], *extra, timeout=timeout) == [0] * world
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stopping_main_body(rank, world, argv, stop_after):
+    """pretrain_gpt.main, stopped (as by a scheduler's time limit) once ``stop_after`` steps have run:
+    every rank leaves before the next step's first collective."""
+    import megazero.training as training
+    import pretrain_gpt
+
+    real, calls = training.train_step, []
+
+    def train_step(*args, **kwargs):
+        if len(calls) == stop_after:
+            raise _Stop
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    training.train_step = train_step
+    try:
+        return pretrain_gpt.main(argv)
+    except _Stop:
+        return 0
+    finally:
+        training.train_step = real
 
 
 def _records(path, keys=("loss", "valid_loss", "lr", "grad_norm")):
@@ -44,7 +73,7 @@ def test_exact_resume_20_straight_vs_10_plus_10(tmp_path, world, flags):
     args = TINY + flags + ["--train-iters", 20, "--save-interval", 10]
     _main(world, args + ["--save", tmp_path / "a", "--metrics-file", tmp_path / "a.jsonl"])
     resumable = args + ["--save", tmp_path / "b", "--load", tmp_path / "b", "--metrics-file", tmp_path / "b.jsonl"]
-    _main(world, resumable + ["--exit-interval", 10])                   # stops after iteration 10
+    _main(world, resumable, stop_after=10)                                # stops after iteration 10
     assert latest_iteration(tmp_path / "b") == 10
     _main(world, resumable)                                               # resumes at 11
     assert _records(tmp_path / "b.jsonl") == _records(tmp_path / "a.jsonl")  # bitwise: same floats
@@ -66,7 +95,7 @@ def uninterrupted(tmp_path_factory):
 def saved_tp2pp2dp2(tmp_path_factory, uninterrupted):
     d = tmp_path_factory.mktemp("tp2pp2dp2")
     _main(8, CROSS + ["--tp", 2, "--pp", 2, "--dp", 2, "--zero-stage", 1, "--save", d / "ck", "--save-interval", 10,
-                      "--exit-interval", 10, "--metrics-file", d / "m.jsonl"])
+                      "--metrics-file", d / "m.jsonl"], stop_after=10)
     train, valid = read_metrics(d / "m.jsonl")
     assert_same_losses(train, uninterrupted[0][:10], "loss")
     return d / "ck"

@@ -62,9 +62,9 @@ def _named_params(chunks):
     return out
 
 
-def _agree(ok: bool, what: str, error: BaseException | None) -> None:
+def _agree(ok: bool, what: str, error: BaseException | None, device) -> None:
     """Raise on every rank if any rank failed (so no rank is left waiting in a collective)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if error is not None:
         raise error
@@ -99,9 +99,13 @@ def _merge_optimizer_over_dp(pieces: dict, named: list, topo, keys: tuple[str, .
         if name in pieces:
             meta[i, 0], meta[i, 1] = int(pieces[name]["offset"]), pieces[name][keys[0]].numel()
     group, dp = topo.dp_group, topo.dp_size
-    metas = [torch.empty_like(meta) for _ in range(dp)] if dp > 1 else [meta]
-    if dp > 1:
+    if dp > 1:                                   # on the device: NCCL reduces device tensors only
+        meta = meta.to(topo.device)
+        metas = [torch.empty_like(meta) for _ in range(dp)]
         dist.all_gather(metas, meta, group=group)
+        meta, metas = meta.cpu(), [m.cpu() for m in metas]
+    else:
+        metas = [meta]
     me = dist.get_rank(group) if dp > 1 else 0
     starts, total = [], 0
     for _, n in names:
@@ -155,7 +159,7 @@ def _tensor_parts(named, merged, topo, vocab_size: int) -> list:
     return parts
 
 
-def _write_rank_files(tmp: Path, state, chunks, engine, topo, job, extra_rng) -> tuple[dict, dict | None]:
+def _write_rank_files(tmp: Path, chunks, engine, topo, job, extra_rng) -> tuple[dict, dict | None]:
     """Write this rank's files; returns its part record and the optimizer scalars (step, scaler)."""
     named = _named_params(chunks)
     record = {"tensors": {}, "files": {}}
@@ -206,24 +210,31 @@ def save_checkpoint(save_dir, state, *, chunks, engine, topo, job, extra_rng: di
     save_dir = Path(save_dir)
     final = save_dir / fmt.iter_dir_name(state.iteration)
     tmp = save_dir / f".{final.name}.tmp"
+    error = None
     if topo.rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)      # left over by a crashed save
-        (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
-    error, opt_meta = None, None
+        try:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)      # left over by a crashed save
+            (tmp / "rng").mkdir(parents=True)
+        except OSError as e:
+            error = CheckpointError(f"cannot create {tmp} for --save: {e}")
+    _agree(error is None, f"creating {tmp}", error, topo.device)
+    opt_meta = None
     try:
-        _, opt_meta = _write_rank_files(tmp, state, chunks, engine, topo, job, extra_rng)
+        _, opt_meta = _write_rank_files(tmp, chunks, engine, topo, job, extra_rng)
     except Exception as e:  # noqa: BLE001 - re-raised by _agree after every rank has reported
         error = e
-    _agree(error is None, f"saving {final}", error)
+    _agree(error is None, f"saving {final}", error, topo.device)
     if topo.rank == 0:
         index = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "iteration": state.iteration,
                  "train_state": dataclasses.asdict(state), "optimizer": opt_meta,
                  "scheduler": _scheduler_state(state.iteration, job.optimizer),
                  "layout": _layout(topo, chunks, job), "job": job.to_dict(), "tensors": {}}
-        _commit(save_dir, tmp, final, topo.world_size, index)
-    dist.barrier()
+        try:
+            _commit(save_dir, tmp, final, topo.world_size, index)
+        except Exception as e:  # noqa: BLE001 - re-raised by _agree after every rank has reported
+            error = e
+    _agree(error is None, f"committing {final}", error, topo.device)
     return final
 
 
@@ -287,7 +298,7 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
             opt_state = _read_rank(reader, named, topo, job, weights_only)
     except Exception as e:  # noqa: BLE001 - re-raised by _agree after every rank has reported
         error = e
-    _agree(error is None, f"loading {directory}", error)
+    _agree(error is None, f"loading {directory}", error, topo.device)
     if weights_only:
         return TrainState()
     if engine is not None:

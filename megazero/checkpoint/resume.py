@@ -30,10 +30,9 @@ def check_flags(job) -> None:
     """Reject checkpoint flag combinations that cannot do what they say (ConfigError naming the flag)."""
     from megazero.config import ConfigError
 
-    ck, t = job.checkpoint, job.train
-    for name, value in (("--save-interval", ck.save_interval), ("--exit-interval", t.exit_interval)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value}")
+    ck = job.checkpoint
+    if ck.save_interval is not None and ck.save_interval < 1:
+        raise ConfigError(f"--save-interval must be a positive integer, got {ck.save_interval}")
     if ck.save_interval and not ck.save:
         raise ConfigError("--save-interval needs --save DIR (where to write the checkpoints)")
     if ck.finetune and not ck.load:
