@@ -99,7 +99,9 @@ def to_hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
         if name in _GLOBAL_MAP:
             out[_GLOBAL_MAP[name]] = t
             continue
-        _, layer, rest = name.split(".", 2)
+        _, layer, rest = name.split(".", 2) if name.startswith("layers.") else ("", "", name)
+        if rest not in _LAYER_MAP:
+            raise CheckpointError(f"megazero tensor {name!r} has no GPT-2 equivalent: cannot export to HF")
         hf_name, transpose = _LAYER_MAP[rest]
         if rest.startswith("attention.qkv"):
             t = qkv_interleaved_to_blocks(t, heads)
