@@ -4,15 +4,16 @@ gathered units set by the prefetch limit, and fp16 overflow skips."""
 import pytest
 import torch
 from multiproc import run_on_ranks
-from test_zero import (GPT_CFG, GPT_OPT, MICRO, SEED, _check_against_reference, _global_loss, _gpt_batches,
+from test_zero import (GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, _check_against_reference, _global_loss, _gpt_batches,
                        _gpt_reference)
 
-from megazero.config import ModelConfig, ParallelConfig, PrecisionConfig, ZeroConfig
+from megazero.config import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
 from megazero.models import masked_mean
 from megazero.parallel.pipeline import build_model_chunks, run_schedule
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine, merge_optimizer_states, zero_paper_bytes
 from megazero.parallel.zero3 import ZeroStage3Engine
+from megazero.training import train_step
 
 
 def _train(tp, pp, steps, micro=MICRO, model_kw=None, dtype=torch.float32, precision=None, sp=False, v=1,
@@ -22,8 +23,10 @@ def _train(tp, pp, steps, micro=MICRO, model_kw=None, dtype=torch.float32, preci
     (topo, chunks, engine, losses, norms, per-step info)."""
     topo = Topology(tp=tp, pp=pp)
     cfg = ModelConfig(**{**GPT_CFG, **(model_kw or {})})
-    par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, virtual_stages=v)
+    par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, virtual_stages=v,
+                         pipeline_schedule="interleaved" if v > 1 else "1f1b")
     chunks = build_model_chunks(cfg, par, topo, seed=SEED, dtype=dtype)
+    job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
     if init is not None:
         with torch.no_grad():
             for c in chunks:
@@ -36,22 +39,27 @@ def _train(tp, pp, steps, micro=MICRO, model_kw=None, dtype=torch.float32, preci
     losses, norms, info = [], [], []
     for batches in _gpt_batches(start + steps, topo.dp_size * micro)[start:]:
         mine = batches[topo.dp_rank * micro:(topo.dp_rank + 1) * micro]
-        out, norm, step_info = _step(chunks, engine, mine, topo, loss_fn)
-        info.append(step_info)
-        losses.append(_global_loss(out, topo))
+        engine.comm_log.reset()
+        if loss_fn is None:                      # the trainer's own step
+            result = train_step(chunks, mine, topo, engine, job)
+            loss, norm, skipped = result.loss, result.grad_norm, result.skipped
+        else:
+            out, norm, skipped = _step(chunks, engine, mine, topo, loss_fn)
+            loss = _global_loss(out, topo)
+        info.append(dict(bytes=engine.comm_log.bytes(), skipped=skipped, states=engine.model_state_bytes()))
+        losses.append(loss)
         norms.append(norm)
     return topo, chunks, engine, losses, norms, info
 
 
 def _step(chunks, engine, micro_batches, topo, loss_fn=None):
-    """One training step as megazero.training.train_step drives it; returns (losses, norm, info)."""
-    engine.comm_log.reset()
+    """train_step's sequence with a custom loss function; returns (losses, norm, skipped)."""
     engine.zero_grad()
     out = run_schedule(chunks, micro_batches, topo, loss_scale=engine.loss_scale, grad_sync=engine,
                        loss_fn=loss_fn)
     engine.finalize_grads()
     norm, skipped = engine.step()
-    return out, norm, dict(bytes=engine.comm_log.bytes(), skipped=skipped, states=engine.model_state_bytes())
+    return out, norm, skipped
 
 
 def _parity_body(rank, world_size, tp, pp, steps, kw):
@@ -200,14 +208,14 @@ def _fp16_body(rank, world_size):
               for r in opt.ranges]
     scale, count = engine.loss_scale, opt.step_count
     blow[0] = True
-    _, norm, step = _step(chunks, engine, batches[1][rank * 2:rank * 2 + 2], topo, loss_fn)
+    _, norm, skipped = _step(chunks, engine, batches[1][rank * 2:rank * 2 + 2], topo, loss_fn)
     unchanged = all(torch.equal(a, b) for r, old in zip(opt.ranges, before)
                     for a, b in zip((r.bucket.shard, r.master, r.exp_avg, r.exp_avg_sq), old))
-    result = dict(skipped=step["skipped"], norm=norm, scale=(scale, engine.loss_scale), unchanged=unchanged,
+    result = dict(skipped=skipped, norm=norm, scale=(scale, engine.loss_scale), unchanged=unchanged,
                   count_same=opt.step_count == count)
     blow[0] = False
-    _, _, step = _step(chunks, engine, batches[2][rank * 2:rank * 2 + 2], topo, loss_fn)
-    result["next_ok"] = not step["skipped"]
+    _, _, skipped = _step(chunks, engine, batches[2][rank * 2:rank * 2 + 2], topo, loss_fn)
+    result["next_ok"] = not skipped
     result["moved"] = not all(torch.equal(r.bucket.shard, old[0]) for r, old in zip(opt.ranges, before))
     result["master_dtype"] = opt.ranges[0].master.dtype
     return result

@@ -18,12 +18,14 @@ Memory per rank, mixed precision (Ψ parameters, K = 12): 2Ψ/N params + 2Ψ/N g
 masters + 8Ψ/N Adam = 16Ψ/N between steps (``model_state_bytes``; plus the padding of each unit to
 a multiple of 64 N elements). Temporary buffers on top of it, per rank:
 
-* gathered parameters: at most ``1 + prefetch_layers`` units at once (the one computing and the
-  ones prefetched), e.g. 2 transformer layers with the default ``prefetch_layers=1``. A unit that
-  shares the tied embedding with the head counts once per unit (``gathered_units_peak``).
+* gathered parameters: the units of at most ``1 + prefetch_layers`` consecutive modules (the one
+  computing and the ones prefetched), e.g. 2 transformer layers with the default
+  ``prefetch_layers=1`` (``gathered_units_peak``, ``gathered_params_peak``).
 * gradients: the full-size gradient of a unit from its first gradient in a backward until its
-  reduce-scatter completes, plus a 1/N receive buffer when the shard already holds earlier
-  micro-batches (``grads_peak``).
+  reduce-scatter completes (at most 2 reductions in flight; the unit being computed may hold
+  its own), plus a 1/N receive buffer when the shard already holds earlier micro-batches
+  (``grads_peak``). The tied word embedding on a pp = 1 chunk holds its full gradient from the
+  head's backward to the embedding's, since both add to it.
 
 Communication per rank per step (bytes of the parameter dtype, ring accounting of
 :mod:`megazero.parallel.counted_comm`, M micro-batches on this rank's chunk):
@@ -74,6 +76,9 @@ from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.data import Bucket, ParamSlot, ShardedGradSync, _nbytes, plan_buckets
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import ZeroEngine, _BucketAdamW, model_state_bytes
+
+
+MAX_REDUCTIONS_IN_FLIGHT = 2   # gradient buckets whose reduce-scatter may still be running
 
 
 @dataclass
@@ -182,6 +187,7 @@ class ShardedParamSync(ShardedGradSync):
         self.triggers: list[list[Trigger]] = []
         self._unit_of_bucket: dict[int, Unit] = {}
         self._pending_add: dict[int, torch.Tensor] = {}
+        self._in_flight: list[Bucket] = []
         self._graph_task: dict[int, int] = {}
         self.live_units = self.live_units_peak = 0
         self.gathered_bytes = self.gathered_bytes_peak = 0
@@ -341,11 +347,9 @@ class ShardedParamSync(ShardedGradSync):
     def _post_forward(self, trig: Trigger, module, args, output) -> None:
         if _in_backward():
             return
-        if torch.is_grad_enabled():
-            out = output if torch.is_tensor(output) else next(
-                (o for o in output if torch.is_tensor(o)), None) if isinstance(output, (tuple, list)) else None
-            if out is not None and out.requires_grad:
-                out.register_hook(partial(self._pre_backward, trig))
+        out = output[0] if isinstance(output, (tuple, list)) and output else output
+        if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(partial(self._pre_backward, trig))
         if not self.keep:
             for u in trig.units:
                 self._release(u)
@@ -402,6 +406,14 @@ class ShardedParamSync(ShardedGradSync):
             for p, g in fresh:
                 p.grad = g
         return super()._ensure_grad_storage(bucket)
+
+    def _start(self, bucket: Bucket) -> None:
+        """Launch the bucket's reduce-scatter; settle older ones beyond ``MAX_REDUCTIONS_IN_FLIGHT``
+        so that the full-size gradients of at most that many buckets wait on the network."""
+        super()._start(bucket)
+        self._in_flight = [b for b in self._in_flight if b.launched] + [bucket]
+        while len(self._in_flight) > MAX_REDUCTIONS_IN_FLIGHT:
+            self._settle(self._in_flight.pop(0))
 
     def _launch(self, bucket: Bucket, grad_data: torch.Tensor):
         if id(bucket) not in self.grad_shards:     # first reduction of the step: straight into the shard
