@@ -1,5 +1,9 @@
 """ZeRO stage 3: parameters, gradients, fp32 master weights and Adam state all sharded over dp.
 
+Flags: ``--zero-stage 3``, ``--zero3-prefetch-layers K`` (``ZeroConfig.prefetch_layers``, default 1),
+``--zero3-keep-params-gathered`` (``ZeroConfig.keep_params_gathered``). With tp and pp, every
+(tp rank, pipeline stage) shards its own tp-local chunk over its dp group; nothing else changes.
+
 Who holds what (dp = N ranks). Every model chunk is cut into *units* that are gathered as one: the
 embedding, each transformer layer, and the head (final norm + output layer). Each unit's
 parameters are laid out flat in buckets exactly as in :mod:`megazero.parallel.data` (reverse
@@ -54,7 +58,10 @@ forward pre-hook of a unit's module -> gather (or wait for the prefetch), prefet
 backward releases the unit once its backward is done; forward post-hook -> free the gathered
 buffers and hook the output's gradient, which gathers the unit again before its backward and
 prefetches the units before it. An end-of-backward callback frees whatever is left and launches
-the reduce-scatters of buckets whose gradients were not all produced.
+the reduce-scatters of buckets whose gradients were not all produced. Releasing frees the full
+buffer's storage in place (``untyped_storage().resize_(0)``, as PyTorch FSDP2 does) rather than
+replacing it, so views of a weight that autograd saved in forward (``weight.t()`` in a matmul)
+read the re-gathered values in backward instead of pinning the forward's copy in memory.
 
 Outside forward/backward a released parameter is an empty tensor (``p.numel() == 0``): read or
 write parameter values inside ``engine.gathered_parameters()``.
@@ -185,13 +192,12 @@ class ShardedParamSync(ShardedGradSync):
                  comm_log: CommLog | None = None):
         self.units: list[Unit] = []
         self.triggers: list[list[Trigger]] = []
-        self._unit_of_bucket: dict[int, Unit] = {}
         self._pending_add: dict[int, torch.Tensor] = {}
         self._in_flight: list[Bucket] = []
         self._graph_task: dict[int, int] = {}
         self.live_units = self.live_units_peak = 0
         self.gathered_bytes = self.gathered_bytes_peak = 0
-        self._hooks = []
+        self._hooks = []                   # forward hook handles (remove() to unwrap)
         self._trigger_modules: list[list[tuple[nn.Module, nn.Module]]] = []
         cfg = zero_cfg or ZeroConfig(zero_stage=3)
         if cfg.prefetch_layers < 0:
@@ -241,7 +247,6 @@ class ShardedParamSync(ShardedGradSync):
             self.param_buffers.append(bucket.shard)
             self.buckets.append(bucket)
             unit.buckets.append(bucket)
-            self._unit_of_bucket[id(bucket)] = unit
         unit.state = "gathered"
         self._release(unit, count=False)
 
