@@ -312,3 +312,38 @@ def test_pretrain_gpt_zero3_matches_serial(world, flags, serial_metrics, tmp_pat
     train, valid = read_metrics(path)
     assert_same_losses(train, serial_metrics[0], "loss")
     assert_same_losses(valid, serial_metrics[1], "valid_loss")
+
+
+# --------------------------------------------------------------------------- bf16
+
+def _bf16_body(rank, world_size):
+    prec = PrecisionConfig(bf16=True)
+    out = {}
+    for name, kw in (("zero2", dict(stage=2)), ("zero3", {}), ("zero3-keep", dict(keep_params_gathered=True))):
+        _, chunks, engine, losses, norms, _ = _train(1, 1, 3, micro=2, dtype=torch.bfloat16, precision=prec,
+                                                     **kw)
+        ctx = engine.gathered_parameters() if name != "zero2" else _nullcontext()
+        with ctx:
+            params = torch.cat([p.detach().float().reshape(-1) for p in chunks[0].parameters()])
+        out[name] = (losses, norms, params, {r.master.dtype for r in engine.optimizer.ranges})
+    return out
+
+
+def test_bf16_stage3_tracks_stage2():
+    """bf16 parameters with fp32 masters. keep_params_gathered sums the gradients exactly as stage 2
+    does (micro-batches, then ranks) and matches it to bf16 rounding; the default sums ranks per
+    micro-batch, then micro-batches, in bf16 -- a different rounding, which Adam turns into at
+    most lr-sized moves on the few elements whose gradient is near zero."""
+    for out in run_on_ranks(2, _bf16_body):
+        ref_losses, ref_norms, ref_params, _ = out["zero2"]
+        for name in ("zero3", "zero3-keep"):
+            losses, norms, params, master_dtypes = out[name]
+            assert master_dtypes == {torch.float32}
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+            torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-2, atol=0)
+            off = (params - ref_params).abs() > 1e-3 + 1e-2 * ref_params.abs()
+            if name == "zero3-keep":
+                assert not off.any()
+            else:
+                assert off.float().mean() < 0.01
+                assert (params - ref_params).abs().max() <= 2 * GPT_OPT.lr * len(losses)
