@@ -190,6 +190,21 @@ def test_gathered_units_bounded_by_prefetch_limit(untie, k):
         assert states["gathered_params_peak"] <= bound_bytes
 
 
+def _eval_body(rank, world_size, keep):
+    topo, chunks, engine, _, _, _ = _train(1, 1, 1, micro=2, keep_params_gathered=keep)
+    engine.grad_sync.reset_peaks()
+    with torch.no_grad():
+        losses = run_schedule(chunks, _gpt_batches(1, 4)[0][rank * 2:rank * 2 + 2], topo, forward_only=True)
+    return len(losses), engine.model_state_bytes(), _window_bound(engine, 1)[0]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_evaluation_forward_releases_as_it_goes(keep):
+    """No backward follows a forward under no_grad, so even keep_params_gathered frees each unit."""
+    for n, states, bound in run_on_ranks(2, _eval_body, keep):
+        assert n == 2 and states["gathered_params"] == 0 and states["gathered_units_peak"] == bound == 3
+
+
 # --------------------------------------------------------------------------- fp16 overflow
 
 def _fp16_body(rank, world_size):

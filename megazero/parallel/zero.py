@@ -401,6 +401,9 @@ def build_engine(chunks, topo, zero_cfg, opt_cfg: OptimizerConfig, precision: Pr
     :class:`megazero.parallel.zero3.ZeroStage3Engine`."""
     from megazero.parallel.data import wrap_data_parallel
 
+    if zero_cfg.keep_params_gathered and zero_cfg.zero_stage != 3:
+        raise ValueError(f"--zero3-keep-params-gathered applies to --zero-stage 3 only (got stage "
+                         f"{zero_cfg.zero_stage}): drop the flag or use stage 3")
     if zero_cfg.zero_stage == 3:
         if grad_sync_cls is not None:
             raise ValueError("grad_sync_cls applies to ZeRO stages 0-2, not --zero-stage 3")

@@ -63,6 +63,7 @@ buffer's storage in place (``untyped_storage().resize_(0)``, as PyTorch FSDP2 do
 replacing it, so views of a weight that autograd saved in forward (``weight.t()`` in a matmul)
 read the re-gathered values in backward instead of pinning the forward's copy in memory.
 
+A forward without autograd (evaluation) releases every unit after use in both modes.
 Outside forward/backward a released parameter is an empty tensor (``p.numel() == 0``): read or
 write parameter values inside ``engine.gathered_parameters()``.
 """
@@ -355,7 +356,7 @@ class ShardedParamSync(ShardedGradSync):
         out = output[0] if isinstance(output, (tuple, list)) and output else output
         if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
             out.register_hook(partial(self._pre_backward, trig))
-        if not self.keep:
+        if not self.keep or not torch.is_grad_enabled():     # evaluation: no backward will need it
             for u in trig.units:
                 self._release(u)
 
