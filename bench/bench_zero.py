@@ -8,6 +8,11 @@ Pairs compared:
     ours ZeRO-1 (reduce-scatter + all-gather)          vs  DDP + ZeroRedundancyOptimizer(AdamW)
     plus ours ZeRO-1 over all-reduced gradients (the cheaper collective on gloo) and ours ZeRO-2,
     also against DDP + ZeroRedundancyOptimizer.
+    ours ZeRO-3 (per-unit gather, prefetch 1)          vs  FSDP2 (fully_shard on every layer + root)
+    ours ZeRO-3, keep_params_gathered                  vs  FSDP2, reshard_after_forward=False
+
+Both ZeRO-3 implementations reduce-scatter the gradients of every micro-batch (FSDP2's default);
+with keep_params_gathered ours reduces once per step instead, FSDP2 still every micro-batch.
 
 Every variant trains the same GPT from the same init on the same data (2 micro-batches per step,
 clipping at 1.0) and must end at the same loss; the script checks that.
@@ -44,9 +49,12 @@ from megazero.parallel.data import AllReduceGradSync  # noqa: E402
 from megazero.parallel.topology import Topology  # noqa: E402
 from megazero.parallel.zero import build_engine  # noqa: E402
 
-VARIANTS = ["ours-zero0", "torch-ddp", "ours-zero1", "torch-ddp-zero", "ours-zero1-allreduce", "ours-zero2"]
+VARIANTS = ["ours-zero0", "torch-ddp", "ours-zero1", "torch-ddp-zero", "ours-zero1-allreduce", "ours-zero2",
+            "ours-zero3", "torch-fsdp2", "ours-zero3-keep", "torch-fsdp2-keep"]
 PEERS = {"ours-zero0": "torch-ddp", "ours-zero1": "torch-ddp-zero", "ours-zero1-allreduce": "torch-ddp-zero",
-         "ours-zero2": "torch-ddp-zero"}
+         "ours-zero2": "torch-ddp-zero", "ours-zero3": "torch-fsdp2", "ours-zero3-keep": "torch-fsdp2-keep"}
+STAGES = {"ours-zero0": 0, "ours-zero1": 1, "ours-zero1-allreduce": 1, "ours-zero2": 2, "ours-zero3": 3,
+          "ours-zero3-keep": 3}
 OPT = OptimizerConfig(lr=1e-3, weight_decay=0.1, clip_grad=1.0)
 MICRO, MB = 2, 2
 
@@ -74,7 +82,8 @@ def _torch_step(model, opt, micro):
     opt.zero_grad(set_to_none=False)
     total = 0.0
     for i, (x, y, m) in enumerate(micro):
-        ctx = model.no_sync() if i < len(micro) - 1 else _null()
+        last = i == len(micro) - 1
+        ctx = model.no_sync() if not last and hasattr(model, "no_sync") else _null()   # FSDP2: every one
         with ctx:
             loss = masked_mean(model(x, y), m)
             (loss / len(micro)).backward()
@@ -112,10 +121,12 @@ def _totals(b: dict) -> tuple[int, int]:
 def _build(variant: str, model, topo):
     """(step function, model-state bytes function) for a variant."""
     if variant.startswith("ours"):
-        stage = {"ours-zero0": 0, "ours-zero1": 1, "ours-zero1-allreduce": 1, "ours-zero2": 2}[variant]
         cls = AllReduceGradSync if variant == "ours-zero1-allreduce" else None
-        engine = build_engine(model, topo, ZeroConfig(zero_stage=stage), OPT, grad_sync_cls=cls)
+        zero = ZeroConfig(zero_stage=STAGES[variant], keep_params_gathered=variant.endswith("keep"))
+        engine = build_engine(model, topo, zero, OPT, grad_sync_cls=cls)
         return (lambda micro: _ours_step(model, engine, micro)), (lambda: _totals(engine.model_state_bytes()))
+    if variant.startswith("torch-fsdp2"):
+        return _build_fsdp2(model, reshard_after_forward=not variant.endswith("keep"))
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -138,6 +149,30 @@ def _build(variant: str, model, topo):
         return nbytes(params) + grads + nbytes(state), grads
 
     return (lambda micro: _torch_step(ddp, opt, micro)), state_bytes
+
+
+def _build_fsdp2(model, reshard_after_forward: bool):
+    """PyTorch FSDP2: every transformer layer its own unit, the root (embedding, final norm, tied
+    output) another; AdamW over the DTensor shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.AdamW(weight_decay_groups(model.named_parameters(), OPT.weight_decay), lr=OPT.lr,
+                            betas=(OPT.adam_beta1, OPT.adam_beta2), eps=OPT.adam_eps)
+
+    def state_bytes():
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
+        state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        params = list(model.parameters())
+        grads = nbytes([p.grad for p in params if p.grad is not None])
+        return nbytes(params) + grads + nbytes(state), grads
+
+    return (lambda micro: _torch_step(model, opt, micro)), state_bytes
 
 
 def _gpt(args) -> tuple[ModelConfig, GPT]:

@@ -80,13 +80,17 @@ class _BucketAdamW:
     def _norm_group(self):
         raise NotImplementedError
 
+    def _range_params(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
+        """The model's values of bucket elements [lo, hi) (stage 3: the rank's persistent shard)."""
+        return bucket.param_data[lo:hi]
+
     def _publish(self) -> None:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ setup
     def _make_range(self, bucket: Bucket) -> _RangeState:
         lo, hi = self._owned_range(bucket)
-        params = bucket.param_data[lo:hi]
+        params = self._range_params(bucket, lo, hi)
         is_fp32 = params.dtype == torch.float32
         master = params if is_fp32 else params.detach().float().clone()
         decay, norm = [], []
@@ -350,8 +354,9 @@ def model_state_bytes(grad_sync: _BucketedGradSync, optimizer: _BucketAdamW | No
 
 def zero_paper_bytes(psi: int, n: int, stage: int) -> float:
     """Model-state bytes per rank in the ZeRO paper for mixed-precision Adam (K = 12):
-    stage 0: 2Ψ + 2Ψ + 12Ψ; stage 1: 4Ψ + 12Ψ/N; stage 2: 2Ψ + 14Ψ/N."""
-    return {0: 16.0 * psi, 1: 4.0 * psi + 12.0 * psi / n, 2: 2.0 * psi + 14.0 * psi / n}[stage]
+    stage 0: 2Ψ + 2Ψ + 12Ψ; stage 1: 4Ψ + 12Ψ/N; stage 2: 2Ψ + 14Ψ/N; stage 3: 16Ψ/N."""
+    return {0: 16.0 * psi, 1: 4.0 * psi + 12.0 * psi / n, 2: 2.0 * psi + 14.0 * psi / n,
+            3: 16.0 * psi / n}[stage]
 
 
 class ZeroEngine:
@@ -410,8 +415,18 @@ def build_engine(chunks, topo, zero_cfg, opt_cfg: OptimizerConfig, precision: Pr
                  *, grad_sync_cls: type | None = None) -> ZeroEngine:
     """Wrap this rank's model chunks for ``zero_cfg.zero_stage`` and build the matching optimizer.
     Build it after the model and before the first forward: parameters move into the DP buffers.
-    ``grad_sync_cls``: see :func:`megazero.parallel.data.wrap_data_parallel`."""
+    ``grad_sync_cls``: see :func:`megazero.parallel.data.wrap_data_parallel`. Stage 3 returns a
+    :class:`megazero.parallel.zero3.ZeroStage3Engine`."""
     from megazero.parallel.data import wrap_data_parallel
+
+    if zero_cfg.keep_params_gathered and zero_cfg.zero_stage != 3:
+        raise ValueError(f"--zero3-keep-params-gathered applies to --zero-stage 3 only (got stage "
+                         f"{zero_cfg.zero_stage}): drop the flag or use stage 3")
+    if zero_cfg.zero_stage == 3:
+        if grad_sync_cls is not None:
+            raise ValueError("grad_sync_cls applies to ZeRO stages 0-2, not --zero-stage 3")
+        from megazero.parallel.zero3 import build_stage3_engine
+        return build_stage3_engine(chunks, topo, zero_cfg, opt_cfg, precision)
 
     grad_sync = wrap_data_parallel(chunks, topo, zero_cfg, grad_sync_cls=grad_sync_cls)
     return ZeroEngine(grad_sync, build_optimizer(grad_sync, opt_cfg, precision))
