@@ -1,5 +1,6 @@
 """Checkpoints at library level: save under one tp/pp/dp/ZeRO layout, load under others; exact resume;
 crash safety (SIGKILL during a save); corrupted files refused by name; the offline reader and tools."""
+import contextlib
 import json
 import os
 import signal
@@ -70,9 +71,11 @@ def _step(topo, chunks, engine, step):
     return _loss(out, topo)
 
 
-def _full_params(chunks, topo):
-    return {n: gather_full(p.detach(), p.partition_dim, topo.tp_group).clone()
-            for c in chunks for n, p in c.named_parameters()}
+def _full_params(chunks, topo, engine=None):
+    """Whole (tp-gathered) parameters; under ZeRO-3 inside engine.gathered_parameters()."""
+    with engine.gathered_parameters() if engine is not None else contextlib.nullcontext():
+        return {n: gather_full(p.detach(), p.partition_dim, topo.tp_group).clone()
+                for c in chunks for n, p in c.named_parameters()}
 
 
 def _run_body(rank, world_size, tp, pp, stage, steps, save_dir=None, save_at=(), load_dir=None,
@@ -83,7 +86,7 @@ def _run_body(rank, world_size, tp, pp, stage, steps, save_dir=None, save_at=(),
     state, loaded = TrainState(), None
     if load_dir:
         state = load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job, weights_only=weights_only)
-        loaded = _full_params(chunks, topo)
+        loaded = _full_params(chunks, topo, engine)
     losses = []
     while state.iteration < steps:
         losses.append(_step(topo, chunks, engine, state.iteration))
@@ -91,7 +94,7 @@ def _run_body(rank, world_size, tp, pp, stage, steps, save_dir=None, save_at=(),
         state.consumed_samples += GLOBAL_MB * MB_SIZE
         if state.iteration in save_at:
             save_checkpoint(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job)
-    return losses, loaded, _full_params(chunks, topo), state
+    return losses, loaded, _full_params(chunks, topo, engine), state
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +168,7 @@ def _weights_only_body(rank, world_size, load_dir):
     topo, job, chunks, engine = _setup(1, 1, 1)
     state = load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job, weights_only=True)
     assert state == TrainState() and engine.state_dict()["step"] == 0
-    return _full_params(chunks, topo)
+    return _full_params(chunks, topo, engine)
 
 
 def test_weights_only_and_offline_writer(saved_tp2pp2dp2, tmp_path):
@@ -335,3 +338,10 @@ def test_load_save_finetune_rules(tmp_path):
     assert out["fresh"] == TrainState() and out["auto"] == TrainState(5, 80, 1)
     assert f"--load {tmp_path}/missing does not exist" in out["missing"]
     assert out["finetune"] == TrainState() and out["finetune_restart"] == TrainState(2, 32, 0)
+
+
+def test_save_zero3_dp2_load_tp2_zero1(tmp_path):
+    """ZeRO-3 shards gathered for the save (engine.gathered_parameters) and re-sharded on load."""
+    res = run_on_ranks(2, _run_body, 1, 1, 3, 3, str(tmp_path), (2,))
+    _check_loaded(tmp_path, run_on_ranks(2, _run_body, 2, 1, 1, 3, load_dir=str(tmp_path)), res[0][0], res[0][2])
+    _check_loaded(tmp_path, run_on_ranks(2, _run_body, 1, 1, 3, 3, load_dir=str(tmp_path)), res[0][0], res[0][2])

@@ -1,5 +1,6 @@
-"""End to end through pretrain_gpt.py: exact resume (20 straight = 10 + stop + 10, bitwise), resume under
-another layout (same next losses), and a torchrun restart after a rank is killed mid-training."""
+"""End to end through pretrain_gpt.py: exact resume (20 straight = 10 + stop + 10, bitwise; ZeRO 1/2/3, pipeline,
+TP + sequence parallel, dropout), resume under another layout (tp2pp2dp2 ZeRO-1 -> tp1pp4dp2 ZeRO-2,
+tp1pp1dp1 ZeRO-3, tp2dp2 ZeRO-3: the same next losses), and a torchrun restart after a rank is killed."""
 from __future__ import annotations
 
 import os
@@ -68,7 +69,8 @@ def _assert_same_checkpoints(a: Path, b: Path) -> None:
     (2, ["--dp", "2", "--zero-stage", "1"] + DROPOUT),
     (4, ["--pp", "2", "--dp", "2", "--zero-stage", "2"] + DROPOUT),
     (2, ["--tp", "2", "--sequence-parallel"] + DROPOUT),
-], ids=["dp2-zero1-dropout", "pp2dp2-zero2-dropout", "tp2-sp-dropout"])
+    (4, ["--pp", "2", "--dp", "2", "--zero-stage", "3"] + DROPOUT),
+], ids=["dp2-zero1-dropout", "pp2dp2-zero2-dropout", "tp2-sp-dropout", "pp2dp2-zero3-dropout"])
 def test_exact_resume_20_straight_vs_10_plus_10(tmp_path, world, flags):
     args = TINY + flags + ["--train-iters", 20, "--save-interval", 10]
     _main(world, args + ["--save", tmp_path / "a", "--metrics-file", tmp_path / "a.jsonl"])
@@ -101,8 +103,9 @@ def saved_tp2pp2dp2(tmp_path_factory, uninterrupted):
     return d / "ck"
 
 
-@pytest.mark.parametrize("world,flags", [(8, ["--pp", 4, "--dp", 2, "--zero-stage", 2]), (1, ["--zero-stage", 0])],
-                         ids=["tp1pp4dp2-zero2", "tp1pp1dp1"])
+@pytest.mark.parametrize("world,flags", [(8, ["--pp", 4, "--dp", 2, "--zero-stage", 2]), (1, ["--zero-stage", 3]),
+                                         (4, ["--tp", 2, "--dp", 2, "--zero-stage", 3])],
+                         ids=["tp1pp4dp2-zero2", "tp1pp1dp1-zero3", "tp2dp2-zero3"])
 def test_resume_under_another_layout(saved_tp2pp2dp2, uninterrupted, tmp_path, world, flags):
     _main(world, CROSS + flags + ["--load", saved_tp2pp2dp2, "--metrics-file", tmp_path / "m.jsonl"])
     train, valid = read_metrics(tmp_path / "m.jsonl")
