@@ -323,7 +323,8 @@ def _check_precision_and_optimizer(job: JobConfig) -> None:
     if z.zero_stage not in (0, 1, 2, 3):
         _fail(f"--zero-stage must be 0, 1, 2 or 3, got {z.zero_stage}")
     _positive(z.bucket_size, "bucket_size")
-    _positive(z.prefetch_layers, "prefetch_layers")
+    if z.prefetch_layers < 0:
+        _fail(f"--zero3-prefetch-layers must be >= 0 (0: no prefetch), got {z.prefetch_layers}")
     if opt.lr_decay_style not in DECAY_STYLES:
         _fail(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, got {opt.lr_decay_style!r}")
     if opt.lr <= 0 or opt.min_lr < 0 or opt.min_lr > opt.lr:

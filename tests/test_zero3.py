@@ -302,33 +302,6 @@ def test_stage3_optimizer_state_resumes_at_stage(stage):
             torch.testing.assert_close(final[name], ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
-# --------------------------------------------------------------------------- end to end
-
-@pytest.fixture(scope="module")
-def serial_metrics(tmp_path_factory):
-    from test_pretrain_gpt import TINY, _main_body, read_metrics
-
-    path = tmp_path_factory.mktemp("serial") / "metrics.jsonl"
-    assert run_on_ranks(1, _main_body, TINY + ["--metrics-file", str(path)], timeout=120) == [0]
-    return read_metrics(path)
-
-
-@pytest.mark.parametrize("world,flags", [
-    (2, ["--dp", "2", "--zero3-keep-params-gathered"]),
-    (8, ["--tp", "2", "--pp", "2", "--dp", "2", "--sequence-parallel"]),
-], ids=["dp2-keep", "tp2pp2dp2-sp"])
-def test_pretrain_gpt_zero3_matches_serial(world, flags, serial_metrics, tmp_path):
-    """pretrain_gpt.py with --zero-stage 3 (training, evaluation, model-state line) against one process."""
-    from test_pretrain_gpt import TINY, _main_body, assert_same_losses, read_metrics
-
-    path = tmp_path / "metrics.jsonl"
-    argv = TINY + flags + ["--zero-stage", "3", "--metrics-file", str(path)]
-    assert run_on_ranks(world, _main_body, argv, timeout=300) == [0] * world
-    train, valid = read_metrics(path)
-    assert_same_losses(train, serial_metrics[0], "loss")
-    assert_same_losses(valid, serial_metrics[1], "valid_loss")
-
-
 # --------------------------------------------------------------------------- bf16
 
 def _bf16_body(rank, world_size):

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# (output, input, group=..., async_op=...) flat-tensor collectives, whichever name this torch has.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -37,12 +38,7 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0, in group-rank order: [n, ...] -> [size * n, ...]."""
     size = group_size(group)
-    if size == 1:
-        return x
-    x = x.contiguous()
-    out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _ALL_GATHER(out, x, group=group)
-    return out
+    return x if size == 1 else _flat_dim0(all_gather_flat, x, size * x.shape[0], group)
 
 
 def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
@@ -52,9 +48,13 @@ def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
         return x
     if x.shape[0] % size:
         raise ValueError(f"reduce-scatter over {size} ranks needs dim 0 ({x.shape[0]}) divisible by {size}")
+    return _flat_dim0(reduce_scatter_flat, x, x.shape[0] // size, group)
+
+
+def _flat_dim0(collective, x: torch.Tensor, out_rows: int, group) -> torch.Tensor:
     x = x.contiguous()
-    out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _REDUCE_SCATTER(out, x, group=group)
+    out = torch.empty((out_rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    collective(out, x, group=group)
     return out
 
 

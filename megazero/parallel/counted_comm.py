@@ -27,7 +27,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from megazero.parallel.comm import _ALL_GATHER, _REDUCE_SCATTER, group_size
+from megazero.parallel.comm import all_gather_flat, group_size, reduce_scatter_flat
 
 
 class CommLog:
@@ -81,14 +81,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, log: CommLo
 
     ``output`` may be rank r's chunk of ``input`` itself (in place; works on gloo and NCCL).
     """
-    n = group_size(group)
-    if n == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return None
-    if log is not None:
-        log.record(tag, (n - 1) / n * _nbytes(input))
-    return _REDUCE_SCATTER(output, input, group=group, async_op=async_op)
+    return _flat(reduce_scatter_flat, output, input, input, group, log, tag, async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, log: CommLog | None, tag: str, *,
@@ -97,11 +90,16 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, log: CommLog | 
 
     ``input`` may be rank r's chunk of ``output`` itself (in place).
     """
+    return _flat(all_gather_flat, output, input, output, group, log, tag, async_op)
+
+
+def _flat(collective, output, input, full, group, log: CommLog | None, tag: str, async_op: bool):
+    """Run a flat collective whose full-size side is ``full``: (N-1)/N of it crosses the wire per rank."""
     n = group_size(group)
     if n == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return None
     if log is not None:
-        log.record(tag, (n - 1) / n * _nbytes(output))
-    return _ALL_GATHER(output, input, group=group, async_op=async_op)
+        log.record(tag, (n - 1) / n * _nbytes(full))
+    return collective(output, input, group=group, async_op=async_op)
