@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.arguments import parse_job
-from megazero.checkpoint import CheckpointError, check_flags, checkpoint_saver, resume
+from megazero.checkpoint import CheckpointError, checkpoint_saver, resume
 from megazero.config import ConfigError, JobConfig, validate
 from megazero.data.samplers import build_data_iterators
 from megazero.data.tokenizers import Tokenizer, tokenizer_from_config
@@ -33,10 +33,6 @@ SAMPLE_PROMPT = "A hacker is"
 def main(argv: list[str] | None = None) -> int:
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     job, args = parse_job(argv, world)
-    try:
-        check_flags(job)
-    except ConfigError as e:
-        raise SystemExit(f"pretrain_gpt.py: error: {e}") from e
     embedded_default = not (job.data.mock_data or job.data.data_path)
     job, tokenizer = resolve_data(job, world)
 

@@ -203,6 +203,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     _check_batches(job)
     _check_precision_and_optimizer(job)
     _check_data(job.data)
+    _check_checkpoint(job.checkpoint)
     return job
 
 
@@ -368,3 +369,12 @@ def _check_data(d: DataConfig) -> None:
     if d.data_path and d.tokenizer_type is None:
         _fail("--data-path needs --tokenizer-type (with its --vocab-file/--merge-file or --tokenizer-model): "
               "the tokenizer sets the vocabulary size")
+
+
+def _check_checkpoint(ck: CheckpointConfig) -> None:
+    if ck.save_interval is not None and ck.save_interval < 1:
+        _fail(f"--save-interval must be a positive integer, got {ck.save_interval}")
+    if ck.save_interval and not ck.save:
+        _fail("--save-interval needs --save DIR (where to write the checkpoints)")
+    if ck.finetune and not ck.load:
+        _fail("--finetune needs --load DIR (the checkpoint whose weights to start from)")

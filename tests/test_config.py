@@ -1,7 +1,7 @@
 """Every invalid layout or shape is rejected by validate() with a message naming the flag."""
 import pytest
 
-from megazero.config import (ConfigError, DataConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+from megazero.config import (CheckpointConfig, ConfigError, DataConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                              PrecisionConfig, TrainConfig, ZeroConfig, validate)
 
 
@@ -36,6 +36,8 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
 
 @pytest.mark.parametrize("world,sections,pattern", [
     (3, dict(parallel=ParallelConfig(tp=2)), r"world size 3 is not divisible by tp\*pp = 2\*1 = 2"),
+    (1, dict(checkpoint=CheckpointConfig(save_interval=10)), r"--save-interval needs --save"),
+    (1, dict(checkpoint=CheckpointConfig(finetune=True)), r"--finetune needs --load"),
     (8, dict(parallel=ParallelConfig(tp=2, pp=2, dp=4)), r"does not equal the world size 8.*--dp"),
     (2, dict(parallel=ParallelConfig(tp=2), model=ModelConfig(num_attention_heads=3, hidden_size=48)),
      r"--num-attention-heads 3 is not divisible by --tensor-model-parallel-size/--tp 2"),

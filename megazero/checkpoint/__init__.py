@@ -12,7 +12,7 @@ and write it through :mod:`megazero.checkpoint.offline` (whole tensors by stable
 """
 from megazero.checkpoint.distributed import check_model_compatible, latest_iteration, load_checkpoint, save_checkpoint
 from megazero.checkpoint.format import CheckpointError, CheckpointReader
-from megazero.checkpoint.resume import check_flags, checkpoint_saver, resume
+from megazero.checkpoint.resume import checkpoint_saver, resume
 
-__all__ = ["CheckpointError", "CheckpointReader", "check_flags", "check_model_compatible", "checkpoint_saver", "latest_iteration",
+__all__ = ["CheckpointError", "CheckpointReader", "check_model_compatible", "checkpoint_saver", "latest_iteration",
            "load_checkpoint", "resume", "save_checkpoint"]

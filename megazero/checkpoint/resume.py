@@ -26,19 +26,6 @@ from megazero.checkpoint.format import CheckpointError
 log = logging.getLogger(__name__)
 
 
-def check_flags(job) -> None:
-    """Reject checkpoint flag combinations that cannot do what they say (ConfigError naming the flag)."""
-    from megazero.config import ConfigError
-
-    ck = job.checkpoint
-    if ck.save_interval is not None and ck.save_interval < 1:
-        raise ConfigError(f"--save-interval must be a positive integer, got {ck.save_interval}")
-    if ck.save_interval and not ck.save:
-        raise ConfigError("--save-interval needs --save DIR (where to write the checkpoints)")
-    if ck.finetune and not ck.load:
-        raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
-
-
 def _same_dir(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
 
