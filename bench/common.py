@@ -13,7 +13,8 @@ Conventions used by every row of ``bench/run.py``:
   is not timed) and the median of the per-round ratios ours / peer.
 * Peak memory per rank (CPU): during the warm-up round each variant runs alone right after being
   built; the process's high-water mark (VmHWM) is reset before the build and read after the
-  step. ``peak = RSS before any variant was built + (HWM - RSS before this variant's build)``:
+  step. Before that, a throwaway build + step of the same variant pays the one-time costs of its
+  code path (lazy imports, communication buffers), so the order of the variants does not matter. ``peak = RSS before any variant was built + (HWM - RSS before this variant's build)``:
   the peak this variant would reach on its own. For this accounting, allocations above 64 KiB
   are served by mmap during the warm-up (``mallopt``), so freed tensors leave the RSS; the timed
   rounds run with a fixed 32 MiB threshold (glibc's own dynamic threshold tops out there).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import gc
 import math
 import os
 import statistics
@@ -285,14 +287,18 @@ def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None
         if v.unavailable:
             out[v.name] = {"unavailable": v.unavailable}
             continue
-        dist.barrier(group)
-        before = rss_mib()
-        reset_peak_rss()
-        try:
-            built = v.build()
+        try:                               # a throwaway build + step pays the one-time costs of
+            built = v.build()              # this code path (lazy imports, comm buffers)
         except _Unavailable as e:          # e.g. ZeRO-3 not in this build yet
             out[v.name] = {"unavailable": str(e)}
             continue
+        (built[0] if isinstance(built, tuple) else built)(batches[0])
+        del built
+        gc.collect()
+        dist.barrier(group)
+        before = rss_mib()
+        reset_peak_rss()
+        built = v.build()
         step, extra = built if isinstance(built, tuple) else (built, None)
         loss = step(batches[0])
         out[v.name] = {"peak_rss_mib": base + peak_rss_mib() - before, "losses": [loss], "times": [],

@@ -9,10 +9,10 @@ gradient accumulation boundary).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 
 import torch
-import torch.distributed as dist
 
 from common import GPT, Spec, Unavailable, Variant, masked_mean, run_variants, step_batches, torch_adamw
 
@@ -68,7 +68,7 @@ def torch_state_bytes(params, opt) -> dict:
     params = list(params)
     state = [_local(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
     grads = [_local(p.grad) for p in params if p.grad is not None]
-    return {"total": _nbytes(_local(p) for p in params) + _nbytes(grads) + _nbytes(state)}
+    return {"total": _nbytes(_local(p) for p in params) + _nbytes(grads) + _nbytes(state), "grads": _nbytes(grads)}
 
 
 def build_ours(spec: Spec, topo, stage: int, grad_sync_cls=None):
@@ -138,7 +138,7 @@ def deepspeed_status() -> str | None:
     """None when DeepSpeed can run here, else the reason it cannot."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        import deepspeed  # noqa: F401
+        importlib.import_module("deepspeed")
     except Exception as e:  # noqa: BLE001 -- any import failure means "cannot run here"
         return f"not installed / not importable ({type(e).__name__}: {str(e)[:80]})"
     return None

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
