@@ -11,9 +11,10 @@ Conventions used by every row of ``bench/run.py``:
   hits them alike. A step is timed from a barrier to its end on every rank; the step time of a
   round is the slowest rank's. Reported: medians over the timed rounds (the first, warm-up round
   is not timed) and the median of the per-round ratios ours / peer.
-* Peak memory per rank (CPU): during the warm-up round each variant runs alone right after being
-  built; the process's high-water mark (VmHWM) is reset before the build and read after the
-  step. Before that, a throwaway build + step of the same variant pays the one-time costs of its
+* Peak memory per rank (CPU): during the two warm-up steps each variant runs alone right after
+  being built; the process's high-water mark (VmHWM) is reset before the build and read after the
+  second step (torch optimizers create their state at the end of the first step, so only the
+  second one shows the steady-state peak). Before that, a throwaway build + step of the same variant pays the one-time costs of its
   code path (lazy imports, communication buffers), so the order of the variants does not matter. ``peak = RSS before any variant was built + (HWM - RSS before this variant's build)``:
   the peak this variant would reach on its own. For this accounting, allocations above 64 KiB
   are served by mmap during the warm-up (``mallopt``), so freed tensors leave the RSS; the timed
@@ -45,6 +46,8 @@ from megazero.config import ModelConfig, OptimizerConfig  # noqa: E402
 from megazero.models import GPT, masked_mean  # noqa: E402
 from megazero.optim import weight_decay_groups  # noqa: E402
 
+WARMUP_STEPS = 2         # untimed; memory is measured over them (lazy optimizer state appears in step 1,
+                         # so only the second step shows a peer's steady-state peak)
 LOSS_TOL = 1e-4          # a pair whose final losses differ by more does not count
 THEORY_TOL = 0.10        # a theory row deviating by more is flagged
 
@@ -62,7 +65,7 @@ class Spec:
     micro_batch: int = 4           # sequences per micro-batch
     micro_batches: int = 2         # micro-batches per step and data-parallel rank (DP and TP rows)
     pp_micro_batches: int = 8      # micro-batches per step in the pipeline rows
-    rounds: int = 6                # steps per variant, the first one untimed
+    rounds: int = 8                # steps per variant, the first WARMUP_STEPS untimed
     lr: float = 1e-3
 
     def model_cfg(self, **over) -> ModelConfig:
@@ -78,7 +81,7 @@ class Spec:
                 f"vocab {self.vocab}, micro-batch {self.micro_batch}, fp32")
 
 
-QUICK = Spec(layers=4, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, pp_micro_batches=4, rounds=3)
+QUICK = Spec(layers=4, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, pp_micro_batches=4, rounds=4)
 
 
 def step_batches(spec: Spec, steps: int, data_ranks: int, rank: int, micro: int | None = None) -> list[list[tuple]]:
@@ -275,7 +278,7 @@ class Variant:
 
 
 def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None) -> dict:
-    """Warm-up round (memory, one variant at a time) then timed rounds (rotated order).
+    """Warm-up steps (memory, one variant at a time) then timed rounds (rotated order).
 
     Returns per variant: times (s, slowest rank per round), losses (per step, this rank),
     peak_rss_mib, extra (dict) -- or {"unavailable": reason}."""
@@ -300,13 +303,13 @@ def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None
         reset_peak_rss()
         built = v.build()
         step, extra = built if isinstance(built, tuple) else (built, None)
-        loss = step(batches[0])
-        out[v.name] = {"peak_rss_mib": base + peak_rss_mib() - before, "losses": [loss], "times": [],
+        losses = [step(micro) for micro in batches[:WARMUP_STEPS]]
+        out[v.name] = {"peak_rss_mib": base + peak_rss_mib() - before, "losses": losses, "times": [],
                        "extra": extra() if extra else {}}
         steps[v.name] = step
     set_mmap_threshold(32 * 2**20)
     names = list(steps)
-    for i, micro in enumerate(batches[1:]):
+    for i, micro in enumerate(batches[WARMUP_STEPS:]):
         k = i % max(1, len(names))
         for name in names[k:] + names[:k]:
             dist.barrier(group)

@@ -137,8 +137,9 @@ def pp_worker(rank: int, world: int, spec: Spec) -> dict:
         rec = records[name]
         every = [None] * world
         dist.all_gather_object(every, rec["order"])
-        steps = torch.tensor(rec["step"][1:], dtype=torch.float64)
-        busy = torch.tensor(rec["busy"][1:], dtype=torch.float64)
+        timed = len(out[f"ours-{name}"]["times"])         # the timed rounds are the last records
+        steps = torch.tensor(rec["step"][len(rec["step"]) - timed:], dtype=torch.float64)
+        busy = torch.tensor(rec["busy"][len(rec["busy"]) - timed:], dtype=torch.float64)
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         dist.all_reduce(busy, op=dist.ReduceOp.MAX)
         measured = sorted((steps / busy - 1).tolist())

@@ -32,7 +32,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 import report  # noqa: E402
-from common import QUICK, Spec, num_params  # noqa: E402
+from common import QUICK, WARMUP_STEPS, Spec, num_params  # noqa: E402
 
 SECTIONS = ("dp", "tp", "pp", "scaling", "gpu")
 
@@ -59,7 +59,7 @@ def _machine() -> list[str]:
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model, size 2 only, 3 rounds")
+    ap.add_argument("--quick", action="store_true", help="tiny model, size 2 only, 4 steps")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
     ap.add_argument("--dp", type=int, nargs="+", default=None, help="dp sizes (default 2 4; --quick 2)")
     ap.add_argument("--tp", type=int, nargs="+", default=None, help="tp sizes (default 2 4; --quick 2)")
@@ -144,7 +144,7 @@ def main(argv=None) -> None:
             f"- Date: {started:%Y-%m-%d %H:%M} UTC, wall time {wall:.0f} s", *header,
             f"- Model (every row): {spec.describe()}; {spec.micro_batches} micro-batches per rank and step "
             f"(dp, tp rows), {spec.pp_micro_batches} (pp rows); {spec.rounds} steps per variant, the first "
-            f"untimed; gloo, one torch thread per rank.",
+            f"{WARMUP_STEPS} untimed; gloo, one torch thread per rank.",
             "- Peak RSS per rank: the process's high-water mark over the variant's build and first step, "
             "on top of the process baseline (see bench/common.py). 'ours/peer' < 1 means megazero is faster.",
             ""]
