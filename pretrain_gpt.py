@@ -3,19 +3,125 @@
     python pretrain_gpt.py                                   # tiny GPT on the bundled sample corpus
     torchrun --nproc-per-node 8 pretrain_gpt.py --tp 2 --pp 2 --dp 2 --zero-stage 1
 
-Every flag is validated before any process group, model or dataset is created.
+Top-down: parse and validate every flag (before any process group, model or dataset exists), pick
+the data and tokenizer, build the topology, the model chunks this rank owns, the gradient/optimizer
+engine and the data iterators, then run the loop in ``megazero/training.py``.
 """
+from __future__ import annotations
+
+import dataclasses
+import os
 import sys
 
+import torch
+import torch.distributed as dist
+
 from megazero.arguments import parse_job
+from megazero.config import ConfigError, JobConfig, validate
+from megazero.data.samplers import build_data_iterators
+from megazero.data.tokenizers import Tokenizer, tokenizer_from_config
+from megazero.metrics import MetricsLog
+from megazero.parallel.pipeline import build_model_chunks
+from megazero.parallel.topology import Topology, init_distributed
+from megazero.parallel.zero import build_engine
+from megazero.training import TrainState, describe_run, gather_full_model, greedy_continuation, train
+
+SAMPLE_PROMPT = "A hacker is"
 
 
-def main(argv=None) -> int:
-    job, args = parse_job(argv)
-    par = job.parallel
-    print(f"megazero: valid layout tp={par.tp} pp={par.pp} dp={par.dp} zero={job.zero.zero_stage} "
-          f"micro-batches={job.num_micro_batches}; the training loop is not implemented yet")
+def main(argv: list[str] | None = None) -> int:
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    job, args = parse_job(argv, world)
+    embedded_default = not (job.data.mock_data or job.data.data_path)
+    job, tokenizer = resolve_data(job, world)
+
+    topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, order=job.parallel.order,
+                    device=init_distributed(args.backend))
+    log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0)
+    torch.manual_seed(job.train.seed)
+
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=job.train.seed, dtype=param_dtype(job))
+    header = describe_run(job, topo, chunks)           # counts parameters before ZeRO moves them
+    engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    log.print(header + model_state_line(engine, topo))
+
+    t = job.train
+    train_data, valid_data, _ = build_data_iterators(
+        job.data, seq_length=job.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp_size,
+        train_iters=t.train_iters, eval_iters=t.eval_iters, eval_interval=t.eval_interval,
+        vocab_size=job.model.vocab_size, eod=tokenizer.eod if tokenizer else None,
+        is_writer=topo.rank == 0, barrier=dist.barrier)
+
+    def train_batches(consumed_samples: int):
+        train_data.consumed_samples = consumed_samples
+        return _steps(train_data, topo.device)
+
+    valid_steps = _steps(valid_data, topo.device) if valid_data is not None else None
+    state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
+                  log, TrainState())
+
+    if embedded_default:                                 # show what the tiny GPT learnt
+        model = gather_full_model(chunks, topo, job, engine)
+        if model is not None:
+            prompt = tokenizer.tokenize(SAMPLE_PROMPT)
+            out = greedy_continuation(model, prompt, max_new_tokens=24)
+            log.print(f" greedy continuation after {state.iteration} iterations: "
+                      f"{SAMPLE_PROMPT!r} -> {tokenizer.detokenize(out)!r}")
+    log.close()
     return 0
+
+
+def resolve_data(job: JobConfig, world: int) -> tuple[JobConfig, Tokenizer | None]:
+    """The tokenizer and data for this run; the model's vocab size follows the tokenizer.
+
+    No data flags at all selects the embedded default: the bundled sample corpus, tokenized once
+    into a cache with its bundled SentencePiece model. ``--mock-data`` uses ``--vocab-size``.
+    """
+    from megazero.data.sample import default_sample, sample_tokenizer
+
+    d = job.data
+    if d.mock_data:
+        return job, None
+    if d.data_path:
+        tokenizer = tokenizer_from_config(d)
+    else:
+        cache = d.data_cache_path or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                                                  "megazero")
+        tokenizer = sample_tokenizer()
+        d = dataclasses.replace(d, data_path=[default_sample(cache)], data_cache_path=cache,
+                                tokenizer_type="SentencePieceTokenizer", tokenizer_model=tokenizer.model_file)
+    model = dataclasses.replace(job.model, vocab_size=tokenizer.vocab_size)
+    try:
+        job = validate(dataclasses.replace(job, model=model, data=d), world)
+    except ConfigError as e:
+        raise SystemExit(f"pretrain_gpt.py: error: {e}") from e
+    return job, tokenizer
+
+
+def param_dtype(job: JobConfig) -> torch.dtype:
+    """Model parameters are bf16/fp16 under mixed precision (fp32 masters live in the optimizer)."""
+    return torch.bfloat16 if job.precision.bf16 else torch.float16 if job.precision.fp16 else torch.float32
+
+
+def model_state_line(engine, topo: Topology) -> str:
+    """Largest per-rank model-state memory (params, grads, fp32 masters, Adam state) over all ranks."""
+    keys = ("params", "grads", "master_weights", "optimizer_state", "total")
+    local = engine.model_state_bytes()
+    sizes = torch.tensor([float(local[k]) for k in keys], device=topo.device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.2f}" for k, v in zip(keys, sizes.tolist()))
+    return f"\n model state per rank (MiB, max over ranks; grads allocated in backward): {parts}"
+
+
+def _steps(iterator, device):
+    """One optimizer step's micro-batches at a time, on ``device``."""
+    while True:
+        try:
+            step = iterator.next_step()
+        except StopIteration:
+            return
+        yield [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in step]
 
 
 if __name__ == "__main__":

@@ -100,6 +100,8 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--merge-file",), "data.merge_file", dict()),
         (("--tokenizer-model",), "data.tokenizer_model", dict()),
         (("--data-cache-path",), "data.data_cache_path", dict()),
+        (("--eod-mask-loss",), "data.eod_mask_loss", dict(action="store_true",
+                                                          help="no loss on the end-of-document token")),
     ],
     "checkpointing": [
         (("--save",), "checkpoint.save", dict()),

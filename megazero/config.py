@@ -30,13 +30,17 @@ def flag(name: str) -> str:
 
 @dataclass
 class ModelConfig:
-    """Shape of a GPT-2 style decoder. ``vocab_size`` is the tokenizer's; the embedding is padded."""
+    """Shape of a GPT-2 style decoder. ``vocab_size`` is the tokenizer's; the embedding is padded.
 
-    num_layers: int = 2
-    hidden_size: int = 64
+    The defaults here and in the other sections are the embedded default run (`python pretrain_gpt.py`):
+    a 1.3M-parameter GPT that learns the bundled sample corpus in about a minute on one CPU core.
+    """
+
+    num_layers: int = 4
+    hidden_size: int = 128
     num_attention_heads: int = 4
     ffn_hidden_size: int | None = None          # default 4 * hidden_size
-    seq_length: int = 64
+    seq_length: int = 128
     max_position_embeddings: int | None = None  # default seq_length
     vocab_size: int = 512
     make_vocab_size_divisible_by: int = 128
@@ -106,7 +110,7 @@ class PrecisionConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 1e-3
+    lr: float = 1.5e-3
     min_lr: float = 0.0
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None           # default train_iters
@@ -133,11 +137,11 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 4
+    micro_batch_size: int = 8
     global_batch_size: int | None = None        # default micro_batch_size * dp * pp (m = pp micro-batches)
-    train_iters: int = 100
+    train_iters: int = 400
     seed: int = 1234
-    eval_interval: int = 1000
+    eval_interval: int = 100
     eval_iters: int = 10
     log_interval: int = 10
 
@@ -360,3 +364,6 @@ def _check_data(d: DataConfig) -> None:
                 float(w)
             except ValueError:
                 _fail(f"--data-path weight {w!r} is not a number (expected weight-prefix pairs)")
+    if d.data_path and d.tokenizer_type is None:
+        _fail("--data-path needs --tokenizer-type (with its --vocab-file/--merge-file or --tokenizer-model): "
+              "the tokenizer sets the vocabulary size")

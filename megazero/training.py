@@ -8,6 +8,7 @@ stage's, averaged over micro-batches and data-parallel ranks.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -18,6 +19,7 @@ from megazero.config import JobConfig
 from megazero.metrics import (MetricsLog, device_peak_tflops, learning_rate, model_flops_per_token,
                               peak_memory_bytes)
 from megazero.parallel.pipeline import activation_shape, run_schedule
+from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
 
 
@@ -126,7 +128,7 @@ def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult,
               "lr": lr, "grad_norm": r.grad_norm, "loss_scale": r.loss_scale, "skipped": r.skipped,
               "skipped_iterations": state.skipped_iterations, "step_time_s": step_time,
               "tokens_per_sec": tokens_per_step / step_time, "tflops_per_rank": tflops,
-              "peak_memory_bytes": peak_memory_bytes(topo.device)}
+              "peak_memory_bytes": max_over_ranks(peak_memory_bytes(topo.device), topo)}
     if peak_tflops:
         record["mfu"] = tflops / peak_tflops
     log.record(record, state.iteration)
@@ -143,3 +145,88 @@ def _log_eval(log: MetricsLog, state: TrainState, valid_loss: float) -> None:
     ppl = float("inf") if valid_loss > 700 else float(torch.tensor(valid_loss).exp())
     log.record({"iteration": state.iteration, "valid_loss": valid_loss, "valid_ppl": ppl}, state.iteration)
     log.print(f" validation at iteration {state.iteration} | loss {valid_loss:.4f} | ppl {ppl:.2f}")
+
+
+def max_over_ranks(value: float, topo: Topology) -> int:
+    """The largest ``value`` over all ranks (a collective: every rank calls it)."""
+    t = torch.tensor([float(value)], device=topo.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def count_parameters(chunks, topo: Topology) -> int:
+    """Parameters of the whole model, each counted once whatever the layout (a collective).
+
+    A tensor-parallel shard counts on every tp rank (together they make the tensor), a replicated
+    parameter on tp rank 0 only; the tied output copy of the word embedding on a last stage that is
+    not also the first is not counted again; data-parallel replicas are divided out.
+    """
+    local = 0
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if getattr(p, "shared_embedding", False) and not chunk.pre_process:
+                continue
+            if p.tensor_parallel or topo.tp_rank == 0:
+                local += p.numel()
+    t = torch.tensor([float(local)], device=topo.device, dtype=torch.float64)
+    dist.all_reduce(t)
+    return int(t.item()) // topo.dp_size
+
+
+def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
+    """The first log line: the resolved layout and the model size (a collective)."""
+    par, m = job.parallel, job.model
+    n = count_parameters(chunks, topo)
+    schedule = f"{par.pipeline_schedule} (v={par.virtual_stages})" if par.pp > 1 else "none"
+    return (f" megazero: world {topo.world_size} = tp {par.tp} x pp {par.pp} x dp {par.dp} | zero stage "
+            f"{job.zero.zero_stage} | {job.precision.dtype_name} | pipeline {schedule} | sequence parallel "
+            f"{par.sequence_parallel} | micro-batch {job.train.micro_batch_size} x {job.num_micro_batches} "
+            f"micro-batches x dp {par.dp} = global batch {job.train.global_batch_size}\n"
+            f" model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, seq "
+            f"{m.seq_length}, vocab {m.vocab_size} (padded {m.padded_vocab_size(par.tp)}) | {n:,} parameters")
+
+
+@torch.no_grad()
+def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
+    """A single-process (tp = pp = 1) GPT with the trained weights, on global rank 0; None elsewhere.
+
+    Every rank takes part: tp shards are gathered within each tp group, then the first dp replica's
+    tp rank 0 of every pipeline stage sends its tensors to rank 0. Under ZeRO stage 3 the engine's
+    ``gathered_parameters()`` materialises the shards first.
+    """
+    from megazero.models.gpt import GPT
+
+    gathered_ctx = getattr(engine, "gathered_parameters", None)
+    with gathered_ctx() if gathered_ctx else nullcontext():
+        local = {}
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                dim = p.partition_dim if p.tensor_parallel else -1
+                local[name] = gather_full(p.detach(), dim, topo.tp_group).float().cpu()
+    mine = local if topo.dp_rank == 0 and topo.tp_rank == 0 else {}
+    everything = [None] * topo.world_size if topo.rank == 0 else None
+    dist.gather_object(mine, everything, dst=0)
+    if topo.rank != 0:
+        return None
+    model = GPT(job.model, None, seed=job.train.seed)
+    state = {}
+    for part in everything:
+        state.update(part)
+    for name, p in model.named_parameters():      # the padded vocab differs between tp sizes
+        src = state[name]
+        if src.shape != p.shape:
+            rows = min(src.shape[0], p.shape[0])
+            src = torch.cat([src[:rows], src.new_zeros((p.shape[0] - rows,) + tuple(src.shape[1:]))])
+        p.copy_(src)
+    return model.eval()
+
+
+@torch.no_grad()
+def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The next ``max_new_tokens`` ids a single-process GPT predicts greedily after ``prompt_ids``."""
+    ids = list(prompt_ids)
+    window = model.cfg.seq_length
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids[-window:]]))[0, -1, :model.cfg.vocab_size]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):]

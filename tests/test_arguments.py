@@ -15,13 +15,24 @@ def test_megatron_flags_and_aliases_map_to_config():
     job, _ = parse_job(["--tensor-model-parallel-size", "2", "--pp", "2", "--zero-stage", "1",
                         "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
                         "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "3e-4",
-                        "--bf16", "--data-path", "0.3", "a", "0.7", "b", "--no-overlap-grad-reduce"],
+                        "--bf16", "--data-path", "0.3", "a", "0.7", "b", "--no-overlap-grad-reduce",
+                        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "sp.model",
+                        "--eod-mask-loss"],
                        world_size=8)
     assert (job.parallel.tp, job.parallel.pp, job.parallel.dp) == (2, 2, 2)
     assert job.zero.zero_stage == 1 and job.zero.overlap_grad_reduce is False
     assert job.model.ffn_hidden_size == 128 and job.num_micro_batches == 4
     assert job.optimizer.lr == 3e-4 and job.precision.bf16
-    assert job.data.data_path == ["0.3", "a", "0.7", "b"]
+    assert job.data.data_path == ["0.3", "a", "0.7", "b"] and job.data.eod_mask_loss
+
+
+def test_every_flag_is_documented_in_the_readme():
+    from megazero.arguments import ARGUMENTS
+
+    readme = (ROOT / "README.md").read_text()
+    missing = [f for entries in ARGUMENTS.values() for flags, _, _ in entries for f in flags
+               if f"`{f}`" not in readme]
+    assert not missing, f"flags not documented in README.md: {missing}"
 
 
 def test_config_file_with_cli_override(tmp_path):
@@ -36,7 +47,8 @@ def test_config_file_with_cli_override(tmp_path):
 
 def test_yaml_config_file(tmp_path):
     cfg = tmp_path / "run.yaml"
-    cfg.write_text("pp: 2\nnum-layers: 4\ndata-path: 1.0 prefix\n")
+    cfg.write_text("pp: 2\nnum-layers: 4\ndata-path: 1.0 prefix\ntokenizer-type: SentencePieceTokenizer\n"
+                   "tokenizer-model: sp.model\n")
     job, _ = parse_job(["--config", str(cfg)], world_size=2)
     assert job.parallel.pp == 2 and job.data.data_path == ["1.0", "prefix"]
 

@@ -211,6 +211,15 @@ def set_tp_attributes(p: nn.Parameter, tensor_parallel: bool, partition_dim: int
     return p
 
 
+def new_parameter(shape: tuple[int, ...], *, tensor_parallel: bool, partition_dim: int = -1,
+                  sequence_parallel_grad: bool = False, zeros: bool = False, dtype=torch.float32,
+                  device=None) -> nn.Parameter:
+    """A parameter of this rank's ``shape`` (uninitialised, or zeros) with the contract attributes."""
+    make = torch.zeros if zeros else torch.empty
+    return set_tp_attributes(nn.Parameter(make(*shape, dtype=dtype, device=device)), tensor_parallel,
+                             partition_dim, sequence_parallel_grad)
+
+
 def shard(full: torch.Tensor, partition_dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
     """tp rank ``tp_rank``'s contiguous chunk of a full tensor (the inverse of concatenating shards)."""
     if partition_dim < 0 or tp_size == 1:
@@ -282,11 +291,9 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         local = _divide(out_features, group_size(tp_group), "ColumnParallelLinear out_features")
-        self.weight = set_tp_attributes(nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device)),
-                                        True, 0)
-        self.bias = None
-        if bias:
-            self.bias = set_tp_attributes(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)), True, 0)
+        kw = dict(dtype=dtype, device=device)
+        self.weight = new_parameter((local, in_features), tensor_parallel=True, partition_dim=0, **kw)
+        self.bias = new_parameter((local,), tensor_parallel=True, partition_dim=0, zeros=True, **kw) if bias else None
 
     def forward(self, x):
         return column_parallel_linear(x, self.weight, self.bias, self.tp_group,
@@ -309,12 +316,10 @@ class RowParallelLinear(nn.Module):
         self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         local = _divide(in_features, group_size(tp_group), "RowParallelLinear in_features")
-        self.weight = set_tp_attributes(nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device)),
-                                        True, 1)
-        self.bias = None
-        if bias:
-            self.bias = set_tp_attributes(nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)),
-                                          False, sequence_parallel_grad=sequence_parallel)
+        kw = dict(dtype=dtype, device=device)
+        self.weight = new_parameter((out_features, local), tensor_parallel=True, partition_dim=1, **kw)
+        self.bias = new_parameter((out_features,), tensor_parallel=False, sequence_parallel_grad=sequence_parallel,
+                                  zeros=True, **kw) if bias else None
 
     def forward(self, x):
         if not self.input_is_parallel:
