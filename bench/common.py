@@ -362,9 +362,14 @@ def zero_fp32_bytes(psi: int, n: int, stage: int) -> float:
             3: 16.0 * psi / n}[stage]
 
 
-def dp_comm_bytes(psi: int, n: int, stage: int, elem: int = 4) -> float:
-    """Bytes sent per rank per step (ring): 2Ψ(N-1)/N for stages 0-2, 3Ψ(N-1)/N for stage 3."""
-    return (3.0 if stage == 3 else 2.0) * psi * elem * (n - 1) / n
+def dp_comm_bytes(psi: int, n: int, stage: int, elem: int = 4, micro: int = 1, psi_emb: int = 0) -> float:
+    """Bytes sent per rank per step (ring): 2Ψ(N-1)/N for stages 0-2 (gradients reduced once per
+    step); stage 3 gathers the parameters in every micro-batch's forward and backward and reduces
+    its gradients, 3Ψ(N-1)/N per micro-batch, plus 2Ψ_emb(N-1)/N for a tied word embedding that
+    is gathered again for the output layer (pp = 1)."""
+    if stage == 3:
+        return micro * (3.0 * psi + 2.0 * psi_emb) * elem * (n - 1) / n
+    return 2.0 * psi * elem * (n - 1) / n
 
 
 def tp_layer_comm_bytes(b: int, s: int, h: int, t: int, elem: int = 4) -> float:

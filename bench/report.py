@@ -56,6 +56,7 @@ def _table(head: str, rows: list[list[str]]) -> list[str]:
 def dp_section(spec: Spec, results: dict, psi: int, targets: list) -> list[str]:
     out = ["## Data parallel (ZeRO) vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed", ""]
     rows, theory = [], []
+    psi_emb = spec.model_cfg().padded_vocab_size(1) * spec.hidden
     for dp, res in results.items():
         tokens = dp * spec.micro_batches * spec.micro_batch * spec.seq
         for ours, peer in DP_PAIRS:
@@ -69,13 +70,14 @@ def dp_section(spec: Spec, results: dict, psi: int, targets: list) -> list[str]:
                 continue
             r = res[ours]
             stage = int(ours[len("ours-zero")])
+            t_state = zero_fp32_bytes(psi, dp, stage)
+            t_comm = dp_comm_bytes(psi, dp, stage, micro=spec.micro_batches, psi_emb=psi_emb)
             if "unavailable" in r:
-                theory.append([str(dp), ours, "-", f"{zero_fp32_bytes(psi, dp, stage) / MIB:.2f}", "-", "-",
-                               f"{dp_comm_bytes(psi, dp, stage) / MIB:.2f}", r["unavailable"]])
+                theory.append([str(dp), ours, "-", f"{t_state / MIB:.2f}", "-", "-", f"{t_comm / MIB:.2f}",
+                               r["unavailable"]])
                 continue
             state = r["extra"]["state"]["total"]
             comm = sum(v for k, v in r["extra"]["comm"].items() if k == "dp")
-            t_state, t_comm = zero_fp32_bytes(psi, dp, stage), dp_comm_bytes(psi, dp, stage)
             note = " (all-reduced grads: 3Ψ by design)" if ours.endswith("allreduce") else ""
             if ours.endswith("allreduce"):
                 t_comm = 3.0 * psi * 4 * (dp - 1) / dp
@@ -87,8 +89,10 @@ def dp_section(spec: Spec, results: dict, psi: int, targets: list) -> list[str]:
                 f"round in a rotated order; median over rounds; ratio = median of per-round ratios.", "",
             "### Theory beside measurement (megazero, per rank)", "",
             f"Ψ = {psi:,} parameters, fp32 AdamW: model states 16Ψ (stage 0), 8Ψ + 8Ψ/N (1), 4Ψ + 12Ψ/N (2), "
-            f"16Ψ/N (3) bytes; data-parallel bytes sent per step 2Ψ(N-1)/N x 4 (stages 0-2), 3Ψ(N-1)/N x 4 "
-            f"(stage 3). Measured: `engine.model_state_bytes()` after a step (bucket padding included) and the "
+            f"16Ψ/N (3) bytes; data-parallel bytes sent per step 2Ψ(N-1)/N x 4 (stages 0-2: gradients reduced "
+            f"once per step), m (3Ψ + 2Ψ_emb)(N-1)/N x 4 for stage 3 (the paper's 3Ψ per forward + backward, "
+            f"paid by each of the m = {spec.micro_batches} micro-batches since parameters are re-gathered; the "
+            f"tied word embedding, Ψ_emb = {psi_emb:,}, is gathered again for the output layer). Measured: `engine.model_state_bytes()` after a step (bucket padding included) and the "
             f"engine's CommLog for one step (ring convention).", ""]
     out += _table("| dp | variant | model states MiB | formula MiB | deviation | comm MiB/step | formula MiB "
                   "| deviation |", theory)
@@ -184,7 +188,9 @@ def gpu_section(gpu: dict) -> list[str]:
             x = r[side]
             rows.append([name, side, f"{x['step_ms']:.1f}", f"{x['tokens_s']:,.0f}", _f(x["mfu"], "{:.1%}"),
                          f"{x['peak_mib']:.0f}", f"{x['loss']:.4f}"])
-        rows.append([name, "ratio ours/plain", f"{r['ratio']:.2f}x", "", "", "", ""])
+        diff = abs(r["ours"]["loss"] - r["plain"]["loss"])
+        rows.append([name, "ratio ours/plain", f"{r['ratio']:.2f}x", "", "", "",
+                     f"|d| {diff:.1e} ({'same within bf16 tolerance 2e-2' if diff <= 2e-2 else '**DIVERGED**'})"])
     return out + _table("| model | side | step ms | tokens/s | MFU | peak alloc MiB | loss |", rows) + [""]
 
 

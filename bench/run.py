@@ -145,7 +145,7 @@ def main(argv=None) -> None:
             f"- Model (every row): {spec.describe()}; {spec.micro_batches} micro-batches per rank and step "
             f"(dp, tp rows), {spec.pp_micro_batches} (pp rows); {spec.rounds} steps per variant, the first "
             f"{WARMUP_STEPS} untimed; gloo, one torch thread per rank.",
-            "- Peak RSS per rank: the process's high-water mark over the variant's build and first step, "
+            "- Peak RSS per rank: the process's high-water mark over the variant's build and two warm-up steps, "
             "on top of the process baseline (see bench/common.py). 'ours/peer' < 1 means megazero is faster.",
             ""]
     text = "\n".join(head + report.targets_section(targets) + body)

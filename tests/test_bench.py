@@ -33,5 +33,6 @@ def test_theory_formulas():
     assert zero_fp32_bytes(psi, n, 2) == 4 * psi + 12 * psi / n
     assert dp_comm_bytes(psi, n, 0) == 2 * psi * 4 * 3 / 4
     assert dp_comm_bytes(psi, n, 3) == 3 * psi * 4 * 3 / 4
+    assert dp_comm_bytes(psi, n, 3, micro=2, psi_emb=10) == 2 * (3 * psi + 20) * 4 * 3 / 4
     assert tp_layer_comm_bytes(2, 16, 32, 2) == 8 * 2 * 16 * 32 / 2 * 4
     assert "FLAG" in flag(1.2, 1.0) and "FLAG" not in flag(1.05, 1.0)
