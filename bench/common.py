@@ -292,7 +292,7 @@ def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None
             continue
         try:                               # a throwaway build + step pays the one-time costs of
             built = v.build()              # this code path (lazy imports, comm buffers)
-        except _Unavailable as e:          # e.g. ZeRO-3 not in this build yet
+        except Unavailable as e:          # e.g. ZeRO-3 not in this build yet
             out[v.name] = {"unavailable": str(e)}
             continue
         (built[0] if isinstance(built, tuple) else built)(batches[0])
@@ -333,11 +333,9 @@ def _primer(group=None) -> None:
     dist.barrier(group)
 
 
-class _Unavailable(Exception):
+class Unavailable(Exception):
     """Raised by a variant's build when the feature is not there (the row says why)."""
 
-
-Unavailable = _Unavailable
 
 
 def median(xs) -> float:
@@ -348,10 +346,6 @@ def median(xs) -> float:
 def ratio_of_medians_per_round(a: list[float], b: list[float]) -> float:
     """Median over rounds of a[i] / b[i] (both timed in the same round)."""
     return median([x / y for x, y in zip(a, b) if y > 0])
-
-
-def mean_loss_step(step_fn_losses: list[float]) -> float:
-    return sum(step_fn_losses) / len(step_fn_losses)
 
 
 # ---------------------------------------------------------------------------------------- theory

@@ -148,6 +148,7 @@ def main(argv=None) -> None:
             "- Peak RSS per rank: the process's high-water mark over the variant's build and two warm-up steps, "
             "on top of the process baseline (see bench/common.py). 'ours/peer' < 1 means megazero is faster.",
             ""]
+    head.insert(-1, f"- Load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     text = "\n".join(head + report.targets_section(targets) + body)
     with open(a.out, "w") as f:
         f.write(text + "\n")
