@@ -11,9 +11,6 @@ Pairs compared:
     ours ZeRO-3 (per-unit gather, prefetch 1)          vs  FSDP2 (fully_shard on every layer + root)
     ours ZeRO-3, keep_params_gathered                  vs  FSDP2, reshard_after_forward=False
 
-Both ZeRO-3 implementations reduce-scatter the gradients of every micro-batch (FSDP2's default);
-with keep_params_gathered ours reduces once per step instead, FSDP2 still every micro-batch.
-
 Every variant trains the same GPT from the same init on the same data (2 micro-batches per step,
 clipping at 1.0) and must end at the same loss; the script checks that.
 
@@ -42,12 +39,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megazero.config import ModelConfig, OptimizerConfig, ZeroConfig  # noqa: E402
-from megazero.models import GPT, masked_mean  # noqa: E402
-from megazero.optim import weight_decay_groups  # noqa: E402
+from common import Spec, rss_mib, step_batches  # noqa: E402
+from rows_dp import build_ddp, build_fsdp2, build_ours  # noqa: E402
+
 from megazero.parallel.data import AllReduceGradSync  # noqa: E402
 from megazero.parallel.topology import Topology  # noqa: E402
-from megazero.parallel.zero import build_engine  # noqa: E402
 
 VARIANTS = ["ours-zero0", "torch-ddp", "ours-zero1", "torch-ddp-zero", "ours-zero1-allreduce", "ours-zero2",
             "ours-zero3", "torch-fsdp2", "ours-zero3-keep", "torch-fsdp2-keep"]
@@ -55,130 +51,27 @@ PEERS = {"ours-zero0": "torch-ddp", "ours-zero1": "torch-ddp-zero", "ours-zero1-
          "ours-zero2": "torch-ddp-zero", "ours-zero3": "torch-fsdp2", "ours-zero3-keep": "torch-fsdp2-keep"}
 STAGES = {"ours-zero0": 0, "ours-zero1": 1, "ours-zero1-allreduce": 1, "ours-zero2": 2, "ours-zero3": 3,
           "ours-zero3-keep": 3}
-OPT = OptimizerConfig(lr=1e-3, weight_decay=0.1, clip_grad=1.0)
 MICRO, MB = 2, 2
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _spec(args) -> Spec:
+    return Spec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
+                micro_batch=MB, micro_batches=MICRO)
 
 
-def _batches(cfg: ModelConfig, steps: int, rank: int):
-    g = torch.Generator().manual_seed(100)
-    out = []
-    for _ in range(steps):
-        step = []
-        for r in range(2):
-            for _ in range(MICRO):
-                tok = torch.randint(0, cfg.vocab_size, (MB, cfg.seq_length + 1), generator=g)
-                if r == rank:
-                    step.append((tok[:, :-1], tok[:, 1:], torch.ones(MB, cfg.seq_length)))
-        out.append(step)
-    return out
-
-
-def _torch_step(model, opt, micro):
-    opt.zero_grad(set_to_none=False)
-    total = 0.0
-    for i, (x, y, m) in enumerate(micro):
-        last = i == len(micro) - 1
-        ctx = model.no_sync() if not last and hasattr(model, "no_sync") else _null()   # FSDP2: every one
-        with ctx:
-            loss = masked_mean(model(x, y), m)
-            (loss / len(micro)).backward()
-        total += loss.item() / len(micro)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), OPT.clip_grad)
-    opt.step()
-    return total
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
-def _ours_step(model, engine, micro):
-    engine.zero_grad()
-    total = 0.0
-    for i, (x, y, m) in enumerate(micro):
-        engine.before_backward(0, i == len(micro) - 1)
-        loss = masked_mean(model(x, y), m)
-        (loss / len(micro)).backward()
-        total += loss.item() / len(micro)
-    engine.finalize_grads()
-    engine.step()
-    return total
-
-
-def _totals(b: dict) -> tuple[int, int]:
-    return b["total"], b["grads_peak"]
-
-
-def _build(variant: str, model, topo):
-    """(step function, model-state bytes function) for a variant."""
+def _build(variant: str, args, topo):
+    """(step function, model-state bytes function -> (total, peak grads)) for a variant, on a fresh
+    GPT (the step and model builders are shared with bench/run.py: bench/rows_dp.py)."""
+    spec = _spec(args)
     if variant.startswith("ours"):
         cls = AllReduceGradSync if variant == "ours-zero1-allreduce" else None
-        zero = ZeroConfig(zero_stage=STAGES[variant], keep_params_gathered=variant.endswith("keep"))
-        engine = build_engine(model, topo, zero, OPT, grad_sync_cls=cls)
-        return (lambda micro: _ours_step(model, engine, micro)), (lambda: _totals(engine.model_state_bytes()))
+        step, extra = build_ours(spec, topo, STAGES[variant], cls, keep_params_gathered=variant.endswith("keep"))
+        return step, (lambda: (extra()["state"]["total"], extra()["state"]["grads_peak"]))
     if variant.startswith("torch-fsdp2"):
-        return _build_fsdp2(model, reshard_after_forward=not variant.endswith("keep"))
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ddp = DDP(model)
-    groups = weight_decay_groups(ddp.module.named_parameters(), OPT.weight_decay)
-    kw = dict(lr=OPT.lr, betas=(OPT.adam_beta1, OPT.adam_beta2), eps=OPT.adam_eps)
-    if variant == "torch-ddp":
-        opt = torch.optim.AdamW(groups, **kw)
-    else:
-        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                      weight_decay=OPT.weight_decay, **kw)
-        opt.add_param_group(groups[1])
-
-    def state_bytes():
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        local = opt.optim if variant == "torch-ddp-zero" else opt
-        state = [t for s in local.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
-        params = list(model.parameters())
-        grads = nbytes([p.grad for p in params if p.grad is not None])
-        return nbytes(params) + grads + nbytes(state), grads
-
-    return (lambda micro: _torch_step(ddp, opt, micro)), state_bytes
-
-
-def _build_fsdp2(model, reshard_after_forward: bool):
-    """PyTorch FSDP2: every transformer layer its own unit, the root (embedding, final norm, tied
-    output) another; AdamW over the DTensor shards."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (2,))
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    opt = torch.optim.AdamW(weight_decay_groups(model.named_parameters(), OPT.weight_decay), lr=OPT.lr,
-                            betas=(OPT.adam_beta1, OPT.adam_beta2), eps=OPT.adam_eps)
-
-    def state_bytes():
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-        nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
-        state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
-        params = list(model.parameters())
-        grads = nbytes([p.grad for p in params if p.grad is not None])
-        return nbytes(params) + grads + nbytes(state), grads
-
-    return (lambda micro: _torch_step(model, opt, micro)), state_bytes
-
-
-def _gpt(args) -> tuple[ModelConfig, GPT]:
-    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                      seq_length=args.seq, vocab_size=args.vocab)
-    return cfg, GPT(cfg, seed=1234)
+        step, extra = build_fsdp2(spec, 2, reshard_after_forward=not variant.endswith("keep"))
+        return step, (lambda: (extra()["total"], extra()["grads"]))
+    step, extra = build_ddp(spec, zero_redundancy=variant == "torch-ddp-zero")
+    return step, (lambda: (extra()["total"], extra()["grads"]))
 
 
 def _timing_worker(rank: int, variants: list[str], args, init_file: str, queue) -> None:
@@ -186,11 +79,8 @@ def _timing_worker(rank: int, variants: list[str], args, init_file: str, queue) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     topo = Topology(dp=2)
-    steps, cfg = {}, None
-    for v in variants:
-        cfg, model = _gpt(args)
-        steps[v] = _build(v, model, topo)[0]
-    batches = _batches(cfg, args.rounds, rank)
+    steps = {v: _build(v, args, topo)[0] for v in variants}
+    batches = step_batches(_spec(args), args.rounds, 2, rank)
     times = {v: [] for v in variants}
     losses = {v: [] for v in variants}
     for i, micro in enumerate(batches):
@@ -209,10 +99,9 @@ def _memory_worker(rank: int, variant: str, args, init_file: str, queue) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     topo = Topology(dp=2)
-    cfg, model = _gpt(args)
-    rss_model = _rss_mb()
-    step, state_bytes = _build(variant, model, topo)
-    for micro in _batches(cfg, 3, rank):
+    rss_model = rss_mib()
+    step, state_bytes = _build(variant, args, topo)
+    for micro in step_batches(_spec(args), 3, 2, rank):
         step(micro)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     queue.put((rank, peak, peak - rss_model, state_bytes()))

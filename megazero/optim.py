@@ -58,5 +58,14 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
     bias_correction1 = 1.0 - beta1 ** step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    # The denominator in chunks through one small buffer: a whole-shard temporary would add
+    # 4 bytes per element (two, briefly) to the step's peak memory. Same per-element arithmetic.
+    denom = torch.empty(min(param.numel(), _DENOM_CHUNK), dtype=exp_avg_sq.dtype, device=exp_avg_sq.device)
+    for a in range(0, param.numel(), _DENOM_CHUNK):
+        b = min(a + _DENOM_CHUNK, param.numel())
+        d = torch.sqrt(exp_avg_sq[a:b], out=denom[:b - a])
+        d.div_(bias_correction2_sqrt).add_(eps)
+        param[a:b].addcdiv_(exp_avg[a:b], d, value=-lr / bias_correction1)
+
+
+_DENOM_CHUNK = 1 << 18      # elements (1 MiB in fp32) per chunk of the AdamW denominator

@@ -38,6 +38,7 @@ times the gradient traffic for a lower peak; we keep the traffic of plain DP.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -167,7 +168,7 @@ class _BucketedGradSync:
                 bucket.slots.append(slot)
                 self.slots.append(slot)
                 self._slot_of[id(p)] = slot
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(_weak_hook(self))
             self.buckets.append(bucket)
             offset += padded
         self.param_buffers.append(pbuf)
@@ -417,6 +418,23 @@ class ShardedGradSync(ReduceScatterGradSync):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _weak_hook(grad_sync: _BucketedGradSync):
+    """A parameter hook calling ``grad_sync._on_grad_ready`` without keeping ``grad_sync`` alive.
+
+    Tensor hooks are held on the C++ side, where Python's garbage collector cannot see them: a
+    hook bound to the grad sync (which holds the model) would make model, buffers and optimizer
+    state uncollectable once the engine is dropped (a leak whenever a process builds several).
+    """
+    ref = weakref.ref(grad_sync)
+
+    def hook(param: nn.Parameter) -> None:
+        sync = ref()
+        if sync is not None:
+            sync._on_grad_ready(param)
+
+    return hook
 
 
 GRAD_SYNC_BY_STAGE = {0: AllReduceGradSync, 1: ReduceScatterGradSync, 2: ShardedGradSync}

@@ -81,7 +81,7 @@ import torch.nn as nn
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.counted_comm import CommLog
-from megazero.parallel.data import Bucket, ParamSlot, ShardedGradSync, _nbytes, plan_buckets
+from megazero.parallel.data import Bucket, ParamSlot, ShardedGradSync, _nbytes, _weak_hook, plan_buckets
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import ZeroEngine, _BucketAdamW, model_state_bytes
 
@@ -241,7 +241,7 @@ class ShardedParamSync(ShardedGradSync):
                 bucket.slots.append(slot)
                 self.slots.append(slot)
                 self._slot_of[id(p)] = slot
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(_weak_hook(self))
             lo, hi = self.shard_range(bucket)
             bucket.shard = bucket.param_data[lo:hi].clone()
             bucket.empty = torch.empty(0, dtype=dtype, device=device)

@@ -41,6 +41,8 @@ def run_schedule(chunks, micro_batches, topo, *, forward_only: bool = False, los
         shape = tensor_shape or _infer_shape(chunks, micro_batches, topo)
         comm = StageComm(topo, shape, _param_dtype(chunks), ring=fn is interleaved_one_f_one_b)
     fn(runner, comm)
+    if comm is not None:
+        comm.flush()
     return runner.losses if topo.is_last_stage else []
 
 

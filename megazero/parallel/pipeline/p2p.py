@@ -1,7 +1,10 @@
 """Point-to-point exchange of activations (forward) and their gradients (backward) between stages.
 
-Every exchange is one batch of ``isend`` / ``irecv`` (``torch.distributed.batch_isend_irecv``) whose
-request handles are waited on before returning; there is no barrier and no device synchronize. The
+Every exchange is one batch of ``isend`` / ``irecv`` (``torch.distributed.batch_isend_irecv``). The
+receives are waited on before returning; the sends are not: a stage goes on computing while its
+outputs travel (``flush()``, called by ``run_schedule`` at the end of the step, waits for what is
+still in flight, and completed sends are dropped at every exchange). There is no barrier and no
+device synchronize. The
 receive buffers are allocated from the known activation shape (``[s(/tp), b, h]``) and the model's
 dtype, so no shape metadata travels.
 
@@ -45,6 +48,7 @@ class StageComm:
         else:
             self.prev, self.next = topo.prev_rank, topo.next_rank
         self.num_batches = self.num_messages = 0
+        self._sends: list = []       # (request, tensor) of sends not yet seen complete
 
     def exchange(self, *, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
                  recv_prev: bool = False, recv_next: bool = False):
@@ -65,11 +69,26 @@ class StageComm:
             from_next = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, from_next, self.next, self.group))
         if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+            reqs = dist.batch_isend_irecv(ops)
+            if len(reqs) != len(ops):                 # coalesced into fewer handles: wait for all
+                for req in reqs:
+                    req.wait()
+            else:
+                for op, req in zip(ops, reqs):
+                    if op.op is dist.irecv:
+                        req.wait()
+                    else:                             # keep the tensor alive until the send completes
+                        self._sends.append((req, op.tensor))
+            self._sends = [(req, t) for req, t in self._sends if not req.is_completed()]
             self.num_batches += 1
             self.num_messages += len(ops)
         return from_prev, from_next
+
+    def flush(self) -> None:
+        """Wait for every send still in flight (end of a step: nothing may outlive it)."""
+        for req, _ in self._sends:
+            req.wait()
+        self._sends = []
 
     def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
         if tuple(t.shape) != self.shape or t.dtype != self.dtype:

@@ -1,0 +1,397 @@
+"""What every benchmark shares: the model and data, the plain-PyTorch twin of our GPT, the process
+launcher, memory probes, the alternating timing loop and the theory formulas.
+
+Conventions used by every row of ``bench/run.py``:
+
+* One model spec (:class:`Spec`) for all rows; each row builds *both* sides from the same init
+  (our ``GPT(cfg, seed=1234)``; the peer either wraps that very module or loads its full weights
+  into :class:`PlainGPT`) and feeds the same batches (:func:`step_batches`) in the same order.
+* Timing: both sides of a pair (and every other variant of the row) live in the same processes
+  and run one step each per round, in a rotated order, so a load change on the shared machine
+  hits them alike. A step is timed from a barrier to its end on every rank; the step time of a
+  round is the slowest rank's. Reported: medians over the timed rounds (the first, warm-up round
+  is not timed) and the median of the per-round ratios ours / peer.
+* Peak memory per rank (CPU): during the two warm-up steps each variant runs alone right after
+  being built; the process's high-water mark (VmHWM) is reset before the build and read after the
+  second step (torch optimizers create their state at the end of the first step, so only the
+  second one shows the steady-state peak). Before that, a throwaway build + step of the same variant pays the one-time costs of its
+  code path (lazy imports, communication buffers), so the order of the variants does not matter. ``peak = RSS before any variant was built + (HWM - RSS before this variant's build)``:
+  the peak this variant would reach on its own. For this accounting, allocations above 64 KiB
+  are served by mmap during the warm-up (``mallopt``), so freed tensors leave the RSS; the timed
+  rounds run with a fixed 32 MiB threshold (glibc's own dynamic threshold tops out there).
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megazero.config import ModelConfig, OptimizerConfig  # noqa: E402
+from megazero.models import GPT, masked_mean  # noqa: E402
+from megazero.optim import weight_decay_groups  # noqa: E402
+
+WARMUP_STEPS = 2         # untimed; memory is measured over them (lazy optimizer state appears in step 1,
+                         # so only the second step shows a peer's steady-state peak)
+LOSS_TOL = 1e-4          # a pair whose final losses differ by more does not count
+THEORY_TOL = 0.10        # a theory row deviating by more is flagged
+
+
+# ------------------------------------------------------------------------------------------ spec
+@dataclass(frozen=True)
+class Spec:
+    """The model and batch every row uses (tiny-to-small GPT, fp32 on CPU)."""
+
+    layers: int = 8
+    hidden: int = 128
+    heads: int = 4
+    seq: int = 64
+    vocab: int = 1024              # a multiple of 128 * 4: no vocab padding at tp = 1, 2, 4
+    micro_batch: int = 4           # sequences per micro-batch
+    micro_batches: int = 2         # micro-batches per step and data-parallel rank (DP and TP rows)
+    pp_micro_batches: int = 8      # micro-batches per step in the pipeline rows
+    rounds: int = 8                # steps per variant, the first WARMUP_STEPS untimed
+    lr: float = 1e-3
+
+    def model_cfg(self, **over) -> ModelConfig:
+        cfg = ModelConfig(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
+                          seq_length=self.seq, vocab_size=self.vocab, make_vocab_size_divisible_by=128)
+        return replace(cfg, **over) if over else cfg
+
+    def opt_cfg(self, clip: float = 1.0) -> OptimizerConfig:
+        return OptimizerConfig(lr=self.lr, weight_decay=0.1, clip_grad=clip)
+
+    def describe(self) -> str:
+        return (f"GPT {self.layers} layers x {self.hidden} hidden, {self.heads} heads, seq {self.seq}, "
+                f"vocab {self.vocab}, micro-batch {self.micro_batch}, fp32")
+
+
+QUICK = Spec(layers=4, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, pp_micro_batches=4, rounds=4)
+
+
+def step_batches(spec: Spec, steps: int, data_ranks: int, rank: int, micro: int | None = None) -> list[list[tuple]]:
+    """Per step, the (tokens, labels, loss_mask) micro-batches of data-parallel rank ``rank``.
+
+    The global batch of a step is ``data_ranks * micro`` micro-batches drawn from one seeded
+    generator; every process draws all of them and keeps its own, so any layout sees the same data.
+    """
+    micro = micro or spec.micro_batches
+    g = torch.Generator().manual_seed(100)
+    out = []
+    for _ in range(steps):
+        step = []
+        for r in range(data_ranks):
+            for _ in range(micro):
+                tok = torch.randint(0, spec.vocab, (spec.micro_batch, spec.seq + 1), generator=g)
+                if r == rank:
+                    step.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous(),
+                                 torch.ones(spec.micro_batch, spec.seq)))
+        out.append(step)
+    return out
+
+
+def torch_adamw(named_params, opt_cfg: OptimizerConfig, **kw) -> torch.optim.AdamW:
+    """torch AdamW with our weight-decay rule and hyper-parameters."""
+    return torch.optim.AdamW(weight_decay_groups(named_params, opt_cfg.weight_decay), lr=opt_cfg.lr,
+                             betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2), eps=opt_cfg.adam_eps, **kw)
+
+
+# ------------------------------------------------------------------------------- plain twin model
+class _PlainBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        h, kw = cfg.hidden_size, dict(dtype=dtype, device=device)
+        self.input_layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon, **kw)
+        self.qkv = nn.Linear(h, 3 * h, **kw)
+        self.dense = nn.Linear(h, h, **kw)
+        self.post_attention_layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon, **kw)
+        self.fc1 = nn.Linear(h, cfg.ffn_hidden_size, **kw)
+        self.fc2 = nn.Linear(cfg.ffn_hidden_size, h, **kw)
+        self.head_dim = cfg.head_dim
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+
+    def attention(self, x):
+        b, s = x.shape[:2]
+        qkv = self.qkv(x).view(b, s, -1, 3, self.head_dim)      # -1: heads held here (all, or a tp shard)
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.dense(out.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x):
+        x = x + self.attention(self.input_layernorm(x))
+        return x + self.fc2(F.gelu(self.fc1(self.post_attention_layernorm(x)), approximate=self.approximate))
+
+
+class PlainGPT(nn.Module):
+    """The same GPT written plainly in PyTorch (nanoGPT style, [b, s, h], ``nn.Linear`` layers), so
+    torch's own parallel APIs (``parallelize_module``) apply to it. Same math and fused-QKV layout as
+    ``megazero.models.GPT``; :meth:`load_from` copies a tp=1 GPT's weights in.
+    forward(ids, labels) -> mean cross-entropy."""
+
+    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device=None):
+        super().__init__()
+        self.cfg = cfg
+        kw = dict(dtype=dtype, device=device)
+        self.wte = nn.Embedding(cfg.padded_vocab_size(1), cfg.hidden_size, **kw)
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, **kw)
+        self.blocks = nn.ModuleList(_PlainBlock(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, **kw)
+        self.pos_offset = 0          # sequence parallel: first position of this rank's chunk
+
+    _NAMES = {"attention.qkv": "qkv", "attention.dense": "dense", "mlp.dense_h_to_4h": "fc1",
+              "mlp.dense_4h_to_h": "fc2"}
+
+    @torch.no_grad()
+    def load_from(self, gpt: GPT) -> "PlainGPT":
+        src = dict(gpt.named_parameters())
+        for name, p in self.named_parameters():
+            if name.startswith("blocks."):
+                _, i, rest = name.split(".", 2)
+                for ours, plain in self._NAMES.items():
+                    rest = rest.replace(plain + ".", ours + ".") if rest.startswith(plain + ".") else rest
+                key = f"layers.{i}.{rest}"
+            else:
+                key = {"wte.weight": "embedding.word_embeddings.weight",
+                       "wpe.weight": "embedding.position_embeddings.weight",
+                       "ln_f.weight": "final_norm.weight", "ln_f.bias": "final_norm.bias"}[name]
+            p.copy_(src[key])
+        return self
+
+    def hidden(self, ids):
+        x = self.wte(ids)                                        # [b, s(/tp), h]
+        pos = torch.arange(self.pos_offset, self.pos_offset + x.shape[1], device=ids.device)
+        x = x + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+    def forward(self, ids, labels):
+        logits = F.linear(self.hidden(ids), self.wte.weight)     # tied output layer
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+# ---------------------------------------------------------------------------------------- memory
+_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+_M_MMAP_THRESHOLD = -3
+
+
+def set_mmap_threshold(nbytes: int) -> None:
+    """glibc mallopt(M_MMAP_THRESHOLD): allocations above ``nbytes`` get their own mapping."""
+    if _LIBC is not None:
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, int(nbytes))
+
+
+def _status_kib(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return float(line.split()[1])
+    return float("nan")
+
+
+def rss_mib() -> float:
+    return _status_kib("VmRSS") / 1024
+
+
+def reset_peak_rss() -> None:
+    """Reset the process's RSS high-water mark to its current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mib() -> float:
+    return _status_kib("VmHWM") / 1024
+
+
+# ---------------------------------------------------------------------------------------- launch
+def _worker(rank, world, init_file, fn, args, queue):
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=600))
+        out = fn(rank, world, *args)
+        queue.put((rank, True, out))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 -- reported to the parent with its traceback
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def spawn(world: int, fn, *args, timeout: float = 900.0) -> list:
+    """Run module-level ``fn(rank, world, *args)`` on ``world`` fresh gloo processes (one torch
+    thread each); returns the per-rank results or raises with the first failing rank's traceback."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="megazero_bench_")
+    os.close(fd)
+    os.unlink(init_file)
+    procs = [ctx.Process(target=_worker, args=(r, world, init_file, fn, args, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            rank, ok, out = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            if not ok:
+                raise RuntimeError(f"{fn.__name__} failed on rank {rank} of {world}:\n{out}")
+            results[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+# ---------------------------------------------------------------------------------------- timing
+@dataclass
+class Variant:
+    """One side of a comparison inside a row: ``build()`` returns ``step(micro_batches) -> loss``.
+
+    ``extra()`` (optional, called after the warm-up step) returns measured figures such as
+    model-state bytes. ``pending``/``unavailable``: a reason string instead of figures."""
+
+    name: str
+    build: object
+    unavailable: str | None = None
+
+
+def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None) -> dict:
+    """Warm-up steps (memory, one variant at a time) then timed rounds (rotated order).
+
+    Returns per variant: times (s, slowest rank per round), losses (per step, this rank),
+    peak_rss_mib, extra (dict) -- or {"unavailable": reason}."""
+    _primer(group)
+    base = rss_mib()
+    steps, out = {}, {}
+    set_mmap_threshold(64 * 1024)
+    for v in variants:
+        if v.unavailable:
+            out[v.name] = {"unavailable": v.unavailable}
+            continue
+        try:                               # a throwaway build + step pays the one-time costs of
+            built = v.build()              # this code path (lazy imports, comm buffers)
+        except Unavailable as e:          # e.g. ZeRO-3 not in this build yet
+            out[v.name] = {"unavailable": str(e)}
+            continue
+        (built[0] if isinstance(built, tuple) else built)(batches[0])
+        del built
+        gc.collect()
+        dist.barrier(group)
+        before = rss_mib()
+        reset_peak_rss()
+        built = v.build()
+        step, extra = built if isinstance(built, tuple) else (built, None)
+        losses = [step(micro) for micro in batches[:WARMUP_STEPS]]
+        out[v.name] = {"peak_rss_mib": base + peak_rss_mib() - before, "losses": losses, "times": [],
+                       "extra": extra() if extra else {}}
+        steps[v.name] = step
+    set_mmap_threshold(32 * 2**20)
+    names = list(steps)
+    for i, micro in enumerate(batches[WARMUP_STEPS:]):
+        k = i % max(1, len(names))
+        for name in names[k:] + names[:k]:
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            loss = steps[name](micro)
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            out[name]["times"].append(t.item())
+            out[name]["losses"].append(loss)
+    return out
+
+
+def _primer(group=None) -> None:
+    """Pay the one-time costs (autograd engine, thread pools, gloo buffers) before any variant is
+    measured, so the first variant's peak memory is not inflated by them."""
+    model = GPT(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=8, vocab_size=128))
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    model(ids, ids).mean().backward()
+    t = torch.ones(4)
+    dist.all_reduce(t, group=group)
+    dist.barrier(group)
+
+
+class Unavailable(Exception):
+    """Raised by a variant's build when the feature is not there (the row says why)."""
+
+
+
+def median(xs) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def ratio_of_medians_per_round(a: list[float], b: list[float]) -> float:
+    """Median over rounds of a[i] / b[i] (both timed in the same round)."""
+    return median([x / y for x, y in zip(a, b) if y > 0])
+
+
+# ---------------------------------------------------------------------------------------- theory
+def zero_fp32_bytes(psi: int, n: int, stage: int) -> float:
+    """Model-state bytes per rank for fp32 AdamW (no separate master copy): params 4Ψ, grads 4Ψ,
+    Adam m and v 8Ψ. Stage 0: 16Ψ; 1: 8Ψ + 8Ψ/N; 2: 4Ψ + 12Ψ/N; 3: 16Ψ/N (ZeRO paper, K = 8, fp32)."""
+    return {0: 16.0 * psi, 1: 8.0 * psi + 8.0 * psi / n, 2: 4.0 * psi + 12.0 * psi / n,
+            3: 16.0 * psi / n}[stage]
+
+
+def dp_comm_bytes(psi: int, n: int, stage: int, elem: int = 4, micro: int = 1, psi_emb: int = 0) -> float:
+    """Bytes sent per rank per step (ring): 2Ψ(N-1)/N for stages 0-2 (gradients reduced once per
+    step); stage 3 gathers the parameters in every micro-batch's forward and backward and reduces
+    its gradients, 3Ψ(N-1)/N per micro-batch, plus 2Ψ_emb(N-1)/N for a tied word embedding that
+    is gathered again for the output layer (pp = 1)."""
+    if stage == 3:
+        return micro * (3.0 * psi + 2.0 * psi_emb) * elem * (n - 1) / n
+    return 2.0 * psi * elem * (n - 1) / n
+
+
+def tp_layer_comm_bytes(b: int, s: int, h: int, t: int, elem: int = 4) -> float:
+    """Bytes per transformer layer per micro-batch (forward + backward): 8bsh(t-1)/t elements."""
+    return 8.0 * b * s * h * (t - 1) / t * elem
+
+
+def deviation(measured: float, theory: float) -> float:
+    return (measured - theory) / theory if theory else float("nan")
+
+
+def flag(measured: float, theory: float) -> str:
+    d = deviation(measured, theory)
+    return f"{100 * d:+.1f}%" + (" **FLAG >10%**" if abs(d) > THEORY_TOL else "")
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Ψ: parameters of the whole (tp=1, tied) model."""
+    return sum(p.numel() for p in GPT(cfg, seed=1234).parameters())
+
+
+def loss_check(a: float, b: float) -> str:
+    if any(math.isnan(x) for x in (a, b)):
+        return "n/a"
+    return "same" if abs(a - b) <= LOSS_TOL else f"DIVERGED ({abs(a - b):.1e})"
+
+
+__all__ = ["Spec", "QUICK", "step_batches", "PlainGPT", "torch_adamw", "spawn", "Variant", "run_variants",
+           "Unavailable", "median", "ratio_of_medians_per_round", "zero_fp32_bytes", "dp_comm_bytes",
+           "tp_layer_comm_bytes", "flag", "deviation", "num_params", "loss_check", "masked_mean", "GPT",
+           "rss_mib", "peak_rss_mib", "reset_peak_rss", "set_mmap_threshold", "LOSS_TOL", "THEORY_TOL"]

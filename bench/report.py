@@ -1,0 +1,253 @@
+"""Turn the results of ``bench/run.py`` into BENCHMARKS.md tables and PNG plots."""
+from __future__ import annotations
+
+import math
+import os
+
+from common import (LOSS_TOL, Spec, deviation, dp_comm_bytes, flag, median, ratio_of_medians_per_round,
+                    tp_layer_comm_bytes, zero_fp32_bytes)
+from rows_dp import PAIRS as DP_PAIRS
+
+MIB = 2**20
+MEM_SLACK_MIB = 1.0     # RSS is counted in pages and moves by ~1 MiB between identical runs
+
+
+def _ms(times) -> str:
+    return f"{1e3 * median(times):.1f}"
+
+
+def _f(x, fmt="{:.2f}") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def _loss_diff(a: dict, b: dict) -> float:
+    ra = a.get("rank_final_losses") or [a["losses"][-1]]
+    rb = b.get("rank_final_losses") or [b["losses"][-1]]
+    return max(abs(x - y) for x, y in zip(ra, rb))
+
+
+def pair_row(ours: dict, peer: dict, tokens: int, targets: list, label: str, target_ratio: float = 1.0) -> list[str]:
+    """Cells: ours ms, peer ms, ratio, ours tok/s, peer tok/s, ours RSS, peer RSS, losses, check."""
+    if "unavailable" in ours or "unavailable" in peer:
+        why = ours.get("unavailable") or peer.get("unavailable")
+        return ["-"] * 8 + [why]
+    ratio = ratio_of_medians_per_round(ours["times"], peer["times"])
+    diff = _loss_diff(ours, peer)
+    same = diff <= LOSS_TOL
+    check = f"same (|d| {diff:.1e})" if same else f"**DIVERGED** (|d| {diff:.1e}): speed not counted"
+    mem_ok = ours["peak_rss_mib"] <= peer["peak_rss_mib"] + MEM_SLACK_MIB
+    if same:
+        targets.append((label, ratio, target_ratio, mem_ok))
+    return [_ms(ours["times"]), _ms(peer["times"]), f"{ratio:.2f}x" + ("" if same else " (void)"),
+            f"{tokens / median(ours['times']):,.0f}", f"{tokens / median(peer['times']):,.0f}",
+            f"{ours['peak_rss_mib']:.0f}", f"{peer['peak_rss_mib']:.0f}",
+            f"{ours['losses'][-1]:.5f} / {peer['losses'][-1]:.5f}", check]
+
+
+PAIR_HEAD = ("| ours ms | peer ms | ours/peer | ours tok/s | peer tok/s | ours peak RSS/rank MiB "
+             "| peer peak RSS/rank MiB | final loss ours / peer | same loss (1e-4) |")
+
+
+def _table(head: str, rows: list[list[str]]) -> list[str]:
+    n = head.count("|") - 1
+    return [head, "|" + "---|" * n] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def dp_section(spec: Spec, results: dict, psi: int, targets: list) -> list[str]:
+    out = ["## Data parallel (ZeRO) vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed", ""]
+    rows, theory = [], []
+    psi_emb = spec.model_cfg().padded_vocab_size(1) * spec.hidden
+    for dp, res in results.items():
+        tokens = dp * spec.micro_batches * spec.micro_batch * spec.seq
+        for ours, peer in DP_PAIRS:
+            if ours not in res or peer not in res:
+                continue
+            target = 0.8 if peer in ("torch-fsdp2", "ds-zero3") else 1.0
+            rows.append([str(dp), f"{ours} vs {peer}"] + pair_row(res[ours], res[peer], tokens, targets,
+                                                                    f"dp={dp} {ours} vs {peer}", target))
+        for ours in ("ours-zero0", "ours-zero1", "ours-zero1-allreduce", "ours-zero2", "ours-zero3"):
+            if ours not in res:
+                continue
+            r = res[ours]
+            stage = int(ours[len("ours-zero")])
+            t_state = zero_fp32_bytes(psi, dp, stage)
+            t_comm = dp_comm_bytes(psi, dp, stage, micro=spec.micro_batches, psi_emb=psi_emb)
+            if "unavailable" in r:
+                theory.append([str(dp), ours, "-", f"{t_state / MIB:.2f}", "-", "-", f"{t_comm / MIB:.2f}",
+                               r["unavailable"]])
+                continue
+            state = r["extra"]["state"]["total"]
+            comm = sum(v for k, v in r["extra"]["comm"].items() if k == "dp")
+            note = " (all-reduced grads: 3Ψ by design)" if ours.endswith("allreduce") else ""
+            if ours.endswith("allreduce"):
+                t_comm = 3.0 * psi * 4 * (dp - 1) / dp
+            theory.append([str(dp), ours, f"{state / MIB:.2f}", f"{t_state / MIB:.2f}", flag(state, t_state),
+                           f"{comm / MIB:.2f}", f"{t_comm / MIB:.2f}", flag(comm, t_comm) + note])
+    out += _table("| dp | pair " + PAIR_HEAD, rows)
+    out += ["", f"Global tokens per step: dp x {spec.micro_batches} micro-batches x {spec.micro_batch} x "
+                f"{spec.seq}. Timing: all variants of a dp size in the same processes, one step each per "
+                f"round in a rotated order; median over rounds; ratio = median of per-round ratios.", "",
+            "### Theory beside measurement (megazero, per rank)", "",
+            f"Ψ = {psi:,} parameters, fp32 AdamW: model states 16Ψ (stage 0), 8Ψ + 8Ψ/N (1), 4Ψ + 12Ψ/N (2), "
+            f"16Ψ/N (3) bytes; data-parallel bytes sent per step 2Ψ(N-1)/N x 4 (stages 0-2: gradients reduced "
+            f"once per step), m (3Ψ + 2Ψ_emb)(N-1)/N x 4 for stage 3 (the paper's 3Ψ per forward + backward, "
+            f"paid by each of the m = {spec.micro_batches} micro-batches since parameters are re-gathered; the "
+            f"tied word embedding, Ψ_emb = {psi_emb:,}, is gathered again for the output layer). Measured: `engine.model_state_bytes()` after a step (bucket padding included) and the "
+            f"engine's CommLog for one step (ring convention).", ""]
+    out += _table("| dp | variant | model states MiB | formula MiB | deviation | comm MiB/step | formula MiB "
+                  "| deviation |", theory)
+    return out + [""]
+
+
+def tp_section(spec: Spec, results: dict, targets: list) -> list[str]:
+    out = ["## Tensor parallel vs torch.distributed.tensor.parallel", ""]
+    rows, theory = [], []
+    tokens = spec.micro_batches * spec.micro_batch * spec.seq
+    for tp, res in results.items():
+        for sp in (False, True):
+            tag = "-sp" if sp else ""
+            rows.append([str(tp), "yes" if sp else "no"] + pair_row(res[f"ours-tp{tag}"], res[f"torch-tp{tag}"],
+                                                                    tokens, targets, f"tp={tp} sp={sp}"))
+            meas = res["_theory"][f"sp={sp}"]
+            th = tp_layer_comm_bytes(spec.micro_batch, spec.seq, spec.hidden, tp)
+            theory.append([str(tp), "yes" if sp else "no", f"{meas / 1024:.1f}", f"{th / 1024:.1f}", flag(meas, th)])
+    out += _table("| tp | sequence parallel " + PAIR_HEAD, rows)
+    out += ["", "torch side: the plain twin (`PlainGPT`, same weights) under `parallelize_module` with "
+                "ColwiseParallel/RowwiseParallel (+ SequenceParallel on the norms), vocab-parallel tied output "
+                "with `loss_parallel`. No clipping on either side.", "",
+            "### Theory beside measurement: bytes per layer and micro-batch (forward + backward)", "",
+            "8bsh(t-1)/t elements x 4 bytes; measured: megazero's collectives counted during one forward + "
+            "backward, (L-layer model - L/2-layer model) / (L/2).", ""]
+    out += _table("| tp | sequence parallel | measured KiB/layer | 8bsh(t-1)/t KiB | deviation |", theory)
+    return out + [""]
+
+
+def pp_section(spec: Spec, results: dict, targets: list) -> list[str]:
+    out = ["## Pipeline parallel vs torch.distributed.pipelining", ""]
+    rows, theory = [], []
+    m = spec.pp_micro_batches
+    tokens = m * spec.micro_batch * spec.seq
+    for pp, res in results.items():
+        for name in ("1f1b", "gpipe", "interleaved"):
+            rows.append([str(pp), name, str(m)] + pair_row(res[f"ours-{name}"], res[f"torch-{name}"], tokens,
+                                                            targets, f"pp={pp} {name}"))
+            t = res["_theory"][name]
+            theory.append([str(pp), name, str(m), f"{t['analytic']:.3f}", f"{t['order']:.3f}",
+                           flag(t["order"], t["analytic"]), f"{t['measured']:.3f}",
+                           flag(t["measured"], t["analytic"])])
+        if pp > (os.cpu_count() or 1):
+            rows.append([str(pp), "note", str(m)] + ["-"] * 8 + [f"{pp} processes on {os.cpu_count()} cores: "
+                                                                  "oversubscribed, timings distorted"])
+    out += _table("| pp | schedule | m " + PAIR_HEAD, rows)
+    out += ["", "Both sides run the same stage modules (`build_model_chunks`; v = 2 chunks per rank for "
+                "interleaved), sum the tied-embedding grads of the first and last stage, and step torch AdamW.",
+            "", "### Theory beside measurement: pipeline bubble", "",
+            "analytic = (p-1)/m, interleaved (p-1)/(v m). order = the F/B order our schedule executed, replayed "
+            "with F=1, B=2 and free communication. measured = step / busy - 1 (busy: the slowest rank's "
+            "forward + backward time inside the step); it also holds p2p time and stage imbalance, and on "
+            "a tiny CPU model the p2p round trips dominate.", ""]
+    out += _table("| pp | schedule | m | analytic | order | deviation | measured | deviation |", theory)
+    return out + [""]
+
+
+def scaling_section(spec: Spec, memory: dict, step_time: dict, psi: int, plots: dict) -> list[str]:
+    out = ["## Scaling", "", "### Model-state memory per rank as dp grows (MiB; measured / fp32 formula)", ""]
+    rows = []
+    for dp, stages in sorted(memory.items()):
+        cells = [str(dp)]
+        for stage, v in sorted(stages.items()):
+            th = zero_fp32_bytes(psi, dp, stage)
+            cells.append("pending" if isinstance(v, str) else f"{v / MIB:.2f} / {th / MIB:.2f} ({flag(v, th)})")
+        rows.append(cells)
+    out += _table("| dp | ZeRO-0 | ZeRO-1 | ZeRO-2 | ZeRO-3 |", rows)
+    if plots.get("memory"):
+        out += ["", f"![model-state memory vs dp]({plots['memory']})"]
+    out += ["", "### Step time as the model grows (one process; megazero vs the plain PyTorch twin)", ""]
+    rows = []
+    for (layers, hidden), res in step_time.items():
+        o, p = res["ours"], res["plain-torch"]
+        diff = abs(o["losses"][-1] - p["losses"][-1])
+        rows.append([str(layers), str(hidden), _ms(o["times"]), _ms(p["times"]),
+                     f"{ratio_of_medians_per_round(o['times'], p['times']):.2f}x",
+                     "same" if diff <= LOSS_TOL else f"**DIVERGED** ({diff:.1e})"])
+    out += _table("| layers | hidden | megazero ms | plain torch ms | ratio | same loss |", rows)
+    if plots.get("step_time"):
+        out += ["", f"![step time vs model size]({plots['step_time']})"]
+    if plots.get("missing"):
+        out += ["", f"Plots: {plots['missing']}"]
+    return out + [""]
+
+
+def gpu_section(gpu: dict) -> list[str]:
+    out = ["## GPU: GPT-2 124M / 350M, bf16, single GPU, vs plain nanoGPT-style PyTorch", ""]
+    if "skipped" in gpu:
+        return out + [gpu["skipped"] + " (the section is coded in bench/gpu.py and runs when CUDA is present).", ""]
+    rows = []
+    for name, r in gpu.items():
+        for side in ("ours", "plain"):
+            x = r[side]
+            rows.append([name, side, f"{x['step_ms']:.1f}", f"{x['tokens_s']:,.0f}", _f(x["mfu"], "{:.1%}"),
+                         f"{x['peak_mib']:.0f}", f"{x['loss']:.4f}"])
+        diff = abs(r["ours"]["loss"] - r["plain"]["loss"])
+        rows.append([name, "ratio ours/plain", f"{r['ratio']:.2f}x", "", "", "",
+                     f"|d| {diff:.1e} ({'same within bf16 tolerance 2e-2' if diff <= 2e-2 else '**DIVERGED**'})"])
+    return out + _table("| model | side | step ms | tokens/s | MFU | peak alloc MiB | loss |", rows) + [""]
+
+
+def targets_section(targets: list) -> list[str]:
+    out = ["## Where we stand against the targets", "",
+           "Targets: ours/peer step time <= 1.0x on every row, < 0.8x against FSDP2 and DeepSpeed ZeRO-3, "
+           "peak memory per rank <= the peer's (within 1 MiB: RSS noise). Only pairs that trained to the same "
+           "loss count.", ""]
+    rows = [[label, f"{r:.2f}x", f"{'<' if t < 1 else '<='} {t}x", "met" if (r < t if t < 1 else r <= t) else "MISSED",
+             "met" if mem else "MISSED"] for label, r, t, mem in targets]
+    met = sum(1 for row in rows if row[3] == "met")
+    out += _table("| pair | ours/peer | target | speed | memory |", rows)
+    return out + ["", f"Speed target met on {met} of {len(rows)} counted pairs.", ""]
+
+
+def plots(memory: dict, step_time: dict, psi: int, outdir: str) -> dict:
+    """PNG plots next to BENCHMARKS.md; {'missing': reason} when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {"missing": "not drawn: matplotlib is not installed (pip install matplotlib, an optional extra)"}
+    out = {}
+    if memory:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        dps = sorted(memory)
+        for stage in (0, 1, 2, 3):
+            ys = [memory[d][stage] / MIB if not isinstance(memory[d][stage], str) else None for d in dps]
+            pts = [(d, y) for d, y in zip(dps, ys) if y is not None]
+            line, = ax.plot([d for d, _ in pts], [y for _, y in pts], "o-", label=f"ZeRO-{stage} measured") \
+                if pts else (None,)
+            color = line.get_color() if line is not None else None
+            ax.plot(dps, [zero_fp32_bytes(psi, d, stage) / MIB for d in dps], "--", color=color,
+                    label=f"ZeRO-{stage} formula" + ("" if pts else " (stage 3 pending)"))
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("data-parallel ranks")
+        ax.set_ylabel("model-state MiB per rank")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(outdir, "bench_memory.png"), dpi=100)
+        plt.close(fig)
+        out["memory"] = "bench_memory.png"
+    if step_time:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        labels = [f"L{l} h{h}" for l, h in step_time]
+        for side in ("ours", "plain-torch"):
+            ax.plot(labels, [1e3 * median(r[side]["times"]) for r in step_time.values()], "o-",
+                    label="megazero" if side == "ours" else "plain PyTorch")
+        ax.set_ylabel("step ms (median)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(outdir, "bench_step_time.png"), dpi=100)
+        plt.close(fig)
+        out["step_time"] = "bench_step_time.png"
+    return out
+
+
+__all__ = ["dp_section", "tp_section", "pp_section", "scaling_section", "gpu_section", "targets_section",
+           "plots", "deviation"]

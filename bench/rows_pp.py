@@ -1,0 +1,161 @@
+"""Pipeline rows: megazero's 1F1B, GPipe and interleaved 1F1B against ``torch.distributed.pipelining``
+Schedule1F1B / ScheduleGPipe / ScheduleInterleaved1F1B, at pp = 2 and 4 with the same micro-batch
+count, on the same stage modules.
+
+Both sides run the very same model chunks (``build_model_chunks``: chunk c of rank r is virtual
+stage c*pp + r, v = 2 for interleaved), from the same init: ours through ``run_schedule``, torch's
+wrapped in ``PipelineStage`` (the last stage returns logits, torch's ``loss_fn`` is the mean
+cross-entropy, gradients scaled by 1/m like ours). Both then sum the tied-embedding gradients of
+the first and last stage (``sync_tied_embedding_grads``) and step torch AdamW (no clipping), so
+only the schedule and its point-to-point exchange differ.
+
+Theory: the pipeline bubble (p-1)/m (interleaved (p-1)/(v m)) beside (1) the bubble of the order
+our schedule executed, replayed with fixed op times and free communication (``order_bubble``), and
+(2) the measured ``step / busy - 1``, busy = the slowest rank's forward + backward time inside the
+step (the definition of bench/bench_pipeline.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from bench_pipeline import _BUSY, _instrument_compute, order_bubble
+from common import Spec, Variant, run_variants, step_batches, torch_adamw
+
+from megazero.config import ParallelConfig
+from megazero.parallel.pipeline import PipelineStats, activation_shape, build_model_chunks, run_schedule
+from megazero.parallel.pipeline import sync_tied_embedding_grads
+from megazero.parallel.topology import Topology
+
+SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2))
+
+
+def _chunks(spec: Spec, topo, name: str, v: int):
+    return build_model_chunks(spec.model_cfg(), ParallelConfig(pp=topo.pp_size, pipeline_schedule=name,
+                                                               virtual_stages=v), topo, seed=1234)
+
+
+def _named(chunks):
+    return [(n, p) for c in chunks for n, p in c.named_parameters()]
+
+
+def _pp_micro(micro) -> list[dict]:
+    return [{"tokens": x, "labels": y, "loss_mask": m} for x, y, m in micro]
+
+
+def build_ours(spec: Spec, topo, name: str, v: int, record: dict):
+    chunks = _chunks(spec, topo, name, v)
+    opt = torch_adamw(_named(chunks), spec.opt_cfg(clip=0.0))
+    shape = activation_shape(spec.model_cfg(), spec.micro_batch)
+
+    def step(micro):
+        opt.zero_grad(set_to_none=False)
+        stats = PipelineStats()
+        _BUSY[0] = 0.0
+        t0 = _now()
+        losses = run_schedule(chunks, _pp_micro(micro), topo, schedule=name, tensor_shape=shape, stats=stats)
+        sync_tied_embedding_grads(chunks, topo)
+        record.setdefault("step", []).append(_now() - t0)
+        record.setdefault("busy", []).append(_BUSY[0])
+        record["order"] = stats.order
+        opt.step()
+        return sum(x.item() for x in losses) / len(losses) if losses else float("nan")
+
+    return step, None
+
+
+def _now() -> float:
+    import time
+    return time.perf_counter()
+
+
+class _StageModule(nn.Module):
+    """One of our GPT chunks as a torch PipelineStage submodule: forward(x) -> hidden or logits."""
+
+    def __init__(self, chunk):
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x):
+        return self.chunk(x)
+
+
+def _ce(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def build_torch(spec: Spec, topo, name: str, v: int):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    chunks = _chunks(spec, topo, name, v)
+    pp, r = topo.pp_size, topo.pp_rank
+    b, s, h = spec.micro_batch, spec.seq, spec.hidden
+    stages = []
+    for c, chunk in enumerate(chunks):
+        index = c * pp + r
+        example = (torch.zeros(b, s, dtype=torch.long) if index == 0 else torch.zeros(s, b, h),)
+        stages.append(PipelineStage(_StageModule(chunk), index, pp * v, torch.device("cpu"),
+                                    input_args=example, group=topo.pp_group))
+    m = spec.pp_micro_batches
+    if name == "interleaved":
+        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=_ce)
+    else:
+        sched = (Schedule1F1B if name == "1f1b" else ScheduleGPipe)(stages[0], m, loss_fn=_ce)
+    opt = torch_adamw(_named(chunks), spec.opt_cfg(clip=0.0))
+
+    def step(micro):
+        opt.zero_grad(set_to_none=False)
+        tokens = torch.cat([x for x, _, _ in micro])
+        labels = torch.cat([y for _, y, _ in micro])
+        losses = []
+        if topo.is_first_stage:
+            sched.step(tokens, target=labels if topo.is_last_stage else None, losses=losses)
+        elif topo.is_last_stage:
+            sched.step(target=labels, losses=losses)
+        else:
+            sched.step()
+        sync_tied_embedding_grads(chunks, topo)
+        opt.step()
+        return sum(x.item() for x in losses) / len(losses) if losses else float("nan")
+
+    return step, None
+
+
+def pp_worker(rank: int, world: int, spec: Spec) -> dict:
+    topo = Topology(pp=world)
+    _instrument_compute()
+    records = {n: {} for n, _ in SCHEDULES}
+    vs = []
+    for name, v in SCHEDULES:
+        vs += [Variant(f"ours-{name}", lambda n=name, v=v: build_ours(spec, topo, n, v, records[n])),
+               Variant(f"torch-{name}", lambda n=name, v=v: build_torch(spec, topo, n, v))]
+    out = run_variants(vs, step_batches(spec, spec.rounds, 1, 0, micro=spec.pp_micro_batches))
+    theory = {}
+    for name, v in SCHEDULES:
+        rec = records[name]
+        every = [None] * world
+        dist.all_gather_object(every, rec["order"])
+        timed = len(out[f"ours-{name}"]["times"])         # the timed rounds are the last records
+        steps = torch.tensor(rec["step"][len(rec["step"]) - timed:], dtype=torch.float64)
+        busy = torch.tensor(rec["busy"][len(rec["busy"]) - timed:], dtype=torch.float64)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        measured = sorted((steps / busy - 1).tolist())
+        theory[name] = {"analytic": (world - 1) / (v * spec.pp_micro_batches),
+                        "order": order_bubble(every, world, v),
+                        "measured": measured[len(measured) // 2] if measured else float("nan")}
+    out["_theory"] = theory
+    return out
+
+
+def run_pp(spec: Spec, pp: int) -> dict:
+    from common import spawn
+
+    per_rank = spawn(pp, pp_worker, spec)
+    res = dict(per_rank[-1])                       # the last stage holds the losses
+    for name, r in res.items():
+        if isinstance(r, dict) and "peak_rss_mib" in r:
+            r["peak_rss_mib"] = max(pr[name]["peak_rss_mib"] for pr in per_rank)
+    return res
