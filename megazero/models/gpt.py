@@ -125,14 +125,14 @@ class Embedding(nn.Module):
         if s > ctx.cfg.max_position_embeddings:
             raise ValueError(f"sequence length {s} exceeds --max-position-embeddings "
                              f"{ctx.cfg.max_position_embeddings}")
-        words = self.word_embeddings(ids)          # [b, s, h], or [s/tp, b, h] with sequence parallel
         if ctx.sp:
+            words = self.word_embeddings(ids)      # [s/tp, b, h]: this rank's sequence chunk
             chunk = s // ctx.tp_size
             pos = torch.arange(ctx.tp_rank * chunk, (ctx.tp_rank + 1) * chunk, device=ids.device)
-            x = words + self.position_embeddings(pos).unsqueeze(1)
         else:
+            words = self.word_embeddings(ids.t())  # [s, b, h]: looked up sequence-first, no transpose copy
             pos = torch.arange(s, device=ids.device)
-            x = (words + self.position_embeddings(pos)).transpose(0, 1).contiguous()
+        x = words + self.position_embeddings(pos).unsqueeze(1)
         return ctx.dropout(x, ctx.cfg.hidden_dropout, self.training, ctx.hidden_region)
 
 
@@ -299,19 +299,20 @@ class GPT(nn.Module):
             h = self._checkpointed(layer, h) if recompute else layer(h)
         if not self.post_process:
             return h
-        logits = self._logits(self.final_norm(h))
+        logits = self._logits(self.final_norm(h))                      # [s, b, V_pad/tp]
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+            return logits.transpose(0, 1)
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group).t()
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """[s(/tp), b, h] -> this rank's [b, s, V_pad/tp] logits with padded entries at -inf."""
+        """[s(/tp), b, h] -> this rank's [s, b, V_pad/tp] logits with padded entries at -inf (kept in
+        the sequence-first layout: the matmul reads ``h`` as it is, no transposed copy either way)."""
         if self.sequence_parallel:
             h = gather_from_sequence_parallel_region(h, self.tp_group)
         else:
             h = copy_to_tp_region(h, self.tp_group)
         weight = self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight
-        logits = F.linear(h.transpose(0, 1), weight)
+        logits = F.linear(h, weight)
         return mask_padded_vocab(logits, self.cfg.vocab_size, self.ctx.tp_rank * weight.shape[0], inplace=True)
 
     def _checkpointed(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:

@@ -322,6 +322,8 @@ class RowParallelLinear(nn.Module):
                                   zeros=True, **kw) if bias else None
 
     def forward(self, x):
+        if _single(self.tp_group):                  # nothing to sum: the bias fuses into the matmul
+            return F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
         y = F.linear(x, self.weight)
