@@ -83,6 +83,10 @@ class _StageModule(nn.Module):
 
 
 def _ce(logits, target):
+    """Mean cross-entropy of [b, s, V] logits; the chunk returns them as a view of [s, b, V]
+    storage, so they are flattened in that order (no copy) with the targets to match."""
+    if not logits.is_contiguous():
+        logits, target = logits.transpose(0, 1), target.t()
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 

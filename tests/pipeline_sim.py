@@ -52,13 +52,21 @@ class Network:
             return [self.sends[k][n] for kind, k, n in slots if kind == "recv"]
 
 
+class _Arrived:
+    def __init__(self, payload):
+        self.payload = payload
+
+    def get(self):
+        return self.payload
+
+
 class FakeComm:
     def __init__(self, net: Network, topo: _Topo, ring: bool):
         self.net, self.me = net, topo.pp_rank
         p, r = topo.pp_size, topo.pp_rank
         self.prev, self.next = ((r - 1) % p, (r + 1) % p) if ring else (topo.prev_rank, topo.next_rank)
 
-    def exchange(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+    def exchange(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False, wait=True):
         ops, want = [], []
         if send_next is not None and self.next is not None:
             ops.append(("send", self.next, send_next))
@@ -69,6 +77,8 @@ class FakeComm:
         if recv_next and self.next is not None:
             ops.append(("recv", self.next)); want.append("next")
         got = dict(zip(want, self.net.batch(self.me, ops))) if ops else {}
+        if not wait:                      # received already (rendezvous): wrap like p2p.Incoming
+            got = {k: _Arrived(v) for k, v in got.items()}
         return got.get("prev"), got.get("next")
 
     def recv_forward(self):

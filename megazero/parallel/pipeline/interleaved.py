@@ -63,7 +63,9 @@ def _arrival_chunks(m: int, pp: int, r: int, v: int) -> tuple[deque, deque]:
 
 
 class _Mailbox:
-    """Received activations and gradients, filed per chunk in arrival order."""
+    """Received activations and gradients, filed per chunk in arrival order. They are filed as
+    posted receives (``StageComm.exchange(wait=False)``) and waited on when taken out, so a forward
+    never waits for a gradient that arrived in the same batch as its activation."""
 
     def __init__(self, m: int, pp: int, r: int, v: int):
         self.act_chunks, self.grad_chunks = _arrival_chunks(m, pp, r, v)
@@ -75,6 +77,12 @@ class _Mailbox:
             self.acts[self.act_chunks.popleft()].append(from_prev)
         if from_next is not None:
             self.grads[self.grad_chunks.popleft()].append(from_next)
+
+    def take_act(self, c: int):
+        return self.acts[c].popleft().get()
+
+    def take_grad(self, c: int):
+        return self.grads[c].popleft().get()
 
     def empty(self) -> bool:
         return not any(self.acts) and not any(self.grads)
@@ -93,19 +101,22 @@ def interleaved_one_f_one_b(runner: StageRunner, comm: StageComm) -> None:
 
     def forward(k):
         c = chunk_of(k, pp, v, forward=True)
-        return runner.forward(c, None if runner.is_first(c) else box.acts[c].popleft())
+        return runner.forward(c, None if runner.is_first(c) else box.take_act(c))
+
+    def exchange(**ops):                                       # receives waited on when taken
+        box.file(*comm.exchange(wait=False, **ops))
 
     def backward(k):
         c = chunk_of(k, pp, v, forward=False)
-        return runner.backward(c, None if runner.is_last(c) else box.grads[c].popleft())
+        return runner.backward(c, None if runner.is_last(c) else box.take_grad(c))
 
     if r != 0:
-        box.file(*comm.exchange(recv_prev=True))
+        exchange(recv_prev=True)
     for k in range(warmup):                                    # warmup: forwards only
         out = forward(k)
         recv_prev = k != total - 1 and not (r == 0 and chunk_of(k + 1, pp, v) == 0)
         recv_next = k == warmup - 1 and steady > 0 and r != pp - 1
-        box.file(*comm.exchange(send_next=out, recv_prev=recv_prev, recv_next=recv_next))
+        exchange(send_next=out, recv_prev=recv_prev, recv_next=recv_next)
 
     for k in range(steady):                                    # steady: 1F1B
         out, dx = forward(k + warmup), backward(k)
@@ -114,15 +125,15 @@ def interleaved_one_f_one_b(runner: StageRunner, comm: StageComm) -> None:
         recv_next = r != pp - 1 or (lag_b >= 0 and chunk_of(lag_b, pp, v, forward=False) != 0)
         if k == steady - 1:
             recv_prev = False
-        box.file(*comm.exchange(send_next=out, send_prev=dx, recv_prev=recv_prev, recv_next=recv_next))
+        exchange(send_next=out, send_prev=dx, recv_prev=recv_prev, recv_next=recv_next)
 
     if fwd_only:
         return
     if steady == 0 and r != pp - 1:                            # all-warmup: fetch the first gradient
-        box.file(*comm.exchange(recv_next=True))
+        exchange(recv_next=True)
     for k in range(steady, total):                             # cooldown: backwards only
         dx = backward(k)
         recv_next = k != total - 1 and not (r == pp - 1 and chunk_of(k + 1, pp, v, forward=False) == v - 1)
-        box.file(*comm.exchange(send_prev=dx, recv_next=recv_next))
+        exchange(send_prev=dx, recv_next=recv_next)
     if not box.empty() or box.act_chunks or box.grad_chunks:
         raise RuntimeError("schedule bug: interleaved step ended with unconsumed or missing messages")

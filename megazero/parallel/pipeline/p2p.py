@@ -1,10 +1,13 @@
 """Point-to-point exchange of activations (forward) and their gradients (backward) between stages.
 
 Every exchange is one batch of ``isend`` / ``irecv`` (``torch.distributed.batch_isend_irecv``). The
-receives are waited on before returning; the sends are not: a stage goes on computing while its
-outputs travel (``flush()``, called by ``run_schedule`` at the end of the step, waits for what is
-still in flight, and completed sends are dropped at every exchange). There is no barrier and no
-device synchronize. The
+sends are never waited on: a stage goes on computing while its outputs travel (``flush()``, called
+by ``run_schedule`` at the end of the step, waits for what is still in flight, and completed sends
+are dropped at every exchange). The receives are waited on before returning, or, with
+``wait=False``, handed back as :class:`Incoming` and waited on only when the tensor is needed: the
+interleaved schedule receives the next forward's activation and the next backward's gradient in
+one batch, and starts the forward as soon as its activation is in, while the gradient still travels
+(Megatron's ``--overlap-p2p-communication``). There is no barrier and no device synchronize. The
 receive buffers are allocated from the known activation shape (``[s(/tp), b, h]``) and the model's
 dtype, so no shape metadata travels.
 
@@ -30,6 +33,21 @@ import torch
 import torch.distributed as dist
 
 
+class Incoming:
+    """A receive that has been posted: ``get()`` waits for it (once) and returns the tensor."""
+
+    __slots__ = ("tensor", "_reqs")
+
+    def __init__(self, tensor: torch.Tensor, reqs: list):
+        self.tensor, self._reqs = tensor, reqs
+
+    def get(self) -> torch.Tensor:
+        for req in self._reqs:
+            req.wait()
+        self._reqs = []
+        return self.tensor
+
+
 class StageComm:
     """Batched p2p between this rank and its pipeline neighbours for one activation shape.
 
@@ -51,11 +69,12 @@ class StageComm:
         self._sends: list = []       # (request, tensor) of sends not yet seen complete
 
     def exchange(self, *, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-                 recv_prev: bool = False, recv_next: bool = False):
+                 recv_prev: bool = False, recv_next: bool = False, wait: bool = True):
         """One batch: optionally send to next / prev and receive from prev / next.
 
-        Returns ``(from_prev, from_next)``; each is a fresh tensor or ``None`` when not received.
-        A send or receive towards a missing neighbour (``None`` rank) is skipped.
+        Returns ``(from_prev, from_next)``; each is a fresh tensor (an :class:`Incoming` with
+        ``wait=False``) or ``None`` when not received. A send or receive towards a missing
+        neighbour (``None`` rank) is skipped.
         """
         ops, from_prev, from_next = [], None, None
         if send_next is not None and self.next is not None:
@@ -70,18 +89,23 @@ class StageComm:
             ops.append(dist.P2POp(dist.irecv, from_next, self.next, self.group))
         if ops:
             reqs = dist.batch_isend_irecv(ops)
-            if len(reqs) != len(ops):                 # coalesced into fewer handles: wait for all
-                for req in reqs:
-                    req.wait()
+            recv_reqs = {}                            # received tensor's id -> what completes it
+            if len(reqs) != len(ops):                 # coalesced into fewer handles: all of them
+                recv_reqs = {id(op.tensor): list(reqs) for op in ops if op.op is dist.irecv}
+                self._sends += [(req, [op.tensor for op in ops]) for req in reqs]
             else:
                 for op, req in zip(ops, reqs):
                     if op.op is dist.irecv:
-                        req.wait()
+                        recv_reqs[id(op.tensor)] = [req]
                     else:                             # keep the tensor alive until the send completes
                         self._sends.append((req, op.tensor))
             self._sends = [(req, t) for req, t in self._sends if not req.is_completed()]
             self.num_batches += 1
             self.num_messages += len(ops)
+            from_prev, from_next = (None if t is None else Incoming(t, recv_reqs[id(t)])
+                                    for t in (from_prev, from_next))
+            if wait:
+                from_prev, from_next = (None if x is None else x.get() for x in (from_prev, from_next))
         return from_prev, from_next
 
     def flush(self) -> None:
