@@ -65,7 +65,8 @@ def dp_section(spec: Spec, results: dict, psi: int, targets: list) -> list[str]:
             target = 0.8 if peer in ("torch-fsdp2", "ds-zero3") else 1.0
             rows.append([str(dp), f"{ours} vs {peer}"] + pair_row(res[ours], res[peer], tokens, targets,
                                                                     f"dp={dp} {ours} vs {peer}", target))
-        for ours in ("ours-zero0", "ours-zero1", "ours-zero1-allreduce", "ours-zero2", "ours-zero3"):
+        for ours in ("ours-zero0", "ours-zero1", "ours-zero1-allreduce", "ours-zero2", "ours-zero2-each-mb",
+                     "ours-zero3"):
             if ours not in res:
                 continue
             r = res[ours]
@@ -81,6 +82,9 @@ def dp_section(spec: Spec, results: dict, psi: int, targets: list) -> list[str]:
             note = " (all-reduced grads: 3Ψ by design)" if ours.endswith("allreduce") else ""
             if ours.endswith("allreduce"):
                 t_comm = 3.0 * psi * 4 * (dp - 1) / dp
+            if ours.endswith("each-mb"):
+                t_comm = (spec.micro_batches + 1) * psi * 4 * (dp - 1) / dp
+                note = f" (gradients reduced in each of the m = {spec.micro_batches} micro-batches: (m+1)Ψ)"
             theory.append([str(dp), ours, f"{state / MIB:.2f}", f"{t_state / MIB:.2f}", flag(state, t_state),
                            f"{comm / MIB:.2f}", f"{t_comm / MIB:.2f}", flag(comm, t_comm) + note])
     out += _table("| dp | pair " + PAIR_HEAD, rows)

@@ -4,7 +4,8 @@ FSDP2 ``fully_shard`` and DeepSpeed ZeRO 1/2/3, at dp = 2 and 4, on the same GPT
 Every variant trains ``GPT(cfg, seed=1234)`` with AdamW (lr 1e-3, weight decay 0.1 on matrices,
 clipping at 1.0) over ``micro_batches`` micro-batches per rank and step; the gradient reduction
 happens once per step (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync``, DeepSpeed's own
-gradient accumulation boundary).
+gradient accumulation boundary), except in DeepSpeed's stage 2, which reduces every micro-batch into
+its gradient shard; ``ours-zero2-each-mb`` (``--zero2-reduce-each-microbatch``) does the same work.
 """
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 
 PAIRS = [("ours-zero0", "torch-ddp"), ("ours-zero1", "torch-ddp-zero"), ("ours-zero3", "torch-fsdp2"),
-         ("ours-zero1", "ds-zero1"), ("ours-zero2", "ds-zero2"), ("ours-zero3", "ds-zero3"),
-         ("ours-zero1-allreduce", "torch-ddp-zero")]
+         ("ours-zero1", "ds-zero1"), ("ours-zero2", "ds-zero2"), ("ours-zero2-each-mb", "ds-zero2"),
+         ("ours-zero3", "ds-zero3"), ("ours-zero1-allreduce", "torch-ddp-zero")]
+
+
+# Reducing every micro-batch saves memory only if a bucket is smaller than the model: ~1/4 of it here.
+EACH_MB_BUCKET = 500_000
 
 
 def ours_step(model, engine, micro) -> float:
@@ -71,9 +76,11 @@ def torch_state_bytes(params, opt) -> dict:
     return {"total": _nbytes(_local(p) for p in params) + _nbytes(grads) + _nbytes(state), "grads": _nbytes(grads)}
 
 
-def build_ours(spec: Spec, topo, stage: int, grad_sync_cls=None, keep_params_gathered: bool = False):
+def build_ours(spec: Spec, topo, stage: int, grad_sync_cls=None, keep_params_gathered: bool = False,
+               reduce_each_microbatch: bool = False, bucket_size: int = ZeroConfig.bucket_size):
     model = GPT(spec.model_cfg(), seed=1234)
-    zero = ZeroConfig(zero_stage=stage, keep_params_gathered=keep_params_gathered)
+    zero = ZeroConfig(zero_stage=stage, keep_params_gathered=keep_params_gathered,
+                      reduce_each_microbatch=reduce_each_microbatch, bucket_size=bucket_size)
     try:
         engine = build_engine(model, topo, zero, spec.opt_cfg(), grad_sync_cls=grad_sync_cls)
     except (ValueError, NotImplementedError, TypeError) as e:
@@ -140,7 +147,7 @@ def deepspeed_status() -> str | None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         importlib.import_module("deepspeed")
-    except Exception as e:  # noqa: BLE001 -- any import failure means "cannot run here"
+    except Exception as e:  # noqa: BLE001 -- any import failure means "cannot run here.
         return f"not installed / not importable ({type(e).__name__}: {str(e)[:80]})"
     return None
 
@@ -186,6 +193,8 @@ def variants(spec: Spec, topo, world: int, with_deepspeed: bool = True) -> list[
            Variant("ours-zero1-allreduce", lambda: build_ours(spec, topo, 1, AllReduceGradSync)),
            Variant("torch-ddp-zero", lambda: build_ddp(spec, True)),
            Variant("ours-zero2", lambda: build_ours(spec, topo, 2)),
+           Variant("ours-zero2-each-mb", lambda: build_ours(spec, topo, 2, reduce_each_microbatch=True,
+                                                            bucket_size=EACH_MB_BUCKET)),
            Variant("ours-zero3", lambda: build_ours(spec, topo, 3)),
            Variant("torch-fsdp2", lambda: build_fsdp2(spec, world))]
     ds_reason = deepspeed_status() if with_deepspeed else "skipped (--no-deepspeed)"

@@ -40,6 +40,9 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--overlap-grad-reduce",), "zero.overlap_grad_reduce", dict(action=argparse.BooleanOptionalAction)),
         (("--zero3-prefetch-layers",), "zero.prefetch_layers", dict(type=int)),
         (("--zero3-keep-params-gathered",), "zero.keep_params_gathered", dict(action="store_true")),
+        (("--zero2-reduce-each-microbatch",), "zero.reduce_each_microbatch",
+         dict(action="store_true", help="stage 2: reduce gradients every micro-batch (less memory, "
+                                        "m x the gradient traffic)")),
     ],
     "model": [
         (("--num-layers",), "model.num_layers", dict(type=int)),

@@ -92,6 +92,7 @@ class ZeroConfig:
     overlap_grad_reduce: bool = True
     prefetch_layers: int = 1                    # stage 3: gathered layers in flight ahead of compute
     keep_params_gathered: bool = False          # stage 3 with pp: keep gathered for the whole step
+    reduce_each_microbatch: bool = False        # stage 2: reduce-scatter after every micro-batch
 
 
 @dataclass
@@ -326,6 +327,12 @@ def _check_precision_and_optimizer(job: JobConfig) -> None:
     _positive(z.bucket_size, "bucket_size")
     if z.prefetch_layers < 0:
         _fail(f"--zero3-prefetch-layers must be >= 0 (0: no prefetch), got {z.prefetch_layers}")
+    if z.keep_params_gathered and z.zero_stage != 3:
+        _fail(f"--zero3-keep-params-gathered applies to --zero-stage 3 only (got {z.zero_stage}): "
+              f"drop the flag or use --zero-stage 3")
+    if z.reduce_each_microbatch and z.zero_stage != 2:
+        _fail(f"--zero2-reduce-each-microbatch applies to --zero-stage 2 only (got {z.zero_stage}): "
+              f"drop the flag or use --zero-stage 2")
     if opt.lr_decay_style not in DECAY_STYLES:
         _fail(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, got {opt.lr_decay_style!r}")
     if opt.lr <= 0 or opt.min_lr < 0 or opt.min_lr > opt.lr:

@@ -68,11 +68,14 @@ def reference_run(steps: int, global_batch: int, opt_cfg: OptimizerConfig = OPT)
 
 def train_dp(topo, stage: int, steps: int, global_batch: int, micro_batches: int, bucket_size: int = 300,
              dtype=torch.float32, precision: PrecisionConfig | None = None, model=None, hidden: int = HIDDEN,
-             overlap: bool = True, start: int = 0, opt_state: dict | None = None, grad_sync_cls=None):
+             overlap: bool = True, start: int = 0, opt_state: dict | None = None, grad_sync_cls=None,
+             each_microbatch: bool = False):
     """Train TinyNet data-parallel; returns (global losses, norms, params, grad_sync, optimizer)."""
     model = model or TinyNet(dtype=dtype, hidden=hidden)
     sync = wrap_data_parallel(model, topo, ZeroConfig(zero_stage=stage, bucket_size=bucket_size,
-                                                      overlap_grad_reduce=overlap), grad_sync_cls=grad_sync_cls)
+                                                      overlap_grad_reduce=overlap,
+                                                      reduce_each_microbatch=each_microbatch),
+                              grad_sync_cls=grad_sync_cls)
     opt = build_optimizer(sync, OPT, precision)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
@@ -157,10 +160,11 @@ def test_accumulation_over_four_micro_batches_and_no_overlap_equal_one_process()
                 torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _comm_body(rank, world_size, stage, dtype, grad_sync_cls=None):
+def _comm_body(rank, world_size, stage, dtype, grad_sync_cls=None, each_microbatch=False):
     topo = Topology(dp=world_size)
     _, _, _, sync, _ = train_dp(topo, stage, steps=2, global_batch=8, micro_batches=2, dtype=dtype,
                                 bucket_size=8000, hidden=64, grad_sync_cls=grad_sync_cls,
+                                each_microbatch=each_microbatch,
                                 precision=PrecisionConfig(bf16=True) if dtype == torch.bfloat16 else None)
     padded = sum(b.numel for b in sync.buckets)
     psi = sum(p.numel() for p in sync.parameters())
@@ -183,6 +187,55 @@ def test_bytes_per_step_equal_plain_data_parallel(world):
         # the opt-in ZeRO-1 over all-reduced gradients (cheaper on gloo) sends 3 Psi (N-1)/N: say so
         dp_bytes, _, padded, _, _ = run_on_ranks(world, _comm_body, 1, dtype, AllReduceGradSync)[0]
         assert dp_bytes["dp"] == pytest.approx(3 * padded * elem * (world - 1) / world)
+        # stage 2 reducing every micro-batch (m = 2 here): m reduce-scatters + one all-gather per bucket
+        dp_bytes, calls, padded, _, nbuckets = run_on_ranks(world, _comm_body, 2, dtype, None, True)[0]
+        assert dp_bytes["dp"] == pytest.approx(3 * padded * elem * (world - 1) / world)
+        assert calls["dp"] == 3 * nbuckets
+
+
+def _each_microbatch_body(rank, world_size):
+    topo = Topology(dp=world_size)
+    out = {}
+    for micro, overlap in ((2, True), (4, True), (4, False)):
+        losses, norms, params, _, _ = train_dp(topo, 2, steps=5, global_batch=16, micro_batches=micro,
+                                               overlap=overlap, each_microbatch=True)
+        out[micro, overlap] = (losses, norms, params)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero2_reducing_each_micro_batch_matches_single_process(world):
+    ref_losses, ref_norms, ref_params = reference_run(5, 16)
+    for out in run_on_ranks(world, _each_microbatch_body):
+        for losses, norms, params in out.values():
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+            torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+            for name, ref in ref_params.items():
+                torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _grad_peak_body(rank, world_size, each_microbatch, overlap=False):
+    topo = Topology(dp=world_size)
+    _, _, _, sync, _ = train_dp(topo, 2, steps=2, global_batch=16, micro_batches=4, overlap=overlap,
+                                each_microbatch=each_microbatch)
+    full = [b.numel * 4 for b in sync.buckets]
+    return sync.peak_grad_bytes, sum(full), max(full), sum(b.shard_size for b in sync.buckets) * 4
+
+
+def test_zero2_reducing_each_micro_batch_holds_one_bucket_not_all_gradients():
+    """4 micro-batches: the default stage 2 holds every bucket's full gradients from the first
+    backward to the last; reducing each micro-batch holds the shards, one scratch shard and the one
+    bucket being reduced (no overlap, so nothing else is in flight)."""
+    peak_default, full, _, shards = run_on_ranks(2, _grad_peak_body, False)[0]
+    peak_each, full_, biggest, shards_ = run_on_ranks(2, _grad_peak_body, True)[0]
+    assert (full, shards) == (full_, shards_) and len({full, biggest}) == 2    # several buckets
+    assert peak_default >= full
+    assert peak_each <= shards + biggest + biggest // 2
+    assert peak_each < full
+    # overlapped: the bucket being filled and one reduction in flight, each with a scratch shard
+    peak_overlap = run_on_ranks(2, _grad_peak_body, True, True)[0][0]
+    assert peak_overlap <= shards + 2 * (biggest + biggest // 2)
+    assert peak_overlap < peak_default
 
 
 def test_plan_buckets_worked_example():

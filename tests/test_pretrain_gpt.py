@@ -38,8 +38,9 @@ LAYOUTS = [
     ("dp2-zero3-keep-gathered", 2, ["--dp", "2", "--zero-stage", "3", "--zero3-keep-params-gathered"]),
     ("tp2pp2dp2-sp-zero3", 8, ["--tp", "2", "--pp", "2", "--dp", "2", "--sequence-parallel", "--zero-stage", "3"]),
     ("tp2pp2dp2-zero1", 8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "1"]),
-    ("tp2pp2dp2-interleaved", 8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "2",
-                                  "--num-layers-per-virtual-pipeline-stage", "1"]),
+    ("tp2pp2dp2-interleaved-zero2-each-mb", 8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "2",
+                                               "--zero2-reduce-each-microbatch", "--sequence-parallel",
+                                               "--num-layers-per-virtual-pipeline-stage", "1"]),
 ]
 
 

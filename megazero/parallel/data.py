@@ -26,6 +26,8 @@ Three reductions, one small class each:
     ShardedGradSync        stage 2: reduce-scatter into a 1/dp shard; a bucket's full-size storage
                            exists only from its first gradient of the step until its reduction
                            completes.
+    MicrobatchShardedGradSync  stage 2 with ``--zero2-reduce-each-microbatch``: the same, reduced
+                           after every micro-batch's backward (DeepSpeed's stage 2).
 
 Memory, honestly: stage 2 holds 1/dp of the gradients during the optimizer step and none during
 the next forward. A bucket's full storage is allocated when its first gradient arrives, so at the
@@ -34,7 +36,8 @@ every bucket holds its full storage from the first micro-batch's backward until 
 the last one (the reduction happens once, so the sum must live somewhere until then): the
 gradient peak is then the full size plus the shards of the buckets in flight (a little more than
 stages 0/1), and what stage 2 saves is 2Ψ(N-1)/N bytes outside backward. DeepSpeed instead reduces every micro-batch into the shard, trading N_micro
-times the gradient traffic for a lower peak; we keep the traffic of plain DP.
+times the gradient traffic for a lower peak; by default we keep the traffic of plain DP, and
+``--zero2-reduce-each-microbatch`` (:class:`MicrobatchShardedGradSync`) does it DeepSpeed's way.
 """
 from __future__ import annotations
 
@@ -416,6 +419,101 @@ class ShardedGradSync(ReduceScatterGradSync):
         return self._peak
 
 
+class MicrobatchShardedGradSync(ShardedGradSync):
+    """Stage 2, DeepSpeed's way (``--zero2-reduce-each-microbatch``): every micro-batch's gradients
+    are reduce-scattered into the 1/dp shard as soon as a bucket is complete, and the bucket's
+    full-size storage is released; the next micro-batch's gradients start in fresh storage.
+
+    Peak gradient memory is then the shards plus the buckets of one backward still being filled or
+    in flight, independent of the number of micro-batches m, at the price of m times the gradient
+    traffic (m Psi (N-1)/N instead of Psi (N-1)/N). Shard accumulation: the first reduction of a
+    step lands in the shard, later ones in a scratch shard that is added once it completes.
+
+    Worked example, dp=2, m=2, one bucket of 6 elements: micro-batch 0's backward fills g0 (6),
+    reduce-scatter(g0/2) -> shard (3), g0 freed; micro-batch 1 fills g1 (6, new storage),
+    reduce-scatter(g1/2) -> scratch (3), g1 freed, shard += scratch. Most held at once: 6 + 3 + 3.
+    """
+
+    max_in_flight = 1                            # reductions overlapping backward (double buffering)
+
+    def __init__(self, *args, **kwargs):
+        self._in_flight: list[tuple[Bucket, object, torch.Tensor, torch.Tensor | None]] = []
+        super().__init__(*args, **kwargs)
+
+    def before_backward(self, chunk_id: int, is_last_microbatch: bool) -> None:
+        """Every backward reduces: the countdown of this chunk's buckets starts over. A bucket some of
+        whose parameters got no gradient last time keeps its storage and is reduced with this one.
+        The previous backward's reductions have had a forward to complete: they are retired here,
+        so no more than one backward's buckets are ever held."""
+        self._synced = False
+        self._retire(keep=0)
+        for bucket in self.buckets:
+            if bucket.chunk_id == chunk_id:
+                bucket.pending, bucket.launched = len(bucket.slots), False
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        slot = self._slot_of[id(param)]
+        bucket = slot.bucket
+        view = self._ensure_grad_storage(bucket)[slot.start:slot.end]
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.add_(param.grad.reshape(-1))
+            param.grad = view.view_as(param)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._start(bucket)
+
+    def _start(self, bucket: Bucket) -> None:
+        grad_data = self._ensure_grad_storage(bucket)
+        if self.dp_size > 1:
+            grad_data.mul_(1.0 / self.dp_size)
+        shard = self.grad_shards.get(id(bucket))
+        scratch = None
+        if shard is None:                        # the step's first reduction of this bucket
+            shard = self.grad_shards[id(bucket)] = torch.empty(bucket.shard_size, dtype=grad_data.dtype,
+                                                               device=grad_data.device)
+            self._track(_nbytes(shard))
+            target = shard
+        else:
+            target = scratch = torch.empty_like(shard)
+            self._track(_nbytes(scratch))
+        handle = comm.reduce_scatter(target, grad_data, self.dp_group, self.comm_log, "dp", async_op=True)
+        for s in bucket.slots:                   # the next backward accumulates into fresh storage
+            s.param.grad = None
+        bucket.grad_data, bucket.launched = None, True
+        self._in_flight.append((bucket, handle, grad_data, scratch))
+        self._retire(keep=self.max_in_flight if self.cfg.overlap_grad_reduce else 0)
+
+    def _retire(self, keep: int) -> None:
+        """Finish reductions in launch order (add scratch shards, release full-size storage): every
+        one seen complete, and the oldest ones until at most ``keep`` are in flight. (gloo's
+        reduce-scatter never reports completion before it is waited on: there the bound decides.)"""
+        while self._in_flight:
+            bucket, handle, full, scratch = self._in_flight[0]
+            if handle is not None:
+                if len(self._in_flight) <= keep and not handle.is_completed():
+                    return
+                handle.wait()
+            if scratch is not None:
+                self.grad_shards[id(bucket)].add_(scratch)
+                self._held -= _nbytes(scratch)
+            self._held -= _nbytes(full)
+            self._in_flight.pop(0)
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what is left (buckets with gradients not yet reduced; buckets that got none this
+        step reduce zeros so every rank holds a shard), then wait for everything."""
+        for bucket in self.buckets:
+            if bucket.grad_data is not None or id(bucket) not in self.grad_shards:
+                self._start(bucket)
+        self._retire(keep=0)
+        self._reset_countdown()
+        self._synced = True
+
+    def zero_grad(self) -> None:
+        self._retire(keep=0)
+        super().zero_grad()
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -454,6 +552,11 @@ def wrap_data_parallel(chunks, topo: Topology, zero_cfg: ZeroConfig, *, comm_log
     :func:`megazero.parallel.zero.build_optimizer`.
     """
     cls = grad_sync_cls or GRAD_SYNC_BY_STAGE.get(zero_cfg.zero_stage)
+    if zero_cfg.reduce_each_microbatch:
+        if zero_cfg.zero_stage != 2 or grad_sync_cls is not None:
+            raise ValueError(f"--zero2-reduce-each-microbatch applies to --zero-stage 2 only (got stage "
+                             f"{zero_cfg.zero_stage}): drop the flag or use stage 2")
+        cls = MicrobatchShardedGradSync
     if cls is None:
         raise ValueError(f"--zero-stage {zero_cfg.zero_stage} is not supported by data.py (0, 1 or 2)")
     return cls(chunks, topo, zero_cfg, comm_log=comm_log)
