@@ -77,11 +77,11 @@ def test_invalid_combination_exits_with_one_line(capsys):
 
 def test_torchrun_with_indivisible_world_fails_at_once():
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                            str(ROOT / "pretrain_gpt.py"), "--tp", "2"],
                           capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert done.returncode != 0
     lines = [ln for ln in done.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error")]
     assert lines == ["pretrain_gpt.py: error: world size 3 is not divisible by tp*pp = 2*1 = 2: launch a "
                      "multiple of 2 processes (e.g. --nproc-per-node 2) or change "
-                     "--tensor-model-parallel-size/--tp / --pipeline-model-parallel-size/--pp"]
+                     "--tensor-model-parallel-size/--tp / --pipeline-model-parallel-size/--pp"], done.stderr[-3000:]
