@@ -382,7 +382,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()                  # the loss is at least float32
         local_vocab = logits.shape[-1]
-        max_logit = all_reduce(logits.max(dim=-1).values, group, op=dist.ReduceOp.MAX)
+        max_logit = all_reduce(logits.amax(dim=-1), group, op=dist.ReduceOp.MAX)
         shifted = logits - max_logit.unsqueeze(-1)
 
         owned = (target >= vocab_start) & (target < vocab_start + local_vocab)
