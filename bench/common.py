@@ -65,7 +65,7 @@ class Spec:
     micro_batch: int = 4           # sequences per micro-batch
     micro_batches: int = 2         # micro-batches per step and data-parallel rank (DP and TP rows)
     pp_micro_batches: int = 8      # micro-batches per step in the pipeline rows
-    rounds: int = 8                # steps per variant, the first WARMUP_STEPS untimed
+    rounds: int = 14               # steps per variant, the first WARMUP_STEPS untimed
     lr: float = 1e-3
 
     def model_cfg(self, **over) -> ModelConfig:
