@@ -47,9 +47,10 @@ def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
     all-reduce over the world of (sum, count) gives the same number everywhere, rank 0 included.
     """
     contributes = topo.is_last_stage and topo.tp_rank == 0 and losses
-    total = torch.stack([torch.stack(losses).sum().float(), torch.tensor(float(len(losses)))]) if contributes \
-        else torch.zeros(2)
-    total = total.to(topo.device)
+    total = torch.zeros(2, device=topo.device)
+    if contributes:
+        total[0] = torch.stack(losses).sum().float()
+        total[1] = len(losses)
     dist.all_reduce(total)
     return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
 
