@@ -1,15 +1,13 @@
 """AdamW on flat fp32 tensors, and which parameters get weight decay.
 
 The ZeRO optimizer keeps master weights and moments as flat fp32 tensors (one per bucket shard),
-so the update is written here once on flat tensors. It is the same arithmetic, in the same order,
-as ``torch.optim.AdamW`` (single-tensor path), so results agree to float rounding.
+so the update is written here once on flat tensors, through torch's fused AdamW kernel: the same
+arithmetic as ``torch.optim.AdamW``, so results agree to float rounding.
 
 Weight decay (GPT-2 / Megatron practice): matrices and embeddings decay, biases and norm weights
 (every 1-D parameter) do not. Inside a flat shard that is a list of element ranges.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn as nn
@@ -40,32 +38,28 @@ def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-                 step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 decay_ranges: list[tuple[int, int]]) -> None:
-    """One AdamW step on flat fp32 tensors, in place; decay only on ``decay_ranges`` of ``param``.
-
-    ``step`` counts from 1. Matches ``torch.optim.AdamW(..., foreach=False)``::
+def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                 exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, beta1: float, beta2: float,
+                 eps: float, weight_decay: float, decay_ranges: list[list[tuple[int, int]]]) -> None:
+    """One AdamW step on lists of flat fp32 tensors, in place; decay only on ``decay_ranges[i]`` of
+    ``params[i]``. ``step`` counts from 1. The arithmetic of ``torch.optim.AdamW``::
 
         p *= 1 - lr * wd                       (decay ranges only)
         m  = lerp(m, g, 1 - beta1);  v = beta2 v + (1 - beta2) g^2
         p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    The moment and parameter update is torch's fused AdamW kernel (``torch.optim.AdamW(fused=True)``,
+    CPU and CUDA): one pass over every tensor, no temporaries, and a handful of kernel launches
+    for the whole model instead of several per tensor (which left a GPU step launch-bound).
     """
     if weight_decay != 0.0 and lr != 0.0:
-        for a, b in decay_ranges:
-            param[a:b].mul_(1.0 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    bias_correction1 = 1.0 - beta1 ** step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    # The denominator in chunks through one small buffer: a whole-shard temporary would add
-    # 4 bytes per element (two, briefly) to the step's peak memory. Same per-element arithmetic.
-    denom = torch.empty(min(param.numel(), _DENOM_CHUNK), dtype=exp_avg_sq.dtype, device=exp_avg_sq.device)
-    for a in range(0, param.numel(), _DENOM_CHUNK):
-        b = min(a + _DENOM_CHUNK, param.numel())
-        d = torch.sqrt(exp_avg_sq[a:b], out=denom[:b - a])
-        d.div_(bias_correction2_sqrt).add_(eps)
-        param[a:b].addcdiv_(exp_avg[a:b], d, value=-lr / bias_correction1)
-
-
-_DENOM_CHUNK = 1 << 18      # elements (1 MiB in fp32) per chunk of the AdamW denominator
+        for param, ranges in zip(params, decay_ranges):
+            for a, b in ranges:
+                param[a:b].mul_(1.0 - lr * weight_decay)
+    live = [i for i, p in enumerate(params) if p.numel() > 0]
+    if not live:
+        return
+    steps = [torch.tensor(float(step), dtype=torch.float32, device=params[i].device) for i in live]
+    torch._fused_adamw_([params[i] for i in live], [grads[i] for i in live], [exp_avgs[i] for i in live],
+                        [exp_avg_sqs[i] for i in live], [], steps, lr=lr, beta1=beta1, beta2=beta2,
+                        weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)

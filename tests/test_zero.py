@@ -29,8 +29,8 @@ def test_flat_adamw_matches_torch_adamw():
         for p, gr in zip(ref, grads):
             p.grad = gr.clone()
         opt.step()
-        adamw_update(flat, torch.cat([gr.reshape(-1) for gr in grads]), m, v, step=step, lr=3e-2, beta1=0.8,
-                     beta2=0.95, eps=1e-8, weight_decay=0.1, decay_ranges=decay)
+        adamw_update([flat], [torch.cat([gr.reshape(-1) for gr in grads])], [m], [v], step=step, lr=3e-2,
+                     beta1=0.8, beta2=0.95, eps=1e-8, weight_decay=0.1, decay_ranges=[decay])
     torch.testing.assert_close(flat, torch.cat([p.detach().reshape(-1) for p in ref]), rtol=1e-6, atol=1e-7)
 
 

@@ -142,10 +142,11 @@ class _BucketAdamW:
             for g in grads:
                 g.mul_(coef)
         self.step_count += 1
-        for r, g in zip(self.ranges, grads):
-            adamw_update(r.master, g, r.exp_avg, r.exp_avg_sq, step=self.step_count, lr=self.lr,
-                         beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps,
-                         weight_decay=self.cfg.weight_decay, decay_ranges=r.decay_ranges)
+        rs = self.ranges
+        adamw_update([r.master for r in rs], grads, [r.exp_avg for r in rs], [r.exp_avg_sq for r in rs],
+                     step=self.step_count, lr=self.lr, beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2,
+                     eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay,
+                     decay_ranges=[r.decay_ranges for r in rs])
         self._publish()
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
