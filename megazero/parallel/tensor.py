@@ -426,7 +426,12 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, vocab_size
     vocab_start = group_rank(group) * local_vocab
     if vocab_size is not None:
         logits_shard = mask_padded_vocab(logits_shard, vocab_size, vocab_start)
-    loss = _VocabParallelCrossEntropy.apply(logits_shard, target, group, vocab_start)
+    if group_size(group) == 1:     # whole vocab here, nothing to reduce: torch's fused log-softmax
+        logits = logits_shard if logits_shard.dtype == torch.float64 else logits_shard.float()
+        loss = F.cross_entropy(logits.flatten(0, -2), target.flatten(), reduction="none")
+        loss = loss.view(target.shape)
+    else:
+        loss = _VocabParallelCrossEntropy.apply(logits_shard, target, group, vocab_start)
     if loss_mask is not None:
         loss = loss * loss_mask.to(loss.dtype)
     return loss
@@ -439,10 +444,10 @@ def mask_padded_vocab(logits_shard, vocab_size: int, vocab_start: int, inplace: 
     local_vocab = logits_shard.shape[-1]
     if vocab_start + local_vocab <= vocab_size:
         return logits_shard
-    ids = torch.arange(vocab_start, vocab_start + local_vocab, device=logits_shard.device)
-    if inplace:
-        return logits_shard.masked_fill_(ids >= vocab_size, float("-inf"))
-    return logits_shard.masked_fill(ids >= vocab_size, float("-inf"))
+    first_padded = max(vocab_size - vocab_start, 0)      # padding is a tail of columns: fill only those
+    out = logits_shard if inplace else logits_shard.clone()
+    out[..., first_padded:] = float("-inf")
+    return out
 
 
 def init_std_scaled(std: float, num_layers: int) -> float:
