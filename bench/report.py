@@ -182,10 +182,20 @@ def scaling_section(spec: Spec, memory: dict, step_time: dict, psi: int, plots: 
     return out + [""]
 
 
-def gpu_section(gpu: dict) -> list[str]:
+GPU_REPORT = "BENCHMARKS_GPU.md"      # the GPU section's own generated file, from a machine with CUDA
+
+
+def gpu_section(gpu: dict, outdir: str) -> list[str]:
     out = ["## GPU: GPT-2 124M / 350M, bf16, single GPU, vs plain nanoGPT-style PyTorch", ""]
     if "skipped" in gpu:
-        return out + [gpu["skipped"] + " (the section is coded in bench/gpu.py and runs when CUDA is present).", ""]
+        elsewhere = (f" Figures from a GPU machine: [{GPU_REPORT}]({GPU_REPORT}), generated there by "
+                     f"`python bench/run.py --sections gpu --out {GPU_REPORT}`."
+                     if os.path.exists(os.path.join(outdir, GPU_REPORT)) else "")
+        return out + [gpu["skipped"] + " (the section is coded in bench/gpu.py and runs when CUDA is present)."
+                      + elsewhere, ""]
+    out += ["Ours keeps fp32 master weights and Adam state (Megatron's mixed precision); the plain side "
+            "keeps bf16 weights and state in torch's fused AdamW (nanoGPT's usual setup: less memory, less "
+            "exact). Step time is the whole step: forward, backward, clipping and the optimizer.", ""]
     rows = []
     for name, r in gpu.items():
         for side in ("ours", "plain"):
@@ -203,6 +213,8 @@ def targets_section(targets: list) -> list[str]:
            "Targets: ours/peer step time <= 1.0x on every row, < 0.8x against FSDP2 and DeepSpeed ZeRO-3, "
            "peak memory per rank <= the peer's (within 1 MiB: RSS noise). Only pairs that trained to the same "
            "loss count.", ""]
+    if not targets:
+        return []
     rows = [[label, f"{r:.2f}x", f"{'<' if t < 1 else '<='} {t}x", "met" if (r < t if t < 1 else r <= t) else "MISSED",
              "met" if mem else "MISSED"] for label, r, t, mem in targets]
     met = sum(1 for row in rows if row[3] == "met")
