@@ -426,12 +426,10 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, vocab_size
     vocab_start = group_rank(group) * local_vocab
     if vocab_size is not None:
         logits_shard = mask_padded_vocab(logits_shard, vocab_size, vocab_start)
-    if group_size(group) == 1:     # whole vocab here, nothing to reduce: torch's fused log-softmax
-        logits = logits_shard if logits_shard.dtype == torch.float64 else logits_shard.float()
-        loss = F.cross_entropy(logits.flatten(0, -2), target.flatten(), reduction="none")
-        loss = loss.view(target.shape)
-    else:
-        loss = _VocabParallelCrossEntropy.apply(logits_shard, target, group, vocab_start)
+    # One code path at every tp (also tp=1): torch's fused F.cross_entropy is a little faster on a GPU,
+    # but its CPU kernel is not bitwise independent of the batch it is given, which breaks the exact
+    # agreement of a pipeline's micro-batches with the serial whole batch (seen with torch 2.11).
+    loss = _VocabParallelCrossEntropy.apply(logits_shard, target, group, vocab_start)
     if loss_mask is not None:
         loss = loss * loss_mask.to(loss.dtype)
     return loss
