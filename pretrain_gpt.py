@@ -132,4 +132,9 @@ def _steps(iterator, device):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    finally:                # also on errors: recent torch aborts at exit while a process group is alive
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(code)
