@@ -19,6 +19,7 @@ import argparse
 import datetime
 import os
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -51,7 +52,17 @@ def _machine() -> list[str]:
     except Exception:  # noqa: BLE001
         ds = "not installed"
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return [f"- Machine: {platform.node()}, {cpu}, {cores} cores usable, {platform.system()} {platform.release()}",
+    try:
+        here = os.path.dirname(HERE)
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        code = f"commit {commit}" + (" with uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        code = "not a git checkout"
+    return [f"- Code: {code}",
+            f"- Machine: {platform.node()}, {cpu}, {cores} cores usable, {platform.system()} {platform.release()}",
             f"- Python {platform.python_version()}, torch {torch.__version__}, DeepSpeed {ds}, GPU: {gpu}",
             f"- Load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (shared machine: "
             f"compare the two sides of a pair, measured alternately in one run, not runs with each other)"]
