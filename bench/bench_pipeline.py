@@ -52,10 +52,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megazero.config import ModelConfig, ParallelConfig  # noqa: E402
-from megazero.parallel.pipeline import (PipelineStats, activation_shape, build_model_chunks,  # noqa: E402
-                                        run_schedule, sync_tied_embedding_grads)
+from megazero.config import ModelConfig, ParallelConfig, ZeroConfig  # noqa: E402
+from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean  # noqa: E402
+from megazero.parallel.pipeline import PipelineStats, run_schedule  # noqa: E402
 from megazero.parallel.topology import Topology  # noqa: E402
+from megazero.parallel.zero import wrap_data_parallel  # noqa: E402
 
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2))
 
@@ -72,7 +73,7 @@ def _batches(cfg: ModelConfig, m: int, b: int) -> list[dict]:
              "loss_mask": torch.ones(b, cfg.seq_length)} for _ in range(m)]
 
 
-def _stage_compute_time(chunks, cfg, b, reps) -> float:
+def _stage_compute_time(chunks, sync, cfg, b, reps) -> float:
     """Median seconds of forward + backward of one micro-batch through all of this rank's chunks."""
     mb = _batches(cfg, 1, b)[0]
     times = []
@@ -88,8 +89,7 @@ def _stage_compute_time(chunks, cfg, b, reps) -> float:
             else:
                 out.backward(torch.randn_like(out))
         times.append(time.perf_counter() - t0)
-    for chunk in chunks:
-        chunk.zero_grad(set_to_none=True)
+    sync.zero_grad()
     return statistics.median(times[1:])
 
 
@@ -156,6 +156,7 @@ def _worker(rank, pp, port, a, out_queue):
     _instrument_compute()
     chunks_of = {name: build_model_chunks(cfg, ParallelConfig(pp=pp, pipeline_schedule=name, virtual_stages=v),
                                           topo, seed=1234) for name, v in SCHEDULES}
+    syncs = {name: wrap_data_parallel(chunks, topo, ZeroConfig()) for name, chunks in chunks_of.items()}
     shape = activation_shape(cfg, a.micro_batch_size)
     configs = [(name, v, m) for m in a.micro_batches for name, v in SCHEDULES]
     rows = {c: [] for c in configs}
@@ -163,18 +164,18 @@ def _worker(rank, pp, port, a, out_queue):
     for rep in range(a.reps + 1):                      # round 0 warms up
         for name, v, m in configs:
             chunks = chunks_of[name]
-            stage = _max_over_ranks(_stage_compute_time(chunks, cfg, a.micro_batch_size, 3))
+            stage = _max_over_ranks(_stage_compute_time(chunks, syncs[name], cfg, a.micro_batch_size, 3))
             mbs = _batches(cfg, m, a.micro_batch_size)
             dist.barrier()
             _BUSY[0] = 0.0
             t0 = time.perf_counter()
             stats = PipelineStats()
-            run_schedule(chunks, mbs, topo, schedule=name, tensor_shape=shape, stats=stats)
-            sync_tied_embedding_grads(chunks, topo)
+            run_schedule(chunks, mbs, topo, loss_fn=masked_mean, schedule=name, tensor_shape=shape, stats=stats,
+                         grad_sync=syncs[name])
+            syncs[name].finalize_grads()          # the tied-embedding sum, as the trainer does
             step = _max_over_ranks(time.perf_counter() - t0)
             busy = _max_over_ranks(_BUSY[0])
-            for chunk in chunks:
-                chunk.zero_grad(set_to_none=True)
+            syncs[name].zero_grad()
             if rep:
                 rows[(name, v, m)].append((step, m * stage, busy))
             else:

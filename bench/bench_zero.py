@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import Spec, rss_mib, step_batches  # noqa: E402
 from rows_dp import build_ddp, build_fsdp2, build_ours  # noqa: E402
 
-from megazero.parallel.data import AllReduceGradSync  # noqa: E402
 from megazero.parallel.topology import Topology  # noqa: E402
+from megazero.parallel.zero import AllReduceGradSync  # noqa: E402
 
 VARIANTS = ["ours-zero0", "torch-ddp", "ours-zero1", "torch-ddp-zero", "ours-zero1-allreduce", "ours-zero2",
             "ours-zero3", "torch-fsdp2", "ours-zero3-keep", "torch-fsdp2-keep"]

@@ -182,15 +182,21 @@ def scaling_section(spec: Spec, memory: dict, step_time: dict, psi: int, plots: 
     return out + [""]
 
 
-GPU_REPORT = "BENCHMARKS_GPU.md"      # the GPU section's own generated file, from a machine with CUDA
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")   # generated plots and reports
+GPU_REPORT = os.path.join(RESULTS, "BENCHMARKS_GPU.md")   # the GPU section's own file, from a machine with CUDA
+
+
+def _link(path: str, outdir: str) -> str:
+    """``path`` as a Markdown link target relative to the report's directory."""
+    return os.path.relpath(path, outdir).replace(os.sep, "/")
 
 
 def gpu_section(gpu: dict, outdir: str) -> list[str]:
     out = ["## GPU: GPT-2 124M / 350M, bf16, single GPU, vs plain nanoGPT-style PyTorch", ""]
     if "skipped" in gpu:
-        elsewhere = (f" Figures from a GPU machine: [{GPU_REPORT}]({GPU_REPORT}), generated there by "
-                     f"`python bench/run.py --sections gpu --out {GPU_REPORT}`."
-                     if os.path.exists(os.path.join(outdir, GPU_REPORT)) else "")
+        elsewhere = (f" Figures from a GPU machine: [{os.path.basename(GPU_REPORT)}]({_link(GPU_REPORT, outdir)}), "
+                     f"generated there by `python bench/run.py --sections gpu --out bench/results/BENCHMARKS_GPU.md`."
+                     if os.path.exists(GPU_REPORT) else "")
         return out + [gpu["skipped"] + " (the section is coded in bench/gpu.py and runs when CUDA is present)."
                       + elsewhere, ""]
     out += ["Ours keeps fp32 master weights and Adam state (Megatron's mixed precision); the plain side "
@@ -223,7 +229,8 @@ def targets_section(targets: list) -> list[str]:
 
 
 def plots(memory: dict, step_time: dict, psi: int, outdir: str) -> dict:
-    """PNG plots next to BENCHMARKS.md; {'missing': reason} when matplotlib is not installed."""
+    """PNG plots in bench/results/, linked relative to ``outdir`` (the report's directory);
+    {'missing': reason} when matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -247,9 +254,9 @@ def plots(memory: dict, step_time: dict, psi: int, outdir: str) -> dict:
         ax.set_ylabel("model-state MiB per rank")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(os.path.join(outdir, "bench_memory.png"), dpi=100)
+        fig.savefig(os.path.join(RESULTS, "bench_memory.png"), dpi=100)
         plt.close(fig)
-        out["memory"] = "bench_memory.png"
+        out["memory"] = _link(os.path.join(RESULTS, "bench_memory.png"), outdir)
     if step_time:
         fig, ax = plt.subplots(figsize=(6, 4))
         labels = [f"L{l} h{h}" for l, h in step_time]
@@ -259,9 +266,9 @@ def plots(memory: dict, step_time: dict, psi: int, outdir: str) -> dict:
         ax.set_ylabel("step ms (median)")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(outdir, "bench_step_time.png"), dpi=100)
+        fig.savefig(os.path.join(RESULTS, "bench_step_time.png"), dpi=100)
         plt.close(fig)
-        out["step_time"] = "bench_step_time.png"
+        out["step_time"] = _link(os.path.join(RESULTS, "bench_step_time.png"), outdir)
     return out
 
 

@@ -18,9 +18,8 @@ import torch
 from common import GPT, Spec, Unavailable, Variant, masked_mean, run_variants, step_batches, torch_adamw
 
 from megazero.config import ZeroConfig
-from megazero.parallel.data import AllReduceGradSync
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import build_engine
+from megazero.parallel.zero import AllReduceGradSync, build_engine
 
 PAIRS = [("ours-zero0", "torch-ddp"), ("ours-zero1", "torch-ddp-zero"), ("ours-zero3", "torch-fsdp2"),
          ("ours-zero1", "ds-zero1"), ("ours-zero2", "ds-zero2"), ("ours-zero2-each-mb", "ds-zero2"),

@@ -6,8 +6,8 @@ Both sides run the very same model chunks (``build_model_chunks``: chunk c of ra
 stage c*pp + r, v = 2 for interleaved), from the same init: ours through ``run_schedule``, torch's
 wrapped in ``PipelineStage`` (the last stage returns logits, torch's ``loss_fn`` is the mean
 cross-entropy, gradients scaled by 1/m like ours). Both then sum the tied-embedding gradients of
-the first and last stage (``sync_tied_embedding_grads``) and step torch AdamW (no clipping), so
-only the schedule and its point-to-point exchange differ.
+the first and last stage (the ZeRO-0 grad sync's ``finalize_grads``, as the trainer does) and step
+torch AdamW (no clipping), so only the schedule and its point-to-point exchange differ.
 
 Theory: the pipeline bubble (p-1)/m (interleaved (p-1)/(v m)) beside (1) the bubble of the order
 our schedule executed, replayed with fixed op times and free communication (``order_bubble``), and
@@ -24,10 +24,11 @@ from torch import nn
 from bench_pipeline import _BUSY, _instrument_compute, order_bubble
 from common import Spec, Variant, run_variants, step_batches, torch_adamw
 
-from megazero.config import ParallelConfig
-from megazero.parallel.pipeline import PipelineStats, activation_shape, build_model_chunks, run_schedule
-from megazero.parallel.pipeline import sync_tied_embedding_grads
+from megazero.config import ParallelConfig, ZeroConfig
+from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
+from megazero.parallel.pipeline import PipelineStats, run_schedule
 from megazero.parallel.topology import Topology
+from megazero.parallel.zero import wrap_data_parallel
 
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2))
 
@@ -47,16 +48,18 @@ def _pp_micro(micro) -> list[dict]:
 
 def build_ours(spec: Spec, topo, name: str, v: int, record: dict):
     chunks = _chunks(spec, topo, name, v)
+    sync = wrap_data_parallel(chunks, topo, ZeroConfig())      # dp = 1: the tied-embedding sum only
     opt = torch_adamw(_named(chunks), spec.opt_cfg(clip=0.0))
     shape = activation_shape(spec.model_cfg(), spec.micro_batch)
 
     def step(micro):
-        opt.zero_grad(set_to_none=False)
+        sync.zero_grad()
         stats = PipelineStats()
         _BUSY[0] = 0.0
         t0 = _now()
-        losses = run_schedule(chunks, _pp_micro(micro), topo, schedule=name, tensor_shape=shape, stats=stats)
-        sync_tied_embedding_grads(chunks, topo)
+        losses = run_schedule(chunks, _pp_micro(micro), topo, loss_fn=masked_mean, schedule=name,
+                              tensor_shape=shape, stats=stats, grad_sync=sync)
+        sync.finalize_grads()
         record.setdefault("step", []).append(_now() - t0)
         record.setdefault("busy", []).append(_BUSY[0])
         record["order"] = stats.order
@@ -102,6 +105,7 @@ def build_torch(spec: Spec, topo, name: str, v: int):
         example = (torch.zeros(b, s, dtype=torch.long) if index == 0 else torch.zeros(s, b, h),)
         stages.append(PipelineStage(_StageModule(chunk), index, pp * v, torch.device("cpu"),
                                     input_args=example, group=topo.pp_group))
+    sync = wrap_data_parallel(chunks, topo, ZeroConfig())      # dp = 1: the tied-embedding sum only
     m = spec.pp_micro_batches
     if name == "interleaved":
         sched = ScheduleInterleaved1F1B(stages, m, loss_fn=_ce)
@@ -110,7 +114,7 @@ def build_torch(spec: Spec, topo, name: str, v: int):
     opt = torch_adamw(_named(chunks), spec.opt_cfg(clip=0.0))
 
     def step(micro):
-        opt.zero_grad(set_to_none=False)
+        sync.zero_grad()
         tokens = torch.cat([x for x, _, _ in micro])
         labels = torch.cat([y for _, y, _ in micro])
         losses = []
@@ -120,7 +124,7 @@ def build_torch(spec: Spec, topo, name: str, v: int):
             sched.step(target=labels, losses=losses)
         else:
             sched.step()
-        sync_tied_embedding_grads(chunks, topo)
+        sync.finalize_grads()
         opt.step()
         return sum(x.item() for x in losses) / len(losses) if losses else float("nan")
 

@@ -1,4 +1,4 @@
-"""Run every side-by-side benchmark and write BENCHMARKS.md (+ PNG plots next to it).
+"""Run every side-by-side benchmark and write BENCHMARKS.md (+ PNG plots in bench/results/).
 
     OMP_NUM_THREADS=1 python bench/run.py                  # the full set (< 15 min on 2 cores)
     python bench/run.py --quick                            # tiny model, dp/tp/pp = 2 only (~2-3 min)

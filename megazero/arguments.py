@@ -18,11 +18,11 @@ short aliases allowed, optionally grouped in tables); flags given on the command
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from pathlib import Path
 
-from megazero.config import ConfigError, JobConfig, validate
+from megazero.config import (ACTIVATIONS, BACKENDS, DECAY_STYLES, SCHEDULES, TOKENIZERS, ZERO_STAGES, ConfigError,
+                             JobConfig, validate)
 
 # (flags, "section.field", argparse kwargs). Booleans are store_true unless a kwarg says otherwise.
 ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
@@ -32,10 +32,10 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--data-parallel-size", "--dp"), "parallel.dp", dict(type=int, help="inferred when absent")),
         (("--num-layers-per-virtual-pipeline-stage",), "parallel.num_layers_per_virtual_pipeline_stage",
          dict(type=int, help="interleaved 1F1B: layers per model chunk")),
-        (("--pipeline-schedule",), "parallel.pipeline_schedule", dict(choices=["1f1b", "gpipe", "interleaved"])),
+        (("--pipeline-schedule",), "parallel.pipeline_schedule", dict(choices=SCHEDULES)),
         (("--sequence-parallel",), "parallel.sequence_parallel", dict(action="store_true")),
         (("--parallel-order",), "parallel.order", dict(help="rank order, fastest first (default tp-dp-pp)")),
-        (("--zero-stage",), "zero.zero_stage", dict(type=int, choices=[0, 1, 2, 3])),
+        (("--zero-stage",), "zero.zero_stage", dict(type=int, choices=ZERO_STAGES)),
         (("--bucket-size",), "zero.bucket_size", dict(type=int, help="elements per gradient bucket")),
         (("--overlap-grad-reduce",), "zero.overlap_grad_reduce", dict(action=argparse.BooleanOptionalAction)),
         (("--zero3-prefetch-layers",), "zero.prefetch_layers", dict(type=int)),
@@ -60,7 +60,7 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--init-method-std",), "model.init_method_std", dict(type=float)),
         (("--scaled-output-init",), "model.scaled_output_init", dict(action=argparse.BooleanOptionalAction)),
         (("--layernorm-epsilon",), "model.layernorm_epsilon", dict(type=float)),
-        (("--activation",), "model.activation", dict(choices=["gelu", "gelu_tanh"])),
+        (("--activation",), "model.activation", dict(choices=ACTIVATIONS)),
         (("--recompute-activations",), "model.recompute_activations", dict(action="store_true")),
     ],
     "training": [
@@ -78,7 +78,7 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--min-lr",), "optimizer.min_lr", dict(type=float)),
         (("--lr-warmup-iters",), "optimizer.lr_warmup_iters", dict(type=int)),
         (("--lr-decay-iters",), "optimizer.lr_decay_iters", dict(type=int)),
-        (("--lr-decay-style",), "optimizer.lr_decay_style", dict(choices=["constant", "linear", "cosine"])),
+        (("--lr-decay-style",), "optimizer.lr_decay_style", dict(choices=DECAY_STYLES)),
         (("--weight-decay",), "optimizer.weight_decay", dict(type=float)),
         (("--adam-beta1",), "optimizer.adam_beta1", dict(type=float)),
         (("--adam-beta2",), "optimizer.adam_beta2", dict(type=float)),
@@ -98,7 +98,7 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--split",), "data.split", dict()),
         (("--mock-data",), "data.mock_data", dict(action="store_true")),
         (("--tokenizer-type",), "data.tokenizer_type",
-         dict(choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])),
+         dict(choices=TOKENIZERS)),
         (("--vocab-file",), "data.vocab_file", dict()),
         (("--merge-file",), "data.merge_file", dict()),
         (("--tokenizer-model",), "data.tokenizer_model", dict()),
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a GPT with tensor, pipeline and data parallelism and ZeRO. With no data "
                     "flags it trains a tiny GPT on the bundled sample corpus.")
     parser.add_argument("--config", help="TOML or YAML file with flag names as keys; CLI overrides it")
-    parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with CUDA, else gloo")
+    parser.add_argument("--backend", choices=BACKENDS, help="default: nccl with CUDA, else gloo")
     for title, entries in ARGUMENTS.items():
         group = parser.add_argument_group(title)
         for flags, dest, kwargs in entries:
@@ -186,10 +186,7 @@ def job_from_values(values: dict[str, object]) -> JobConfig:
     for dest, value in values.items():
         section, name = dest.split(".")
         sections.setdefault(section, {})[name] = value
-    # Construct each section afresh (not dataclasses.replace) so derived defaults such as
-    # ffn_hidden_size = 4 * hidden_size follow the given values.
-    kinds = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
-    return JobConfig(**{name: kinds[name](**sections.get(name, {})) for name in kinds})
+    return JobConfig.from_dict(sections)
 
 
 def parse_job(argv: list[str] | None = None, world_size: int | None = None) -> tuple[JobConfig, argparse.Namespace]:

@@ -15,6 +15,14 @@ class ConfigError(ValueError):
     """An invalid configuration; the message names the flag and the fix."""
 
 
+# The allowed values of the choice flags: one source for the command line and validate().
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+DECAY_STYLES = ("constant", "linear", "cosine")
+TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer")
+ACTIVATIONS = ("gelu_tanh", "gelu")
+ZERO_STAGES = (0, 1, 2, 3)
+BACKENDS = ("gloo", "nccl")
+
 FLAG_ALIASES = {
     "tp": "--tensor-model-parallel-size/--tp",
     "pp": "--pipeline-model-parallel-size/--pp",
@@ -182,10 +190,25 @@ class JobConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
-DECAY_STYLES = ("constant", "linear", "cosine")
-TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer")
+    @classmethod
+    def from_dict(cls, sections: dict, *, strict: bool = True) -> "JobConfig":
+        """A JobConfig from ``{section: {field: value}}`` (what :meth:`to_dict` gives), starting from the
+        dataclass defaults. Each section is constructed afresh, so derived defaults such as
+        ``ffn_hidden_size = 4 * hidden_size`` follow the given values. ``strict=False`` drops unknown
+        sections and fields (a config saved by a newer version); otherwise they are an error."""
+        kinds = {f.name: f.default_factory for f in dataclasses.fields(cls)}
+        unknown = set(sections) - set(kinds)
+        if unknown and strict:
+            raise ConfigError(f"unknown config section(s) {sorted(unknown)}: expected {sorted(kinds)}")
+        built = {}
+        for name, kind in kinds.items():
+            values = dict(sections.get(name) or {})
+            known = {f.name for f in dataclasses.fields(kind)}
+            extra = set(values) - known
+            if extra and strict:
+                raise ConfigError(f"unknown {name} setting(s) {sorted(extra)}")
+            built[name] = kind(**{k: v for k, v in values.items() if k in known})
+        return cls(**built)
 
 
 def validate(job: JobConfig, world_size: int) -> JobConfig:
@@ -199,7 +222,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     """
     job = _copy(job)
     _check_layout(job.parallel, world_size)
-    _check_model(job.model, job.parallel)
+    check_model(job.model, job.parallel)
     _check_pipeline(job.model, job.parallel)
     _check_batches(job)
     _check_precision_and_optimizer(job)
@@ -240,7 +263,8 @@ def _check_layout(par: ParallelConfig, world: int) -> None:
         _fail(f"--parallel-order {par.order!r} must name tp, dp and pp once each, e.g. 'tp-dp-pp'")
 
 
-def _check_model(m: ModelConfig, par: ParallelConfig) -> None:
+def check_model(m: ModelConfig, par: ParallelConfig) -> None:
+    """The model's shape against the tensor-parallel layout (also used by tools that reshard)."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
                  "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by"):
         _positive(getattr(m, name), name)
@@ -265,8 +289,8 @@ def _check_model(m: ModelConfig, par: ParallelConfig) -> None:
     for name in ("attention_dropout", "hidden_dropout"):
         if not 0.0 <= getattr(m, name) < 1.0:
             _fail(f"{flag(name)} must be in [0, 1), got {getattr(m, name)}")
-    if m.activation not in ("gelu", "gelu_tanh"):
-        _fail(f"--activation must be gelu or gelu_tanh, got {m.activation!r}")
+    if m.activation not in ACTIVATIONS:
+        _fail(f"--activation must be one of {', '.join(ACTIVATIONS)}, got {m.activation!r}")
 
 
 def _check_pipeline(m: ModelConfig, par: ParallelConfig) -> None:
@@ -322,8 +346,8 @@ def _check_precision_and_optimizer(job: JobConfig) -> None:
     pr, opt, z = job.precision, job.optimizer, job.zero
     if pr.bf16 and pr.fp16:
         _fail("--bf16 and --fp16 are exclusive: pick one")
-    if z.zero_stage not in (0, 1, 2, 3):
-        _fail(f"--zero-stage must be 0, 1, 2 or 3, got {z.zero_stage}")
+    if z.zero_stage not in ZERO_STAGES:
+        _fail(f"--zero-stage must be {', '.join(map(str, ZERO_STAGES[:-1]))} or {ZERO_STAGES[-1]}, got {z.zero_stage}")
     _positive(z.bucket_size, "bucket_size")
     if z.prefetch_layers < 0:
         _fail(f"--zero3-prefetch-layers must be >= 0 (0: no prefetch), got {z.prefetch_layers}")

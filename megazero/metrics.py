@@ -1,4 +1,4 @@
-"""What a training run reports: the learning-rate schedule, model FLOPs, and the log/metrics writers.
+"""What a training run reports: model FLOPs, peak memory, and the log/metrics writers.
 
 Rank 0 writes everything (console line, ``--metrics-file`` JSON lines, ``--tensorboard-dir``
 scalars); other ranks construct a :class:`MetricsLog` that does nothing.
@@ -13,25 +13,7 @@ import sys
 
 import torch
 
-from megazero.config import ModelConfig, OptimizerConfig
-
-
-def learning_rate(iteration: int, cfg: OptimizerConfig) -> float:
-    """LR for a 0-based iteration: linear warmup to ``lr``, then decay to ``min_lr`` (Megatron's rule).
-
-    Warmup: lr * (it + 1) / warmup_iters for it < warmup_iters. Decay over
-    [warmup_iters, lr_decay_iters]: constant, linear or cosine from lr to min_lr; min_lr after that.
-    """
-    if cfg.lr_warmup_iters and iteration < cfg.lr_warmup_iters:
-        return cfg.lr * (iteration + 1) / cfg.lr_warmup_iters
-    if cfg.lr_decay_style == "constant":
-        return cfg.lr
-    decay_iters = cfg.lr_decay_iters - cfg.lr_warmup_iters
-    if decay_iters <= 0 or iteration >= cfg.lr_decay_iters:
-        return cfg.min_lr
-    ratio = (iteration - cfg.lr_warmup_iters) / decay_iters
-    coeff = 1.0 - ratio if cfg.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+from megazero.config import ModelConfig
 
 
 def model_flops_per_token(cfg: ModelConfig, vocab: int, recompute: bool = False) -> float:

@@ -1,4 +1,4 @@
-"""AdamW on flat fp32 tensors, and which parameters get weight decay.
+"""AdamW on flat fp32 tensors, which parameters get weight decay, and the learning-rate schedule.
 
 The ZeRO optimizer keeps master weights and moments as flat fp32 tensors (one per bucket shard),
 so the update is written here once on flat tensors, through torch's fused AdamW kernel: the same
@@ -9,13 +9,22 @@ Weight decay (GPT-2 / Megatron practice): matrices and embeddings decay, biases 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
+from megazero.config import OptimizerConfig
+
+
+def decays(shape: torch.Size | tuple[int, ...]) -> bool:
+    """True for weights (>= 2-D: linear, embedding); False for biases and norm parameters (1-D)."""
+    return len(shape) >= 2
+
 
 def wants_weight_decay(param: nn.Parameter) -> bool:
-    """True for weights (>= 2-D: linear, embedding); False for biases and norm parameters (1-D)."""
-    return param.dim() >= 2
+    """:func:`decays` for a parameter."""
+    return decays(param.shape)
 
 
 def weight_decay_groups(named_params, weight_decay: float) -> list[dict]:
@@ -63,3 +72,21 @@ def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
     torch._fused_adamw_([params[i] for i in live], [grads[i] for i in live], [exp_avgs[i] for i in live],
                         [exp_avg_sqs[i] for i in live], [], steps, lr=lr, beta1=beta1, beta2=beta2,
                         weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
+
+
+def learning_rate(iteration: int, cfg: OptimizerConfig) -> float:
+    """LR for a 0-based iteration: linear warmup to ``lr``, then decay to ``min_lr`` (Megatron's rule).
+
+    Warmup: lr * (it + 1) / warmup_iters for it < warmup_iters. Decay over
+    [warmup_iters, lr_decay_iters]: constant, linear or cosine from lr to min_lr; min_lr after that.
+    """
+    if cfg.lr_warmup_iters and iteration < cfg.lr_warmup_iters:
+        return cfg.lr * (iteration + 1) / cfg.lr_warmup_iters
+    if cfg.lr_decay_style == "constant":
+        return cfg.lr
+    decay_iters = cfg.lr_decay_iters - cfg.lr_warmup_iters
+    if decay_iters <= 0 or iteration >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    ratio = (iteration - cfg.lr_warmup_iters) / decay_iters
+    coeff = 1.0 - ratio if cfg.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)

@@ -16,20 +16,14 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import JobConfig
-from megazero.metrics import (MetricsLog, device_peak_tflops, learning_rate, model_flops_per_token,
-                              peak_memory_bytes)
-from megazero.parallel.pipeline import activation_shape, run_schedule
+from megazero.metrics import MetricsLog, device_peak_tflops, model_flops_per_token, peak_memory_bytes
+from megazero.models.gpt import GPT, activation_shape, masked_mean
+from megazero.optim import learning_rate
+from megazero.parallel.params import counts_once, split_dim
+from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
-
-
-@dataclass
-class TrainState:
-    """What a resume needs besides weights and optimizer state."""
-
-    iteration: int = 0              # optimizer steps taken
-    consumed_samples: int = 0       # global samples consumed (the data order depends only on this)
-    skipped_iterations: int = 0     # fp16 steps skipped on overflow
+from megazero.state import TrainState
 
 
 @dataclass
@@ -63,8 +57,8 @@ def _boundary_shape(job: JobConfig) -> tuple[int, int, int]:
 def train_step(chunks, micro_batches: list[dict], topo: Topology, engine, job: JobConfig) -> StepResult:
     """Forward and backward over every micro-batch, reduce gradients, clip, and step the optimizer."""
     engine.zero_grad()
-    losses = run_schedule(chunks, micro_batches, topo, schedule=job.parallel, tensor_shape=_boundary_shape(job),
-                          loss_scale=engine.loss_scale, grad_sync=engine)
+    losses = run_schedule(chunks, micro_batches, topo, loss_fn=masked_mean, schedule=job.parallel,
+                          tensor_shape=_boundary_shape(job), loss_scale=engine.loss_scale, grad_sync=engine)
     engine.finalize_grads()
     grad_norm, skipped = engine.step()
     return StepResult(global_mean_loss(losses, topo), grad_norm, skipped, engine.loss_scale)
@@ -77,7 +71,7 @@ def evaluate(chunks, batches: Iterator[list[dict]], topo: Topology, job: JobConf
         chunk.eval()
     losses = []
     for _ in range(iters):
-        step_losses = run_schedule(chunks, next(batches), topo, schedule=job.parallel,
+        step_losses = run_schedule(chunks, next(batches), topo, loss_fn=masked_mean, schedule=job.parallel,
                                    tensor_shape=_boundary_shape(job), forward_only=True)
         losses.append(global_mean_loss(step_losses, topo))
     for chunk in chunks:
@@ -160,19 +154,10 @@ def max_over_ranks(value: float, topo: Topology) -> int:
 
 
 def count_parameters(chunks, topo: Topology) -> int:
-    """Parameters of the whole model, each counted once whatever the layout (a collective).
-
-    A tensor-parallel shard counts on every tp rank (together they make the tensor), a replicated
-    parameter on tp rank 0 only; the tied output copy of the word embedding on a last stage that is
-    not also the first is not counted again; data-parallel replicas are divided out.
-    """
-    local = 0
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if getattr(p, "shared_embedding", False) and not chunk.pre_process:
-                continue
-            if p.tensor_parallel or topo.tp_rank == 0:
-                local += p.numel()
+    """Parameters of the whole model, each counted once whatever the layout (a collective): the
+    elements :func:`megazero.parallel.params.counts_once` picks, data-parallel replicas divided out.
+    Call before the ZeRO engine shards the parameters (or on an unsharded model)."""
+    local = sum(p.numel() for chunk in chunks for p in chunk.parameters() if counts_once(p, topo.tp_rank))
     t = torch.tensor([float(local)], device=topo.device, dtype=torch.float64)
     dist.all_reduce(t)
     return int(t.item()) // topo.dp_size
@@ -199,15 +184,12 @@ def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
     tp rank 0 of every pipeline stage sends its tensors to rank 0. Under ZeRO stage 3 the engine's
     ``gathered_parameters()`` materialises the shards first.
     """
-    from megazero.models.gpt import GPT
-
     gathered_ctx = getattr(engine, "gathered_parameters", None)
     with gathered_ctx() if gathered_ctx else nullcontext():
         local = {}
         for chunk in chunks:
             for name, p in chunk.named_parameters():
-                dim = p.partition_dim if p.tensor_parallel else -1
-                local[name] = gather_full(p.detach(), dim, topo.tp_group).float().cpu()
+                local[name] = gather_full(p.detach(), split_dim(p), topo.tp_group).float().cpu()
     mine = local if topo.dp_rank == 0 and topo.tp_rank == 0 else {}
     everything = [None] * topo.world_size if topo.rank == 0 else None
     dist.gather_object(mine, everything, dst=0)

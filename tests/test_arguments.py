@@ -75,6 +75,7 @@ def test_invalid_combination_exits_with_one_line(capsys):
     assert e.value.code == 2 and err.count("\n") == 1 and "--num-attention-heads 3" in err
 
 
+@pytest.mark.slow
 def test_torchrun_with_indivisible_world_fails_at_once():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",

@@ -1,6 +1,5 @@
 """Checkpoints at library level: save under one tp/pp/dp/ZeRO layout, load under others; exact resume;
 crash safety (SIGKILL during a save); corrupted files refused by name; the offline reader and tools."""
-import contextlib
 import json
 import os
 import signal
@@ -11,97 +10,27 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from multiproc import run_on_ranks
+from helpers import run_on_ranks
+from helpers.ckpt import (GLOBAL_MB, MB_SIZE, MODEL, SEED, VOCAB, full_params, make_job, run_body, setup,
+                          train_one_step)
 
 from megazero.checkpoint import CheckpointError, CheckpointReader, latest_iteration, load_checkpoint, save_checkpoint
-from megazero.checkpoint.offline import partition_dim_of, read_model, write_weights_checkpoint
-from megazero.config import JobConfig, ModelConfig, OptimizerConfig, ParallelConfig, ZeroConfig
-from megazero.models import GPT
-from megazero.parallel.pipeline import build_model_chunks, run_schedule
-from megazero.parallel.tensor import gather_full
+from megazero.checkpoint.offline import declarations, read_model, write_weights_checkpoint
+from megazero.config import ModelConfig
+from megazero.models import GPT, build_model_chunks
+from megazero.parallel.params import split_dim
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
-from megazero.training import TrainState
+from megazero.state import TrainState
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB, SEED, MB_SIZE, GLOBAL_MB = 200, 4321, 2, 8
-# divisible-by 48: padded vocab 240 at tp1, 288 at tp2 -- the stored form must not depend on it
-MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
-             make_vocab_size_divisible_by=48)
-OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, clip_grad=0.3, adam_eps=1e-6)
-
-
-def _job(tp, pp, dp, stage, dropout=0.0):
-    model = ModelConfig(**MODEL, hidden_dropout=dropout, attention_dropout=dropout)
-    return JobConfig(model=model, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp), zero=ZeroConfig(zero_stage=stage,
-                     bucket_size=3000), optimizer=OPT)
-
-
-def _batches(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    s = MODEL["seq_length"]
-    return [{"tokens": torch.randint(0, VOCAB, (MB_SIZE, s), generator=g),
-             "labels": torch.randint(0, VOCAB, (MB_SIZE, s), generator=g),
-             "loss_mask": (torch.rand(MB_SIZE, s, generator=g) > 0.2).float()} for _ in range(GLOBAL_MB)]
-
-
-def _loss(out, topo):
-    t = torch.zeros(2)
-    if topo.is_last_stage and topo.tp_rank == 0:
-        t[0], t[1] = float(sum(x.item() for x in out)), float(len(out))
-    dist.all_reduce(t)
-    return (t[0] / t[1]).item()
-
-
-def _setup(tp, pp, stage, dropout=0.0):
-    topo = Topology(tp=tp, pp=pp)
-    job = _job(tp, pp, topo.dp_size, stage, dropout)
-    chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED)
-    return topo, job, chunks, build_engine(chunks, topo, job.zero, job.optimizer)
-
-
-def _step(topo, chunks, engine, step):
-    per = GLOBAL_MB // topo.dp_size
-    mine = _batches(step)[topo.dp_rank * per:(topo.dp_rank + 1) * per]
-    engine.zero_grad()
-    out = run_schedule(chunks, mine, topo, loss_scale=engine.loss_scale, grad_sync=engine)
-    engine.finalize_grads()
-    engine.step()
-    return _loss(out, topo)
-
-
-def _full_params(chunks, topo, engine=None):
-    """Whole (tp-gathered) parameters; under ZeRO-3 inside engine.gathered_parameters()."""
-    with engine.gathered_parameters() if engine is not None else contextlib.nullcontext():
-        return {n: gather_full(p.detach(), p.partition_dim, topo.tp_group).clone()
-                for c in chunks for n, p in c.named_parameters()}
-
-
-def _run_body(rank, world_size, tp, pp, stage, steps, save_dir=None, save_at=(), load_dir=None,
-              dropout=0.0, weights_only=False):
-    """Train until ``steps`` (from a checkpoint when ``load_dir``), saving after the steps in save_at.
-    Returns (losses of the steps run, full params right after loading, full params at the end)."""
-    topo, job, chunks, engine = _setup(tp, pp, stage, dropout)
-    state, loaded = TrainState(), None
-    if load_dir:
-        state = load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job, weights_only=weights_only)
-        loaded = _full_params(chunks, topo, engine)
-    losses = []
-    while state.iteration < steps:
-        losses.append(_step(topo, chunks, engine, state.iteration))
-        state.iteration += 1
-        state.consumed_samples += GLOBAL_MB * MB_SIZE
-        if state.iteration in save_at:
-            save_checkpoint(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job)
-    return losses, loaded, _full_params(chunks, topo, engine), state
 
 
 @pytest.fixture(scope="module")
 def saved_tp2pp2dp2(tmp_path_factory):
     """tp2 pp2 dp2 ZeRO-1: 3 steps, checkpoint after step 2; the uninterrupted losses."""
     d = tmp_path_factory.mktemp("ckpt_8")
-    res = run_on_ranks(8, _run_body, 2, 2, 1, 3, str(d), (2,), timeout=300)
+    res = run_on_ranks(8, run_body, 2, 2, 1, 3, str(d), (2,), timeout=300)
     final = {}
     for r in res:
         final.update(r[2])
@@ -128,12 +57,12 @@ def _unpad(name, value):
 def test_save_tp2pp2dp2_zero1_load_tp1pp1dp1(saved_tp2pp2dp2):
     d, ref_losses, ref_final = saved_tp2pp2dp2
     assert latest_iteration(d) == 2
-    _check_loaded(d, run_on_ranks(1, _run_body, 1, 1, 0, 3, load_dir=str(d)), ref_losses, ref_final)
+    _check_loaded(d, run_on_ranks(1, run_body, 1, 1, 0, 3, load_dir=str(d)), ref_losses, ref_final)
 
 
 def test_save_tp2pp2dp2_zero1_load_tp1pp4dp2_zero2(saved_tp2pp2dp2):
     d, ref_losses, ref_final = saved_tp2pp2dp2
-    _check_loaded(d, run_on_ranks(8, _run_body, 1, 4, 2, 3, load_dir=str(d), timeout=300), ref_losses, ref_final)
+    _check_loaded(d, run_on_ranks(8, run_body, 1, 4, 2, 3, load_dir=str(d), timeout=300), ref_losses, ref_final)
 
 
 def test_checkpoint_is_layout_free(saved_tp2pp2dp2):
@@ -149,32 +78,33 @@ def test_checkpoint_is_layout_free(saved_tp2pp2dp2):
 
 def _resume_body(rank, world_size, tp, pp, stage, save_dir, dropout):
     """Straight 4 steps vs 2 + save + (new model, engine) load + 2: bitwise equal with dropout on."""
-    straight = _run_body(rank, world_size, tp, pp, stage, 4, dropout=dropout)
+    straight = run_body(rank, world_size, tp, pp, stage, 4, dropout=dropout)
     torch.manual_seed(999)                          # disturb the global RNG: the load must restore it
-    first = _run_body(rank, world_size, tp, pp, stage, 2, save_dir, (2,), dropout=dropout)
-    resumed = _run_body(rank, world_size, tp, pp, stage, 4, load_dir=save_dir, dropout=dropout)
+    first = run_body(rank, world_size, tp, pp, stage, 2, save_dir, (2,), dropout=dropout)
+    resumed = run_body(rank, world_size, tp, pp, stage, 4, load_dir=save_dir, dropout=dropout)
     assert first[0] + resumed[0] == straight[0], (first[0], resumed[0], straight[0])
     for name, value in straight[2].items():
         assert torch.equal(value, resumed[2][name]), name
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,stage", [(2, 1, 2), (1, 2, 1)])
 def test_exact_resume_with_dropout(tmp_path, tp, pp, stage):
     assert all(run_on_ranks(4, _resume_body, tp, pp, stage, str(tmp_path), 0.1))
 
 
 def _weights_only_body(rank, world_size, load_dir):
-    topo, job, chunks, engine = _setup(1, 1, 1)
+    topo, job, chunks, engine = setup(1, 1, 1)
     state = load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job, weights_only=True)
     assert state == TrainState() and engine.state_dict()["step"] == 0
-    return _full_params(chunks, topo, engine)
+    return full_params(chunks, topo, engine)
 
 
 def test_weights_only_and_offline_writer(saved_tp2pp2dp2, tmp_path):
     d = saved_tp2pp2dp2[0]
     cfg, tensors, index = read_model(d)
-    job = _job(1, 1, 1, 0)
+    job = make_job(1, 1, 1, 0)
     out = write_weights_checkpoint(tmp_path, tensors, job, tp=2, pp=2)
     assert latest_iteration(tmp_path) == 0 and (out / "model_tp01_pp001.safetensors").is_file()
     for loaded in run_on_ranks(2, _weights_only_body, str(tmp_path)):
@@ -183,7 +113,7 @@ def test_weights_only_and_offline_writer(saved_tp2pp2dp2, tmp_path):
 
 
 def _refuses_body(rank, world_size, load_dir, weights_only=False):
-    topo, job, chunks, engine = _setup(1, 1, 0)
+    topo, job, chunks, engine = setup(1, 1, 0)
     try:
         load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job, weights_only=weights_only)
     except CheckpointError as e:
@@ -206,15 +136,22 @@ def test_flipped_byte_is_refused_naming_the_file(saved_tp2pp2dp2, tmp_path):
 
 def test_weights_only_checkpoint_needs_finetune(saved_tp2pp2dp2, tmp_path):
     cfg, tensors, _ = read_model(saved_tp2pp2dp2[0])
-    write_weights_checkpoint(tmp_path, tensors, _job(1, 1, 1, 0))
+    write_weights_checkpoint(tmp_path, tensors, make_job(1, 1, 1, 0))
     [msg] = run_on_ranks(1, _refuses_body, str(tmp_path))
     assert "--finetune" in msg
 
 
-def test_partition_dims_match_the_model():
-    model = GPT(ModelConfig(**MODEL, untie_embeddings_and_output_weights=True))
+def test_offline_declarations_match_the_built_model():
+    """The tools' meta-device declarations agree with a real model's attributes and stage split."""
+    cfg = ModelConfig(**MODEL, untie_embeddings_and_output_weights=True)
+    decls = declarations(cfg, pp=2)
+    model = GPT(cfg)
+    assert set(decls) == {n for n, _ in model.named_parameters()}
     for name, p in model.named_parameters():
-        assert partition_dim_of(name) == p.partition_dim, name
+        assert decls[name].partition_dim == split_dim(p), name
+    assert decls["layers.1.mlp.dense_h_to_4h.weight"].stages == (0,) and decls["final_norm.bias"].stages == (1,)
+    assert decls["embedding.word_embeddings.weight"].vocab_padded and decls["output_layer.weight"].vocab_padded
+    assert not decls["embedding.position_embeddings.weight"].vocab_padded
 
 
 _CRASH_SCRIPT = textwrap.dedent("""
@@ -223,10 +160,10 @@ _CRASH_SCRIPT = textwrap.dedent("""
     import megazero.checkpoint.format as fmt
     from megazero.checkpoint import save_checkpoint
     from megazero.config import JobConfig, ModelConfig
-    from megazero.parallel.pipeline import build_model_chunks
+    from megazero.models import build_model_chunks
     from megazero.parallel.topology import Topology
     from megazero.parallel.zero import build_engine
-    from megazero.training import TrainState
+    from megazero.state import TrainState
     dist.init_process_group("gloo", init_method="file://{init}", rank=0, world_size=1)
     job = JobConfig(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                                       vocab_size=100, make_vocab_size_divisible_by=16))
@@ -282,7 +219,7 @@ def _half_body(rank, world_size, save_dir, stage, load: bool):
     from megazero.config import PrecisionConfig
 
     topo = Topology(dp=world_size)
-    job = _job(1, 1, world_size, stage)
+    job = make_job(1, 1, world_size, stage)
     job.precision = PrecisionConfig(fp16=True, initial_loss_scale=2.0 ** 10, loss_scale_window=2)
     chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, dtype=torch.float16)
     engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
@@ -291,7 +228,7 @@ def _half_body(rank, world_size, save_dir, stage, load: bool):
         state = load_checkpoint(save_dir, chunks=chunks, engine=engine, topo=topo, job=job)
     else:
         for it in range(3):
-            _step(topo, chunks, engine, it)
+            train_one_step(topo, chunks, engine, it)
         state = TrainState(3, 3 * GLOBAL_MB * MB_SIZE, 0)
         save_checkpoint(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job)
     return engine.state_dict(), state
@@ -315,7 +252,7 @@ def test_fp16_masters_moments_and_loss_scaler_across_dp_and_stage(tmp_path):
 def _resume_rules_body(rank, world_size, root):
     from megazero.checkpoint import checkpoint_saver, resume
 
-    topo, job, chunks, engine = _setup(1, 1, 0)
+    topo, job, chunks, engine = setup(1, 1, 0)
     ck, out = job.checkpoint, {}
     ck.load = ck.save = f"{root}/auto"                     # auto-resume: nothing yet -> fresh
     out["fresh"] = resume(job, chunks, engine, topo)
@@ -342,6 +279,6 @@ def test_load_save_finetune_rules(tmp_path):
 
 def test_save_zero3_dp2_load_tp2_zero1(tmp_path):
     """ZeRO-3 shards gathered for the save (engine.gathered_parameters) and re-sharded on load."""
-    res = run_on_ranks(2, _run_body, 1, 1, 3, 3, str(tmp_path), (2,))
-    _check_loaded(tmp_path, run_on_ranks(2, _run_body, 2, 1, 1, 3, load_dir=str(tmp_path)), res[0][0], res[0][2])
-    _check_loaded(tmp_path, run_on_ranks(2, _run_body, 1, 1, 3, 3, load_dir=str(tmp_path)), res[0][0], res[0][2])
+    res = run_on_ranks(2, run_body, 1, 1, 3, 3, str(tmp_path), (2,))
+    _check_loaded(tmp_path, run_on_ranks(2, run_body, 2, 1, 1, 3, load_dir=str(tmp_path)), res[0][0], res[0][2])
+    _check_loaded(tmp_path, run_on_ranks(2, run_body, 1, 1, 3, 3, load_dir=str(tmp_path)), res[0][0], res[0][2])

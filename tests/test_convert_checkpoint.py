@@ -9,15 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_on_ranks
-from test_checkpoint import MODEL, VOCAB, _job, _run_body
+from helpers import run_on_ranks
+from helpers.ckpt import MODEL, VOCAB, make_job, run_body
 
 from megazero.checkpoint import CheckpointError, load_checkpoint
 from megazero.checkpoint.hf import load_hf, model_config_from_hf
 from megazero.checkpoint.offline import build_full_model, read_model, write_weights_checkpoint
 from megazero.config import ModelConfig
-from megazero.models import GPT
-from megazero.parallel.pipeline import build_model_chunks
+from megazero.models import GPT, build_model_chunks
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
 
@@ -47,7 +46,7 @@ def _our_logits(path):
 @pytest.fixture(scope="module")
 def trained_tp2pp2(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp2pp2")
-    run_on_ranks(4, _run_body, 2, 2, 1, 1, str(d), (1,))          # one step at tp2 pp2, then save
+    run_on_ranks(4, run_body, 2, 2, 1, 1, str(d), (1,))          # one step at tp2 pp2, then save
     return d
 
 
@@ -75,7 +74,7 @@ def test_exact_gelu_and_untied_output_export(tmp_path):
     for name, p in model.named_parameters():                   # non-trivial biases and norms
         t = p.detach() + 0.02 * torch.randn(p.shape, generator=g)
         tensors[name] = t[:VOCAB] if name.endswith(("word_embeddings.weight", "output_layer.weight")) else t
-    job = _job(1, 1, 1, 0)
+    job = make_job(1, 1, 1, 0)
     job.model = cfg
     write_weights_checkpoint(tmp_path / "mz", tensors, job, tp=2, pp=2)
     rc, out = _convert("--input", tmp_path / "mz", "--output", tmp_path / "hf", "--to", "hf")
@@ -87,10 +86,8 @@ def test_exact_gelu_and_untied_output_export(tmp_path):
 
 def _forward_tp2pp2_body(rank, world_size, load_dir, model_cfg):
     """Load at tp2 pp2 and return the full logits of TOKENS (last stage, tp rank 0)."""
-    from test_checkpoint import _job as job_of
-
     topo = Topology(tp=2, pp=2)
-    job = job_of(2, 2, 1, 0)
+    job = make_job(2, 2, 1, 0)
     job.model = model_cfg
     chunks = build_model_chunks(job.model, job.parallel, topo)
     load_checkpoint(load_dir, chunks=chunks, engine=None, topo=topo, job=job, weights_only=True)
@@ -106,6 +103,7 @@ def _forward_tp2pp2_body(rank, world_size, load_dir, model_cfg):
     return logits[..., :model_cfg.vocab_size] if topo.tp_rank == 0 else None
 
 
+@pytest.mark.slow
 def test_hf_model_imported_at_tp2pp2_gives_the_same_logits(tmp_path):
     hf_cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=4, n_inner=96,
                                      activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,

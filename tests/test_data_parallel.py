@@ -1,106 +1,16 @@
-"""Data parallelism and ZeRO 0/1/2 against the single-process run with the same global batch.
-
-The tiny model here is shared with tests/test_zero.py and tests/test_precision.py.
-"""
+"""Data parallelism and ZeRO 0/1/2 (megazero/parallel/zero/grad_sync.py) against the single-process run
+with the same global batch (the tiny model lives in tests/helpers/tinynet.py)."""
 import math
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from multiproc import run_on_ranks
+from helpers import run_on_ranks
+from helpers.tinynet import OPT, TinyNet, make_batches, reference_run, train_dp
 
-from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.optim import weight_decay_groups
-from megazero.parallel.data import AllReduceGradSync, plan_buckets, wrap_data_parallel
+from megazero.config import PrecisionConfig, ZeroConfig
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import build_optimizer
-
-VOCAB, HIDDEN, SEQ = 32, 16, 8
-OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
-
-
-class TinyNet(nn.Module):
-    """Embedding -> (linear, layer norm, gelu, linear) residual -> untied head. ~2.6k parameters,
-    with weights (decayed), biases and norm parameters (not decayed)."""
-
-    def __init__(self, seed: int = 0, dtype=torch.float32, hidden: int = HIDDEN):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, hidden)
-        self.fc1 = nn.Linear(hidden, 2 * hidden)
-        self.ln = nn.LayerNorm(2 * hidden)
-        self.fc2 = nn.Linear(2 * hidden, hidden)
-        self.head = nn.Linear(hidden, VOCAB, bias=False)
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        self.to(dtype)
-
-    def forward(self, tokens, labels):
-        h = self.emb(tokens)  # [b, s, h]
-        h = h + self.fc2(F.gelu(self.ln(self.fc1(h))))
-        logits = self.head(h).float()
-        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.view(-1))
-
-
-def make_batches(steps: int, global_batch: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, VOCAB, (global_batch, SEQ), generator=g),
-             torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)) for _ in range(steps)]
-
-
-def reference_run(steps: int, global_batch: int, opt_cfg: OptimizerConfig = OPT):
-    """Single process, plain torch: AdamW (decay on >=2-D weights only) + clip_grad_norm_."""
-    model = TinyNet()
-    opt = torch.optim.AdamW(weight_decay_groups(model.named_parameters(), opt_cfg.weight_decay),
-                            lr=opt_cfg.lr, betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2), eps=opt_cfg.adam_eps)
-    losses, norms = [], []
-    for tokens, labels in make_batches(steps, global_batch):
-        loss = model(tokens, labels)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.clip_grad)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def train_dp(topo, stage: int, steps: int, global_batch: int, micro_batches: int, bucket_size: int = 300,
-             dtype=torch.float32, precision: PrecisionConfig | None = None, model=None, hidden: int = HIDDEN,
-             overlap: bool = True, start: int = 0, opt_state: dict | None = None, grad_sync_cls=None,
-             each_microbatch: bool = False):
-    """Train TinyNet data-parallel; returns (global losses, norms, params, grad_sync, optimizer)."""
-    model = model or TinyNet(dtype=dtype, hidden=hidden)
-    sync = wrap_data_parallel(model, topo, ZeroConfig(zero_stage=stage, bucket_size=bucket_size,
-                                                      overlap_grad_reduce=overlap,
-                                                      reduce_each_microbatch=each_microbatch),
-                              grad_sync_cls=grad_sync_cls)
-    opt = build_optimizer(sync, OPT, precision)
-    if opt_state is not None:
-        opt.load_state_dict(opt_state)
-    per_rank = global_batch // topo.dp_size
-    mb = per_rank // micro_batches
-    losses, norms = [], []
-    for tokens, labels in make_batches(start + steps, global_batch)[start:]:
-        lo = topo.dp_rank * per_rank
-        local = 0.0
-        opt.zero_grad()                 # at the start of a step, like megazero.training
-        sync.comm_log.reset()
-        for m in range(micro_batches):
-            sl = slice(lo + m * mb, lo + (m + 1) * mb)
-            sync.before_backward(0, m == micro_batches - 1)
-            loss = model(tokens[sl], labels[sl])
-            (loss * opt.loss_scale / micro_batches).backward()
-            local += loss.item() / micro_batches
-        sync.finalize_grads()
-        norm, _ = opt.step()
-        t = torch.tensor([local])
-        torch.distributed.all_reduce(t, group=topo.dp_group)
-        losses.append(t.item() / topo.dp_size)
-        norms.append(norm)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return losses, norms, params, sync, opt
+from megazero.parallel.zero import (MAX_REDUCTIONS_IN_FLIGHT, AllReduceGradSync, build_optimizer, plan_buckets,
+                                   wrap_data_parallel)
 
 
 def _parity_body(rank, world_size, stage, micro_batches):
@@ -214,9 +124,9 @@ def test_zero2_reducing_each_micro_batch_matches_single_process(world):
                 torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _grad_peak_body(rank, world_size, each_microbatch, overlap=False):
+def _grad_peak_body(rank, world_size, each_microbatch, overlap=False, micro_batches=4):
     topo = Topology(dp=world_size)
-    _, _, _, sync, _ = train_dp(topo, 2, steps=2, global_batch=16, micro_batches=4, overlap=overlap,
+    _, _, _, sync, _ = train_dp(topo, 2, steps=2, global_batch=16, micro_batches=micro_batches, overlap=overlap,
                                 each_microbatch=each_microbatch)
     full = [b.numel * 4 for b in sync.buckets]
     return sync.peak_grad_bytes, sum(full), max(full), sum(b.shard_size for b in sync.buckets) * 4
@@ -232,10 +142,11 @@ def test_zero2_reducing_each_micro_batch_holds_one_bucket_not_all_gradients():
     assert peak_default >= full
     assert peak_each <= shards + biggest + biggest // 2
     assert peak_each < full
-    # overlapped: the bucket being filled and one reduction in flight, each with a scratch shard
+    # overlapped: the bucket being filled and MAX_REDUCTIONS_IN_FLIGHT in flight, each with a scratch shard,
+    # whatever the number of micro-batches (the default's peak is the full gradient size for any m)
     peak_overlap = run_on_ranks(2, _grad_peak_body, True, True)[0][0]
-    assert peak_overlap <= shards + 2 * (biggest + biggest // 2)
-    assert peak_overlap < peak_default
+    assert peak_overlap <= shards + (1 + MAX_REDUCTIONS_IN_FLIGHT) * (biggest + biggest // 2)
+    assert run_on_ranks(2, _grad_peak_body, True, True, 8)[0][0] == peak_overlap
 
 
 def test_plan_buckets_worked_example():

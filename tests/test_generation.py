@@ -87,6 +87,7 @@ def test_greedy_matches_transformers(tmp_path):
     assert generate(model, prompt, 10) == out[0, 3:].tolist()
 
 
+@pytest.mark.slow
 def test_generate_and_inspect_tools(tmp_path):
     ckpt = _checkpoint(tmp_path / "c", vocab_size=4000)     # the embedded sample tokenizer's vocabulary
     model, _ = build_full_model(ckpt)

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from multiproc import run_on_ranks
+from helpers import run_on_ranks
 
 from megazero.config import DataConfig
 from megazero.data.gpt_dataset import (BlendedDataset, DataError, GPTDataset, IndexCache, MockGPTDataset,
@@ -117,7 +117,7 @@ def test_index_cache_written_once_and_reused(tmp_path, monkeypatch):
 
     def boom(*args, **kw):
         raise AssertionError("rebuilt instead of loading the cache")
-    monkeypatch.setattr(GPTDataset, "_build", boom)
+    monkeypatch.setattr(GPTDataset, "build_indices", boom)
     b = GPTDataset(ds, (0, 50), 300, 8, 1, IndexCache(str(tmp_path / "cache"), is_writer=False))
     assert isinstance(b.shuffle_idx, np.memmap)
     assert all(np.array_equal(a[i], b[i]) for i in range(300))
@@ -128,17 +128,17 @@ def _cache_body(rank, world, tmp, calls_file):
     import torch.distributed as dist
     from megazero.data.gpt_dataset import GPTDataset as G, IndexCache as C
     from megazero.data.indexed_dataset import IndexedDataset as I
-    orig = G._build
+    orig = G.build_indices
 
     def counting(self, *a):
         with open(calls_file, "a") as f:
             f.write(f"{rank}\n")
         return orig(self, *a)
-    G._build = counting
+    G.build_indices = counting
     try:
         g = G(I(os.path.join(tmp, "d")), (0, 50), 200, 8, 7, C(os.path.join(tmp, "cache"), rank == 0, dist.barrier))
     finally:
-        G._build = orig
+        G.build_indices = orig
     return np.stack([g[i] for i in range(0, 200, 13)])
 
 

@@ -172,11 +172,11 @@ def test_megatron_read_by_ours(tmp_path, megatron, dtype):
 
 
 def test_pointer_check_in_chunks(good):
-    from megazero.data.indexed_dataset import _pointers_consistent
+    from megazero.data.indexed_dataset import pointers_consistent
     ds = IndexedDataset(good)
     lengths, pointers = np.asarray(ds.sequence_lengths), np.asarray(ds.sequence_pointers).copy()
     for chunk in (1, 2, 3, 100):
-        assert _pointers_consistent(lengths, pointers, 2, chunk)
+        assert pointers_consistent(lengths, pointers, 2, chunk)
         bad = pointers.copy()
         bad[-1] += 2
-        assert not _pointers_consistent(lengths, bad, 2, chunk)
+        assert not pointers_consistent(lengths, bad, 2, chunk)

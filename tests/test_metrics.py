@@ -4,7 +4,8 @@ import math
 import pytest
 
 from megazero.config import ModelConfig, OptimizerConfig
-from megazero.metrics import MetricsLog, learning_rate, model_flops_per_token
+from megazero.metrics import MetricsLog, model_flops_per_token
+from megazero.optim import learning_rate
 
 
 def test_warmup_then_cosine_to_min_lr():

@@ -11,17 +11,18 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_on_ranks
-from pipeline_sim import simulate
+from helpers import run_on_ranks
+from helpers.pipeline_sim import simulate
 
-from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, validate
-from megazero.models.gpt import GPT, masked_mean
-from megazero.parallel.pipeline import (PipelineStats, activation_shape, build_model_chunks, get_schedule,
-                                        gpipe, interleaved_one_f_one_b, interleaved_warmup, no_pipelining,
-                                        one_f_one_b, run_schedule, stage_layer_ids,
-                                        sync_tied_embedding_grads)
-from megazero.parallel.tensor import allreduce_sequence_parallel_grads, gather_full
+from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
+from megazero.parallel.params import attribute, split_dim
+from megazero.parallel.pipeline import (PipelineStats, get_schedule, gpipe, interleaved_one_f_one_b,
+                                        interleaved_warmup, no_pipelining, one_f_one_b, run_schedule,
+                                        stage_layer_ids)
+from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
+from megazero.parallel.zero import wrap_data_parallel
 
 # --------------------------------------------------------------------------------------------------
 # Pure pieces: layer split, dispatcher, config validation
@@ -156,14 +157,14 @@ def _full_tensor(t, p, topo):
     """The whole tensor ``t`` (a parameter or its gradient): tp shards gathered over the tp group."""
     if topo.tp_size == 1 or not p.tensor_parallel:
         return t.detach().clone()
-    return gather_full(t.detach(), p.partition_dim, topo.tp_group)
+    return gather_full(t.detach(), split_dim(p), topo.tp_group)
 
 
 def _tied_copies_equal(chunks, topo) -> bool | None:
     """On first/last stages: is this rank's tied embedding bit-identical to the other end's?"""
     if topo.pp_size == 1 or topo.embedding_group is None:
         return None
-    (w,) = [p for c in chunks for p in c.parameters() if getattr(p, "shared_embedding", False)]
+    (w,) = [p for c in chunks for p in c.parameters() if attribute(p, "shared_embedding")]
     both = [torch.empty_like(w) for _ in range(2)]
     dist.all_gather(both, w.detach(), group=topo.embedding_group)
     return torch.equal(both[0], both[1])
@@ -175,17 +176,18 @@ def _parallel_body(rank, world, tp, pp, schedule, v, m, sp=False, dtype=torch.fl
     par = ParallelConfig(tp=tp, pp=pp, pipeline_schedule=schedule, virtual_stages=v, sequence_parallel=sp)
     chunks = build_model_chunks(cfg, par, topo, seed=SEED, dtype=dtype)
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
+    # The trainer's gradient finalisation (ZeRO-0 grad sync): tied-embedding grads summed over the
+    # first and last stage, sequence-parallel grads over tp (and identical dp replicas averaged).
+    sync = wrap_data_parallel(chunks, topo, ZeroConfig())
     opt = torch.optim.AdamW([p for _, p in named], lr=LR)
     shape = activation_shape(cfg, MICRO, tp, sp)
     losses, tied, peaks, grads = [], [], [], None
     for step in range(STEPS):
         stats = PipelineStats()
-        opt.zero_grad()
-        step_losses = run_schedule(chunks, _batches(step, m, cfg), topo, schedule=get_schedule(par),
-                                   tensor_shape=shape, stats=stats)
-        sync_tied_embedding_grads(chunks, topo)
-        if sp:
-            allreduce_sequence_parallel_grads([p for _, p in named], topo.tp_group)
+        sync.zero_grad()
+        step_losses = run_schedule(chunks, _batches(step, m, cfg), topo, loss_fn=masked_mean,
+                                   schedule=get_schedule(par), tensor_shape=shape, stats=stats, grad_sync=sync)
+        sync.finalize_grads()
         if step == 0:
             grads = {n: _full_tensor(p.grad, p, topo) for n, p in named}
         opt.step()
@@ -257,7 +259,13 @@ def _case_id(case) -> str:
     return f"tp{tp}-pp{pp}-{schedule}-v{v}-m{m}{'-sp' if sp else ''}-{'fp64' if dtype == F64 else 'fp32'}"
 
 
-@pytest.mark.parametrize("tp,pp,schedule,v,m,sp,dtype", PARITY_CASES, ids=[_case_id(c) for c in PARITY_CASES])
+QUICK_CASES = {(1, 2, "1f1b", 1, 4, False, F32), (1, 4, "interleaved", 2, 8, False, F32),
+               (1, 4, "interleaved", 2, 4, False, F32), (2, 2, "1f1b", 1, 4, True, F32)}   # the quick tier's share
+
+
+@pytest.mark.parametrize("tp,pp,schedule,v,m,sp,dtype", [
+    c if c in QUICK_CASES else pytest.param(*c, marks=pytest.mark.slow) for c in PARITY_CASES],
+    ids=[_case_id(c) for c in PARITY_CASES])
 def test_pipeline_matches_serial(tp, pp, schedule, v, m, sp, dtype):
     results = run_on_ranks(tp * pp, _parallel_body, tp, pp, schedule, v, m, sp, dtype, timeout=120)
     _check_parity(results, m, pp, schedule, v, dtype)
@@ -288,14 +296,13 @@ def _eval_and_hook_body(rank, world, pp, schedule, v, m):
         mbs = [{"labels": b["labels"], "loss_mask": b["loss_mask"]} for b in mbs]
     shape = activation_shape(cfg, MICRO)
     stats = PipelineStats()
-    eval_losses = run_schedule(chunks, mbs, topo, forward_only=True, schedule=schedule, tensor_shape=shape,
-                               stats=stats)
+    eval_losses = run_schedule(chunks, mbs, topo, loss_fn=masked_mean, forward_only=True, schedule=schedule,
+                               tensor_shape=shape, stats=stats)
     no_grads = all(p.grad is None for c in chunks for p in c.parameters())
     eval_peak = stats.peak_in_flight
     hook = _HookRecorder(stats)
-    inferred = None if mbs[0] is not None else shape      # stages with data infer the boundary shape
-    train_losses = run_schedule(chunks, mbs, topo, schedule=schedule, tensor_shape=inferred, stats=stats,
-                                grad_sync=hook)
+    train_losses = run_schedule(chunks, mbs, topo, loss_fn=masked_mean, schedule=schedule, tensor_shape=shape,
+                                stats=stats, grad_sync=hook)
     return {"pp_rank": topo.pp_rank, "eval": [x.item() for x in eval_losses],
             "train": [x.item() for x in train_losses], "no_grads": no_grads, "eval_peak": eval_peak,
             "calls": hook.calls}
@@ -338,14 +345,14 @@ def test_p2p_rejects_wrong_shape_before_communicating():
     assert comm.recv_forward() is None and comm.num_batches == 0
 
 
-def test_run_schedule_needs_a_shape_it_can_infer():
+def test_run_schedule_needs_the_boundary_shape_with_pipelining():
     from types import SimpleNamespace
 
     topo = SimpleNamespace(device=torch.device("cpu"), pp_group=None, pp_size=2, pp_rank=1, pp_ranks=[0, 1],
                            prev_rank=0, next_rank=None, tp_size=1, is_first_stage=False, is_last_stage=True)
     chunk = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="tensor_shape=activation_shape"):
-        run_schedule([chunk], [None, None], topo, schedule="1f1b")
+    with pytest.raises(ValueError, match="needs tensor_shape: the model's activation_shape"):
+        run_schedule([chunk], [None, None], topo, loss_fn=masked_mean, schedule="1f1b")
 
 
 def test_pipeline_inside_a_data_parallel_grid():

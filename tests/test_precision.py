@@ -3,13 +3,12 @@ import logging
 
 import pytest
 import torch
-from multiproc import run_on_ranks
-from test_data_parallel import OPT, TinyNet, make_batches, reference_run, train_dp
+from helpers import run_on_ranks
+from helpers.tinynet import OPT, TinyNet, make_batches, reference_run, train_dp
 
 from megazero.config import PrecisionConfig, ZeroConfig
-from megazero.parallel.data import wrap_data_parallel
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import build_optimizer
+from megazero.parallel.zero import build_optimizer, wrap_data_parallel
 from megazero.precision import DynamicLossScaler
 
 

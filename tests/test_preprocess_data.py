@@ -8,21 +8,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.data import GPT2_MERGES, GPT2_VOCAB
 
 from megazero.data.indexed_dataset import IndexedDataset
-from megazero.data.preprocess import PreprocessConfig, PreprocessError, _txt_batches, preprocess
-from megazero.data.sample import TOKENIZER_MODEL, sample_documents, sample_text
+from megazero.data.preprocess import PreprocessConfig, PreprocessError, preprocess, txt_batches
+from megazero.data.sample import CORPUS, TOKENIZER_MODEL, sample_documents, sample_text
 from megazero.data.tokenizers import GPT2BPETokenizer, SentencePieceTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
-VOCAB, MERGES = SHARED / "gpt2" / "vocab.json", SHARED / "gpt2" / "merges.txt"
-needs_shared = pytest.mark.skipif(not VOCAB.exists(), reason=f"shared data folder {SHARED} is absent")
 
 
 def _gpt2_cfg(inp, out, **kw):
     return PreprocessConfig(input=str(inp), output_prefix=str(out), tokenizer_type="GPT2BPETokenizer",
-                            vocab_file=str(VOCAB), merge_file=str(MERGES), **kw)
+                            vocab_file=str(GPT2_VOCAB), merge_file=str(GPT2_MERGES), **kw)
 
 
 def _sp_cfg(inp, out, **kw):
@@ -43,16 +41,15 @@ def corpus_jsonl(tmp_path_factory):
     return path
 
 
-@needs_shared
 def test_corpus_round_trip_gpt2_and_workers_agree(corpus_jsonl, tmp_path):
     docs = sample_documents()
-    assert "\n\n".join(docs) == (SHARED / "jargon-file-4.4.7-1mb.txt").read_text(encoding="utf-8")
+    assert "\n\n".join(docs) == CORPUS.read_text(encoding="utf-8")
     logs = []
     res = preprocess(_gpt2_cfg(corpus_jsonl, tmp_path / "one", append_eod=True, batch_bytes=1 << 17), logs.append)
     assert res.documents == 1370 and res.tokens == 298_535 and not res.skipped
     assert any("processed 1,370 documents" in line and "MB/s" in line for line in logs)
     ds = IndexedDataset(res.outputs["text"])
-    tok = GPT2BPETokenizer(str(VOCAB), str(MERGES))
+    tok = GPT2BPETokenizer(str(GPT2_VOCAB), str(GPT2_MERGES))
     assert ds.dtype == np.uint16 and ds.num_documents == 1370
     for i, d in enumerate(docs):
         assert ds[i][-1] == tok.eod
@@ -79,13 +76,13 @@ def test_streaming_txt_split_equals_str_split(tmp_path):
         sep = rng.choice([b"\n\n", b"\n", b"@@@"])
         data = b"".join(rng.choice([b"a", b"bc", b"\n", b"\n\n", b"@", b"@@", b"x\n"]) for _ in range(rng.randint(0, 80)))
         (tmp_path / "t.txt").write_bytes(data)
-        got = [d for batch in _txt_batches(str(tmp_path / "t.txt"), rng.randint(1, 9), sep) for _, d in batch]
+        got = [d for batch in txt_batches(str(tmp_path / "t.txt"), rng.randint(1, 9), sep) for _, d in batch]
         assert got == [p for p in data.split(sep) if p], (data, sep)
 
 
 def test_txt_line_numbers(tmp_path):
     (tmp_path / "t.txt").write_bytes(b"a\nb\n\nc\n\n\n\nd")
-    got = [x for batch in _txt_batches(str(tmp_path / "t.txt"), 3, b"\n\n") for x in batch]
+    got = [x for batch in txt_batches(str(tmp_path / "t.txt"), 3, b"\n\n") for x in batch]
     assert got == [(1, b"a\nb"), (4, b"c"), (8, b"d")]
 
 

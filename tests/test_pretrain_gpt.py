@@ -7,24 +7,14 @@ corpus, sample tokenizer) runs shortened in a subprocess.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-from multiproc import run_on_ranks
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-TINY = ["--mock-data", "--vocab-size", "100", "--make-vocab-size-divisible-by", "16", "--num-layers", "4",
-        "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-2", "--lr-warmup-iters", "2",
-        "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "2", "--seed", "7"]
+from helpers import run_on_ranks
+from helpers.trainer import ROOT, TINY, assert_same_losses, main_body, read_metrics
 
 # (id, world size, layout flags). Each must match the single-process run.
 LAYOUTS = [
@@ -44,28 +34,10 @@ LAYOUTS = [
 ]
 
 
-def _main_body(rank, world, argv):
-    import pretrain_gpt
-
-    return pretrain_gpt.main(argv)
-
-
-def read_metrics(path) -> tuple[list[dict], list[dict]]:
-    """(training records, evaluation records) of a metrics file."""
-    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
-    return [r for r in records if "loss" in r], [r for r in records if "valid_loss" in r]
-
-
-def assert_same_losses(got: list[dict], want: list[dict], key: str) -> None:
-    assert [r["iteration"] for r in got] == [r["iteration"] for r in want]
-    for g, w in zip(got, want):
-        assert math.isclose(g[key], w[key], rel_tol=1e-5), f"iteration {g['iteration']}: {g[key]} vs {w[key]}"
-
-
 @pytest.fixture(scope="module")
 def serial_metrics(tmp_path_factory):
     path = tmp_path_factory.mktemp("serial") / "metrics.jsonl"
-    assert run_on_ranks(1, _main_body, TINY + ["--metrics-file", str(path)], timeout=120) == [0]
+    assert run_on_ranks(1, main_body, TINY + ["--metrics-file", str(path)], timeout=120) == [0]
     return read_metrics(path)
 
 
@@ -80,15 +52,20 @@ def test_serial_run_logs_every_iteration(serial_metrics):
     assert valid[-1]["valid_ppl"] == pytest.approx(math.exp(valid[-1]["valid_loss"]), rel=1e-6)
 
 
-@pytest.mark.parametrize("world,flags", [c[1:] for c in LAYOUTS], ids=[c[0] for c in LAYOUTS])
+QUICK_LAYOUTS = {"dp2-zero3", "tp2pp2dp2-zero1"}     # the quick tier's share of the matrix
+
+
+@pytest.mark.parametrize("world,flags", [pytest.param(*c[1:], marks=() if c[0] in QUICK_LAYOUTS else pytest.mark.slow)
+                                         for c in LAYOUTS], ids=[c[0] for c in LAYOUTS])
 def test_layout_matches_serial(world, flags, serial_metrics, tmp_path):
     path = tmp_path / "metrics.jsonl"
-    assert run_on_ranks(world, _main_body, TINY + flags + ["--metrics-file", str(path)], timeout=300) == [0] * world
+    assert run_on_ranks(world, main_body, TINY + flags + ["--metrics-file", str(path)], timeout=300) == [0] * world
     train, valid = read_metrics(path)
     assert_same_losses(train, serial_metrics[0], "loss")
     assert_same_losses(valid, serial_metrics[1], "valid_loss")
 
 
+@pytest.mark.slow
 def test_torchrun_launch_matches_serial(serial_metrics, tmp_path):
     path = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -105,6 +82,7 @@ def test_torchrun_launch_matches_serial(serial_metrics, tmp_path):
 SAMPLE_UNIGRAM_ENTROPY = 6.502
 
 
+@pytest.mark.slow
 def test_embedded_default_learns_the_sample_corpus(tmp_path):
     """The README's first command, shortened: no data flags -> sample corpus, sample tokenizer."""
     path = tmp_path / "metrics.jsonl"
@@ -118,6 +96,7 @@ def test_embedded_default_learns_the_sample_corpus(tmp_path):
     assert "greedy continuation" in run.stdout and "parameters" in run.stdout.splitlines()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,message", [
     (["--tp", "3"], "world size 1 is not divisible by tp*pp"),
     (["--num-layers", "3", "--pp", "2", "--dp", "1"], "--dp"),

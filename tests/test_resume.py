@@ -11,17 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from multiproc import run_on_ranks
-from test_pretrain_gpt import TINY, _main_body, assert_same_losses, read_metrics
+from helpers import run_on_ranks
+from helpers.trainer import TINY, assert_same_losses, main_body, read_metrics
 
 from megazero.checkpoint import CheckpointReader, latest_iteration
 
+pytestmark = pytest.mark.slow                  # end to end through the launcher: the full suite only
 ROOT = Path(__file__).resolve().parents[1]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
 def _main(world, argv, timeout=300, stop_after=None):
-    body = _main_body if stop_after is None else _stopping_main_body
+    body = main_body if stop_after is None else _stopping_main_body
     extra = () if stop_after is None else (stop_after,)
     assert run_on_ranks(world, body, [str(a) for a in argv], *extra, timeout=timeout) == [0] * world
 

@@ -6,18 +6,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from multiproc import run_on_ranks
+from helpers import run_on_ranks
 
-from megazero.config import ModelConfig
+from megazero.config import ModelConfig, ZeroConfig
 from megazero.models import GPT
 from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
-                                      VocabParallelEmbedding, allreduce_sequence_parallel_grads,
-                                      copy_to_tp_region, gather_from_sequence_parallel_region,
+                                      VocabParallelEmbedding, copy_to_tp_region, gather_from_sequence_parallel_region,
                                       gather_from_tp_region, gather_full, reduce_from_tp_region,
                                       reduce_scatter_to_sequence_parallel_region,
                                       scatter_to_sequence_parallel_region, scatter_to_tp_region,
                                       vocab_parallel_cross_entropy)
 from megazero.parallel.topology import Topology
+from megazero.parallel.zero import wrap_data_parallel
 
 S, B, IN, OUT = 8, 2, 12, 16     # [s, b, h] activations; IN and OUT divisible by 4
 
@@ -69,6 +69,7 @@ def _check_row(topo, sp, input_is_parallel):
     with torch.no_grad():
         layer.weight.copy_(_mine(ref.weight, 1, topo))
         layer.bias.copy_(ref.bias)
+    sync = wrap_data_parallel(layer, topo, ZeroConfig())   # the trainer's gradient finalisation (dp = 1)
     x_ref = _leaf(x)
     y_ref = ref(x_ref)
     y_ref.backward(dy)
@@ -76,7 +77,7 @@ def _check_row(topo, sp, input_is_parallel):
     y = layer(x_in)
     _close(y, _mine(y_ref, 0, topo) if sp else y_ref, "row output")
     y.backward(_mine(dy, 0, topo) if sp else dy)
-    allreduce_sequence_parallel_grads(layer.parameters(), topo.tp_group)
+    sync.finalize_grads()                                  # sequence parallel: partial bias grads summed over tp
     _close(layer.weight.grad, _mine(ref.weight.grad, 1, topo), "row weight grad")
     _close(layer.bias.grad, ref.bias.grad, "row bias grad")
     _close(x_in.grad, _mine(x_ref.grad, 2, topo) if input_is_parallel else x_ref.grad, "row input grad")

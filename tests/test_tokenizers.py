@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.data import GPT2_MERGES, GPT2_VOCAB
 
 from megazero.config import DataConfig
 from megazero.data.sample import CORPUS, TOKENIZER_MODEL, sample_text
@@ -15,27 +16,23 @@ from megazero.data.tokenizers import (GPT2BPETokenizer, SentencePieceTokenizer, 
                                       build_tokenizer, bytes_to_unicode, tokenizer_from_config)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
-VOCAB, MERGES = SHARED / "gpt2" / "vocab.json", SHARED / "gpt2" / "merges.txt"
 CORPUS_SHA = "3f942aea63845da6dc1023e5e8b942f329986b0bed2844d451b564d53498c188"
-needs_shared = pytest.mark.skipif(not VOCAB.exists(), reason=f"shared data folder {SHARED} is absent")
 
 
 @pytest.fixture(scope="module")
 def gpt2():
-    return GPT2BPETokenizer(str(VOCAB), str(MERGES))
+    return GPT2BPETokenizer(str(GPT2_VOCAB), str(GPT2_MERGES))
 
 
 def _reference_hf():
     """GPT-2 BPE built directly with HuggingFace `tokenizers` (independent of our tiktoken path)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    tok = Tokenizer(models.BPE.from_file(str(VOCAB), str(MERGES)))
+    tok = Tokenizer(models.BPE.from_file(str(GPT2_VOCAB), str(GPT2_MERGES)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
-@needs_shared
 def test_gpt2_reference_values(gpt2):
     assert gpt2.backend == "tiktoken"
     assert gpt2.tokenize("Hello world") == [15496, 995]
@@ -45,9 +42,8 @@ def test_gpt2_reference_values(gpt2):
     assert 50256 not in gpt2.tokenize("a<|endoftext|>b")
 
 
-@needs_shared
 def test_gpt2_whole_corpus_matches_reference_library(gpt2):
-    text = (SHARED / "jargon-file-4.4.7-1mb.txt").read_text(encoding="utf-8")
+    text = CORPUS.read_text(encoding="utf-8")
     ours = gpt2.tokenize(text)
     assert len(ours) == 298_534 and ours[:16] == [220] * 16
     assert hashlib.sha256(np.asarray(ours, dtype="<u2").tobytes()).hexdigest() == CORPUS_SHA
@@ -55,7 +51,6 @@ def test_gpt2_whole_corpus_matches_reference_library(gpt2):
     assert gpt2.detokenize(ours) == text
 
 
-@needs_shared
 def test_gpt2_hard_strings_match_reference(gpt2):
     ref = _reference_hf()
     for s in ["", " ", "  leading", "trailing  \n\n", "don't I'll we've", "1234567 3.14",
@@ -64,9 +59,8 @@ def test_gpt2_hard_strings_match_reference(gpt2):
         assert gpt2.detokenize(gpt2.tokenize(s)) == s
 
 
-@needs_shared
 def test_gpt2_tokenizers_backend_agrees(gpt2):
-    hf = GPT2BPETokenizer(str(VOCAB), str(MERGES), backend="tokenizers")
+    hf = GPT2BPETokenizer(str(GPT2_VOCAB), str(GPT2_MERGES), backend="tokenizers")
     text = sample_text()[:100_000]
     assert hf.tokenize(text) == gpt2.tokenize(text)
     assert hf.detokenize(hf.tokenize(text)) == text
@@ -97,7 +91,7 @@ def test_sentencepiece_sample_model_round_trips():
 
 def test_bad_files_give_clear_errors(tmp_path):
     with pytest.raises(TokenizerError, match="--vocab-file.*no such file"):
-        GPT2BPETokenizer(str(tmp_path / "nope.json"), str(MERGES))
+        GPT2BPETokenizer(str(tmp_path / "nope.json"), str(GPT2_MERGES))
     (tmp_path / "bad.json").write_text("{not json", encoding="utf-8")
     (tmp_path / "m.txt").write_text("a b\n", encoding="utf-8")
     with pytest.raises(TokenizerError, match="--vocab-file.*JSON"):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_on_ranks
+from helpers import run_on_ranks
 
 from megazero.parallel.topology import Topology, rank_grid
 
@@ -97,6 +97,7 @@ def _hang_on_rank_zero(rank, world_size):
     return rank
 
 
+@pytest.mark.slow
 def test_harness_reports_the_failing_rank():
     with pytest.raises(AssertionError, match="(?s)rank 1 of 2 failed.*deliberate failure"):
         run_on_ranks(2, _fail_on_rank_one)
@@ -107,6 +108,7 @@ def _ranks(rank, world_size):
     return rank
 
 
+@pytest.mark.slow
 def test_harness_times_out_instead_of_hanging():
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\]"):
         run_on_ranks(2, _hang_on_rank_zero, timeout=5)

@@ -2,15 +2,16 @@
 tensor and pipeline parallelism (tp2 x pp2 x dp2) against the single-process run."""
 import pytest
 import torch
-import torch.distributed as dist
-from multiproc import run_on_ranks
-from test_data_parallel import TinyNet, reference_run, train_dp
+from helpers import run_on_ranks
+from helpers.gpt_parity import (GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, check_against_reference, global_loss,
+                                gpt_batches)
+from helpers.tinynet import TinyNet, reference_run, train_dp
 
-from megazero.config import ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, ZeroConfig
-from megazero.models import GPT, masked_mean
-from megazero.optim import adamw_update, weight_decay_groups
-from megazero.parallel.pipeline import build_model_chunks, run_schedule
-from megazero.parallel.tensor import shard
+from megazero.config import ModelConfig, ParallelConfig, PrecisionConfig, ZeroConfig
+from megazero.models import activation_shape, build_model_chunks, masked_mean
+from megazero.optim import adamw_update
+from megazero.parallel.params import split_dim
+from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine, merge_optimizer_states, model_state_bytes, zero_paper_bytes
 
@@ -97,49 +98,6 @@ def test_model_state_bytes_match_zero_formulas(world):
 
 # --------------------------------------------------------------------------- GPT with tp x pp x dp
 
-VOCAB, SEED, MICRO, MB_SIZE = 200, 4321, 4, 2
-GPT_CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
-               make_vocab_size_divisible_by=64)   # padded vocab 256 for tp 1 and 2: same full shapes
-# eps 1e-6: the key bias's gradient is analytically zero, i.e. layout-dependent rounding noise that
-# eps=1e-8 would turn into lr-sized updates (see tests/test_gpt.py).
-GPT_OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, clip_grad=0.3, adam_eps=1e-6)
-
-
-def _gpt_batches(steps: int, count: int):
-    g = torch.Generator().manual_seed(11)
-    s = GPT_CFG["seq_length"]
-    return [[{"tokens": torch.randint(0, VOCAB, (MB_SIZE, s), generator=g),
-              "labels": torch.randint(0, VOCAB, (MB_SIZE, s), generator=g),
-              "loss_mask": (torch.rand(MB_SIZE, s, generator=g) > 0.2).float()} for _ in range(count)]
-            for _ in range(steps)]
-
-
-def _gpt_reference(steps: int, dp: int):
-    model = GPT(ModelConfig(**GPT_CFG), seed=SEED)
-    opt = torch.optim.AdamW(weight_decay_groups(model.named_parameters(), GPT_OPT.weight_decay),
-                            lr=GPT_OPT.lr, eps=GPT_OPT.adam_eps)
-    losses, norms = [], []
-    for batches in _gpt_batches(steps, dp * MICRO):
-        total = 0.0
-        for mb in batches:
-            loss = masked_mean(model(mb["tokens"], mb["labels"]), mb["loss_mask"])
-            (loss / len(batches)).backward()
-            total += loss.item() / len(batches)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), GPT_OPT.clip_grad)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _global_loss(losses, topo) -> float:
-    t = torch.zeros(2)
-    if topo.is_last_stage and topo.tp_rank == 0:
-        t[0], t[1] = float(sum(x.item() for x in losses)), float(len(losses))
-    dist.all_reduce(t)
-    return (t[0] / t[1]).item()
-
-
 def _gpt_body(rank, world_size, tp, pp, stage, sequence_parallel, steps, virtual_stages=1):
     topo = Topology(tp=tp, pp=pp)
     par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sequence_parallel,
@@ -147,46 +105,35 @@ def _gpt_body(rank, world_size, tp, pp, stage, sequence_parallel, steps, virtual
     chunks = build_model_chunks(ModelConfig(**GPT_CFG), par, topo, seed=SEED)
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, bucket_size=3000), GPT_OPT)
     losses, norms = [], []
-    for batches in _gpt_batches(steps, topo.dp_size * MICRO):
+    for batches in gpt_batches(steps, topo.dp_size * MICRO):
         mine = batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
         engine.zero_grad()
-        out = run_schedule(chunks, mine, topo, loss_scale=engine.loss_scale, grad_sync=engine)
+        out = run_schedule(chunks, mine, topo, loss_fn=masked_mean, loss_scale=engine.loss_scale, grad_sync=engine,
+                           tensor_shape=activation_shape(chunks[0].cfg, MB_SIZE, tp, sequence_parallel))
         engine.finalize_grads()
         norm, skipped = engine.step()
         assert not skipped
-        losses.append(_global_loss(out, topo))
+        losses.append(global_loss(out, topo))
         norms.append(norm)
-    params = {n: (p.detach().clone(), p.partition_dim) for c in chunks for n, p in c.named_parameters()}
+    params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
     return topo.tp_rank, topo.tp_size, losses, norms, params
 
 
-def _check_against_reference(results, steps: int, dp: int):
-    ref_losses, ref_norms, ref_params = _gpt_reference(steps, dp)
-    assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
-    seen = set()
-    for tp_rank, tp, losses, norms, params in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
-        for name, (value, pdim) in params.items():
-            expected = shard(ref_params[name], pdim, tp_rank, tp)
-            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-            seen.add(name)
-    assert seen == set(ref_params), f"parameters never compared: {set(ref_params) - seen}"
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,sequence_parallel", [(1, False), (2, True)])
 def test_gpt_tp2_pp2_dp2_matches_single_process(stage, sequence_parallel):
     """8 ranks: loss, clipped global grad norm and every parameter after 5 steps equal one process."""
     results = run_on_ranks(8, _gpt_body, 2, 2, stage, sequence_parallel, 5, timeout=300)
-    _check_against_reference(results, 5, dp=2)
+    check_against_reference(results, 5, dp=2)
 
 
+@pytest.mark.slow
 def test_gpt_tp2_dp2_stage0_sequence_parallel_matches_single_process():
     results = run_on_ranks(4, _gpt_body, 2, 1, 0, True, 3)
-    _check_against_reference(results, 3, dp=2)
+    check_against_reference(results, 3, dp=2)
 
 
 def test_gpt_interleaved_pp2_dp2_stage2_matches_single_process():
     """Two model chunks per rank: each chunk's buckets reduce on that chunk's last micro-batch."""
     results = run_on_ranks(4, _gpt_body, 1, 2, 2, False, 3, 2)
-    _check_against_reference(results, 3, dp=2)
+    check_against_reference(results, 3, dp=2)

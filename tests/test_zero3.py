@@ -1,18 +1,20 @@
-"""ZeRO stage 3 (megazero/parallel/zero3.py): parity with the single-process run for dp, tp x dp,
+"""ZeRO stage 3 (megazero/parallel/zero/param_sync.py): parity with the single-process run for dp, tp x dp,
 pp x dp and tp x pp x dp; model-state bytes (16Ψ/N), bytes communicated per step, the bound on
 gathered units set by the prefetch limit, and fp16 overflow skips."""
+import contextlib
+
 import pytest
 import torch
-from multiproc import run_on_ranks
-from test_zero import (GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, _check_against_reference, _global_loss, _gpt_batches,
-                       _gpt_reference)
+from helpers import run_on_ranks
+from helpers.gpt_parity import (GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, check_against_reference, global_loss,
+                                gpt_batches, gpt_reference)
 
 from megazero.config import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
-from megazero.models import masked_mean
-from megazero.parallel.pipeline import build_model_chunks, run_schedule
+from megazero.models import activation_shape, build_model_chunks, masked_mean
+from megazero.parallel.params import attribute, split_dim
+from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import build_engine, merge_optimizer_states, zero_paper_bytes
-from megazero.parallel.zero3 import ZeroStage3Engine
+from megazero.parallel.zero import ZeroStage3Engine, build_engine, merge_optimizer_states, zero_paper_bytes
 from megazero.training import train_step
 
 
@@ -37,7 +39,7 @@ def _train(tp, pp, steps, micro=MICRO, model_kw=None, dtype=torch.float32, preci
     if opt_state is not None:
         engine.load_state_dict(opt_state)
     losses, norms, info = [], [], []
-    for batches in _gpt_batches(start + steps, topo.dp_size * micro)[start:]:
+    for batches in gpt_batches(start + steps, topo.dp_size * micro)[start:]:
         mine = batches[topo.dp_rank * micro:(topo.dp_rank + 1) * micro]
         engine.comm_log.reset()
         if loss_fn is None:                      # the trainer's own step
@@ -45,7 +47,7 @@ def _train(tp, pp, steps, micro=MICRO, model_kw=None, dtype=torch.float32, preci
             loss, norm, skipped = result.loss, result.grad_norm, result.skipped
         else:
             out, norm, skipped = _step(chunks, engine, mine, topo, loss_fn)
-            loss = _global_loss(out, topo)
+            loss = global_loss(out, topo)
         info.append(dict(bytes=engine.comm_log.bytes(), skipped=skipped, states=engine.model_state_bytes()))
         losses.append(loss)
         norms.append(norm)
@@ -55,8 +57,9 @@ def _train(tp, pp, steps, micro=MICRO, model_kw=None, dtype=torch.float32, preci
 def _step(chunks, engine, micro_batches, topo, loss_fn=None):
     """train_step's sequence with a custom loss function; returns (losses, norm, skipped)."""
     engine.zero_grad()
-    out = run_schedule(chunks, micro_batches, topo, loss_scale=engine.loss_scale, grad_sync=engine,
-                       loss_fn=loss_fn)
+    shape = activation_shape(chunks[0].cfg, MB_SIZE, topo.tp_size, chunks[0].sequence_parallel)
+    out = run_schedule(chunks, micro_batches, topo, loss_fn=loss_fn or masked_mean, loss_scale=engine.loss_scale,
+                       grad_sync=engine, tensor_shape=shape)
     engine.finalize_grads()
     norm, skipped = engine.step()
     return out, norm, skipped
@@ -65,17 +68,17 @@ def _step(chunks, engine, micro_batches, topo, loss_fn=None):
 def _parity_body(rank, world_size, tp, pp, steps, kw):
     topo, chunks, engine, losses, norms, _ = _train(tp, pp, steps, **kw)
     with engine.gathered_parameters():
-        params = {n: (p.detach().clone(), p.partition_dim) for c in chunks for n, p in c.named_parameters()}
+        params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
     released = all(p.numel() == 0 for c in chunks for p in c.parameters())
     return topo.tp_rank, topo.tp_size, losses, norms, params, released
 
 
 def _check(results, steps, dp):
     assert all(r[5] for r in results), "parameters must be released outside gathered_parameters()"
-    _check_against_reference([r[:5] for r in results], steps, dp)
+    check_against_reference([r[:5] for r in results], steps, dp)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dp_stage3_matches_single_process(world):
     """Tied embedding on one stage (used by the embedding and the head), 4 micro-batches per rank;
     dp = 1 runs the same code with shards that are the whole buckets."""
@@ -83,9 +86,9 @@ def test_dp_stage3_matches_single_process(world):
 
 
 @pytest.mark.parametrize("tp,pp,kw", [
-    (2, 1, dict(model_kw=dict(recompute_activations=True))),   # forward re-run inside backward
-    (1, 2, {}),
-    (2, 2, dict(sp=True)),
+    pytest.param(2, 1, dict(model_kw=dict(recompute_activations=True)), marks=pytest.mark.slow),  # re-run in backward
+    pytest.param(1, 2, {}, marks=pytest.mark.slow),
+    pytest.param(2, 2, dict(sp=True), marks=pytest.mark.slow),
     (1, 2, dict(v=2, prefetch_layers=2)),                      # interleaved: two chunks per rank
 ], ids=["tp2-dp2-recompute", "pp2-dp2", "tp2-pp2-dp2-sp", "pp2-dp2-interleaved"])
 def test_tp_pp_dp2_stage3_matches_single_process(tp, pp, kw):
@@ -104,7 +107,7 @@ def _sizes(engine):
     sync = engine.grad_sync
     psi_pad = sum(b.numel for b in sync.buckets)
     psi = sum(s.end - s.start for s in sync.slots)
-    word = sum(b.numel for b in sync.buckets if any(getattr(s.param, "shared_embedding", False) for s in b.slots))
+    word = sum(b.numel for b in sync.buckets if any(attribute(s.param, "shared_embedding") for s in b.slots))
     return psi_pad, psi, word
 
 
@@ -194,7 +197,8 @@ def _eval_body(rank, world_size, keep):
     topo, chunks, engine, _, _, _ = _train(1, 1, 1, micro=2, keep_params_gathered=keep)
     engine.grad_sync.reset_peaks()
     with torch.no_grad():
-        losses = run_schedule(chunks, _gpt_batches(1, 4)[0][rank * 2:rank * 2 + 2], topo, forward_only=True)
+        losses = run_schedule(chunks, gpt_batches(1, 4)[0][rank * 2:rank * 2 + 2], topo, loss_fn=masked_mean,
+                              forward_only=True)
     return len(losses), engine.model_state_bytes(), _window_bound(engine, 1)[0]
 
 
@@ -219,7 +223,7 @@ def _fp16_body(rank, world_size):
                                               loss_fn=loss_fn)
     assert not info[0]["skipped"]
     opt = engine.optimizer
-    batches = _gpt_batches(3, 4)
+    batches = gpt_batches(3, 4)
     before = [(r.bucket.shard.clone(), r.master.clone(), r.exp_avg.clone(), r.exp_avg_sq.clone())
               for r in opt.ranges]
     scale, count = engine.loss_scale, opt.step_count
@@ -275,18 +279,10 @@ def _save_body(rank, world_size):
 
 def _resume_body(rank, world_size, stage, weights, opt_state):
     _, chunks, engine, losses, _, _ = _train(1, 1, 3, stage=stage, start=2, init=weights, opt_state=opt_state)
-    ctx = engine.gathered_parameters() if stage == 3 else _nullcontext()
+    ctx = engine.gathered_parameters() if stage == 3 else contextlib.nullcontext()
     with ctx:
         final = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
     return losses, final
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -295,7 +291,7 @@ def test_stage3_optimizer_state_resumes_at_stage(stage):
     saved = run_on_ranks(2, _save_body)
     merged = merge_optimizer_states([state for _, state in saved])
     results = run_on_ranks(2, _resume_body, stage, saved[0][0], merged)
-    ref_losses, _, ref_params = _gpt_reference(5, 2)
+    ref_losses, _, ref_params = gpt_reference(5, 2)
     for losses, final in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[2:]), rtol=1e-5, atol=0)
         for name, ref in ref_params.items():
@@ -310,7 +306,7 @@ def _bf16_body(rank, world_size):
     for name, kw in (("zero2", dict(stage=2)), ("zero3", {}), ("zero3-keep", dict(keep_params_gathered=True))):
         _, chunks, engine, losses, norms, _ = _train(1, 1, 3, micro=2, dtype=torch.bfloat16, precision=prec,
                                                      **kw)
-        ctx = engine.gathered_parameters() if name != "zero2" else _nullcontext()
+        ctx = engine.gathered_parameters() if name != "zero2" else contextlib.nullcontext()
         with ctx:
             params = torch.cat([p.detach().float().reshape(-1) for p in chunks[0].parameters()])
         out[name] = (losses, norms, params, {r.master.dtype for r in engine.optimizer.ranges})

@@ -22,8 +22,8 @@ import torch  # noqa: E402
 
 from megazero.checkpoint import CheckpointError  # noqa: E402
 from megazero.checkpoint.hf import load_hf, save_hf  # noqa: E402
-from megazero.checkpoint.offline import job_from_dict, read_model, write_weights_checkpoint  # noqa: E402
-from megazero.config import ConfigError, JobConfig, ParallelConfig, _check_model  # noqa: E402
+from megazero.checkpoint.offline import read_model, saved_job, write_weights_checkpoint  # noqa: E402
+from megazero.config import ConfigError, JobConfig, ParallelConfig, check_model  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,9 +54,9 @@ def convert(args: argparse.Namespace) -> Path:
         job = JobConfig(model=cfg)
     else:
         _, tensors, index = read_model(src)
-        job = job_from_dict(index["job"])
+        job = saved_job(index)
     try:
-        _check_model(job.model, ParallelConfig(tp=args.target_tp, pp=args.target_pp))
+        check_model(job.model, ParallelConfig(tp=args.target_tp, pp=args.target_pp))
         if args.target_pp < 1 or job.model.num_layers % args.target_pp:
             raise ConfigError(f"--target-pp {args.target_pp} must divide --num-layers {job.model.num_layers}")
     except ConfigError as e:

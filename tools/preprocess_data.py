@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from megazero.data.indexed_dataset import IndexedDatasetError  # noqa: E402
 from megazero.data.preprocess import PreprocessConfig, PreprocessError, preprocess  # noqa: E402
-from megazero.data.tokenizers import TOKENIZER_TYPES, TokenizerError  # noqa: E402
+from megazero.config import TOKENIZERS  # noqa: E402
+from megazero.data.tokenizers import TokenizerError  # noqa: E402
 
 
 def parse_args(argv=None) -> PreprocessConfig:
@@ -34,7 +35,7 @@ def parse_args(argv=None) -> PreprocessConfig:
                    help="plain text: document separator, backslash escapes allowed (default: \\n\\n)")
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZERS)
     g.add_argument("--vocab-file", help="GPT-2 vocab.json / encoder.json")
     g.add_argument("--merge-file", help="GPT-2 merges.txt / vocab.bpe")
     g.add_argument("--tokenizer-model", help="SentencePiece .model")

@@ -32,7 +32,9 @@ import torch.distributed as dist
 from megazero.checkpoint import format as fmt
 from megazero.checkpoint.format import CheckpointError, CheckpointReader
 from megazero.checkpoint.rng_state import capture_rng_state, restore_rng_state
-from megazero.metrics import learning_rate
+from megazero.optim import learning_rate
+from megazero.parallel.params import attribute, counts_once, split_dim
+from megazero.state import TrainState
 
 log = logging.getLogger(__name__)
 _MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
@@ -52,14 +54,13 @@ def _layout(topo, chunks, job) -> dict:
 
 
 def _named_params(chunks):
-    """(chunk, name, param) for this rank, and whether the entry is the one that gets saved: the
-    last stage's copy of a tied embedding is skipped (the first stage's is the same tensor)."""
-    out = []
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            owner = not (getattr(p, "shared_embedding", False) and not getattr(chunk, "pre_process", True))
-            out.append((chunk, name, p, owner))
-    return out
+    """(name, param) of this rank's chunks."""
+    return [(name, p) for chunk in chunks for name, p in chunk.named_parameters()]
+
+
+def _vocab(p, vocab_size: int) -> int | None:
+    """The real vocabulary size for a vocabulary-padded parameter, else None (see fmt.global_region)."""
+    return vocab_size if attribute(p, "vocab_padded") else None
 
 
 def _agree(ok: bool, what: str, error: BaseException | None, device) -> None:
@@ -93,7 +94,7 @@ def _merge_optimizer_over_dp(pieces: dict, named: list, topo, keys: tuple[str, .
     stage 0). Element e of a parameter is contributed by the lowest dp rank holding it, into a
     zero buffer that is summed into dp rank 0: exact, whatever the overlap.
     """
-    names = [(name, p.numel()) for _, name, p, _ in named]
+    names = [(name, p.numel()) for name, p in named]
     meta = torch.full((len(names), 2), -1, dtype=torch.int64)
     for i, (name, _) in enumerate(names):
         if name in pieces:
@@ -137,7 +138,7 @@ def _merge_optimizer_over_dp(pieces: dict, named: list, topo, keys: tuple[str, .
 
 def _optimizer_keys(named) -> tuple[str, ...]:
     """fp32 master weights are the parameters themselves: stored only for bf16/fp16 models."""
-    separate = any(p.dtype != torch.float32 for _, _, p, _ in named)
+    separate = any(p.dtype != torch.float32 for _, p in named)
     return ("exp_avg", "exp_avg_sq") + (("master",) if separate else ())
 
 
@@ -148,10 +149,10 @@ _KIND = {"exp_avg": fmt.EXP_AVG, "exp_avg_sq": fmt.EXP_AVG_SQ, "master": fmt.MAS
 def _tensor_parts(named, merged, topo, vocab_size: int) -> list:
     """[(stable name, global shape, region, tensor)] for this (tp, pp) position's file."""
     parts = []
-    for _, name, p, owner in named:
-        if not owner or (p.partition_dim < 0 and topo.tp_rank != 0):
-            continue                             # replicated over tp: tp rank 0 writes it
-        shape, region = fmt.global_region(name, p.shape, p.partition_dim, topo.tp_rank, topo.tp_size, vocab_size)
+    for name, p in named:
+        if not counts_once(p, topo.tp_rank):
+            continue                             # replicated over tp: tp rank 0 writes it; tied copies: never
+        shape, region = fmt.global_region(p.shape, split_dim(p), topo.tp_rank, topo.tp_size, _vocab(p, vocab_size))
         parts.append((fmt.tensor_key(fmt.MODEL, name), shape, region, fmt.stored_part(p.detach(), region)))
         for key, flat in (merged or {}).get(name, {}).items():
             parts.append((fmt.tensor_key(_KIND[key], name), shape, region,
@@ -194,7 +195,7 @@ def _commit(save_dir: Path, tmp: Path, final: Path, world: int, index: dict) -> 
 
 
 def _scheduler_state(iteration: int, opt_cfg) -> dict:
-    """The LR schedule is a pure function of the iteration (megazero.metrics.learning_rate): its
+    """The LR schedule is a pure function of the iteration (megazero.optim.learning_rate): its
     position is the iteration; the next step's LR is recorded for people reading the index."""
     lr = learning_rate(iteration, opt_cfg) if opt_cfg.lr_decay_iters is not None else None
     return {"iteration": iteration, "next_lr": lr, "optimizer_config": dataclasses.asdict(opt_cfg)}
@@ -203,7 +204,7 @@ def _scheduler_state(iteration: int, opt_cfg) -> dict:
 def save_checkpoint(save_dir, state, *, chunks, engine, topo, job, extra_rng: dict | None = None) -> Path:
     """Save weights, optimizer state, RNG states, the train state and the job config. Collective.
 
-    ``state`` is the :class:`megazero.training.TrainState` after ``state.iteration`` steps;
+    ``state`` is the :class:`megazero.state.TrainState` after ``state.iteration`` steps;
     ``extra_rng``: {name: torch.Generator or object with get_states()/set_states()} saved per rank.
     Returns the checkpoint directory ``save_dir/iter_XXXXXXX``.
     """
@@ -251,10 +252,11 @@ def check_model_compatible(saved_model: dict, model_cfg, where) -> None:
 
 def _read_rank(reader: CheckpointReader, named, topo, job, weights_only: bool) -> dict | None:
     """Copy this rank's weights into the parameters; return the optimizer state to load (or None)."""
-    vocab, opt_pieces = job.model.vocab_size, {}
+    opt_pieces = {}
     with torch.no_grad():
-        for _, name, p, _ in named:
-            local = reader.read_local(fmt.tensor_key(fmt.MODEL, name), p.shape, p.partition_dim,
+        for name, p in named:
+            vocab = _vocab(p, job.model.vocab_size)
+            local = reader.read_local(fmt.tensor_key(fmt.MODEL, name), p.shape, split_dim(p),
                                       topo.tp_rank, topo.tp_size, vocab, p.dtype)
             p.copy_(local)
             if weights_only:
@@ -262,7 +264,7 @@ def _read_rank(reader: CheckpointReader, named, topo, job, weights_only: bool) -
             piece = {"offset": 0}
             for key, kind in _KIND.items():
                 stored = kind if key != "master" or reader.has(fmt.tensor_key(kind, name)) else fmt.MODEL
-                piece[key] = reader.read_local(fmt.tensor_key(stored, name), p.shape, p.partition_dim,
+                piece[key] = reader.read_local(fmt.tensor_key(stored, name), p.shape, split_dim(p),
                                                topo.tp_rank, topo.tp_size, vocab, torch.float32).view(-1)
             opt_pieces[name] = piece
     if weights_only:
@@ -275,12 +277,10 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
                     iteration: int | None = None, extra_rng: dict | None = None):
     """Load the latest (or ``iteration``'s) checkpoint under ``load_dir`` into this layout. Collective.
 
-    Returns the :class:`megazero.training.TrainState` to continue from (a fresh one with
+    Returns the :class:`megazero.state.TrainState` to continue from (a fresh one with
     ``weights_only``: weights only, no optimizer state, iteration 0), or None when ``load_dir`` holds
     no checkpoint (no tracker file) -- the caller decides whether that is an error.
     """
-    from megazero.training import TrainState
-
     load_dir = Path(load_dir)
     iteration = latest_iteration(load_dir) if iteration is None else iteration
     if iteration is None:

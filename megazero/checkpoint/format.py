@@ -45,7 +45,6 @@ FORMAT_VERSION = 1
 INDEX = "index.json"
 MANIFEST = "manifest.json"
 TRACKER = "latest_checkpointed_iteration.txt"
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 MODEL, EXP_AVG, EXP_AVG_SQ, MASTER = "model", "optim.exp_avg", "optim.exp_avg_sq", "optim.master"
 
 
@@ -66,14 +65,15 @@ def tensor_key(kind: str, name: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- regions
-def global_region(name: str, local_shape, partition_dim: int, tp_rank: int, tp_size: int,
-                  vocab_size: int) -> tuple[list[int], list[list[int]]]:
-    """(global shape, [[lo, hi] per dim]) of the part of parameter ``name`` that a tp rank holds.
+def global_region(local_shape, partition_dim: int, tp_rank: int, tp_size: int,
+                  vocab_size: int | None = None) -> tuple[list[int], list[list[int]]]:
+    """(global shape, [[lo, hi] per dim]) of the part of a parameter that a tp rank holds.
 
-    The tp-local tensor's element ``[i, j]`` is global ``[lo0 + i, lo1 + j]``; the region is clipped
-    to ``vocab_size`` rows for the vocabulary-sized parameters (their padded rows are not stored).
+    The tp-local tensor's element ``[i, j]`` is global ``[lo0 + i, lo1 + j]``. ``vocab_size``: given
+    for a parameter whose dim 0 is the padded vocabulary (``vocab_padded``): the global shape has
+    exactly ``vocab_size`` rows and the region is clipped to them (padded rows are not stored).
 
-    >>> global_region("layers.0.attention.dense.weight", (32, 16), 1, 1, 2, 100)
+    >>> global_region((32, 16), 1, 1, 2)
     ([32, 32], [[0, 32], [16, 32]])
     """
     shape = [int(n) for n in local_shape]
@@ -82,7 +82,7 @@ def global_region(name: str, local_shape, partition_dim: int, tp_rank: int, tp_s
         n = shape[partition_dim]
         shape[partition_dim] = n * tp_size
         region[partition_dim] = [tp_rank * n, (tp_rank + 1) * n]
-    if name.split("/")[-1] in VOCAB_PARAMS:
+    if vocab_size is not None:
         shape[0] = vocab_size
         region[0] = [min(region[0][0], vocab_size), min(region[0][1], vocab_size)]
     return shape, region
@@ -289,9 +289,10 @@ class CheckpointReader:
         return self.read_region(name, [[0, n] for n in entry["shape"]], out)
 
     def read_local(self, name: str, local_shape, partition_dim: int, tp_rank: int, tp_size: int,
-                   vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
-        """The tp-local tensor of parameter-shaped tensor ``name`` (padded vocab rows zero)."""
-        _, region = global_region(name, local_shape, partition_dim, tp_rank, tp_size, vocab_size)
+                   vocab_size: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """The tp-local tensor of parameter-shaped tensor ``name`` (``vocab_size``: see
+        :func:`global_region`; padded vocab rows zero)."""
+        _, region = global_region(local_shape, partition_dim, tp_rank, tp_size, vocab_size)
         out = torch.zeros(tuple(local_shape), dtype=dtype)
         return self.read_region(name, region, out)
 

@@ -18,23 +18,35 @@ import torch
 
 from megazero.checkpoint import format as fmt
 from megazero.checkpoint.format import CheckpointError, CheckpointReader
-from megazero.config import (CheckpointConfig, DataConfig, JobConfig, LoggingConfig, ModelConfig, OptimizerConfig,
-                             ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig)
-
-# Which dim of the full tensor tensor parallelism splits (mirrors the layers in megazero/models/gpt.py;
-# tests/test_checkpoint.py checks it against a real GPT's ``partition_dim`` attributes).
-_SPLIT_DIM0 = ("attention.qkv.weight", "attention.qkv.bias", "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias",
-               "embedding.word_embeddings.weight", "output_layer.weight")
-_SPLIT_DIM1 = ("attention.dense.weight", "mlp.dense_4h_to_h.weight")
+from megazero.config import JobConfig, ModelConfig
+from megazero.models.gpt import GPT
+from megazero.parallel.params import attribute, counts_once, split_dim
+from megazero.parallel.pipeline.stages import stage_layer_ids
 
 
-def partition_dim_of(name: str) -> int:
-    """The tensor-parallel split dim of parameter ``name`` (-1: replicated)."""
-    if name.endswith(_SPLIT_DIM0):
-        return 0
-    if name.endswith(_SPLIT_DIM1):
-        return 1
-    return -1
+@dataclasses.dataclass(frozen=True)
+class ParamDecl:
+    """What the model declares about one parameter, read without a process group (meta device)."""
+
+    partition_dim: int          # the tensor-parallel split dim, -1: replicated
+    vocab_padded: bool          # dim 0 is the padded vocabulary
+    stages: tuple[int, ...]     # the pipeline ranks (v = 1) whose file holds it
+
+
+def declarations(cfg: ModelConfig, pp: int = 1) -> dict[str, ParamDecl]:
+    """Every saved parameter of the model, by name: built on the meta device for each pipeline rank
+    (no memory), so split dims, vocabulary padding and stage membership are the model's own."""
+    out: dict[str, ParamDecl] = {}
+    for r in range(pp):
+        chunk = GPT(cfg, None, layer_ids=stage_layer_ids(cfg.num_layers, pp, r), pre_process=r == 0,
+                    post_process=r == pp - 1, device="meta")
+        for name, p in chunk.named_parameters():
+            if not counts_once(p, 0):
+                continue                               # a tied copy: its original is saved
+            decl = out.get(name)
+            stages = (decl.stages if decl else ()) + (r,)
+            out[name] = ParamDecl(split_dim(p), bool(attribute(p, "vocab_padded")), stages)
+    return out
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -49,49 +61,29 @@ def resolve(path: str | os.PathLike) -> Path:
     return path / fmt.iter_dir_name(iteration)
 
 
-_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "zero": ZeroConfig, "precision": PrecisionConfig,
-             "optimizer": OptimizerConfig, "data": DataConfig, "train": TrainConfig,
-             "checkpoint": CheckpointConfig, "logging": LoggingConfig}
-
-
-def job_from_dict(d: dict) -> JobConfig:
-    """The JobConfig saved in an index (unknown keys, e.g. from a newer version, are dropped)."""
-    kw = {}
-    for name, cls in _SECTIONS.items():
-        known = {f.name for f in dataclasses.fields(cls)}
-        kw[name] = cls(**{k: v for k, v in d.get(name, {}).items() if k in known})
-    return JobConfig(**kw)
+def saved_job(index: dict) -> JobConfig:
+    """The JobConfig saved in a checkpoint's index (unknown keys, e.g. from a newer version, dropped)."""
+    return JobConfig.from_dict(index["job"], strict=False)
 
 
 def read_model(path: str | os.PathLike, verify: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     """(model config, {parameter name: whole tensor}, index) of a checkpoint."""
     reader = CheckpointReader(resolve(path), verify=verify)
-    job = job_from_dict(reader.index["job"])
+    job = saved_job(reader.index)
     tensors = {name: reader.read_full(fmt.tensor_key(fmt.MODEL, name)) for name in reader.names(fmt.MODEL)}
     return job.model, tensors, reader.index
 
 
 def build_full_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device=None):
     """A single-process (tp=1, all layers) GPT holding a checkpoint's weights, in eval mode."""
-    from megazero.models.gpt import GPT
-
     reader = CheckpointReader(resolve(path))
-    job = job_from_dict(reader.index["job"])
+    job = saved_job(reader.index)
     model = GPT(job.model, dtype=dtype, device=device or "cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(reader.read_local(fmt.tensor_key(fmt.MODEL, name), p.shape, p.partition_dim, 0, 1,
-                                      job.model.vocab_size, p.dtype))
+            vocab = job.model.vocab_size if attribute(p, "vocab_padded") else None
+            p.copy_(reader.read_local(fmt.tensor_key(fmt.MODEL, name), p.shape, split_dim(p), 0, 1, vocab, p.dtype))
     return model.eval(), job
-
-
-def _stage_of(name: str, cfg: ModelConfig, pp: int) -> list[int]:
-    """Pipeline ranks (v = 1) whose file holds parameter ``name``."""
-    if name.startswith("layers."):
-        return [int(name.split(".")[1]) * pp // cfg.num_layers]
-    if name.startswith("embedding."):
-        return [0]
-    return [pp - 1]                               # final_norm, output_layer
 
 
 def write_weights_checkpoint(save_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], job: JobConfig,
@@ -112,18 +104,22 @@ def write_weights_checkpoint(save_dir: str | os.PathLike, tensors: dict[str, tor
              "layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "virtual_stages": 1,
                         "order": job.parallel.order, "zero_stage": None, "sequence_parallel": False,
                         "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch.")}}
-    files = {}
+    files, decls = {}, declarations(cfg, pp)
+    unknown = sorted(set(tensors) - set(decls))
+    if unknown:
+        raise CheckpointError(f"tensors {unknown[:5]} are not parameters of a {cfg.num_layers}-layer GPT")
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             parts = []
             for name, full in tensors.items():
-                if pp_rank not in _stage_of(name, cfg, pp):
+                decl = decls[name]
+                if pp_rank != decl.stages[0]:
                     continue
-                pdim = partition_dim_of(name)
-                if pdim < 0 and tp_rank != 0:
+                if decl.partition_dim < 0 and tp_rank != 0:
                     continue                     # replicated over tp: written once
-                local = _local_slice(name, full, pdim, tp_rank, tp, cfg)
-                shape, region = fmt.global_region(name, local.shape, pdim, tp_rank, tp, cfg.vocab_size)
+                local = _local_slice(name, full, decl, tp_rank, tp, cfg)
+                vocab = cfg.vocab_size if decl.vocab_padded else None
+                shape, region = fmt.global_region(local.shape, decl.partition_dim, tp_rank, tp, vocab)
                 parts.append((fmt.tensor_key(fmt.MODEL, name), shape, region, fmt.stored_part(local, region)))
             entries, written = fmt.write_tensor_file(tmp, fmt.shard_file_name(tp_rank, pp_rank), parts)
             fmt.merge_entries(index["tensors"], entries)
@@ -132,9 +128,11 @@ def write_weights_checkpoint(save_dir: str | os.PathLike, tensors: dict[str, tor
     return final
 
 
-def _local_slice(name: str, full: torch.Tensor, pdim: int, tp_rank: int, tp: int, cfg: ModelConfig) -> torch.Tensor:
+def _local_slice(name: str, full: torch.Tensor, decl: ParamDecl, tp_rank: int, tp: int,
+                 cfg: ModelConfig) -> torch.Tensor:
     """tp rank ``tp_rank``'s tensor, vocab padded to the tp-dependent size first."""
-    if name in fmt.VOCAB_PARAMS:
+    pdim = decl.partition_dim
+    if decl.vocab_padded:
         if full.shape[0] != cfg.vocab_size:
             raise CheckpointError(f"{name} has {full.shape[0]} rows, expected vocab_size {cfg.vocab_size}")
         padded = torch.zeros((cfg.padded_vocab_size(tp),) + tuple(full.shape[1:]), dtype=full.dtype)

@@ -22,6 +22,7 @@ from typing import Callable
 
 from megazero.checkpoint.distributed import latest_iteration, load_checkpoint, save_checkpoint
 from megazero.checkpoint.format import CheckpointError
+from megazero.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,6 @@ def _same_dir(a: str | None, b: str | None) -> bool:
 
 def resume(job, chunks, engine, topo, extra_rng: dict | None = None, say: Callable[[str], None] | None = None):
     """The TrainState to start from, after loading whatever ``job.checkpoint`` asks for. Collective."""
-    from megazero.training import TrainState
-
     ck = job.checkpoint
     say = say or (lambda msg: log.info(msg) if topo.rank == 0 else None)
     kw = dict(chunks=chunks, engine=engine, topo=topo, job=job, extra_rng=extra_rng)

@@ -209,12 +209,12 @@ class GPTDataset:
                        "num_samples": num_samples, "seed": seed, "split": name}
 
         def build():
-            return self._build(sizes, np.arange(seq_begin, seq_end), tokens, num_samples, seed)
+            return self.build_indices(sizes, np.arange(seq_begin, seq_end), tokens, num_samples, seed)
 
         idx = (cache or IndexCache(None)).get(f"gpt-{name}", description, ("doc_idx", "sample_idx", "shuffle_idx"), build)
         self.doc_idx, self.sample_idx, self.shuffle_idx = idx["doc_idx"], idx["sample_idx"], idx["shuffle_idx"]
 
-    def _build(self, sizes, sequence_ids, tokens, num_samples, seed) -> dict[str, np.ndarray]:
+    def build_indices(self, sizes, sequence_ids, tokens, num_samples, seed) -> dict[str, np.ndarray]:
         s = self.seq_length
         epochs = num_epochs_needed(tokens, s, num_samples)
         rng = np.random.RandomState(seed)

@@ -184,7 +184,7 @@ def _read_index(path: str):
     return np.dtype(DTYPE_OF_CODE[code]), lengths, pointers, bounds
 
 
-def _pointers_consistent(lengths, pointers, itemsize: int, chunk: int = 1 << 24) -> bool:
+def pointers_consistent(lengths, pointers, itemsize: int, chunk: int = 1 << 24) -> bool:
     """pointers == exclusive running sum of lengths * itemsize, checked in chunks (bounded memory)."""
     expected = 0
     for s in range(0, len(lengths), chunk):
@@ -228,7 +228,7 @@ class IndexedDataset:
             raise IndexedDatasetError(f"{bpath}: data file is {have} bytes but {ipath} describes {need} "
                                       f"({'truncated' if have < need else 'extra bytes'}; the pair does not "
                                       f"match -- re-run tools/preprocess_data.py)")
-        if not _pointers_consistent(lengths, pointers, itemsize):
+        if not pointers_consistent(lengths, pointers, itemsize):
             raise IndexedDatasetError(f"{ipath}: sequence offsets are not the running sum of the lengths: corrupt index")
         if len(bounds) == 0 or bounds[0] != 0 or bounds[-1] != len(lengths) or np.any(np.diff(bounds) < 0):
             raise IndexedDatasetError(f"{ipath}: document boundaries must rise from 0 to the sequence count "

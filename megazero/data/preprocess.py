@@ -79,7 +79,7 @@ def _jsonl_batches(path: str, batch_bytes: int):
         yield batch
 
 
-def _txt_batches(path: str, batch_bytes: int, separator: bytes):
+def txt_batches(path: str, batch_bytes: int, separator: bytes):
     """Yield lists of (first line number, document bytes), documents split on ``separator``.
 
     Equal to ``data.split(separator)`` with empty parts dropped, but read in chunks: the text after
@@ -208,7 +208,7 @@ def preprocess(cfg: PreprocessConfig, log=None) -> PreprocessResult:
     cfg = PreprocessConfig(**{**cfg.__dict__, "json_keys": tuple(keys)})
     res = PreprocessResult(outputs={k: f"{cfg.output_prefix}_{k}_document" for k in keys})
     batches = (_jsonl_batches(cfg.input, cfg.batch_bytes) if is_jsonl(cfg.input)
-               else _txt_batches(cfg.input, cfg.batch_bytes, cfg.txt_separator.encode("utf-8")))
+               else txt_batches(cfg.input, cfg.batch_bytes, cfg.txt_separator.encode("utf-8")))
     writers = {k: IndexedDatasetWriter(p, best_dtype(tok.vocab_size)) for k, p in res.outputs.items()}
     start, next_log = time.perf_counter(), cfg.log_interval
     try:

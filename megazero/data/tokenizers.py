@@ -21,10 +21,11 @@ import json
 import os
 from typing import Sequence
 
+from megazero.config import TOKENIZERS
+
 # GPT-2's pre-tokenisation pattern (contractions, letters, numbers, other, whitespace).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOD = "<|endoftext|>"
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer")
 
 
 class TokenizerError(ValueError):
@@ -183,7 +184,7 @@ def build_tokenizer(tokenizer_type: str | None, *, vocab_file: str | None = None
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
-    raise TokenizerError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}, got {tokenizer_type!r}")
+    raise TokenizerError(f"--tokenizer-type must be one of {', '.join(TOKENIZERS)}, got {tokenizer_type!r}")
 
 
 def tokenizer_from_config(cfg) -> Tokenizer:

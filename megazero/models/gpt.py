@@ -18,8 +18,14 @@ Parameter names are the same on every tp/pp layout (a stage simply lacks what it
     output_layer.weight                           [V_pad/tp, h]   only when untied
 
 ``<i>`` is the *global* layer index. With tied embeddings a last stage that is not also the first
-(pipeline) still owns ``embedding.word_embeddings.weight`` (same init, ``shared_embedding=True``);
-the pipeline code keeps the two copies' gradients in sync.
+(pipeline) still owns ``embedding.word_embeddings.weight`` (same init, ``shared_embedding=True``,
+``tied_copy=True``); the ZeRO engine sums the two copies' gradients over the embedding group.
+
+What the model declares for the parallel machinery (the contract in :mod:`megazero.models`):
+:func:`build_model_chunks` (the pipeline cut), :func:`activation_shape` (the stage boundary),
+:func:`masked_mean` (the loss over per-token losses), :meth:`GPT.zero3_plan` (the ZeRO-3 gather
+units) and the parameter attributes of :mod:`megazero.parallel.params` (split dims, the tied
+embedding, the padded vocabulary).
 
 Padded vocabulary: rows ``vocab_size .. V_pad-1`` of the word embedding (and untied output layer)
 are initialised to zero and their logits are set to -inf inside the model, so padded entries never
@@ -39,15 +45,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megazero.config import ModelConfig, ParallelConfig, _check_model
+from megazero.config import ModelConfig, ParallelConfig, check_model
 from megazero.parallel.comm import group_rank, group_size
+from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage, stage_layer_ids
 from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
                                       VocabParallelEmbedding, copy_to_tp_region,
                                       gather_from_sequence_parallel_region, init_std_scaled,
                                       mask_padded_vocab, set_tp_attributes, shard,
                                       vocab_parallel_cross_entropy)
+from megazero.parallel.zero.units import UnitUse, Zero3Plan, trainable
 
-__all__ = ["GPT", "masked_mean", "param_seed", "qkv_blocks_to_interleaved", "qkv_interleaved_to_blocks"]
+__all__ = ["GPT", "activation_shape", "build_model_chunks", "masked_mean", "param_seed", "qkv_blocks_to_interleaved",
+           "qkv_interleaved_to_blocks"]
 
 
 def masked_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -232,7 +241,7 @@ class GPT(nn.Module):
         super().__init__()
         cfg = model_cfg
         tp = topo.tp_size if topo is not None else 1
-        _check_model(cfg, ParallelConfig(tp=tp, sequence_parallel=sequence_parallel))
+        check_model(cfg, ParallelConfig(tp=tp, sequence_parallel=sequence_parallel))
         tp_group = topo.tp_group if tp > 1 else None
         sequence_parallel = sequence_parallel and tp > 1
         device = torch.device(device) if device is not None else (topo.device if topo is not None
@@ -242,13 +251,17 @@ class GPT(nn.Module):
         self.pre_process, self.post_process, self.layer_ids = pre_process, post_process, layer_ids
         self.tied = not cfg.untie_embeddings_and_output_weights
         self.padded_vocab_size = cfg.padded_vocab_size(tp)
+        rng_device = device if device.type != "meta" else (topo.device if topo is not None else torch.device("cpu"))
         self.rng = TensorParallelRNG(seed, group_rank(tp_group), offset=100 * min(layer_ids, default=0),
-                                     device=device)
+                                     device=rng_device)
         ctx = self.ctx = _Context(cfg, tp_group, sequence_parallel, self.rng, dtype, device)
 
         if pre_process or (post_process and self.tied):
             self.embedding = Embedding(ctx, self.padded_vocab_size, with_positions=pre_process)
-            self.embedding.word_embeddings.weight.shared_embedding = self.tied
+            word = self.embedding.word_embeddings.weight
+            word.vocab_padded = True
+            word.shared_embedding = self.tied
+            word.tied_copy = self.tied and not pre_process   # the last stage's copy of stage 0's tensor
         self.layers = nn.ModuleDict({str(i): TransformerLayer(ctx) for i in layer_ids})
         if post_process:
             self.final_norm = ctx.layer_norm()
@@ -256,10 +269,12 @@ class GPT(nn.Module):
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, tp_group,
                                                          bias=False, sequence_parallel=sequence_parallel,
                                                          dtype=dtype, device=device)
+                self.output_layer.weight.vocab_padded = True
         for p in self.parameters():
             if not hasattr(p, "tensor_parallel"):
                 set_tp_attributes(p, False)
-        self.reset_parameters(seed)
+        if device.type != "meta":          # on the meta device the ZeRO engine materialises them
+            self.reset_parameters(seed)
 
     # ------------------------------------------------------------------ init
     def reset_parameters(self, seed: int) -> None:
@@ -290,6 +305,38 @@ class GPT(nn.Module):
             full[:cfg.vocab_size].normal_(0.0, std, generator=gen)
             return full
         return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+    # ------------------------------------------------------------------ ZeRO-3
+    def zero3_plan(self) -> Zero3Plan:
+        """The ZeRO-3 gather units of this chunk (:mod:`megazero.parallel.zero.units`).
+
+        ``embedding`` (first stage), ``layers.<i>`` each, ``head`` (final norm + untied output layer;
+        gathered by the final norm's forward and released when the chunk's forward ends, since the
+        logits use the output weight after the norm). The tied word embedding is a unit of its own
+        (``word_embeddings``) when the head uses it: on a chunk with both ends, both uses name it.
+        """
+        plan = Zero3Plan()
+        tied_head = self.post_process and self.tied
+        word = self.embedding.word_embeddings.weight if hasattr(self, "embedding") else None
+        if tied_head:
+            plan.units["word_embeddings"] = [("embedding.word_embeddings.weight", word)]
+        if self.pre_process:
+            rest = [(n, p) for n, p in trainable(self.embedding, "embedding.") if not (tied_head and p is word)]
+            if rest:
+                plan.units["embedding"] = rest
+            names = (["embedding"] if rest else []) + (["word_embeddings"] if tied_head else [])
+            plan.uses.append(UnitUse("embedding", self.embedding, self.embedding, names))
+        for key, layer in self.layers.items():
+            plan.units[f"layers.{key}"] = trainable(layer, f"layers.{key}.")
+            plan.uses.append(UnitUse(f"layers.{key}", layer, layer, [f"layers.{key}"]))
+        if self.post_process:
+            head = trainable(self.final_norm, "final_norm.")
+            if hasattr(self, "output_layer"):
+                head += trainable(self.output_layer, "output_layer.")
+            plan.units["head"] = head
+            plan.uses.append(UnitUse("head", self.final_norm, self,
+                                     ["head"] + (["word_embeddings"] if tied_head else [])))
+        return plan
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -335,3 +382,37 @@ class GPT(nn.Module):
         return checkpoint(run, h, use_reentrant=False, preserve_rng_state=True)
 
     masked_mean = staticmethod(masked_mean)
+
+
+def build_model_chunks(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, topo, seed: int = 1234,
+                       dtype: torch.dtype = torch.float32, device=None) -> list[GPT]:
+    """The ``v`` GPT chunks this rank runs (``v = parallel_cfg.virtual_stages``, 1 unless interleaved):
+    the pipeline cut of :func:`megazero.parallel.pipeline.stages.stage_layer_ids`.
+
+    Each chunk holds only its layers; parameter names are the full model's (``layers.5.mlp...``), so
+    checkpoints and comparisons do not depend on the layout. ``parallel_cfg`` should have been through
+    :func:`megazero.config.validate` (it derives ``virtual_stages``). ``device="meta"`` allocates
+    nothing (the ZeRO engine then materialises each parameter where it lives).
+    """
+    if parallel_cfg.pp != topo.pp_size or parallel_cfg.tp != topo.tp_size:
+        raise ValueError(f"parallel config (tp {parallel_cfg.tp}, pp {parallel_cfg.pp}) does not match the "
+                         f"topology (tp {topo.tp_size}, pp {topo.pp_size}): build both from the same config")
+    v = parallel_cfg.virtual_stages
+    return [GPT(model_cfg, topo, sequence_parallel=parallel_cfg.sequence_parallel,
+                layer_ids=stage_layer_ids(model_cfg.num_layers, topo.pp_size, topo.pp_rank, v, c),
+                pre_process=is_first_virtual_stage(topo.pp_rank, c),
+                post_process=is_last_virtual_stage(topo.pp_rank, topo.pp_size, c, v),
+                seed=seed, dtype=dtype, device=device if device is not None else topo.device)
+            for c in range(v)]
+
+
+def activation_shape(model_cfg: ModelConfig, micro_batch_size: int, tp: int = 1,
+                     sequence_parallel: bool = False) -> tuple[int, int, int]:
+    """Shape of the tensor passed between pipeline stages: ``[s, b, h]``, or ``[s / tp, b, h]`` under
+    sequence parallelism (each tp rank sends its own sequence chunk to the same tp rank of the next stage)."""
+    seq = model_cfg.seq_length
+    if sequence_parallel and tp > 1:
+        if seq % tp:
+            raise ValueError(f"--sequence-parallel needs --seq-length {seq} divisible by tp {tp}")
+        seq //= tp
+    return (seq, micro_batch_size, model_cfg.hidden_size)

@@ -24,14 +24,8 @@ reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0     all-gather 
 (*) or "keep own dim-0 chunk" with ``tensor_parallel_output_grad=False`` (when the gathered tensor is
 used identically on every rank rather than feeding a tensor-parallel layer).
 
-Parameter attributes set by the layers (read by data-parallel, ZeRO, grad-norm and checkpoint code):
-
-- ``tensor_parallel``: this rank holds a distinct shard of the full tensor.
-- ``partition_dim``: dim of the full tensor that is split (contiguous chunks in tp-rank order), or -1.
-- ``sequence_parallel_grad``: set only on layers built with ``sequence_parallel=True`` for replicated
-  parameters whose gradient is then partial per tp rank (layer norms, row-parallel bias, position
-  embedding); :func:`allreduce_sequence_parallel_grads` sums them over tp.
-- ``shared_embedding``: the tied word-embedding weight (set by the model).
+Parameter attributes (``tensor_parallel``, ``partition_dim``, ``sequence_parallel_grad``, ...) are
+stamped by the layers here and documented, with who reads them, in :mod:`megazero.parallel.params`.
 
 Worked example: an MLP ``h=4 -> ffn=8 -> h=4`` at tp=2 on input x [s=6, b, 4]::
 
@@ -56,6 +50,7 @@ from torch import nn
 
 from megazero.parallel.comm import (all_gather_dim0, all_gather_last_dim, all_reduce, group_rank,
                                     group_size, reduce_scatter_dim0)
+from megazero.parallel.params import set_tp_attributes
 from megazero.parallel.rng import TensorParallelRNG  # noqa: F401  (re-exported: part of this API)
 
 __all__ = [
@@ -63,7 +58,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "ColumnParallelLinear", "RowParallelLinear",
     "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "column_parallel_linear",
-    "set_tp_attributes", "allreduce_sequence_parallel_grads", "TensorParallelRNG", "shard",
+    "set_tp_attributes", "TensorParallelRNG", "shard",
     "gather_full", "mask_padded_vocab",
 ]
 
@@ -200,17 +195,6 @@ def reduce_scatter_to_sequence_parallel_region(x, group):
 
 # ----------------------------------------------------------------------------- parameters
 
-def set_tp_attributes(p: nn.Parameter, tensor_parallel: bool, partition_dim: int = -1,
-                      sequence_parallel_grad: bool = False) -> nn.Parameter:
-    """Stamp the contract attributes on a parameter (``shared_embedding`` defaults to False)."""
-    p.tensor_parallel = tensor_parallel
-    p.partition_dim = partition_dim if tensor_parallel else -1
-    p.sequence_parallel_grad = sequence_parallel_grad
-    if not hasattr(p, "shared_embedding"):
-        p.shared_embedding = False
-    return p
-
-
 def new_parameter(shape: tuple[int, ...], *, tensor_parallel: bool, partition_dim: int = -1,
                   sequence_parallel_grad: bool = False, zeros: bool = False, dtype=torch.float32,
                   device=None) -> nn.Parameter:
@@ -231,31 +215,6 @@ def _divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {d}")
     return n // d
-
-
-def allreduce_sequence_parallel_grads(params, tp_group) -> None:
-    """Sum over tp the gradients marked ``sequence_parallel_grad`` (partial under sequence parallel).
-
-    Uses ``p.main_grad`` when a parameter has one (a data-parallel gradient buffer), else ``p.grad``.
-    One flat all-reduce per dtype. No-op at tp size 1.
-    """
-    if group_size(tp_group) == 1:
-        return
-    grads = []
-    for p in params:
-        if getattr(p, "sequence_parallel_grad", False):
-            g = getattr(p, "main_grad", None)
-            g = p.grad if g is None else g
-            if g is not None:
-                grads.append(g)
-    for dtype in sorted({g.dtype for g in grads}, key=str):
-        same = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=tp_group)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 # ----------------------------------------------------------------------------- layers

@@ -7,25 +7,28 @@ from megazero.parallel.pipeline.interleaved import interleaved_one_f_one_b
 from megazero.parallel.pipeline.p2p import StageComm
 from megazero.parallel.pipeline.runner import PipelineStats, StageRunner
 from megazero.parallel.pipeline.schedules import default_schedule, get_schedule, no_pipelining, schedule_by_name
-from megazero.parallel.pipeline.stages import activation_shape
 
 
-def run_schedule(chunks, micro_batches, topo, *, forward_only: bool = False, loss_scale: float = 1.0,
-                 grad_sync=None, schedule=None, tensor_shape=None, stats: PipelineStats | None = None,
-                 loss_fn=None) -> list[torch.Tensor]:
+def run_schedule(chunks, micro_batches, topo, *, loss_fn, forward_only: bool = False, loss_scale: float = 1.0,
+                 grad_sync=None, schedule=None, tensor_shape=None,
+                 stats: PipelineStats | None = None) -> list[torch.Tensor]:
     """Run forward (and backward unless ``forward_only``) of every micro-batch through this rank's chunks.
 
-    chunks: this rank's model chunks (``build_model_chunks``), chunk c = virtual stage c*pp + pp_rank.
+    chunks: this rank's model chunks (the model's ``build_model_chunks``), chunk c = virtual stage
+        c*pp + pp_rank. The last virtual stage's chunk is called as ``chunk(x, labels)``, the
+        others as ``chunk(x)``.
     micro_batches: list of dicts {"tokens": [b,s] int64, "labels": [b,s] int64, "loss_mask": [b,s]};
         the first stage reads tokens, the last labels and loss_mask; other entries may be None.
+    loss_fn: ``loss_fn(last chunk's output, loss_mask) -> scalar``, the model's loss (e.g.
+        :func:`megazero.models.gpt.masked_mean` over the per-token losses).
     loss_scale: each micro-batch loss is backpropagated as ``loss * loss_scale / len(micro_batches)``,
         so gradients are those of the mean loss (times the fp16 loss scale).
     grad_sync: optional object with ``before_backward(chunk_id, is_last_microbatch)``, called right
         before each backward (data-parallel overlap of the gradient reduction).
     schedule: a schedule function, a name ('1f1b', 'gpipe', 'interleaved'), a ParallelConfig, or
         None (no pipelining at pp=1, interleaved with several chunks, else 1F1B).
-    tensor_shape: the stage-boundary activation shape (:func:`activation_shape`); inferred from the
-        chunk's config and any micro-batch's tokens/labels when None.
+    tensor_shape: the stage-boundary activation shape (the model's ``activation_shape``); needed
+        when pp > 1, where receive buffers are allocated before anything arrives.
     stats: a :class:`PipelineStats` to fill (peak in-flight micro-batches, execution order).
 
     Returns the detached per-micro-batch losses on the last pipeline stage (in micro-batch order;
@@ -38,8 +41,10 @@ def run_schedule(chunks, micro_batches, topo, *, forward_only: bool = False, los
                          grad_sync=grad_sync, stats=stats, loss_fn=loss_fn)
     comm = None
     if fn is not no_pipelining:
-        shape = tensor_shape or _infer_shape(chunks, micro_batches, topo)
-        comm = StageComm(topo, shape, _param_dtype(chunks), ring=fn is interleaved_one_f_one_b)
+        if tensor_shape is None:
+            raise ValueError(f"run_schedule on pipeline rank {topo.pp_rank} of {topo.pp_size} needs tensor_shape: "
+                             f"the model's activation_shape(model_cfg, micro_batch_size, tp, sequence_parallel)")
+        comm = StageComm(topo, tensor_shape, _param_dtype(chunks), ring=fn is interleaved_one_f_one_b)
     fn(runner, comm)
     if comm is not None:
         comm.flush()
@@ -62,15 +67,3 @@ def _param_dtype(chunks) -> torch.dtype:
             if p.is_floating_point():
                 return p.dtype
     return torch.float32
-
-
-def _infer_shape(chunks, micro_batches, topo) -> tuple[int, int, int]:
-    cfg = getattr(chunks[0], "config", None) or getattr(chunks[0], "cfg", None)
-    sizes = [mb[key].shape for mb in micro_batches if mb for key in ("tokens", "labels")
-             if mb.get(key) is not None]
-    if cfg is None or not sizes:
-        raise ValueError("run_schedule could not infer the stage-boundary shape on pipeline rank "
-                         f"{topo.pp_rank}: pass tensor_shape=activation_shape(model_cfg, micro_batch_size, "
-                         "tp, sequence_parallel)")
-    sp = bool(getattr(chunks[0], "sequence_parallel", False))
-    return activation_shape(cfg, sizes[0][0], topo.tp_size, sp)

@@ -52,7 +52,7 @@ class StageComm:
     """Batched p2p between this rank and its pipeline neighbours for one activation shape.
 
     ``shape``/``dtype``: the tensor every stage boundary carries (see
-    :func:`megazero.parallel.pipeline.stages.activation_shape`). Methods return ``None`` for a
+    the model's ``activation_shape``). Methods return ``None`` for a
     direction with no peer (the first stage's ``recv_forward`` without ``ring``, ...).
     ``num_batches`` / ``num_messages`` count what was exchanged (cheap instrumentation).
     """

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megazero.models.gpt import masked_mean
 from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage
 
 
@@ -43,15 +42,15 @@ class StageRunner:
     schedules only decide *which chunk* runs next, never which micro-batch.
     """
 
-    def __init__(self, chunks, micro_batches, topo, *, forward_only: bool = False, loss_scale: float = 1.0,
-                 grad_sync=None, stats: PipelineStats | None = None, loss_fn=None):
+    def __init__(self, chunks, micro_batches, topo, *, loss_fn, forward_only: bool = False,
+                 loss_scale: float = 1.0, grad_sync=None, stats: PipelineStats | None = None):
         self.chunks, self.micro_batches, self.topo = list(chunks), list(micro_batches), topo
         self.num_micro, self.v = len(self.micro_batches), len(self.chunks)
         if self.num_micro == 0:
             raise ValueError("run_schedule needs at least one micro-batch")
         self.forward_only, self.loss_scale, self.grad_sync = forward_only, loss_scale, grad_sync
         self.stats = stats if stats is not None else PipelineStats()
-        self.loss_fn = loss_fn or masked_mean
+        self.loss_fn = loss_fn
         self.losses: list[torch.Tensor] = []
         self.next_micro = [0] * self.v
         self.done_backward = [0] * self.v

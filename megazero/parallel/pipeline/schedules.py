@@ -13,6 +13,7 @@ The bubble (idle fraction) of both is (p-1)/(m+p-1) ~ (p-1)/m; 1F1B bounds the m
 """
 from __future__ import annotations
 
+from megazero.parallel.pipeline.interleaved import interleaved_one_f_one_b
 from megazero.parallel.pipeline.p2p import StageComm
 from megazero.parallel.pipeline.runner import StageRunner
 
@@ -87,8 +88,6 @@ def get_schedule(parallel_cfg):
 
 
 def schedule_by_name(name: str):
-    from megazero.parallel.pipeline.interleaved import interleaved_one_f_one_b
-
     table = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_one_f_one_b,
              "none": no_pipelining}
     if name not in table:

@@ -1,5 +1,5 @@
-"""Optimizers over the bucketed gradients of :mod:`megazero.parallel.data`: AdamW with fp32 master
-weights, optional ZeRO sharding over the data-parallel group, global-norm clipping, fp16 loss scaling.
+"""Optimizers over the bucketed gradients of :mod:`.grad_sync`: AdamW with fp32 master weights,
+ZeRO sharding over the data-parallel group, global-norm clipping, fp16 loss scaling.
 
 Who holds what (dp = N ranks, one bucket of 2N elements, rank r owns elements [2r, 2r + 2))::
 
@@ -7,8 +7,9 @@ Who holds what (dp = N ranks, one bucket of 2N elements, rank r owns elements [2
     DataParallelOptimizer   all N: full bucket        all N: full bucket           copy master -> params
     ZeroStage1Optimizer     full buffer, shard valid  rank r: its shard only       copy shard, all-gather
     ZeroStage2Optimizer     rank r: its shard only    rank r: its shard only       copy shard, all-gather
+    ZeroStage3Optimizer     rank r: its shard only    rank r: its shard only       copy into the param shard
 
-All three share :class:`_BucketAdamW`, which steps one (bucket, owned range) at a time:
+All four share :class:`BucketAdamW`, which steps one (bucket, owned range) at a time:
 unscale (fp16) -> inf/nan check over all ranks (skip + shrink the scale on overflow) -> global
 gradient norm -> clip -> AdamW on the flat fp32 range -> publish the new weights to the model.
 With fp32 parameters the "master" of a range *is* the model's parameter buffer (a view: no copy,
@@ -17,13 +18,11 @@ no extra memory); with bf16/fp16 it is a separate fp32 tensor.
 Global norm: every element of the full model is counted exactly once across the world --
 dp: sharded optimizers count their own shard (sum over all ranks); the unsharded one counts the
 full gradient and sums over the model-parallel group only, since dp replicas are identical;
-tp: a ``tensor_parallel`` parameter counts on every tp rank (distinct shards), a replicated one
-only on tp rank 0; pp: each stage its own parameters, and the tied embedding's last-stage copy
-(``shared_embedding`` on the last stage when pp > 1) is not counted.
+tp and pp: :func:`megazero.parallel.params.counts_once` (a tp shard on every tp rank, a replicated
+parameter on tp rank 0, a ``tied_copy`` nowhere).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -32,17 +31,20 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import OptimizerConfig, PrecisionConfig
-from megazero.optim import adamw_update, merge_ranges, wants_weight_decay
+from megazero.optim import adamw_update, decays, merge_ranges
 from megazero.parallel import counted_comm as comm
-from megazero.parallel.data import (AllReduceGradSync, Bucket, ParamSlot, ReduceScatterGradSync,
-                                    ShardedGradSync, _BucketedGradSync)
+from megazero.parallel.params import counts_once
+from megazero.parallel.zero.buckets import Bucket
+from megazero.parallel.zero.grad_sync import (AllReduceGradSync, BucketedGradSync, ReduceScatterGradSync,
+                                              ShardedGradSync)
+from megazero.parallel.zero.param_sync import ShardedParamSync
 from megazero.precision import DynamicLossScaler
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _RangeState:
+class RangeState:
     """Optimizer state of elements [lo, hi) of one bucket (ranges below are relative to lo)."""
 
     bucket: Bucket
@@ -56,10 +58,10 @@ class _RangeState:
     master_is_param: bool
 
 
-class _BucketAdamW:
+class BucketAdamW:
     """Shared step logic; subclasses choose the owned range, the norm group and how to publish."""
 
-    def __init__(self, grad_sync: _BucketedGradSync, opt_cfg: OptimizerConfig | None = None,
+    def __init__(self, grad_sync: BucketedGradSync, opt_cfg: OptimizerConfig | None = None,
                  precision: PrecisionConfig | None = None):
         self._check_grad_sync(grad_sync)
         self.grad_sync, self.topo = grad_sync, grad_sync.topo
@@ -88,7 +90,7 @@ class _BucketAdamW:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ setup
-    def _make_range(self, bucket: Bucket) -> _RangeState:
+    def _make_range(self, bucket: Bucket) -> RangeState:
         lo, hi = self._owned_range(bucket)
         params = self._range_params(bucket, lo, hi)
         is_fp32 = params.dtype == torch.float32
@@ -98,20 +100,12 @@ class _BucketAdamW:
             a, b = max(lo, slot.start) - lo, min(hi, slot.end) - lo
             if a >= b:
                 continue
-            if wants_weight_decay(slot.param):
+            if decays(slot.shape):
                 decay.append((a, b))
-            if self._counts_in_norm(slot):
+            if counts_once(slot.param, self.topo.tp_rank):
                 norm.append((a, b))
-        return _RangeState(bucket, lo, hi, master, torch.zeros_like(master), torch.zeros_like(master),
+        return RangeState(bucket, lo, hi, master, torch.zeros_like(master), torch.zeros_like(master),
                            merge_ranges(decay), merge_ranges(norm), is_fp32)
-
-    def _counts_in_norm(self, slot: ParamSlot) -> bool:
-        p, topo = slot.param, self.topo
-        if not getattr(p, "tensor_parallel", False) and topo.tp_rank != 0:
-            return False      # replicated across tp: tp rank 0 counts it
-        if getattr(p, "shared_embedding", False) and topo.pp_size > 1 and topo.is_last_stage:
-            return False      # the tied embedding is counted on the first stage
-        return True
 
     # ------------------------------------------------------------------- step
     @property
@@ -152,7 +146,7 @@ class _BucketAdamW:
             self.scaler.update(found_inf=False)
         return norm, False
 
-    def _main_grad(self, r: _RangeState) -> torch.Tensor:
+    def _main_grad(self, r: RangeState) -> torch.Tensor:
         """fp32, unscaled gradient of the owned range (a view when already fp32, else a copy)."""
         g = self.grad_sync.reduced_grad(r.bucket, r.lo, r.hi)
         g = g if g.dtype == torch.float32 else g.float()
@@ -249,7 +243,7 @@ class _BucketAdamW:
         return sum((r.exp_avg.numel() + r.exp_avg_sq.numel()) * 4 for r in self.ranges)
 
 
-class DataParallelOptimizer(_BucketAdamW):
+class DataParallelOptimizer(BucketAdamW):
     """Stage 0: every DP rank keeps fp32 masters and Adam state for every parameter."""
 
     def _check_grad_sync(self, grad_sync) -> None:
@@ -268,7 +262,7 @@ class DataParallelOptimizer(_BucketAdamW):
                 r.bucket.param_data[r.lo:r.hi].copy_(r.master)
 
 
-class ZeroStage1Optimizer(_BucketAdamW):
+class ZeroStage1Optimizer(BucketAdamW):
     """ZeRO-1: rank r keeps fp32 masters and Adam state for shard r of every bucket, steps it and
     all-gathers the updated parameters over dp. Gradients stay full-size (ReduceScatterGradSync, or
     AllReduceGradSync where an all-reduce is the cheaper collective)."""
@@ -304,15 +298,47 @@ class ZeroStage2Optimizer(ZeroStage1Optimizer):
             raise TypeError("ZeroStage2Optimizer needs ShardedGradSync (--zero-stage 2)")
 
 
-OPTIMIZER_BY_STAGE = {0: DataParallelOptimizer, 1: ZeroStage1Optimizer, 2: ZeroStage2Optimizer}
+class ZeroStage3Optimizer(BucketAdamW):
+    """AdamW on this rank's shard of every bucket; publishing = writing the shard (no all-gather:
+    the next forward gathers)."""
+
+    def _check_grad_sync(self, grad_sync) -> None:
+        if not isinstance(grad_sync, ShardedParamSync):
+            raise TypeError("ZeroStage3Optimizer needs ShardedParamSync (--zero-stage 3)")
+
+    def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        return self.grad_sync.shard_range(bucket)
+
+    def _range_params(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
+        return bucket.shard
+
+    def _norm_group(self):
+        return dist.group.WORLD, "world"
+
+    def _publish(self) -> None:
+        self.grad_sync.release_all()              # gathered copies would be stale
+        for r in self.ranges:
+            if not r.master_is_param:
+                r.bucket.shard.copy_(r.master)
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """fp32 masters from the (written back) shards: bf16/fp16 only, fp32 masters are the shards."""
+        for r in self.ranges:
+            if not r.master_is_param:
+                r.master.copy_(r.bucket.shard)
 
 
-def build_optimizer(grad_sync: _BucketedGradSync, opt_cfg: OptimizerConfig,
-                    precision: PrecisionConfig | None = None, stage: int | None = None) -> _BucketAdamW:
+OPTIMIZER_BY_STAGE = {0: DataParallelOptimizer, 1: ZeroStage1Optimizer, 2: ZeroStage2Optimizer,
+                      3: ZeroStage3Optimizer}
+
+
+def build_optimizer(grad_sync: BucketedGradSync, opt_cfg: OptimizerConfig,
+                    precision: PrecisionConfig | None = None, stage: int | None = None) -> BucketAdamW:
     """The optimizer for ``stage`` (default: the grad sync's ``zero_stage``)."""
     stage = grad_sync.cfg.zero_stage if stage is None else stage
     if stage not in OPTIMIZER_BY_STAGE:
-        raise ValueError(f"--zero-stage {stage}: only 0, 1 and 2 are implemented")
+        raise ValueError(f"--zero-stage {stage}: only 0, 1, 2 and 3 are implemented")
     return OPTIMIZER_BY_STAGE[stage](grad_sync, opt_cfg, precision)
 
 
@@ -332,102 +358,5 @@ def merge_optimizer_states(states: list[dict]) -> dict:
                 raise ValueError(f"optimizer pieces of {name!r} leave a gap or overlap at element {end}: "
                                  f"pass the state of every DP rank exactly once")
             end += p["master"].numel()
-        params[name] = {"offset": 0, **{k: torch.cat([p[k] for p in pieces]) for k in _BucketAdamW._STATE_KEYS}}
+        params[name] = {"offset": 0, **{k: torch.cat([p[k] for p in pieces]) for k in BucketAdamW._STATE_KEYS}}
     return {"step": states[0]["step"], "loss_scaler": states[0]["loss_scaler"], "params": params}
-
-
-def model_state_bytes(grad_sync: _BucketedGradSync, optimizer: _BucketAdamW | None = None) -> dict[str, int]:
-    """Bytes this rank holds right now in model parameters, gradients, fp32 master weights (only
-    those that are separate from the parameters) and optimizer state (Adam m and v), plus the total.
-    Padding is included. Measure after ``step()``: that is the steady state between steps.
-    ``grads_peak`` (not in the total) is the most gradient memory held at once so far, which for
-    stage 2 includes the transient full-size buckets of backward."""
-    out = {
-        "params": sum(b.numel() * b.element_size() for b in grad_sync.param_buffers),
-        "grads": sum(t.numel() * t.element_size() for t in grad_sync.held_grad_tensors()),
-        "master_weights": optimizer.master_bytes() if optimizer is not None else 0,
-        "optimizer_state": optimizer.state_bytes() if optimizer is not None else 0,
-    }
-    out["total"] = sum(out.values())
-    out["grads_peak"] = grad_sync.peak_grad_bytes
-    return out
-
-
-def zero_paper_bytes(psi: int, n: int, stage: int) -> float:
-    """Model-state bytes per rank in the ZeRO paper for mixed-precision Adam (K = 12):
-    stage 0: 2Ψ + 2Ψ + 12Ψ; stage 1: 4Ψ + 12Ψ/N; stage 2: 2Ψ + 14Ψ/N; stage 3: 16Ψ/N."""
-    return {0: 16.0 * psi, 1: 4.0 * psi + 12.0 * psi / n, 2: 2.0 * psi + 14.0 * psi / n,
-            3: 16.0 * psi / n}[stage]
-
-
-class ZeroEngine:
-    """What the training loop drives each step: the gradient sync and the optimizer, together.
-
-        engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
-        engine.zero_grad()
-        losses = run_schedule(chunks, micro_batches, topo, loss_scale=engine.loss_scale, grad_sync=engine)
-        engine.finalize_grads()
-        grad_norm, skipped = engine.step()
-    """
-
-    def __init__(self, grad_sync: _BucketedGradSync, optimizer: _BucketAdamW):
-        self.grad_sync, self.optimizer = grad_sync, optimizer
-        self.comm_log = grad_sync.comm_log
-
-    def before_backward(self, chunk_id: int, is_last_microbatch: bool) -> None:
-        self.grad_sync.before_backward(chunk_id, is_last_microbatch)
-
-    def finalize_grads(self) -> None:
-        self.grad_sync.finalize_grads()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
-
-    def step(self) -> tuple[float, bool]:
-        return self.optimizer.step()
-
-    def set_lr(self, lr: float) -> None:
-        self.optimizer.set_lr(lr)
-
-    @property
-    def loss_scale(self) -> float:
-        return self.optimizer.loss_scale
-
-    def model_state_bytes(self) -> dict[str, int]:
-        return model_state_bytes(self.grad_sync, self.optimizer)
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
-    @contextlib.contextmanager
-    def gathered_parameters(self, write_back: bool = False):
-        """Inside: every parameter of the chunks holds its full tp-local value (stages 0-2 always do).
-        With ``write_back``, on a normal exit the parameters become the truth: the fp32 masters are
-        refreshed from them (matters for bf16/fp16). Call on every rank (stage 3 gathers here)."""
-        yield
-        if write_back:
-            self.optimizer.refresh_masters()
-
-
-def build_engine(chunks, topo, zero_cfg, opt_cfg: OptimizerConfig, precision: PrecisionConfig | None = None,
-                 *, grad_sync_cls: type | None = None) -> ZeroEngine:
-    """Wrap this rank's model chunks for ``zero_cfg.zero_stage`` and build the matching optimizer.
-    Build it after the model and before the first forward: parameters move into the DP buffers.
-    ``grad_sync_cls``: see :func:`megazero.parallel.data.wrap_data_parallel`. Stage 3 returns a
-    :class:`megazero.parallel.zero3.ZeroStage3Engine`."""
-    from megazero.parallel.data import wrap_data_parallel
-
-    if zero_cfg.keep_params_gathered and zero_cfg.zero_stage != 3:
-        raise ValueError(f"--zero3-keep-params-gathered applies to --zero-stage 3 only (got stage "
-                         f"{zero_cfg.zero_stage}): drop the flag or use stage 3")
-    if zero_cfg.zero_stage == 3:
-        if grad_sync_cls is not None:
-            raise ValueError("grad_sync_cls applies to ZeRO stages 0-2, not --zero-stage 3")
-        from megazero.parallel.zero3 import build_stage3_engine
-        return build_stage3_engine(chunks, topo, zero_cfg, opt_cfg, precision)
-
-    grad_sync = wrap_data_parallel(chunks, topo, zero_cfg, grad_sync_cls=grad_sync_cls)
-    return ZeroEngine(grad_sync, build_optimizer(grad_sync, opt_cfg, precision))

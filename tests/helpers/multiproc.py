@@ -1,6 +1,6 @@
 """Run a test body on N CPU processes joined by a gloo process group.
 
-    from multiproc import run_on_ranks
+    from helpers import run_on_ranks
 
     def _body(rank, world_size, x):          # module-level, so it pickles
         ...                                   # dist is initialised; build Topology etc.

@@ -1,0 +1,151 @@
+"""The ZeRO engine: what the training loop drives each step, for every stage, and its accounting.
+
+    engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    engine.zero_grad()
+    losses = run_schedule(chunks, micro_batches, topo, loss_fn=..., loss_scale=engine.loss_scale, grad_sync=engine)
+    engine.finalize_grads()
+    grad_norm, skipped = engine.step()
+
+Files below this one, each importing only those above it in this list: ``buckets`` (flat layout),
+``grad_sync`` (stages 0-2: gradient buckets and their reduction), ``units`` (the ZeRO-3 gather
+units a model declares), ``param_sync`` (stage 3: parameters sharded and gathered per unit),
+``optimizer`` (AdamW over the owned shard of every bucket).
+"""
+from __future__ import annotations
+
+import contextlib
+
+
+from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero.buckets import nbytes
+from megazero.parallel.zero.grad_sync import BucketedGradSync, wrap_data_parallel
+from megazero.parallel.zero.optimizer import BucketAdamW, ZeroStage3Optimizer, build_optimizer
+from megazero.parallel.zero.param_sync import ShardedParamSync
+
+
+def model_state_bytes(grad_sync: BucketedGradSync, optimizer: BucketAdamW | None = None) -> dict[str, int]:
+    """Bytes this rank holds right now in model parameters, gradients, fp32 master weights (only
+    those that are separate from the parameters) and optimizer state (Adam m and v), plus the total.
+    Padding is included. Measure after ``step()``: that is the steady state between steps.
+    ``grads_peak`` (not in the total) is the most gradient memory held at once so far, which for
+    stage 2 includes the transient full-size buckets of backward."""
+    out = {
+        "params": sum(nbytes(b) for b in grad_sync.param_buffers),
+        "grads": sum(nbytes(t) for t in grad_sync.held_grad_tensors()),
+        "master_weights": optimizer.master_bytes() if optimizer is not None else 0,
+        "optimizer_state": optimizer.state_bytes() if optimizer is not None else 0,
+    }
+    out["total"] = sum(out.values())
+    out["grads_peak"] = grad_sync.peak_grad_bytes
+    return out
+
+
+def zero_paper_bytes(psi: int, n: int, stage: int) -> float:
+    """Model-state bytes per rank in the ZeRO paper for mixed-precision Adam (K = 12):
+    stage 0: 2Ψ + 2Ψ + 12Ψ; stage 1: 4Ψ + 12Ψ/N; stage 2: 2Ψ + 14Ψ/N; stage 3: 16Ψ/N."""
+    return {0: 16.0 * psi, 1: 4.0 * psi + 12.0 * psi / n, 2: 2.0 * psi + 14.0 * psi / n,
+            3: 16.0 * psi / n}[stage]
+
+
+class ZeroEngine:
+    """What the training loop drives each step: the gradient sync and the optimizer, together
+    (the protocol in the module docstring)."""
+
+    def __init__(self, grad_sync: BucketedGradSync, optimizer: BucketAdamW):
+        self.grad_sync, self.optimizer = grad_sync, optimizer
+        self.comm_log = grad_sync.comm_log
+
+    def before_backward(self, chunk_id: int, is_last_microbatch: bool) -> None:
+        self.grad_sync.before_backward(chunk_id, is_last_microbatch)
+
+    def finalize_grads(self) -> None:
+        self.grad_sync.finalize_grads()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> tuple[float, bool]:
+        return self.optimizer.step()
+
+    def set_lr(self, lr: float) -> None:
+        self.optimizer.set_lr(lr)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizer.loss_scale
+
+    def model_state_bytes(self) -> dict[str, int]:
+        return model_state_bytes(self.grad_sync, self.optimizer)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, write_back: bool = False):
+        """Inside: every parameter of the chunks holds its full tp-local value (stages 0-2 always do).
+        With ``write_back``, on a normal exit the parameters become the truth: the fp32 masters are
+        refreshed from them (matters for bf16/fp16). Call on every rank (stage 3 gathers here)."""
+        yield
+        if write_back:
+            self.optimizer.refresh_masters()
+
+
+class ZeroStage3Engine(ZeroEngine):
+    """The ZeroEngine protocol for stage 3; adds the gathered-parameter figures to the accounting
+    and :meth:`gathered_parameters` for code that reads or writes whole parameters."""
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """As for stages 0-2 (``params`` = this rank's shards), plus the temporaries: ``gathered_params``
+        (now), ``gathered_params_peak`` bytes and ``gathered_units_peak`` units gathered at once so far."""
+        out = model_state_bytes(self.grad_sync, self.optimizer)
+        out["gathered_params"] = self.grad_sync.gathered_bytes
+        out["gathered_params_peak"] = self.grad_sync.gathered_bytes_peak
+        out["gathered_units_peak"] = self.grad_sync.live_units_peak
+        return out
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, write_back: bool = False):
+        """Inside: every parameter holds its full tp-local value (a collective over dp: all ranks).
+        ``write_back=True``: on a normal exit the (possibly modified in place) values become the
+        truth -- each rank copies its slice into its shard and refreshes its fp32 masters."""
+        newly = self.grad_sync.gather_all()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            if ok and write_back:
+                self.grad_sync.write_back()
+                self.optimizer.refresh_masters()
+            for u in newly:
+                self.grad_sync.release(u)
+
+
+def _build_stage3_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: OptimizerConfig,
+                        precision: PrecisionConfig | None = None) -> ZeroStage3Engine:
+    """Shard this rank's chunks over dp (parameters move into shards: build after the model,
+    before the first forward) and build the stage-3 optimizer."""
+    sync = ShardedParamSync(chunks, topo, zero_cfg)
+    optimizer = ZeroStage3Optimizer(sync, opt_cfg, precision)
+    sync.reset_peaks()
+    return ZeroStage3Engine(sync, optimizer)
+
+
+def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: OptimizerConfig,
+                 precision: PrecisionConfig | None = None, *, grad_sync_cls: type | None = None) -> ZeroEngine:
+    """Wrap this rank's model chunks for ``zero_cfg.zero_stage`` and build the matching optimizer.
+    Build it after the model and before the first forward: parameters move into the DP buffers.
+    ``grad_sync_cls``: see :func:`megazero.parallel.zero.grad_sync.wrap_data_parallel`."""
+    if zero_cfg.keep_params_gathered and zero_cfg.zero_stage != 3:
+        raise ValueError(f"--zero3-keep-params-gathered applies to --zero-stage 3 only (got stage "
+                         f"{zero_cfg.zero_stage}): drop the flag or use stage 3")
+    if zero_cfg.zero_stage == 3:
+        if grad_sync_cls is not None:
+            raise ValueError("grad_sync_cls applies to ZeRO stages 0-2, not --zero-stage 3")
+        return _build_stage3_engine(chunks, topo, zero_cfg, opt_cfg, precision)
+    grad_sync = wrap_data_parallel(chunks, topo, zero_cfg, grad_sync_cls=grad_sync_cls)
+    return ZeroEngine(grad_sync, build_optimizer(grad_sync, opt_cfg, precision))

@@ -1,0 +1,321 @@
+"""ZeRO stage 3: parameters, gradients, fp32 master weights and Adam state all sharded over dp.
+
+Flags: ``--zero-stage 3``, ``--zero3-prefetch-layers K`` (``ZeroConfig.prefetch_layers``, default 1),
+``--zero3-keep-params-gathered`` (``ZeroConfig.keep_params_gathered``). With tp and pp, every
+(tp rank, pipeline stage) shards its own tp-local chunk over its dp group; nothing else changes.
+
+Who holds what (dp = N ranks). Every model chunk is cut into *units* that are gathered as one: the
+embedding, each transformer layer, and the head (final norm + output layer). Each unit's
+parameters are laid out flat in buckets exactly as in :mod:`megazero.parallel.zero.buckets` (reverse
+registration order, padded to N equal 64-element-aligned shards, the tied word embedding in a
+bucket of its own) and rank r keeps only shard r of every bucket. Worked example, N = 2, a layer
+unit with w (6) and b (2), pad multiple 1::
+
+    bucket [b0 b1 w0 w1 w2 w3 w4 w5]      rank 0 keeps [b0 b1 w0 w1], rank 1 keeps [w2 w3 w4 w5]
+    forward of the layer:  all-gather the bucket into a full buffer, run, free the buffer
+    backward of the layer: all-gather again, run, free; the gradient bucket is reduce-scattered
+                           (averaged over dp) and rank r adds the result into its gradient shard
+    optimizer step:        rank r updates its shard only (fp32 master + Adam m, v); nothing is
+                           all-gathered after the step -- the next forward gathers what it needs
+
+Memory per rank, mixed precision (Ψ parameters, K = 12): 2Ψ/N params + 2Ψ/N grads + 4Ψ/N fp32
+masters + 8Ψ/N Adam = 16Ψ/N between steps (``model_state_bytes``; plus the padding of each unit to
+a multiple of 64 N elements). Temporary buffers on top of it, per rank:
+
+* gathered parameters: the units of at most ``1 + prefetch_layers`` consecutive modules (the one
+  computing and the ones prefetched), e.g. 2 transformer layers with the default
+  ``prefetch_layers=1`` (``gathered_units_peak``, ``gathered_params_peak``).
+* gradients: the full-size gradient of a unit from its first gradient in a backward until its
+  reduce-scatter is retired (at most ``MAX_REDUCTIONS_IN_FLIGHT`` = 1 reduction in flight; the
+  unit being computed holds its own), plus a 1/N scratch shard when the shard already holds
+  earlier micro-batches (``grads_peak``; the mechanism is stage 2's, :mod:`.grad_sync`). The tied word embedding on a pp = 1 chunk holds its full gradient from the
+  head's backward to the embedding's, since both add to it.
+
+Communication per rank per step (bytes of the parameter dtype, ring accounting of
+:mod:`megazero.parallel.counted_comm`, M micro-batches on this rank's chunk):
+
+    default (reshard after forward)   M * 3Ψ(N-1)/N   all-gather in forward, all-gather in backward,
+                                                      reduce-scatter of the gradients, per micro-batch
+    keep_params_gathered=True             2Ψ(N-1)/N   each unit gathered once per step (first use)
+                                                      and kept until the step's gradients are
+                                                      reduced; gradients accumulate full-size over
+                                                      the micro-batches and are reduce-scattered once
+
+So the default costs 1.5x the traffic of ZeRO-1/2 (at M = 1) for a parameter footprint of
+2Ψ/N + 2 units; ``keep_params_gathered`` has ZeRO-2's traffic for every M but holds the stage's
+full parameters and gradients (4Ψ) from its first forward to the end of the step, and only
+16Ψ/N between steps (PyTorch FSDP's ``reshard_after_forward=False``). With pipeline parallelism
+each stage shards its own chunk; the default re-gathers per micro-batch (M micro-batches, 3MΨ),
+which is where keeping the parameters gathered pays off most.
+
+One exception to 3Ψ: with pp = 1 and a tied output layer, the word embedding is used by the
+embedding unit and again by the head, so it is gathered twice in forward and twice in backward:
+3Ψ + 2Ψ_emb (N-1)/N per micro-batch. With pp > 1 each stage uses its copy once: exactly 3Ψ.
+
+Units are the model's declaration (``zero3_plan()``, :mod:`megazero.parallel.zero.units`).
+Hooks (installed by :class:`ShardedParamSync`, nothing to call from the model):
+forward pre-hook of a unit's module -> gather (or wait for the prefetch), prefetch the next
+``prefetch_layers`` units, and route the input through an identity autograd function whose
+backward releases the unit once its backward is done; forward post-hook -> free the gathered
+buffers and hook the output's gradient, which gathers the unit again before its backward and
+prefetches the units before it. An end-of-backward callback frees whatever is left and launches
+the reduce-scatters of buckets whose gradients were not all produced. Releasing frees the full
+buffer's storage in place (``untyped_storage().resize_(0)``, as PyTorch FSDP2 does) rather than
+replacing it, so views of a weight that autograd saved in forward (``weight.t()`` in a matmul)
+read the re-gathered values in backward instead of pinning the forward's copy in memory.
+
+A forward without autograd (evaluation) releases every unit after use in both modes.
+Outside forward/backward a released parameter is an empty tensor (``p.numel() == 0``): read or
+write parameter values inside ``engine.gathered_parameters()``.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from megazero.config import ZeroConfig
+from megazero.parallel import counted_comm as comm
+from megazero.parallel.counted_comm import CommLog
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype
+from megazero.parallel.zero.grad_sync import ShardedGradSync
+from megazero.parallel.zero.units import plan_of
+
+
+@dataclass
+class Unit:
+    """Parameters gathered and released together; ``buckets`` hold their flat layout.
+
+    Each bucket's ``param_data`` is the full-size buffer (storage freed while released) and
+    ``shard`` the persistent 1/N slice this rank owns."""
+
+    name: str
+    chunk_id: int
+    buckets: list[Bucket] = field(default_factory=list)
+    state: str = "released"           # released | gathering | gathered
+    handles: list = field(default_factory=list)
+
+
+@dataclass
+class Trigger:
+    """A use of units at run time: the module's hooks gather ``units`` (see ``units.UnitUse``)."""
+
+    name: str
+    chunk_id: int
+    index: int
+    units: list[Unit]
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's input; its backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, sync, trigger, x):
+        ctx.sync, ctx.trigger = sync, trigger
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sync.after_unit_backward(ctx.trigger)
+        return None, None, grad
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward (a forward here is activation recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class ShardedParamSync(ShardedGradSync):
+    """Stage 3 parameter and gradient sharding over ``topo.dp_group`` (see the module docstring).
+
+    Gradients are stage 2's (:class:`ShardedGradSync`), reduced every micro-batch by default (only
+    on the last one with ``keep_params_gathered``); parameters live as shards too, gathered per
+    unit around its forward and its backward.
+    """
+
+    def __init__(self, chunks, topo: Topology, zero_cfg: ZeroConfig | None = None, *,
+                 comm_log: CommLog | None = None):
+        cfg = zero_cfg or ZeroConfig(zero_stage=3)
+        if cfg.prefetch_layers < 0:
+            raise ValueError(f"--zero3-prefetch-layers must be >= 0, got {cfg.prefetch_layers}")
+        self.keep = bool(cfg.keep_params_gathered)
+        self.reduce_every_backward = not self.keep
+        self.units: list[Unit] = []
+        self.triggers: list[list[Trigger]] = []
+        self.live_units = self.live_units_peak = 0
+        self.gathered_bytes = self.gathered_bytes_peak = 0
+        self._hooks = []                   # forward hook handles (remove() to unwrap)
+        self._trigger_modules: list[list[tuple[nn.Module, nn.Module]]] = []
+        super().__init__(chunks, topo, cfg, comm_log=comm_log)
+        for chunk_id in range(len(self.chunks)):
+            self._install_hooks(chunk_id)
+
+    # ----------------------------------------------------------------- layout
+    def _build_chunk(self, chunk_id: int, chunk: nn.Module) -> None:
+        plan = plan_of(chunk)
+        single_dtype([m for members in plan.units.values() for m in members], chunk_id)
+        by_name = {}
+        for name, members in plan.units.items():
+            unit = by_name[name] = Unit(name, chunk_id)
+            self._build_unit(unit, members[::-1])           # reverse: roughly backward order
+            self.units.append(unit)
+        self.triggers.append([Trigger(use.name, chunk_id, i, [by_name[u] for u in use.units])
+                              for i, use in enumerate(plan.uses)])
+        self._trigger_modules.append([(use.pre_module, use.post_module) for use in plan.uses])
+        self.grad_buffers.append(None)
+
+    def _build_unit(self, unit: Unit, named: list[tuple[str, nn.Parameter]]) -> None:
+        for members, padded in plan_params(named, sys.maxsize, self.dp_size):
+            first = named[members[0][0]][1]
+            bucket = Bucket(unit.chunk_id, len(self.buckets), 0, padded, padded // self.dp_size)
+            bucket.param_data = torch.zeros(padded, dtype=first.dtype, device=first.device)
+            for i, start, end in members:
+                name, p = named[i]
+                bucket.param_data[start:end].copy_(p.data.reshape(-1))
+                self._add_slot(ParamSlot(name, p, bucket, start, end, p.shape))
+            lo, hi = self.shard_range(bucket)
+            bucket.shard = bucket.param_data[lo:hi].clone()
+            bucket.empty = torch.empty(0, dtype=first.dtype, device=first.device)
+            self.param_buffers.append(bucket.shard)
+            self.buckets.append(bucket)
+            unit.buckets.append(bucket)
+        unit.state = "gathered"
+        self.release(unit, count=False)
+
+    # ---------------------------------------------------------- gather/release
+    def gather(self, unit: Unit) -> None:
+        """Launch the all-gather of ``unit`` (asynchronous); :meth:`wait` completes it."""
+        if unit.state != "released":
+            return
+        for b in unit.buckets:
+            b.param_data.untyped_storage().resize_(b.numel * b.param_data.element_size())
+            unit.handles.append(comm.all_gather(b.param_data, b.shard, self.dp_group, self.comm_log, "dp",
+                                                async_op=True))
+            self.gathered_bytes += nbytes(b.param_data)
+        unit.state = "gathering"
+        self.live_units += 1
+        self.live_units_peak = max(self.live_units_peak, self.live_units)
+        self.gathered_bytes_peak = max(self.gathered_bytes_peak, self.gathered_bytes)
+
+    def wait(self, unit: Unit) -> None:
+        """Gather ``unit`` if needed and wait until its parameters hold their full values."""
+        self.gather(unit)
+        if unit.state != "gathering":
+            return
+        for h in unit.handles:
+            if h is not None:
+                h.wait()
+        unit.handles = []
+        for b in unit.buckets:
+            for s in b.slots:
+                s.param.data = b.param_data[s.start:s.end].view(s.shape)
+        unit.state = "gathered"
+
+    def release(self, unit: Unit, count: bool = True) -> None:
+        """Free the unit's full buffers. Views saved by autograd keep pointing at the same storage,
+        which the next gather refills with the same values."""
+        if unit.state == "released":
+            return
+        if unit.state == "gathering":
+            self.wait(unit)
+        for b in unit.buckets:
+            for s in b.slots:
+                s.param.data = b.empty
+            b.param_data.untyped_storage().resize_(0)
+            if count:
+                self.gathered_bytes -= nbytes(b.param_data)
+        unit.state = "released"
+        if count:
+            self.live_units -= 1
+
+    def gather_all(self) -> list[Unit]:
+        """Gather every unit now (blocking); returns the ones that were released before."""
+        newly = [u for u in self.units if u.state == "released"]
+        for u in newly:
+            self.gather(u)
+        for u in self.units:
+            self.wait(u)
+        return newly
+
+    def release_all(self, chunk_id: int | None = None) -> None:
+        for u in self.units:
+            if chunk_id is None or u.chunk_id == chunk_id:
+                self.release(u)
+
+    def reset_peaks(self) -> None:
+        """Restart the peak counts of gathered units / bytes and of gradient bytes from now."""
+        self.live_units_peak, self.gathered_bytes_peak, self._peak = self.live_units, self.gathered_bytes, self._held
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Copy this rank's slice of every gathered full buffer into its shard (the values there
+        become the truth)."""
+        for u in self.units:
+            if u.state != "released":
+                self.wait(u)
+                for b in u.buckets:
+                    lo, hi = self.shard_range(b)
+                    b.shard.copy_(b.param_data[lo:hi])
+
+    # ------------------------------------------------------------------ hooks
+    def _install_hooks(self, chunk_id: int) -> None:
+        for trig, (pre, post) in zip(self.triggers[chunk_id], self._trigger_modules[chunk_id]):
+            self._hooks.append(pre.register_forward_pre_hook(partial(self._pre_forward, trig)))
+            self._hooks.append(post.register_forward_hook(partial(self._post_forward, trig)))
+
+    def _prefetch(self, trig: Trigger, direction: int) -> None:
+        """Launch the gathers of the next ``prefetch_layers`` triggers (forward: +1, backward: -1)."""
+        trigs = self.triggers[trig.chunk_id]
+        for j in range(1, self.cfg.prefetch_layers + 1):
+            idx = trig.index + direction * j
+            if 0 <= idx < len(trigs):
+                for u in trigs[idx].units:
+                    self.gather(u)
+
+    def _pre_forward(self, trig: Trigger, module, args):
+        for u in trig.units:
+            self.wait(u)
+        if _in_backward():                     # activation recomputation: gathered by _pre_backward
+            return None
+        self._prefetch(trig, +1)
+        if torch.is_grad_enabled() and args and torch.is_tensor(args[0]) and args[0].requires_grad:
+            return (_PostBackward.apply(self, trig, args[0]),) + tuple(args[1:])
+        return None
+
+    def _post_forward(self, trig: Trigger, module, args, output) -> None:
+        if _in_backward():
+            return
+        out = output[0] if isinstance(output, (tuple, list)) and output else output
+        if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(partial(self._pre_backward, trig))
+        if not self.keep or not torch.is_grad_enabled():     # evaluation: no backward will need it
+            for u in trig.units:
+                self.release(u)
+
+    def _pre_backward(self, trig: Trigger, grad) -> None:
+        """Gradient of the trigger's output is ready: its backward is next. Gather it, prefetch."""
+        self._watch_backward(trig.chunk_id)
+        for u in trig.units:
+            self.wait(u)
+        self._prefetch(trig, -1)
+
+    def after_unit_backward(self, trig: Trigger) -> None:
+        """A use's backward is done (called by :class:`_PostBackward`): free its units by default."""
+        if not self.keep:
+            for u in trig.units:
+                self.release(u)
+
+    def _end_of_backward(self, chunk_id: int) -> None:
+        """After each backward of a chunk: free what is still gathered (default mode), then reduce."""
+        if not self.keep:
+            self.release_all(chunk_id)
+        super()._end_of_backward(chunk_id)
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what is left, wait for every reduction, release all gathered parameters."""
+        super().finish_grad_sync()
+        self.release_all()

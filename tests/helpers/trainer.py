@@ -1,0 +1,31 @@
+"""End-to-end helpers: pretrain_gpt.main on n ranks, its metrics files, and loss comparisons."""
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))                    # pretrain_gpt.py lives at the repository root
+
+TINY = ["--mock-data", "--vocab-size", "100", "--make-vocab-size-divisible-by", "16", "--num-layers", "4",
+        "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-2", "--lr-warmup-iters", "2",
+        "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "2", "--seed", "7"]
+
+
+def main_body(rank, world, argv):
+    import pretrain_gpt
+
+    return pretrain_gpt.main(argv)
+
+
+def read_metrics(path) -> tuple[list[dict], list[dict]]:
+    """(training records, evaluation records) of a metrics file."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return [r for r in records if "loss" in r], [r for r in records if "valid_loss" in r]
+
+
+def assert_same_losses(got: list[dict], want: list[dict], key: str) -> None:
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in want]
+    for g, w in zip(got, want):
+        assert math.isclose(g[key], w[key], rel_tol=1e-5), f"iteration {g['iteration']}: {g[key]} vs {w[key]}"
