@@ -21,6 +21,9 @@ from megazero.checkpoint import CheckpointError, checkpoint_saver, resume
 from megazero.config import JobConfig
 from megazero.data.samplers import build_data_iterators
 from megazero.data.tokenizers import Tokenizer, tokenizer_from_config
+from megazero.memory import return_freed_memory
+from megazero.memory.estimate import describe as describe_estimate
+from megazero.memory.estimate import estimate_memory
 from megazero.metrics import MetricsLog
 from megazero.models.gpt import build_model_chunks
 from megazero.parallel.topology import Topology, init_distributed
@@ -38,13 +41,16 @@ def main(argv: list[str] | None = None) -> int:
 
     topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, order=job.parallel.order,
                     device=init_distributed(args.backend))
+    if topo.device.type == "cpu":                      # freed tensors leave the resident set: honest peaks
+        return_freed_memory()
     log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0)
     torch.manual_seed(job.train.seed)
 
-    chunks = build_model_chunks(job.model, job.parallel, topo, seed=job.train.seed, dtype=param_dtype(job))
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=job.train.seed, dtype=param_dtype(job),
+                                device="meta" if job.zero.sharded_init else None)   # the engine materialises
     header = describe_run(job, topo, chunks)           # counts parameters before ZeRO moves them
     engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
-    log.print(header + model_state_line(engine, topo))
+    log.print(header + model_state_line(engine, topo) + "\n" + describe_estimate(estimate_memory(job, topo.device.type)))
     try:
         state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
     except CheckpointError as e:

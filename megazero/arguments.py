@@ -43,6 +43,9 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--zero2-reduce-each-microbatch",), "zero.reduce_each_microbatch",
          dict(action="store_true", help="stage 2: reduce gradients every micro-batch (less memory, "
                                         "m x the gradient traffic)")),
+        (("--sharded-init",), "zero.sharded_init",
+         dict(action=argparse.BooleanOptionalAction, help="build the model on the meta device and give each "
+              "parameter its values where it lives (ZeRO-3: shard by shard); default on")),
     ],
     "model": [
         (("--num-layers",), "model.num_layers", dict(type=int)),
@@ -120,11 +123,12 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "pretrain_gpt.py", description: str | None = None) -> argparse.ArgumentParser:
+    """The trainer's flags (and ``--config``); tools that take the same flags add their own to it."""
     parser = argparse.ArgumentParser(
-        prog="pretrain_gpt.py", allow_abbrev=False,
-        description="Pretrain a GPT with tensor, pipeline and data parallelism and ZeRO. With no data "
-                    "flags it trains a tiny GPT on the bundled sample corpus.")
+        prog=prog, allow_abbrev=False,
+        description=description or "Pretrain a GPT with tensor, pipeline and data parallelism and ZeRO. With no "
+                                   "data flags it trains a tiny GPT on the bundled sample corpus.")
     parser.add_argument("--config", help="TOML or YAML file with flag names as keys; CLI overrides it")
     parser.add_argument("--backend", choices=BACKENDS, help="default: nccl with CUDA, else gloo")
     for title, entries in ARGUMENTS.items():
@@ -197,11 +201,16 @@ def parse_job(argv: list[str] | None = None, world_size: int | None = None) -> t
     parser = build_parser()
     args = parser.parse_args(argv)
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    return job_from_args(parser, args, world_size), args
+
+
+def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> JobConfig:
+    """The validated JobConfig of parsed flags (and their ``--config`` file). An invalid one exits with
+    status 2 and a one-line message naming the flag (printed by rank 0 only under a launcher)."""
     try:
         values = load_config_file(args.config) if args.config else {}
         values.update({k: v for k, v in vars(args).items() if "." in k})
-        job = validate(job_from_values(values), world_size)
+        return validate(job_from_values(values), world_size)
     except (ConfigError, TypeError) as e:
         first = os.environ.get("RANK", "0") == "0"  # one line from the launcher, not one per rank
-        parser.exit(2, f"pretrain_gpt.py: error: {e}\n" if first else None)
-    return job, args
+        parser.exit(2, f"{parser.prog}: error: {e}\n" if first else None)

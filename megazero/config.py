@@ -101,6 +101,7 @@ class ZeroConfig:
     prefetch_layers: int = 1                    # stage 3: gathered layers in flight ahead of compute
     keep_params_gathered: bool = False          # stage 3 with pp: keep gathered for the whole step
     reduce_each_microbatch: bool = False        # stage 2: reduce-scatter after every micro-batch
+    sharded_init: bool = True                   # build on the meta device; materialise shard by shard
 
 
 @dataclass

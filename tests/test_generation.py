@@ -100,7 +100,7 @@ def test_generate_and_inspect_tools(tmp_path):
     rc, out = _tool("inspect_checkpoint.py", ckpt)
     assert rc == 0 and "saved with: tp 2 pp 2" in out and "checksums OK" in out, out
     assert "model/layers.1.attention.qkv.weight" in out and "[96, 32]" in out
-    shard = ckpt / "iter_0000000" / "model_tp00_pp000.safetensors"
+    shard = ckpt / "iter_0000000" / "rank00000.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))

@@ -19,9 +19,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+from megazero.config import TOKENIZERS  # noqa: E402
 from megazero.data.indexed_dataset import IndexedDatasetError  # noqa: E402
 from megazero.data.preprocess import PreprocessConfig, PreprocessError, preprocess  # noqa: E402
-from megazero.config import TOKENIZERS  # noqa: E402
 from megazero.data.tokenizers import TokenizerError  # noqa: E402
 
 

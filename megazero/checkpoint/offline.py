@@ -17,7 +17,10 @@ from pathlib import Path
 import torch
 
 from megazero.checkpoint import format as fmt
-from megazero.checkpoint.format import CheckpointError, CheckpointReader
+from megazero.checkpoint.format import CheckpointError
+from megazero.checkpoint.reader import CheckpointReader
+from megazero.checkpoint.regions import numel
+from megazero.checkpoint.tensor_file import write_pieces
 from megazero.config import JobConfig, ModelConfig
 from megazero.models.gpt import GPT
 from megazero.parallel.params import attribute, counts_once, split_dim
@@ -110,18 +113,18 @@ def write_weights_checkpoint(save_dir: str | os.PathLike, tensors: dict[str, tor
         raise CheckpointError(f"tensors {unknown[:5]} are not parameters of a {cfg.num_layers}-layer GPT")
     for pp_rank in range(pp):
         for tp_rank in range(tp):
-            parts = []
+            pieces = []
             for name, full in tensors.items():
                 decl = decls[name]
-                if pp_rank != decl.stages[0]:
-                    continue
-                if decl.partition_dim < 0 and tp_rank != 0:
-                    continue                     # replicated over tp: written once
+                if pp_rank != decl.stages[0] or (decl.partition_dim < 0 and tp_rank != 0):
+                    continue                     # another stage's, or replicated over tp: written once
                 local = _local_slice(name, full, decl, tp_rank, tp, cfg)
                 vocab = cfg.vocab_size if decl.vocab_padded else None
-                shape, region = fmt.global_region(local.shape, decl.partition_dim, tp_rank, tp, vocab)
-                parts.append((fmt.tensor_key(fmt.MODEL, name), shape, region, fmt.stored_part(local, region)))
-            entries, written = fmt.write_tensor_file(tmp, fmt.shard_file_name(tp_rank, pp_rank), parts)
+                shape, box = fmt.global_region(local.shape, decl.partition_dim, tp_rank, tp, vocab)
+                pieces.append((fmt.tensor_key(fmt.MODEL, name), shape, box, (0, numel(box)),
+                               local.reshape(-1)[:numel(box)]))
+            file = tmp / fmt.rank_file_name(pp_rank * tp + tp_rank)
+            entries, written = write_pieces(file, pieces, {"format": fmt.FORMAT_NAME})
             fmt.merge_entries(index["tensors"], entries)
             files.update(written)
     fmt.commit(save_dir, tmp, final, index, files)

@@ -273,21 +273,30 @@ class GPT(nn.Module):
         for p in self.parameters():
             if not hasattr(p, "tensor_parallel"):
                 set_tp_attributes(p, False)
+        self.seed = seed
+        self._norm_modules = {n for n, m in self.named_modules() if isinstance(m, nn.LayerNorm)}
         if device.type != "meta":          # on the meta device the ZeRO engine materialises them
             self.reset_parameters(seed)
 
     # ------------------------------------------------------------------ init
     def reset_parameters(self, seed: int) -> None:
         """Fill every parameter from its whole-tensor init (see module docstring), sliced for this rank."""
-        norms = {id(p) for m in self.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
-        tp, rank = self.ctx.tp_size, self.ctx.tp_rank
+        self.seed = seed
         with torch.no_grad():
             for name, p in self.named_parameters():
-                full_shape = list(p.shape)
-                if p.tensor_parallel:
-                    full_shape[p.partition_dim] *= tp
-                full = self.full_init(name, tuple(full_shape), seed, is_norm=id(p) in norms)
-                p.copy_(shard(full, p.partition_dim, rank, tp))
+                p.copy_(self.initial_value(name))
+
+    def initial_value(self, name: str) -> torch.Tensor:
+        """This tp rank's initial value of parameter ``name`` (float32, CPU): the whole tensor drawn
+        from its (seed, name) generator, then sliced. The ZeRO engine calls it for a chunk built on
+        the meta device, to materialise each parameter where it will live (part of the model contract)."""
+        p = self.get_parameter(name)
+        tp, rank = self.ctx.tp_size, self.ctx.tp_rank
+        full_shape = list(p.shape)
+        if p.tensor_parallel:
+            full_shape[p.partition_dim] *= tp
+        is_norm = name.rpartition(".")[0] in self._norm_modules
+        return shard(self.full_init(name, tuple(full_shape), self.seed, is_norm=is_norm), p.partition_dim, rank, tp)
 
     def full_init(self, name: str, shape: tuple[int, ...], seed: int, is_norm: bool = False) -> torch.Tensor:
         """The tp=1 value of parameter ``name`` (float32, CPU): GPT-2 init, deterministic in (seed, name)."""

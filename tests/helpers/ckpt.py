@@ -21,8 +21,8 @@ MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
 OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, clip_grad=0.3, adam_eps=1e-6)
 
 
-def make_job(tp, pp, dp, stage, dropout=0.0):
-    model = ModelConfig(**MODEL, hidden_dropout=dropout, attention_dropout=dropout)
+def make_job(tp, pp, dp, stage, dropout=0.0, **model_kw):
+    model = ModelConfig(**{**MODEL, **model_kw}, hidden_dropout=dropout, attention_dropout=dropout)
     return JobConfig(model=model, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp), zero=ZeroConfig(zero_stage=stage,
                      bucket_size=3000), optimizer=OPT)
 
@@ -43,10 +43,11 @@ def global_loss(out, topo):
     return (t[0] / t[1]).item()
 
 
-def setup(tp, pp, stage, dropout=0.0):
+def setup(tp, pp, stage, dropout=0.0, **model_kw):
+    """Topology, job, chunks and engine; the chunks are built on the meta device, as the trainer does."""
     topo = Topology(tp=tp, pp=pp)
-    job = make_job(tp, pp, topo.dp_size, stage, dropout)
-    chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED)
+    job = make_job(tp, pp, topo.dp_size, stage, dropout, **model_kw)
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, device="meta")
     return topo, job, chunks, build_engine(chunks, topo, job.zero, job.optimizer)
 
 

@@ -1,6 +1,7 @@
 """Data parallelism and ZeRO stages 0-3: one package, read top to bottom.
 
     buckets.py     flat, padded bucket layout shared by every stage (who owns which elements)
+    materialize.py sharded construction: meta parameters get their values where they live
     grad_sync.py   stages 0-2: gradient buckets reduced over the data-parallel group
     units.py       the ZeRO-3 gather units a model declares (``zero3_plan()``)
     param_sync.py  stage 3: parameters sharded too, gathered per unit around forward and backward
@@ -10,7 +11,7 @@
 Each file imports only the ones listed above it.
 """
 from megazero.parallel.zero.buckets import PAD_MULTIPLE, Bucket, ParamSlot, plan_buckets
-from megazero.parallel.zero.engine import (ZeroEngine, ZeroStage3Engine, build_engine, model_state_bytes,
+from megazero.parallel.zero.engine import (StatePiece, ZeroEngine, ZeroStage3Engine, build_engine, model_state_bytes,
                                            zero_paper_bytes)
 from megazero.parallel.zero.grad_sync import (MAX_REDUCTIONS_IN_FLIGHT, AllReduceGradSync, BucketedGradSync,
                                               MicrobatchShardedGradSync, ReduceScatterGradSync, ShardedGradSync,
@@ -21,6 +22,6 @@ from megazero.parallel.zero.units import UnitUse, Zero3Plan, trainable, whole_mo
 
 __all__ = ["AllReduceGradSync", "Bucket", "BucketAdamW", "BucketedGradSync", "MAX_REDUCTIONS_IN_FLIGHT",
            "MicrobatchShardedGradSync", "PAD_MULTIPLE", "ParamSlot", "ReduceScatterGradSync", "ShardedGradSync",
-           "ShardedParamSync", "UnitUse", "Zero3Plan", "ZeroEngine", "ZeroStage3Engine", "build_engine",
+           "ShardedParamSync", "StatePiece", "UnitUse", "Zero3Plan", "ZeroEngine", "ZeroStage3Engine", "build_engine",
            "build_optimizer", "merge_optimizer_states", "model_state_bytes", "plan_buckets", "trainable",
            "whole_module_plan", "wrap_data_parallel", "zero_paper_bytes"]

@@ -14,7 +14,10 @@ units a model declares), ``param_sync`` (stage 3: parameters sharded and gathere
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
+import torch
+from torch import nn
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.parallel.topology import Topology
@@ -22,6 +25,20 @@ from megazero.parallel.zero.buckets import nbytes
 from megazero.parallel.zero.grad_sync import BucketedGradSync, wrap_data_parallel
 from megazero.parallel.zero.optimizer import BucketAdamW, ZeroStage3Optimizer, build_optimizer
 from megazero.parallel.zero.param_sync import ShardedParamSync
+
+
+@dataclass
+class StatePiece:
+    """Elements [lo, hi) of one parameter's flattened tp-local tensor, and 1-D views of what this rank
+    holds there: ``tensors`` maps ``model`` (the weights) and/or ``master``, ``exp_avg``,
+    ``exp_avg_sq`` to views of ``hi - lo`` elements. Checkpoints read and write through these."""
+
+    name: str
+    param: nn.Parameter          # for its declarations (split dim, vocabulary padding, tied copy)
+    shape: torch.Size            # the tp-local shape
+    lo: int
+    hi: int
+    tensors: dict[str, torch.Tensor]
 
 
 def model_state_bytes(grad_sync: BucketedGradSync, optimizer: BucketAdamW | None = None) -> dict[str, int]:
@@ -84,6 +101,46 @@ class ZeroEngine:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
 
+    def _pieces(self, ranges, weights: bool, optimizer: bool) -> list[StatePiece]:
+        out = []
+        for bucket, lo, hi in ranges:
+            for slot in bucket.slots:
+                a, b = max(lo, slot.start), min(hi, slot.end)
+                if a >= b:
+                    continue
+                tensors = {"model": self.grad_sync.param_values(bucket, a, b)} if weights else {}
+                if optimizer:
+                    tensors.update(self.optimizer.state_views(bucket, a, b))
+                out.append(StatePiece(slot.name, slot.param, slot.shape, a - slot.start, b - slot.start, tensors))
+        return out
+
+    def saved_pieces(self) -> list[StatePiece]:
+        """What this rank writes to a checkpoint: for every bucket, its data-parallel shard of the
+        elements, weights and optimizer state (at stage 0 too: replicated state is written once,
+        split over the dp ranks, in parallel)."""
+        return self._pieces([(b, *self.grad_sync.shard_range(b)) for b in self.grad_sync.buckets], True, True)
+
+    def loaded_pieces(self, weights_only: bool = False) -> list[StatePiece]:
+        """What this rank fills from a checkpoint: the weights it holds (stages 0-2 whole tp-local
+        parameters, stage 3 its shard) and, unless ``weights_only``, the optimizer state it owns."""
+        sync = self.grad_sync
+        weight_ranges = [(b, *(sync.shard_range(b) if isinstance(sync, ShardedParamSync) else (0, b.numel)))
+                         for b in sync.buckets]
+        pieces = self._pieces(weight_ranges, True, False)
+        if not weights_only:
+            pieces += self._pieces([(r.bucket, r.lo, r.hi) for r in self.optimizer.ranges], False, True)
+        return pieces
+
+    def loaded(self, step: int, loss_scaler: dict | None, weights_only: bool) -> None:
+        """After the pieces were filled: the optimizer's step count and loss scaler, or (weights only)
+        fresh fp32 masters from the loaded weights."""
+        if weights_only:
+            self.optimizer.refresh_masters()
+            return
+        self.optimizer.step_count = int(step)
+        if self.optimizer.scaler is not None and loss_scaler:
+            self.optimizer.scaler.load_state_dict(loss_scaler)
+
     @contextlib.contextmanager
     def gathered_parameters(self, write_back: bool = False):
         """Inside: every parameter of the chunks holds its full tp-local value (stages 0-2 always do).
@@ -106,6 +163,11 @@ class ZeroStage3Engine(ZeroEngine):
         out["gathered_params_peak"] = self.grad_sync.gathered_bytes_peak
         out["gathered_units_peak"] = self.grad_sync.live_units_peak
         return out
+
+    def loaded(self, step: int, loss_scaler: dict | None, weights_only: bool) -> None:
+        """As for stages 0-2; gathered copies of the old values (if any) are dropped first."""
+        self.grad_sync.release_all()
+        super().loaded(step, loss_scaler, weights_only)
 
     @contextlib.contextmanager
     def gathered_parameters(self, write_back: bool = False):

@@ -48,6 +48,7 @@ from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.params import attribute
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype, weak_grad_hook
+from megazero.parallel.zero.materialize import initial_value, is_meta, swap_in
 
 MAX_REDUCTIONS_IN_FLIGHT = 1   # sharded gradient reductions that may still run: one reduces while the next bucket fills
 
@@ -90,7 +91,7 @@ class BucketedGradSync:
             self.param_buffers.append(torch.empty(0))
             self.grad_buffers.append(None)
             return
-        dtype, device = single_dtype(named, chunk_id), named[0][1].device
+        dtype, device = single_dtype(named, chunk_id), self.device_of(named[0][1])
         plan = plan_params(named, self.cfg.bucket_size, self.dp_size)
         total = sum(padded for _, padded in plan)
         pbuf = torch.zeros(total, dtype=dtype, device=device)
@@ -100,9 +101,10 @@ class BucketedGradSync:
             bucket.param_data = pbuf[offset:offset + padded]
             for i, start, end in members:
                 name, p = named[i]
-                view = bucket.param_data[start:end].view_as(p)
-                view.copy_(p.data)
-                p.data = view
+                view = bucket.param_data[start:end].view(p.shape)
+                with torch.no_grad():
+                    view.copy_(initial_value(chunk, name, p))
+                p = swap_in(chunk, name, p, view)            # the parameter now lives in the bucket
                 self._add_slot(ParamSlot(name, p, bucket, start, end, p.shape))
             self.buckets.append(bucket)
             offset += padded
@@ -111,6 +113,10 @@ class BucketedGradSync:
         for bucket in self.buckets:
             if bucket.chunk_id == chunk_id:
                 self._attach_grads(bucket)
+
+    def device_of(self, p: nn.Parameter) -> torch.device:
+        """Where a parameter's storage goes: its own device, or this rank's for a meta parameter."""
+        return self.topo.device if is_meta(p) else p.device
 
     def _add_slot(self, slot: ParamSlot) -> None:
         slot.bucket.slots.append(slot)
@@ -201,6 +207,10 @@ class BucketedGradSync:
             bucket.pending, bucket.launched = len(bucket.slots), False
 
     # ------------------------------------------------------- after the sync
+    def param_values(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
+        """View of the model's values of bucket elements [lo, hi)."""
+        return bucket.param_data[lo:hi]
+
     def shard_range(self, bucket: Bucket) -> tuple[int, int]:
         """The bucket elements this DP rank owns in ZeRO: [dp_rank * shard, (dp_rank + 1) * shard)."""
         return bucket.shard_range(self.dp_rank)

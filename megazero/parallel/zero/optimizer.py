@@ -72,6 +72,7 @@ class BucketAdamW:
         self.scaler = DynamicLossScaler.from_config(precision) if precision.fp16 else None
         self.step_count = 0
         self.ranges = [self._make_range(b) for b in grad_sync.buckets]
+        self._range_of = {id(r.bucket): r for r in self.ranges}
 
     def _check_grad_sync(self, grad_sync) -> None:
         pass
@@ -175,6 +176,16 @@ class BucketAdamW:
 
     # ------------------------------------------------------------- checkpoint
     _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+    def state_views(self, bucket: Bucket, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """Views of the optimizer state of bucket elements [lo, hi) (inside this rank's range):
+        ``exp_avg``, ``exp_avg_sq`` and, when the fp32 masters are not the parameters themselves,
+        ``master``."""
+        r = self._range_of[id(bucket)]
+        if lo < r.lo or hi > r.hi:
+            raise IndexError(f"the optimizer holds bucket elements [{r.lo}, {r.hi}), asked for [{lo}, {hi})")
+        keys = self._STATE_KEYS[1:] if r.master_is_param else self._STATE_KEYS
+        return {k: getattr(r, k)[lo - r.lo:hi - r.lo] for k in keys}
 
     def _pieces(self):
         """(slot, range state, a, b): elements [a, b) of the bucket that are this rank's part of slot."""

@@ -83,6 +83,7 @@ from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype
 from megazero.parallel.zero.grad_sync import ShardedGradSync
+from megazero.parallel.zero.materialize import initial_value, swap_in
 from megazero.parallel.zero.units import plan_of
 
 
@@ -161,30 +162,37 @@ class ShardedParamSync(ShardedGradSync):
         by_name = {}
         for name, members in plan.units.items():
             unit = by_name[name] = Unit(name, chunk_id)
-            self._build_unit(unit, members[::-1])           # reverse: roughly backward order
+            self._build_unit(chunk, unit, members[::-1])    # reverse: roughly backward order
             self.units.append(unit)
         self.triggers.append([Trigger(use.name, chunk_id, i, [by_name[u] for u in use.units])
                               for i, use in enumerate(plan.uses)])
         self._trigger_modules.append([(use.pre_module, use.post_module) for use in plan.uses])
         self.grad_buffers.append(None)
 
-    def _build_unit(self, unit: Unit, named: list[tuple[str, nn.Parameter]]) -> None:
+    def _build_unit(self, chunk: nn.Module, unit: Unit, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Lay the unit out in buckets and fill this rank's shard of each, one parameter at a time (its
+        current value, or its initial value for a meta parameter): the unit is never whole here."""
         for members, padded in plan_params(named, sys.maxsize, self.dp_size):
             first = named[members[0][0]][1]
+            dtype, device = first.dtype, self.device_of(first)
             bucket = Bucket(unit.chunk_id, len(self.buckets), 0, padded, padded // self.dp_size)
-            bucket.param_data = torch.zeros(padded, dtype=first.dtype, device=first.device)
+            bucket.param_data = torch.empty(padded, dtype=dtype, device=device)   # storage only while gathered
+            bucket.param_data.untyped_storage().resize_(0)
+            bucket.empty = torch.empty(0, dtype=dtype, device=device)
+            lo, hi = self.shard_range(bucket)
+            bucket.shard = torch.zeros(hi - lo, dtype=dtype, device=device)
             for i, start, end in members:
                 name, p = named[i]
-                bucket.param_data[start:end].copy_(p.data.reshape(-1))
-                self._add_slot(ParamSlot(name, p, bucket, start, end, p.shape))
-            lo, hi = self.shard_range(bucket)
-            bucket.shard = bucket.param_data[lo:hi].clone()
-            bucket.empty = torch.empty(0, dtype=first.dtype, device=first.device)
+                shape = p.shape
+                a, b = max(lo, start), min(hi, end)
+                if a < b:
+                    with torch.no_grad():
+                        bucket.shard[a - lo:b - lo].copy_(initial_value(chunk, name, p).reshape(-1)[a - start:b - start])
+                p = swap_in(chunk, name, p, bucket.empty)
+                self._add_slot(ParamSlot(name, p, bucket, start, end, shape))
             self.param_buffers.append(bucket.shard)
             self.buckets.append(bucket)
             unit.buckets.append(bucket)
-        unit.state = "gathered"
-        self.release(unit, count=False)
 
     # ---------------------------------------------------------- gather/release
     def gather(self, unit: Unit) -> None:
@@ -231,6 +239,14 @@ class ShardedParamSync(ShardedGradSync):
         unit.state = "released"
         if count:
             self.live_units -= 1
+
+    def param_values(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
+        """View of the values of bucket elements [lo, hi), which must lie in this rank's shard."""
+        base, end = self.shard_range(bucket)
+        if lo < base or hi > end:
+            raise IndexError(f"rank {self.dp_rank} holds the parameters of bucket elements [{base}, {end}), "
+                             f"asked for [{lo}, {hi})")
+        return bucket.shard[lo - base:hi - base]
 
     def gather_all(self) -> list[Unit]:
         """Gather every unit now (blocking); returns the ones that were released before."""

@@ -1,0 +1,254 @@
+"""Memory per rank, estimated before launch from the job's flags: what ``tools/estimate_memory.py`` prints.
+
+Three parts, each per pipeline stage (the binding rank is the largest):
+
+* **model states** (the ZeRO paper's accounting, exact for this implementation): the rank's
+  parameters Ψ (its tp-local slice of its stage, padded into the buckets exactly as the engine pads
+  them), in the parameter dtype (e bytes), fp32 masters when e < 4, Adam's two moments, and the
+  gradients, each divided by N = dp where the stage shards it::
+
+      stage 0: eΨ + eΨ + 4Ψ + 8Ψ      1: eΨ + eΨ + 12Ψ/N      2: eΨ + eΨ/N + 12Ψ/N      3: 16Ψ/N (e = 2)
+
+* **activations** (Korthikanti et al. 2022, counted for this implementation): per layer and
+  micro-batch, the tensors autograd keeps, in units of sbh elements of e bytes (s sequence, b
+  micro-batch, h hidden, f ffn, t tp, a heads)::
+
+      without sequence parallel   4 sbh + (4 sbh + 2 sbf) / t        (x, LN outputs, x after attention,
+      with sequence parallel      2 sbh + (6 sbh + 2 sbf) / t         qkv, attention out, MLP in/out; SP
+                                                                      stores the gathered inputs of the
+                                                                      column-parallel layers)
+
+  plus the layer norms' statistics (fp32), the attention's log-sum-exp (fp32; the fused kernel keeps
+  no s x s scores, except with attention dropout, where the unfused path keeps the probabilities and
+  the mask), dropout masks (1 byte on CUDA, the activation's dtype on a CPU, whose dropout keeps
+  its noise tensor) and the head's softmax (fp32, sbV/t). With ``--recompute-activations`` a layer
+  keeps only its input, and one layer's activations exist again during its backward. The
+  micro-batches held at once come from replaying the rank's schedule (1 without a pipeline, pp -
+  rank with 1F1B, m with GPipe, the interleaved order chunk by chunk).
+
+* **buffers**: the transients on top -- gradients in flight (stage 2: the full-size storage until
+  the step's reductions; reducing every micro-batch or stage 3: the bucket being filled and one being
+  reduced, with scratch shards), stage 3's gathered units (1 + prefetch), the logits of the current
+  micro-batch, and the fp32 copy of the gradients the optimizer step makes in bf16/fp16.
+
+The estimate is checked against measured live tensor bytes on CPU (``tests/test_memory.py``) and
+reproduces the ZeRO paper's worked figures (:func:`paper_model_states`).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from megazero.config import JobConfig
+from megazero.models.gpt import GPT
+from megazero.parallel.params import attribute, split_dim
+from megazero.parallel.pipeline.interleaved import chunk_of, interleaved_warmup
+from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage, stage_layer_ids
+from megazero.parallel.zero.buckets import plan_buckets
+from megazero.parallel.zero.units import plan_of
+
+GIB = 1e9
+
+
+def paper_model_states(psi: float, n: int, stage: int, k: int = 12) -> float:
+    """Model-state bytes per rank in the ZeRO paper (mixed-precision Adam, K = 12): 2Ψ + 2Ψ + KΨ
+    sharded by stage. The paper's 7.5B-parameter, N = 64 example: 120, 31.4, 16.6, 1.9 GB."""
+    return {0: (4 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
+            3: (4 + k) * psi / n}[stage]
+
+
+@dataclass
+class StageEstimate:
+    """One pipeline stage's rank (every tp and dp rank of a stage is alike). Bytes."""
+
+    pp_rank: int
+    params: int
+    psi: int                                    # parameter elements on the rank, padded
+    model_states: int = 0
+    activations: int = 0
+    buffers: int = 0
+    parts: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations + self.buffers
+
+    def as_dict(self) -> dict:
+        return {"pp_rank": self.pp_rank, "parameters": self.params, "model_states_bytes": self.model_states,
+                "activations_bytes": self.activations, "buffers_bytes": self.buffers, "total_bytes": self.total,
+                "parts": dict(self.parts)}
+
+
+def _chunks(job: JobConfig, pp_rank: int) -> list[GPT]:
+    """The stage's chunks on the meta device at tp = 1 (their declarations; local sizes are scaled)."""
+    par, cfg = job.parallel, job.model
+    v = par.virtual_stages
+    return [GPT(cfg, None, layer_ids=stage_layer_ids(cfg.num_layers, par.pp, pp_rank, v, c),
+                pre_process=is_first_virtual_stage(pp_rank, c), post_process=is_last_virtual_stage(pp_rank, par.pp, c, v),
+                device="meta") for c in range(v)]
+
+
+def _local_numel(p, job: JobConfig) -> int:
+    """Elements of a parameter on one tp rank."""
+    tp, cfg = job.parallel.tp, job.model
+    if split_dim(p) < 0:
+        return p.numel()
+    if attribute(p, "vocab_padded"):
+        return cfg.padded_vocab_size(tp) // tp * (p.numel() // p.shape[0])
+    return p.numel() // tp
+
+
+def _buckets(named, job: JobConfig, bucket_size: int) -> list[int]:
+    """Padded bucket sizes of parameters laid out in backward order, as the engine does."""
+    named = list(named)[::-1]
+    plan = plan_buckets([_local_numel(p, job) for _, p in named],
+                        [bool(attribute(p, "shared_embedding")) for _, p in named], bucket_size, job.parallel.dp)
+    return [padded for _, padded in plan]
+
+
+def _layer_activation_bytes(job: JobConfig, e: int, mask: int) -> tuple[int, int]:
+    """(bytes one layer keeps for backward, bytes of its input) per micro-batch; ``mask``: bytes per
+    element of a dropout mask (1 for CUDA's fused dropout, the activation's e bytes on a CPU)."""
+    cfg, par = job.model, job.parallel
+    s, b, h, f, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, cfg.ffn_hidden_size, par.tp
+    a = cfg.num_attention_heads
+    sp = par.sequence_parallel and t > 1
+    sbh = s * b * h
+    elems = (2 * sbh + (6 * sbh + 2 * s * b * f) // t) if sp else (4 * sbh + (4 * sbh + 2 * s * b * f) // t)
+    rows = s * b // t if sp else s * b                    # the rows a layer norm (and dropout) sees
+    out = e * elems + 2 * 2 * 4 * rows                   # two layer norms' mean and rstd, fp32
+    if cfg.attention_dropout > 0:
+        out += b * (a // t) * s * s * (2 * e + mask)       # unfused attention: probabilities, dropped, mask
+    else:
+        out += 4 * b * (a // t) * s                        # fused attention's log-sum-exp
+    if cfg.hidden_dropout > 0:
+        out += 2 * rows * h * mask                         # two dropout masks
+    return out, e * rows * h
+
+
+def _chunk_activation_bytes(job: JobConfig, chunk: GPT, e: int, mask: int) -> int:
+    """Bytes one micro-batch leaves held in one chunk after its forward."""
+    cfg, par = job.model, job.parallel
+    s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
+    layer, layer_input = _layer_activation_bytes(job, e, mask)
+    n = len(chunk.layer_ids)
+    out = n * (layer_input if cfg.recompute_activations else layer)
+    if chunk.pre_process:
+        out += 2 * 8 * s * b                               # token and position ids
+        out += s * b * h * mask if cfg.hidden_dropout > 0 else 0     # the embedding's dropout mask
+    rows = s * b // t if par.sequence_parallel and t > 1 else s * b
+    if not chunk.post_process:                         # the output, held by the schedule for the backward
+        out += e * rows * h
+    if chunk.post_process:
+        out += e * rows * h + 2 * 4 * rows + e * s * b * h   # final norm input and stats, the logits' input
+        out += 4 * s * b * cfg.padded_vocab_size(t) // t + 9 * s * b   # softmax (fp32), target, mask
+    return out
+
+
+def _schedule_order(job: JobConfig, pp_rank: int) -> list[tuple[str, int]]:
+    """The (F or B, chunk) sequence the rank's pipeline schedule runs in one step."""
+    par, m = job.parallel, job.num_micro_batches
+    v, pp = par.virtual_stages, par.pp
+    if pp == 1:
+        return [op for _ in range(m) for op in (("F", 0), ("B", 0))]
+    if par.pipeline_schedule == "gpipe":
+        return [("F", 0)] * m + [("B", 0)] * m
+    if par.pipeline_schedule == "1f1b":
+        warmup = min(pp - pp_rank - 1, m)
+        return [("F", 0)] * warmup + [op for _ in range(m - warmup) for op in (("F", 0), ("B", 0))] + \
+            [("B", 0)] * warmup
+    total, warmup = m * v, interleaved_warmup(m, pp, pp_rank, v)
+    order = [("F", chunk_of(k, pp, v)) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [("F", chunk_of(k + warmup, pp, v)), ("B", chunk_of(k, pp, v, forward=False))]
+    return order + [("B", chunk_of(k, pp, v, forward=False)) for k in range(total - warmup, total)]
+
+
+def _held_peak(job: JobConfig, pp_rank: int, per_chunk: list[int]) -> int:
+    """Most activation bytes held at once: the schedule replayed, each forward adding its chunk's
+    bytes for one micro-batch and each backward releasing them."""
+    held = peak = 0
+    for op, c in _schedule_order(job, pp_rank):
+        held += per_chunk[c] if op == "F" else -per_chunk[c]
+        peak = max(peak, held)
+    return peak
+
+
+def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEstimate:
+    """The memory of a rank of pipeline stage ``pp_rank`` on ``device`` ("cpu" or "cuda": they keep
+    dropout masks differently) (see the module docstring)."""
+    z, prec, par = job.zero, job.precision, job.parallel
+    e = 2 if (prec.bf16 or prec.fp16) else 4
+    mask = 1 if device == "cuda" else e
+    n = par.dp
+    chunks = _chunks(job, pp_rank)
+    if z.zero_stage == 3:
+        units = [[sum(_buckets(members, job, sys.maxsize)) for members in plan_of(c).units.values()] for c in chunks]
+        buckets = [u for cu in units for u in cu]
+    else:
+        buckets = [x for c in chunks for x in _buckets(c.named_parameters(), job, z.bucket_size)]
+    psi = sum(buckets)
+    params = sum(_local_numel(p, job) for c in chunks for p in c.parameters())
+    master = 4 * psi if e < 4 else 0
+    sharded = z.zero_stage >= 1
+    est = StageEstimate(pp_rank, params, psi)
+    parts = est.parts
+    parts["params"] = e * psi // (n if z.zero_stage == 3 else 1)
+    parts["grads"] = e * psi // (n if z.zero_stage >= 2 else 1)
+    parts["master_weights"] = master // (n if sharded else 1)
+    parts["optimizer_state"] = 8 * psi // (n if sharded else 1)
+    est.model_states = sum(parts.values())
+
+    est.activations = _held_peak(job, pp_rank, [_chunk_activation_bytes(job, c, e, mask) for c in chunks])
+
+    s, b, t = job.model.seq_length, job.train.micro_batch_size, par.tp
+    two = sorted(buckets)[-2:]                         # the bucket being filled and the one reducing
+    if z.zero_stage == 2 and not z.reduce_each_microbatch:
+        parts["grads_in_backward"] = e * psi             # full storage until the step's reductions
+    elif z.zero_stage == 3 and z.keep_params_gathered:
+        parts["grads_in_backward"] = e * psi
+    elif z.zero_stage >= 2:                            # being filled + one reducing, with scratch shards
+        parts["grads_in_backward"] = sum(e * x + e * x // n for x in two)
+    if z.zero_stage == 3:
+        window = 1 + z.prefetch_layers
+        gathered = max((sum(cu[i:i + window]) for cu in units for i in range(len(cu))), default=0)
+        parts["gathered_units"] = e * (psi if z.keep_params_gathered else gathered)
+    if any(c.post_process for c in chunks):            # the logits (and their float32 copy) beside the softmax
+        parts["logits"] = (e + (4 if e < 4 else 0)) * s * b * job.model.padded_vocab_size(t) // t
+    # Two moments compete for the peak. The end of the last held forward: the logits beside the softmax,
+    # and gradient storage already filled by earlier micro-batches (reduced once per step, m > 1). A
+    # backward: the head's activations are gone first; the gradients passing between layers, the
+    # gradients in flight and, recomputing, one layer's activations back.
+    layer, layer_input = _layer_activation_bytes(job, e, mask)
+    rows = s * b // t if par.sequence_parallel and t > 1 else s * b
+    working = e * (2 * rows * job.model.hidden_size + s * b * job.model.ffn_hidden_size // t)
+    if job.model.recompute_activations:
+        working += layer
+    last = chunks[-1]
+    if last.post_process:
+        inputs = len(last.layer_ids) * (layer_input if job.model.recompute_activations else layer)
+        working -= _chunk_activation_bytes(job, last, e, mask) - inputs
+    grads, gathered = parts.get("grads_in_backward", 0), parts.get("gathered_units", 0)
+    accumulating = job.num_micro_batches > 1 and (z.zero_stage == 2 and not z.reduce_each_microbatch
+                                                  or z.zero_stage == 3 and z.keep_params_gathered)
+    forward_end = parts.get("logits", 0) + gathered + (grads if accumulating else 0)
+    backward = max(working, 0) + gathered + grads
+    step = 0
+    if e < 4:                                          # the optimizer step's fp32 copy of the gradients,
+        step = parts["fp32_grads_in_step"] = 4 * psi // (n if sharded else 1)    # after the activations went
+    est.buffers = max(forward_end, backward, step - est.activations)
+    return est
+
+
+def estimate_memory(job: JobConfig, device: str = "cpu") -> list[StageEstimate]:
+    """Every pipeline stage's estimate for a validated job (``megazero.config.validate``)."""
+    return [estimate_stage(job, r, device) for r in range(job.parallel.pp)]
+
+
+def describe(estimates: list[StageEstimate]) -> str:
+    """One line for the trainer's start: the binding stage's estimate."""
+    worst = max(estimates, key=lambda x: x.total)
+    mib = 2 ** 20
+    return (f" memory estimate per rank (MiB, pipeline stage {worst.pp_rank}; tools/estimate_memory.py): model states "
+            f"{worst.model_states / mib:.1f}, activations {worst.activations / mib:.1f}, buffers "
+            f"{worst.buffers / mib:.1f}, total {worst.total / mib:.1f}")

@@ -1,0 +1,81 @@
+"""Estimate the memory per rank of a pretrain_gpt.py run before launching it.
+
+    python tools/estimate_memory.py --world-size 64 --tp 8 --pp 2 --zero-stage 1 --bf16 \\
+        --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 \\
+        --micro-batch-size 1 --global-batch-size 512 --vocab-size 50257 --recompute-activations
+    python tools/estimate_memory.py --world-size 8 --tp 2 --pp 2 --zero-stage 3 --json   # machine-readable
+
+Takes the trainer's own flags (the same parser, so a flag means the same thing in both; ``--config``
+files too) plus ``--world-size``, ``--device`` and ``--json``. Prints, per pipeline stage, the model
+states (parameters, gradients, fp32 masters, Adam moments, as the ZeRO stage shards them), the
+activations the schedule holds at its peak and the transient buffers on top, and beside them the ZeRO
+paper's model-state figures for the same parameter count. The accounting is in
+``megazero/memory/estimate.py``; ``tests/test_memory.py`` checks it against measured memory. The
+vocabulary is ``--vocab-size`` (the trainer takes it from the tokenizer: pass the tokenizer's size).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from megazero.arguments import build_parser, job_from_args  # noqa: E402
+from megazero.memory.estimate import estimate_memory, paper_model_states  # noqa: E402
+
+MIB = 2 ** 20
+
+
+def parse(argv=None):
+    parser = build_parser("tools/estimate_memory.py", __doc__.split("\n\n")[0])
+    tool = parser.add_argument_group("estimate")
+    tool.add_argument("--world-size", type=int, default=1, help="processes in the run (default 1)")
+    tool.add_argument("--device", choices=["cpu", "cuda"], default="cuda",
+                      help="where the run trains (dropout keeps 1-byte masks on CUDA, full ones on a CPU)")
+    tool.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = parser.parse_args(argv)
+    return job_from_args(parser, args, args.world_size), args
+
+
+def report(job, device: str) -> dict:
+    """The estimate as a JSON-able object; ``per_rank`` is the binding (largest) pipeline stage."""
+    stages = [e.as_dict() for e in estimate_memory(job, device)]
+    worst = max(stages, key=lambda s: s["total_bytes"])
+    par, n = job.parallel, job.parallel.dp
+    psi = sum(s["parameters"] for s in stages) * par.tp     # elements of the model, tied copies once each stage
+    return {"world_size": par.tp * par.pp * par.dp, "tp": par.tp, "pp": par.pp, "dp": n,
+            "zero_stage": job.zero.zero_stage, "precision": job.precision.dtype_name, "device": device,
+            "per_rank": worst, "stages": stages,
+            "zero_paper_model_states_bytes": {str(k): paper_model_states(psi / (par.tp * par.pp), n, k)
+                                              for k in range(4)}}
+
+
+def main(argv=None) -> int:
+    job, args = parse(argv)
+    out = report(job, args.device)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    par = job.parallel
+    print(f"world {out['world_size']} = tp {par.tp} x pp {par.pp} x dp {par.dp} | zero stage {job.zero.zero_stage} | "
+          f"{job.precision.dtype_name} | {args.device} | micro-batch {job.train.micro_batch_size} x "
+          f"{job.num_micro_batches} micro-batches | recompute {job.model.recompute_activations}")
+    print(f"{'stage':>5} {'params/rank':>14} {'model states':>13} {'activations':>12} {'buffers':>10} {'total':>10}  MiB")
+    for s in out["stages"]:
+        print(f"{s['pp_rank']:>5} {s['parameters']:>14,} {s['model_states_bytes'] / MIB:>13.1f} "
+              f"{s['activations_bytes'] / MIB:>12.1f} {s['buffers_bytes'] / MIB:>10.1f} {s['total_bytes'] / MIB:>10.1f}")
+    w = out["per_rank"]
+    print(f"per rank (stage {w['pp_rank']}): {w['total_bytes'] / MIB:,.1f} MiB "
+          f"({w['total_bytes'] / 1e9:.2f} GB); buffers: " + ", ".join(
+              f"{k} {v / MIB:.1f}" for k, v in w["parts"].items()
+              if k not in ("params", "grads", "master_weights", "optimizer_state")))
+    paper = out["zero_paper_model_states_bytes"]
+    print("ZeRO paper model states per rank for this model's parameters over dp "
+          f"{par.dp} (2Ψ + 2Ψ + 12Ψ, mixed precision): " + ", ".join(
+              f"stage {k} {v / 1e9:.3g} GB" for k, v in paper.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
