@@ -7,6 +7,7 @@ stage's, averaged over micro-batches and data-parallel ranks.
 """
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -24,6 +25,11 @@ from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
 from megazero.state import TrainState
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (a non-finite loss or gradient, too many skipped steps): the message says
+    why and at which iteration; nothing of the bad state has been saved."""
 
 
 @dataclass
@@ -96,9 +102,12 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     batches = train_batches(state.consumed_samples)
     window_start, window_iters = time.perf_counter(), 0
     saved_at = state.iteration                    # a resumed run starts from a saved iteration
+    skipped_in_a_row = 0
     while state.iteration < t.train_iters:
         engine.set_lr(learning_rate(state.iteration, opt))
         result = train_step(chunks, next(batches), topo, engine, job)
+        skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
+        check_step(job, engine, result, state.iteration + 1, skipped_in_a_row)
         state.iteration += 1
         state.consumed_samples += t.global_batch_size
         state.skipped_iterations += int(result.skipped)
@@ -117,6 +126,28 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     if save and saved_at != state.iteration:
         save(state)
     return state
+
+
+def check_step(job: JobConfig, engine, r: StepResult, iteration: int, skipped_in_a_row: int) -> None:
+    """Stop the run (:class:`TrainingStopped`, on every rank alike: the figures are global) on a
+    non-finite loss or gradient in bf16/fp32 (``--check-for-nan-in-loss-and-grad``), on an fp16
+    overflow at the minimum loss scale, and after ``--max-consecutive-skipped-steps`` skipped steps
+    (fp16 overflows, or non-finite steps skipped with the check off)."""
+    pr = job.precision
+    bad = not pr.fp16 and (not math.isfinite(r.loss) or r.skipped)     # fp16: its loss scaler's business
+    if bad and job.train.check_for_nan_in_loss_and_grad:
+        names = engine.optimizer.nonfinite_parameters()
+        where = f" (first non-finite gradients on this rank: {', '.join(names)})" if names else ""
+        raise TrainingStopped(f"iteration {iteration}: loss {r.loss:g}, gradient norm {r.grad_norm:g}{where}: not "
+                              f"finite, the step was not applied and the run stops without saving this state "
+                              f"(the last checkpoint stays the latest). Lower --lr, check the data, or use "
+                              f"--no-check-for-nan-in-loss-and-grad to skip such steps")
+    if pr.fp16 and r.skipped and r.loss_scale <= pr.min_loss_scale:
+        raise TrainingStopped(f"iteration {iteration}: fp16 overflow at the minimum loss scale {pr.min_loss_scale:g}: "
+                              f"the scale can go no lower; lower --lr, use --bf16, or lower --min-loss-scale")
+    if skipped_in_a_row >= pr.max_consecutive_skipped_steps:
+        raise TrainingStopped(f"iteration {iteration}: {skipped_in_a_row} steps skipped in a row (overflowing or "
+                              f"non-finite gradients): the run is not training; see --max-consecutive-skipped-steps")
 
 
 def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, step_time: float,
