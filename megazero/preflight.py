@@ -78,7 +78,7 @@ def _writable_file(path: str | None, what: str) -> None:
         raise PreflightError(f"{what} {path} is a directory: give a file path (e.g. {path}/metrics.jsonl)")
     if p.exists() and not os.access(p, os.W_OK):
         raise PreflightError(f"{what} {path} is not writable")
-    _writable_dir(str(p.parent), what)
+    _writable_dir(str(p.parent), f"{what} {path}: its directory")
 
 
 def _saved_model(directory: Path) -> dict:
