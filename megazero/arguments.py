@@ -21,8 +21,8 @@ import argparse
 import os
 from pathlib import Path
 
-from megazero.config import (ACTIVATIONS, BACKENDS, DECAY_STYLES, SCHEDULES, TOKENIZERS, ZERO_STAGES, ConfigError,
-                             JobConfig, validate)
+from megazero.config import (ACTIVATIONS, BACKENDS, DECAY_STYLES, OFFLOAD_DEVICES, SCHEDULES, TOKENIZERS, ZERO_STAGES,
+                             ConfigError, JobConfig, validate)
 from megazero.foreign_config import from_accelerate, from_deepspeed
 
 # (flags, "section.field", argparse kwargs). Booleans are store_true unless a kwarg says otherwise.
@@ -130,6 +130,18 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
     "logging": [
         (("--tensorboard-dir",), "logging.tensorboard_dir", dict()),
         (("--metrics-file",), "logging.metrics_file", dict(help="JSON lines, one per logged iteration")),
+    ],
+    "offload": [
+        (("--offload-optimizer",), "zero.offload_optimizer",
+         dict(choices=OFFLOAD_DEVICES, help="ZeRO 1-3: fp32 masters, Adam moments and the update on the host (cpu) "
+                                           "or in swap files (nvme)")),
+        (("--offload-params",), "zero.offload_params",
+         dict(choices=OFFLOAD_DEVICES, help="ZeRO-3: parameter shards on the host (cpu) or in swap files (nvme)")),
+        (("--nvme-path",), "zero.nvme_path", dict(help="directory for the swap files of nvme offloading")),
+        (("--offload-pin-memory",), "zero.offload_pin_memory",
+         dict(action=argparse.BooleanOptionalAction, help="page-locked host buffers on CUDA (default on)")),
+        (("--offload-sub-group-size",), "zero.offload_sub_group_size",
+         dict(type=int, help="elements updated (and swapped) at a time on the host (default 4M)")),
     ],
 }
 

@@ -21,6 +21,7 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer")
 ACTIVATIONS = ("gelu_tanh", "gelu")
 ZERO_STAGES = (0, 1, 2, 3)
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 BACKENDS = ("gloo", "nccl")
 
 FLAG_ALIASES = {
@@ -105,6 +106,11 @@ class ZeroConfig:
     reduce_each_microbatch: bool = False        # stage 2: reduce-scatter after every micro-batch
     sharded_init: bool = True                   # build on the meta device; materialise shard by shard
     accumulate_allreduce_grads_in_fp32: bool | None = None   # fp32 gradient buckets; None: on for bf16
+    offload_optimizer: str = "none"             # none | cpu | nvme: fp32 masters, Adam moments, the update on the host
+    offload_params: str = "none"                # none | cpu | nvme (stage 3): parameter shards on the host
+    nvme_path: str | None = None                # directory of the swap files (with nvme)
+    offload_pin_memory: bool = True             # page-locked host buffers (only with CUDA)
+    offload_sub_group_size: int = 4_000_000     # elements stepped (and swapped) at a time on the host
 
 
 @dataclass
@@ -235,6 +241,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     _check_pipeline(job.model, job.parallel)
     _check_batches(job)
     _check_precision_and_optimizer(job)
+    _check_offload(job.zero)
     _check_data(job.data)
     _check_checkpoint(job.checkpoint)
     return job
@@ -423,6 +430,25 @@ def _check_precision_and_optimizer(job: JobConfig) -> None:
         _fail(f"--min-loss-scale {pr.min_loss_scale} is above --initial-loss-scale {pr.initial_loss_scale}")
     for name in ("loss_scale_window", "hysteresis", "max_consecutive_skipped_steps"):
         _positive(getattr(pr, name), name)
+
+
+def _check_offload(z: ZeroConfig) -> None:
+    for name in ("offload_optimizer", "offload_params"):
+        if getattr(z, name) not in OFFLOAD_DEVICES:
+            _fail(f"{flag(name)} must be one of {', '.join(OFFLOAD_DEVICES)}, got {getattr(z, name)!r}")
+    if z.offload_optimizer != "none" and z.zero_stage == 0:
+        _fail(f"--offload-optimizer {z.offload_optimizer} moves the ZeRO optimizer shard: use --zero-stage 1, 2 or 3 "
+              f"(or drop the flag)")
+    if z.offload_params != "none" and z.zero_stage != 3:
+        _fail(f"--offload-params {z.offload_params} applies to --zero-stage 3 only (got {z.zero_stage}): "
+              f"use --zero-stage 3 or drop the flag")
+    nvme = "nvme" in (z.offload_optimizer, z.offload_params)
+    if nvme and not z.nvme_path:
+        _fail("offloading to nvme needs --nvme-path DIR (a directory on a fast local drive for the swap files)")
+    if z.nvme_path and not nvme:
+        _fail(f"--nvme-path {z.nvme_path} is used only with --offload-optimizer nvme or --offload-params nvme: "
+              f"add one or drop --nvme-path")
+    _positive(z.offload_sub_group_size, "offload_sub_group_size")
 
 
 def _check_data(d: DataConfig) -> None:

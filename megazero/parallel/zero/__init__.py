@@ -2,6 +2,7 @@
 
     buckets.py     flat, padded bucket layout shared by every stage (who owns which elements)
     materialize.py sharded construction: meta parameters get their values where they live
+    offload.py     ZeRO-Offload / ZeRO-Infinity: optimizer state and stage-3 shards in host memory or swap files
     grad_sync.py   stages 0-2: gradient buckets reduced over the data-parallel group
     units.py       the ZeRO-3 gather units a model declares (``zero3_plan()``)
     param_sync.py  stage 3: parameters sharded too, gathered per unit around forward and backward
@@ -16,12 +17,14 @@ from megazero.parallel.zero.engine import (StatePiece, ZeroEngine, ZeroStage3Eng
 from megazero.parallel.zero.grad_sync import (MAX_REDUCTIONS_IN_FLIGHT, AllReduceGradSync, BucketedGradSync,
                                               MicrobatchShardedGradSync, ReduceScatterGradSync, ShardedGradSync,
                                               wrap_data_parallel)
+from megazero.parallel.zero.offload import OffloadError, OffloadStats, SwapDir
 from megazero.parallel.zero.optimizer import BucketAdamW, build_optimizer, merge_optimizer_states
 from megazero.parallel.zero.param_sync import ShardedParamSync
 from megazero.parallel.zero.units import UnitUse, Zero3Plan, trainable, whole_module_plan
 
 __all__ = ["AllReduceGradSync", "Bucket", "BucketAdamW", "BucketedGradSync", "MAX_REDUCTIONS_IN_FLIGHT",
-           "MicrobatchShardedGradSync", "PAD_MULTIPLE", "ParamSlot", "ReduceScatterGradSync", "ShardedGradSync",
-           "ShardedParamSync", "StatePiece", "UnitUse", "Zero3Plan", "ZeroEngine", "ZeroStage3Engine", "build_engine",
-           "build_optimizer", "merge_optimizer_states", "model_state_bytes", "plan_buckets", "trainable",
-           "whole_module_plan", "wrap_data_parallel", "zero_paper_bytes"]
+           "MicrobatchShardedGradSync", "OffloadError", "OffloadStats", "PAD_MULTIPLE", "ParamSlot",
+           "ReduceScatterGradSync", "ShardedGradSync", "ShardedParamSync", "StatePiece", "SwapDir", "UnitUse",
+           "Zero3Plan", "ZeroEngine", "ZeroStage3Engine", "build_engine", "build_optimizer", "merge_optimizer_states",
+           "model_state_bytes", "plan_buckets", "trainable", "whole_module_plan", "wrap_data_parallel",
+           "zero_paper_bytes"]

@@ -7,9 +7,12 @@
     grad_norm, skipped = engine.step()
 
 Files below this one, each importing only those above it in this list: ``buckets`` (flat layout),
-``grad_sync`` (stages 0-2: gradient buckets and their reduction), ``units`` (the ZeRO-3 gather
-units a model declares), ``param_sync`` (stage 3: parameters sharded and gathered per unit),
-``optimizer`` (AdamW over the owned shard of every bucket).
+``offload`` (state kept in host memory or swap files), ``grad_sync`` (stages 0-2: gradient buckets and
+their reduction), ``units`` (the ZeRO-3 gather units a model declares), ``param_sync`` (stage 3:
+parameters sharded and gathered per unit), ``optimizer`` (AdamW over the owned shard of every bucket).
+
+With ``--offload-optimizer`` / ``--offload-params`` nvme the engine owns this rank's swap directory:
+``engine.close()`` removes it (so does interpreter exit).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import nbytes
 from megazero.parallel.zero.grad_sync import BucketedGradSync, wrap_data_parallel
+from megazero.parallel.zero.offload import SwapDir
 from megazero.parallel.zero.optimizer import BucketAdamW, ZeroStage3Optimizer, build_optimizer
 from megazero.parallel.zero.param_sync import ShardedParamSync
 
@@ -41,12 +45,22 @@ class StatePiece:
     tensors: dict[str, torch.Tensor]
 
 
+OFFLOADED_KEYS = {"host": ("params", "grads", "master_weights", "optimizer_state", "buffers"),
+                  "nvme": ("params", "master_weights", "optimizer_state")}
+
+
 def model_state_bytes(grad_sync: BucketedGradSync, optimizer: BucketAdamW | None = None) -> dict[str, int]:
     """Bytes this rank holds right now in model parameters, gradients, fp32 master weights (only
     those that are separate from the parameters) and optimizer state (Adam m and v), plus the total.
     Padding is included. Measure after ``step()``: that is the steady state between steps.
     ``grads_peak`` (not in the total) is the most gradient memory held at once so far, which for
-    stage 2 includes the transient full-size buckets of backward."""
+    stage 2 includes the transient full-size buckets of backward.
+
+    These are device bytes. What offloading keeps elsewhere is counted apart, by the same names:
+    ``host_params``, ``host_grads`` (the fp32 gradient copy), ``host_master_weights``,
+    ``host_optimizer_state``, ``host_buffers`` (staging and swap buffers), ``host_total``, and
+    ``nvme_params``, ``nvme_master_weights``, ``nvme_optimizer_state``, ``nvme_total`` (all 0 without
+    offload; on a CPU run "device" and "host" are the same memory, counted apart all the same)."""
     out = {
         "params": sum(nbytes(b) for b in grad_sync.param_buffers),
         "grads": sum(nbytes(t) for t in grad_sync.held_grad_tensors()),
@@ -55,6 +69,11 @@ def model_state_bytes(grad_sync: BucketedGradSync, optimizer: BucketAdamW | None
     }
     out["total"] = sum(out.values())
     out["grads_peak"] = grad_sync.peak_grad_bytes
+    offloaded = {**grad_sync.offloaded_bytes(), **(optimizer.offloaded_bytes() if optimizer is not None else {})}
+    for where, keys in OFFLOADED_KEYS.items():
+        for key in keys:
+            out[f"{where}_{key}"] = offloaded.get(f"{where}_{key}", 0)
+        out[f"{where}_total"] = sum(out[f"{where}_{key}"] for key in keys)
     return out
 
 
@@ -69,9 +88,18 @@ class ZeroEngine:
     """What the training loop drives each step: the gradient sync and the optimizer, together
     (the protocol in the module docstring)."""
 
-    def __init__(self, grad_sync: BucketedGradSync, optimizer: BucketAdamW):
+    def __init__(self, grad_sync: BucketedGradSync, optimizer: BucketAdamW, swap: SwapDir | None = None):
         self.grad_sync, self.optimizer = grad_sync, optimizer
         self.comm_log = grad_sync.comm_log
+        self.swap = swap
+
+    def close(self) -> None:
+        """Stop the offload I/O threads and remove the swap files (a no-op without offload). The engine
+        is unusable afterwards."""
+        self.optimizer.close()
+        self.grad_sync.close()
+        if self.swap is not None:
+            self.swap.close()
 
     def before_backward(self, chunk_id: int, is_last_microbatch: bool) -> None:
         self.grad_sync.before_backward(chunk_id, is_last_microbatch)
@@ -137,6 +165,7 @@ class ZeroEngine:
         if weights_only:
             self.optimizer.refresh_masters()
             return
+        self.optimizer.refresh_masters(fp32_only=True)     # a checkpoint has no masters of fp32 parameters
         self.optimizer.step_count = int(step)
         if self.optimizer.scaler is not None and loss_scaler:
             self.optimizer.scaler.load_state_dict(loss_scaler)
@@ -188,13 +217,22 @@ class ZeroStage3Engine(ZeroEngine):
 
 
 def _build_stage3_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: OptimizerConfig,
-                        precision: PrecisionConfig | None = None) -> ZeroStage3Engine:
+                         precision: PrecisionConfig | None = None, swap: SwapDir | None = None) -> ZeroStage3Engine:
     """Shard this rank's chunks over dp (parameters move into shards: build after the model,
     before the first forward) and build the stage-3 optimizer."""
-    sync = ShardedParamSync(chunks, topo, zero_cfg)
-    optimizer = ZeroStage3Optimizer(sync, opt_cfg, precision)
+    sync = ShardedParamSync(chunks, topo, zero_cfg, swap=swap)
+    optimizer = ZeroStage3Optimizer(sync, opt_cfg, precision, swap=swap)
     sync.reset_peaks()
-    return ZeroStage3Engine(sync, optimizer)
+    return ZeroStage3Engine(sync, optimizer, swap)
+
+
+def _swap_dir(zero_cfg: ZeroConfig, topo: Topology) -> SwapDir | None:
+    """This rank's swap directory under --nvme-path when anything is offloaded to nvme."""
+    if "nvme" not in (zero_cfg.offload_optimizer, zero_cfg.offload_params):
+        return None
+    if not zero_cfg.nvme_path:
+        raise ValueError("offloading to nvme needs --nvme-path DIR")
+    return SwapDir(zero_cfg.nvme_path, topo.rank)
 
 
 def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: OptimizerConfig,
@@ -205,9 +243,19 @@ def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: Optimize
     if zero_cfg.keep_params_gathered and zero_cfg.zero_stage != 3:
         raise ValueError(f"--zero3-keep-params-gathered applies to --zero-stage 3 only (got stage "
                          f"{zero_cfg.zero_stage}): drop the flag or use stage 3")
-    if zero_cfg.zero_stage == 3:
-        if grad_sync_cls is not None:
-            raise ValueError("grad_sync_cls applies to ZeRO stages 0-2, not --zero-stage 3")
-        return _build_stage3_engine(chunks, topo, zero_cfg, opt_cfg, precision)
-    grad_sync = wrap_data_parallel(chunks, topo, zero_cfg, grad_sync_cls=grad_sync_cls)
-    return ZeroEngine(grad_sync, build_optimizer(grad_sync, opt_cfg, precision))
+    if zero_cfg.offload_optimizer != "none" and zero_cfg.zero_stage == 0:
+        raise ValueError("--offload-optimizer needs --zero-stage 1, 2 or 3")
+    if zero_cfg.offload_params != "none" and zero_cfg.zero_stage != 3:
+        raise ValueError("--offload-params applies to --zero-stage 3 only")
+    swap = _swap_dir(zero_cfg, topo)
+    try:
+        if zero_cfg.zero_stage == 3:
+            if grad_sync_cls is not None:
+                raise ValueError("grad_sync_cls applies to ZeRO stages 0-2, not --zero-stage 3")
+            return _build_stage3_engine(chunks, topo, zero_cfg, opt_cfg, precision, swap)
+        grad_sync = wrap_data_parallel(chunks, topo, zero_cfg, grad_sync_cls=grad_sync_cls)
+        return ZeroEngine(grad_sync, build_optimizer(grad_sync, opt_cfg, precision, swap=swap), swap)
+    except BaseException:
+        if swap is not None:
+            swap.close()
+        raise

@@ -81,6 +81,8 @@ class BucketedGradSync:
         self._countdown_launches = self.cfg.overlap_grad_reduce or self.reduce_every_backward
         self._backward_of: dict[int, int] = {}      # chunk id -> graph task whose end is awaited
         self._synced = False
+        self.on_reduced = None     # f(bucket, lo, hi): the reduced gradient of bucket elements [lo, hi) held
+                                   # here just changed (an offloading optimizer copies it to the host)
         for chunk_id, chunk in enumerate(self.chunks):
             self._build_chunk(chunk_id, chunk)
         self._reset_countdown()
@@ -214,8 +216,13 @@ class BucketedGradSync:
             if bucket.handle is not None:
                 bucket.handle.wait()
             bucket.handle = None
+            self._reduced(bucket, *self.grad_range(bucket))
         self._reset_countdown()
         self._synced = True
+
+    def _reduced(self, bucket: Bucket, lo: int, hi: int) -> None:
+        if self.on_reduced is not None and lo < hi:
+            self.on_reduced(bucket, lo, hi)
 
     def _reset_countdown(self) -> None:
         for bucket in self.buckets:
@@ -272,6 +279,9 @@ class BucketedGradSync:
         for seg in segments:
             seg.copy_(flat[offset:offset + seg.numel()])
             offset += seg.numel()
+        for s in slots:
+            lo, hi = self.grad_range(s.bucket)
+            self._reduced(s.bucket, max(lo, s.start), min(hi, s.end))
 
     def check_synced(self) -> None:
         if not self._synced:
@@ -296,6 +306,13 @@ class BucketedGradSync:
     def peak_grad_bytes(self) -> int:
         """Most gradient bytes held at once (stages 0/1: the persistent buffers)."""
         return sum(nbytes(t) for t in self.held_grad_tensors())
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Model state kept off the device (stage 3's offloaded parameter shards: ``param_sync``)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what outlives the object's memory (swap files: ``param_sync``)."""
 
 
 class AllReduceGradSync(BucketedGradSync):
@@ -398,6 +415,7 @@ class ShardedGradSync(BucketedGradSync):
                 self._held -= nbytes(scratch)
             self._held -= nbytes(full)
             self._in_flight.popleft()
+            self._reduced(bucket, *self.shard_range(bucket))
 
     def finish_grad_sync(self) -> None:
         """Reduce what is left (gradients not yet reduced; buckets that got none this step reduce

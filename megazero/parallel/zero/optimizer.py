@@ -15,6 +15,11 @@ gradient norm -> clip -> AdamW on the flat fp32 range -> publish the new weights
 With fp32 parameters the "master" of a range *is* the model's parameter buffer (a view: no copy,
 no extra memory); with bf16/fp16 it is a separate fp32 tensor.
 
+Where the fp32 state lives is the job of a state object: :class:`ResidentState` keeps it on the
+device beside the parameters; ``--offload-optimizer cpu / nvme`` keeps it in host memory or in a swap
+file and runs the update there (:mod:`megazero.parallel.zero.offload`). The step's logic above is the
+same for both.
+
 Global norm: every element of the full model is counted exactly once across the world --
 dp: sharded optimizers count their own shard (sum over all ranks); the unsharded one counts the
 full gradient and sums over the model-parallel group only, since dp replicas are identical;
@@ -37,6 +42,7 @@ from megazero.parallel.params import counts_once
 from megazero.parallel.zero.buckets import Bucket
 from megazero.parallel.zero.grad_sync import (AllReduceGradSync, BucketedGradSync, ReduceScatterGradSync,
                                               ShardedGradSync)
+from megazero.parallel.zero.offload import OffloadedOptimizerState, SwapDir, build_optimizer_state
 from megazero.parallel.zero.param_sync import ShardedParamSync
 from megazero.precision import DynamicLossScaler
 
@@ -45,24 +51,87 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RangeState:
-    """Optimizer state of elements [lo, hi) of one bucket (ranges below are relative to lo)."""
+    """Optimizer state of elements [lo, hi) of one bucket (ranges below are relative to lo).
+
+    ``master``, ``exp_avg``, ``exp_avg_sq``: the fp32 tensors where they are in memory (on the device, or
+    on the host with ``--offload-optimizer cpu``); None when they live in a swap file. ``param_fp32``: the
+    parameters are fp32, so the masters equal them bitwise and are not stored in checkpoints;
+    ``master_is_param``: moreover the master *is* the parameter memory."""
 
     bucket: Bucket
     lo: int
     hi: int
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    master: torch.Tensor | None
+    exp_avg: torch.Tensor | None
+    exp_avg_sq: torch.Tensor | None
     decay_ranges: list[tuple[int, int]]
     norm_ranges: list[tuple[int, int]]
     master_is_param: bool
+    param_fp32: bool = False
+
+
+class ResidentState:
+    """The fp32 masters and Adam moments on the device, beside the parameters (no offload).
+
+    The protocol :class:`BucketAdamW` drives (``offload.OffloadedOptimizerState`` is the other side):
+    ``views(k)`` range k's state tensors, ``main_grads()`` the fp32 reduced gradients, ``update(...)`` AdamW
+    and the new parameters stored with ``write``, ``write_params(write)`` parameters from the masters,
+    ``set_masters(k, values)``, ``offloaded_bytes()``, ``close()``."""
+
+    def __init__(self, opt: BucketAdamW):
+        self.opt = opt
+        for k, r in enumerate(opt.ranges):
+            params = opt._range_params(r.bucket, r.lo, r.hi)
+            r.master_is_param = r.param_fp32 and opt._params_on_device()
+            if r.master_is_param:
+                r.master = params
+            else:
+                device = params.device if opt._params_on_device() else opt.topo.device
+                r.master = torch.empty(r.hi - r.lo, dtype=torch.float32, device=device)
+                r.master.copy_(params)
+            r.exp_avg, r.exp_avg_sq = torch.zeros_like(r.master), torch.zeros_like(r.master)
+
+    def views(self, k: int) -> dict[str, torch.Tensor]:
+        r = self.opt.ranges[k]
+        return {"master": r.master, "exp_avg": r.exp_avg, "exp_avg_sq": r.exp_avg_sq}
+
+    def main_grads(self) -> list[torch.Tensor]:
+        """fp32 reduced gradient of every owned range (a view when already fp32, else a copy)."""
+        out = []
+        for r in self.opt.ranges:
+            g = self.opt.grad_sync.reduced_grad(r.bucket, r.lo, r.hi)
+            out.append(g if g.dtype == torch.float32 else g.float())
+        return out
+
+    def update(self, grads: list[torch.Tensor], decay_ranges: list[list[tuple[int, int]]], *, write,
+               **hyper) -> None:
+        rs = self.opt.ranges
+        adamw_update([r.master for r in rs], grads, [r.exp_avg for r in rs], [r.exp_avg_sq for r in rs],
+                     decay_ranges=decay_ranges, **hyper)
+        self.write_params(write)
+
+    def write_params(self, write) -> None:
+        for k, r in enumerate(self.opt.ranges):
+            if not r.master_is_param:
+                write(k, 0, r.hi - r.lo, r.master)
+
+    def set_masters(self, k: int, values: torch.Tensor) -> None:
+        r = self.opt.ranges[k]
+        if not r.master_is_param:
+            r.master.copy_(values)
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 class BucketAdamW:
     """Shared step logic; subclasses choose the owned range, the norm group and how to publish."""
 
     def __init__(self, grad_sync: BucketedGradSync, opt_cfg: OptimizerConfig | None = None,
-                 precision: PrecisionConfig | None = None):
+                 precision: PrecisionConfig | None = None, *, swap: SwapDir | None = None):
         self._check_grad_sync(grad_sync)
         self.grad_sync, self.topo = grad_sync, grad_sync.topo
         self.cfg = opt_cfg or OptimizerConfig()
@@ -73,6 +142,37 @@ class BucketAdamW:
         self.step_count = 0
         self.ranges = [self._make_range(b) for b in grad_sync.buckets]
         self._range_of = {id(r.bucket): r for r in self.ranges}
+        self._index_of = {id(r.bucket): k for k, r in enumerate(self.ranges)}
+        self.states = self._build_states(grad_sync.cfg, swap)
+
+    def _build_states(self, zero_cfg, swap: SwapDir | None):
+        """Where the fp32 state lives: on the device, or (``--offload-optimizer``) on the host / NVMe,
+        with the reduced gradients copied there as they land."""
+        where = getattr(zero_cfg, "offload_optimizer", "none")
+        if where == "none":
+            return ResidentState(self)
+        dtype = self.grad_sync.buckets[0].param_data.dtype if self.grad_sync.buckets else torch.float32
+        states = build_optimizer_state(where, [r.hi - r.lo for r in self.ranges], self.topo.device, dtype,
+                                       zero_cfg.offload_sub_group_size, zero_cfg.offload_pin_memory, swap)
+        for k, r in enumerate(self.ranges):
+            states.set_masters(k, self._range_params(r.bucket, r.lo, r.hi))
+            r.master, r.exp_avg, r.exp_avg_sq = states.host_views(k)
+        self.grad_sync.on_reduced = self._grad_landed
+        return states
+
+    def _grad_landed(self, bucket: Bucket, lo: int, hi: int) -> None:
+        """The reduced gradient of bucket elements [lo, hi) changed: copy the owned part to the host."""
+        k = self._index_of.get(id(bucket))
+        if k is None:
+            return
+        r = self.ranges[k]
+        a, b = max(lo, r.lo), min(hi, r.hi)
+        if a < b:
+            self.states.copy_grad(k, a - r.lo, b - r.lo, self.grad_sync.reduced_grad(bucket, a, b))
+
+    @property
+    def offloaded(self) -> bool:
+        return isinstance(self.states, OffloadedOptimizerState)
 
     def _check_grad_sync(self, grad_sync) -> None:
         pass
@@ -87,15 +187,32 @@ class BucketAdamW:
         """The model's values of bucket elements [lo, hi) (stage 3: the rank's persistent shard)."""
         return bucket.param_data[lo:hi]
 
+    def _params_on_device(self) -> bool:
+        """The parameters of the owned ranges are device memory (stage 3 offloads them otherwise)."""
+        return True
+
+    def _write_params(self, k: int, a: int, b: int, values: torch.Tensor) -> None:
+        """Store ``values`` as the parameters of range k's elements [a, b) (relative to the range)."""
+        r = self.ranges[k]
+        r.bucket.param_data[r.lo + a:r.lo + b].copy_(values, non_blocking=True)
+
+    def _before_write(self) -> None:
+        """Called before new parameter values are stored (stage 3: drop stale gathered copies)."""
+
+    def _share(self) -> None:
+        """Make the stored parameter values the model's everywhere (stages 1-2: all-gather over dp)."""
+
     def _publish(self) -> None:
-        raise NotImplementedError
+        """Parameters from the masters, then shared (after a state was loaded)."""
+        self._before_write()
+        self.states.write_params(self._write_params)
+        self._share()
 
     # ------------------------------------------------------------------ setup
     def _make_range(self, bucket: Bucket) -> RangeState:
+        """The range's bookkeeping; its tensors come from the state object (``_build_states``)."""
         lo, hi = self._owned_range(bucket)
-        params = self._range_params(bucket, lo, hi)
-        is_fp32 = params.dtype == torch.float32
-        master = params if is_fp32 else params.detach().float().clone()
+        is_fp32 = bucket.param_data.dtype == torch.float32
         decay, norm = [], []
         for slot in bucket.slots:
             a, b = max(lo, slot.start) - lo, min(hi, slot.end) - lo
@@ -105,8 +222,7 @@ class BucketAdamW:
                 decay.append((a, b))
             if counts_once(slot.param, self.topo.tp_rank):
                 norm.append((a, b))
-        return RangeState(bucket, lo, hi, master, torch.zeros_like(master), torch.zeros_like(master),
-                           merge_ranges(decay), merge_ranges(norm), is_fp32)
+        return RangeState(bucket, lo, hi, None, None, None, merge_ranges(decay), merge_ranges(norm), False, is_fp32)
 
     # ------------------------------------------------------------------- step
     @property
@@ -129,7 +245,7 @@ class BucketAdamW:
         and the trainer decides whether the run stops (``--check-for-nan-in-loss-and-grad``). Every
         rank takes the same decision: the norm and the overflow flag are global."""
         self.grad_sync.check_synced()
-        grads = [self._main_grad(r) for r in self.ranges]
+        grads = self._main_grads()
         if self.scaler is not None and self._found_inf(grads):
             old = self.scaler.scale
             self.scaler.update(found_inf=True)
@@ -145,39 +261,44 @@ class BucketAdamW:
             for g in grads:
                 g.mul_(coef)
         self.step_count += 1
-        rs = self.ranges
-        adamw_update([r.master for r in rs], grads, [r.exp_avg for r in rs], [r.exp_avg_sq for r in rs],
-                     step=self.step_count, lr=self.lr, beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2,
-                     eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay,
-                     decay_ranges=[r.decay_ranges for r in rs])
-        self._publish()
+        self._before_write()
+        self.states.update(grads, [r.decay_ranges for r in self.ranges], write=self._write_params,
+                           step=self.step_count, lr=self.lr,
+                           beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps,
+                           weight_decay=self.cfg.weight_decay)
+        self._share()
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
         return norm, False
 
-    def _main_grad(self, r: RangeState) -> torch.Tensor:
-        """fp32, unscaled gradient of the owned range (a view when already fp32, else a copy)."""
-        g = self.grad_sync.reduced_grad(r.bucket, r.lo, r.hi)
-        g = g if g.dtype == torch.float32 else g.float()
+    def _main_grads(self) -> list[torch.Tensor]:
+        """fp32, unscaled gradient of every owned range (where the state lives: the device or the host)."""
+        grads = self.states.main_grads()
         if self.scaler is not None:
-            g.mul_(1.0 / self.scaler.scale)
-        return g
+            for g in grads:
+                g.mul_(1.0 / self.scaler.scale)
+        return grads
+
+    def _grads_device(self, grads: list[torch.Tensor]) -> torch.device:
+        return grads[0].device if grads else self.topo.device
 
     def _found_inf(self, grads: list[torch.Tensor]) -> bool:
-        flag = torch.zeros(1, dtype=torch.float32, device=self.topo.device)
+        flag = torch.zeros(1, dtype=torch.float32, device=self._grads_device(grads))
         for g in grads:                      # no host sync per tensor: one .item() at the end
             flag += (~torch.isfinite(g)).any()
+        flag = flag.to(self.topo.device)
         comm.all_reduce(flag, dist.group.WORLD, self.comm_log, "world", op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
     def global_grad_norm(self, grads: list[torch.Tensor] | None = None) -> float:
         """L2 norm of the whole model's gradient, each element counted once (see module doc)."""
         if grads is None:
-            grads = [self._main_grad(r) for r in self.ranges]
-        sq = torch.zeros(1, dtype=torch.float64, device=self.topo.device)
+            grads = self._main_grads()
+        sq = torch.zeros(1, dtype=torch.float64, device=self._grads_device(grads))
         for r, g in zip(self.ranges, grads):
             for a, b in r.norm_ranges:
                 sq += torch.linalg.vector_norm(g[a:b]).double() ** 2
+        sq = sq.to(self.topo.device)
         group, tag = self._norm_group()
         comm.all_reduce(sq, group, self.comm_log, tag)
         return math.sqrt(sq.item())
@@ -201,11 +322,13 @@ class BucketAdamW:
         """Views of the optimizer state of bucket elements [lo, hi) (inside this rank's range):
         ``exp_avg``, ``exp_avg_sq`` and, when the fp32 masters are not the parameters themselves,
         ``master``."""
-        r = self._range_of[id(bucket)]
+        k = self._index_of[id(bucket)]
+        r = self.ranges[k]
         if lo < r.lo or hi > r.hi:
             raise IndexError(f"the optimizer holds bucket elements [{r.lo}, {r.hi}), asked for [{lo}, {hi})")
-        keys = self._STATE_KEYS[1:] if r.master_is_param else self._STATE_KEYS
-        return {k: getattr(r, k)[lo - r.lo:hi - r.lo] for k in keys}
+        keys = self._STATE_KEYS[1:] if r.param_fp32 else self._STATE_KEYS
+        views = self.states.views(k)
+        return {key: views[key][lo - r.lo:hi - r.lo] for key in keys}
 
     def _pieces(self):
         """(slot, range state, a, b): elements [a, b) of the bucket that are this rank's part of slot."""
@@ -230,8 +353,9 @@ class BucketAdamW:
         params = {}
         for slot, r, a, b in self._pieces():
             sl = slice(a - r.lo, b - r.lo)
+            views = self.states.views(self._index_of[id(r.bucket)])
             params[slot.name] = {"offset": a - slot.start,
-                                 **{k: getattr(r, k)[sl].clone() for k in self._STATE_KEYS}}
+                                 **{k: views[k][sl].clone() for k in self._STATE_KEYS}}
         return {"step": self.step_count, "loss_scaler": self.scaler.state_dict() if self.scaler else None,
                 "params": params}
 
@@ -254,24 +378,45 @@ class BucketAdamW:
                                  f"{piece['offset'] + piece['master'].numel()}) but this rank needs "
                                  f"[{a - slot.start}, {b - slot.start}): merge the DP ranks' pieces first "
                                  f"(merge_optimizer_states)")
+            views = self.states.views(self._index_of[id(r.bucket)])
             for k in self._STATE_KEYS:
-                getattr(r, k)[a - r.lo:b - r.lo].copy_(piece[k][lo:hi])
+                views[k][a - r.lo:b - r.lo].copy_(piece[k][lo:hi])
         self._publish()
 
     @torch.no_grad()
-    def refresh_masters(self) -> None:
+    def refresh_masters(self, fp32_only: bool = False) -> None:
         """Make the fp32 masters equal the model's parameters again (after the parameters were
-        written directly, e.g. by a checkpoint load). A no-op for fp32, where they are the same memory."""
-        for r in self.ranges:
-            if not r.master_is_param:
-                r.master.copy_(r.bucket.param_data[r.lo:r.hi])
+        written directly, e.g. by a checkpoint load). A no-op where they are the same memory.
+        ``fp32_only``: only where the parameters are fp32 (a checkpoint holds no masters for them)."""
+        for k, r in enumerate(self.ranges):
+            if not r.master_is_param and (r.param_fp32 or not fp32_only):
+                self.states.set_masters(k, self._range_params(r.bucket, r.lo, r.hi))
+
+    def close(self) -> None:
+        """Stop the offload I/O threads (the swap files belong to the engine)."""
+        self.states.close()
 
     # ------------------------------------------------------------- accounting
     def master_bytes(self) -> int:
+        """Device bytes of fp32 masters that are separate from the parameters."""
+        if self.offloaded:
+            return 0
         return sum(r.master.numel() * 4 for r in self.ranges if not r.master_is_param)
 
     def state_bytes(self) -> int:
+        """Device bytes of the Adam moments."""
+        if self.offloaded:
+            return 0
         return sum((r.exp_avg.numel() + r.exp_avg_sq.numel()) * 4 for r in self.ranges)
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Host and NVMe bytes of the offloaded state (``host_*`` / ``nvme_*`` keys)."""
+        return self.states.offloaded_bytes()
+
+    @property
+    def offload_stats(self):
+        """Time and bytes of the offloaded work (``offload.OffloadStats``), None without offload."""
+        return getattr(self.states, "stats", None)
 
 
 class DataParallelOptimizer(BucketAdamW):
@@ -286,11 +431,6 @@ class DataParallelOptimizer(BucketAdamW):
 
     def _norm_group(self):
         return self.topo.mp_group, "mp"
-
-    def _publish(self) -> None:
-        for r in self.ranges:
-            if not r.master_is_param:
-                r.bucket.param_data[r.lo:r.hi].copy_(r.master)
 
 
 class ZeroStage1Optimizer(BucketAdamW):
@@ -308,12 +448,10 @@ class ZeroStage1Optimizer(BucketAdamW):
     def _norm_group(self):
         return dist.group.WORLD, "world"
 
-    def _publish(self) -> None:
+    def _share(self) -> None:
         handles = []
         for r in self.ranges:
             shard = r.bucket.param_data[r.lo:r.hi]
-            if not r.master_is_param:
-                shard.copy_(r.master)
             handles.append(comm.all_gather(r.bucket.param_data, shard, self.grad_sync.dp_group,
                                            self.comm_log, "dp", async_op=True))
         for h in handles:
@@ -341,23 +479,23 @@ class ZeroStage3Optimizer(BucketAdamW):
         return self.grad_sync.shard_range(bucket)
 
     def _range_params(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
-        return bucket.shard
+        return self.grad_sync.shard_values(bucket)
+
+    def _params_on_device(self) -> bool:
+        return not self.grad_sync.shards.offloaded
 
     def _norm_group(self):
         return dist.group.WORLD, "world"
 
-    def _publish(self) -> None:
+    def _before_write(self) -> None:
         self.grad_sync.release_all()              # gathered copies would be stale
-        for r in self.ranges:
-            if not r.master_is_param:
-                r.bucket.shard.copy_(r.master)
 
-    @torch.no_grad()
-    def refresh_masters(self) -> None:
-        """fp32 masters from the (written back) shards: bf16/fp16 only, fp32 masters are the shards."""
-        for r in self.ranges:
-            if not r.master_is_param:
-                r.master.copy_(r.bucket.shard)
+    def _write_params(self, k: int, a: int, b: int, values: torch.Tensor) -> None:
+        r = self.ranges[k]
+        self.grad_sync.write_params(r.bucket, r.lo + a, r.lo + b, values)
+
+    def _share(self) -> None:
+        self.grad_sync.flush_params()             # the next forward gathers from the shards
 
 
 OPTIMIZER_BY_STAGE = {0: DataParallelOptimizer, 1: ZeroStage1Optimizer, 2: ZeroStage2Optimizer,
@@ -365,12 +503,14 @@ OPTIMIZER_BY_STAGE = {0: DataParallelOptimizer, 1: ZeroStage1Optimizer, 2: ZeroS
 
 
 def build_optimizer(grad_sync: BucketedGradSync, opt_cfg: OptimizerConfig,
-                    precision: PrecisionConfig | None = None, stage: int | None = None) -> BucketAdamW:
-    """The optimizer for ``stage`` (default: the grad sync's ``zero_stage``)."""
+                    precision: PrecisionConfig | None = None, stage: int | None = None, *,
+                    swap: SwapDir | None = None) -> BucketAdamW:
+    """The optimizer for ``stage`` (default: the grad sync's ``zero_stage``); ``swap``: where
+    ``--offload-optimizer nvme`` keeps its file."""
     stage = grad_sync.cfg.zero_stage if stage is None else stage
     if stage not in OPTIMIZER_BY_STAGE:
         raise ValueError(f"--zero-stage {stage}: only 0, 1, 2 and 3 are implemented")
-    return OPTIMIZER_BY_STAGE[stage](grad_sync, opt_cfg, precision)
+    return OPTIMIZER_BY_STAGE[stage](grad_sync, opt_cfg, precision, swap=swap)
 
 
 def merge_optimizer_states(states: list[dict]) -> dict:

@@ -70,6 +70,7 @@ write parameter values inside ``engine.gathered_parameters()``.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from functools import partial
@@ -84,6 +85,7 @@ from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype
 from megazero.parallel.zero.grad_sync import ShardedGradSync
 from megazero.parallel.zero.materialize import initial_value, swap_in
+from megazero.parallel.zero.offload import SwapDir, build_param_shards
 from megazero.parallel.zero.units import plan_of
 
 
@@ -99,6 +101,7 @@ class Unit:
     buckets: list[Bucket] = field(default_factory=list)
     state: str = "released"           # released | gathering | gathered
     handles: list = field(default_factory=list)
+    staging: list = field(default_factory=list)   # offloaded shards' device copies, until gathered
 
 
 @dataclass
@@ -125,6 +128,41 @@ class _PostBackward(torch.autograd.Function):
         return None, None, grad
 
 
+class DeviceShards:
+    """Where the parameter shards live without offloading: ``bucket.shard``, on the device. The
+    offloaded variants (host memory, swap files) are in :mod:`megazero.parallel.zero.offload`."""
+
+    offloaded = False
+
+    def allocate(self, bucket: Bucket, n: int, dtype: torch.dtype, device) -> None:
+        bucket.shard = torch.zeros(n, dtype=dtype, device=device)
+
+    @contextlib.contextmanager
+    def filling(self, bucket: Bucket):
+        yield bucket.shard
+
+    def view(self, bucket: Bucket) -> torch.Tensor:
+        return bucket.shard
+
+    def source(self, bucket: Bucket) -> torch.Tensor:
+        return bucket.shard
+
+    def prefetch(self, bucket: Bucket) -> None:
+        pass
+
+    def write(self, bucket: Bucket, lo: int, hi: int, values: torch.Tensor) -> None:
+        bucket.shard[lo:hi].copy_(values, non_blocking=True)
+
+    def flush(self) -> None:
+        pass
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward (a forward here is activation recomputation)."""
     return torch._C._current_graph_task_id() != -1
@@ -139,8 +177,10 @@ class ShardedParamSync(ShardedGradSync):
     """
 
     def __init__(self, chunks, topo: Topology, zero_cfg: ZeroConfig | None = None, *,
-                 comm_log: CommLog | None = None):
+                 comm_log: CommLog | None = None, swap: SwapDir | None = None):
         cfg = zero_cfg or ZeroConfig(zero_stage=3)
+        self.shards = (DeviceShards() if cfg.offload_params == "none" else
+                       build_param_shards(cfg.offload_params, topo.device, cfg.offload_pin_memory, swap))
         if cfg.prefetch_layers < 0:
             raise ValueError(f"--zero3-prefetch-layers must be >= 0, got {cfg.prefetch_layers}")
         self.keep = bool(cfg.keep_params_gathered)
@@ -180,17 +220,19 @@ class ShardedParamSync(ShardedGradSync):
             bucket.param_data.untyped_storage().resize_(0)
             bucket.empty = torch.empty(0, dtype=dtype, device=device)
             lo, hi = self.shard_range(bucket)
-            bucket.shard = torch.zeros(hi - lo, dtype=dtype, device=device)
-            for i, start, end in members:
-                name, p = named[i]
-                shape = p.shape
-                a, b = max(lo, start), min(hi, end)
-                if a < b:
-                    with torch.no_grad():
-                        bucket.shard[a - lo:b - lo].copy_(initial_value(chunk, name, p).reshape(-1)[a - start:b - start])
-                p = swap_in(chunk, name, p, bucket.empty)
-                self._add_slot(ParamSlot(name, p, bucket, start, end, shape))
-            self.param_buffers.append(bucket.shard)
+            self.shards.allocate(bucket, hi - lo, dtype, device)
+            with self.shards.filling(bucket) as shard:
+                for i, start, end in members:
+                    name, p = named[i]
+                    shape = p.shape
+                    a, b = max(lo, start), min(hi, end)
+                    if a < b:
+                        with torch.no_grad():
+                            shard[a - lo:b - lo].copy_(initial_value(chunk, name, p).reshape(-1)[a - start:b - start])
+                    p = swap_in(chunk, name, p, bucket.empty)
+                    self._add_slot(ParamSlot(name, p, bucket, start, end, shape))
+            if not self.shards.offloaded:               # device memory only (offloaded: offloaded_bytes)
+                self.param_buffers.append(bucket.shard)
             self.buckets.append(bucket)
             unit.buckets.append(bucket)
 
@@ -201,8 +243,11 @@ class ShardedParamSync(ShardedGradSync):
             return
         for b in unit.buckets:
             b.param_data.untyped_storage().resize_(b.numel * b.param_data.element_size())
-            unit.handles.append(comm.all_gather(b.param_data, b.shard, self.dp_group, self.comm_log, "dp",
+            source = self.shards.source(b)     # the shard on the device (a staging copy when offloaded)
+            unit.handles.append(comm.all_gather(b.param_data, source, self.dp_group, self.comm_log, "dp",
                                                 async_op=True))
+            if source is not b.shard:
+                unit.staging.append(source)
             self.gathered_bytes += nbytes(b.param_data)
         unit.state = "gathering"
         self.live_units += 1
@@ -217,7 +262,7 @@ class ShardedParamSync(ShardedGradSync):
         for h in unit.handles:
             if h is not None:
                 h.wait()
-        unit.handles = []
+        unit.handles, unit.staging = [], []
         for b in unit.buckets:
             for s in b.slots:
                 s.param.data = b.param_data[s.start:s.end].view(s.shape)
@@ -246,7 +291,26 @@ class ShardedParamSync(ShardedGradSync):
         if lo < base or hi > end:
             raise IndexError(f"rank {self.dp_rank} holds the parameters of bucket elements [{base}, {end}), "
                              f"asked for [{lo}, {hi})")
-        return bucket.shard[lo - base:hi - base]
+        return self.shards.view(bucket)[lo - base:hi - base]
+
+    def shard_values(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's whole shard of ``bucket`` (a view: on the device, on the host, or of the swap file)."""
+        return self.shards.view(bucket)
+
+    def write_params(self, bucket: Bucket, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Store ``values`` as the parameters of bucket elements [lo, hi), which lie in this rank's shard
+        (the optimizer publishing; the next gather reads them). ``flush_params`` completes the writes."""
+        base = self.shard_range(bucket)[0]
+        self.shards.write(bucket, lo - base, hi - base, values)
+
+    def flush_params(self) -> None:
+        self.shards.flush()
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        return self.shards.offloaded_bytes()
+
+    def close(self) -> None:
+        self.shards.close()
 
     def gather_all(self) -> list[Unit]:
         """Gather every unit now (blocking); returns the ones that were released before."""
@@ -275,7 +339,8 @@ class ShardedParamSync(ShardedGradSync):
                 self.wait(u)
                 for b in u.buckets:
                     lo, hi = self.shard_range(b)
-                    b.shard.copy_(b.param_data[lo:hi])
+                    self.shards.write(b, 0, hi - lo, b.param_data[lo:hi])
+        self.shards.flush()
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self, chunk_id: int) -> None:
@@ -291,6 +356,12 @@ class ShardedParamSync(ShardedGradSync):
             if 0 <= idx < len(trigs):
                 for u in trigs[idx].units:
                     self.gather(u)
+        idx = trig.index + direction * (self.cfg.prefetch_layers + 1)   # offloaded shards: read one further ahead
+        if self.shards.offloaded and 0 <= idx < len(trigs):
+            for u in trigs[idx].units:
+                if u.state == "released":
+                    for b in u.buckets:
+                        self.shards.prefetch(b)
 
     def _pre_forward(self, trig: Trigger, module, args):
         for u in trig.units:

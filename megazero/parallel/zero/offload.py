@@ -1,0 +1,736 @@
+"""ZeRO-Offload and ZeRO-Infinity: the optimizer's shard, and stage 3's parameter shards, kept in host
+memory or in swap files on a fast local drive instead of on the device.
+
+Flags (``ZeroConfig``): ``--offload-optimizer {none,cpu,nvme}`` (ZeRO 1-3), ``--offload-params
+{none,cpu,nvme}`` (ZeRO-3), ``--nvme-path DIR``, ``--offload-pin-memory``, ``--offload-sub-group-size S``.
+
+Who holds what, per rank (Ψ parameters of the rank's stage, N = dp, e bytes per parameter element, g per
+gradient element; fp32 runs have e = g = 4 and, without offload, no separate masters)::
+
+                                  device                      host                              NVMe
+    ZeRO-1 + optimizer cpu        eΨ params + gΨ grads        16Ψ/N: fp32 masters, Adam m, v,     -
+                                                              the fp32 copy of the gradients
+    ZeRO-2 + optimizer cpu        eΨ + gΨ/N                   16Ψ/N                               -
+    ZeRO-3 + optimizer cpu        eΨ/N + gΨ/N                 16Ψ/N                               -
+    optimizer nvme                as with cpu                 4Ψ/N gradients + 3 sub-group        12Ψ/N
+                                                              buffers (3 x 12 x S bytes)
+    ZeRO-3 + params cpu           minus eΨ/N                  plus eΨ/N                           -
+    ZeRO-3 + params nvme          minus eΨ/N                  shards being read                   eΨ/N
+
+(plus, on the device, the units being gathered under ZeRO-3: 1/N of each as a staging copy when the
+shards are offloaded). DeepSpeed keeps the same fp32 gradient copy on the host.
+
+One step with ``--offload-optimizer``:
+
+1. Backward. As each bucket's reduced gradient shard lands (stages 2 and 3: when its reduce-scatter retires,
+   during the backward; stage 1: when ``finish_grad_sync`` waits for it) the rank's part is copied into
+   the host's flat fp32 gradient buffer: on CUDA from a side stream into pinned memory, overlapping the
+   backward; on a CPU the same calls, where the copy is a plain memory copy.
+2. Step. The overflow check, global norm and clipping run over the host gradients. Then AdamW runs over
+   the flat shard, one sub-group (``offload_sub_group_size`` elements) at a time, as torch's fused CPU
+   kernel; each updated sub-group of masters is cast to the parameter dtype and copied to the device
+   (side stream) while the next one is updated.
+3. NVMe (ZeRO-Infinity). Masters and moments live in the rank's swap file, not in memory. Sub-group i+1
+   is read by a read-ahead thread and sub-group i-1 written by a write-behind thread while sub-group i is
+   updated, through three buffers (DeepSpeed's swap-tensor design).
+
+Parity: the host runs the same fp32 arithmetic on the same values, so an fp32 run is bitwise the same with
+and without offload. Sub-groups cut the flat shard at multiples of 64 elements from every range's start,
+and torch's fused AdamW works in 16-element blocks from the start of the tensor it is given, so cutting
+changes no bit (``tests/test_offload.py`` checks both).
+
+Parameters (``--offload-params``, ZeRO-3): each bucket's shard lives on the host (pinned) or in the swap
+file; gathering a unit copies the shard into a device staging buffer and all-gathers from it. With nvme
+the shard is read by an I/O thread one unit ahead of the gathers the prefetch already launches, and the
+optimizer's writes of the new values go through the same thread (so a read never overtakes a write).
+
+Swap files. ``DIR/megazero-swap-<host>-<pid>-rank<r>/{optimizer,params}.swp``: one set per rank, their
+space reserved when the engine is built (``posix_fallocate``: a full drive is an error then, not in the
+middle of a run; the trainer also checks the free space before anything starts, ``megazero/preflight.py``).
+They are removed by ``ZeroEngine.close()``, at interpreter exit (also after an error), on SIGTERM, and, for
+a process killed outright, by the next run that uses the directory (directories of dead processes on this
+host). The I/O goes through the operating system's page cache: the process's resident memory holds only
+the buffers above, and the cache is the kernel's to drop.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megazero.optim import adamw_update
+
+ALIGN = 64                   # elements: sub-groups are cut at multiples of this from every range's start
+REGION_ALIGN = 4096          # bytes: every region of a swap file starts on a page
+SWAP_PREFIX = "megazero-swap-"
+BUFFERS = 3                  # NVMe sub-group buffers: read-ahead (i+1), update (i), write-behind (i-1)
+
+
+class OffloadError(RuntimeError):
+    """The swap directory cannot hold the run's files; the message names --nvme-path and the fix."""
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class OffloadStats:
+    """Host-side wall time and bytes of the offloaded work since the last ``reset`` (what the benchmark
+    reports). On CUDA the copies are asynchronous and their time is that of issuing them."""
+
+    to_host_s: float = 0.0       # gradients, device -> host
+    to_device_s: float = 0.0     # parameters, host -> device
+    update_s: float = 0.0        # AdamW on the host (and the casts to the parameter dtype)
+    io_wait_s: float = 0.0       # the step waiting for swap-file reads and writes
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def reset(self) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, type(getattr(self, name))())
+
+    def add(self, other: OffloadStats) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+# ------------------------------------------------------------------------------------------ copies
+class Mover:
+    """Copies between the device and host memory, the same calls on every device.
+
+    On CUDA: host buffers are page-locked (``pin``), and copies run on a side stream, ordered after the
+    work already queued on the compute stream, so they overlap the computation; ``wait_host`` makes their
+    results readable on the host and ``join`` makes the compute stream wait for them. On a CPU the
+    "device" is host memory too: the copies are plain memory copies and the waits do nothing.
+    """
+
+    def __init__(self, device: torch.device, pin: bool = True, stats: OffloadStats | None = None):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.pin = bool(pin) and self.cuda
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.stats = stats if stats is not None else OffloadStats()
+
+    def host_empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, pin_memory=self.pin)
+
+    def host_zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.host_empty(n, dtype).zero_()
+
+    @contextlib.contextmanager
+    def side_stream(self):
+        """Work issued inside runs on the side stream, after what the compute stream has queued."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (host) <- ``src`` (device), asynchronously on CUDA: ``wait_host`` before reading dst."""
+        t0 = time.perf_counter()
+        with self.side_stream():
+            dst.copy_(src, non_blocking=self.cuda)
+        if self.cuda:
+            src.record_stream(self.stream)
+        self.stats.to_host_s += time.perf_counter() - t0
+        self.stats.bytes_to_host += src.numel() * src.element_size()
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst`` (device) <- ``src`` (host), on the side stream: ``join`` before the compute stream reads
+        dst, and keep src unchanged until an ``event()`` recorded after it has completed."""
+        t0 = time.perf_counter()
+        with self.side_stream():
+            dst.copy_(src, non_blocking=self.cuda)
+        self.stats.to_device_s += time.perf_counter() - t0
+        self.stats.bytes_to_device += src.numel() * src.element_size()
+
+    def event(self):
+        """A marker after the side stream's work so far (None on a CPU, where copies are done at once)."""
+        if self.stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def wait_host(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+def _done(event) -> None:
+    if event is not None:
+        event.synchronize()
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, without a copy (bf16 too: viewed as uint8)."""
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(bytearray())
+
+
+# ------------------------------------------------------------------------------------- swap files
+_LIVE_DIRS: set[str] = set()
+_SIGTERM_LOCK = threading.Lock()
+_SIGTERM_INSTALLED = False
+
+
+def _remove_live_dirs() -> None:
+    for path in list(_LIVE_DIRS):
+        shutil.rmtree(path, ignore_errors=True)
+        _LIVE_DIRS.discard(path)
+
+
+def _on_sigterm(signum, frame) -> None:
+    _remove_live_dirs()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm_cleanup() -> None:
+    """Remove the swap directories when the process is terminated (torchrun stops workers with SIGTERM);
+    only where nobody else handles SIGTERM, and only from the main thread (Python's rule)."""
+    global _SIGTERM_INSTALLED
+    with _SIGTERM_LOCK:
+        if _SIGTERM_INSTALLED or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+            _SIGTERM_INSTALLED = True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_swap_dirs(root: str | os.PathLike) -> list[Path]:
+    """Remove the swap directories under ``root`` left by processes of this host that no longer run
+    (a run killed outright cannot remove its own); returns what was removed."""
+    host, removed = socket.gethostname(), []
+    for entry in Path(root).iterdir():
+        if not entry.name.startswith(SWAP_PREFIX) or not entry.is_dir():
+            continue
+        try:
+            owner, pid, _ = entry.name[len(SWAP_PREFIX):].rsplit("-", 2)
+            pid = int(pid)
+        except ValueError:
+            continue
+        if owner == host and pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+class SwapFile:
+    """One scratch file of a rank: regions reserved on the drive, read and written by byte offset."""
+
+    def __init__(self, path: Path, flag: str):
+        self.path, self.flag, self.nbytes = Path(path), flag, 0
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._mapped = None
+
+    def reserve(self, nbytes: int) -> int:
+        """Append a page-aligned region of ``nbytes``; returns its offset. The space is allocated now."""
+        offset = _round_up(self.nbytes, REGION_ALIGN)
+        end = offset + _round_up(max(nbytes, 1), REGION_ALIGN)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(self.fd, offset, end - offset)
+            else:                                            # no fallocate (macOS): size the file, check space
+                if shutil.disk_usage(self.path.parent).free < end - offset:
+                    raise OSError(28, "No space left on device")
+                os.ftruncate(self.fd, end)
+        except OSError as e:
+            free = shutil.disk_usage(self.path.parent).free
+            raise OffloadError(f"{self.flag} {self.path.parent.parent}: cannot reserve {(end - offset) / 2**20:.1f} MiB "
+                               f"for {self.path.name} ({e.strerror}; {free / 2**30:.2f} GiB free): free space there, "
+                               f"or choose a larger drive") from None
+        self.nbytes = end
+        self._mapped = None
+        return offset
+
+    def read(self, offset: int, out: torch.Tensor) -> None:
+        """Fill the contiguous CPU tensor ``out`` from ``offset``."""
+        view, done = _byte_view(out), 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"{self.path}: short read at byte {offset + done}")
+            done += n
+
+    def write(self, offset: int, src: torch.Tensor) -> None:
+        """Write the contiguous CPU tensor ``src`` at ``offset``."""
+        view, done = _byte_view(src), 0
+        while done < len(view):
+            done += os.pwritev(self.fd, [view[done:]], offset + done)
+
+    def mapped(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``numel`` elements at ``offset`` backed by the file itself (a shared memory map):
+        for checkpoints and initialisation, which read or write the state in place. The map lives as long
+        as a view of it."""
+        whole = self._mapped() if self._mapped is not None else None
+        if whole is None:
+            whole = torch.from_file(str(self.path), shared=True, size=self.nbytes, dtype=torch.uint8)
+            self._mapped = weakref.ref(whole)
+        size = torch.empty(0, dtype=dtype).element_size()
+        return whole[offset:offset + numel * size].view(dtype)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class SwapDir:
+    """This rank's directory of swap files under ``--nvme-path`` (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike, rank: int, flag: str = "--nvme-path"):
+        root = Path(root)
+        if not root.is_dir():
+            raise OffloadError(f"{flag} {root} is not a directory: give an existing directory on a fast local drive")
+        remove_stale_swap_dirs(root)
+        self.path = root / f"{SWAP_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank:05d}"
+        self.flag = flag
+        try:
+            self.path.mkdir()
+        except OSError as e:
+            raise OffloadError(f"{flag} {root}: cannot create {self.path.name} ({e.strerror}): choose a directory "
+                               f"you can write") from None
+        self.files: list[SwapFile] = []
+        _LIVE_DIRS.add(str(self.path))
+        _install_sigterm_cleanup()
+        self._finalizer = weakref.finalize(self, _remove_dir, str(self.path))
+
+    def file(self, name: str) -> SwapFile:
+        f = SwapFile(self.path / name, self.flag)
+        self.files.append(f)
+        return f
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def close(self) -> None:
+        """Close and remove every file (also done at interpreter exit if never called)."""
+        for f in self.files:
+            f.close()
+        self._finalizer()
+
+
+def _remove_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    _LIVE_DIRS.discard(path)
+
+
+def _io_thread(name: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"megazero-{name}")
+
+
+# ---------------------------------------------------------------------------- optimizer state
+class OffloadedOptimizerState:
+    """The optimizer's fp32 state of this rank's owned ranges, off the device: a flat host gradient buffer,
+    and masters and Adam moments in host memory (this class) or in a swap file (:class:`SwappedOptimizerState`).
+
+    The owned ranges (one per bucket, sizes multiples of 64) are laid out one after another in a flat
+    index space; sub-group i covers flat elements [i * S, (i + 1) * S), S = ``sub_group_size`` rounded up to
+    64. The optimizer (``megazero.parallel.zero.optimizer``) drives it: ``copy_grad`` as gradients land,
+    ``main_grads`` / ``update`` in the step, ``views`` for checkpoints.
+    """
+
+    location = "host"
+
+    def __init__(self, sizes: list[int], device: torch.device, param_dtype: torch.dtype, sub_group_size: int,
+                 pin: bool = True, swap: SwapDir | None = None):
+        self.sizes = list(sizes)
+        self.offsets = [sum(self.sizes[:k]) for k in range(len(self.sizes))]
+        self.total = sum(self.sizes)
+        self.stats = OffloadStats()
+        self.mover = Mover(device, pin, self.stats)
+        self.param_dtype = param_dtype
+        step = _round_up(max(sub_group_size, 1), ALIGN)
+        self.subgroups = [(s, min(s + step, self.total)) for s in range(0, self.total, step)]
+        self.grads = self.mover.host_zeros(self.total, torch.float32)
+        cast = param_dtype != torch.float32             # the masters are cast on the host before the copy
+        self._staging = [self.mover.host_empty(min(step, self.total), param_dtype) if cast else None
+                         for _ in range(2)]
+        self._staging_done = [None, None]
+        self._allocate(swap)
+
+    def _allocate(self, swap: SwapDir | None) -> None:
+        self.master = self.mover.host_zeros(self.total, torch.float32)
+        self.exp_avg = self.mover.host_zeros(self.total, torch.float32)
+        self.exp_avg_sq = self.mover.host_zeros(self.total, torch.float32)
+
+    # -------------------------------------------------------------- per range
+    def views(self, k: int) -> dict[str, torch.Tensor]:
+        """Range k's ``master``, ``exp_avg``, ``exp_avg_sq`` (host tensors; read and written in place)."""
+        a, b = self.offsets[k], self.offsets[k] + self.sizes[k]
+        return {"master": self.master[a:b], "exp_avg": self.exp_avg[a:b], "exp_avg_sq": self.exp_avg_sq[a:b]}
+
+    def host_views(self, k: int) -> tuple[torch.Tensor | None, ...]:
+        """(master, exp_avg, exp_avg_sq) of range k where they stay in memory, else Nones."""
+        v = self.views(k)
+        return v["master"], v["exp_avg"], v["exp_avg_sq"]
+
+    def set_masters(self, k: int, values: torch.Tensor) -> None:
+        """Range k's masters <- ``values`` (the parameters, any device and dtype)."""
+        self.views(k)["master"].copy_(values)
+
+    def copy_grad(self, k: int, a: int, b: int, src: torch.Tensor) -> None:
+        """Range k's gradient elements [a, b) <- ``src`` (the reduced gradient on the device)."""
+        off = self.offsets[k]
+        self.mover.to_host(self.grads[off + a:off + b], src)
+
+    def main_grads(self) -> list[torch.Tensor]:
+        """The fp32 gradient of every range, on the host, once every copy has landed."""
+        self.mover.wait_host()
+        return [self.grads[off:off + n] for off, n in zip(self.offsets, self.sizes)]
+
+    # ------------------------------------------------------------------ step
+    def _acquire(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s, e = self.subgroups[i]
+        return self.master[s:e], self.exp_avg[s:e], self.exp_avg_sq[s:e]
+
+    def _release(self, i: int, done) -> None:
+        pass
+
+    def _begin(self) -> None:
+        pass
+
+    def _end(self) -> None:
+        pass
+
+    def update(self, grads: list[torch.Tensor], decay_ranges: list[list[tuple[int, int]]], *, write, step: int,
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+        """One AdamW step over the flat shard, sub-group by sub-group. ``grads``: what ``main_grads`` gave
+        (views of the host buffer, unscaled and clipped in place). ``decay_ranges[k]``: range k's elements
+        with weight decay. ``write(k, a, b, values)`` stores range k's new parameter values [a, b) where the
+        model keeps them; it is called inside the mover's side stream, and ``values`` stays untouched until
+        that copy has completed."""
+        decay = [(off + a, off + b) for off, ranges in zip(self.offsets, decay_ranges) for a, b in ranges]
+        self._begin()
+        for i, (s, e) in enumerate(self.subgroups):
+            master, exp_avg, exp_avg_sq = self._acquire(i)
+            t0 = time.perf_counter()
+            local = [(max(a, s) - s, min(b, e) - s) for a, b in decay if max(a, s) < min(b, e)]
+            adamw_update([master], [self.grads[s:e]], [exp_avg], [exp_avg_sq], step=step, lr=lr, beta1=beta1,
+                         beta2=beta2, eps=eps, weight_decay=weight_decay, decay_ranges=[local])
+            values = master
+            staging = self._staging[i % 2]
+            if staging is not None:
+                _done(self._staging_done[i % 2])
+                values = staging[:e - s]
+                values.copy_(master)
+            self.stats.update_s += time.perf_counter() - t0
+            self._store(write, s, e, values)
+            done = self.mover.event()
+            if staging is not None:
+                self._staging_done[i % 2] = done
+            self._release(i, done)
+        self._end()
+        self.mover.join()
+
+    def _store(self, write, s: int, e: int, values: torch.Tensor) -> None:
+        """``write`` the new parameter values of flat elements [s, e) (``values``), on the side stream."""
+        t0 = time.perf_counter()
+        with self.mover.side_stream():
+            for k, a, b in self._segments(s, e):
+                write(k, a, b, values[self.offsets[k] + a - s:self.offsets[k] + b - s])
+        self.stats.to_device_s += time.perf_counter() - t0
+        self.stats.bytes_to_device += values.numel() * values.element_size()
+
+    def write_params(self, write) -> None:
+        """Store every range's masters as its parameters (after the state was loaded)."""
+        for k, n in enumerate(self.sizes):
+            with self.mover.side_stream():
+                write(k, 0, n, self.views(k)["master"])
+        self.mover.wait_host()
+        self.mover.join()
+
+    def _segments(self, s: int, e: int):
+        """(range k, a, b): the part [a, b) of range k inside flat elements [s, e)."""
+        for k, (off, n) in enumerate(zip(self.offsets, self.sizes)):
+            a, b = max(s, off), min(e, off + n)
+            if a < b:
+                yield k, a - off, b - off
+
+    # ------------------------------------------------------------ accounting
+    def offloaded_bytes(self) -> dict[str, int]:
+        staging = sum(t.numel() * t.element_size() for t in self._staging if t is not None)
+        return {"host_grads": 4 * self.total, "host_master_weights": 4 * self.total,
+                "host_optimizer_state": 8 * self.total, "host_buffers": staging}
+
+    def close(self) -> None:
+        pass
+
+
+class SwappedOptimizerState(OffloadedOptimizerState):
+    """ZeRO-Infinity: masters and moments in this rank's swap file (``optimizer.swp``), three regions of
+    fp32 elements in the flat layout: [masters][exp_avg][exp_avg_sq]. The step streams sub-groups
+    through ``BUFFERS`` buffers, reading ahead and writing behind on two I/O threads."""
+
+    location = "nvme"
+
+    def _allocate(self, swap: SwapDir | None) -> None:
+        if swap is None:
+            raise ValueError("offloading the optimizer to nvme needs a swap directory (--nvme-path)")
+        self.file = swap.file("optimizer.swp")
+        self.region = [self.file.reserve(4 * self.total) for _ in range(3)]   # zero-filled: moments start at 0
+        width = max((e - s for s, e in self.subgroups), default=0)
+        self._buffers = [self.mover.host_empty(3 * width, torch.float32) for _ in range(BUFFERS)]
+        self._reader, self._writer = _io_thread("swap-read"), _io_thread("swap-write")
+        self._reads: dict[int, Future] = {}
+        self._writes: dict[int, Future] = {}
+        self.master = self.exp_avg = self.exp_avg_sq = None
+
+    def _parts(self, i: int) -> list[torch.Tensor]:
+        s, e = self.subgroups[i]
+        buf = self._buffers[i % BUFFERS]
+        n = e - s
+        return [buf[j * n:(j + 1) * n] for j in range(3)]
+
+    def _read(self, i: int, previous: Future | None, done) -> None:
+        if previous is not None:
+            previous.result()                   # the buffer's last write-behind has finished
+        _done(done)                             # and the device copy that read it
+        s, _ = self.subgroups[i]
+        for region, part in zip(self.region, self._parts(i)):
+            self.file.read(region + 4 * s, part)
+            self.stats.bytes_read += 4 * part.numel()
+
+    def _write(self, i: int, done) -> None:
+        _done(done)
+        s, _ = self.subgroups[i]
+        for region, part in zip(self.region, self._parts(i)):
+            self.file.write(region + 4 * s, part)
+            self.stats.bytes_written += 4 * part.numel()
+
+    def _prefetch(self, i: int) -> None:
+        if i < len(self.subgroups) and i not in self._reads:
+            previous = self._writes.pop(i - BUFFERS, None)
+            self._reads[i] = self._reader.submit(self._read, i, previous, self._events.pop(i - BUFFERS, None))
+
+    def _begin(self) -> None:
+        self._events: dict[int, object] = {}
+        self._prefetch(0)
+
+    def _acquire(self, i: int):
+        self._prefetch(i + 1)                   # read-ahead: overlaps this sub-group's update
+        t0 = time.perf_counter()
+        self._reads.pop(i).result()
+        self.stats.io_wait_s += time.perf_counter() - t0
+        return tuple(self._parts(i))
+
+    def _release(self, i: int, done) -> None:
+        self._writes[i] = self._writer.submit(self._write, i, done)   # write-behind
+        self._events[i] = done
+
+    def _end(self) -> None:
+        t0 = time.perf_counter()
+        for f in list(self._writes.values()) + list(self._reads.values()):
+            f.result()
+        self._writes.clear()
+        self._reads.clear()
+        self.stats.io_wait_s += time.perf_counter() - t0
+
+    def views(self, k: int) -> dict[str, torch.Tensor]:
+        """Range k's state as views of the swap file itself (a memory map; see ``SwapFile.mapped``)."""
+        off, n = self.offsets[k], self.sizes[k]
+        return {key: self.file.mapped(region + 4 * off, n, torch.float32)
+                for key, region in zip(("master", "exp_avg", "exp_avg_sq"), self.region)}
+
+    def host_views(self, k: int):
+        return None, None, None
+
+    def set_masters(self, k: int, values: torch.Tensor) -> None:
+        """Range k's masters <- ``values``, written through the file a sub-group's width at a time (no map:
+        the process never holds more than that)."""
+        off, n = self.offsets[k], self.sizes[k]
+        width = max((e - s for s, e in self.subgroups), default=n) or n
+        for a in range(0, n, width):
+            part = torch.empty(min(width, n - a), dtype=torch.float32)
+            part.copy_(values[a:a + part.numel()])
+            self.file.write(self.region[0] + 4 * (off + a), part)
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        buffers = sum(t.numel() * t.element_size() for t in self._buffers)
+        buffers += sum(t.numel() * t.element_size() for t in self._staging if t is not None)
+        return {"host_grads": 4 * self.total, "host_buffers": buffers,
+                "nvme_master_weights": 4 * self.total, "nvme_optimizer_state": 8 * self.total}
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+
+
+def build_optimizer_state(where: str, sizes: list[int], device, param_dtype, sub_group_size: int, pin: bool,
+                          swap: SwapDir | None) -> OffloadedOptimizerState:
+    """``--offload-optimizer cpu`` or ``nvme``."""
+    cls = {"cpu": OffloadedOptimizerState, "nvme": SwappedOptimizerState}[where]
+    return cls(sizes, device, param_dtype, sub_group_size, pin, swap)
+
+
+# ---------------------------------------------------------------------------- parameter shards
+class HostShards:
+    """ZeRO-3's parameter shards in host memory (``--offload-params cpu``): ``bucket.shard`` is a host
+    tensor; gathering copies it into a device staging buffer first."""
+
+    offloaded = True
+
+    def __init__(self, device: torch.device, pin: bool = True, swap: SwapDir | None = None):
+        self.stats = OffloadStats()
+        self.mover = Mover(device, pin, self.stats)
+        self.device = torch.device(device)
+        self._bytes = 0
+        self._copied = None                    # CUDA: the last staging copy, which reads a host shard
+
+    def allocate(self, bucket, n: int, dtype: torch.dtype, device=None) -> None:
+        bucket.shard = self.mover.host_zeros(n, dtype)
+        self._bytes += n * bucket.shard.element_size()
+
+    @contextlib.contextmanager
+    def filling(self, bucket):
+        """A writable tensor of the whole shard; what it holds on exit is stored."""
+        yield bucket.shard
+
+    def view(self, bucket) -> torch.Tensor:
+        return bucket.shard
+
+    def prefetch(self, bucket) -> None:
+        pass
+
+    def source(self, bucket) -> torch.Tensor:
+        """The shard on the device, to all-gather from (a staging copy, freed by the caller)."""
+        return self._staged(self.view(bucket))
+
+    def _staged(self, host: torch.Tensor) -> torch.Tensor:
+        staging = torch.empty(host.numel(), dtype=host.dtype, device=self.device)
+        t0 = time.perf_counter()
+        staging.copy_(host, non_blocking=self.mover.cuda)     # on the compute stream, before the all-gather
+        if self.mover.cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.stats.to_device_s += time.perf_counter() - t0
+        self.stats.bytes_to_device += host.numel() * host.element_size()
+        return staging
+
+    def write(self, bucket, lo: int, hi: int, values: torch.Tensor) -> None:
+        _done(self._copied)                     # no staging copy still reads the old values
+        bucket.shard[lo:hi].copy_(values)
+
+    def flush(self) -> None:
+        pass
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        return {"host_params": self._bytes}
+
+    def close(self) -> None:
+        pass
+
+
+class SwappedShards(HostShards):
+    """ZeRO-3's parameter shards in this rank's swap file (``--offload-params nvme``): a page-aligned
+    region per bucket of ``params.swp``. Reads (read-ahead for gathers) and writes (new values from the
+    optimizer) go through one I/O thread in order, so a read never sees a value older than a write
+    issued before it."""
+
+    def __init__(self, device: torch.device, pin: bool = True, swap: SwapDir | None = None):
+        super().__init__(device, pin, swap)
+        if swap is None:
+            raise ValueError("offloading the parameters to nvme needs a swap directory (--nvme-path)")
+        self.file = swap.file("params.swp")
+        self._io = _io_thread("param-io")
+        self._where: dict[int, tuple[int, int, torch.dtype]] = {}
+        self._reads: dict[int, Future] = {}
+        self._writes: list[Future] = []
+
+    def allocate(self, bucket, n: int, dtype: torch.dtype, device=None) -> None:
+        size = torch.empty(0, dtype=dtype).element_size()
+        self._where[id(bucket)] = (self.file.reserve(n * size), n, dtype)
+        bucket.shard = None
+        self._bytes += n * size
+
+    @contextlib.contextmanager
+    def filling(self, bucket):
+        _, n, dtype = self._where[id(bucket)]
+        tmp = torch.zeros(n, dtype=dtype)
+        yield tmp
+        self.write(bucket, 0, n, tmp)
+
+    def view(self, bucket) -> torch.Tensor:
+        """The shard as a view of the file (memory map): pending writes land first."""
+        self.flush()
+        self._reads.pop(id(bucket), None)
+        offset, n, dtype = self._where[id(bucket)]
+        return self.file.mapped(offset, n, dtype)
+
+    def _read(self, bucket) -> torch.Tensor:
+        offset, n, dtype = self._where[id(bucket)]
+        out = self.mover.host_empty(n, dtype)
+        self.file.read(offset, out)
+        self.stats.bytes_read += n * out.element_size()
+        return out
+
+    def prefetch(self, bucket) -> None:
+        if id(bucket) not in self._reads:
+            self._reads[id(bucket)] = self._io.submit(self._read, bucket)
+
+    def source(self, bucket) -> torch.Tensor:
+        self.prefetch(bucket)
+        t0 = time.perf_counter()
+        host = self._reads.pop(id(bucket)).result()
+        self.stats.io_wait_s += time.perf_counter() - t0
+        return self._staged(host)
+
+    def _write(self, offset: int, host: torch.Tensor) -> None:
+        self.file.write(offset, host)
+        self.stats.bytes_written += host.numel() * host.element_size()
+
+    def write(self, bucket, lo: int, hi: int, values: torch.Tensor) -> None:
+        offset, _, dtype = self._where[id(bucket)]
+        host = torch.empty(hi - lo, dtype=dtype)
+        host.copy_(values)                      # an owned copy: the caller may reuse values at once
+        self._reads.pop(id(bucket), None)       # a read issued before this write is stale
+        self._writes.append(self._io.submit(self._write, offset + lo * host.element_size(), host))
+
+    def flush(self) -> None:
+        t0 = time.perf_counter()
+        for f in self._writes:
+            f.result()
+        self._writes.clear()
+        self.stats.io_wait_s += time.perf_counter() - t0
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        return {"nvme_params": self._bytes}
+
+    def close(self) -> None:
+        self.flush()
+        self._io.shutdown(wait=True)
+
+
+def build_param_shards(where: str, device, pin: bool, swap: SwapDir | None) -> HostShards:
+    """``--offload-params cpu`` or ``nvme``."""
+    return {"cpu": HostShards, "nvme": SwappedShards}[where](device, pin, swap)
