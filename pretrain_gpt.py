@@ -99,15 +99,16 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     try:
         state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
                       log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print))
+        if show_sample:                                  # show what the tiny GPT learnt
+            model = gather_full_model(chunks, topo, job, engine)
+            if model is not None:
+                prompt = tokenizer.tokenize(SAMPLE_PROMPT)
+                out = greedy_continuation(model, prompt, max_new_tokens=24)
+                print(f" greedy continuation after {state.iteration} iterations: "
+                      f"{SAMPLE_PROMPT!r} -> {tokenizer.detokenize(out)!r}", flush=True)
     finally:
         log.close()
-    if show_sample:                                      # show what the tiny GPT learnt
-        model = gather_full_model(chunks, topo, job, engine)
-        if model is not None:
-            prompt = tokenizer.tokenize(SAMPLE_PROMPT)
-            out = greedy_continuation(model, prompt, max_new_tokens=24)
-            print(f" greedy continuation after {state.iteration} iterations: "
-                  f"{SAMPLE_PROMPT!r} -> {tokenizer.detokenize(out)!r}", flush=True)
+        engine.close()                                   # offload swap files go with the run
     return 0
 
 
@@ -142,12 +143,16 @@ def param_dtype(job: JobConfig) -> torch.dtype:
 
 
 def model_state_line(engine, topo: Topology) -> str:
-    """Largest per-rank model-state memory (params, grads, fp32 masters, Adam state) over all ranks."""
-    keys = ("params", "grads", "master_weights", "optimizer_state", "total")
+    """Largest per-rank model-state memory (params, grads, fp32 masters, Adam state) over all ranks, and
+    what offloading keeps on the host and on NVMe."""
+    keys = ("params", "grads", "master_weights", "optimizer_state", "total", "host_total", "nvme_total")
     local = engine.model_state_bytes()
     sizes = torch.tensor([float(local[k]) for k in keys], device=topo.device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-    parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.2f}" for k, v in zip(keys, sizes.tolist()))
+    values = sizes.tolist()
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.2f}" for k, v in zip(keys[:5], values[:5]))
+    if values[5] or values[6]:
+        parts += f"; offloaded: host {values[5] / 2**20:.2f}, nvme {values[6] / 2**20:.2f}"
     return f"\n model state per rank (MiB, max over ranks; grads allocated in backward): {parts}"
 
 

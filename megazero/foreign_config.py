@@ -5,8 +5,8 @@
 
 Both give ``{"section.field": value}`` (the trainer's flag destinations) and are read like a
 ``--config`` file: flags on the command line may repeat a value but not contradict it. A key megazero
-does not support is refused with its path (``zero_optimization.offload_optimizer``), never ignored;
-``"auto"`` means "from the flags". The mapping, one key at a time:
+does not support is refused with its path (``zero_optimization.offload_optimizer.ratio``), never
+ignored; ``"auto"`` means "from the flags". The mapping, one key at a time:
 
 =============================================  ===============================================
 DeepSpeed key                                  megazero setting
@@ -23,6 +23,11 @@ zero_optimization.reduce_bucket_size           --bucket-size
 zero_optimization.overlap_comm                 --overlap-grad-reduce
 zero_optimization.contiguous_gradients         (always: true only)
 zero_optimization.stage3_prefetch_bucket_size  --zero3-prefetch-layers (elements, in whole layers)
+zero_optimization.offload_optimizer.device     --offload-optimizer none / cpu / nvme
+zero_optimization.offload_param.device         --offload-params none / cpu / nvme
+zero_optimization.offload_*.nvme_path          --nvme-path (one directory for both)
+zero_optimization.offload_*.pin_memory         --offload-pin-memory / --no-offload-pin-memory
+zero_optimization.sub_group_size               --offload-sub-group-size
 optimizer {type: Adam/AdamW, params: lr,       --lr, --adam-beta1/2, --adam-eps, --weight-decay
 betas, eps, weight_decay}                      (AdamW: decoupled weight decay)
 scheduler WarmupLR (linear warmup)             --lr-warmup-iters, --lr-decay-style constant
@@ -32,8 +37,9 @@ scheduler WarmupCosineLR                       + cosine decay to cos_min_ratio x
 
 Accelerate (``deepspeed_config`` section): ``zero_stage``, ``gradient_accumulation_steps``,
 ``gradient_clipping``, ``zero3_init_flag`` (--sharded-init), ``offload_optimizer_device`` and
-``offload_param_device`` (``none`` only, for now), ``deepspeed_config_file`` (read as above); and the
-top-level ``mixed_precision`` (no / fp16 / bf16).
+``offload_param_device`` (--offload-optimizer / --offload-params), ``offload_optimizer_nvme_path`` and
+``offload_param_nvme_path`` (--nvme-path), ``deepspeed_config_file`` (read as above); and the top-level
+``mixed_precision`` (no / fp16 / bf16).
 """
 from __future__ import annotations
 
@@ -76,6 +82,14 @@ class _Reader:
     def set(self, dest: str, value) -> None:
         if value is not None:
             self.out[dest] = value
+
+    def agree(self, dest: str, value, path: str) -> None:
+        """Set ``dest`` from a key that may appear twice (the optimizer's and the parameters' offload
+        sections share one --nvme-path and one pin setting): both places must agree."""
+        if value is not None and self.out.get(dest, value) != value:
+            self.fail(path, f"is {value!r} but another offload section says {self.out[dest]!r}: megazero uses one "
+                            f"setting for both, make them agree")
+        self.set(dest, value)
 
     def only(self, path: str, allowed: set[str]) -> None:
         """Refuse keys under ``path`` that megazero does not map (by their full path)."""
@@ -137,7 +151,8 @@ def _precision(r: _Reader) -> None:
 def _zero(r: _Reader) -> None:
     r.only("zero_optimization", {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
                                  "contiguous_gradients", "reduce_scatter", "allgather_partitions",
-                                 "stage3_prefetch_bucket_size"})
+                                 "stage3_prefetch_bucket_size", "offload_optimizer", "offload_param",
+                                 "sub_group_size"})
     r.set("zero.zero_stage", r.get("zero_optimization.stage", int))
     r.set("zero.bucket_size", r.get("zero_optimization.reduce_bucket_size", int))
     r.set("zero.overlap_grad_reduce", r.get("zero_optimization.overlap_comm", bool))
@@ -146,6 +161,30 @@ def _zero(r: _Reader) -> None:
             r.fail(f"zero_optimization.{key}", "megazero always does this: set it true or remove it")
     prefetch = r.get("zero_optimization.stage3_prefetch_bucket_size", int)
     r.set("zero.prefetch_bucket_elements", prefetch)
+    r.set("zero.offload_sub_group_size", r.get("zero_optimization.sub_group_size", int))
+    for key, dest in (("offload_optimizer", "zero.offload_optimizer"), ("offload_param", "zero.offload_params")):
+        path = f"zero_optimization.{key}"
+        r.only(path, {"device", "nvme_path", "pin_memory"})
+        device = _offload_device(r, f"{path}.device", dest)
+        _nvme_path(r, r.get(f"{path}.nvme_path"), device, f"{path}.nvme_path")
+        r.agree("zero.offload_pin_memory", r.get(f"{path}.pin_memory", bool), f"{path}.pin_memory")
+
+
+def _offload_device(r: _Reader, path: str, dest: str) -> str | None:
+    device = r.get(path)
+    if device is not None and device not in ("none", "cpu", "nvme"):
+        r.fail(path, f"must be none, cpu or nvme, got {device!r}")
+    r.set(dest, device)
+    return device
+
+
+def _nvme_path(r: _Reader, value, device: str | None, path: str) -> None:
+    if value in (None, "none"):
+        return
+    if device != "nvme":
+        r.fail(path, f"applies to device nvme only (this section's device is {device or 'none'}): remove it or "
+                     f"set the device to nvme")
+    r.agree("zero.nvme_path", value, path)
 
 
 def _optimizer(r: _Reader) -> None:
@@ -224,11 +263,12 @@ def from_accelerate(path: str | Path) -> dict:
     r.set("precision.bf16", True if mp == "bf16" else None)
     d = "deepspeed_config"
     r.only(d, {"zero_stage", "gradient_accumulation_steps", "gradient_clipping", "zero3_init_flag",
-               "offload_optimizer_device", "offload_param_device", "deepspeed_config_file",
-               "deepspeed_multinode_launcher", "zero3_save_16bit_model"})
-    for key in ("offload_optimizer_device", "offload_param_device"):
-        if r.get(f"{d}.{key}") not in (None, "none"):
-            r.fail(f"{d}.{key}", "offloading is not available yet: set none")
+               "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
+               "offload_param_nvme_path", "deepspeed_config_file", "deepspeed_multinode_launcher",
+               "zero3_save_16bit_model"})
+    for key, dest in (("offload_optimizer", "zero.offload_optimizer"), ("offload_param", "zero.offload_params")):
+        device = _offload_device(r, f"{d}.{key}_device", dest)
+        _nvme_path(r, r.get(f"{d}.{key}_nvme_path"), device, f"{d}.{key}_nvme_path")
     file = r.get(f"{d}.deepspeed_config_file")
     out = from_deepspeed(Path(path).parent / file) if file else {}
     r.set("zero.zero_stage", r.get(f"{d}.zero_stage", int))

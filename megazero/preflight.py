@@ -4,11 +4,14 @@
 against the machine: the backend against the hardware, the output paths are writable, ``--save``
 holds no other run's checkpoints (and is locked for this run), ``--load`` holds a checkpoint of this
 model, every data prefix has agreeing ``.idx``/``.bin`` files whose token ids the tokenizer's
-vocabulary covers. A failure is one line naming the flag, the file and the fix.
+vocabulary covers, ``--nvme-path`` is a writable directory with room for every local rank's swap files.
+A failure is one line naming the flag, the file and the fix.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -35,6 +38,7 @@ def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> Save
     _writable_file(job.logging.metrics_file, "--metrics-file")
     _writable_dir(job.logging.tensorboard_dir, "--tensorboard-dir")
     _writable_dir(job.data.data_cache_path, "--data-cache-path")
+    _nvme_path(job)
     _checkpoints(job)
     _data(job, scan=rank == 0)
     if rank != 0 or not job.checkpoint.save:
@@ -68,6 +72,36 @@ def _writable_dir(path: str | None, what: str) -> None:
     base = _nearest_existing(p)
     if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
         raise PreflightError(f"{what} {path}: {base} is not a writable directory: choose a path you can write")
+
+
+def _nvme_path(job: JobConfig) -> None:
+    """``--nvme-path`` exists, is a writable directory, and has room for the swap files of every rank of
+    this node (the estimate's NVMe bytes of the largest pipeline stage, times the local ranks)."""
+    path = job.zero.nvme_path
+    if not path:
+        return
+    p = Path(path)
+    if not p.exists():
+        raise PreflightError(f"--nvme-path {path} does not exist: give an existing directory on a fast local drive "
+                             f"(the run creates and removes its swap files under it)")
+    if not p.is_dir():
+        raise PreflightError(f"--nvme-path {path} is a file, not a directory: give a directory on a fast local drive")
+    try:                                      # a real file, not os.access: read-only mounts, root on NFS
+        fd, probe = tempfile.mkstemp(dir=p, prefix=".megazero-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PreflightError(f"--nvme-path {path} is not writable ({e.strerror}): choose a directory you can "
+                             f"write") from None
+    from megazero.memory.estimate import estimate_memory
+
+    per_rank = max(e.nvme for e in estimate_memory(job))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    free = shutil.disk_usage(p).free
+    if per_rank * ranks > free:
+        raise PreflightError(f"--nvme-path {path} has {free / 2**30:.2f} GiB free, the swap files need "
+                             f"{per_rank * ranks / 2**30:.2f} GiB ({per_rank / 2**30:.2f} GiB per rank x {ranks} ranks on "
+                             f"this node): free space there, choose a larger drive, or offload to cpu")
 
 
 def _writable_file(path: str | None, what: str) -> None:

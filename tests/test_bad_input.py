@@ -93,6 +93,25 @@ CASES = [
      "--num-layers-per-virtual-pipeline-stage needs"),
     ("bad-parallel-order", mock("--parallel-order", "tp-tp-dp"), 2, "--parallel-order 'tp-tp-dp' must name"),
     ("bf16-and-fp16", mock("--bf16", "--fp16"), 2, "--bf16 and --fp16 are exclusive"),
+    # offloading
+    ("offload-optimizer-zero0", mock("--offload-optimizer", "cpu"), 2, "use --zero-stage 1, 2 or 3"),
+    ("offload-params-zero2", mock("--zero-stage", "2", "--offload-params", "cpu"), 2,
+     "--offload-params cpu applies to --zero-stage 3 only"),
+    ("offload-nvme-without-path", mock("--zero-stage", "1", "--offload-optimizer", "nvme"), 2,
+     "offloading to nvme needs --nvme-path DIR"),
+    ("nvme-path-without-nvme", mock("--zero-stage", "1", "--offload-optimizer", "cpu", "--nvme-path", "{W}"), 2,
+     "--nvme-path {W} is used only with --offload-optimizer nvme or --offload-params nvme"),
+    ("nvme-path-missing", mock("--zero-stage", "1", "--offload-optimizer", "nvme", "--nvme-path", "{W}/no_nvme"), 2,
+     "--nvme-path {W}/no_nvme does not exist"),
+    ("nvme-path-is-file", mock("--zero-stage", "3", "--offload-params", "nvme", "--nvme-path", "{W}/a_file"), 2,
+     "--nvme-path {W}/a_file is a file, not a directory"),
+    ("nvme-path-not-writable", mock("--zero-stage", "1", "--offload-optimizer", "nvme", "--nvme-path", "/proc"), 2,
+     "--nvme-path /proc is not writable"),
+    ("nvme-path-too-small", mock("--zero-stage", "1", "--offload-optimizer", "nvme", "--nvme-path", "{W}",
+                                 "--num-layers", "96", "--hidden-size", "16384", "--num-attention-heads", "128"), 2,
+     "the swap files need"),
+    ("offload-sub-group-zero", mock("--zero-stage", "1", "--offload-optimizer", "cpu", "--offload-sub-group-size",
+                                    "0"), 2, "--offload-sub-group-size must be a positive integer"),
     ("nccl-without-cuda", mock("--backend", "nccl"), 2, "--backend nccl needs CUDA"),
     ("unknown-flag", mock("--no-such-flag"), 2, "unrecognized arguments: --no-such-flag"),
     ("abbreviated-flag", mock("--hidden", "64"), 2, "unrecognized arguments: --hidden"),
@@ -156,7 +175,7 @@ CASES = [
     ("config-bad-choice", mock("--config", "{W}/bad_choice.toml"), 2, "'zero-stage' must be one of 0, 1, 2, 3"),
     ("deepspeed-not-json", mock("--deepspeed-config", "{W}/broken.json"), 2, "not valid JSON"),
     ("deepspeed-unsupported-key", mock("--deepspeed-config", "{W}/ds_unsupported.json"), 2,
-     "zero_optimization.sub_group_size"),
+     "zero_optimization.round_robin_gradients"),
     ("deepspeed-optimizer-sgd", mock("--deepspeed-config", "{W}/ds_sgd.json"), 2, "optimizer.type"),
     ("deepspeed-batch-disagrees", mock("--deepspeed-config", "{W}/ds_batch.json"), 2,
      "--global-batch-size 8 is not micro-batch 2 x gradient accumulation steps 3"),
@@ -164,8 +183,8 @@ CASES = [
      "set it in one place"),
     ("accelerate-unsupported-key", mock("--accelerate-config", "{W}/acc_unsupported.yaml"), 2,
      "deepspeed_config.deepspeed_hostfile"),
-    ("accelerate-offload", mock("--accelerate-config", "{W}/acc_offload.yaml"), 2,
-     "deepspeed_config.offload_optimizer_device: offloading is not available"),
+    ("accelerate-offload-device", mock("--accelerate-config", "{W}/acc_offload.yaml"), 2,
+     "deepspeed_config.offload_optimizer_device: must be none, cpu or nvme, got 'gpu'"),
     ("accelerate-fp8", mock("--accelerate-config", "{W}/acc_fp8.yaml"), 2, "mixed_precision"),
     # tools
     ("convert-existing-output", tool("convert_checkpoint", "--input", "{W}/run/iter_0000002", "--output",
@@ -227,13 +246,13 @@ def workspace(tmp_path_factory):
     _write(w / "broken.toml", "tp = = 2\n")
     _write(w / "bad_choice.toml", "zero-stage = 5\n")
     _write(w / "broken.json", '{"train_batch_size": 8,')
-    _write(w / "ds_unsupported.json", json.dumps({"zero_optimization": {"stage": 1, "sub_group_size": 1e9}}))
+    _write(w / "ds_unsupported.json", json.dumps({"zero_optimization": {"stage": 1, "round_robin_gradients": True}}))
     _write(w / "ds_sgd.json", json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
     _write(w / "ds_batch.json", json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}))
     _write(w / "ds_clip.json", json.dumps({"gradient_clipping": 1.0}))
     _write(w / "acc_unsupported.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 1\n"
                                        "  deepspeed_hostfile: /job/hostfile\n")
-    _write(w / "acc_offload.yaml", "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: cpu\n")
+    _write(w / "acc_offload.yaml", "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: gpu\n")
     _write(w / "acc_fp8.yaml", "distributed_type: DEEPSPEED\nmixed_precision: fp8\ndeepspeed_config:\n"
                                "  zero_stage: 1\n")
     yield w

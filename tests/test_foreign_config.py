@@ -92,6 +92,24 @@ def test_accelerate_keys_land_on_their_flags(configs):
     assert _settings(from_acc) == _settings(parse_job([*BASE, *FLAGS, "--sharded-init"], 2)[0])
 
 
+def test_offload_keys_land_on_their_flags(tmp_path):
+    """DeepSpeed's offload_optimizer / offload_param sections and Accelerate's offload_*_device keys."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "sub_group_size": 1e6,
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": False},
+        "offload_param": {"device": "cpu", "pin_memory": False}}}))
+    flags = ["--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-params", "cpu", "--nvme-path",
+             str(tmp_path), "--no-offload-pin-memory", "--offload-sub-group-size", "1000000"]
+    assert _settings(parse_job([*BASE, "--deepspeed-config", str(ds)], 2)[0]) == \
+        _settings(parse_job([*BASE, *flags], 2)[0])
+    acc = tmp_path / "default_config.yaml"
+    acc.write_text(f"deepspeed_config:\n  zero_stage: 3\n  offload_optimizer_device: cpu\n"
+                   f"  offload_param_device: nvme\n  offload_param_nvme_path: {tmp_path}\n")
+    assert from_accelerate(acc) == {"zero.zero_stage": 3, "zero.offload_optimizer": "cpu",
+                                    "zero.offload_params": "nvme", "zero.nvme_path": str(tmp_path)}
+
+
 def test_auto_defers_to_the_flags_and_flags_may_repeat_but_not_contradict(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
@@ -106,7 +124,15 @@ def test_auto_defers_to_the_flags_and_flags_may_repeat_but_not_contradict(tmp_pa
 
 
 @pytest.mark.parametrize("config,path", [
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 5}}},
+     "zero_optimization.offload_param.buffer_count"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}},
+     "zero_optimization.offload_optimizer.device"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "nvme_path": "/nvme"}}},
+     "zero_optimization.offload_optimizer.nvme_path"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
+                            "offload_param": {"device": "nvme", "nvme_path": "/b"}}},
+     "zero_optimization.offload_param.nvme_path"),
     ({"zero_optimization": {"contiguous_gradients": False}}, "zero_optimization.contiguous_gradients"),
     ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale"),
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "optimizer.type"),
@@ -125,7 +151,9 @@ def test_unsupported_deepspeed_keys_are_refused_by_path(config, path, tmp_path):
 
 
 @pytest.mark.parametrize("text,path", [
-    ("deepspeed_config:\n  offload_param_device: cpu\n", "deepspeed_config.offload_param_device"),
+    ("deepspeed_config:\n  offload_param_device: disk\n", "deepspeed_config.offload_param_device"),
+    ("deepspeed_config:\n  offload_optimizer_device: cpu\n  offload_optimizer_nvme_path: /nvme\n",
+     "deepspeed_config.offload_optimizer_nvme_path"),
     ("deepspeed_config:\n  zero_stage: 1\n  deepspeed_moe_layer_cls_names: X\n",
      "deepspeed_config.deepspeed_moe_layer_cls_names"),
     ("fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n", "fsdp_config"),

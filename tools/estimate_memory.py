@@ -9,7 +9,8 @@ Takes the trainer's own flags (the same parser, so a flag means the same thing i
 files too) plus ``--world-size``, ``--device`` and ``--json``. Prints, per pipeline stage, the model
 states (parameters, gradients, fp32 masters, Adam moments, as the ZeRO stage shards them), the
 activations the schedule holds at its peak and the transient buffers on top, and beside them the ZeRO
-paper's model-state figures for the same parameter count. The accounting is in
+paper's model-state figures for the same parameter count. With ``--offload-optimizer`` /
+``--offload-params`` the device figures drop what is offloaded, and host and NVMe bytes are printed apart. The accounting is in
 ``megazero/memory/estimate.py``; ``tests/test_memory.py`` checks it against measured memory. The
 vocabulary is ``--vocab-size`` (the trainer takes it from the tokenizer: pass the tokenizer's size).
 """
@@ -61,15 +62,24 @@ def main(argv=None) -> int:
     print(f"world {out['world_size']} = tp {par.tp} x pp {par.pp} x dp {par.dp} | zero stage {job.zero.zero_stage} | "
           f"{job.precision.dtype_name} | {args.device} | micro-batch {job.train.micro_batch_size} x "
           f"{job.num_micro_batches} micro-batches | recompute {job.model.recompute_activations}")
-    print(f"{'stage':>5} {'params/rank':>14} {'model states':>13} {'activations':>12} {'buffers':>10} {'total':>10}  MiB")
+    offload = any(s["host_bytes"] or s["nvme_bytes"] for s in out["stages"])
+    extra = f" {'host':>10} {'nvme':>10}" if offload else ""
+    print(f"{'stage':>5} {'params/rank':>14} {'model states':>13} {'activations':>12} {'buffers':>10} {'total':>10}"
+          f"{extra}  MiB (total: on the device{'; host, nvme: offloaded' if offload else ''})")
     for s in out["stages"]:
+        extra = f" {s['host_bytes'] / MIB:>10.1f} {s['nvme_bytes'] / MIB:>10.1f}" if offload else ""
         print(f"{s['pp_rank']:>5} {s['parameters']:>14,} {s['model_states_bytes'] / MIB:>13.1f} "
-              f"{s['activations_bytes'] / MIB:>12.1f} {s['buffers_bytes'] / MIB:>10.1f} {s['total_bytes'] / MIB:>10.1f}")
+              f"{s['activations_bytes'] / MIB:>12.1f} {s['buffers_bytes'] / MIB:>10.1f} {s['total_bytes'] / MIB:>10.1f}"
+              f"{extra}")
     w = out["per_rank"]
     print(f"per rank (stage {w['pp_rank']}): {w['total_bytes'] / MIB:,.1f} MiB "
           f"({w['total_bytes'] / 1e9:.2f} GB); buffers: " + ", ".join(
               f"{k} {v / MIB:.1f}" for k, v in w["parts"].items()
-              if k not in ("params", "grads", "master_weights", "optimizer_state")))
+              if k not in ("params", "grads", "master_weights", "optimizer_state")
+              and not k.startswith(("host_", "nvme_"))))
+    if offload:
+        print("offloaded per rank: " + ", ".join(f"{k} {v / MIB:.1f}" for k, v in w["parts"].items()
+                                                  if k.startswith(("host_", "nvme_")) and v))
     paper = out["zero_paper_model_states_bytes"]
     print("ZeRO paper model states per rank for this model's parameters over dp "
           f"{par.dp} (2Ψ + 2Ψ + 12Ψ, mixed precision): " + ", ".join(

@@ -33,6 +33,9 @@ Three parts, each per pipeline stage (the binding rank is the largest):
   reduced, with scratch shards), stage 3's gathered units (1 + prefetch), the logits of the current
   micro-batch, and the fp32 copy of the gradients the optimizer step makes in bf16/fp16.
 
+* **offloaded** (``--offload-optimizer``, ``--offload-params``): what leaves the device, counted on the
+  host and on NVMe instead (:func:`offloaded_parts`; ``megazero/parallel/zero/offload.py`` has the table).
+
 The estimate is checked against measured live tensor bytes on CPU (``tests/test_memory.py``) and
 reproduces the ZeRO paper's worked figures (:func:`paper_model_states`).
 """
@@ -70,6 +73,8 @@ class StageEstimate:
     activations: int = 0
     buffers: int = 0
     parts: dict = field(default_factory=dict)
+    host: int = 0                               # offloaded to host memory (not in total)
+    nvme: int = 0                               # offloaded to swap files (not in total)
 
     @property
     def total(self) -> int:
@@ -78,7 +83,7 @@ class StageEstimate:
     def as_dict(self) -> dict:
         return {"pp_rank": self.pp_rank, "parameters": self.params, "model_states_bytes": self.model_states,
                 "activations_bytes": self.activations, "buffers_bytes": self.buffers, "total_bytes": self.total,
-                "parts": dict(self.parts)}
+                "host_bytes": self.host, "nvme_bytes": self.nvme, "parts": dict(self.parts)}
 
 
 def _chunks(job: JobConfig, pp_rank: int) -> list[GPT]:
@@ -200,6 +205,7 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     parts["grads"] = ge * psi // (n if z.zero_stage >= 2 else 1)
     parts["master_weights"] = master // (n if sharded else 1)
     parts["optimizer_state"] = 8 * psi // (n if sharded else 1)
+    offloaded = offloaded_parts(job, psi, e, parts)
     est.model_states = sum(parts.values())
 
     est.activations = _held_peak(job, pp_rank, [_chunk_activation_bytes(job, c, e, mask) for c in chunks])
@@ -237,10 +243,40 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     forward_end = parts.get("logits", 0) + gathered + (grads if accumulating else 0)
     backward = max(working, 0) + gathered + grads
     step = 0
-    if ge < 4:                                         # the optimizer step's fp32 copy of the gradients,
+    if ge < 4 and z.offload_optimizer == "none":       # the optimizer step's fp32 copy of the gradients,
         step = parts["fp32_grads_in_step"] = 4 * psi // (n if sharded else 1)    # after the activations went
+    if z.offload_params != "none" and z.zero_stage == 3:   # device staging copies of the shards in flight
+        parts["offload_staging"] = gathered // n
+        forward_end, backward = forward_end + gathered // n, backward + gathered // n
     est.buffers = max(forward_end, backward, step - est.activations)
+    parts.update(offloaded)
+    est.host = sum(v for k, v in offloaded.items() if k.startswith("host_"))
+    est.nvme = sum(v for k, v in offloaded.items() if k.startswith("nvme_"))
     return est
+
+
+def offloaded_parts(job: JobConfig, psi: int, e: int, parts: dict) -> dict:
+    """Move what ``--offload-optimizer`` / ``--offload-params`` keep off the device out of ``parts`` (the
+    device model states) and return it as ``host_*`` / ``nvme_*`` bytes. Per rank, Ψ/N owned elements:
+    host fp32 gradient copy 4Ψ/N; masters and moments 12Ψ/N on the host (cpu) or in the swap file (nvme),
+    with up to three sub-group buffers of 12 bytes per element on the host (nvme) and two cast buffers in the
+    parameter dtype (bf16/fp16); ZeRO-3 parameter shards eΨ/N on the host or in the swap file."""
+    z, n = job.zero, job.parallel.dp
+    out = {}
+    owned = psi // n
+    width = min(-(-z.offload_sub_group_size // 64) * 64, owned)
+    if z.offload_optimizer != "none":
+        parts["master_weights"] = parts["optimizer_state"] = 0
+        out["host_grads"] = 4 * owned
+        where = "host" if z.offload_optimizer == "cpu" else "nvme"
+        out[f"{where}_master_weights"] = 4 * owned
+        out[f"{where}_optimizer_state"] = 8 * owned
+        buffers = min(3, -(-owned // width)) if width else 0      # read-ahead, update, write-behind
+        out["host_buffers"] = (buffers * 12 * width if where == "nvme" else 0) + (2 * e * width if e < 4 else 0)
+    if z.offload_params != "none" and z.zero_stage == 3:
+        out[f"{'host' if z.offload_params == 'cpu' else 'nvme'}_params"] = parts["params"]
+        parts["params"] = 0
+    return out
 
 
 def estimate_memory(job: JobConfig, device: str = "cpu") -> list[StageEstimate]:
@@ -252,6 +288,8 @@ def describe(estimates: list[StageEstimate]) -> str:
     """One line for the trainer's start: the binding stage's estimate."""
     worst = max(estimates, key=lambda x: x.total)
     mib = 2 ** 20
+    offloaded = (f"; offloaded: host {worst.host / mib:.1f}, nvme {worst.nvme / mib:.1f}"
+                 if worst.host or worst.nvme else "")
     return (f" memory estimate per rank (MiB, pipeline stage {worst.pp_rank}; tools/estimate_memory.py): model states "
             f"{worst.model_states / mib:.1f}, activations {worst.activations / mib:.1f}, buffers "
-            f"{worst.buffers / mib:.1f}, total {worst.total / mib:.1f}")
+            f"{worst.buffers / mib:.1f}, total {worst.total / mib:.1f}{offloaded}")

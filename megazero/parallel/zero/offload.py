@@ -500,7 +500,8 @@ class SwappedOptimizerState(OffloadedOptimizerState):
         self.file = swap.file("optimizer.swp")
         self.region = [self.file.reserve(4 * self.total) for _ in range(3)]   # zero-filled: moments start at 0
         width = max((e - s for s, e in self.subgroups), default=0)
-        self._buffers = [self.mover.host_empty(3 * width, torch.float32) for _ in range(BUFFERS)]
+        self._nbuf = max(1, min(BUFFERS, len(self.subgroups)))     # fewer sub-groups need fewer buffers
+        self._buffers = [self.mover.host_empty(3 * width, torch.float32) for _ in range(self._nbuf)]
         self._reader, self._writer = _io_thread("swap-read"), _io_thread("swap-write")
         self._reads: dict[int, Future] = {}
         self._writes: dict[int, Future] = {}
@@ -508,7 +509,7 @@ class SwappedOptimizerState(OffloadedOptimizerState):
 
     def _parts(self, i: int) -> list[torch.Tensor]:
         s, e = self.subgroups[i]
-        buf = self._buffers[i % BUFFERS]
+        buf = self._buffers[i % self._nbuf]
         n = e - s
         return [buf[j * n:(j + 1) * n] for j in range(3)]
 
@@ -530,8 +531,8 @@ class SwappedOptimizerState(OffloadedOptimizerState):
 
     def _prefetch(self, i: int) -> None:
         if i < len(self.subgroups) and i not in self._reads:
-            previous = self._writes.pop(i - BUFFERS, None)
-            self._reads[i] = self._reader.submit(self._read, i, previous, self._events.pop(i - BUFFERS, None))
+            previous = self._writes.pop(i - self._nbuf, None)      # the buffer's last user
+            self._reads[i] = self._reader.submit(self._read, i, previous, self._events.pop(i - self._nbuf, None))
 
     def _begin(self) -> None:
         self._events: dict[int, object] = {}
