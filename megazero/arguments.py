@@ -141,7 +141,8 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--offload-pin-memory",), "zero.offload_pin_memory",
          dict(action=argparse.BooleanOptionalAction, help="page-locked host buffers on CUDA (default on)")),
         (("--offload-sub-group-size",), "zero.offload_sub_group_size",
-         dict(type=int, help="elements updated (and swapped) at a time on the host (default 4M)")),
+         dict(type=int, help="elements updated (and swapped) at a time on the host (default: 1/32 of the "
+                             "rank's shard, at most 4M)")),
     ],
 }
 

@@ -110,7 +110,8 @@ class ZeroConfig:
     offload_params: str = "none"                # none | cpu | nvme (stage 3): parameter shards on the host
     nvme_path: str | None = None                # directory of the swap files (with nvme)
     offload_pin_memory: bool = True             # page-locked host buffers (only with CUDA)
-    offload_sub_group_size: int = 4_000_000     # elements stepped (and swapped) at a time on the host
+    offload_sub_group_size: int | None = None   # elements stepped (and swapped) at a time on the host; None:
+                                                # 1/32 of the rank's shard, at most 4M (offload.sub_group_elements)
 
 
 @dataclass
@@ -448,7 +449,8 @@ def _check_offload(z: ZeroConfig) -> None:
     if z.nvme_path and not nvme:
         _fail(f"--nvme-path {z.nvme_path} is used only with --offload-optimizer nvme or --offload-params nvme: "
               f"add one or drop --nvme-path")
-    _positive(z.offload_sub_group_size, "offload_sub_group_size")
+    if z.offload_sub_group_size is not None:
+        _positive(z.offload_sub_group_size, "offload_sub_group_size")
 
 
 def _check_data(d: DataConfig) -> None:

@@ -50,6 +50,7 @@ from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline.interleaved import chunk_of, interleaved_warmup
 from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage, stage_layer_ids
 from megazero.parallel.zero.buckets import plan_buckets
+from megazero.parallel.zero.offload import sub_group_elements
 from megazero.parallel.zero.units import plan_of
 
 GIB = 1e9
@@ -205,7 +206,7 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     parts["grads"] = ge * psi // (n if z.zero_stage >= 2 else 1)
     parts["master_weights"] = master // (n if sharded else 1)
     parts["optimizer_state"] = 8 * psi // (n if sharded else 1)
-    offloaded = offloaded_parts(job, psi, e, parts)
+    offloaded = offloaded_parts(job, psi, e, parts, ge, device)
     est.model_states = sum(parts.values())
 
     est.activations = _held_peak(job, pp_rank, [_chunk_activation_bytes(job, c, e, mask) for c in chunks])
@@ -255,19 +256,19 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     return est
 
 
-def offloaded_parts(job: JobConfig, psi: int, e: int, parts: dict) -> dict:
+def offloaded_parts(job: JobConfig, psi: int, e: int, parts: dict, ge: int = 4, device: str = "cpu") -> dict:
     """Move what ``--offload-optimizer`` / ``--offload-params`` keep off the device out of ``parts`` (the
     device model states) and return it as ``host_*`` / ``nvme_*`` bytes. Per rank, Ψ/N owned elements:
-    host fp32 gradient copy 4Ψ/N; masters and moments 12Ψ/N on the host (cpu) or in the swap file (nvme),
+    host fp32 gradient copy 4Ψ/N (none on a CPU with fp32 gradients: the host reads the device's); masters and moments 12Ψ/N on the host (cpu) or in the swap file (nvme),
     with up to three sub-group buffers of 12 bytes per element on the host (nvme) and two cast buffers in the
     parameter dtype (bf16/fp16); ZeRO-3 parameter shards eΨ/N on the host or in the swap file."""
     z, n = job.zero, job.parallel.dp
     out = {}
     owned = psi // n
-    width = min(-(-z.offload_sub_group_size // 64) * 64, owned)
+    width = min(sub_group_elements(z.offload_sub_group_size, owned), owned)
     if z.offload_optimizer != "none":
         parts["master_weights"] = parts["optimizer_state"] = 0
-        out["host_grads"] = 4 * owned
+        out["host_grads"] = 0 if device == "cpu" and ge == 4 else 4 * owned
         where = "host" if z.offload_optimizer == "cpu" else "nvme"
         out[f"{where}_master_weights"] = 4 * owned
         out[f"{where}_optimizer_state"] = 8 * owned

@@ -76,6 +76,20 @@ SWAP_PREFIX = "megazero-swap-"
 BUFFERS = 3                  # NVMe sub-group buffers: read-ahead (i+1), update (i), write-behind (i-1)
 
 
+MAX_SUB_GROUP = 4_000_000    # elements: the default sub-group's upper bound
+SUB_GROUPS = 32              # the default cuts a rank's shard into this many sub-groups (fewer when small)
+
+
+def sub_group_elements(requested: int | None, total: int) -> int:
+    """Elements per sub-group for a flat shard of ``total`` elements: ``requested`` (--offload-sub-group-size)
+    rounded up to a multiple of ALIGN, or by default 1/SUB_GROUPS of the shard, at most MAX_SUB_GROUP. The
+    host buffers of nvme offloading are three sub-groups of 12 bytes per element, so the default keeps them
+    under a tenth of the 12 bytes per element they take out of memory."""
+    if requested is None:
+        requested = min(MAX_SUB_GROUP, -(-total // SUB_GROUPS))
+    return _round_up(max(requested, 1), ALIGN)
+
+
 class OffloadError(RuntimeError):
     """The swap directory cannot hold the run's files; the message names --nvme-path and the fix."""
 
@@ -362,17 +376,20 @@ class OffloadedOptimizerState:
 
     location = "host"
 
-    def __init__(self, sizes: list[int], device: torch.device, param_dtype: torch.dtype, sub_group_size: int,
-                 pin: bool = True, swap: SwapDir | None = None):
+    def __init__(self, sizes: list[int], device: torch.device, param_dtype: torch.dtype, sub_group_size: int | None,
+                 pin: bool = True, swap: SwapDir | None = None, device_grads=None):
         self.sizes = list(sizes)
         self.offsets = [sum(self.sizes[:k]) for k in range(len(self.sizes))]
         self.total = sum(self.sizes)
         self.stats = OffloadStats()
         self.mover = Mover(device, pin, self.stats)
         self.param_dtype = param_dtype
-        step = _round_up(max(sub_group_size, 1), ALIGN)
+        step = sub_group_elements(sub_group_size, self.total)
         self.subgroups = [(s, min(s + step, self.total)) for s in range(0, self.total, step)]
-        self.grads = self.mover.host_zeros(self.total, torch.float32)
+        # Where the device is the host (a CPU run) and the reduced gradients are fp32, the host copy would
+        # only duplicate them: ``device_grads()`` gives the device's views instead and nothing is copied.
+        self.device_grads = device_grads
+        self.grads = None if device_grads is not None else self.mover.host_zeros(self.total, torch.float32)
         cast = param_dtype != torch.float32             # the masters are cast on the host before the copy
         self._staging = [self.mover.host_empty(min(step, self.total), param_dtype) if cast else None
                          for _ in range(2)]
@@ -401,11 +418,15 @@ class OffloadedOptimizerState:
 
     def copy_grad(self, k: int, a: int, b: int, src: torch.Tensor) -> None:
         """Range k's gradient elements [a, b) <- ``src`` (the reduced gradient on the device)."""
+        if self.grads is None:
+            return
         off = self.offsets[k]
         self.mover.to_host(self.grads[off + a:off + b], src)
 
     def main_grads(self) -> list[torch.Tensor]:
         """The fp32 gradient of every range, on the host, once every copy has landed."""
+        if self.grads is None:
+            return self.device_grads()
         self.mover.wait_host()
         return [self.grads[off:off + n] for off, n in zip(self.offsets, self.sizes)]
 
@@ -430,14 +451,17 @@ class OffloadedOptimizerState:
         with weight decay. ``write(k, a, b, values)`` stores range k's new parameter values [a, b) where the
         model keeps them; it is called inside the mover's side stream, and ``values`` stays untouched until
         that copy has completed."""
-        decay = [(off + a, off + b) for off, ranges in zip(self.offsets, decay_ranges) for a, b in ranges]
         self._begin()
         for i, (s, e) in enumerate(self.subgroups):
             master, exp_avg, exp_avg_sq = self._acquire(i)
             t0 = time.perf_counter()
-            local = [(max(a, s) - s, min(b, e) - s) for a, b in decay if max(a, s) < min(b, e)]
-            adamw_update([master], [self.grads[s:e]], [exp_avg], [exp_avg_sq], step=step, lr=lr, beta1=beta1,
-                         beta2=beta2, eps=eps, weight_decay=weight_decay, decay_ranges=[local])
+            segments = list(self._segments(s, e))       # the sub-group's part of each range it crosses
+            cut = [(self.offsets[k] + a - s, self.offsets[k] + b - s) for k, a, b in segments]
+            decay = [[(max(x, a) - a, min(y, b) - a) for x, y in decay_ranges[k] if max(x, a) < min(y, b)]
+                     for k, a, b in segments]
+            adamw_update([master[x:y] for x, y in cut], [grads[k][a:b] for k, a, b in segments],
+                         [exp_avg[x:y] for x, y in cut], [exp_avg_sq[x:y] for x, y in cut], step=step, lr=lr,
+                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decay_ranges=decay)
             values = master
             staging = self._staging[i % 2]
             if staging is not None:
@@ -480,7 +504,7 @@ class OffloadedOptimizerState:
     # ------------------------------------------------------------ accounting
     def offloaded_bytes(self) -> dict[str, int]:
         staging = sum(t.numel() * t.element_size() for t in self._staging if t is not None)
-        return {"host_grads": 4 * self.total, "host_master_weights": 4 * self.total,
+        return {"host_grads": 0 if self.grads is None else 4 * self.total, "host_master_weights": 4 * self.total,
                 "host_optimizer_state": 8 * self.total, "host_buffers": staging}
 
     def close(self) -> None:
@@ -579,7 +603,7 @@ class SwappedOptimizerState(OffloadedOptimizerState):
     def offloaded_bytes(self) -> dict[str, int]:
         buffers = sum(t.numel() * t.element_size() for t in self._buffers)
         buffers += sum(t.numel() * t.element_size() for t in self._staging if t is not None)
-        return {"host_grads": 4 * self.total, "host_buffers": buffers,
+        return {"host_grads": 0 if self.grads is None else 4 * self.total, "host_buffers": buffers,
                 "nvme_master_weights": 4 * self.total, "nvme_optimizer_state": 8 * self.total}
 
     def close(self) -> None:
@@ -587,11 +611,12 @@ class SwappedOptimizerState(OffloadedOptimizerState):
         self._writer.shutdown(wait=True)
 
 
-def build_optimizer_state(where: str, sizes: list[int], device, param_dtype, sub_group_size: int, pin: bool,
-                          swap: SwapDir | None) -> OffloadedOptimizerState:
-    """``--offload-optimizer cpu`` or ``nvme``."""
+def build_optimizer_state(where: str, sizes: list[int], device, param_dtype, sub_group_size: int | None, pin: bool,
+                          swap: SwapDir | None, device_grads=None) -> OffloadedOptimizerState:
+    """``--offload-optimizer cpu`` or ``nvme``. ``device_grads``: a callable giving the fp32 reduced
+    gradient of every range where those already sit in host memory (a CPU run), else None."""
     cls = {"cpu": OffloadedOptimizerState, "nvme": SwappedOptimizerState}[where]
-    return cls(sizes, device, param_dtype, sub_group_size, pin, swap)
+    return cls(sizes, device, param_dtype, sub_group_size, pin, swap, device_grads)
 
 
 # ---------------------------------------------------------------------------- parameter shards

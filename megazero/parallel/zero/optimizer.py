@@ -152,13 +152,20 @@ class BucketAdamW:
         if where == "none":
             return ResidentState(self)
         dtype = self.grad_sync.buckets[0].param_data.dtype if self.grad_sync.buckets else torch.float32
+        grad_dtype = self.grad_sync.grad_dtype(dtype)
+        on_host = self.topo.device.type == "cpu" and grad_dtype == torch.float32
         states = build_optimizer_state(where, [r.hi - r.lo for r in self.ranges], self.topo.device, dtype,
-                                       zero_cfg.offload_sub_group_size, zero_cfg.offload_pin_memory, swap)
+                                       zero_cfg.offload_sub_group_size, zero_cfg.offload_pin_memory, swap,
+                                       device_grads=self._reduced_grads if on_host else None)
         for k, r in enumerate(self.ranges):
             states.set_masters(k, self._range_params(r.bucket, r.lo, r.hi))
             r.master, r.exp_avg, r.exp_avg_sq = states.host_views(k)
         self.grad_sync.on_reduced = self._grad_landed
         return states
+
+    def _reduced_grads(self) -> list[torch.Tensor]:
+        """The reduced gradient of every owned range, as views of the gradient buffers."""
+        return [self.grad_sync.reduced_grad(r.bucket, r.lo, r.hi) for r in self.ranges]
 
     def _grad_landed(self, bucket: Bucket, lo: int, hi: int) -> None:
         """The reduced gradient of bucket elements [lo, hi) changed: copy the owned part to the host."""
