@@ -21,8 +21,8 @@ import argparse
 import os
 from pathlib import Path
 
-from megazero.config import (ACTIVATIONS, BACKENDS, DECAY_STYLES, SCHEDULES, TOKENIZERS, ZERO_STAGES, ConfigError,
-                             JobConfig, validate)
+from megazero.config import (ACTIVATIONS, BACKENDS, DECAY_STYLES, NORMALIZATIONS, POSITION_EMBEDDING_TYPES,
+                             SCHEDULES, TOKENIZERS, ZERO_STAGES, ConfigError, JobConfig, validate)
 
 # (flags, "section.field", argparse kwargs). Booleans are store_true unless a kwarg says otherwise.
 ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
@@ -62,9 +62,23 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--hidden-dropout",), "model.hidden_dropout", dict(type=float)),
         (("--init-method-std",), "model.init_method_std", dict(type=float)),
         (("--scaled-output-init",), "model.scaled_output_init", dict(action=argparse.BooleanOptionalAction)),
-        (("--layernorm-epsilon",), "model.layernorm_epsilon", dict(type=float)),
+        (("--norm-epsilon", "--layernorm-epsilon"), "model.layernorm_epsilon", dict(type=float)),
         (("--activation",), "model.activation", dict(choices=ACTIVATIONS)),
         (("--recompute-activations",), "model.recompute_activations", dict(action="store_true")),
+        (("--position-embedding-type",), "model.position_embedding_type", dict(choices=POSITION_EMBEDDING_TYPES)),
+        (("--rotary-base",), "model.rotary_base", dict(type=float, help="RoPE theta (default 10000)")),
+        (("--rotary-percent",), "model.rotary_percent", dict(type=float, help="fraction of head features rotated")),
+        (("--use-rope-scaling",), "model.use_rope_scaling", dict(action="store_true",
+                                                                 help="Llama 3.1 RoPE frequency scaling")),
+        (("--rope-scaling-factor",), "model.rope_scaling_factor", dict(type=float)),
+        (("--normalization",), "model.normalization", dict(choices=NORMALIZATIONS)),
+        (("--swiglu",), "model.swiglu", dict(action="store_true")),
+        (("--group-query-attention",), "model.group_query_attention", dict(action="store_true")),
+        (("--num-query-groups",), "model.num_query_groups", dict(type=int, help="key/value heads (default 1)")),
+        (("--disable-bias-linear",), "model.add_bias_linear", dict(action="store_false",
+                                                                   help="no biases in the linear layers")),
+        (("--add-qkv-bias",), "model.add_qkv_bias", dict(action="store_true",
+                                                         help="bias in the QKV projection only (Qwen2)")),
     ],
     "training": [
         (("--micro-batch-size",), "train.micro_batch_size", dict(type=int)),
@@ -180,8 +194,15 @@ def load_config_file(path: str) -> dict[str, object]:
             raise ConfigError(f"--config {path}: unknown key {key!r} (keys are the flag names, e.g. "
                               f"'num-layers' for --num-layers)")
         dest = known[key]
+        if key.replace("_", "-") in _NEGATIVE_FLAGS:     # `disable-bias-linear = true` sets add_bias_linear False
+            value = not value
         out[dest] = value.split() if dest == "data.data_path" and isinstance(value, str) else value
     return out
+
+
+# Flags that store False into their field (their config-file key takes the flag's meaning).
+_NEGATIVE_FLAGS = {f.lstrip("-") for entries in ARGUMENTS.values() for flags, _, kw in entries for f in flags
+                   if kw.get("action") == "store_false"}
 
 
 def job_from_values(values: dict[str, object]) -> JobConfig:
