@@ -30,6 +30,8 @@ FLAG_ALIASES = {
     "pp": "--pipeline-model-parallel-size/--pp",
     "dp": "--data-parallel-size/--dp",
     "zero_stage": "--zero-stage",
+    "layernorm_epsilon": "--norm-epsilon",
+    "add_bias_linear": "--disable-bias-linear",
 }
 
 
@@ -328,7 +330,7 @@ def check_model(m: ModelConfig, par: ParallelConfig) -> None:
     if m.activation not in ACTIVATIONS:
         _fail(f"--activation must be one of {', '.join(ACTIVATIONS)}, got {m.activation!r}")
     if not m.layernorm_epsilon > 0:
-        _fail(f"--norm-epsilon must be > 0, got {m.layernorm_epsilon}")
+        _fail(f"{flag('layernorm_epsilon')} must be > 0, got {m.layernorm_epsilon}")
     if m.normalization not in NORMALIZATIONS:
         _fail(f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got {m.normalization!r}")
     _check_rope(m)

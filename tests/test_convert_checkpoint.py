@@ -226,7 +226,7 @@ def test_hf_llama_imported_at_tp2pp2_gives_the_same_logits_and_generation(tmp_pa
         torch.testing.assert_close(again(TOKENS).logits, expected, rtol=0, atol=1e-4)
 
 
-def test_llama_refusals():
+def test_llama_refusals(tmp_path):
     base = dict(model_type="llama", hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
                 intermediate_size=64, vocab_size=100)
     for extra, match in ((dict(hidden_act="gelu"), "hidden_act 'gelu'"),
@@ -238,4 +238,5 @@ def test_llama_refusals():
             model_config_from_hf({**base, **extra})
     with pytest.raises(CheckpointError, match="--normalization LayerNorm"):
         from megazero.checkpoint.hf import save_hf
-        save_hf("unused", {}, ModelConfig(**MODEL, position_embedding_type="rope"))
+        save_hf(tmp_path / "out", {}, ModelConfig(**MODEL, position_embedding_type="rope"))
+    assert not (tmp_path / "out").exists()

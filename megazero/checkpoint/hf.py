@@ -51,11 +51,12 @@ def save_hf(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], cfg: M
             data_cfg: DataConfig | None = None) -> Path:
     """Write ``config.json`` + safetensors loadable by ``AutoModelForCausalLM.from_pretrained``, and the
     run's tokenizer files when it is known (see :func:`copy_tokenizer`)."""
-    out = Path(out_dir)
+    out, fmt = Path(out_dir), format_of(cfg)
+    config = fmt.hf_config(cfg)                       # refuses what the format cannot express, before writing
     out.mkdir(parents=True, exist_ok=True)
-    fmt = format_of(cfg)
     eos = copy_tokenizer(data_cfg, out) if data_cfg is not None else None
-    config = fmt.hf_config(cfg, eos_id=eos) if fmt is hf_llama else fmt.hf_config(cfg)
+    if fmt is hf_llama:
+        config["eos_token_id"] = eos
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     state = {k: v.to(dtype).contiguous() for k, v in fmt.to_hf_state(tensors, cfg).items()}
     write_safetensors(out, state, max_shard_bytes)

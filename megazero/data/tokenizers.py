@@ -195,8 +195,11 @@ class HuggingFaceTokenizer(Tokenizer):
     name = "HuggingFaceTokenizer"
 
     def __init__(self, path: str):
-        from tokenizers import Tokenizer as HFTokenizer
-
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError as e:
+            raise TokenizerError("--tokenizer-type HuggingFaceTokenizer needs the tokenizers library: "
+                                 "pip install tokenizers") from e
         if not path:
             raise TokenizerError("--tokenizer-model is required for this tokenizer type (a directory with "
                                  "tokenizer.json, or the file)")
