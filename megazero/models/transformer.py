@@ -77,16 +77,39 @@ def interleaved_to_gate_up(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
 
 
+class RMSNormFunction(torch.autograd.Function):
+    """weight * (x * rstd), rstd = 1 / sqrt(mean(x^2) + eps) over the last dim, in float32 (as HF's
+    LlamaRMSNorm). Keeps only x and rstd for backward, as a fused kernel does (composite ``F.rms_norm``
+    on a CPU also keeps the normalised x: one more activation-sized tensor per norm)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        wide = torch.promote_types(x.dtype, torch.float32)       # float32, or float64 for float64
+        rstd = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x.to(wide) * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.to(rstd.dtype) * rstd
+        grad = grad.to(rstd.dtype)
+        grad_weight = (grad * normed.to(x.dtype).to(rstd.dtype)).reshape(-1, grad.shape[-1]).sum(0)
+        scaled = grad * weight.to(rstd.dtype)
+        grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight over the last dim (Llama's norm: no mean removal, no bias)."""
 
     def __init__(self, hidden_size: int, eps: float, dtype=None, device=None):
         super().__init__()
-        self.eps, self.normalized_shape = eps, (hidden_size,)
+        self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        return RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 NORM_TYPES = (nn.LayerNorm, RMSNorm)
