@@ -41,8 +41,12 @@ def format_of(cfg: ModelConfig):
 
 def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig:
     """The megazero ModelConfig of an HF config dict (by its ``model_type``; GPT-2 when absent)."""
-    if hf.get("model_type", "gpt2") in hf_llama.MODEL_TYPES:
+    kind = hf.get("model_type", "gpt2")
+    if kind in hf_llama.MODEL_TYPES:
         return hf_llama.model_config_from_hf(hf, seq_length)
+    if kind != "gpt2":
+        raise CheckpointError(f"cannot import this HF model: model_type {kind!r} (megazero reads gpt2, "
+                              f"{', '.join(hf_llama.MODEL_TYPES)})")
     return hf_gpt2.model_config_from_hf(hf, seq_length)
 
 

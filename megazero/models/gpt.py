@@ -88,12 +88,14 @@ class GPT(nn.Module):
     """The GPT model, or the part of it one pipeline stage owns.
 
     ``GPT(cfg, topo, sequence_parallel=False, layer_ids=None, pre_process=True, post_process=True,
-    seed=1234, dtype=torch.float32, device=None)``. ``forward(x, labels=None)``:
+    seed=1234, dtype=torch.float32, device=None)``. ``forward(x, labels=None, *, kv_cache=None)``:
 
     - ``x``: token ids [b, s] int64 when ``pre_process``, else hidden [s(/tp), b, h] from the
       previous stage;
     - returns per-token loss [b, s] float32 (``post_process`` and labels), this rank's logits shard
-      [b, s, V_pad/tp] (``post_process``, no labels; padded entries -inf), else hidden [s(/tp), b, h].
+      [b, s, V_pad/tp] (``post_process``, no labels; padded entries -inf), else hidden [s(/tp), b, h];
+    - ``kv_cache`` (inference, :class:`megazero.models.kv_cache.KVCache`, one per chunk): ``x`` continues
+      the tokens the cache holds, at positions ``kv_cache.length ..``; the chunk's layers append theirs.
     """
 
     def __init__(self, model_cfg: ModelConfig, topo=None, *, sequence_parallel: bool = False,

@@ -20,9 +20,11 @@ Where positions come from, per layout:
   boundary but the hidden states.
 - **generation with a KV cache**: new tokens start at the cache's length (``offset``).
 
-The cos/sin table is not a parameter and not in the state dict: it is computed on first use, once per
-device and dtype, for ``max_position_embeddings`` positions. A model built on the meta device (the
-ZeRO engine materialises parameters only) therefore needs nothing materialised here.
+The cos/sin table is not a parameter and not in the state dict: it is computed on first use, per
+device and dtype, for the training sequence length (longer when generation asks for more positions,
+up to ``max_position_embeddings``; every position's values are the same whatever the table's length).
+A model built on the meta device (the ZeRO engine materialises parameters only) therefore needs
+nothing materialised here.
 """
 from __future__ import annotations
 
@@ -72,12 +74,13 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = cfg.rotary_dim
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [max_position_embeddings, 1, 1, rotary_dim] in ``dtype``, computed in float32."""
+    def table(self, device: torch.device, dtype: torch.dtype, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [>= length, 1, 1, rotary_dim] in ``dtype``, computed in float32."""
         key = (device, dtype)
-        if key not in self._tables:
+        if key not in self._tables or self._tables[key][0].shape[0] < length:
+            rows = min(max(length, self.cfg.seq_length), self.cfg.max_position_embeddings)
             inv_freq = inverse_frequencies(self.cfg).to(device)
-            positions = torch.arange(self.cfg.max_position_embeddings, device=device, dtype=torch.int64).float()
+            positions = torch.arange(rows, device=device, dtype=torch.int64).float()
             angles = torch.outer(positions, inv_freq)
             angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]
             self._tables[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
@@ -89,7 +92,7 @@ class RotaryEmbedding(nn.Module):
         if offset + s > self.cfg.max_position_embeddings:
             raise ValueError(f"positions up to {offset + s} exceed --max-position-embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        cos, sin = self.table(x.device, x.dtype)
+        cos, sin = self.table(x.device, x.dtype, offset + s)
         cos, sin = cos[offset:offset + s], sin[offset:offset + s]
         if self.rotary_dim == x.shape[-1]:
             return x * cos + rotate_half(x) * sin
