@@ -146,7 +146,7 @@ def test_huggingface_tokenizer_with_bos_post_processor(tmp_path):
     from tokenizers import Tokenizer
 
     text = CORPUS.read_text(encoding="utf-8")
-    directory = bos_tokenizer_dir(tmp_path / "bos", text[:200_000])
+    directory = bos_tokenizer_dir(tmp_path / "bos", text[:100_000])
     library = Tokenizer.from_file(str(directory / "tokenizer.json"))
     tok = HuggingFaceTokenizer(str(directory))
     docs = text.split("\n\n")[:300]
