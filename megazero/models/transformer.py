@@ -340,12 +340,14 @@ class MLP(nn.Module):
     ``r*2ffn/tp ..`` are the gate and up of its ffn features ``r*ffn/tp ..`` at every tp, and the
     full tensor does not depend on tp. Worked example, ffn=4, tp=2: full rows
     ``[g0 u0 g1 u1 | g2 u2 g3 u3]``; rank 1 holds g2 u2 g3 u3 and the down projection's columns 2-3.
+    The forward multiplies by the even and the odd rows separately (strided views, no copy), so gate
+    and up come out contiguous; the input is gathered once for both.
     """
 
     def __init__(self, ctx: LayerContext):
         super().__init__()
         cfg = ctx.cfg
-        self.swiglu = cfg.swiglu
+        self.ctx, self.swiglu = ctx, cfg.swiglu
         width = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
         kw, bias = ctx.linear_kw(), cfg.add_bias_linear
         self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, width, ctx.tp_group, bias=bias, **kw)
@@ -353,11 +355,13 @@ class MLP(nn.Module):
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.dense_h_to_4h(x)
-        if self.swiglu:
-            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
-            return self.dense_4h_to_h(F.silu(gate) * up)
-        return self.dense_4h_to_h(F.gelu(y, approximate=self.approximate))
+        if not self.swiglu:
+            return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate=self.approximate))
+        ctx, w, b = self.ctx, self.dense_h_to_4h.weight, self.dense_h_to_4h.bias
+        x = gather_from_sequence_parallel_region(x, ctx.tp_group) if ctx.sp else copy_to_tp_region(x, ctx.tp_group)
+        gate = F.linear(x, w[0::2], b[0::2] if b is not None else None)
+        up = F.linear(x, w[1::2], b[1::2] if b is not None else None)
+        return self.dense_4h_to_h(F.silu(gate) * up)
 
 
 class TransformerLayer(nn.Module):

@@ -68,7 +68,9 @@ def global_loss(losses, topo) -> float:
     return (t[0] / t[1]).item()
 
 
-def check_against_reference(results, steps: int, dp: int, model_kw: dict | None = None):
+def check_against_reference(results, steps: int, dp: int, model_kw: dict | None = None, param_atol: float = 1e-6):
+    """``param_atol``: the absolute floor for parameters. Adam normalises every update, so an element
+    whose true gradient is ~0 moves by fp32 rounding noise of either sign, up to ~1% of an lr step."""
     ref_losses, ref_norms, ref_params = gpt_reference(steps, dp, model_kw)
     assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
     seen = set()
@@ -77,6 +79,6 @@ def check_against_reference(results, steps: int, dp: int, model_kw: dict | None 
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
         for name, (value, pdim) in params.items():
             expected = shard(ref_params[name], pdim, tp_rank, tp)
-            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=param_atol, msg=lambda m: f"{name}: {m}")
             seen.add(name)
     assert seen == set(ref_params), f"parameters never compared: {set(ref_params) - seen}"
