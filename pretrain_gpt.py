@@ -19,16 +19,18 @@ import torch.distributed as dist
 from megazero.arguments import parse_job
 from megazero.checkpoint import CheckpointError, checkpoint_saver, resume
 from megazero.config import JobConfig
+from megazero.data.gpt_dataset import DataError
 from megazero.data.samplers import build_data_iterators
-from megazero.data.tokenizers import Tokenizer, tokenizer_from_config
+from megazero.data.tokenizers import Tokenizer, TokenizerError, tokenizer_from_config
 from megazero.memory import return_freed_memory
 from megazero.memory.estimate import describe as describe_estimate
 from megazero.memory.estimate import estimate_memory
 from megazero.metrics import MetricsLog
 from megazero.models.gpt import build_model_chunks
 from megazero.parallel.topology import Topology, init_distributed
+from megazero.preflight import PreflightError, preflight
 from megazero.parallel.zero import build_engine
-from megazero.training import describe_run, gather_full_model, greedy_continuation, train
+from megazero.training import TrainingStopped, describe_run, gather_full_model, greedy_continuation, train
 
 SAMPLE_PROMPT = "A hacker is"
 
@@ -36,11 +38,37 @@ SAMPLE_PROMPT = "A hacker is"
 def main(argv: list[str] | None = None) -> int:
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     job, args = parse_job(argv, world)                 # every flag validated here, once
+    rank = int(os.environ.get("RANK", "0"))
     embedded_default = not (job.data.mock_data or job.data.data_path)
-    job, tokenizer = resolve_data(job)
+    try:                                               # ... and every file, still before any process group
+        job, tokenizer = resolve_data(job)
+        lock = preflight(job, args.backend, rank)      # noqa: F841 - held until the run ends
+    except (PreflightError, TokenizerError, DataError, OSError) as e:
+        stop(f"{e}", 2, rank)                          # bad input: status 2, as for a bad flag
+    try:
+        return run(job, args.backend, tokenizer, show_sample=embedded_default)
+    except (TrainingStopped, CheckpointError) as e:
+        stop(f"{e}", 1, rank)
+    except RuntimeError as e:                          # gloo and NCCL say "timed out" / "Timeout"
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        stop(f"a collective did not complete within --distributed-timeout-minutes "
+             f"{job.parallel.distributed_timeout_minutes:g} (a rank stopped, died or is far slower): "
+             f"{str(e).splitlines()[0][:300]}", 1, rank)
 
+
+def stop(message: str, status: int, rank: int) -> None:
+    """End the run with one line on stderr (from rank 0 only: not one per rank) and ``status``."""
+    if rank == 0:
+        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_sample: bool) -> int:
+    """Process groups, model, engine, data, then the training loop (the job and files are checked)."""
+    timeout_s = 60 * job.parallel.distributed_timeout_minutes
     topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, order=job.parallel.order,
-                    device=init_distributed(args.backend))
+                    device=init_distributed(backend, timeout_s), timeout_s=timeout_s)
     if topo.device.type == "cpu":                      # freed tensors leave the resident set: honest peaks
         return_freed_memory()
     log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0)
@@ -51,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     header = describe_run(job, topo, chunks)           # counts parameters before ZeRO moves them
     engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
     log.print(header + model_state_line(engine, topo) + "\n" + describe_estimate(estimate_memory(job, topo.device.type)))
-    try:
-        state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
-    except CheckpointError as e:
-        raise SystemExit(f"pretrain_gpt.py: error: {e}") from e
+    state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
 
     t = job.train
     train_data, valid_data, _ = build_data_iterators(
@@ -71,17 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     if valid_data is not None:                           # evaluations already run continue where they were
         valid_data.consumed_samples = (state.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
     valid_steps = _steps(valid_data, topo.device) if valid_data is not None else None
-    state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
-                  log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print))
-
-    if embedded_default:                                 # show what the tiny GPT learnt
+    try:
+        state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
+                      log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print))
+    finally:
+        log.close()
+    if show_sample:                                      # show what the tiny GPT learnt
         model = gather_full_model(chunks, topo, job, engine)
         if model is not None:
             prompt = tokenizer.tokenize(SAMPLE_PROMPT)
             out = greedy_continuation(model, prompt, max_new_tokens=24)
-            log.print(f" greedy continuation after {state.iteration} iterations: "
-                      f"{SAMPLE_PROMPT!r} -> {tokenizer.detokenize(out)!r}")
-    log.close()
+            print(f" greedy continuation after {state.iteration} iterations: "
+                  f"{SAMPLE_PROMPT!r} -> {tokenizer.detokenize(out)!r}", flush=True)
     return 0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from megazero.config import (ACTIVATIONS, BACKENDS, DECAY_STYLES, NORMALIZATIONS, POSITION_EMBEDDING_TYPES,
                              SCHEDULES, TOKENIZERS, ZERO_STAGES, ConfigError, JobConfig, validate)
+from megazero.foreign_config import from_accelerate, from_deepspeed
 
 # (flags, "section.field", argparse kwargs). Booleans are store_true unless a kwarg says otherwise.
 ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
@@ -35,6 +36,8 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--pipeline-schedule",), "parallel.pipeline_schedule", dict(choices=SCHEDULES)),
         (("--sequence-parallel",), "parallel.sequence_parallel", dict(action="store_true")),
         (("--parallel-order",), "parallel.order", dict(help="rank order, fastest first (default tp-dp-pp)")),
+        (("--distributed-timeout-minutes",), "parallel.distributed_timeout_minutes",
+         dict(type=float, help="a collective waiting longer ends the job with an error (default 10)")),
         (("--zero-stage",), "zero.zero_stage", dict(type=int, choices=ZERO_STAGES)),
         (("--bucket-size",), "zero.bucket_size", dict(type=int, help="elements per gradient bucket")),
         (("--overlap-grad-reduce",), "zero.overlap_grad_reduce", dict(action=argparse.BooleanOptionalAction)),
@@ -43,6 +46,9 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--zero2-reduce-each-microbatch",), "zero.reduce_each_microbatch",
          dict(action="store_true", help="stage 2: reduce gradients every micro-batch (less memory, "
                                         "m x the gradient traffic)")),
+        (("--accumulate-allreduce-grads-in-fp32",), "zero.accumulate_allreduce_grads_in_fp32",
+         dict(action=argparse.BooleanOptionalAction, help="accumulate and reduce gradients in fp32 "
+              "(default: on with --bf16)")),
         (("--sharded-init",), "zero.sharded_init",
          dict(action=argparse.BooleanOptionalAction, help="build the model on the meta device and give each "
               "parameter its values where it lives (ZeRO-3: shard by shard); default on")),
@@ -89,6 +95,9 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--eval-interval",), "train.eval_interval", dict(type=int)),
         (("--eval-iters",), "train.eval_iters", dict(type=int)),
         (("--log-interval",), "train.log_interval", dict(type=int)),
+        (("--check-for-nan-in-loss-and-grad",), "train.check_for_nan_in_loss_and_grad",
+         dict(action=argparse.BooleanOptionalAction, help="stop the run on a non-finite loss or gradient "
+              "(default on; off: such steps are skipped)")),
     ],
     "optimizer": [
         (("--lr",), "optimizer.lr", dict(type=float)),
@@ -109,6 +118,8 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--min-loss-scale",), "precision.min_loss_scale", dict(type=float)),
         (("--loss-scale-window",), "precision.loss_scale_window", dict(type=int)),
         (("--hysteresis",), "precision.hysteresis", dict(type=int)),
+        (("--max-consecutive-skipped-steps",), "precision.max_consecutive_skipped_steps",
+         dict(type=int, help="stop after this many skipped (overflowed) steps in a row (default 20)")),
     ],
     "data": [
         (("--data-path",), "data.data_path", dict(nargs="+", help="prefix, or weight prefix pairs")),
@@ -144,6 +155,9 @@ def build_parser(prog: str = "pretrain_gpt.py", description: str | None = None) 
         description=description or "Pretrain a GPT with tensor, pipeline and data parallelism and ZeRO. With no "
                                    "data flags it trains a tiny GPT on the bundled sample corpus.")
     parser.add_argument("--config", help="TOML or YAML file with flag names as keys; CLI overrides it")
+    parser.add_argument("--deepspeed-config", help="a DeepSpeed JSON config, mapped onto these flags "
+                                                   "(README: DeepSpeed and Accelerate configs)")
+    parser.add_argument("--accelerate-config", help="an Accelerate default_config.yaml with a deepspeed_config")
     parser.add_argument("--backend", choices=BACKENDS, help="default: nccl with CUDA, else gloo")
     for title, entries in ARGUMENTS.items():
         group = parser.add_argument_group(title)
@@ -164,40 +178,103 @@ def _key_to_dest() -> dict[str, str]:
 
 
 def load_config_file(path: str) -> dict[str, object]:
-    """Read a TOML or YAML config file into {dest: value}; unknown keys are an error naming the file."""
+    """Read a TOML or YAML config file into {dest: value}. Unknown keys, a setting given twice (in two
+    tables, or under two spellings) and values of the wrong type are errors naming the file and key."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config {path}: no such file")
+    raw = _parse_config_text(p)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected keys and values (a mapping) at the top, got {type(raw).__name__}")
+    flat: list[tuple[str, object]] = []
+    for key, value in raw.items():
+        if isinstance(value, dict):  # a table just groups keys
+            flat += [(f"{key}.{k}", v) for k, v in value.items()]
+        else:
+            flat.append((key, value))
+    known, specs, out, where = _key_to_dest(), _dest_specs(), {}, {}
+    for full_key, value in flat:
+        key = full_key.rpartition(".")[2]
+        if key not in known:
+            raise ConfigError(f"--config {path}: unknown key {full_key!r} (keys are the flag names, e.g. "
+                              f"'num-layers' for --num-layers)")
+        dest = known[key]
+        if dest in where:
+            raise ConfigError(f"--config {path}: {full_key!r} sets what {where[dest]!r} already set: keep one")
+        where[dest] = full_key
+        out[dest] = _typed(path, full_key, value, specs[dest])
+        if key.replace("_", "-") in _NEGATIVE_FLAGS:     # `disable-bias-linear = true` sets add_bias_linear False
+            out[dest] = not out[dest]
+    return out
+
+
+def _merge(base: dict, more: dict, where: str) -> dict:
+    """``base`` and ``more`` together; a setting they give different values is an error."""
+    for dest, value in more.items():
+        if dest in base and base[dest] != value:
+            section, name = dest.split(".")
+            raise ConfigError(f"{where} sets --{name.replace('_', '-')} {value!r}, the DeepSpeed/Accelerate config "
+                              f"{base[dest]!r}: set it in one place")
+    return {**base, **more}
+
+
+def _parse_config_text(p: Path):
     text = p.read_text()
     if p.suffix in (".yaml", ".yml"):
         try:
             import yaml
         except ImportError as e:
-            raise ConfigError(f"--config {path}: YAML needs PyYAML (pip install pyyaml), or use TOML") from e
-        raw = yaml.safe_load(text) or {}
-    else:
-        import tomllib
+            raise ConfigError(f"--config {p}: YAML needs PyYAML (pip install pyyaml), or use TOML") from e
 
+        class UniqueKeys(yaml.SafeLoader):
+            """YAML that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+        def mapping(loader, node):
+            keys = [loader.construct_object(k) for k, _ in node.value]
+            twice = sorted({k for k in keys if keys.count(k) > 1}, key=str)
+            if twice:
+                raise ConfigError(f"--config {p}: key {twice[0]!r} is given twice: keep one")
+            return loader.construct_mapping(node)
+
+        UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
         try:
-            raw = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"--config {path}: not valid TOML: {e}") from e
-    flat: dict[str, object] = {}
-    for key, value in raw.items():
-        if isinstance(value, dict):  # a table just groups keys
-            flat.update(value)
-        else:
-            flat[key] = value
-    known, out = _key_to_dest(), {}
-    for key, value in flat.items():
-        if key not in known:
-            raise ConfigError(f"--config {path}: unknown key {key!r} (keys are the flag names, e.g. "
-                              f"'num-layers' for --num-layers)")
-        dest = known[key]
-        if key.replace("_", "-") in _NEGATIVE_FLAGS:     # `disable-bias-linear = true` sets add_bias_linear False
-            value = not value
-        out[dest] = value.split() if dest == "data.data_path" and isinstance(value, str) else value
-    return out
+            return yaml.load(text, Loader=UniqueKeys) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {p}: not valid YAML: {e}".splitlines()[0]) from e
+    import tomllib
+
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {p}: not valid TOML: {e}") from e
+
+
+def _dest_specs() -> dict[str, dict]:
+    return {dest: kwargs for entries in ARGUMENTS.values() for _, dest, kwargs in entries}
+
+
+def _typed(path: str, key: str, value, spec: dict):
+    """``value`` as the flag takes it, or an error: booleans are booleans (``bf16 = "false"`` is not
+    false), integers integers, numbers numbers, choices one of them."""
+    action, kind = spec.get("action"), spec.get("type")
+    if action in ("store_true", "store_false", argparse.BooleanOptionalAction):
+        ok, want = isinstance(value, bool), "true or false"
+    elif kind is int:
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif kind is float:
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        value = float(value) if ok else value
+    elif spec.get("nargs") == "+":
+        value = value.split() if isinstance(value, str) else value
+        ok, want = isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value), "a list"
+        value = [str(v) for v in value] if ok else value
+    else:
+        ok, want = isinstance(value, str), "a string"
+    if ok and spec.get("choices") is not None and value not in spec["choices"]:
+        ok, want = False, "one of " + ", ".join(map(str, spec["choices"]))
+    if not ok:
+        raise ConfigError(f"--config {path}: {key!r} must be {want}, got {value!r}")
+    return value
 
 
 # Flags that store False into their field (their config-file key takes the flag's meaning).
@@ -230,7 +307,13 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
     status 2 and a one-line message naming the flag (printed by rank 0 only under a launcher)."""
     try:
         values = load_config_file(args.config) if args.config else {}
-        values.update({k: v for k, v in vars(args).items() if "." in k})
+        foreign = {}
+        if args.deepspeed_config:
+            foreign.update(from_deepspeed(args.deepspeed_config))
+        if args.accelerate_config:
+            foreign = _merge(foreign, from_accelerate(args.accelerate_config), "--accelerate-config")
+        flags = {k: v for k, v in vars(args).items() if "." in k}
+        values.update(_merge(foreign, flags, "the command line"))
         return validate(job_from_values(values), world_size)
     except (ConfigError, TypeError) as e:
         first = os.environ.get("RANK", "0") == "0"  # one line from the launcher, not one per rank

@@ -126,6 +126,7 @@ class ParallelConfig:
     pipeline_schedule: str = "1f1b"             # 1f1b | gpipe | interleaved (implied by virtual stages)
     sequence_parallel: bool = False
     virtual_stages: int = 1                     # model chunks per rank (v); derived by validate()
+    distributed_timeout_minutes: float = 10.0   # every collective of every group ends by then
 
 
 @dataclass
@@ -136,9 +137,11 @@ class ZeroConfig:
     bucket_size: int = 4_000_000                # elements per gradient bucket
     overlap_grad_reduce: bool = True
     prefetch_layers: int = 1                    # stage 3: gathered layers in flight ahead of compute
+    prefetch_bucket_elements: int | None = None  # DeepSpeed's stage3_prefetch_bucket_size -> prefetch_layers
     keep_params_gathered: bool = False          # stage 3 with pp: keep gathered for the whole step
     reduce_each_microbatch: bool = False        # stage 2: reduce-scatter after every micro-batch
     sharded_init: bool = True                   # build on the meta device; materialise shard by shard
+    accumulate_allreduce_grads_in_fp32: bool | None = None   # fp32 gradient buckets; None: on for bf16
 
 
 @dataclass
@@ -149,6 +152,7 @@ class PrecisionConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000               # growth interval
     hysteresis: int = 2
+    max_consecutive_skipped_steps: int = 20     # a run that skips more steps in a row stops
 
     @property
     def dtype_name(self) -> str:
@@ -162,6 +166,7 @@ class OptimizerConfig:
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None           # default train_iters
     lr_decay_style: str = "cosine"              # constant | linear | cosine
+    min_lr_ratio: float | None = None           # (DeepSpeed's cos_min_ratio) min_lr = this * lr
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -186,11 +191,13 @@ class DataConfig:
 class TrainConfig:
     micro_batch_size: int = 8
     global_batch_size: int | None = None        # default micro_batch_size * dp * pp (m = pp micro-batches)
+    gradient_accumulation_steps: int | None = None   # (DeepSpeed / Accelerate configs) global = micro * this * dp
     train_iters: int = 400
     seed: int = 1234
     eval_interval: int = 100
     eval_iters: int = 10
     log_interval: int = 10
+    check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or gradient stops the run
 
 
 @dataclass
@@ -259,6 +266,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     ``optimizer.lr_decay_iters`` (when None).
     """
     job = _copy(job)
+    _check_finite(job)
     _check_layout(job.parallel, world_size)
     check_model(job.model, job.parallel)
     _check_pipeline(job.model, job.parallel)
@@ -275,6 +283,21 @@ def _copy(job: JobConfig) -> JobConfig:
 
 def _fail(msg: str) -> None:
     raise ConfigError(msg)
+
+
+def _check_finite(job: JobConfig) -> None:
+    """Every float setting is a real number: nan and inf pass every comparison check below
+    (comparisons with nan are false), so they are refused here, by name."""
+    for section in dataclasses.fields(job):
+        for f in dataclasses.fields(getattr(job, section.name)):
+            value = getattr(getattr(job, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                _fail(f"{flag(f.name)} must be a finite number, got {value}")
+
+
+def _positive_float(value: float, name: str) -> None:
+    if not value > 0:
+        _fail(f"{flag(name)} must be > 0, got {value}")
 
 
 def _positive(value, name: str) -> None:
@@ -297,6 +320,8 @@ def _check_layout(par: ParallelConfig, world: int) -> None:
         _fail(f"tp*pp*dp = {par.tp}*{par.pp}*{par.dp} = {par.tp * par.pp * par.dp} does not equal the "
               f"world size {world}: launch {par.tp * par.pp * par.dp} processes or change "
               f"{flag('dp')} (or leave it out to infer it)")
+    if not par.distributed_timeout_minutes > 0:
+        _fail(f"--distributed-timeout-minutes must be > 0, got {par.distributed_timeout_minutes}")
     if sorted(par.order.split("-")) != ["dp", "pp", "tp"]:
         _fail(f"--parallel-order {par.order!r} must name tp, dp and pp once each, e.g. 'tp-dp-pp'")
 
@@ -327,6 +352,8 @@ def check_model(m: ModelConfig, par: ParallelConfig) -> None:
     for name in ("attention_dropout", "hidden_dropout"):
         if not 0.0 <= getattr(m, name) < 1.0:
             _fail(f"{flag(name)} must be in [0, 1), got {getattr(m, name)}")
+    for name in ("layernorm_epsilon", "init_method_std"):
+        _positive_float(getattr(m, name), name)
     if m.activation not in ACTIVATIONS:
         _fail(f"--activation must be one of {', '.join(ACTIVATIONS)}, got {m.activation!r}")
     if not m.layernorm_epsilon > 0:
@@ -405,6 +432,14 @@ def _check_pipeline(m: ModelConfig, par: ParallelConfig) -> None:
 def _check_batches(job: JobConfig) -> None:
     t, par = job.train, job.parallel
     _positive(t.micro_batch_size, "micro_batch_size")
+    if t.gradient_accumulation_steps is not None:
+        _positive(t.gradient_accumulation_steps, "gradient_accumulation_steps")
+        implied = t.micro_batch_size * t.gradient_accumulation_steps * par.dp
+        if t.global_batch_size is None:
+            t.global_batch_size = implied
+        elif t.global_batch_size != implied:
+            _fail(f"--global-batch-size {t.global_batch_size} is not micro-batch {t.micro_batch_size} x gradient "
+                  f"accumulation steps {t.gradient_accumulation_steps} x dp {par.dp} = {implied}: make them agree")
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * par.dp * par.pp
     _positive(t.global_batch_size, "global_batch_size")
@@ -431,6 +466,8 @@ def _check_precision_and_optimizer(job: JobConfig) -> None:
     pr, opt, z = job.precision, job.optimizer, job.zero
     if pr.bf16 and pr.fp16:
         _fail("--bf16 and --fp16 are exclusive: pick one")
+    if z.accumulate_allreduce_grads_in_fp32 is None:     # Megatron's main grads: on for bf16
+        z.accumulate_allreduce_grads_in_fp32 = pr.bf16
     if z.zero_stage not in ZERO_STAGES:
         _fail(f"--zero-stage must be {', '.join(map(str, ZERO_STAGES[:-1]))} or {ZERO_STAGES[-1]}, got {z.zero_stage}")
     _positive(z.bucket_size, "bucket_size")
@@ -442,6 +479,14 @@ def _check_precision_and_optimizer(job: JobConfig) -> None:
     if z.reduce_each_microbatch and z.zero_stage != 2:
         _fail(f"--zero2-reduce-each-microbatch applies to --zero-stage 2 only (got {z.zero_stage}): "
               f"drop the flag or use --zero-stage 2")
+    if opt.min_lr_ratio is not None:
+        if not 0 <= opt.min_lr_ratio <= 1:
+            _fail(f"the minimum learning-rate ratio must be in [0, 1], got {opt.min_lr_ratio}")
+        opt.min_lr = opt.min_lr_ratio * opt.lr
+    if z.prefetch_bucket_elements is not None:           # DeepSpeed counts elements, we count layers
+        m = job.model
+        per_layer = (4 * m.hidden_size ** 2 + 2 * m.hidden_size * m.ffn_hidden_size) // job.parallel.tp
+        z.prefetch_layers = max(1, z.prefetch_bucket_elements // max(per_layer, 1))
     if opt.lr_decay_style not in DECAY_STYLES:
         _fail(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, got {opt.lr_decay_style!r}")
     if opt.lr <= 0 or opt.min_lr < 0 or opt.min_lr > opt.lr:
@@ -455,6 +500,13 @@ def _check_precision_and_optimizer(job: JobConfig) -> None:
         _fail("--adam-beta1 and --adam-beta2 must be in [0, 1)")
     if opt.clip_grad < 0 or opt.weight_decay < 0:
         _fail("--clip-grad and --weight-decay must be >= 0")
+    _positive_float(opt.adam_eps, "adam_eps")
+    for name in ("initial_loss_scale", "min_loss_scale"):
+        _positive_float(getattr(pr, name), name)
+    if pr.min_loss_scale > pr.initial_loss_scale:
+        _fail(f"--min-loss-scale {pr.min_loss_scale} is above --initial-loss-scale {pr.initial_loss_scale}")
+    for name in ("loss_scale_window", "hysteresis", "max_consecutive_skipped_steps"):
+        _positive(getattr(pr, name), name)
 
 
 def _check_data(d: DataConfig) -> None:
@@ -463,8 +515,9 @@ def _check_data(d: DataConfig) -> None:
         weights = [float(p) for p in parts]
     except ValueError:
         weights = []
-    if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        _fail(f"--split {d.split!r} must be up to three non-negative weights like 969,30,1")
+    if not weights or len(weights) > 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or weights[0] <= 0:
+        _fail(f"--split {d.split!r} must be up to three non-negative weights, the first (training) above 0, "
+              f"like 969,30,1")
     if d.mock_data and d.data_path:
         _fail("--mock-data and --data-path are exclusive: drop one")
     if d.tokenizer_type is not None and d.tokenizer_type not in TOKENIZERS:
@@ -480,9 +533,11 @@ def _check_data(d: DataConfig) -> None:
                   "--data-path 0.3 a_text_document 0.7 b_text_document")
         for w in d.data_path[0::2]:
             try:
-                float(w)
+                weight = float(w)
             except ValueError:
                 _fail(f"--data-path weight {w!r} is not a number (expected weight-prefix pairs)")
+            if not (math.isfinite(weight) and weight > 0):
+                _fail(f"--data-path weight {w!r} must be a positive number (a dataset with no weight: leave it out)")
     if d.data_path and d.tokenizer_type is None:
         _fail("--data-path needs --tokenizer-type (with its --vocab-file/--merge-file or --tokenizer-model): "
               "the tokenizer sets the vocabulary size")

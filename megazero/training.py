@@ -7,6 +7,7 @@ stage's, averaged over micro-batches and data-parallel ranks.
 """
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -24,6 +25,11 @@ from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
 from megazero.state import TrainState
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (a non-finite loss or gradient, too many skipped steps): the message says
+    why and at which iteration; nothing of the bad state has been saved."""
 
 
 @dataclass
@@ -86,7 +92,9 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
 
     ``train_batches(consumed_samples)`` yields, per step, this data-parallel rank's micro-batches of the
     global batch, starting at the given sample so a resumed run continues exactly. With ``save``, the
-    last iteration is always saved too.
+    last iteration is always saved too. A save that falls on a skipped step (an fp16 overflow) waits
+    for the next applied one: a run that then stops for too many skipped steps keeps its last good
+    checkpoint as the latest.
     """
     t, opt = job.train, job.optimizer
     tokens_per_step = t.global_batch_size * job.model.seq_length
@@ -96,27 +104,56 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     batches = train_batches(state.consumed_samples)
     window_start, window_iters = time.perf_counter(), 0
     saved_at = state.iteration                    # a resumed run starts from a saved iteration
+    skipped_in_a_row, save_due = 0, False
     while state.iteration < t.train_iters:
         engine.set_lr(learning_rate(state.iteration, opt))
         result = train_step(chunks, next(batches), topo, engine, job)
+        skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
+        stop = stop_reason(job, engine, result, state.iteration + 1, skipped_in_a_row)
         state.iteration += 1
         state.consumed_samples += t.global_batch_size
         state.skipped_iterations += int(result.skipped)
         window_iters += 1
-        if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters:
+        if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters or stop:
             step_time = (time.perf_counter() - window_start) / window_iters
             _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo)
             window_start, window_iters = time.perf_counter(), 0
+        if stop:                               # logged, never saved
+            raise TrainingStopped(stop)
         if valid_batches and t.eval_iters and (state.iteration % t.eval_interval == 0
                                                or state.iteration == t.train_iters):
             _log_eval(log, state, evaluate(chunks, valid_batches(), topo, job, t.eval_iters))
             window_start = time.perf_counter()
         if save and job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0:
+            save_due = True
+        if save_due and not result.skipped:   # a skipped step changed no weights: save after one that did
             save(state)
-            saved_at, window_start = state.iteration, time.perf_counter()
+            save_due, saved_at, window_start = False, state.iteration, time.perf_counter()
     if save and saved_at != state.iteration:
         save(state)
     return state
+
+
+def stop_reason(job: JobConfig, engine, r: StepResult, iteration: int, skipped_in_a_row: int) -> str | None:
+    """Why the run must stop after this step, or None. The same on every rank (the figures are
+    global): a non-finite loss or gradient in bf16/fp32 (``--check-for-nan-in-loss-and-grad``), an fp16
+    overflow at the minimum loss scale, ``--max-consecutive-skipped-steps`` skipped steps in a row
+    (fp16 overflows, or non-finite steps skipped with the check off)."""
+    pr = job.precision
+    bad = not pr.fp16 and (not math.isfinite(r.loss) or r.skipped)     # fp16: its loss scaler's business
+    if bad and job.train.check_for_nan_in_loss_and_grad:
+        names = engine.optimizer.nonfinite_parameters()
+        where = f" (first non-finite gradients on this rank: {', '.join(names)})" if names else ""
+        return (f"iteration {iteration}: loss {r.loss:g}, gradient norm {r.grad_norm:g}{where}: not finite, the "
+                f"step was not applied and the run stops without saving this state (the last checkpoint stays the "
+                f"latest). Lower --lr, check the data, or use --no-check-for-nan-in-loss-and-grad to skip such steps")
+    if pr.fp16 and r.skipped and r.loss_scale <= pr.min_loss_scale:
+        return (f"iteration {iteration}: fp16 overflow at the minimum loss scale {pr.min_loss_scale:g}: the scale "
+                f"can go no lower; lower --lr, use --bf16, or lower --min-loss-scale")
+    if skipped_in_a_row >= pr.max_consecutive_skipped_steps:
+        return (f"iteration {iteration}: {skipped_in_a_row} steps skipped in a row (overflowing or non-finite "
+                f"gradients): the run is not training; see --max-consecutive-skipped-steps")
+    return None
 
 
 def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, step_time: float,

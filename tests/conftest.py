@@ -9,3 +9,30 @@ sys.path.insert(0, os.path.dirname(__file__))  # `from helpers import run_on_ran
 # instruction set for this process and the worker processes it spawns. A cap, not a requirement:
 # machines without these instructions use what they have.
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
+
+def _gpu_tier(config) -> bool:
+    return "gpu" in (config.getoption("markexpr") or "").replace("not gpu", "")
+
+
+def pytest_configure(config):
+    """The CPU suite runs on CPU with gloo even where a GPU is visible (several ranks on one GPU over
+    NCCL is not what it tests); the GPU tier (`pytest -m gpu`) picks the backend from the hardware."""
+    if not _gpu_tier(config):
+        os.environ.setdefault("MEGAZERO_BACKEND", "gloo")
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only when asked for (`-m gpu`), and then need CUDA."""
+    import pytest
+
+    if not _gpu_tier(config):
+        kept = [i for i in items if "gpu" not in i.keywords]
+        config.hook.pytest_deselected(items=[i for i in items if "gpu" in i.keywords])
+        items[:] = kept
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in items:
+            item.add_marker(pytest.mark.skip(reason="-m gpu: this machine has no CUDA device"))

@@ -2,6 +2,7 @@
 crash safety (SIGKILL during a save); corrupted files refused by name; the offline reader and tools."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from helpers.ckpt import (GLOBAL_MB, MB_SIZE, MODEL, SEED, VOCAB, full_params, m
                           train_one_step)
 
 from megazero.checkpoint import CheckpointError, CheckpointReader, latest_iteration, load_checkpoint, save_checkpoint
+from megazero.checkpoint.format import checkpoint_dir, recover
 from megazero.checkpoint.offline import declarations, read_model, write_weights_checkpoint
 from megazero.config import ModelConfig
 from megazero.models import GPT, build_model_chunks
@@ -361,3 +363,28 @@ def test_sharded_checkpoint_loads_under_another_layout_reading_only_what_it_owns
             read, owned = r["stats"]["bytes_read"], r["stats"]["bytes_owned"]
             assert owned <= read <= 1.10 * owned, (loader, r["rank"], read, owned)
             assert r["peaks"]["load"] <= r["peaks"]["step"] + r["bucket"], (loader, r["peaks"])
+
+
+def test_a_crash_in_any_window_of_a_save_leaves_a_readable_latest(saved_tp2pp2dp2, tmp_path):
+    """Re-saving iteration 2 moves the old copy aside, renames the new one in, then replaces the
+    tracker. A crash between the two renames leaves only ``.iter_0000002.old``: readers use it, and
+    the next run (holding the lock) puts it back; a crash mid-write leaves a ``.tmp`` it removes."""
+    src = saved_tp2pp2dp2[0]
+    want = read_model(src)[1]
+    crashed = tmp_path / "between_renames"
+    shutil.copytree(src, crashed)
+    (crashed / "iter_0000002").rename(crashed / ".iter_0000002.old")
+    (crashed / ".iter_0000003.tmp").mkdir()
+    (crashed / ".iter_0000003.tmp" / "rank00000.safetensors").write_bytes(b"half")
+    assert checkpoint_dir(crashed, 2).name == ".iter_0000002.old"
+    assert all(torch.equal(read_model(crashed)[1][k], v) for k, v in want.items())
+    assert recover(crashed) == ["restored iter_0000002 from .iter_0000002.old",
+                                "removed the half-written .iter_0000003.tmp"]
+    assert sorted(p.name for p in crashed.iterdir() if p.name.startswith(("iter", "."))) == ["iter_0000002"]
+
+    replaced = tmp_path / "before_cleanup"                  # new copy in place, old one not yet removed
+    shutil.copytree(src, replaced)
+    shutil.copytree(src / "iter_0000002", replaced / ".iter_0000002.old")
+    assert checkpoint_dir(replaced, 2).name == "iter_0000002"
+    assert recover(replaced) == ["removed .iter_0000002.old (replaced by iter_0000002)"]
+    assert recover(replaced) == []

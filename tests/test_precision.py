@@ -8,7 +8,7 @@ from helpers.tinynet import OPT, TinyNet, make_batches, reference_run, train_dp
 
 from megazero.config import PrecisionConfig, ZeroConfig
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import build_optimizer, wrap_data_parallel
+from megazero.parallel.zero import build_engine, build_optimizer, wrap_data_parallel
 from megazero.precision import DynamicLossScaler
 
 
@@ -106,3 +106,48 @@ def test_bf16_zero1_tracks_fp32_with_fp32_master_weights():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
         for name, ref in ref_params.items():
             torch.testing.assert_close(params[name], ref, rtol=2e-2, atol=2e-2, msg=name)
+
+
+
+def _accumulation_body(rank, world_size, precision_flags):
+    """50 steps of a one-layer GPT at dp2 ZeRO-1 with 128 micro-batches per rank per step (where
+    bf16 sums lose the most); the losses and this rank's shard of the fp32 master weights."""
+    from megazero.arguments import parse_job
+    from megazero.models import build_model_chunks
+    from megazero.training import train_step
+
+    flags = ["--mock-data", "--vocab-size", "200", "--num-layers", "1", "--hidden-size", "16",
+             "--num-attention-heads", "4", "--seq-length", "8", "--micro-batch-size", "1",
+             "--global-batch-size", "256", "--lr", "3e-3", "--zero-stage", "1", *precision_flags]
+    job, _ = parse_job(flags, world_size)
+    topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp)
+    dtype = torch.bfloat16 if job.precision.bf16 else torch.float32
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=1, dtype=dtype, device="meta")
+    engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    g = torch.Generator().manual_seed(0)
+    per, s = job.num_micro_batches, job.model.seq_length
+    losses = []
+    for _ in range(50):
+        step = [{"tokens": torch.randint(0, 200, (1, s), generator=g),
+                 "labels": torch.randint(0, 200, (1, s), generator=g), "loss_mask": torch.ones(1, s)}
+                for _ in range(per * world_size)]
+        losses.append(train_step(chunks, step[topo.dp_rank * per:(topo.dp_rank + 1) * per], topo, engine, job).loss)
+    return losses, torch.cat([r.master.reshape(-1) for r in engine.optimizer.ranges])
+
+
+@pytest.mark.slow
+def test_bf16_with_fp32_gradient_accumulation_tracks_fp32_more_closely():
+    """Megatron's main grads: bf16 micro-batch gradients summed (and reduced) in fp32 stay nearer the
+    fp32 run than sums kept in bf16. Measured (relative distance of the master weights to fp32's
+    after 50 steps): 0.0083 with fp32 accumulation, 0.0150 without."""
+    runs = {name: run_on_ranks(2, _accumulation_body, flags, timeout=600) for name, flags in [
+        ("fp32", []), ("fp32-acc", ["--bf16"]), ("bf16-acc", ["--bf16", "--no-accumulate-allreduce-grads-in-fp32"])]}
+    ref = torch.cat([r[1] for r in runs["fp32"]])
+
+    def distance(name):
+        return float((torch.cat([r[1] for r in runs[name]]) - ref).norm() / ref.norm())
+
+    near, far = distance("fp32-acc"), distance("bf16-acc")
+    print(f"relative distance to fp32 after 50 steps: fp32 accumulation {near:.4f}, bf16 accumulation {far:.4f}")
+    assert near < 0.8 * far and near < 0.02
+    assert abs(runs["fp32-acc"][0][0][-1] - runs["fp32"][0][0][-1]) < 1e-3      # and the loss still matches

@@ -58,10 +58,28 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="HF output: largest safetensors file before sharding (default 5GB)")
     p.add_argument("--seq-length", type=int, help="HF input: training sequence length to record "
                                                    "(default max_position_embeddings)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output (refused otherwise)")
     return p.parse_args(argv)
 
 
+def check_output(args: argparse.Namespace) -> None:
+    """Refuse to write over anything: an existing HF model, a checkpoint or a training run's
+    directory (its tracker would move back) is kept unless --overwrite; bad target sizes are refused."""
+    for name in ("target_tp", "target_pp"):
+        if getattr(args, name) < 1:
+            raise CheckpointError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--output {out} is a file: give a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise CheckpointError(f"--output {out} already exists and is not empty: choose a new directory, or pass "
+                              f"--overwrite to replace what is there")
+    if Path(args.input).resolve() == out.resolve():
+        raise CheckpointError("--output is --input: write the conversion to another directory")
+
+
 def convert(args: argparse.Namespace) -> Path:
+    check_output(args)
     src, dtype = Path(args.input), DTYPES[args.dtype]
     if args.to == "hf":
         if (src / "config.json").is_file():

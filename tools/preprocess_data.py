@@ -34,6 +34,7 @@ def parse_args(argv=None) -> PreprocessConfig:
     g.add_argument("--txt-separator", default="\\n\\n",
                    help="plain text: document separator, backslash escapes allowed (default: \\n\\n)")
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
+    g.add_argument("--overwrite", action="store_true", help="replace existing outputs (refused otherwise)")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZERS)
     g.add_argument("--vocab-file", help="GPT-2 vocab.json / encoder.json")
@@ -49,7 +50,7 @@ def parse_args(argv=None) -> PreprocessConfig:
                             vocab_file=a.vocab_file, merge_file=a.merge_file, tokenizer_model=a.tokenizer_model,
                             json_keys=tuple(a.json_keys), append_eod=a.append_eod, workers=a.workers,
                             txt_separator=codecs.decode(a.txt_separator, "unicode_escape"),
-                            log_interval=a.log_interval)
+                            log_interval=a.log_interval, overwrite=a.overwrite)
 
 
 def main(argv=None) -> int:

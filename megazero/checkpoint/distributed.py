@@ -206,7 +206,7 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
     iteration = latest_iteration(load_dir) if iteration is None else iteration
     if iteration is None:
         return None
-    directory = load_dir / fmt.iter_dir_name(iteration)
+    directory = fmt.checkpoint_dir(load_dir, iteration)
     error, reader = None, None
     try:
         reader = CheckpointReader(directory)

@@ -173,6 +173,33 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"checkpoint file {path} is not valid JSON ({e}): it is corrupted") from None
 
 
+def checkpoint_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
+    """Where iteration ``iteration``'s checkpoint is. A crash while an iteration was saved again can
+    leave it only as ``.iter_N.old`` (moved aside, the new one not yet in place): read that one."""
+    final = Path(save_dir) / iter_dir_name(iteration)
+    old = Path(save_dir) / f".{final.name}.old"
+    return old if not final.exists() and (old / MANIFEST).is_file() else final
+
+
+def recover(save_dir: str | os.PathLike) -> list[str]:
+    """Tidy a save directory after a crash (call with the directory's lock held): put a moved-aside
+    checkpoint back where the new one never arrived, drop moved-aside copies whose replacement
+    is in place and half-written temporaries. Returns what was done, for the log."""
+    save_dir, done = Path(save_dir), []
+    for old in sorted(save_dir.glob(".iter_*.old")):
+        final = save_dir / old.name[1:-len(".old")]
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            done.append(f"removed {old.name} (replaced by {final.name})")
+        else:
+            old.rename(final)
+            done.append(f"restored {final.name} from {old.name}")
+    for tmp in sorted(save_dir.glob(".iter_*.tmp")):
+        shutil.rmtree(tmp, ignore_errors=True)
+        done.append(f"removed the half-written {tmp.name}")
+    return done
+
+
 def read_tracker(save_dir: str | os.PathLike) -> int | None:
     """The iteration named by ``DIR/latest_checkpointed_iteration.txt``, or None without one."""
     path = Path(save_dir) / TRACKER

@@ -61,7 +61,7 @@ def resolve(path: str | os.PathLike) -> Path:
     if iteration is None:
         raise CheckpointError(f"{path} is neither a checkpoint directory (no {fmt.MANIFEST}) nor a save "
                               f"directory (no {fmt.TRACKER}): pass --save's directory or an iter_* directory")
-    return path / fmt.iter_dir_name(iteration)
+    return fmt.checkpoint_dir(path, iteration)
 
 
 def saved_job(index: dict) -> JobConfig:

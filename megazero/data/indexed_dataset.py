@@ -261,7 +261,13 @@ class IndexedDataset:
 
     def max_token_id(self, chunk: int = 1 << 26) -> int:
         """Largest id in the .bin (one streaming pass; -1 when empty)."""
-        best = -1
+        return self.token_range(chunk)[1]
+
+    def token_range(self, chunk: int = 1 << 26) -> tuple[int, int]:
+        """(smallest, largest) id in the .bin, in one streaming pass; (0, -1) when empty."""
+        low, high = None, -1
         for s in range(0, self.num_tokens, chunk):
-            best = max(best, int(self._bin[s:s + chunk].max()))
-        return best
+            part = self._bin[s:s + chunk]
+            low = int(part.min()) if low is None else min(low, int(part.min()))
+            high = max(high, int(part.max()))
+        return (0 if low is None else low), high

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .indexed_dataset import IndexedDatasetWriter, best_dtype
+from .indexed_dataset import IndexedDatasetWriter, best_dtype, bin_path, idx_path
 from .tokenizers import build_tokenizer
 
 
@@ -49,6 +49,7 @@ class PreprocessConfig:
     txt_separator: str = "\n\n"
     log_interval: int = 10000          # documents between progress lines (0: none)
     batch_bytes: int = 1 << 18         # text per batch handed to a worker
+    overwrite: bool = False            # replace existing outputs (else they are refused)
 
 
 @dataclass
@@ -193,6 +194,12 @@ def _check_inputs(cfg: PreprocessConfig) -> None:
     out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
     if not os.path.isdir(out_dir):
         raise PreprocessError(f"--output-prefix {cfg.output_prefix!r}: directory {out_dir} does not exist")
+    keys = cfg.json_keys if is_jsonl(cfg.input) else ("text",)
+    existing = [f for k in keys for f in (bin_path(f"{cfg.output_prefix}_{k}_document"),
+                                         idx_path(f"{cfg.output_prefix}_{k}_document")) if os.path.exists(f)]
+    if existing and not cfg.overwrite:
+        raise PreprocessError(f"--output-prefix {cfg.output_prefix!r}: {existing[0]} already exists: choose another "
+                              f"prefix, or pass --overwrite to replace it")
 
 
 def preprocess(cfg: PreprocessConfig, log=None) -> PreprocessResult:

@@ -7,7 +7,9 @@ Three parts, each per pipeline stage (the binding rank is the largest):
   them), in the parameter dtype (e bytes), fp32 masters when e < 4, Adam's two moments, and the
   gradients, each divided by N = dp where the stage shards it::
 
-      stage 0: eΨ + eΨ + 4Ψ + 8Ψ      1: eΨ + eΨ + 12Ψ/N      2: eΨ + eΨ/N + 12Ψ/N      3: 16Ψ/N (e = 2)
+      stage 0: eΨ + gΨ + 4Ψ + 8Ψ      1: eΨ + gΨ + 12Ψ/N      2: eΨ + gΨ/N + 12Ψ/N      3: 16Ψ/N (e = g = 2)
+
+  (g: gradient bytes, 4 with --accumulate-allreduce-grads-in-fp32, the default under bf16)
 
 * **activations** (Korthikanti et al. 2022, counted for this implementation): per layer and
   micro-batch, the tensors autograd keeps, in units of sbh elements of e bytes (s sequence, b
@@ -203,6 +205,7 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     dropout masks differently) (see the module docstring)."""
     z, prec, par = job.zero, job.precision, job.parallel
     e = 2 if (prec.bf16 or prec.fp16) else 4
+    ge = 4 if z.accumulate_allreduce_grads_in_fp32 else e    # gradient element bytes
     mask = 1 if device == "cuda" else e
     n = par.dp
     chunks = _chunks(job, pp_rank)
@@ -218,7 +221,7 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     est = StageEstimate(pp_rank, params, psi)
     parts = est.parts
     parts["params"] = e * psi // (n if z.zero_stage == 3 else 1)
-    parts["grads"] = e * psi // (n if z.zero_stage >= 2 else 1)
+    parts["grads"] = ge * psi // (n if z.zero_stage >= 2 else 1)
     parts["master_weights"] = master // (n if sharded else 1)
     parts["optimizer_state"] = 8 * psi // (n if sharded else 1)
     est.model_states = sum(parts.values())
@@ -228,11 +231,11 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     s, b, t = job.model.seq_length, job.train.micro_batch_size, par.tp
     two = sorted(buckets)[-2:]                         # the bucket being filled and the one reducing
     if z.zero_stage == 2 and not z.reduce_each_microbatch:
-        parts["grads_in_backward"] = e * psi             # full storage until the step's reductions
+        parts["grads_in_backward"] = ge * psi            # full storage until the step's reductions
     elif z.zero_stage == 3 and z.keep_params_gathered:
-        parts["grads_in_backward"] = e * psi
+        parts["grads_in_backward"] = ge * psi
     elif z.zero_stage >= 2:                            # being filled + one reducing, with scratch shards
-        parts["grads_in_backward"] = sum(e * x + e * x // n for x in two)
+        parts["grads_in_backward"] = sum(ge * x + ge * x // n for x in two)
     if z.zero_stage == 3:
         window = 1 + z.prefetch_layers
         gathered = max((sum(cu[i:i + window]) for cu in units for i in range(len(cu))), default=0)
@@ -259,7 +262,7 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     forward_end = parts.get("logits", 0) + gathered + (grads if accumulating else 0)
     backward = max(working, 0) + gathered + grads
     step = 0
-    if e < 4:                                          # the optimizer step's fp32 copy of the gradients,
+    if ge < 4:                                         # the optimizer step's fp32 copy of the gradients,
         step = parts["fp32_grads_in_step"] = 4 * psi // (n if sharded else 1)    # after the activations went
     est.buffers = max(forward_end, backward, step - est.activations)
     return est

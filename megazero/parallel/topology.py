@@ -139,8 +139,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> to
     """Initialise the default process group from torchrun's environment and return this rank's device.
 
     Works without torchrun too (a single process: rank 0 of world 1). With CUDA, binds the process
-    to ``LOCAL_RANK``'s GPU.
+    to ``LOCAL_RANK``'s GPU. ``timeout_s`` bounds every collective of the default group (and, passed
+    to :class:`Topology`, of every group): a stuck peer ends the job with an error instead of a hang.
+    Under a launcher, the process also ends when the launcher dies (:func:`end_with_parent`).
     """
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        end_with_parent()
     backend = backend or os.environ.get("MEGAZERO_BACKEND") or default_backend()
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -154,6 +158,24 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> to
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return device
+
+
+def end_with_parent() -> None:
+    """Have Linux send this process SIGTERM when its parent (the launcher) dies, so killing torchrun
+    never leaves workers training (and saving) as orphans. A no-op elsewhere."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:                       # the launcher died before the call took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -178,10 +200,11 @@ class Topology:
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, order: str = DEFAULT_ORDER,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, timeout_s: float | None = None):
         world = dist.get_world_size()
         rank = dist.get_rank()
         dp = dp if dp is not None else world // (tp * pp)
+        self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         self.grid = rank_grid(world, tp, pp, dp, order)
         self.world_size, self.rank = world, rank
         self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
@@ -200,7 +223,7 @@ class Topology:
     def _create(self, groups: list[list[int]], required: bool = True):
         mine = (None, [])
         for ranks in groups:
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=self.timeout)
             if self.rank in ranks:
                 mine = (group, ranks)
         assert mine[0] is not None or not required, f"rank {self.rank} not found in {groups}"

@@ -77,6 +77,7 @@ class BucketedGradSync:
         self.param_buffers: list[torch.Tensor] = []
         self.grad_buffers: list[torch.Tensor | None] = []
         self._reducing = [True] * len(self.chunks)
+        self._fp32_grads = bool(self.cfg.accumulate_allreduce_grads_in_fp32)
         self._countdown_launches = self.cfg.overlap_grad_reduce or self.reduce_every_backward
         self._backward_of: dict[int, int] = {}      # chunk id -> graph task whose end is awaited
         self._synced = False
@@ -109,7 +110,7 @@ class BucketedGradSync:
             self.buckets.append(bucket)
             offset += padded
         self.param_buffers.append(pbuf)
-        self.grad_buffers.append(self._make_grad_buffer(total, dtype, device))
+        self.grad_buffers.append(self._make_grad_buffer(total, self.grad_dtype(dtype), device))
         for bucket in self.buckets:
             if bucket.chunk_id == chunk_id:
                 self._attach_grads(bucket)
@@ -124,15 +125,29 @@ class BucketedGradSync:
         self._slot_of[id(slot.param)] = slot
         slot.param.register_post_accumulate_grad_hook(weak_grad_hook(self))
 
+    def grad_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """Gradients are accumulated and reduced in fp32 with ``accumulate_allreduce_grads_in_fp32``
+        (Megatron's main grads), else in the parameters' dtype."""
+        return torch.float32 if self._fp32_grads else param_dtype
+
     def _make_grad_buffer(self, total: int, dtype, device) -> torch.Tensor | None:
         return torch.zeros(total, dtype=dtype, device=device)
 
     def _attach_grads(self, bucket: Bucket) -> None:
-        """Point ``bucket.grad_data`` and every ``param.grad`` of the bucket at persistent storage."""
+        """Point ``bucket.grad_data`` (and every ``param.grad`` of the bucket, when the dtypes agree, so
+        autograd accumulates in place) at persistent storage."""
         buf = self.grad_buffers[bucket.chunk_id]
         bucket.grad_data = buf[bucket.offset:bucket.offset + bucket.numel]
         for s in bucket.slots:
-            s.param.grad = bucket.grad_data[s.start:s.end].view_as(s.param)
+            self._point_grad(s, bucket.grad_data)
+
+    @staticmethod
+    def _point_grad(slot: ParamSlot, storage: torch.Tensor) -> None:
+        """``param.grad`` becomes its view of ``storage`` when they share a dtype; otherwise (fp32
+        storage for bf16 parameters) autograd makes a fresh gradient each backward, which the hook
+        folds into the storage and drops."""
+        view = storage[slot.start:slot.end]
+        slot.param.grad = view.view_as(slot.param) if view.dtype == slot.param.dtype else None
 
     def _grad_storage(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's full-size gradient storage (allocated on demand by the sharded stages)."""
@@ -152,10 +167,10 @@ class BucketedGradSync:
         slot = self._slot_of[id(param)]
         bucket = slot.bucket
         self._watch_backward(bucket.chunk_id)
-        view = self._grad_storage(bucket)[slot.start:slot.end]
-        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.add_(param.grad.reshape(-1))     # autograd made a fresh .grad: fold it into the bucket
-            param.grad = view.view_as(param)
+        storage = self._grad_storage(bucket)
+        if param.grad is not None and param.grad.data_ptr() != storage[slot.start:slot.end].data_ptr():
+            storage[slot.start:slot.end].add_(param.grad.reshape(-1))   # a fresh .grad: fold it into the bucket
+            self._point_grad(slot, storage)
         if self._reducing[bucket.chunk_id] and self._countdown_launches:
             bucket.pending -= 1
             if bucket.pending == 0:
@@ -330,13 +345,13 @@ class ShardedGradSync(BucketedGradSync):
 
     def _grad_storage(self, bucket: Bucket) -> torch.Tensor:
         if bucket.grad_data is None:
-            bucket.grad_data = torch.zeros(bucket.numel, dtype=bucket.param_data.dtype,
+            bucket.grad_data = torch.zeros(bucket.numel, dtype=self.grad_dtype(bucket.param_data.dtype),
                                            device=bucket.param_data.device)
             self._track(nbytes(bucket.grad_data))
             for s in bucket.slots:
                 if s.param.grad is not None:          # a gradient autograd made before we saw it
                     bucket.grad_data[s.start:s.end].add_(s.param.grad.reshape(-1))
-                s.param.grad = bucket.grad_data[s.start:s.end].view_as(s.param)
+                self._point_grad(s, bucket.grad_data)
         return bucket.grad_data
 
     def _holds_grads(self, bucket: Bucket) -> bool:

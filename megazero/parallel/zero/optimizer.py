@@ -122,7 +122,12 @@ class BucketAdamW:
 
     @torch.no_grad()
     def step(self) -> tuple[float, bool]:
-        """Clip and apply one AdamW step; returns (global grad norm before clipping, skipped)."""
+        """Clip and apply one AdamW step; returns (global grad norm before clipping, skipped).
+
+        A step whose gradients are not finite is never applied: under fp16 the loss scale is lowered
+        (the usual overflow), in bf16 and fp32 the step is reported skipped with its norm (inf or nan)
+        and the trainer decides whether the run stops (``--check-for-nan-in-loss-and-grad``). Every
+        rank takes the same decision: the norm and the overflow flag are global."""
         self.grad_sync.check_synced()
         grads = [self._main_grad(r) for r in self.ranges]
         if self.scaler is not None and self._found_inf(grads):
@@ -132,6 +137,9 @@ class BucketAdamW:
                         self.step_count + 1, old, self.scaler.scale)
             return float("inf"), True
         norm = self.global_grad_norm(grads)
+        if not math.isfinite(norm):
+            log.warning("non-finite gradient norm %s: step %d not applied", norm, self.step_count + 1)
+            return norm, True
         if self.cfg.clip_grad > 0:
             coef = min(self.cfg.clip_grad / (norm + 1e-6), 1.0)
             for g in grads:
@@ -173,6 +181,18 @@ class BucketAdamW:
         group, tag = self._norm_group()
         comm.all_reduce(sq, group, self.comm_log, tag)
         return math.sqrt(sq.item())
+
+    def nonfinite_parameters(self, limit: int = 3) -> list[str]:
+        """Names of (at most ``limit``) parameters whose reduced gradient held on this rank is not
+        finite: what a stopped run names. Cheap: one pass over the rank's shards."""
+        names = []
+        for slot, r, a, b in self._pieces():
+            g = self.grad_sync.reduced_grad(r.bucket, a, b)
+            if not bool(torch.isfinite(g).all()) and slot.name not in names:
+                names.append(slot.name)
+                if len(names) == limit:
+                    break
+        return names
 
     # ------------------------------------------------------------- checkpoint
     _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")

@@ -1,0 +1,135 @@
+"""Checks of everything a run will read or write, before any process group, model or dataset exists.
+
+``validate()`` (megazero/config.py) checks the flags against each other; this module checks them
+against the machine: the backend against the hardware, the output paths are writable, ``--save``
+holds no other run's checkpoints (and is locked for this run), ``--load`` holds a checkpoint of this
+model, every data prefix has agreeing ``.idx``/``.bin`` files whose token ids the tokenizer's
+vocabulary covers. A failure is one line naming the flag, the file and the fix.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from megazero.checkpoint.format import INDEX, CheckpointError, checkpoint_dir, read_json, read_tracker, recover
+from megazero.checkpoint.lock import SaveLock
+from megazero.config import JobConfig, flag
+from megazero.data.indexed_dataset import IndexedDataset
+
+_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                 "max_position_embeddings", "untie_embeddings_and_output_weights", "activation")
+
+
+class PreflightError(ValueError):
+    """An input the run cannot use; the message names the flag and the fix."""
+
+
+def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> SaveLock | None:
+    """Run every check (see the module docstring). Rank 0 takes ``--save``'s lock and tidies the
+    directory after a crash; keep the returned lock alive for the whole run."""
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise PreflightError("--backend nccl needs CUDA, and this machine has no usable GPU: use --backend gloo "
+                             "(or leave --backend out)")
+    _writable_file(job.logging.metrics_file, "--metrics-file")
+    _writable_dir(job.logging.tensorboard_dir, "--tensorboard-dir")
+    _writable_dir(job.data.data_cache_path, "--data-cache-path")
+    _checkpoints(job)
+    _data(job, scan=rank == 0)
+    if rank != 0 or not job.checkpoint.save:
+        return None
+    _writable_dir(job.checkpoint.save, "--save")
+    try:
+        lock = SaveLock.acquire(job.checkpoint.save)
+    except (CheckpointError, OSError) as e:
+        raise PreflightError(str(e)) from None
+    if lock.previous:
+        say(f" took over the lock of --save {job.checkpoint.save} left by a run that has ended ({lock.previous})")
+    for line in recover(job.checkpoint.save):
+        say(f" --save {job.checkpoint.save}: {line}")
+    return lock
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _writable_dir(path: str | None, what: str) -> None:
+    """``path`` is a directory, or can be made one, that this user can write."""
+    if not path:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise PreflightError(f"{what} {path} is a file, not a directory: give a directory")
+    base = _nearest_existing(p)
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        raise PreflightError(f"{what} {path}: {base} is not a writable directory: choose a path you can write")
+
+
+def _writable_file(path: str | None, what: str) -> None:
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise PreflightError(f"{what} {path} is a directory: give a file path (e.g. {path}/metrics.jsonl)")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise PreflightError(f"{what} {path} is not writable")
+    _writable_dir(str(p.parent), f"{what} {path}: its directory")
+
+
+def _saved_model(directory: Path) -> dict:
+    return read_json(directory / INDEX)["job"]["model"]
+
+
+def _checkpoints(job: JobConfig) -> None:
+    """``--save`` holds no other run; ``--load`` (other than ``--save``) holds a checkpoint; a checkpoint
+    to be resumed is of this model."""
+    ck = job.checkpoint
+    same = ck.load and ck.save and Path(ck.load).resolve() == Path(ck.save).resolve()
+    try:
+        saved = read_tracker(ck.save) if ck.save else None
+        loaded = read_tracker(ck.load) if ck.load and not same else None
+    except CheckpointError as e:
+        raise PreflightError(str(e)) from None
+    if saved is not None and not same and not ck.finetune:
+        raise PreflightError(f"--save {ck.save} already holds another run's checkpoints (latest iteration {saved}): "
+                             f"add --load {ck.save} to resume that run, or choose a new --save directory")
+    if ck.load and not same and loaded is None:
+        what = "does not exist" if not os.path.isdir(ck.load) else "holds no checkpoint"
+        raise PreflightError(f"--load {ck.load} {what}: point --load at a --save directory of an earlier run, or set "
+                             f"--load equal to --save to start fresh and resume automatically after a restart")
+    for path, iteration in ((ck.save, saved), (ck.load, loaded)):
+        if iteration is None:
+            continue
+        try:
+            theirs = _saved_model(checkpoint_dir(path, iteration))
+        except CheckpointError as e:
+            raise PreflightError(str(e)) from None
+        for name in _MODEL_FIELDS:
+            if theirs.get(name) != getattr(job.model, name):
+                raise PreflightError(f"{path} was saved with {flag(name)} {theirs.get(name)}, this run has "
+                                     f"{getattr(job.model, name)}: use the checkpoint's model settings or another "
+                                     f"directory")
+
+
+def _data(job: JobConfig, scan: bool) -> None:
+    """Every prefix opens (its .idx and .bin agree); with ``scan``, its token ids lie in
+    [0, vocabulary size) (one pass over the .bin, memory-mapped)."""
+    paths = job.data.data_path
+    prefixes = paths if len(paths) == 1 else paths[1::2]
+    for prefix in prefixes:
+        try:
+            ds = IndexedDataset(prefix)
+        except (OSError, ValueError) as e:
+            raise PreflightError(f"--data-path {prefix}: {e}") from None
+        if not scan or ds.num_tokens == 0:
+            continue
+        low, high = ds.token_range()
+        if low < 0 or high >= job.model.vocab_size:
+            raise PreflightError(f"--data-path {prefix}: token ids span [{low}, {high}] but the tokenizer's vocabulary "
+                                 f"has {job.model.vocab_size} entries: the data was made with another tokenizer; "
+                                 f"preprocess it with this one (tools/preprocess_data.py)")

@@ -1,0 +1,286 @@
+"""Bad input, table-driven: every case is refused with one line naming what is wrong, no traceback,
+before any process group exists, and no file but the case's own new output changes.
+
+Each case calls an entry point's ``main(argv)`` in this process (one import of torch for all of
+them) with ``torch.distributed.init_process_group`` replaced by a tripwire, so a case that gets as
+far as building a process group fails the test. The files the cases point at live in one
+workspace, built once: a small GPT-2-tokenized dataset and broken copies of it, a two-iteration
+checkpoint and broken copies of it, config files of every kind. Every file in the workspace is
+hashed before and after each case. ``test_pretrain_gpt.py`` runs a few bad flags through a real
+interpreter, and ``test_faults.py`` the inputs only found while running.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from helpers import run_on_ranks
+from helpers.data import GPT2_MERGES, GPT2_VOCAB
+from helpers.trainer import ROOT, TINY, main_body
+
+from megazero.checkpoint.format import TRACKER
+from megazero.checkpoint.lock import SaveLock
+from megazero.data.preprocess import PreprocessConfig, preprocess
+from megazero.data.sample import TOKENIZER_MODEL, sample_documents
+
+GPT2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(GPT2_VOCAB), "--merge-file", str(GPT2_MERGES)]
+NO_DATA = [a for a in TINY if a != "--mock-data"] + ["--train-iters", "2"]
+
+
+def mock(*flags):
+    """The tiny trainer run on mock data, and ``flags``."""
+    return ("pretrain", [*TINY, "--train-iters", "2", *flags])
+
+
+def data(*flags):
+    """The tiny trainer run with no data flags, and ``flags``."""
+    return ("pretrain", [*NO_DATA, *flags])
+
+
+def real(*flags):
+    """The tiny trainer run with the GPT-2 tokenizer (give it a --data-path), and ``flags``."""
+    return data(*GPT2, *flags)
+
+
+def tool(name, *argv):
+    return (name, list(argv))
+
+
+# (id, (entry point, argv), exit status, text the one-line message must hold). "{W}" is the workspace.
+CASES = [
+    # numbers: nan, inf and out-of-range values
+    ("lr-nan", mock("--lr", "nan"), 2, "--lr must be a finite number, got nan"),
+    ("lr-inf", mock("--lr", "inf"), 2, "--lr must be a finite number, got inf"),
+    ("lr-negative", mock("--lr", "-1"), 2, "--lr > 0"),
+    ("min-lr-above-lr", mock("--min-lr", "1"), 2, "--min-lr (1.0) <= --lr"),
+    ("clip-grad-nan", mock("--clip-grad", "nan"), 2, "--clip-grad must be a finite number"),
+    ("clip-grad-negative", mock("--clip-grad", "-1"), 2, "--clip-grad and --weight-decay must be >= 0"),
+    ("weight-decay-negative", mock("--weight-decay", "-0.1"), 2, "--clip-grad and --weight-decay must be >= 0"),
+    ("norm-epsilon-negative", mock("--layernorm-epsilon=-1"), 2, "--norm-epsilon must be > 0"),
+    ("init-method-std-zero", mock("--init-method-std", "0"), 2, "--init-method-std must be > 0"),
+    ("init-method-std-inf", mock("--init-method-std", "inf"), 2, "--init-method-std must be a finite number"),
+    ("adam-beta1-one", mock("--adam-beta1", "1"), 2, "--adam-beta1 and --adam-beta2 must be in [0, 1)"),
+    ("adam-eps-zero", mock("--adam-eps", "0"), 2, "--adam-eps must be > 0"),
+    ("hidden-dropout-one", mock("--hidden-dropout", "1"), 2, "--hidden-dropout must be in [0, 1)"),
+    ("attention-dropout-nan", mock("--attention-dropout", "nan"), 2, "--attention-dropout must be a finite"),
+    ("loss-scale-zero", mock("--fp16", "--initial-loss-scale", "0"), 2, "--initial-loss-scale must be > 0"),
+    ("min-loss-scale-above", mock("--fp16", "--min-loss-scale", "1e9"), 2, "--min-loss-scale 1000000000.0 is above"),
+    ("skipped-steps-zero", mock("--max-consecutive-skipped-steps", "0"), 2,
+     "--max-consecutive-skipped-steps must be a positive integer"),
+    ("timeout-zero", mock("--distributed-timeout-minutes", "0"), 2, "--distributed-timeout-minutes must be > 0"),
+    ("timeout-nan", mock("--distributed-timeout-minutes", "nan"), 2, "--distributed-timeout-minutes must be a finite"),
+    ("not-a-number", mock("--lr", "fast"), 2, "argument --lr: invalid float value: 'fast'"),
+    # layout, model shape, batches, schedule
+    ("tp-not-dividing-world", mock("--tp", "3"), 2, "world size 1 is not divisible by tp*pp"),
+    ("dp-not-matching-world", mock("--dp", "2"), 2, "does not equal the world size 1"),
+    ("heads-not-dividing-hidden", mock("--num-attention-heads", "3"), 2, "--hidden-size 32 is not divisible"),
+    ("seq-length-zero", mock("--seq-length", "0"), 2, "--seq-length must be a positive integer"),
+    ("positions-below-seq", mock("--max-position-embeddings", "8"), 2, "--max-position-embeddings 8 is smaller"),
+    ("micro-batch-zero", mock("--micro-batch-size", "0"), 2, "--micro-batch-size must be a positive integer"),
+    ("global-batch-indivisible", mock("--global-batch-size", "7"), 2, "--global-batch-size 7 is not divisible"),
+    ("train-iters-zero", mock("--train-iters", "0"), 2, "--train-iters must be a positive integer"),
+    ("eval-interval-zero", mock("--eval-interval", "0"), 2, "--eval-interval must be a positive integer"),
+    ("warmup-beyond-decay", mock("--lr-warmup-iters", "5", "--lr-decay-iters", "3"), 2,
+     "--lr-warmup-iters 5 must be between 0 and --lr-decay-iters 3"),
+    ("zero-stage-4", mock("--zero-stage", "4"), 2, "argument --zero-stage: invalid choice: 4"),
+    ("keep-gathered-without-zero3", mock("--zero3-keep-params-gathered"), 2, "applies to --zero-stage 3 only"),
+    ("virtual-stages-without-pp", mock("--num-layers-per-virtual-pipeline-stage", "1"), 2,
+     "--num-layers-per-virtual-pipeline-stage needs"),
+    ("bad-parallel-order", mock("--parallel-order", "tp-tp-dp"), 2, "--parallel-order 'tp-tp-dp' must name"),
+    ("bf16-and-fp16", mock("--bf16", "--fp16"), 2, "--bf16 and --fp16 are exclusive"),
+    ("nccl-without-cuda", mock("--backend", "nccl"), 2, "--backend nccl needs CUDA"),
+    ("unknown-flag", mock("--no-such-flag"), 2, "unrecognized arguments: --no-such-flag"),
+    ("abbreviated-flag", mock("--hidden", "64"), 2, "unrecognized arguments: --hidden"),
+    # data and tokenizer
+    ("data-without-tokenizer", data("--data-path", "x"), 2, "--data-path needs --tokenizer-type"),
+    ("mock-and-data", mock("--data-path", "{W}/gpt2_text_document", *GPT2), 2,
+     "--mock-data and --data-path are exclusive"),
+    ("gpt2-without-merges", real("--merge-file", "", "--data-path", "{W}/gpt2_text_document"), 2,
+     "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
+    ("missing-prefix", real("--data-path", "{W}/nothing_here"), 2, "--data-path {W}/nothing_here"),
+    ("bin-truncated", real("--data-path", "{W}/short"), 2, "--data-path {W}/short"),
+    ("bin-missing", real("--data-path", "{W}/noidx"), 2, "--data-path {W}/noidx"),
+    ("idx-garbage", real("--data-path", "{W}/garbage"), 2, "--data-path {W}/garbage"),
+    ("ids-beyond-vocabulary", data("--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                                   str(TOKENIZER_MODEL), "--data-path", "{W}/gpt2_text_document"), 2,
+     "but the tokenizer's vocabulary has"),
+    ("missing-vocab-file", data("--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{W}/no_vocab.json",
+                                "--merge-file", str(GPT2_MERGES), "--data-path", "{W}/gpt2_text_document"), 2,
+     "{W}/no_vocab.json"),
+    ("missing-tokenizer-model", data("--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                                     "{W}/no.model", "--data-path", "{W}/gpt2_text_document"), 2, "{W}/no.model"),
+    ("blend-weight-negative", real("--data-path", "-1", "{W}/gpt2_text_document", "1", "{W}/gpt2_text_document"),
+     2, "--data-path weight '-1' must be a positive number"),
+    ("blend-weight-nan", real("--data-path", "nan", "{W}/gpt2_text_document", "1", "{W}/gpt2_text_document"),
+     2, "--data-path weight 'nan' must be a positive number"),
+    ("blend-odd-count", real("--data-path", "1", "{W}/gpt2_text_document", "1"), 2, "takes weight-prefix pairs"),
+    ("split-no-training", real("--data-path", "{W}/gpt2_text_document", "--split", "0,1,0"), 2,
+     "--split '0,1,0' must be up to three non-negative weights"),
+    ("split-words", mock("--split", "a,b"), 2, "--split 'a,b'"),
+    ("split-four-parts", mock("--split", "1,2,3,4"), 2, "--split '1,2,3,4'"),
+    # output paths
+    ("metrics-file-is-directory", mock("--metrics-file", "{W}"), 2, "--metrics-file {W} is a directory"),
+    ("metrics-file-dir-is-file", mock("--metrics-file", "{W}/a_file/metrics.jsonl"), 2,
+     "--metrics-file {W}/a_file/metrics.jsonl: its directory {W}/a_file is a file"),
+    ("save-is-file", mock("--save", "{W}/a_file"), 2, "--save {W}/a_file is a file, not a directory"),
+    ("save-under-file", mock("--save", "{W}/a_file/run"), 2, "--save {W}/a_file/run: {W}/a_file is not a writable"),
+    ("cache-is-file", real("--data-path", "{W}/gpt2_text_document", "--data-cache-path", "{W}/a_file"), 2,
+     "--data-cache-path {W}/a_file is a file"),
+    ("tensorboard-is-file", mock("--tensorboard-dir", "{W}/a_file"), 2, "--tensorboard-dir {W}/a_file is a file"),
+    # checkpoints
+    ("save-holds-another-run", mock("--save", "{W}/run"), 2, "--save {W}/run already holds another run's"),
+    ("save-locked", mock("--save", "{W}/locked", "--load", "{W}/locked"), 2,
+     "--save {W}/locked is in use by another run (pid"),
+    ("load-missing", mock("--load", "{W}/no_such_run"), 2, "--load {W}/no_such_run does not exist"),
+    ("load-empty", mock("--load", "{W}/empty_dir"), 2, "--load {W}/empty_dir holds no checkpoint"),
+    ("load-tracker-garbage", mock("--load", "{W}/run_bad_tracker"), 2, TRACKER),
+    ("load-tracker-to-missing", mock("--load", "{W}/run_lost_iteration"), 2, "iter_0000099"),
+    ("load-other-model", mock("--load", "{W}/run", "--hidden-size", "64"), 2,
+     "{W}/run was saved with --hidden-size 32, this run has 64"),
+    ("load-index-garbage", mock("--load", "{W}/run_bad_index"), 2, "{W}/run_bad_index"),
+    ("save-interval-without-save", mock("--save-interval", "1"), 2, "--save-interval needs --save"),
+    ("finetune-without-load", mock("--finetune"), 2, "--finetune needs --load"),
+    # config files
+    ("config-missing", mock("--config", "{W}/no.toml"), 2, "--config {W}/no.toml: no such file"),
+    ("config-bool-as-string", mock("--config", "{W}/bool_string.toml"), 2, "'bf16' must be true or false, got 'false'"),
+    ("config-int-as-string", mock("--config", "{W}/int_string.yaml"), 2, "'num-layers' must be an integer, got '4'"),
+    ("config-unknown-key", mock("--config", "{W}/unknown.toml"), 2, "unknown key 'model.hiden-size'"),
+    ("config-duplicate-yaml", mock("--config", "{W}/duplicate.yaml"), 2, "key 'lr' is given twice"),
+    ("config-two-spellings", mock("--config", "{W}/two_spellings.toml"), 2, "'num_layers' sets what 'num-layers'"),
+    ("config-not-toml", mock("--config", "{W}/broken.toml"), 2, "--config {W}/broken.toml: not valid TOML"),
+    ("config-bad-choice", mock("--config", "{W}/bad_choice.toml"), 2, "'zero-stage' must be one of 0, 1, 2, 3"),
+    ("deepspeed-not-json", mock("--deepspeed-config", "{W}/broken.json"), 2, "not valid JSON"),
+    ("deepspeed-unsupported-key", mock("--deepspeed-config", "{W}/ds_unsupported.json"), 2,
+     "zero_optimization.sub_group_size"),
+    ("deepspeed-optimizer-sgd", mock("--deepspeed-config", "{W}/ds_sgd.json"), 2, "optimizer.type"),
+    ("deepspeed-batch-disagrees", mock("--deepspeed-config", "{W}/ds_batch.json"), 2,
+     "--global-batch-size 8 is not micro-batch 2 x gradient accumulation steps 3"),
+    ("deepspeed-disagrees-with-flag", mock("--deepspeed-config", "{W}/ds_clip.json", "--clip-grad", "0.5"), 2,
+     "set it in one place"),
+    ("accelerate-unsupported-key", mock("--accelerate-config", "{W}/acc_unsupported.yaml"), 2,
+     "deepspeed_config.deepspeed_hostfile"),
+    ("accelerate-offload", mock("--accelerate-config", "{W}/acc_offload.yaml"), 2,
+     "deepspeed_config.offload_optimizer_device: offloading is not available"),
+    ("accelerate-fp8", mock("--accelerate-config", "{W}/acc_fp8.yaml"), 2, "mixed_precision"),
+    # tools
+    ("convert-existing-output", tool("convert_checkpoint", "--input", "{W}/run/iter_0000002", "--output",
+                                     "{W}/run_bad_index", "--to", "megazero"), 1, "--overwrite"),
+    ("convert-target-tp-negative", tool("convert_checkpoint", "--input", "{W}/run/iter_0000002", "--output",
+                                        "{W}/out/tp", "--to", "megazero", "--target-tp=-1"), 1, "--target-tp"),
+    ("convert-output-is-input", tool("convert_checkpoint", "--input", "{W}/run/iter_0000002", "--output",
+                                     "{W}/run/iter_0000002", "--to", "hf", "--overwrite"), 1, "--output is --input"),
+    ("convert-not-a-checkpoint", tool("convert_checkpoint", "--input", "{W}/empty_dir", "--output", "{W}/out/x",
+                                      "--to", "hf"), 1, "{W}/empty_dir"),
+    ("preprocess-existing-output", tool("preprocess_data", "--input", "{W}/corpus.jsonl", "--output-prefix",
+                                        "{W}/gpt2", *GPT2), 2, "--overwrite"),
+    ("preprocess-missing-input", tool("preprocess_data", "--input", "{W}/no.jsonl", "--output-prefix",
+                                      "{W}/out/x", *GPT2), 2, "{W}/no.jsonl"),
+    ("estimate-bad-layout", tool("estimate_memory", *TINY, "--world-size", "3", "--tp", "2"), 2,
+     "world size 3 is not divisible by tp*pp"),
+    ("inspect-corrupt-tracker", tool("inspect_checkpoint", "{W}/run_bad_tracker"), 1, TRACKER),
+    ("generate-missing-checkpoint", tool("generate", "--load", "{W}/no_such_run", "--prompt-ids", "1"), 1,
+     "{W}/no_such_run"),
+]
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """Every file the cases name (see the module docstring); a lock on ``locked/`` held throughout."""
+    w = tmp_path_factory.mktemp("inputs")
+    _write(w / "corpus.jsonl", "".join(json.dumps({"text": d}) + "\n" for d in sample_documents()[:20]))
+    preprocess(PreprocessConfig(input=str(w / "corpus.jsonl"), output_prefix=str(w / "gpt2"), append_eod=True,
+                                tokenizer_type="GPT2BPETokenizer", vocab_file=str(GPT2_VOCAB),
+                                merge_file=str(GPT2_MERGES)), lambda line: None)
+    prefix = w / "gpt2_text_document"
+    for name in ("short", "noidx", "garbage"):
+        shutil.copy(f"{prefix}.idx", w / f"{name}.idx")
+        shutil.copy(f"{prefix}.bin", w / f"{name}.bin")
+    (w / "short.bin").write_bytes((w / "short.bin").read_bytes()[:-100])
+    (w / "noidx.bin").unlink()
+    (w / "garbage.idx").write_bytes(b"not an index" * 10)
+    (w / "a_file").write_text("a file where a directory should be\n")
+    (w / "empty_dir").mkdir()
+
+    assert run_on_ranks(1, main_body, [*TINY, "--train-iters", "2", "--save", str(w / "run")], timeout=120) == [0]
+    for name in ("run_bad_tracker", "run_lost_iteration", "run_bad_index"):
+        shutil.copytree(w / "run", w / name)
+    (w / "run_bad_tracker" / TRACKER).write_text("two\n")
+    (w / "run_lost_iteration" / TRACKER).write_text("99\n")
+    (w / "run_bad_index" / "iter_0000002" / "index.json").write_text("{ not json")
+    lock = SaveLock.acquire(w / "locked")
+
+    _write(w / "bool_string.toml", 'bf16 = "false"\n')
+    _write(w / "int_string.yaml", 'num-layers: "4"\n')
+    _write(w / "unknown.toml", "[model]\nhiden-size = 64\n")
+    _write(w / "duplicate.yaml", "lr: 0.1\nlr: 0.2\n")
+    _write(w / "two_spellings.toml", "num-layers = 4\nnum_layers = 4\n")
+    _write(w / "broken.toml", "tp = = 2\n")
+    _write(w / "bad_choice.toml", "zero-stage = 5\n")
+    _write(w / "broken.json", '{"train_batch_size": 8,')
+    _write(w / "ds_unsupported.json", json.dumps({"zero_optimization": {"stage": 1, "sub_group_size": 1e9}}))
+    _write(w / "ds_sgd.json", json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    _write(w / "ds_batch.json", json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}))
+    _write(w / "ds_clip.json", json.dumps({"gradient_clipping": 1.0}))
+    _write(w / "acc_unsupported.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 1\n"
+                                       "  deepspeed_hostfile: /job/hostfile\n")
+    _write(w / "acc_offload.yaml", "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: cpu\n")
+    _write(w / "acc_fp8.yaml", "distributed_type: DEEPSPEED\nmixed_precision: fp8\ndeepspeed_config:\n"
+                               "  zero_stage: 1\n")
+    yield w
+    lock.release()
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _entry_point(name: str):
+    if name == "pretrain":
+        import pretrain_gpt
+
+        return pretrain_gpt.main
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_the_table_has_sixty_distinct_cases():
+    assert len({c[0] for c in CASES}) == len(CASES) >= 60
+    assert len({json.dumps(c[1]) for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused(case, workspace, capsys, monkeypatch):
+    name, (entry, argv), status, message = case
+    w = str(workspace)
+    argv = [a.replace("{W}", w) for a in argv]
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError(f"{name}: a process group was created before the input was refused")
+
+    monkeypatch.setattr(dist, "init_process_group", tripwire)
+    before = _hashes(workspace)
+    main = _entry_point(entry)
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == status, f"exit {code}, stderr: {err}"
+    assert "Traceback" not in err
+    assert lines and message.replace("{W}", w) in lines[-1], err       # the message is the last line, whole
+    assert _hashes(workspace) == before                                 # no input changed
+    assert not dist.is_initialized()

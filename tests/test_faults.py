@@ -1,0 +1,166 @@
+"""Faults found only while running, through the real entry point in real processes: a diverging
+run stops without saving its bad state; a stopped rank ends the job after the distributed timeout
+instead of hanging; killing the launcher ends its workers and frees ``--save`` for the next run,
+which a second run could not take while the first was alive.
+
+Inputs known at start are refused by ``test_bad_input.py``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.trainer import ROOT, TINY, read_metrics
+
+from megazero.checkpoint.format import TRACKER
+from megazero.checkpoint.reader import CheckpointReader
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+FOREVER = ["--train-iters", "100000", "--eval-interval", "100000"]   # runs until the test ends it
+
+
+def _pretrain(*flags, cwd):
+    return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *flags], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=ENV)
+
+
+def _launch(nproc: int, *flags, cwd) -> subprocess.Popen:
+    """torchrun in a process group (session) of its own, as a cluster scheduler would start it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(ROOT / "pretrain_gpt.py"), *flags]
+    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                            start_new_session=True)
+
+
+def _wait_for(predicate, what: str, limit_s: float = 240) -> None:
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < limit_s, f"waited {limit_s} s for {what}"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its parent to reap it counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    """The launcher's workers: processes whose parent is ``pid``, in start order."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return sorted(kids)
+
+
+def _end(proc: subprocess.Popen, pids=()) -> None:
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
+@pytest.mark.parametrize("precision,reason", [
+    ([], r"loss (nan|inf), gradient norm (nan|inf) \(first non-finite gradients on this rank: \S+"),
+    pytest.param(["--bf16"], r"loss (nan|inf), gradient norm (nan|inf)", marks=pytest.mark.slow),
+    pytest.param(["--fp16", "--max-consecutive-skipped-steps", "3"], "3 steps skipped in a row",
+                 marks=pytest.mark.slow),
+], ids=["fp32", "bf16", "fp16"])
+def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(precision, reason, tmp_path):
+    """lr 1e6: the first steps (lr 5e5 in warmup) wreck the weights until a loss or gradient is not
+    finite (fp16: every step overflows from then on). The run stops at that iteration N, logs it,
+    and N - 1 stays the latest checkpoint, with finite weights."""
+    save, metrics = tmp_path / "run", tmp_path / "m.jsonl"
+    run = _pretrain(*TINY, *precision, "--lr", "1e6", "--save", str(save), "--save-interval", "1",
+                    "--metrics-file", str(metrics), cwd=tmp_path)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    found = re.fullmatch(rf"pretrain_gpt.py: error: iteration (\d+): .*{reason}.*", last)
+    assert found, last
+    stopped = int(found.group(1))
+    assert 1 < stopped < 10
+    train = read_metrics(metrics)[0]
+    assert train[-1]["iteration"] == stopped                # the fatal step is in the record
+    if "--fp16" in precision:
+        assert [r["skipped"] for r in train[-3:]] == [True] * 3 and not train[-4]["skipped"]
+    else:                                               # JSON has no nan: a non-finite figure is null
+        assert not all(math.isfinite(train[-1][k] or math.nan) for k in ("loss", "grad_norm"))
+    good = stopped - 3 if "--fp16" in precision else stopped - 1   # no save lands on a skipped step
+    assert int((save / TRACKER).read_text()) == good
+    assert max(p.name for p in save.iterdir() if p.name.startswith("iter_")) == f"iter_{good:07d}"
+    reader = CheckpointReader(save / f"iter_{good:07d}")
+    kind = "optim.master/" if precision else "model/"       # fp32 masters are the state of truth
+    weights = [k for k in reader.tensors if k.startswith(kind)]
+    assert weights and all(bool(reader.read_full(k).isfinite().all()) for k in weights)
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
+    """A 4-rank tp2 job, one rank frozen with SIGSTOP: its tensor-parallel partner's collective times
+    out after --distributed-timeout-minutes 1, the job ends nonzero naming the timeout. torchrun then
+    gives the frozen worker its 30 s to end before killing it."""
+    metrics = tmp_path / "m.jsonl"
+    job = _launch(4, *TINY, *FOREVER, "--tp", "2", "--distributed-timeout-minutes", "1",
+                  "--metrics-file", str(metrics), cwd=tmp_path)
+    workers = []
+    try:
+        _wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, "the first iteration")
+        workers = _children(job.pid)
+        assert len(workers) == 4, workers
+        os.kill(workers[-1], signal.SIGSTOP)        # the last local rank: rank 0 stays to report
+        t0 = time.monotonic()
+        out, _ = job.communicate(timeout=60 + 120)
+        ended = time.monotonic() - t0
+    finally:
+        _end(job, workers)
+    assert job.returncode != 0
+    assert "did not complete within --distributed-timeout-minutes 1" in out, out[-3000:]
+    assert ended < 60 + 90, ended
+    print(f"stopped rank: job ended {ended:.0f} s after SIGSTOP (timeout 60 s)")
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_ends_the_workers_and_frees_the_save_lock(tmp_path):
+    """While a 2-rank job saves into --save, a second run on it is refused; SIGKILL to the launcher's
+    process group ends both workers within 10 s; a third run then takes the lock over and resumes."""
+    save, metrics = tmp_path / "run", tmp_path / "m.jsonl"
+    job = _launch(2, *TINY, *FOREVER, "--dp", "2", "--save", str(save), "--load", str(save), "--save-interval", "1",
+                  "--metrics-file", str(metrics), cwd=tmp_path)
+    workers = []
+    try:
+        _wait_for(lambda: (save / TRACKER).exists(), "the first checkpoint")
+        workers = _children(job.pid)
+        assert len(workers) == 2, workers
+        second = _pretrain(*TINY, "--save", str(save), "--load", str(save), cwd=tmp_path)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"--save {save} is in use by another run (pid" in second.stderr.strip().splitlines()[-1]
+        os.killpg(job.pid, signal.SIGKILL)          # the launcher's group; torchrun's workers have their own
+        t0 = time.monotonic()
+        _wait_for(lambda: not any(_alive(w) for w in workers), "the workers to end", limit_s=10)
+        print(f"workers ended {time.monotonic() - t0:.1f} s after the launcher was killed")
+    finally:
+        _end(job, workers)
+    done = int((save / TRACKER).read_text())
+    third = _pretrain(*TINY, "--train-iters", str(done + 1), "--save", str(save), "--load", str(save),
+                      "--metrics-file", str(tmp_path / "third.jsonl"), cwd=tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "took over the lock" in third.stdout and "left by a run that has ended" in third.stdout
+    assert [r["iteration"] for r in read_metrics(tmp_path / "third.jsonl")[0]] == [done + 1]
+    assert json.loads((save / f"iter_{done + 1:07d}" / "index.json").read_text())["iteration"] == done + 1
