@@ -316,5 +316,9 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
         values.update(_merge(foreign, flags, "the command line"))
         return validate(job_from_values(values), world_size)
     except (ConfigError, TypeError) as e:
-        first = os.environ.get("RANK", "0") == "0"  # one line from the launcher, not one per rank
-        parser.exit(2, f"{parser.prog}: error: {e}\n" if first else None)
+        # One line from the launcher, not one per rank: rank 0 prints and exits at once, and the launcher
+        # stops the others while they wait; a rank still alive after the wait prints the line itself.
+        if os.environ.get("RANK", "0") != "0":
+            import time
+            time.sleep(5.0)
+        parser.exit(2, f"{parser.prog}: error: {e}\n")

@@ -4,6 +4,7 @@ tp1pp1dp1 ZeRO-3, tp2dp2 ZeRO-3: the same next losses), and a torchrun restart a
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -117,7 +118,7 @@ def test_resume_under_another_layout(saved_tp2pp2dp2, uninterrupted, tmp_path, w
 def test_load_without_checkpoint_is_an_error(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *map(str, TINY), "--load", tmp_path / "none"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and f"--load {tmp_path / 'none'} does not exist" in run.stderr
+    assert run.returncode == 2 and f"--load {tmp_path / 'none'} does not exist" in run.stderr
 
 
 _CRASH_ONCE = textwrap.dedent("""
@@ -149,8 +150,16 @@ def test_torchrun_restart_after_a_killed_rank_resumes_from_the_checkpoint(tmp_pa
     # torch 2.13's launcher keeps one shared TCP store across restarts without a per-attempt key prefix,
     # so the restarted workers' gloo mesh reads the dead attempt's addresses ("Connection refused");
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each attempt a fresh store hosted by its rank 0.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=360)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)                      # the launcher and every worker it started
+        out, err = proc.communicate()
+        pytest.fail(f"the restarted run did not finish in 360 s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    run = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "crashed").exists()
     assert "resumed from" in run.stdout and "at iteration 5" in run.stdout

@@ -50,7 +50,17 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
             results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
         except BaseException:  # noqa: BLE001 - report everything, including assertion failures
             results.put((rank, False, traceback.format_exc()))
+        _destroy_subgroups(dist)
     dist.destroy_process_group()
+
+
+def _destroy_subgroups(dist) -> None:
+    """Destroy the groups a body created (every Topology makes several): each gloo group keeps its
+    threads and sockets until destroyed, and a reused worker would otherwise gather hundreds."""
+    default = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not default:
+            dist.destroy_process_group(group)
 
 
 class _Pool:
