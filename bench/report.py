@@ -234,6 +234,139 @@ def gpu_section(gpu: dict, outdir: str) -> list[str]:
     return out + _table("| model | side | step ms | tokens/s | MFU | peak alloc MiB | loss |", rows) + [""]
 
 
+CAPACITY_HEAD = ("| variant | largest L within budget | parameters at L | measured peak MiB at L (phase) "
+                 "| estimator's peak MiB at L | estimator's largest L | L+1 measured peak MiB | L measured |")
+
+
+def _capacity_row(row) -> list[str]:
+    """Cells of one variant's line in the capacity table."""
+    if row.unavailable:
+        return [row.name, "-", "-", "-", "-", "-", "-", row.unavailable]
+    at, above = row.run_at(row.layers), row.run_at(row.layers + 1)
+    binding = max(at.phases, key=at.phases.get) if at else ""
+    est_peak = "-" if row.estimated_peak is None else (
+        f"{row.estimated_peak / MIB:.1f} ({100 * deviation(row.estimated_peak, at.peak):+.0f}% vs measured)")
+    est_layers = "-" if row.estimated_layers is None else str(row.estimated_layers)
+    above_cell = f"{above.peak / MIB:.1f}" if above else "- (L = max searched)"
+    return [row.name, f"**{row.layers}**", f"{row.params / 1e6:.2f} M",
+            f"{at.peak / MIB:.1f} ({binding})" if at else "- (L = 1 is over)", est_peak, est_layers, above_cell,
+            ", ".join(str(L) for L in sorted(row.runs))]
+
+
+def _capacity_phases(rows) -> list[list[str]]:
+    """Per variant at its answer L: each phase's peak, the re-anchoring correction, the run's time."""
+    out = []
+    for row in rows:
+        at = None if row.unavailable else row.run_at(row.layers)
+        if at is None:
+            continue
+        out.append([row.name, str(row.layers)] + [f"{at.phases[p] / MIB:.1f}" for p in ("construct", "steps", "save",
+                                                                                         "load")]
+                   + [f"{max(r.drift for r in row.runs.values()) / MIB:.1f}", f"{at.loss:.4f}", f"{at.seconds:.0f}"])
+    return out
+
+
+def capacity_section(spec, rows: list, plot: dict) -> list[str]:
+    """The capacity table (see bench/rows_capacity.py) and its plot."""
+    out = ["## Capacity: the largest GPT within a fixed memory budget per rank", "",
+           f"Budget: **{spec.budget_mib:g} MiB of live tensor bytes per rank**. Model: {spec.describe()} (gloo, one "
+           f"torch thread per rank). A run fits when its peak over every rank and phase -- construction, "
+           f"{spec.steps} training step{'s' if spec.steps != 1 else ''}, a checkpoint save and a load into the live model and optimizer -- is at "
+           f"most the budget. L is the largest layer count measured to fit with L + 1 measured not to; every "
+           f"figure below is measured except the estimator's.", ""]
+    out += _table(CAPACITY_HEAD, [_capacity_row(r) for r in rows])
+    done = {r.name: r.layers for r in rows if not r.unavailable}
+    if done.get("ours-zero0") and done.get("ours-zero3"):
+        out += ["", f"ZeRO-3 fits {done['ours-zero3'] / done['ours-zero0']:.1f}x the layers of ZeRO-0 in the "
+                    f"same budget."]
+    out += ["", "### Per phase at the answer L (peak live MiB per rank, largest over ranks)", ""]
+    out += _table("| variant | L | construct | steps | save | load | profiler drift corrected MiB | final loss "
+                  "| run s |", _capacity_phases(rows))
+    out += ["", "How to read it:", "",
+            "- Memory is **live tensor bytes** (`megazero.memory.LiveTensorBytes`: every CPU tensor alive, from the "
+            "torch profiler's allocation events), not resident memory: the allocator's cache, the interpreter and "
+            "the libraries are not in it. All three frameworks allocate torch tensors, so the same probe measures "
+            "them alike.",
+            "- The profiler follows the thread that runs the phase; a tensor whose last reference dies in a gloo "
+            "worker thread (an async collective's buffer) would stay counted. Between phases the chain is "
+            "re-anchored on the bytes of the tensors Python still reaches (after a barrier, nothing in flight); "
+            "'drift' is the largest such correction of the variant's runs. Within a phase such a buffer still "
+            "counts: the peaks are upper bounds.",
+            "- Construction as a user at the edge of memory does it: ours on the meta device, parameters "
+            "materialised by the engine where they live; FSDP2 on the meta device, `fully_shard` per layer and "
+            "root, `to_empty`, then each parameter's initial value written into its shard; DeepSpeed under "
+            "`deepspeed.zero.Init` with its reduce bucket set to our bucket size and one layer prefetched (its "
+            "defaults allocate a 2 GB reduce bucket and prefetch 5e7 elements). Save/load: ours "
+            "`save_checkpoint`/`load_checkpoint`, FSDP2 `torch.distributed.checkpoint` of `get_state_dict`, "
+            "DeepSpeed `engine.save_checkpoint`/`load_checkpoint`; the load goes into the live model and "
+            "optimizer.",
+            "- Estimator: `tools/estimate_memory.py` (`estimate_memory(job, 'cpu')`, the binding rank) at the "
+            "measured L, its deviation from the measured peak, and the largest L it would allow. It models "
+            "construction and a training step, not the save and load.", ""]
+    if plot.get("capacity"):
+        out += [f"![peak live MiB per rank vs layers]({plot['capacity']})", ""]
+    elif plot.get("missing"):
+        out += [f"Plot: {plot['missing']}", ""]
+    return out
+
+
+def capacity_plot(spec, rows: list, outdir: str, filename: str = "bench_capacity.png") -> dict:
+    """Measured peak per rank against L for every variant, the budget line and the estimator's line
+    for ours; saved in bench/results/ and linked relative to ``outdir``."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {"missing": "not drawn: matplotlib is not installed (pip install matplotlib, an optional extra)"}
+    from rows_capacity import estimated_peak
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    top = max([L for r in rows for L in r.runs] + [1]) + 1
+    for row in rows:
+        if row.unavailable or not row.runs:
+            continue
+        ls = sorted(row.runs)
+        line, = ax.plot(ls, [row.runs[L].peak / MIB for L in ls], "o-", label=f"{row.name} (L = {row.layers})")
+        if row.name.startswith("ours-zero"):
+            est = range(1, top + 1)
+            ax.plot(list(est), [estimated_peak(spec, L, int(row.name[-1])) / MIB for L in est], ":",
+                    color=line.get_color(), linewidth=1)
+    ax.axhline(spec.budget_mib, color="black", linestyle="--", linewidth=1, label=f"budget {spec.budget_mib:g} MiB")
+    ax.set_xlabel("layers (L)")
+    ax.set_ylabel("peak live tensor MiB per rank")
+    ax.set_title(f"dp = {spec.dp}: measured (points), estimator for ours (dotted)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(RESULTS, filename)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return {"capacity": _link(path, outdir)}
+
+
+def split_sections(text: str) -> tuple[str, dict[str, str]]:
+    """(the text before the first ``## `` heading, {heading line: that section's text}), in order."""
+    head, sections, current = [], {}, None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            current = line
+            sections[current] = []
+        (sections[current] if current else head).append(line)
+    return "\n".join(head), {k: "\n".join(v) for k, v in sections.items()}
+
+
+def update_sections(old_text: str, new_lines: list[str], note: str) -> str:
+    """``old_text`` (a BENCHMARKS.md) with each section of ``new_lines`` replacing the section of the
+    same heading (appended when new), ``note`` (the command and date of the rerun) under its heading;
+    every other section is kept as it was."""
+    head, old = split_sections(old_text)
+    _, new = split_sections("\n".join(new_lines))
+    for heading, body in new.items():
+        first, _, rest = body.partition("\n")
+        old[heading] = f"{first}\n\n{note}\n{rest}".rstrip() + "\n"
+    return "\n".join([head.rstrip() + "\n"] + [v.rstrip() + "\n" for v in old.values()])
+
+
 def targets_section(targets: list) -> list[str]:
     out = ["## Where we stand against the targets", "",
            "Targets: ours/peer step time <= 1.0x on every row, < 0.8x against FSDP2 and DeepSpeed ZeRO-3, "
@@ -292,5 +425,5 @@ def plots(memory: dict, step_time: dict, psi: int, outdir: str) -> dict:
     return out
 
 
-__all__ = ["dp_section", "tp_section", "pp_section", "scaling_section", "gpu_section", "targets_section",
-           "plots", "deviation"]
+__all__ = ["dp_section", "tp_section", "pp_section", "scaling_section", "gpu_section", "capacity_section",
+           "targets_section", "plots", "capacity_plot", "deviation", "update_sections", "split_sections"]

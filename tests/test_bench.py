@@ -36,3 +36,34 @@ def test_theory_formulas():
     assert dp_comm_bytes(psi, n, 3, micro=2, psi_emb=10) == 2 * (3 * psi + 20) * 4 * 3 / 4
     assert tp_layer_comm_bytes(2, 16, 32, 2) == 8 * 2 * 16 * 32 / 2 * 4
     assert "FLAG" in flag(1.2, 1.0) and "FLAG" not in flag(1.05, 1.0)
+
+
+def test_capacity_search_pins_the_boundary_with_few_measurements():
+    """The capacity search finds the largest L under the budget with L + 1 measured over, whatever
+    the first guess, and measures far fewer points than a sweep."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from rows_capacity import largest_fitting
+
+    def peak(layers):                    # 10 MiB fixed + 3 MiB per layer, a little noise-free curvature
+        return 10 + 3 * layers + layers * layers // 20
+
+    budget = 72
+    truth = max(L for L in range(1, 41) if peak(L) <= budget)
+    for guess, slope in ((1, None), (5, 2.0), (20, 3.0), (40, None), (truth, 3.0)):
+        calls = []
+        found, peaks = largest_fitting(lambda L: calls.append(L) or peak(L), budget, guess, 40, slope)
+        assert found == truth and peaks[found] <= budget < peaks[found + 1], (guess, found, peaks)
+        assert len(calls) <= 6 and len(set(calls)) == len(calls), calls          # no point measured twice
+    assert largest_fitting(peak, 5, 3, 40)[0] == 0                          # L = 1 is already over
+    assert largest_fitting(peak, 10**6, 3, 40)[0] == 40                     # the cap fits
+
+
+def test_update_replaces_only_the_rerun_sections():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from report import update_sections
+
+    old = "# megazero benchmarks\n\n- Command: x\n\n## A\n\nold a\n\n## B\n\nold b\n"
+    new = update_sections(old, ["## B", "", "new b", "", "## C", "", "new c"], "_rerun alone_")
+    assert new.startswith("# megazero benchmarks\n\n- Command: x\n")
+    assert "old a" in new and "old b" not in new and "new b" in new and "new c" in new
+    assert new.index("## A") < new.index("## B") < new.index("## C") and new.count("_rerun alone_") == 2
