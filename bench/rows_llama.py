@@ -23,6 +23,10 @@ LLAMA_FLAGS = dict(position_embedding_type="rope", normalization="RMSNorm", swig
                    num_query_groups=2, add_bias_linear=False, untie_embeddings_and_output_weights=True)
 
 
+# Where the bytes are real: about 36M parameters on both sides.
+LLAMA_LARGE = Spec(layers=10, hidden=512, heads=8, seq=128, vocab=8192, micro_batch=1, micro_batches=2, rounds=8)
+
+
 def count(cfg: ModelConfig) -> int:
     return sum(p.numel() for p in GPT(cfg, device="meta").parameters())
 

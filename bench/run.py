@@ -152,9 +152,13 @@ def main(argv=None) -> None:
                                   os.path.dirname(os.path.abspath(a.out)))
         body += report.scaling_section(spec, memory, step_time, psi, plot_files)
     if "llama" in sections:
-        from rows_llama import run_llama
-        log("gpt2-style vs llama-style")
-        body += report.llama_section(spec, run_llama(spec))
+        from rows_llama import LLAMA_LARGE, run_llama
+        shapes = [spec] if a.quick else [spec, LLAMA_LARGE]
+        results = []
+        for shape in shapes:
+            log(f"gpt2-style vs llama-style, {shape.layers} x {shape.hidden}")
+            results.append((shape, run_llama(shape)))
+        body += report.llama_section(results)
     if "capacity" in sections:
         from rows_capacity import QUICK_CAPACITY, CapacitySpec, run_capacity
         cap = QUICK_CAPACITY if a.quick else CapacitySpec()
