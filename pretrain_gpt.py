@@ -52,14 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:                          # gloo and NCCL say "timed out" / "Timeout"
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
-        stop(f"a collective did not complete within --distributed-timeout-minutes "
+        # Only the ranks waiting on the stuck one time out, and the launcher stops the rest as soon as
+        # the first exits: each rank that saw the timeout says so.
+        stop(f"rank {rank}: a collective did not complete within --distributed-timeout-minutes "
              f"{job.parallel.distributed_timeout_minutes:g} (a rank stopped, died or is far slower): "
-             f"{str(e).splitlines()[0][:300]}", 1, rank)
+             f"{str(e).splitlines()[0][:300]}", 1, rank, every_rank=True)
 
 
-def stop(message: str, status: int, rank: int) -> None:
-    """End the run with one line on stderr (from rank 0 only: not one per rank) and ``status``."""
-    if rank == 0:
+def stop(message: str, status: int, rank: int, every_rank: bool = False) -> None:
+    """End the run with one line on stderr and ``status``: from rank 0 only (not one line per rank for
+    what every rank sees alike), or ``every_rank`` for what only some ranks see."""
+    if rank == 0 or every_rank:
         print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(status)
 

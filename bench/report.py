@@ -182,6 +182,31 @@ def scaling_section(spec: Spec, memory: dict, step_time: dict, psi: int, plots: 
     return out + [""]
 
 
+def llama_section(results: list) -> list[str]:
+    """GPT-2 style vs Llama style at equal parameter count (bench/rows_llama.py), one table per
+    (spec, result) of ``results``: the bench's small shape and one where the bytes are real."""
+    out = ["## GPT-2 style vs Llama style at equal parameter count (one process)", "",
+           "megazero's engine at dp = 1 on both sides (ZeRO-0, the same AdamW). Llama style: RoPE, RMSNorm, "
+           "SwiGLU (width chosen to match the parameter count), 2 key/value groups, no biases, untied output "
+           "layer. ratio = Llama / GPT-2 step time (median of per-round ratios).", ""]
+    for spec, res in results:
+        gpt2, llama = res["gpt2-style"], res["llama-style"]
+        tokens = spec.micro_batches * spec.micro_batch * spec.seq
+        out += [f"{spec.layers} layers x {spec.hidden} hidden, {spec.heads} heads, seq {spec.seq}, vocab "
+                f"{spec.vocab}, {spec.micro_batches} micro-batches of {spec.micro_batch}, {spec.rounds} rounds:", ""]
+        rows = []
+        for name, r in (("GPT-2 style", gpt2), ("Llama style", llama)):
+            x = r["extra"]
+            rows.append([name, f"{x['params']:,}", str(x["ffn"]), f"{x['flops_per_token'] / 1e6:.2f}",
+                         _ms(r["times"]), f"{tokens / median(r['times']):,.0f}", f"{r['peak_rss_mib']:.0f}",
+                         f"{r['losses'][-1]:.4f}"])
+        out += _table("| model | parameters | ffn | MFLOP/token (train) | ms/step | tokens/s | peak RSS MiB | "
+                      "final loss |", rows)
+        ratio = ratio_of_medians_per_round(llama["times"], gpt2["times"])
+        out += ["", f"Llama / GPT-2 step time: **{ratio:.2f}x**", ""]
+    return out
+
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")   # generated plots and reports
 GPU_REPORT = os.path.join(RESULTS, "BENCHMARKS_GPU.md")   # the GPU section's own file, from a machine with CUDA
 

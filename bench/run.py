@@ -10,6 +10,7 @@ Sections (see each module's docstring for the method):
     tp       rows_tp.py       tp (+/- sequence parallel) vs torch.distributed.tensor.parallel
     pp       rows_pp.py       1F1B / GPipe / interleaved vs torch.distributed.pipelining
     scaling  rows_scaling.py  model-state memory vs dp (1, 2, 4, 8); step time vs model size
+    llama    rows_llama.py    GPT-2 style vs Llama style at equal parameter count (one process)
     capacity rows_capacity.py largest GPT (layers) within a fixed memory budget per rank at dp = 4:
                               ZeRO 0/1/2/3 vs FSDP2, DeepSpeed ZeRO-3, beside tools/estimate_memory.py
     gpu      gpu.py           GPT-2 124M / 350M bf16 vs plain PyTorch (only with CUDA)
@@ -38,7 +39,7 @@ import torch  # noqa: E402
 import report  # noqa: E402
 from common import QUICK, WARMUP_STEPS, Spec, num_params  # noqa: E402
 
-SECTIONS = ("dp", "tp", "pp", "scaling", "gpu", "capacity")
+SECTIONS = ("dp", "tp", "pp", "scaling", "llama", "gpu", "capacity")
 
 
 def _machine() -> list[str]:
@@ -150,6 +151,14 @@ def main(argv=None) -> None:
         plot_files = report.plots(dict(sorted(memory.items())), step_time, psi,
                                   os.path.dirname(os.path.abspath(a.out)))
         body += report.scaling_section(spec, memory, step_time, psi, plot_files)
+    if "llama" in sections:
+        from rows_llama import LLAMA_LARGE, run_llama
+        shapes = [spec] if a.quick else [spec, LLAMA_LARGE]
+        results = []
+        for shape in shapes:
+            log(f"gpt2-style vs llama-style, {shape.layers} x {shape.hidden}")
+            results.append((shape, run_llama(shape)))
+        body += report.llama_section(results)
     if "capacity" in sections:
         from rows_capacity import QUICK_CAPACITY, CapacitySpec, run_capacity
         cap = QUICK_CAPACITY if a.quick else CapacitySpec()

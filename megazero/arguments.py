@@ -21,8 +21,9 @@ import argparse
 import os
 from pathlib import Path
 
-from megazero.config import (ACTIVATIONS, BACKENDS, DECAY_STYLES, OFFLOAD_DEVICES, SCHEDULES, TOKENIZERS, ZERO_STAGES,
-                             ConfigError, JobConfig, validate)
+from megazero.config import (ACTIVATIONS, BACKENDS, DECAY_STYLES, NORMALIZATIONS, OFFLOAD_DEVICES,
+                             POSITION_EMBEDDING_TYPES, SCHEDULES, TOKENIZERS, ZERO_STAGES, ConfigError, JobConfig,
+                             validate)
 from megazero.foreign_config import from_accelerate, from_deepspeed
 
 # (flags, "section.field", argparse kwargs). Booleans are store_true unless a kwarg says otherwise.
@@ -68,9 +69,23 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--hidden-dropout",), "model.hidden_dropout", dict(type=float)),
         (("--init-method-std",), "model.init_method_std", dict(type=float)),
         (("--scaled-output-init",), "model.scaled_output_init", dict(action=argparse.BooleanOptionalAction)),
-        (("--layernorm-epsilon",), "model.layernorm_epsilon", dict(type=float)),
+        (("--norm-epsilon", "--layernorm-epsilon"), "model.layernorm_epsilon", dict(type=float)),
         (("--activation",), "model.activation", dict(choices=ACTIVATIONS)),
         (("--recompute-activations",), "model.recompute_activations", dict(action="store_true")),
+        (("--position-embedding-type",), "model.position_embedding_type", dict(choices=POSITION_EMBEDDING_TYPES)),
+        (("--rotary-base",), "model.rotary_base", dict(type=float, help="RoPE theta (default 10000)")),
+        (("--rotary-percent",), "model.rotary_percent", dict(type=float, help="fraction of head features rotated")),
+        (("--use-rope-scaling",), "model.use_rope_scaling", dict(action="store_true",
+                                                                 help="Llama 3.1 RoPE frequency scaling")),
+        (("--rope-scaling-factor",), "model.rope_scaling_factor", dict(type=float)),
+        (("--normalization",), "model.normalization", dict(choices=NORMALIZATIONS)),
+        (("--swiglu",), "model.swiglu", dict(action="store_true")),
+        (("--group-query-attention",), "model.group_query_attention", dict(action="store_true")),
+        (("--num-query-groups",), "model.num_query_groups", dict(type=int, help="key/value heads (default 1)")),
+        (("--disable-bias-linear",), "model.add_bias_linear", dict(action="store_false",
+                                                                   help="no biases in the linear layers")),
+        (("--add-qkv-bias",), "model.add_qkv_bias", dict(action="store_true",
+                                                         help="bias in the QKV projection only (Qwen2)")),
     ],
     "training": [
         (("--micro-batch-size",), "train.micro_batch_size", dict(type=int)),
@@ -202,6 +217,8 @@ def load_config_file(path: str) -> dict[str, object]:
             raise ConfigError(f"--config {path}: {full_key!r} sets what {where[dest]!r} already set: keep one")
         where[dest] = full_key
         out[dest] = _typed(path, full_key, value, specs[dest])
+        if key.replace("_", "-") in _NEGATIVE_FLAGS:     # `disable-bias-linear = true` sets add_bias_linear False
+            out[dest] = not out[dest]
     return out
 
 
@@ -254,7 +271,7 @@ def _typed(path: str, key: str, value, spec: dict):
     """``value`` as the flag takes it, or an error: booleans are booleans (``bf16 = "false"`` is not
     false), integers integers, numbers numbers, choices one of them."""
     action, kind = spec.get("action"), spec.get("type")
-    if action in ("store_true", argparse.BooleanOptionalAction):
+    if action in ("store_true", "store_false", argparse.BooleanOptionalAction):
         ok, want = isinstance(value, bool), "true or false"
     elif kind is int:
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
@@ -272,6 +289,11 @@ def _typed(path: str, key: str, value, spec: dict):
     if not ok:
         raise ConfigError(f"--config {path}: {key!r} must be {want}, got {value!r}")
     return value
+
+
+# Flags that store False into their field (their config-file key takes the flag's meaning).
+_NEGATIVE_FLAGS = {f.lstrip("-") for entries in ARGUMENTS.values() for flags, _, kw in entries for f in flags
+                   if kw.get("action") == "store_false"}
 
 
 def job_from_values(values: dict[str, object]) -> JobConfig:

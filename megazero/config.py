@@ -18,8 +18,10 @@ class ConfigError(ValueError):
 # The allowed values of the choice flags: one source for the command line and validate().
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 DECAY_STYLES = ("constant", "linear", "cosine")
-TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer")
+TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
 ACTIVATIONS = ("gelu_tanh", "gelu")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 BACKENDS = ("gloo", "nccl")
@@ -29,6 +31,8 @@ FLAG_ALIASES = {
     "pp": "--pipeline-model-parallel-size/--pp",
     "dp": "--data-parallel-size/--dp",
     "zero_stage": "--zero-stage",
+    "layernorm_epsilon": "--norm-epsilon",
+    "add_bias_linear": "--disable-bias-linear",
 }
 
 
@@ -39,10 +43,14 @@ def flag(name: str) -> str:
 
 @dataclass
 class ModelConfig:
-    """Shape of a GPT-2 style decoder. ``vocab_size`` is the tokenizer's; the embedding is padded.
+    """Shape of the decoder. ``vocab_size`` is the tokenizer's; the embedding is padded.
 
-    The defaults here and in the other sections are the embedded default run (`python pretrain_gpt.py`):
-    a 1.3M-parameter GPT that learns the bundled sample corpus in about a minute on one CPU core.
+    The defaults are GPT-2 (learned positions, LayerNorm, GELU MLP, biases, tied embeddings) and,
+    with the other sections, the embedded default run (`python pretrain_gpt.py`): a 1.3M-parameter GPT
+    that learns the bundled sample corpus in about a minute on one CPU core. A Llama-family decoder is
+    the same model with Megatron's flags: ``position_embedding_type="rope"``, ``normalization="RMSNorm"``,
+    ``swiglu``, ``group_query_attention`` + ``num_query_groups``, ``add_bias_linear=False``
+    (--disable-bias-linear), ``untie_embeddings_and_output_weights`` (see :mod:`megazero.models.gpt`).
     """
 
     num_layers: int = 4
@@ -59,18 +67,47 @@ class ModelConfig:
     init_method_std: float = 0.02
     scaled_output_init: bool = True             # GPT-2: output projections std / sqrt(2 * layers)
     layernorm_epsilon: float = 1e-5
-    activation: str = "gelu_tanh"               # "gelu_tanh" (GPT-2/HF) or "gelu" (exact erf)
+    activation: str = "gelu_tanh"               # "gelu_tanh" (GPT-2/HF) or "gelu" (exact erf); not with swiglu
     recompute_activations: bool = False
+    # Llama family (Megatron's flag names); the defaults keep GPT-2.
+    position_embedding_type: str = "learned_absolute"   # or "rope" (rotary, no position embedding table)
+    rotary_base: float = 10000.0                # RoPE theta
+    rotary_percent: float = 1.0                 # fraction of each head's features rotated
+    use_rope_scaling: bool = False              # Llama 3.1's frequency scaling of RoPE
+    rope_scaling_factor: float = 8.0
+    normalization: str = "LayerNorm"            # or "RMSNorm"; epsilon: layernorm_epsilon (--norm-epsilon)
+    swiglu: bool = False                        # MLP silu(x W_gate) * (x W_up) instead of GELU
+    group_query_attention: bool = False
+    num_query_groups: int | None = None         # KV heads with group_query_attention (default 1)
+    add_bias_linear: bool = True                # False: --disable-bias-linear
+    add_qkv_bias: bool = False                  # bias in the QKV projection even without add_bias_linear
 
     def __post_init__(self) -> None:
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.ffn_hidden_size is None:        # Megatron's defaults: SwiGLU's two input matrices keep ~8h^2
+            self.ffn_hidden_size = (int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu
+                                    else 4 * self.hidden_size)
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.group_query_attention and self.num_query_groups is None:
+            self.num_query_groups = 1
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: the query groups under grouped-query attention, else one per query head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each query/key head that RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.rotary_percent)
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocab rounded up to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule)."""
@@ -149,7 +186,7 @@ class DataConfig:
     data_path: list[str] = field(default_factory=list)   # [prefix] or [w1, prefix1, w2, prefix2, ...]
     split: str = "969,30,1"
     mock_data: bool = False
-    tokenizer_type: str | None = None           # GPT2BPETokenizer | SentencePieceTokenizer
+    tokenizer_type: str | None = None           # one of TOKENIZERS
     vocab_file: str | None = None
     merge_file: str | None = None
     tokenizer_model: str | None = None
@@ -327,6 +364,53 @@ def check_model(m: ModelConfig, par: ParallelConfig) -> None:
         _positive_float(getattr(m, name), name)
     if m.activation not in ACTIVATIONS:
         _fail(f"--activation must be one of {', '.join(ACTIVATIONS)}, got {m.activation!r}")
+    if not m.layernorm_epsilon > 0:
+        _fail(f"{flag('layernorm_epsilon')} must be > 0, got {m.layernorm_epsilon}")
+    if m.normalization not in NORMALIZATIONS:
+        _fail(f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got {m.normalization!r}")
+    _check_rope(m)
+    _check_query_groups(m, par.tp)
+
+
+def _check_rope(m: ModelConfig) -> None:
+    if m.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+        _fail(f"--position-embedding-type must be one of {', '.join(POSITION_EMBEDDING_TYPES)}, "
+              f"got {m.position_embedding_type!r}")
+    rope = m.position_embedding_type == "rope"
+    if not rope and (m.use_rope_scaling or m.rotary_percent != 1.0):
+        _fail("--use-rope-scaling and --rotary-percent apply to rotary embeddings only: add "
+              "--position-embedding-type rope or drop them")
+    if not rope:
+        return
+    if not 0.0 < m.rotary_percent <= 1.0:
+        _fail(f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
+    if m.rotary_dim < 2 or m.rotary_dim % 2:
+        _fail(f"--rotary-percent {m.rotary_percent} rotates {m.rotary_dim} of the {m.head_dim} features of "
+              f"a head: RoPE needs an even number, at least 2; change --rotary-percent")
+    if not m.rotary_base > 0 or (m.use_rope_scaling and not m.rope_scaling_factor >= 1.0):
+        _fail(f"--rotary-base must be > 0 (got {m.rotary_base}) and --rope-scaling-factor >= 1 "
+              f"(got {m.rope_scaling_factor})")
+
+
+def _check_query_groups(m: ModelConfig, tp: int) -> None:
+    """Megatron's rule: each tp rank holds whole key/value groups when there are at least tp of them
+    (G % tp == 0); with fewer, the groups are replicated (tp % G == 0), each rank using one."""
+    if not m.group_query_attention:
+        if m.num_query_groups is not None:
+            _fail(f"--num-query-groups {m.num_query_groups} needs --group-query-attention: add it, or drop "
+                  f"--num-query-groups for multi-head attention")
+        return
+    g, heads = m.num_query_groups, m.num_attention_heads
+    _positive(g, "num_query_groups")
+    if heads % g:
+        _fail(f"--num-attention-heads {heads} is not divisible by --num-query-groups {g}: every group "
+              f"needs the same number of query heads; choose a group count that divides the heads")
+    if g >= tp and g % tp:
+        _fail(f"--num-query-groups {g} is not divisible by {flag('tp')} {tp}: each tensor-parallel rank "
+              f"needs whole key/value groups; use a tp that divides {g}")
+    if g < tp and tp % g:
+        _fail(f"{flag('tp')} {tp} is not a multiple of --num-query-groups {g}: with fewer groups than tp "
+              f"ranks each group is replicated over tp / groups ranks; use a tp that {g} divides")
 
 
 def _check_pipeline(m: ModelConfig, par: ParallelConfig) -> None:
@@ -468,8 +552,9 @@ def _check_data(d: DataConfig) -> None:
         _fail(f"--tokenizer-type must be one of {', '.join(TOKENIZERS)}, got {d.tokenizer_type!r}")
     if d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file and d.merge_file):
         _fail("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
-    if d.tokenizer_type == "SentencePieceTokenizer" and not d.tokenizer_model:
-        _fail("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model")
+    if d.tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer") and not d.tokenizer_model:
+        _fail(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model"
+              + (" (a directory with tokenizer.json, or the file)" if d.tokenizer_type == "HuggingFaceTokenizer" else ""))
     if len(d.data_path) > 1:
         if len(d.data_path) % 2:
             _fail("--data-path with several datasets takes weight-prefix pairs: "

@@ -5,14 +5,20 @@
     new_ids = generate(model, prompt_ids, 20, top_k=40, top_p=0.9, temperature=0.8,
                        generator=torch.Generator().manual_seed(0))             # sampling
 
-No KV cache: every new token re-runs the model over the last ``max_position_embeddings`` tokens,
-which is what a small model on a CPU needs and keeps the code obviously right.
+With a KV cache (the default) the prompt is run once and every new token costs one position: each
+layer keeps the keys and values of the tokens before it (:mod:`megazero.models.kv_cache`). Without
+one (``use_cache=False``) every new token re-runs the model over the whole context. Both give the
+same tokens. Once the context outgrows ``max_position_embeddings`` the model sees the last that many
+tokens; the cache is then refilled from that window at every step, which is what the cache-free
+path computes.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+
+from megazero.models.kv_cache import KVCache
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -53,7 +59,7 @@ def next_token(logits: torch.Tensor, *, top_k: int | None = None, top_p: float |
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, top_k: int | None = None,
              top_p: float | None = None, temperature: float = 1.0, generator: torch.Generator | None = None,
-             eos_id: int | None = None) -> list[int]:
+             eos_id: int | None = None, use_cache: bool = True) -> list[int]:
     """The ``max_new_tokens`` token ids that follow ``prompt_ids`` (fewer if ``eos_id`` is produced;
     it is included). ``model`` is a whole GPT on one process (tp=1, all layers); its training mode
     is restored afterwards. Greedy unless ``top_k``/``top_p`` is given (see :func:`next_token`)."""
@@ -65,19 +71,42 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, top_k: in
     ids = [int(i) for i in prompt_ids]
     if not ids:
         raise ValueError("the prompt is empty: give at least one token id")
-    vocab, window = model.cfg.vocab_size, model.cfg.max_position_embeddings
+    vocab = model.cfg.vocab_size
     if max(ids) >= vocab or min(ids) < 0:
         raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
-    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    step = _cached_step(model) if use_cache else _full_step(model)
     try:
         for _ in range(max_new_tokens):
-            x = torch.tensor([ids[-window:]], dtype=torch.long, device=device)
-            logits = model(x)[0, -1, :vocab]
+            logits = step(ids)[:vocab]
             ids.append(next_token(logits, top_k=top_k, top_p=top_p, temperature=temperature, generator=generator))
             if eos_id is not None and ids[-1] == eos_id:
                 break
     finally:
         model.train(was_training)
     return ids[len(prompt_ids):]
+
+
+def _full_step(model):
+    """ids -> the next token's logits, running the model over the last ``max_position_embeddings`` ids."""
+    device, window = next(model.parameters()).device, model.cfg.max_position_embeddings
+
+    def step(ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([ids[-window:]], dtype=torch.long, device=device))[0, -1]
+    return step
+
+
+def _cached_step(model):
+    """ids -> the next token's logits, running the model only over the ids the cache has not seen."""
+    device, window = next(model.parameters()).device, model.cfg.max_position_embeddings
+    cache = KVCache(window)
+
+    def step(ids: list[int]) -> torch.Tensor:
+        if len(ids) > window:                  # sliding window: positions shift, so refill from scratch
+            cache.reset()
+            new = ids[-window:]
+        else:
+            new = ids[cache.length:]
+        return model(torch.tensor([new], dtype=torch.long, device=device), kv_cache=cache)[0, -1]
+    return step

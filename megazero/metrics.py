@@ -19,12 +19,15 @@ from megazero.config import ModelConfig
 def model_flops_per_token(cfg: ModelConfig, vocab: int, recompute: bool = False) -> float:
     """Training FLOPs per token: 6 * (matmul parameters) + the attention score/value term.
 
-    Matmul parameters per layer: qkv 3h^2, projection h^2, MLP 2*h*ffn; plus the output layer h*V.
-    Attention scores and values: 2 * 2 * s * h per layer forward (counted in full, as Megatron and
-    PaLM do). Backward is twice forward; full-layer recomputation adds one more layer forward.
+    Matmul parameters per layer: queries and output projection h^2 each, keys and values h*G*d each
+    (G key/value heads of d features: h^2 each without grouped-query attention), MLP 2*h*ffn (3*h*ffn
+    with SwiGLU's gate); plus the output layer h*V. Attention scores and values: 2 * 2 * s * h per
+    layer forward (counted in full, as Megatron and PaLM do). Backward is twice forward; full-layer
+    recomputation adds one more layer forward.
     """
     h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
-    layer_matmul = 4 * h * h + 2 * h * cfg.ffn_hidden_size
+    kv = cfg.kv_heads * cfg.head_dim
+    layer_matmul = 2 * h * h + 2 * h * kv + (3 if cfg.swiglu else 2) * h * cfg.ffn_hidden_size
     layer_fwd = 2 * layer_matmul + 4 * s * h
     head_fwd = 2 * h * vocab
     passes = 4 if recompute else 3

@@ -210,7 +210,19 @@ def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
             f"{par.sequence_parallel} | micro-batch {job.train.micro_batch_size} x {job.num_micro_batches} "
             f"micro-batches x dp {par.dp} = global batch {job.train.global_batch_size}\n"
             f" model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, seq "
-            f"{m.seq_length}, vocab {m.vocab_size} (padded {m.padded_vocab_size(par.tp)}) | {n:,} parameters")
+            f"{m.seq_length}, vocab {m.vocab_size} (padded {m.padded_vocab_size(par.tp)}){architecture(m)} | "
+            f"{n:,} parameters")
+
+
+def architecture(m) -> str:
+    """The Llama-family options in use, for the log line ('' for a GPT-2 shaped model)."""
+    parts = [name for name, on in (
+        (f"RoPE (base {m.rotary_base:g})", m.position_embedding_type == "rope"),
+        ("RMSNorm", m.normalization == "RMSNorm"), (f"SwiGLU (ffn {m.ffn_hidden_size})", m.swiglu),
+        (f"GQA ({m.kv_heads} KV heads)", m.group_query_attention), ("no biases", not m.add_bias_linear),
+        ("QKV bias", m.add_qkv_bias and not m.add_bias_linear),
+        ("untied output", m.untie_embeddings_and_output_weights)) if on]
+    return ", " + ", ".join(parts) if parts else ""
 
 
 @torch.no_grad()

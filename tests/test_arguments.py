@@ -45,6 +45,20 @@ def test_config_file_with_cli_override(tmp_path):
     assert job.zero.zero_stage == 1  # the command line wins
 
 
+def test_llama_flags_and_negative_flag_in_a_config_file(tmp_path):
+    flags = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
+             "--norm-epsilon", "1e-6", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+             "--disable-bias-linear", "--tp", "2"]
+    m = parse_job(flags, world_size=2)[0].model
+    assert (m.position_embedding_type, m.rotary_base, m.normalization, m.layernorm_epsilon) == ("rope", 5e5,
+                                                                                                 "RMSNorm", 1e-6)
+    assert m.swiglu and m.ffn_hidden_size == 320 and m.kv_heads == 2 and not m.add_bias_linear
+    cfg = tmp_path / "llama.toml"
+    cfg.write_text("swiglu = true\ndisable-bias-linear = true\ngroup_query_attention = true\n")
+    m = parse_job(["--config", str(cfg)], world_size=1)[0].model
+    assert m.swiglu and not m.add_bias_linear and m.num_query_groups == 1
+
+
 def test_yaml_config_file(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("pp: 2\nnum-layers: 4\ndata-path: 1.0 prefix\ntokenizer-type: SentencePieceTokenizer\n"

@@ -61,7 +61,7 @@ CASES = [
     ("clip-grad-nan", mock("--clip-grad", "nan"), 2, "--clip-grad must be a finite number"),
     ("clip-grad-negative", mock("--clip-grad", "-1"), 2, "--clip-grad and --weight-decay must be >= 0"),
     ("weight-decay-negative", mock("--weight-decay", "-0.1"), 2, "--clip-grad and --weight-decay must be >= 0"),
-    ("layernorm-epsilon-negative", mock("--layernorm-epsilon=-1"), 2, "--layernorm-epsilon must be > 0"),
+    ("norm-epsilon-negative", mock("--layernorm-epsilon=-1"), 2, "--norm-epsilon must be > 0"),
     ("init-method-std-zero", mock("--init-method-std", "0"), 2, "--init-method-std must be > 0"),
     ("init-method-std-inf", mock("--init-method-std", "inf"), 2, "--init-method-std must be a finite number"),
     ("adam-beta1-one", mock("--adam-beta1", "1"), 2, "--adam-beta1 and --adam-beta2 must be in [0, 1)"),

@@ -1,6 +1,7 @@
-"""HuggingFace GPT-2 conversion: megazero (tp2 pp2) -> HF -> megazero is exact, the HF export gives the
-same logits in ``transformers``, and an HF model made by ``transformers`` gives the same logits when
-imported and run at tp2 pp2. Needs the ``transformers`` test extra (skipped, with the reason, without it)."""
+"""HuggingFace conversion, GPT-2 and Llama family: megazero (tp2 pp2) -> HF -> megazero is exact, the HF
+export gives the same logits in ``transformers``, and an HF model made by ``transformers`` gives the
+same logits (and, for Llama, the same greedy generation) when imported and run at tp2 pp2; sharded
+safetensors both ways. Needs the ``transformers`` test extra (skipped, with the reason, without it)."""
 import json
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from helpers.ckpt import MODEL, VOCAB, make_job, run_body
 from megazero.checkpoint import CheckpointError, load_checkpoint
 from megazero.checkpoint.hf import load_hf, model_config_from_hf
 from megazero.checkpoint.offline import build_full_model, read_model, write_weights_checkpoint
-from megazero.config import ModelConfig
+from megazero.config import JobConfig, ModelConfig
+from megazero.generation import generate
 from megazero.models import GPT, build_model_chunks
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
@@ -133,3 +135,108 @@ def test_refuses_what_cannot_be_expressed(tmp_path):
         model_config_from_hf({"activation_function": "relu"})
     rc, out = _convert("--input", tmp_path / "nothing", "--output", tmp_path / "o", "--to", "hf")
     assert rc == 1 and "nothing" in out
+
+
+# --------------------------------------------------------------------------- Llama family
+
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=64,
+             add_bias_linear=False, rotary_base=500.0, layernorm_epsilon=1e-5)
+VARIANTS = {  # megazero flags of each exported variant (on top of LLAMA)
+    "gqa-untied": dict(group_query_attention=True, num_query_groups=2, untie_embeddings_and_output_weights=True),
+    "mha-tied": dict(),
+    "qwen2-qkv-bias": dict(group_query_attention=True, num_query_groups=1, add_qkv_bias=True),
+    "biases-llama3-rope-scaling": dict(add_bias_linear=True, use_rope_scaling=True, rope_scaling_factor=4.0,
+                                       group_query_attention=True, num_query_groups=2),
+}
+
+
+def _perturbed_checkpoint(path, cfg):
+    """A weights-only checkpoint (split for tp2 pp2) of a GPT with every tensor perturbed (norms and biases too)."""
+    model = GPT(cfg, seed=3)
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, p in model.named_parameters():
+        t = p.detach() + 0.05 * torch.randn(p.shape, generator=g)
+        tensors[name] = t[:VOCAB] if p.vocab_padded else t
+    write_weights_checkpoint(path, tensors, JobConfig(model=cfg), tp=2, pp=2)
+    return path
+
+
+@pytest.mark.parametrize("variant", [v if v == "gqa-untied" else pytest.param(v, marks=pytest.mark.slow)
+                                     for v in VARIANTS])
+def test_llama_family_export_gives_transformers_the_same_logits(variant, tmp_path):
+    cfg = ModelConfig(**{**MODEL, **LLAMA, **VARIANTS[variant]})
+    ckpt = _perturbed_checkpoint(tmp_path / "mz", cfg)
+    rc, out = _convert("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf", "--max-shard-size", "40KB")
+    assert rc == 0, out
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM" if variant.startswith("qwen2") else "LlamaForCausalLM"]
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()          # sharded above 40 KB
+    assert (tmp_path / "hf" / "tokenizer.model").is_file()                       # the sample tokenizer: known
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, _our_logits(ckpt), rtol=0, atol=1e-4)
+    rc, out = _convert("--input", tmp_path / "hf", "--output", tmp_path / "back", "--to", "megazero",
+                       "--target-tp", 2, "--target-pp", 2)
+    assert rc == 0, out
+    (_, before, _), (back_cfg, after, _) = read_model(ckpt), read_model(tmp_path / "back")
+    assert set(before) == set(after) and all(torch.equal(before[n], after[n]) for n in before)
+    for field in ("group_query_attention", "num_query_groups", "add_bias_linear", "add_qkv_bias", "use_rope_scaling",
+                  "rope_scaling_factor", "rotary_base", "untie_embeddings_and_output_weights"):
+        assert getattr(back_cfg, field) == getattr(cfg, field), field
+
+
+def test_hf_llama_imported_at_tp2pp2_gives_the_same_logits_and_generation(tmp_path):
+    """A LlamaForCausalLM made by transformers (GQA: 4 heads, 2 KV heads; untied), saved sharded,
+    imported at tp2 pp2: logits within 1e-4, greedy generation equal to ``model.generate``; exported
+    back (sharded), transformers loads it and gives the same logits."""
+    hf_cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      rms_norm_eps=1e-5, rope_theta=1000.0, tie_word_embeddings=False,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    with torch.no_grad():                                       # HF inits norms to 1: perturb everything
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(str(tmp_path / "hf"), max_shard_size="50KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    with torch.no_grad():
+        expected = hf(TOKENS).logits
+    rc, out = _convert("--input", tmp_path / "hf", "--output", tmp_path / "mz", "--to", "megazero",
+                       "--target-tp", 2, "--target-pp", 2, "--seq-length", 16)
+    assert rc == 0, out
+    cfg, _ = load_hf(tmp_path / "hf", seq_length=16)
+    assert cfg.group_query_attention and cfg.num_query_groups == 2 and cfg.position_embedding_type == "rope"
+    got = [r for r in run_on_ranks(4, _forward_tp2pp2_body, str(tmp_path / "mz"), cfg) if r is not None]
+    assert len(got) == 1
+    torch.testing.assert_close(got[0], expected, rtol=0, atol=1e-4)
+
+    prompt = [5, 6, 7]
+    theirs = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 3, dtype=torch.long),
+                         max_new_tokens=12, do_sample=False, pad_token_id=0)
+    model, _ = build_full_model(tmp_path / "mz")
+    assert generate(model, prompt, 12) == theirs[0, 3:].tolist()
+
+    rc, out = _convert("--input", tmp_path / "mz", "--output", tmp_path / "hf2", "--to", "hf", "--max-shard-size", "50KB")
+    assert rc == 0, out
+    assert (tmp_path / "hf2" / "model.safetensors.index.json").is_file()
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(TOKENS).logits, expected, rtol=0, atol=1e-4)
+
+
+def test_llama_refusals(tmp_path):
+    base = dict(model_type="llama", hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                intermediate_size=64, vocab_size=100)
+    for extra, match in ((dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+                         (dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
+                         (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope scaling"),
+                         (dict(model_type="mistral", sliding_window=16, max_position_embeddings=64), "sliding_window 16"),
+                         (dict(head_dim=16), "head_dim 16")):
+        with pytest.raises(CheckpointError, match=match):
+            model_config_from_hf({**base, **extra})
+    with pytest.raises(CheckpointError, match="--normalization LayerNorm"):
+        from megazero.checkpoint.hf import save_hf
+        save_hf(tmp_path / "out", {}, ModelConfig(**MODEL, position_embedding_type="rope"))
+    assert not (tmp_path / "out").exists()

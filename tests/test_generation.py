@@ -1,5 +1,6 @@
 """Generation: logit filtering, greedy decoding against a step-by-step reference (and against
-``transformers`` when installed), reproducible sampling, and the generate / inspect tools."""
+``transformers`` when installed), reproducible sampling, the KV cache against cache-free decoding
+(GPT-2 and Llama-style models), and the generate / inspect tools."""
 import subprocess
 import sys
 from pathlib import Path
@@ -11,20 +12,24 @@ from megazero.checkpoint.offline import build_full_model, write_weights_checkpoi
 from megazero.config import JobConfig, ModelConfig
 from megazero.generation import filter_logits, generate, next_token
 from megazero.models import GPT
+from megazero.models.kv_cache import KVCache
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, make_vocab_size_divisible_by=64)
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=64,
+             group_query_attention=True, num_query_groups=2, add_bias_linear=False,
+             untie_embeddings_and_output_weights=True)
 
 
 def _checkpoint(path, vocab_size=100, **kw):
     """A weights-only checkpoint of a randomly perturbed tiny GPT (files split for tp2 pp2)."""
-    cfg = ModelConfig(**CFG, vocab_size=vocab_size, **kw)
+    cfg = ModelConfig(**{**CFG, "vocab_size": vocab_size, **kw})
     model = GPT(cfg, seed=7)
     g = torch.Generator().manual_seed(1)
     tensors = {}
     for name, p in model.named_parameters():
         t = p.detach() + 0.05 * torch.randn(p.shape, generator=g)
-        tensors[name] = t[:vocab_size] if "word_embeddings" in name else t
+        tensors[name] = t[:vocab_size] if p.vocab_padded else t
     write_weights_checkpoint(path, tensors, JobConfig(model=cfg), tp=2, pp=2)
     return path
 
@@ -106,3 +111,29 @@ def test_generate_and_inspect_tools(tmp_path):
     shard.write_bytes(bytes(data))
     rc, out = _tool("inspect_checkpoint.py", ckpt)
     assert rc == 1 and str(shard) in out, out
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_kv_cache_logits_equal_full_forward(style, tmp_path):
+    """Prefill 5 tokens, then 3 at once, then one at a time: every position's logits equal the
+    cache-free forward over the whole sequence."""
+    model, _ = build_full_model(_checkpoint(tmp_path, **(LLAMA if style == "llama" else {})))
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(ids)
+        cache, parts = KVCache(model.cfg.max_position_embeddings), []
+        for a, b in ((0, 5), (5, 8), (8, 9), (9, 10), (10, 12)):
+            parts.append(model(ids[:, a:b], kv_cache=cache))
+    assert cache.length == 12
+    torch.testing.assert_close(torch.cat(parts, 1)[..., :100], full[..., :100], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_kv_cache_generation_equals_cache_free(style, tmp_path):
+    """Token for token, greedy and sampled, also past the 16-position window (where the cache is
+    refilled from the window each step)."""
+    model, _ = build_full_model(_checkpoint(tmp_path, **(LLAMA if style == "llama" else {})))
+    for prompt, n, kw in (([3, 14, 15, 92], 24, {}), ([7], 10, {}), ([1, 2, 3], 20, dict(top_k=8, temperature=1.5))):
+        runs = [generate(model, prompt, n, use_cache=c, generator=torch.Generator().manual_seed(9), **kw)
+                for c in (True, False)]
+        assert runs[0] == runs[1] and len(runs[0]) == n

@@ -12,6 +12,9 @@ from megazero.config import ModelConfig, OptimizerConfig, ParallelConfig, ZeroCo
 from megazero.memory import LiveTensorBytes
 from megazero.memory.estimate import estimate_memory, paper_model_states
 
+# RoPE, RMSNorm, SwiGLU, 2 key/value groups, no biases, untied output
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
+         "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 BASE = ["--mock-data", "--vocab-size", "500", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "128", "--micro-batch-size", "4"]
 
@@ -75,7 +78,7 @@ def _measure_body(rank, world_size, argv):
     return topo.pp_rank, step.peak
 
 
-LAYOUTS = [  # (world size, flags): tp, pp, dp, ZeRO 0-3, sequence parallel, recompute, precision, dropout
+LAYOUTS = [  # (world size, flags): tp, pp, dp, ZeRO 0-3, sequence parallel, recompute, precision, dropout, Llama
     (1, ["--zero-stage", "0"]),
     (2, ["--zero-stage", "1"]),
     (2, ["--zero-stage", "2", "--global-batch-size", "16"]),
@@ -87,13 +90,17 @@ LAYOUTS = [  # (world size, flags): tp, pp, dp, ZeRO 0-3, sequence parallel, rec
     (2, ["--zero-stage", "2", "--bf16"]),
     (2, ["--zero-stage", "3", "--zero3-keep-params-gathered", "--global-batch-size", "16"]),
     (1, ["--zero-stage", "0", "--hidden-dropout", "0.1"]),
+    (2, LLAMA + ["--tp", "2", "--sequence-parallel", "--zero-stage", "0"]),
+    (2, LLAMA + ["--pp", "2", "--zero-stage", "0", "--global-batch-size", "8", "--recompute-activations"]),
+    (2, LLAMA + ["--zero-stage", "3", "--num-query-groups", "4"]),
 ]
-QUICK = {0, 3, 5, 6}
+QUICK = {0, 3, 5, 6, 11}
 
 
 @pytest.mark.parametrize("world,flags", [pytest.param(w, f, marks=() if i in QUICK else pytest.mark.slow)
                                          for i, (w, f) in enumerate(LAYOUTS)],
-                         ids=["-".join(f).replace("--", "") for _, f in LAYOUTS])
+                         ids=[("llama-" if f[0] == LLAMA[0] else "") + "-".join(f[len(LLAMA) if f[0] == LLAMA[0] else 0:])
+                              .replace("--", "") for _, f in LAYOUTS])
 def test_estimate_is_within_10_percent_of_measured(world, flags):
     """The estimator's per-rank peak (every pipeline stage) against live tensor bytes measured over
     construction and a training step. Activations and buffers are at least 40% of every peak here,

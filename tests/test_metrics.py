@@ -34,6 +34,16 @@ def test_flops_match_6n_plus_attention_for_gpt2_small():
     assert model_flops_per_token(cfg, vocab, recompute=True) > expected
 
 
+def test_flops_of_a_llama_3_8b_shape():
+    """Grouped-query attention (8 KV heads of 128) and SwiGLU's three MLP matrices, untied output."""
+    cfg = ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, group_query_attention=True,
+                      num_query_groups=8, swiglu=True, ffn_hidden_size=14336, seq_length=8192)
+    vocab = 128256
+    n_matmul = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 4096 * vocab
+    assert model_flops_per_token(cfg, vocab) == 6 * n_matmul + 12 * 32 * 8192 * 4096
+    assert 7.5e9 < n_matmul < 7.6e9            # Llama 3 8B: 8.03B parameters, 0.53B of them the input embedding
+
+
 def test_metrics_file_is_json_lines(tmp_path):
     path = tmp_path / "sub" / "m.jsonl"
     log = MetricsLog(str(path), None, enabled=True)

@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.data import GPT2_MERGES, GPT2_VOCAB
+from helpers.hf_tokenizers import bos_tokenizer_dir
 
 from megazero.data.indexed_dataset import IndexedDataset
 from megazero.data.preprocess import PreprocessConfig, PreprocessError, preprocess, txt_batches
 from megazero.data.sample import CORPUS, TOKENIZER_MODEL, sample_documents, sample_text
-from megazero.data.tokenizers import GPT2BPETokenizer, SentencePieceTokenizer
+from megazero.data.tokenizers import GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,3 +141,28 @@ def test_cli(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     run = subprocess.run(args[:3] + [str(tmp_path / "empty.txt")] + args[4:], capture_output=True, text=True)
     assert run.returncode == 2 and "is empty" in run.stderr
+
+
+def test_huggingface_tokenizer_preprocessing_is_read_by_megatron(corpus_jsonl, tmp_path):
+    """The whole corpus through a tokenizer.json (beginning-of-sequence token added per document,
+    eod appended), with 2 workers: every document reads back, by us and by megatron-core."""
+    import warnings
+
+    directory = bos_tokenizer_dir(tmp_path / "tok", sample_text()[:200_000])
+    cfg = PreprocessConfig(input=str(corpus_jsonl), output_prefix=str(tmp_path / "hf"),
+                           tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(directory), append_eod=True,
+                           workers=2, batch_bytes=1 << 17)
+    res = preprocess(cfg)
+    tok = HuggingFaceTokenizer(str(directory))
+    docs = sample_documents()
+    expected = [ids + [tok.eod] for ids in tok.tokenize_batch(docs)]
+    assert res.documents == len(docs) and res.tokens == sum(map(len, expected))
+    ours = IndexedDataset(res.outputs["text"])
+    assert [ours[i].tolist() for i in range(len(docs))] == expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        megatron = pytest.importorskip("megatron.core.datasets.indexed_dataset",
+                                       reason="megatron-core is not installed; pip install megatron-core")
+    theirs = megatron.IndexedDataset(res.outputs["text"])
+    assert [theirs[i].tolist() for i in range(len(docs))] == expected
+    assert tok.detokenize(theirs[5].tolist()[1:-1]) == docs[5]

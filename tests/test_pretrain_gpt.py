@@ -3,7 +3,9 @@
 The parity matrix runs ``main(argv)`` itself on N gloo processes (the harness's), with mock data,
 fp32 and a fixed seed, and compares the metrics files of every layout with the single-process run.
 One case goes through ``torchrun`` to cover the real launcher, and the embedded default (sample
-corpus, sample tokenizer) runs shortened in a subprocess.
+corpus, sample tokenizer) runs shortened in a subprocess. A Llama-style model (Megatron's flags) trains
+the same on tp x pp x dp as on one process, and from a HuggingFace tokenizer.json's data to
+generated text.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 
 import pytest
 from helpers import run_on_ranks
-from helpers.trainer import ROOT, TINY, assert_same_losses, main_body, read_metrics
+from helpers.trainer import LLAMA_FLAGS, ROOT, TINY, assert_same_losses, main_body, read_metrics
 
 # (id, world size, layout flags). Each must match the single-process run.
 LAYOUTS = [
@@ -147,3 +149,52 @@ def test_bad_flags_fail_before_any_work(flags, message, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and message in run.stderr
     assert "iteration" not in run.stdout and not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def serial_llama_metrics(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serial-llama") / "metrics.jsonl"
+    assert run_on_ranks(1, main_body, TINY + LLAMA_FLAGS + ["--metrics-file", str(path)], timeout=120) == [0]
+    return read_metrics(path)
+
+
+@pytest.mark.parametrize("world,flags", [
+    (4, ["--tp", "2", "--pp", "2", "--sequence-parallel", "--zero-stage", "1"]),
+    pytest.param(4, ["--tp", "4", "--zero-stage", "0", "--recompute-activations"], marks=pytest.mark.slow),
+    pytest.param(4, ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--num-layers-per-virtual-pipeline-stage", "1"],
+                 marks=pytest.mark.slow),
+], ids=["tp2pp2-sp-zero1", "tp4-kv-replicated-recompute", "pp2dp2-interleaved-zero3"])
+def test_llama_layout_matches_serial(world, flags, serial_llama_metrics, tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    argv = TINY + LLAMA_FLAGS + flags + ["--metrics-file", str(path)]
+    assert run_on_ranks(world, main_body, argv, timeout=300) == [0] * world
+    train, valid = read_metrics(path)
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert_same_losses(train, serial_llama_metrics[0], "loss")
+    assert_same_losses(valid, serial_llama_metrics[1], "valid_loss")
+
+
+@pytest.mark.slow
+def test_huggingface_tokenizer_data_to_generated_text(tmp_path):
+    """tokenizer.json -> preprocess_data.py -> a Llama-style run on tp 2 -> tools/generate.py finds the
+    tokenizer in the checkpoint's config and prints text."""
+    from helpers.hf_tokenizers import bos_tokenizer_dir
+
+    from megazero.data.sample import CORPUS
+
+    tok = bos_tokenizer_dir(tmp_path / "tok", CORPUS.read_text(encoding="utf-8")[:300_000], vocab_size=500)
+    prep = subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(CORPUS),
+                           "--output-prefix", str(tmp_path / "jargon"), "--tokenizer-type", "HuggingFaceTokenizer",
+                           "--tokenizer-model", str(tok), "--append-eod"], capture_output=True, text=True, timeout=300)
+    assert prep.returncode == 0, prep.stderr
+    argv = [a for a in TINY if a not in ("--mock-data",)]
+    argv = argv[:argv.index("--vocab-size")] + argv[argv.index("--vocab-size") + 2:]
+    argv += LLAMA_FLAGS + ["--tp", "2", "--data-path", str(tmp_path / "jargon_text_document"),
+                           "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tok),
+                           "--data-cache-path", str(tmp_path / "cache"), "--save", str(tmp_path / "ckpt")]
+    assert run_on_ranks(2, main_body, argv, timeout=300) == [0, 0]
+    gen = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "--load", str(tmp_path / "ckpt"),
+                          "--prompt", "A hacker is", "--max-new-tokens", "8"], capture_output=True, text=True,
+                         timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    assert "text: <s>A hacker is" in gen.stdout and "prompt ids: 0," in gen.stdout    # <s> (id 0) first

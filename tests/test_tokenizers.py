@@ -1,5 +1,6 @@
 """Tokenizers: GPT-2 BPE ids against an independent library on the whole shared corpus; SentencePiece
-round trips; clear errors for bad files; the train_tokenizer tool."""
+round trips; HuggingFace tokenizer.json files through the ``tokenizers`` library (ids equal the
+library's on the whole corpus, eos found); clear errors for bad files; the train_tokenizer tool."""
 import hashlib
 import json
 import subprocess
@@ -9,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.data import GPT2_MERGES, GPT2_VOCAB
+from helpers.hf_tokenizers import bos_tokenizer_dir, gpt2_tokenizer_dir
 
 from megazero.config import DataConfig
 from megazero.data.sample import CORPUS, TOKENIZER_MODEL, sample_text
-from megazero.data.tokenizers import (GPT2BPETokenizer, SentencePieceTokenizer, TokenizerError,
-                                      build_tokenizer, bytes_to_unicode, tokenizer_from_config)
+from megazero.data.tokenizers import (GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer,
+                                      TokenizerError, build_tokenizer, bytes_to_unicode, tokenizer_from_config)
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_SHA = "3f942aea63845da6dc1023e5e8b942f329986b0bed2844d451b564d53498c188"
@@ -125,3 +127,41 @@ def test_train_tokenizer_tool_round_trips(tmp_path):
 def test_embedded_sample_is_the_published_corpus():
     assert hashlib.sha256(CORPUS.read_bytes()).hexdigest() == \
         "90999871857da8df6f9430cb0e683e82c996b36fff69d0d585698a79a55c3152"
+
+
+def test_huggingface_tokenizer_json_matches_the_library_on_the_corpus(gpt2, tmp_path):
+    from tokenizers import Tokenizer
+
+    directory = gpt2_tokenizer_dir(tmp_path / "gpt2")
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(directory))
+    text = CORPUS.read_text(encoding="utf-8")
+    ids = tok.tokenize(text)
+    assert ids == Tokenizer.from_file(str(directory / "tokenizer.json")).encode(text).ids
+    assert ids == gpt2.tokenize(text)                       # the same BPE as the GPT-2 files
+    assert (tok.vocab_size, tok.eod) == (50257, 50256) and tok.detokenize(ids) == text
+    assert HuggingFaceTokenizer(str(directory / "tokenizer.json")).tokenize("Hello world") == [15496, 995]
+
+
+def test_huggingface_tokenizer_with_bos_post_processor(tmp_path):
+    from tokenizers import Tokenizer
+
+    text = CORPUS.read_text(encoding="utf-8")
+    directory = bos_tokenizer_dir(tmp_path / "bos", text[:100_000])
+    library = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok = HuggingFaceTokenizer(str(directory))
+    docs = text.split("\n\n")[:300]
+    assert tok.tokenize_batch(docs) == [library.encode(d).ids for d in docs]
+    assert tok.tokenize(text) == library.encode(text).ids
+    ids = tok.tokenize("A hacker is")
+    assert ids[0] == library.token_to_id("<s>") and tok.eod == library.token_to_id("</s>")
+    assert tok.vocab_size == 600 and tok.detokenize(ids[1:]) == "A hacker is"
+
+
+def test_huggingface_tokenizer_errors(tmp_path):
+    with pytest.raises(TokenizerError, match="--tokenizer-model.*no such file"):
+        HuggingFaceTokenizer(str(tmp_path))                 # a directory without tokenizer.json
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(TokenizerError, match="not a HuggingFace tokenizer.json"):
+        HuggingFaceTokenizer(str(tmp_path))
+    with pytest.raises(TokenizerError, match="--tokenizer-model is required"):
+        build_tokenizer("HuggingFaceTokenizer")

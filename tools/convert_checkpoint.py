@@ -1,18 +1,26 @@
-"""Convert checkpoints: megazero (any layout) <-> HuggingFace GPT2LMHeadModel, or re-split megazero files.
+"""Convert checkpoints: megazero (any layout) <-> HuggingFace (GPT-2, Llama, Qwen2; Mistral read), or re-split
+megazero files.
 
-    python tools/convert_checkpoint.py --input ckpt/ --output gpt2-hf/ --to hf
-    python tools/convert_checkpoint.py --input gpt2-hf/ --output ckpt-tp2pp2/ --to megazero --target-tp 2 --target-pp 2
+    python tools/convert_checkpoint.py --input ckpt/ --output my-hf/ --to hf
+    python tools/convert_checkpoint.py --input Llama-3-8B/ --output ckpt-tp2pp2/ --to megazero --target-tp 2 --target-pp 2
 
 ``--input`` is a megazero save directory (its latest checkpoint), an ``iter_*`` directory, or (for
-``--to megazero``) an HF model directory with config.json + model.safetensors. HF output is
-config.json + model.safetensors (Conv1D [in, out] weights, q/k/v as consecutive blocks, the GELU variant
-in ``activation_function``). megazero output is a weights-only checkpoint (iteration 0): train from it
-with ``--load DIR --finetune``. Configurations the other side cannot express are refused.
+``--to megazero``) an HF model directory: config.json with the weights as model.safetensors, sharded
+safetensors (model.safetensors.index.json) or pytorch_model.bin. The HF format follows the model:
+learned position embeddings give ``GPT2LMHeadModel`` (Conv1D [in, out] weights, q/k/v as consecutive
+blocks, the GELU variant in ``activation_function``); RoPE gives ``LlamaForCausalLM`` (q/k/v and
+gate/up projections apart, ``num_key_value_heads`` the query groups), or ``Qwen2ForCausalLM`` with a
+QKV-only bias. Weights above ``--max-shard-size`` are sharded with model.safetensors.index.json; the
+run's tokenizer files are copied when known. megazero output is a weights-only checkpoint
+(iteration 0): train from it with ``--load DIR --finetune``; an HF tokenizer.json beside the input
+is recorded as its tokenizer (tools/generate.py uses it). Configurations the other side cannot
+express are refused.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -21,11 +29,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from megazero.checkpoint import CheckpointError  # noqa: E402
-from megazero.checkpoint.hf import load_hf, save_hf  # noqa: E402
+from megazero.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, load_hf, save_hf, tokenizer_of  # noqa: E402
 from megazero.checkpoint.offline import read_model, saved_job, write_weights_checkpoint  # noqa: E402
 from megazero.config import ConfigError, JobConfig, ParallelConfig, check_model  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
+
+
+def shard_size(text: str) -> int:
+    """'5GB' (10^9 bytes, as HF counts), '500MiB', or a number of bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB, 500MiB or 1000000")
+    return int(float(match.group(1)) * UNITS[(match.group(2) or "").upper()])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,8 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-tp", type=int, default=1, help="megazero output: files split for this tp")
     p.add_argument("--target-pp", type=int, default=1, help="megazero output: files split for this pp")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the written tensors")
+    p.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_BYTES,
+                   help="HF output: largest safetensors file before sharding (default 5GB)")
     p.add_argument("--seq-length", type=int, help="HF input: training sequence length to record "
-                                                   "(default n_positions)")
+                                                   "(default max_position_embeddings)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (refused otherwise)")
     return p.parse_args(argv)
 
@@ -65,11 +84,12 @@ def convert(args: argparse.Namespace) -> Path:
     if args.to == "hf":
         if (src / "config.json").is_file():
             raise CheckpointError(f"{src} is already an HF model directory")
-        cfg, tensors, _ = read_model(src)
-        return save_hf(args.output, tensors, cfg, dtype)
+        cfg, tensors, index = read_model(src)
+        return save_hf(args.output, tensors, cfg, dtype, max_shard_bytes=args.max_shard_size,
+                       data_cfg=saved_job(index).data)
     if (src / "config.json").is_file():
         cfg, tensors = load_hf(src, args.seq_length)
-        job = JobConfig(model=cfg)
+        job = JobConfig(model=cfg, data=tokenizer_of(src))
     else:
         _, tensors, index = read_model(src)
         job = saved_job(index)

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from megazero.checkpoint import CheckpointError  # noqa: E402
+from megazero.config import TOKENIZERS  # noqa: E402
 from megazero.checkpoint.offline import build_full_model  # noqa: E402
 from megazero.generation import generate  # noqa: E402
 
@@ -35,10 +36,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234, help="sampling seed")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--tokenizer-type", choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
+    p.add_argument("--tokenizer-type", choices=TOKENIZERS)
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
-    p.add_argument("--tokenizer-model")
+    p.add_argument("--tokenizer-model", help="SentencePiece .model, or a tokenizer.json (or its directory)")
+    p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole context for every token")
     return p.parse_args(argv)
 
 
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     try:
         new = generate(model, ids, args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
-                       temperature=args.temperature, generator=gen)
+                       temperature=args.temperature, generator=gen, use_cache=not args.no_kv_cache)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -32,7 +32,10 @@ def describe(path: str, verify: bool = True) -> list[str]:
              f"  optimizer: {'step ' + str(idx['optimizer']['step']) if idx['optimizer'] else 'none (weights only)'}",
              "  model: " + ", ".join(f"{k}={model[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads",
                                                                  "ffn_hidden_size", "vocab_size",
-                                                                 "max_position_embeddings", "activation"))]
+                                                                 "max_position_embeddings", "activation")),
+             "  " + ", ".join(f"{k}={model[k]}" for k in ("position_embedding_type", "normalization", "swiglu",
+                                                           "num_query_groups", "add_bias_linear")
+                              if k in model)]
     numel = 0
     for name in sorted(reader.tensors):
         e = reader.tensors[name]

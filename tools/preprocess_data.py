@@ -39,7 +39,8 @@ def parse_args(argv=None) -> PreprocessConfig:
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZERS)
     g.add_argument("--vocab-file", help="GPT-2 vocab.json / encoder.json")
     g.add_argument("--merge-file", help="GPT-2 merges.txt / vocab.bpe")
-    g.add_argument("--tokenizer-model", help="SentencePiece .model")
+    g.add_argument("--tokenizer-model", help="SentencePiece .model, or for HuggingFaceTokenizer a tokenizer.json "
+                                             "(or the directory holding it)")
     g.add_argument("--append-eod", action="store_true", help="end every document with the EOD id")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="encoding processes (1: encode in this process)")

@@ -35,6 +35,7 @@ from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.regions import numel
 from megazero.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from megazero.checkpoint.tensor_file import write_pieces
+from megazero.config import ModelConfig, flag
 from megazero.optim import learning_rate
 from megazero.parallel.params import attribute, counts_once, split_dim
 from megazero.parallel.zero import StatePiece
@@ -43,7 +44,11 @@ from megazero.state import TrainState
 log = logging.getLogger(__name__)
 _MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                  "max_position_embeddings", "untie_embeddings_and_output_weights", "activation",
-                 "layernorm_epsilon")
+                 "layernorm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling",
+                 "rope_scaling_factor", "normalization", "swiglu", "group_query_attention", "num_query_groups",
+                 "add_bias_linear", "add_qkv_bias")
+# A checkpoint written before a field existed was saved with its default.
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 _KIND = {"model": fmt.MODEL, "exp_avg": fmt.EXP_AVG, "exp_avg_sq": fmt.EXP_AVG_SQ, "master": fmt.MASTER}
 
 
@@ -162,10 +167,9 @@ def save_checkpoint(save_dir, state, *, chunks, engine, topo, job, extra_rng: di
 def check_model_compatible(saved_model: dict, model_cfg, where) -> None:
     """Refuse a checkpoint whose model differs in a way that changes shapes or meaning."""
     for name in _MODEL_FIELDS:
-        mine, theirs = getattr(model_cfg, name), saved_model.get(name)
+        mine, theirs = getattr(model_cfg, name), saved_model.get(name, _FIELD_DEFAULTS[name])
         if mine != theirs:
-            flag = "--" + name.replace("_", "-")
-            raise CheckpointError(f"{where} was saved with {flag} {theirs}, this run has {mine}: "
+            raise CheckpointError(f"{where} was saved with {name} = {theirs} ({flag(name)}), this run has {mine}: "
                                   f"use the checkpoint's model settings")
 
 

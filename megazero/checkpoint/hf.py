@@ -1,182 +1,172 @@
-"""Conversion between megazero's whole tensors and HuggingFace ``GPT2LMHeadModel`` (config.json +
-model.safetensors), in both directions, refusing what the other side cannot express.
+"""HuggingFace model directories <-> megazero whole tensors: the files, and which HF format a model is.
 
-Key map (``i`` = layer; HF Conv1D weights are stored [in, out], ours nn.Linear [out, in])::
+    save_hf(out_dir, tensors, cfg, data_cfg=job.data)     # config.json + safetensors (+ tokenizer files)
+    cfg, tensors, tokenizer_dir = load_hf(path)          # single or sharded safetensors, or pytorch_model.bin
 
-    embedding.word_embeddings.weight   [V, h]    transformer.wte.weight        [V, h]
-    embedding.position_embeddings...   [P, h]    transformer.wpe.weight        [P, h]
-    layers.i.input_layernorm.*                   transformer.h.i.ln_1.*
-    layers.i.attention.qkv.weight      [3h, h]   transformer.h.i.attn.c_attn.weight  [h, 3h]
-        ours: per head [q_j; k_j; v_j] rows      HF: columns [Q_all | K_all | V_all]
-        (qkv_interleaved_to_blocks, then transpose; the bias likewise without the transpose)
-    layers.i.attention.dense.weight    [h, h]    transformer.h.i.attn.c_proj.weight  (transposed)
-    layers.i.post_attention_layernorm.*          transformer.h.i.ln_2.*
-    layers.i.mlp.dense_h_to_4h.weight  [f, h]    transformer.h.i.mlp.c_fc.weight     [h, f]
-    layers.i.mlp.dense_4h_to_h.weight  [h, f]    transformer.h.i.mlp.c_proj.weight   [f, h]
-    final_norm.*                                 transformer.ln_f.*
-    output_layer.weight (untied only)            lm_head.weight (tie_word_embeddings false)
+Formats (key maps and configs in their modules):
 
-GELU: megazero ``gelu_tanh`` is HF ``gelu_new`` (also accepted on import: ``gelu_pytorch_tanh``);
-megazero ``gelu`` (exact erf) is HF ``gelu``.
+- learned position embeddings -> ``GPT2LMHeadModel`` (:mod:`.hf_gpt2`);
+- RoPE -> ``LlamaForCausalLM``, or ``Qwen2ForCausalLM`` with a QKV-only bias (:mod:`.hf_llama`); read
+  also: ``MistralForCausalLM`` without a sliding window.
+
+Weights above ``max_shard_bytes`` are split, as ``save_pretrained`` does, into
+``model-00001-of-0000N.safetensors`` ... with ``model.safetensors.index.json`` (``weight_map``: tensor
+name -> file; ``metadata.total_size``: bytes). The names a converted model must have come from the
+model's own declarations (:func:`megazero.checkpoint.offline.declarations`), so a missing or extra
+tensor is refused, never initialised or dropped.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from megazero.checkpoint import hf_gpt2, hf_llama
 from megazero.checkpoint.format import CheckpointError
-from megazero.config import ModelConfig
-from megazero.models.gpt import qkv_blocks_to_interleaved, qkv_interleaved_to_blocks
+from megazero.config import DataConfig, ModelConfig
 
-_ACT_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
-_ACT_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-_LAYER_MAP = {  # ours -> (HF, transpose)
-    "input_layernorm.weight": ("ln_1.weight", False), "input_layernorm.bias": ("ln_1.bias", False),
-    "attention.qkv.weight": ("attn.c_attn.weight", True), "attention.qkv.bias": ("attn.c_attn.bias", False),
-    "attention.dense.weight": ("attn.c_proj.weight", True), "attention.dense.bias": ("attn.c_proj.bias", False),
-    "post_attention_layernorm.weight": ("ln_2.weight", False),
-    "post_attention_layernorm.bias": ("ln_2.bias", False),
-    "mlp.dense_h_to_4h.weight": ("mlp.c_fc.weight", True), "mlp.dense_h_to_4h.bias": ("mlp.c_fc.bias", False),
-    "mlp.dense_4h_to_h.weight": ("mlp.c_proj.weight", True), "mlp.dense_4h_to_h.bias": ("mlp.c_proj.bias", False),
-}
-_GLOBAL_MAP = {"embedding.word_embeddings.weight": "transformer.wte.weight",
-               "embedding.position_embeddings.weight": "transformer.wpe.weight",
-               "final_norm.weight": "transformer.ln_f.weight", "final_norm.bias": "transformer.ln_f.bias",
-               "output_layer.weight": "lm_head.weight"}
-_HF_BUFFERS = (".attn.bias", ".attn.masked_bias")      # causal-mask buffers of older GPT-2 files
+DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9       # save_pretrained's default "5GB"
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def hf_config(cfg: ModelConfig) -> dict:
-    """GPT2Config fields for a megazero model; refuses anything GPT-2 cannot express."""
-    if cfg.activation not in _ACT_TO_HF:
-        raise CheckpointError(f"activation {cfg.activation!r} has no GPT-2 equivalent: cannot export to HF")
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.max_position_embeddings, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
-            "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
-            "activation_function": _ACT_TO_HF[cfg.activation], "layer_norm_epsilon": cfg.layernorm_epsilon,
-            "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
-            "attn_pdrop": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
-            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-            "add_cross_attention": False, "torch_dtype": "float32"}
+def format_of(cfg: ModelConfig):
+    """The HF format module a megazero model exports to."""
+    return hf_llama if cfg.position_embedding_type == "rope" else hf_gpt2
 
 
 def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig:
-    """The megazero ModelConfig of a GPT2Config dict; refuses what megazero's GPT does not implement."""
-    def refuse(why: str):
-        raise CheckpointError(f"cannot import this HF model: {why}")
-
-    if hf.get("model_type", "gpt2") != "gpt2":
-        refuse(f"model_type {hf.get('model_type')!r} is not gpt2")
-    act = hf.get("activation_function", "gelu_new")
-    if act not in _ACT_FROM_HF:
-        refuse(f"activation_function {act!r} (megazero has {', '.join(sorted(_ACT_FROM_HF))})")
-    if not hf.get("scale_attn_weights", True):
-        refuse("scale_attn_weights=false (megazero always scales attention by 1/sqrt(head_dim))")
-    if hf.get("scale_attn_by_inverse_layer_idx", False):
-        refuse("scale_attn_by_inverse_layer_idx=true is not implemented")
-    if hf.get("add_cross_attention", False):
-        refuse("cross-attention is not implemented")
-    h = hf.get("n_embd", 768)
-    n_pos = hf.get("n_positions", 1024)
-    return ModelConfig(num_layers=hf.get("n_layer", 12), hidden_size=h, num_attention_heads=hf.get("n_head", 12),
-                       ffn_hidden_size=hf.get("n_inner") or 4 * h, seq_length=seq_length or n_pos,
-                       max_position_embeddings=n_pos, vocab_size=hf.get("vocab_size", 50257),
-                       untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
-                       attention_dropout=hf.get("attn_pdrop", 0.1), hidden_dropout=hf.get("resid_pdrop", 0.1),
-                       init_method_std=hf.get("initializer_range", 0.02),
-                       layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5), activation=_ACT_FROM_HF[act])
-
-
-def to_hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """megazero whole tensors -> GPT2LMHeadModel state dict (tied: no lm_head.weight, as HF saves it)."""
-    out, heads = {}, cfg.num_attention_heads
-    for name, t in tensors.items():
-        if name in _GLOBAL_MAP:
-            out[_GLOBAL_MAP[name]] = t
-            continue
-        _, layer, rest = name.split(".", 2) if name.startswith("layers.") else ("", "", name)
-        if rest not in _LAYER_MAP:
-            raise CheckpointError(f"megazero tensor {name!r} has no GPT-2 equivalent: cannot export to HF")
-        hf_name, transpose = _LAYER_MAP[rest]
-        if rest.startswith("attention.qkv"):
-            t = qkv_interleaved_to_blocks(t, heads)
-        out[f"transformer.h.{layer}.{hf_name}"] = t.t() if transpose else t
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def from_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel (or GPT2Model) state dict -> megazero whole tensors; every key must be used."""
-    state = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v for k, v in state.items()
-             if not k.endswith(_HF_BUFFERS)}
-    inverse = {v: k for k, v in _GLOBAL_MAP.items()}
-    layer_inverse = {hf: (ours, tr) for ours, (hf, tr) in _LAYER_MAP.items()}
-    out, heads = {}, cfg.num_attention_heads
-    for key, t in state.items():
-        t = t.float()
-        if key == "lm_head.weight" and not cfg.untie_embeddings_and_output_weights:
-            if not torch.equal(t, state["transformer.wte.weight"].float()):
-                raise CheckpointError("lm_head.weight differs from transformer.wte.weight but the config "
-                                      "ties them (tie_word_embeddings): the HF checkpoint is inconsistent")
-            continue
-        if key in inverse:
-            out[inverse[key]] = t
-            continue
-        parts = key.split(".", 3)
-        if len(parts) < 4 or parts[1] != "h" or parts[3] not in layer_inverse:
-            raise CheckpointError(f"HF tensor {key!r} has no megazero equivalent: refusing to drop it")
-        ours, transpose = layer_inverse[parts[3]]
-        t = t.t() if transpose else t
-        if ours.startswith("attention.qkv"):
-            t = qkv_blocks_to_interleaved(t, heads)
-        out[f"layers.{parts[2]}.{ours}"] = t.contiguous()
-    return out
+    """The megazero ModelConfig of an HF config dict (by its ``model_type``; GPT-2 when absent)."""
+    kind = hf.get("model_type", "gpt2")
+    if kind in hf_llama.MODEL_TYPES:
+        return hf_llama.model_config_from_hf(hf, seq_length)
+    if kind != "gpt2":
+        raise CheckpointError(f"cannot import this HF model: model_type {kind!r} (megazero reads gpt2, "
+                              f"{', '.join(hf_llama.MODEL_TYPES)})")
+    return hf_gpt2.model_config_from_hf(hf, seq_length)
 
 
 def save_hf(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], cfg: ModelConfig,
-            dtype: torch.dtype = torch.float32) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` loadable by ``GPT2LMHeadModel.from_pretrained``."""
-    out = Path(out_dir)
+            dtype: torch.dtype = torch.float32, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+            data_cfg: DataConfig | None = None) -> Path:
+    """Write ``config.json`` + safetensors loadable by ``AutoModelForCausalLM.from_pretrained``, and the
+    run's tokenizer files when it is known (see :func:`copy_tokenizer`)."""
+    out, fmt = Path(out_dir), format_of(cfg)
+    config = fmt.hf_config(cfg)                       # refuses what the format cannot express, before writing
     out.mkdir(parents=True, exist_ok=True)
-    config = hf_config(cfg)
+    eos = copy_tokenizer(data_cfg, out) if data_cfg is not None else None
+    if fmt is hf_llama:
+        config["eos_token_id"] = eos
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    state = {k: v.to(dtype).contiguous() for k, v in to_hf_state(tensors, cfg).items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    state = {k: v.to(dtype).contiguous() for k, v in fmt.to_hf_state(tensors, cfg).items()}
+    write_safetensors(out, state, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return out
 
 
+def write_safetensors(out: Path, state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[str]:
+    """``model.safetensors``, or shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of
+    its own) in the state's order plus the index; returns the file names."""
+    sizes = {k: t.numel() * t.element_size() for k, t in state.items()}
+    if sum(sizes.values()) <= max_shard_bytes:
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    shards, size = [[]], 0
+    for name, nbytes in sizes.items():
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files, weight_map = [], {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: state[k] for k in names}, str(out / file), metadata={"format": "pt"})
+        files.append(file)
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    (out / INDEX).write_text(json.dumps(index, indent=2))
+    return files + [INDEX]
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory: ``model.safetensors``, sharded safetensors (``INDEX``), or
+    ``pytorch_model.bin`` (single or sharded), the latter read with ``torch.load(weights_only=True)``."""
+    for index_name, load in ((INDEX, lambda f: load_file(str(f))),
+                             ("pytorch_model.bin.index.json",
+                              lambda f: torch.load(f, map_location="cpu", weights_only=True))):
+        if (path / index_name).is_file():
+            files = sorted(set(json.loads((path / index_name).read_text())["weight_map"].values()))
+            state = {}
+            for file in files:
+                if not (path / file).is_file():
+                    raise CheckpointError(f"{path / index_name} names {file}, which is missing")
+                state.update(load(path / file))
+            return state
+    if (path / "model.safetensors").is_file():
+        return load_file(str(path / "model.safetensors"))
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise CheckpointError(f"{path} has no model.safetensors, {INDEX} or pytorch_model.bin")
+
+
 def load_hf(path: str | os.PathLike, seq_length: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, megazero whole tensors) of an HF GPT-2 directory (config.json + model.safetensors,
-    or pytorch_model.bin read with ``torch.load(weights_only=True)``)."""
+    """(ModelConfig, megazero whole tensors) of an HF GPT-2 or Llama-family directory; every tensor
+    of the model must be there and nothing else."""
+    from megazero.checkpoint.offline import declarations
+
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path} is missing: --input must be an HF model directory")
     cfg = model_config_from_hf(json.loads(config_path.read_text()), seq_length)
-    if (path / "model.safetensors").is_file():
-        state = load_file(str(path / "model.safetensors"))
-    elif (path / "pytorch_model.bin").is_file():
-        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise CheckpointError(f"{path} has neither model.safetensors nor pytorch_model.bin (sharded HF "
-                              f"checkpoints are not supported)")
-    tensors = from_hf_state(state, cfg)
-    expected = _expected_names(cfg)
+    tensors = format_of(cfg).from_hf_state(read_weights(path), cfg)
+    expected = set(declarations(cfg))
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        raise CheckpointError(f"{path}: tensors missing {missing[:5]} / unexpected {extra[:5]} for a "
-                              f"{cfg.num_layers}-layer GPT-2")
+        raise CheckpointError(f"{path}: tensors missing {missing[:5]} / unexpected {extra[:5]} for this "
+                              f"{cfg.num_layers}-layer model")
     return cfg, tensors
 
 
-def _expected_names(cfg: ModelConfig) -> set[str]:
-    names = {"embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "final_norm.weight",
-             "final_norm.bias"}
-    if cfg.untie_embeddings_and_output_weights:
-        names.add("output_layer.weight")
-    return names | {f"layers.{i}.{rest}" for i in range(cfg.num_layers) for rest in _LAYER_MAP}
+def tokenizer_of(path: str | os.PathLike) -> DataConfig:
+    """The data config naming an HF directory's tokenizer (``tokenizer.json``), or an empty one."""
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        return DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(path.resolve()))
+    return DataConfig()
+
+
+def copy_tokenizer(data_cfg: DataConfig, out: Path) -> int | None:
+    """Copy the run's tokenizer files into ``out`` where HF expects them; returns its eos id (None when
+    the tokenizer is unknown: mock data, or files that are gone).
+
+    HuggingFaceTokenizer: ``tokenizer.json`` and the directory's ``tokenizer_config.json``,
+    ``special_tokens_map.json``; SentencePieceTokenizer (also the embedded
+    sample corpus's): ``tokenizer.model``; GPT2BPETokenizer: ``vocab.json`` and ``merges.txt``."""
+    from megazero.data.tokenizers import TokenizerError, build_tokenizer
+
+    kind, model = data_cfg.tokenizer_type, data_cfg.tokenizer_model
+    if kind is None and not data_cfg.data_path and not data_cfg.mock_data:      # the embedded default run
+        from megazero.data.sample import TOKENIZER_MODEL
+        kind, model = "SentencePieceTokenizer", str(TOKENIZER_MODEL)
+    try:
+        tok = build_tokenizer(kind, vocab_file=data_cfg.vocab_file, merge_file=data_cfg.merge_file,
+                              tokenizer_model=model)
+    except (TokenizerError, OSError):
+        return None
+    if kind == "HuggingFaceTokenizer":
+        shutil.copyfile(tok.model_file, out / "tokenizer.json")
+        for name in TOKENIZER_FILES[1:]:
+            if (Path(tok.directory) / name).is_file():
+                shutil.copyfile(Path(tok.directory) / name, out / name)
+    elif kind == "SentencePieceTokenizer":
+        shutil.copyfile(tok.model_file, out / "tokenizer.model")
+    else:
+        shutil.copyfile(tok.vocab_file, out / "vocab.json")
+        shutil.copyfile(tok.merge_file, out / "merges.txt")
+    return tok.eod

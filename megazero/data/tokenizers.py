@@ -1,6 +1,6 @@
 """Tokenizers behind one small interface: ``tokenize``, ``detokenize``, ``vocab_size``, ``eod``.
 
-Two kinds, named as Megatron names them (``--tokenizer-type``):
+Three kinds, named as Megatron names them (``--tokenizer-type``):
 
 * ``GPT2BPETokenizer``: GPT-2 byte-level BPE from ``--vocab-file`` (``vocab.json``/``encoder.json``)
   and ``--merge-file`` (``merges.txt``/``vocab.bpe``). Backed by ``tiktoken``, built from the local
@@ -11,6 +11,15 @@ Two kinds, named as Megatron names them (``--tokenizer-type``):
   ``tokenizers`` ~2 MB/s, identical ids.
 * ``SentencePieceTokenizer``: a ``--tokenizer-model`` file, via ``sentencepiece``. The end-of-document
   id is the model's ``</s>`` (eos); a model trained without one gets an extra id ``vocab_size``.
+
+* ``HuggingFaceTokenizer``: a HuggingFace ``tokenizer.json`` (Llama 3, Mistral, Qwen2, ... as
+  published), given as ``--tokenizer-model`` (the file, or the model directory holding it), through
+  the ``tokenizers`` library. Ids are the library's ``encode(text).ids``, with whatever special
+  tokens the file's post-processor adds (Llama 3's ``<|begin_of_text|>``), as Megatron's
+  HuggingFaceTokenizer (``AutoTokenizer(text).input_ids``) gives them. ``eod`` is the end-of-sequence
+  token: ``eos_token`` of the directory's ``tokenizer_config.json``, else ``eos_token_id`` of its
+  ``config.json``, else the first of ``</s>``, ``<|end_of_text|>``, ``<|endoftext|>``, ``<eos>`` the
+  vocabulary has.
 
 Text in the end-of-text form ``<|endoftext|>`` is encoded as ordinary text, as the original GPT-2
 encoder (and Megatron's) does: only ``eod`` ids added by the preprocessing mark document ends.
@@ -177,6 +186,71 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.decode([int(i) for i in ids if int(i) < n])
 
 
+EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A ``tokenizer.json`` read by the ``tokenizers`` library (see the module docstring)."""
+
+    name = "HuggingFaceTokenizer"
+
+    def __init__(self, path: str):
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError as e:
+            raise TokenizerError("--tokenizer-type HuggingFaceTokenizer needs the tokenizers library: "
+                                 "pip install tokenizers") from e
+        if not path:
+            raise TokenizerError("--tokenizer-model is required for this tokenizer type (a directory with "
+                                 "tokenizer.json, or the file)")
+        directory = path if os.path.isdir(path) else os.path.dirname(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        self.model_file = _check_file(file, "--tokenizer-model")
+        self.directory = directory
+        try:
+            self._tok = HFTokenizer.from_file(file)
+        except Exception as e:  # noqa: BLE001  (the library raises a bare Exception on bad files)
+            raise TokenizerError(f"--tokenizer-model {file!r} is not a HuggingFace tokenizer.json ({e})") from e
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eod = self._find_eos(directory)
+
+    def _find_eos(self, directory: str) -> int:
+        named = _json_field(os.path.join(directory, "tokenizer_config.json"), "eos_token")
+        if isinstance(named, dict):
+            named = named.get("content")
+        if isinstance(named, str) and self._tok.token_to_id(named) is not None:
+            return self._tok.token_to_id(named)
+        eos_id = _json_field(os.path.join(directory, "config.json"), "eos_token_id")
+        if isinstance(eos_id, list) and eos_id:
+            eos_id = eos_id[0]
+        if isinstance(eos_id, int) and 0 <= eos_id < self.vocab_size:
+            return eos_id
+        for token in EOS_CANDIDATES:
+            if self._tok.token_to_id(token) is not None:
+                return self._tok.token_to_id(token)
+        raise TokenizerError(f"--tokenizer-model {self.model_file!r}: no end-of-sequence token found (no eos_token "
+                             f"in tokenizer_config.json, no eos_token_id in config.json, none of "
+                             f"{', '.join(EOS_CANDIDATES)}): put a tokenizer_config.json naming eos_token beside it")
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts))]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _json_field(path: str, key: str):
+    """``key`` of the JSON object in ``path``; None when the file or the key is missing."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def build_tokenizer(tokenizer_type: str | None, *, vocab_file: str | None = None,
                     merge_file: str | None = None, tokenizer_model: str | None = None) -> Tokenizer:
     """The tokenizer named by ``--tokenizer-type`` with its files (flag names as in Megatron)."""
@@ -184,6 +258,8 @@ def build_tokenizer(tokenizer_type: str | None, *, vocab_file: str | None = None
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
     raise TokenizerError(f"--tokenizer-type must be one of {', '.join(TOKENIZERS)}, got {tokenizer_type!r}")
 
 

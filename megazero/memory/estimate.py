@@ -20,6 +20,10 @@ Three parts, each per pipeline stage (the binding rank is the largest):
                                                                       stores the gathered inputs of the
                                                                       column-parallel layers)
 
+  for GPT-2; the Llama-family layers change the attention and MLP terms (per token: RoPE keeps the
+  rotated queries and keys, grouped-query attention 2h/t + 2Gd/t (+ Gd/t rotated keys) instead of
+  4h/t, SwiGLU 4f/t instead of 2f/t) and RMSNorm keeps one statistic per row instead of two;
+
   plus the layer norms' statistics (fp32), the attention's log-sum-exp (fp32; the fused kernel keeps
   no s x s scores, except with attention dropout, where the unfused path keeps the probabilities and
   the mask), dropout masks (1 byte on CUDA, the activation's dtype on a CPU, whose dropout keeps
@@ -114,17 +118,36 @@ def _buckets(named, job: JobConfig, bucket_size: int) -> list[int]:
     return [padded for _, padded in plan]
 
 
+def _attention_elements(cfg, t: int) -> int:
+    """Elements per token one tp rank's attention keeps: the fused QKV output (its value part is a view
+    SDPA saves), or the query and the key/value projection outputs (G >= t groups split, one group per
+    rank when replicated); RoPE's rotated queries and keys instead of the projections' views; the output."""
+    h, d, rope = cfg.hidden_size, cfg.head_dim, cfg.position_embedding_type == "rope"
+    if not cfg.group_query_attention:
+        return (4 * h + (2 * h if rope else 0)) // t
+    groups = max(cfg.num_query_groups // t, 1)
+    return 2 * h // t + 2 * groups * d + (groups * d if rope else 0)
+
+
+def _mlp_elements(cfg, t: int) -> int:
+    """Elements per token one tp rank's MLP keeps: GELU's input and output; or SwiGLU's fused gate/up
+    output (2 ffn), silu(gate) and the product fed to the down projection."""
+    return (4 if cfg.swiglu else 2) * cfg.ffn_hidden_size // t
+
+
 def _layer_activation_bytes(job: JobConfig, e: int, mask: int) -> tuple[int, int]:
     """(bytes one layer keeps for backward, bytes of its input) per micro-batch; ``mask``: bytes per
     element of a dropout mask (1 for CUDA's fused dropout, the activation's e bytes on a CPU)."""
     cfg, par = job.model, job.parallel
-    s, b, h, f, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, cfg.ffn_hidden_size, par.tp
+    s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
     a = cfg.num_attention_heads
     sp = par.sequence_parallel and t > 1
     sbh = s * b * h
-    elems = (2 * sbh + (6 * sbh + 2 * s * b * f) // t) if sp else (4 * sbh + (4 * sbh + 2 * s * b * f) // t)
+    inner = s * b * (_attention_elements(cfg, t) + _mlp_elements(cfg, t))
+    elems = (2 * sbh + 2 * sbh // t + inner) if sp else (4 * sbh + inner)
     rows = s * b // t if sp else s * b                    # the rows a layer norm (and dropout) sees
-    out = e * elems + 2 * 2 * 4 * rows                   # two layer norms' mean and rstd, fp32
+    stats = 2 if cfg.normalization == "LayerNorm" else 1  # LayerNorm: mean and rstd; RMSNorm: rstd
+    out = e * elems + 2 * stats * 4 * rows               # two norms' statistics, fp32
     if cfg.attention_dropout > 0:
         out += b * (a // t) * s * s * (2 * e + mask)       # unfused attention: probabilities, dropped, mask
     else:
@@ -148,7 +171,8 @@ def _chunk_activation_bytes(job: JobConfig, chunk: GPT, e: int, mask: int) -> in
     if not chunk.post_process:                         # the output, held by the schedule for the backward
         out += e * rows * h
     if chunk.post_process:
-        out += e * rows * h + 2 * 4 * rows + e * s * b * h   # final norm input and stats, the logits' input
+        stats = 2 if cfg.normalization == "LayerNorm" else 1
+        out += e * rows * h + stats * 4 * rows + e * s * b * h   # final norm input and stats, the logits' input
         out += 4 * s * b * cfg.padded_vocab_size(t) // t + 9 * s * b   # softmax (fp32), target, mask
     return out
 
@@ -231,7 +255,8 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     # gradients in flight and, recomputing, one layer's activations back.
     layer, layer_input = _layer_activation_bytes(job, e, mask)
     rows = s * b // t if par.sequence_parallel and t > 1 else s * b
-    working = e * (2 * rows * job.model.hidden_size + s * b * job.model.ffn_hidden_size // t)
+    mlp_width = job.model.ffn_hidden_size * (2 if job.model.swiglu else 1)
+    working = e * (2 * rows * job.model.hidden_size + s * b * mlp_width // t)
     if job.model.recompute_activations:
         working += layer
     last = chunks[-1]

@@ -22,6 +22,10 @@ dim), tied, or vocabulary-padded        (:mod:`megazero.parallel.params`)       
 
 Tools that need the declarations without a process group build the model on the meta device
 (``GPT(cfg, device="meta")``): every name and attribute, no memory.
+
+The GPT covers GPT-2 and the Llama family (RoPE, RMSNorm, SwiGLU, grouped-query attention, bias-free
+layers) through Megatron's flags, as Megatron's GPTModel does (its layers: ``transformer.py``); a
+different architecture would be a module of its own beside it, providing the same contract.
 """
 from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
 

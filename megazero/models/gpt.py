@@ -1,31 +1,40 @@
-"""GPT-2 style decoder built from the tensor-parallel layers, usable as a whole model or a pipeline stage.
+"""The GPT decoder (Megatron's GPTModel): GPT-2 by default, Llama-family with flags; a whole model
+or a pipeline stage.
 
-Shape: pre-LayerNorm blocks ``x + Dropout(Attn(LN(x)))``, ``x + Dropout(MLP(LN(x)))``, learned
-position embeddings, GELU MLP, causal attention via ``F.scaled_dot_product_attention``, final
-LayerNorm, output layer tied to the word embedding unless ``untie_embeddings_and_output_weights``.
+Shape: pre-norm blocks ``x + Dropout(Attn(Norm(x)))``, ``x + Dropout(MLP(Norm(x)))``, causal
+attention via ``F.scaled_dot_product_attention``, a final norm, and the output layer tied to the word
+embedding unless ``untie_embeddings_and_output_weights``. The defaults are GPT-2 (LayerNorm, learned
+positions, GELU, biases); a Llama-family model is the same class with ``--position-embedding-type
+rope --normalization RMSNorm --swiglu --group-query-attention --num-query-groups G
+--disable-bias-linear --untie-embeddings-and-output-weights`` (the layers: :mod:`.transformer`).
 
 Parameter names are the same on every tp/pp layout (a stage simply lacks what it does not own)::
 
     embedding.word_embeddings.weight              [V_pad/tp, h]   split dim 0 (vocab rows)
-    embedding.position_embeddings.weight          [max_pos, h]    replicated (first stage only)
-    layers.<i>.input_layernorm.{weight,bias}      [h]             replicated
+    embedding.position_embeddings.weight          [max_pos, h]    replicated (first stage; learned only)
+    layers.<i>.input_layernorm.{weight,bias}      [h]             replicated (RMSNorm: weight only)
     layers.<i>.attention.qkv.{weight,bias}        [3h/tp, h]      split dim 0, see SelfAttention
+    layers.<i>.attention.query.{weight,bias}      [heads*d/tp, h] split dim 0  } --group-query-attention,
+    layers.<i>.attention.key_value.{weight,bias}  [2G*d/tp, h]    split dim 0, } see GroupedQueryAttention
+                                                  or [2G*d, h] replicated when G < tp
     layers.<i>.attention.dense.weight             [h, h/tp]       split dim 1;  .bias [h] replicated
     layers.<i>.post_attention_layernorm.{weight,bias}
-    layers.<i>.mlp.dense_h_to_4h.{weight,bias}    [ffn/tp, h]     split dim 0
+    layers.<i>.mlp.dense_h_to_4h.{weight,bias}    [ffn/tp, h]     split dim 0 ([2ffn/tp, h] with SwiGLU, see MLP)
     layers.<i>.mlp.dense_4h_to_h.weight           [h, ffn/tp]     split dim 1;  .bias [h] replicated
     final_norm.{weight,bias}                      [h]             (last stage only)
     output_layer.weight                           [V_pad/tp, h]   only when untied
 
-``<i>`` is the *global* layer index. With tied embeddings a last stage that is not also the first
-(pipeline) still owns ``embedding.word_embeddings.weight`` (same init, ``shared_embedding=True``,
+Biases exist unless ``--disable-bias-linear`` (the QKV ones stay with ``--add-qkv-bias``). ``<i>`` is
+the *global* layer index. With tied embeddings a last stage that is not also the first (pipeline)
+still owns ``embedding.word_embeddings.weight`` (same init, ``shared_embedding=True``,
 ``tied_copy=True``); the ZeRO engine sums the two copies' gradients over the embedding group.
 
 What the model declares for the parallel machinery (the contract in :mod:`megazero.models`):
 :func:`build_model_chunks` (the pipeline cut), :func:`activation_shape` (the stage boundary),
 :func:`masked_mean` (the loss over per-token losses), :meth:`GPT.zero3_plan` (the ZeRO-3 gather
-units) and the parameter attributes of :mod:`megazero.parallel.params` (split dims, the tied
-embedding, the padded vocabulary).
+units), :meth:`GPT.initial_value` (sharded construction) and the parameter attributes of
+:mod:`megazero.parallel.params` (split dims, the tied embedding, the padded vocabulary, the partial
+gradients of replicated key/value heads).
 
 Padded vocabulary: rows ``vocab_size .. V_pad-1`` of the word embedding (and untied output layer)
 are initialised to zero and their logits are set to -inf inside the model, so padded entries never
@@ -46,10 +55,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megazero.config import ModelConfig, ParallelConfig, check_model
-from megazero.parallel.comm import group_rank, group_size
+from megazero.models.kv_cache import KVCache
+from megazero.models.transformer import (NORM_TYPES, Embedding, LayerContext, TransformerLayer,
+                                         qkv_blocks_to_interleaved, qkv_interleaved_to_blocks)
+from megazero.parallel.comm import group_rank
 from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage, stage_layer_ids
-from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
-                                      VocabParallelEmbedding, copy_to_tp_region,
+from megazero.parallel.tensor import (ColumnParallelLinear, TensorParallelRNG, copy_to_tp_region,
                                       gather_from_sequence_parallel_region, init_std_scaled,
                                       mask_padded_vocab, set_tp_attributes, shard,
                                       vocab_parallel_cross_entropy)
@@ -73,166 +84,18 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def qkv_blocks_to_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Reorder a full fused-QKV weight [3h, ...] (or bias [3h]) from blocks [Q_all; K_all; V_all]
-    (HF GPT-2 ``c_attn`` after transposing its [h, 3h] Conv1D weight) to our per-head
-    [q_0; k_0; v_0; q_1; ...] rows (see :class:`SelfAttention`)."""
-    d = w.shape[0] // (3 * num_heads)
-    return w.reshape(3, num_heads, d, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
-
-
-def qkv_interleaved_to_blocks(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Inverse of :func:`qkv_blocks_to_interleaved`: our per-head rows -> [Q_all; K_all; V_all]."""
-    d = w.shape[0] // (3 * num_heads)
-    return w.reshape(num_heads, 3, d, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
-
-
-class _Context:
-    """What every submodule needs to know about the layout (one shared object, not a global)."""
-
-    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, rng: TensorParallelRNG,
-                 dtype, device):
-        self.cfg, self.tp_group, self.sp, self.rng = cfg, tp_group, sequence_parallel, rng
-        self.dtype, self.device = dtype, device
-        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
-        # Dropout on replicated activations uses the stream shared by tp ranks; on a sequence chunk
-        # (sequence parallel) each rank holds different tokens, so it uses the per-rank stream.
-        self.hidden_region = TensorParallelRNG.TP if sequence_parallel else TensorParallelRNG.DEFAULT
-
-    def dropout(self, x, p: float, training: bool, region: str):
-        if not training or p == 0.0:
-            return x
-        with self.rng.fork(region):
-            return F.dropout(x, p, training=True)
-
-    def layer_norm(self) -> nn.LayerNorm:
-        norm = nn.LayerNorm(self.cfg.hidden_size, eps=self.cfg.layernorm_epsilon,
-                            dtype=self.dtype, device=self.device)
-        for p in norm.parameters():
-            set_tp_attributes(p, False, sequence_parallel_grad=self.sp)
-        return norm
-
-
-class Embedding(nn.Module):
-    """Word (vocab-parallel) + learned position embeddings, then dropout. ids [b, s] -> [s(/tp), b, h]."""
-
-    def __init__(self, ctx: _Context, padded_vocab_size: int, with_positions: bool = True):
-        super().__init__()
-        self.ctx = ctx
-        cfg = ctx.cfg
-        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size, ctx.tp_group,
-                                                      sequence_parallel=ctx.sp, dtype=ctx.dtype,
-                                                      device=ctx.device)
-        self.position_embeddings = None
-        if with_positions:
-            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
-                                                    dtype=ctx.dtype, device=ctx.device)
-            set_tp_attributes(self.position_embeddings.weight, False, sequence_parallel_grad=ctx.sp)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        ctx, s = self.ctx, ids.shape[1]
-        if s > ctx.cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds --max-position-embeddings "
-                             f"{ctx.cfg.max_position_embeddings}")
-        if ctx.sp:
-            words = self.word_embeddings(ids)      # [s/tp, b, h]: this rank's sequence chunk
-            chunk = s // ctx.tp_size
-            pos = torch.arange(ctx.tp_rank * chunk, (ctx.tp_rank + 1) * chunk, device=ids.device)
-        else:
-            words = self.word_embeddings(ids.t())  # [s, b, h]: looked up sequence-first, no transpose copy
-            pos = torch.arange(s, device=ids.device)
-        x = words + self.position_embeddings(pos).unsqueeze(1)
-        return ctx.dropout(x, ctx.cfg.hidden_dropout, self.training, ctx.hidden_region)
-
-
-class SelfAttention(nn.Module):
-    """Causal multi-head self-attention with heads split across tp ranks.
-
-    Fused QKV layout. The FULL ``qkv.weight`` [3h, h] (and ``qkv.bias`` [3h]) is ordered head by
-    head, q, k, v inside each head (head_dim d = h / heads)::
-
-        row  head*3d + 0*d + j   -> query  feature j of head `head`
-        row  head*3d + 1*d + j   -> key    feature j of head `head`
-        row  head*3d + 2*d + j   -> value  feature j of head `head`
-
-    tp rank r holds the contiguous rows ``r*3h/tp .. (r+1)*3h/tp - 1``, i.e. whole heads
-    ``r*heads/tp .. (r+1)*heads/tp - 1`` each as [q; k; v]. This full layout does not depend on tp.
-    Worked example, h=4, 2 heads (d=2), tp=2: full rows are
-    ``[q0 q0 k0 k0 v0 v0 | q1 q1 k1 k1 v1 v1]``; tp rank 0 holds rows 0-5 (head 0), rank 1 rows 6-11.
-    HF GPT-2's ``c_attn.weight`` is [h, 3h] with columns [Q_all | K_all | V_all]: ours is
-    ``qkv_blocks_to_interleaved(c_attn.weight.t(), heads)`` (bias likewise, without the transpose).
-    ``dense`` ([h, h], split on dim 1) takes the heads' outputs concatenated in head order, the same
-    order as HF ``c_proj``'s input features (its weight is ``c_proj.weight.t()``).
-    """
-
-    def __init__(self, ctx: _Context):
-        super().__init__()
-        self.ctx = ctx
-        cfg = ctx.cfg
-        h = cfg.hidden_size
-        self.heads_local = cfg.num_attention_heads // ctx.tp_size
-        self.head_dim = cfg.head_dim
-        kw = dict(sequence_parallel=ctx.sp, dtype=ctx.dtype, device=ctx.device)
-        self.qkv = ColumnParallelLinear(h, 3 * h, ctx.tp_group, **kw)
-        self.dense = RowParallelLinear(h, h, ctx.tp_group, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)                                               # [s, b, heads_local*3*d]
-        s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim)
-        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))   # [b, heads_local, s, d]
-        p = self.ctx.cfg.attention_dropout if self.training else 0.0
-        if p > 0.0:
-            with self.ctx.rng.fork(TensorParallelRNG.TP):
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
-        return self.dense(out)
-
-
-class MLP(nn.Module):
-    """h -> ffn (column-parallel) -> GELU -> h (row-parallel)."""
-
-    def __init__(self, ctx: _Context):
-        super().__init__()
-        cfg = ctx.cfg
-        kw = dict(sequence_parallel=ctx.sp, dtype=ctx.dtype, device=ctx.device)
-        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, ctx.tp_group, **kw)
-        self.dense_4h_to_h = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, ctx.tp_group, **kw)
-        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate=self.approximate))
-
-
-class TransformerLayer(nn.Module):
-    """One pre-LN block on [s(/tp), b, h]."""
-
-    def __init__(self, ctx: _Context):
-        super().__init__()
-        self.ctx = ctx
-        self.input_layernorm = ctx.layer_norm()
-        self.attention = SelfAttention(ctx)
-        self.post_attention_layernorm = ctx.layer_norm()
-        self.mlp = MLP(ctx)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ctx, p = self.ctx, self.ctx.cfg.hidden_dropout
-        x = x + ctx.dropout(self.attention(self.input_layernorm(x)), p, self.training, ctx.hidden_region)
-        return x + ctx.dropout(self.mlp(self.post_attention_layernorm(x)), p, self.training, ctx.hidden_region)
-
-
 class GPT(nn.Module):
     """The GPT model, or the part of it one pipeline stage owns.
 
     ``GPT(cfg, topo, sequence_parallel=False, layer_ids=None, pre_process=True, post_process=True,
-    seed=1234, dtype=torch.float32, device=None)``. ``forward(x, labels=None)``:
+    seed=1234, dtype=torch.float32, device=None)``. ``forward(x, labels=None, *, kv_cache=None)``:
 
     - ``x``: token ids [b, s] int64 when ``pre_process``, else hidden [s(/tp), b, h] from the
       previous stage;
     - returns per-token loss [b, s] float32 (``post_process`` and labels), this rank's logits shard
-      [b, s, V_pad/tp] (``post_process``, no labels; padded entries -inf), else hidden [s(/tp), b, h].
+      [b, s, V_pad/tp] (``post_process``, no labels; padded entries -inf), else hidden [s(/tp), b, h];
+    - ``kv_cache`` (inference, :class:`megazero.models.kv_cache.KVCache`, one per chunk): ``x`` continues
+      the tokens the cache holds, at positions ``kv_cache.length ..``; the chunk's layers append theirs.
     """
 
     def __init__(self, model_cfg: ModelConfig, topo=None, *, sequence_parallel: bool = False,
@@ -254,7 +117,7 @@ class GPT(nn.Module):
         rng_device = device if device.type != "meta" else (topo.device if topo is not None else torch.device("cpu"))
         self.rng = TensorParallelRNG(seed, group_rank(tp_group), offset=100 * min(layer_ids, default=0),
                                      device=rng_device)
-        ctx = self.ctx = _Context(cfg, tp_group, sequence_parallel, self.rng, dtype, device)
+        ctx = self.ctx = LayerContext(cfg, tp_group, sequence_parallel, self.rng, dtype, device)
 
         if pre_process or (post_process and self.tied):
             self.embedding = Embedding(ctx, self.padded_vocab_size, with_positions=pre_process)
@@ -264,7 +127,7 @@ class GPT(nn.Module):
             word.tied_copy = self.tied and not pre_process   # the last stage's copy of stage 0's tensor
         self.layers = nn.ModuleDict({str(i): TransformerLayer(ctx) for i in layer_ids})
         if post_process:
-            self.final_norm = ctx.layer_norm()
+            self.final_norm = ctx.norm()
             if not self.tied:
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, tp_group,
                                                          bias=False, sequence_parallel=sequence_parallel,
@@ -274,7 +137,7 @@ class GPT(nn.Module):
             if not hasattr(p, "tensor_parallel"):
                 set_tp_attributes(p, False)
         self.seed = seed
-        self._norm_modules = {n for n, m in self.named_modules() if isinstance(m, nn.LayerNorm)}
+        self._norm_modules = {n for n, m in self.named_modules() if isinstance(m, NORM_TYPES)}
         if device.type != "meta":          # on the meta device the ZeRO engine materialises them
             self.reset_parameters(seed)
 
@@ -348,11 +211,20 @@ class GPT(nn.Module):
         return plan
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embedding(x) if self.pre_process else x
-        recompute = self.cfg.recompute_activations and torch.is_grad_enabled()
-        for layer in self.layers.values():
-            h = self._checkpointed(layer, h) if recompute else layer(h)
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """See the class docstring. ``kv_cache`` (inference): the keys and values of the tokens before
+        ``x`` (their count is the position of ``x``'s first token); this chunk's layers append to it."""
+        offset = kv_cache.length if kv_cache is not None else 0
+        h = self.embedding(x, offset) if self.pre_process else x
+        recompute = self.cfg.recompute_activations and torch.is_grad_enabled() and kv_cache is None
+        for key, layer in self.layers.items():
+            if recompute:
+                h = self._checkpointed(layer, h)
+            else:
+                h = layer(h, kv_cache.layer(int(key)) if kv_cache is not None else None)
+        if kv_cache is not None:
+            kv_cache.advance(x.shape[1] if self.pre_process else h.shape[0])
         if not self.post_process:
             return h
         logits = self._logits(self.final_norm(h))                      # [s, b, V_pad/tp]

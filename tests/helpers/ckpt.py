@@ -71,10 +71,10 @@ def full_params(chunks, topo, engine=None):
 
 
 def run_body(rank, world_size, tp, pp, stage, steps, save_dir=None, save_at=(), load_dir=None,
-             dropout=0.0, weights_only=False):
+             dropout=0.0, weights_only=False, model_kw=None):
     """Train until ``steps`` (from a checkpoint when ``load_dir``), saving after the steps in save_at.
     Returns (losses of the steps run, full params right after loading, full params at the end)."""
-    topo, job, chunks, engine = setup(tp, pp, stage, dropout)
+    topo, job, chunks, engine = setup(tp, pp, stage, dropout, **(model_kw or {}))
     state, loaded = TrainState(), None
     if load_dir:
         state = load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job, weights_only=weights_only)

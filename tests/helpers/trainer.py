@@ -13,6 +13,12 @@ TINY = ["--mock-data", "--vocab-size", "100", "--make-vocab-size-divisible-by", 
         "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "2", "--seed", "7"]
 
 
+# The Llama-family flags (Megatron's names), on top of TINY: ffn defaults to Megatron's SwiGLU size (64).
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+               "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+               "--untie-embeddings-and-output-weights"]
+
+
 def main_body(rank, world, argv):
     import pretrain_gpt
 
