@@ -11,6 +11,7 @@ Sections (see each module's docstring for the method):
     pp       rows_pp.py       1F1B / GPipe / interleaved vs torch.distributed.pipelining
     scaling  rows_scaling.py  model-state memory vs dp (1, 2, 4, 8); step time vs model size
     llama    rows_llama.py    GPT-2 style vs Llama style at equal parameter count (one process)
+    offload  rows_offload.py  step time with and without optimizer / parameter offload (cpu, nvme), 63M
     capacity rows_capacity.py largest GPT (layers) within a fixed memory budget per rank at dp = 4:
                               ZeRO 0/1/2/3 vs FSDP2, DeepSpeed ZeRO-3, beside tools/estimate_memory.py
     gpu      gpu.py           GPT-2 124M / 350M bf16 vs plain PyTorch (only with CUDA)
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 import report  # noqa: E402
 from common import QUICK, WARMUP_STEPS, Spec, num_params  # noqa: E402
 
-SECTIONS = ("dp", "tp", "pp", "scaling", "llama", "gpu", "capacity")
+SECTIONS = ("dp", "tp", "pp", "scaling", "llama", "offload", "gpu", "capacity")
 
 
 def _machine() -> list[str]:
@@ -169,6 +170,11 @@ def main(argv=None) -> None:
         plot = report.capacity_plot(cap, rows, os.path.dirname(os.path.abspath(a.out)),
                                     "bench_capacity_quick.png" if a.quick else "bench_capacity.png")
         body += report.capacity_section(cap, rows, plot)
+    if "offload" in sections:
+        from rows_offload import QUICK_OFFLOAD, OffloadSpec, run_offload
+        off = QUICK_OFFLOAD if a.quick else OffloadSpec()
+        log("offload")
+        body += report.offload_section(off, run_offload(off, log))
     if "gpu" in sections:
         from gpu import run_gpu
         log("gpu")

@@ -67,3 +67,19 @@ def test_update_replaces_only_the_rerun_sections():
     assert new.startswith("# megazero benchmarks\n\n- Command: x\n")
     assert "old a" in new and "old b" not in new and "new b" in new and "new c" in new
     assert new.index("## A") < new.index("## B") < new.index("## C") and new.count("_rerun alone_") == 2
+
+
+def test_offload_section_reads_every_variant():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from report import offload_section
+    from rows_offload import QUICK_OFFLOAD, VARIANTS
+
+    stats = {"update_s": 0.5, "to_device_s": 0.1, "io_wait_s": 0.2, "bytes_read": 2**20, "bytes_written": 2**20}
+    res = {name: {"times": [1.0, 2.0], "loss": 5.0, "params": 1000,
+                  **({"stats": stats} if "optimizer" in name or "both" in name else {})} for name in VARIANTS}
+    res["zero1-optimizer-cpu"]["times"] = [2.0, 4.0]
+    res["ds-zero1"] = {"unavailable": "skipped (--no-deepspeed)"}
+    text = "\n".join(offload_section(QUICK_OFFLOAD, res))
+    row = next(line for line in text.splitlines() if line.startswith("| zero1-optimizer-cpu |"))
+    assert row.split(" | ")[1:7] == ["3000", "2.00x", "8%", "2%", "3%", "1"], row
+    assert "| ds-zero1 | - |" in text and "skipped (--no-deepspeed)" in text

@@ -155,7 +155,8 @@ def _memory_body(rank, world_size, nvme_dir):
         swap = [p.stat().st_size for p in _swap_files(nvme_dir, rank)]
         engine.close()
         out[where] = dict(peak=peak, optimizer=states["master_weights"] + states["optimizer_state"], swap=sum(swap),
-                          params=sum(p.numel() for c in chunks for p in c.parameters()), left=_swap_files(nvme_dir, rank))
+                          params=sum(p.numel() for c in chunks for p in c.parameters()),
+                          left=_swap_files(nvme_dir, rank))
         del chunks, engine
     return out
 
