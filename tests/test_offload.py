@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_on_ranks
-from helpers.ckpt import MODEL, OPT, SEED, full_params, train_one_step
+from helpers.ckpt import GLOBAL_MB, MB_SIZE, MODEL, OPT, SEED, full_params, train_one_step
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
-from megazero.config import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, ZeroConfig
+from megazero.config import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
 from megazero.models import build_model_chunks
 from megazero.parallel.zero import build_engine
 from megazero.parallel.zero.offload import SWAP_PREFIX
@@ -33,7 +33,8 @@ def _engine(tp, pp, stage, nvme_dir, bf16=False, **offload):
     zero = ZeroConfig(zero_stage=stage, bucket_size=3000, nvme_path=nvme_dir if "nvme" in offload.values() else None,
                       offload_sub_group_size=SUB_GROUP, **offload)
     job = JobConfig(model=ModelConfig(**MODEL), parallel=ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size), zero=zero,
-                    optimizer=OPT, precision=PrecisionConfig(bf16=bf16))
+                    optimizer=OPT, precision=PrecisionConfig(bf16=bf16),
+                    train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=MB_SIZE * GLOBAL_MB))
     chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, device="meta",
                                 dtype=torch.bfloat16 if bf16 else torch.float32)
     return topo, job, chunks, build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
@@ -174,3 +175,36 @@ def test_nvme_offload_takes_the_optimizer_state_out_of_memory(tmp_path):
         print(f"rank {rank}: peak live MiB resident {resident['peak'] / 2**20:.0f}, nvme {nvme['peak'] / 2**20:.0f}; "
               f"drop {drop / resident['optimizer']:.0%} of the optimizer state's {resident['optimizer'] / 2**20:.0f}")
         assert nvme["swap"] >= resident["optimizer"] and nvme["left"] == [], (rank, out)
+
+
+def _accounting_body(rank, world_size, nvme_dir):
+    """model_state_bytes after one step, and the estimator's host and NVMe bytes, for two offloads."""
+    from megazero.memory.estimate import estimate_memory
+
+    out = {}
+    for name, stage, bf16, offload in (("zero2-bf16-optimizer-cpu", 2, True, {"offload_optimizer": "cpu"}),
+                                       ("zero3-fp32-params-nvme", 3, False, {"offload_params": "nvme"})):
+        topo, job, chunks, engine = _engine(1, 1, stage, nvme_dir, bf16, **offload)
+        train_one_step(topo, chunks, engine, 0)
+        est = estimate_memory(job, "cpu")[0]
+        out[name] = (engine.model_state_bytes(), est.host, est.nvme)
+        engine.close()
+    return out
+
+
+def test_device_host_and_nvme_bytes_follow_the_formulas(tmp_path):
+    """ZeRO-2 + optimizer offload (bf16): 2Ψ params and 2Ψ/N gradients on the device, 12Ψ/N of masters and
+    moments plus the 4Ψ/N fp32 gradient copy on the host. ZeRO-3 + parameter offload to nvme (fp32): the
+    4Ψ/N shards in the swap file, none on the device. The estimator counts the same host and NVMe bytes."""
+    out = run_on_ranks(2, _accounting_body, str(tmp_path))[0]
+    states, host, nvme = out["zero2-bf16-optimizer-cpu"]
+    psi = states["params"] // 2                                  # padded elements of this rank's model
+    assert states["master_weights"] == states["optimizer_state"] == 0
+    assert states["grads"] == 2 * psi // 2
+    assert states["host_master_weights"] == 4 * psi // 2 and states["host_optimizer_state"] == 8 * psi // 2
+    assert states["host_grads"] == 4 * psi // 2 and states["nvme_total"] == 0
+    assert abs(host - states["host_total"]) <= 0.02 * states["host_total"] and nvme == 0, (host, states)
+    states, host, nvme = out["zero3-fp32-params-nvme"]
+    assert states["params"] == 0 and states["nvme_params"] > 0 and states["host_total"] == 0
+    assert states["nvme_params"] == states["optimizer_state"] // 2             # 4Ψ/N beside 8Ψ/N of moments
+    assert abs(nvme - states["nvme_total"]) <= 0.02 * states["nvme_total"] and host == 0, (nvme, states)
