@@ -1,7 +1,7 @@
 """Run every side-by-side benchmark and write BENCHMARKS.md (+ PNG plots in bench/results/).
 
-    OMP_NUM_THREADS=1 python bench/run.py                  # the full set (about 15 min on 2 cores)
-    python bench/run.py --quick                            # tiny model, dp/tp/pp = 2 only (~2-3 min)
+    OMP_NUM_THREADS=1 python bench/run.py                  # the full set (about 20 min on 2 cores)
+    python bench/run.py --quick                            # tiny model, dp/tp/pp = 2 only, no capacity search
     python bench/run.py --quick --sections dp --dp 2 --variants ours-zero0,torch-ddp --out /tmp/b.md
     python bench/run.py --sections capacity --update          # rerun one section of BENCHMARKS.md, keep the rest
 
@@ -76,7 +76,8 @@ def _machine() -> list[str]:
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, size 2 only, 4 steps")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
+    ap.add_argument("--sections", default=None,
+                    help=f"comma list of {SECTIONS} (default all; with --quick all but capacity, a search of many runs)")
     ap.add_argument("--dp", type=int, nargs="+", default=None, help="dp sizes (default 2 4; --quick 2)")
     ap.add_argument("--tp", type=int, nargs="+", default=None, help="tp sizes (default 2 4; --quick 2)")
     ap.add_argument("--pp", type=int, nargs="+", default=None, help="pp sizes (default 2 4; --quick 2)")
@@ -91,6 +92,8 @@ def parse(argv=None):
     a = ap.parse_args(argv)
     if a.update and not os.path.isfile(a.out):
         ap.error(f"--update: {a.out} does not exist (run without --update to write it whole)")
+    if a.sections is None:
+        a.sections = ",".join(s for s in SECTIONS if not (a.quick and s == "capacity"))
     bad = set(a.sections.split(",")) - set(SECTIONS)
     if bad:
         ap.error(f"--sections: unknown {sorted(bad)}; choose from {','.join(SECTIONS)}")
