@@ -14,7 +14,7 @@ from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
 from megazero.models import build_model_chunks
 from megazero.parallel.zero import build_engine
-from megazero.parallel.zero.offload import SWAP_PREFIX
+from megazero.parallel.zero.swap import SWAP_PREFIX
 from megazero.parallel.topology import Topology
 from megazero.state import TrainState
 

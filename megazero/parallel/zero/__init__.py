@@ -2,7 +2,9 @@
 
     buckets.py     flat, padded bucket layout shared by every stage (who owns which elements)
     materialize.py sharded construction: meta parameters get their values where they live
-    offload.py     ZeRO-Offload / ZeRO-Infinity: optimizer state and stage-3 shards in host memory or swap files
+    swap.py        ZeRO-Infinity's swap files under --nvme-path (reserved up front, removed however a run ends)
+    offload.py     ZeRO-Offload / ZeRO-Infinity: the optimizer state in host memory or swap files
+    offload_params.py  stage 3's parameter shards in host memory or swap files
     grad_sync.py   stages 0-2: gradient buckets reduced over the data-parallel group
     units.py       the ZeRO-3 gather units a model declares (``zero3_plan()``)
     param_sync.py  stage 3: parameters sharded too, gathered per unit around forward and backward
@@ -17,7 +19,8 @@ from megazero.parallel.zero.engine import (StatePiece, ZeroEngine, ZeroStage3Eng
 from megazero.parallel.zero.grad_sync import (MAX_REDUCTIONS_IN_FLIGHT, AllReduceGradSync, BucketedGradSync,
                                               MicrobatchShardedGradSync, ReduceScatterGradSync, ShardedGradSync,
                                               wrap_data_parallel)
-from megazero.parallel.zero.offload import OffloadError, OffloadStats, SwapDir
+from megazero.parallel.zero.offload import OffloadStats
+from megazero.parallel.zero.swap import OffloadError, SwapDir
 from megazero.parallel.zero.optimizer import BucketAdamW, build_optimizer, merge_optimizer_states
 from megazero.parallel.zero.param_sync import ShardedParamSync
 from megazero.parallel.zero.units import UnitUse, Zero3Plan, trainable, whole_module_plan

@@ -26,7 +26,7 @@ from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import nbytes
 from megazero.parallel.zero.grad_sync import BucketedGradSync, wrap_data_parallel
-from megazero.parallel.zero.offload import SwapDir
+from megazero.parallel.zero.swap import SwapDir
 from megazero.parallel.zero.optimizer import BucketAdamW, ZeroStage3Optimizer, build_optimizer
 from megazero.parallel.zero.param_sync import ShardedParamSync
 

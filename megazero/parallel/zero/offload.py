@@ -39,43 +39,22 @@ and without offload. Sub-groups cut the flat shard at multiples of 64 elements f
 and torch's fused AdamW works in 16-element blocks from the start of the tensor it is given, so cutting
 changes no bit (``tests/test_offload.py`` checks both).
 
-Parameters (``--offload-params``, ZeRO-3): each bucket's shard lives on the host (pinned) or in the swap
-file; gathering a unit copies the shard into a device staging buffer and all-gathers from it. With nvme
-the shard is read by an I/O thread one unit ahead of the gathers the prefetch already launches, and the
-optimizer's writes of the new values go through the same thread (so a read never overtakes a write).
-
-Swap files. ``DIR/megazero-swap-<host>-<pid>-rank<r>/{optimizer,params}.swp``: one set per rank, their
-space reserved when the engine is built (``posix_fallocate``: a full drive is an error then, not in the
-middle of a run; the trainer also checks the free space before anything starts, ``megazero/preflight.py``).
-They are removed by ``ZeroEngine.close()``, at interpreter exit (also after an error), on SIGTERM, and, for
-a process killed outright, by the next run that uses the directory (directories of dead processes on this
-host). The I/O goes through the operating system's page cache: the process's resident memory holds only
-the buffers above, and the cache is the kernel's to drop.
+Parameter shards (``--offload-params``): ``offload_params.py``. Swap files: ``swap.py``.
 """
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import signal
-import socket
-import threading
 import time
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from megazero.optim import adamw_update
+from megazero.parallel.zero.swap import SwapDir, io_thread, round_up
 
 ALIGN = 64                   # elements: sub-groups are cut at multiples of this from every range's start
-REGION_ALIGN = 4096          # bytes: every region of a swap file starts on a page
-SWAP_PREFIX = "megazero-swap-"
 BUFFERS = 3                  # NVMe sub-group buffers: read-ahead (i+1), update (i), write-behind (i-1)
-
-
 MAX_SUB_GROUP = 4_000_000    # elements: the default sub-group's upper bound
 SUB_GROUPS = 32              # the default cuts a rank's shard into this many sub-groups (fewer when small)
 
@@ -87,15 +66,8 @@ def sub_group_elements(requested: int | None, total: int) -> int:
     under a tenth of the 12 bytes per element they take out of memory."""
     if requested is None:
         requested = min(MAX_SUB_GROUP, -(-total // SUB_GROUPS))
-    return _round_up(max(requested, 1), ALIGN)
+    return round_up(max(requested, 1), ALIGN)
 
-
-class OffloadError(RuntimeError):
-    """The swap directory cannot hold the run's files; the message names --nvme-path and the fix."""
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 @dataclass
@@ -190,177 +162,9 @@ class Mover:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
-def _done(event) -> None:
+def wait_event(event) -> None:
     if event is not None:
         event.synchronize()
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, without a copy (bf16 too: viewed as uint8)."""
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(bytearray())
-
-
-# ------------------------------------------------------------------------------------- swap files
-_LIVE_DIRS: set[str] = set()
-_SIGTERM_LOCK = threading.Lock()
-_SIGTERM_INSTALLED = False
-
-
-def _remove_live_dirs() -> None:
-    for path in list(_LIVE_DIRS):
-        shutil.rmtree(path, ignore_errors=True)
-        _LIVE_DIRS.discard(path)
-
-
-def _on_sigterm(signum, frame) -> None:
-    _remove_live_dirs()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _install_sigterm_cleanup() -> None:
-    """Remove the swap directories when the process is terminated (torchrun stops workers with SIGTERM);
-    only where nobody else handles SIGTERM, and only from the main thread (Python's rule)."""
-    global _SIGTERM_INSTALLED
-    with _SIGTERM_LOCK:
-        if _SIGTERM_INSTALLED or threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)
-            _SIGTERM_INSTALLED = True
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_swap_dirs(root: str | os.PathLike) -> list[Path]:
-    """Remove the swap directories under ``root`` left by processes of this host that no longer run
-    (a run killed outright cannot remove its own); returns what was removed."""
-    host, removed = socket.gethostname(), []
-    for entry in Path(root).iterdir():
-        if not entry.name.startswith(SWAP_PREFIX) or not entry.is_dir():
-            continue
-        try:
-            owner, pid, _ = entry.name[len(SWAP_PREFIX):].rsplit("-", 2)
-            pid = int(pid)
-        except ValueError:
-            continue
-        if owner == host and pid != os.getpid() and not _pid_alive(pid):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
-
-
-class SwapFile:
-    """One scratch file of a rank: regions reserved on the drive, read and written by byte offset."""
-
-    def __init__(self, path: Path, flag: str):
-        self.path, self.flag, self.nbytes = Path(path), flag, 0
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self._mapped = None
-
-    def reserve(self, nbytes: int) -> int:
-        """Append a page-aligned region of ``nbytes``; returns its offset. The space is allocated now."""
-        offset = _round_up(self.nbytes, REGION_ALIGN)
-        end = offset + _round_up(max(nbytes, 1), REGION_ALIGN)
-        try:
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(self.fd, offset, end - offset)
-            else:                                            # no fallocate (macOS): size the file, check space
-                if shutil.disk_usage(self.path.parent).free < end - offset:
-                    raise OSError(28, "No space left on device")
-                os.ftruncate(self.fd, end)
-        except OSError as e:
-            free = shutil.disk_usage(self.path.parent).free
-            raise OffloadError(f"{self.flag} {self.path.parent.parent}: cannot reserve {(end - offset) / 2**20:.1f} MiB "
-                               f"for {self.path.name} ({e.strerror}; {free / 2**30:.2f} GiB free): free space there, "
-                               f"or choose a larger drive") from None
-        self.nbytes = end
-        self._mapped = None
-        return offset
-
-    def read(self, offset: int, out: torch.Tensor) -> None:
-        """Fill the contiguous CPU tensor ``out`` from ``offset``."""
-        view, done = _byte_view(out), 0
-        while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(f"{self.path}: short read at byte {offset + done}")
-            done += n
-
-    def write(self, offset: int, src: torch.Tensor) -> None:
-        """Write the contiguous CPU tensor ``src`` at ``offset``."""
-        view, done = _byte_view(src), 0
-        while done < len(view):
-            done += os.pwritev(self.fd, [view[done:]], offset + done)
-
-    def mapped(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of ``numel`` elements at ``offset`` backed by the file itself (a shared memory map):
-        for checkpoints and initialisation, which read or write the state in place. The map lives as long
-        as a view of it."""
-        whole = self._mapped() if self._mapped is not None else None
-        if whole is None:
-            whole = torch.from_file(str(self.path), shared=True, size=self.nbytes, dtype=torch.uint8)
-            self._mapped = weakref.ref(whole)
-        size = torch.empty(0, dtype=dtype).element_size()
-        return whole[offset:offset + numel * size].view(dtype)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-class SwapDir:
-    """This rank's directory of swap files under ``--nvme-path`` (see the module docstring)."""
-
-    def __init__(self, root: str | os.PathLike, rank: int, flag: str = "--nvme-path"):
-        root = Path(root)
-        if not root.is_dir():
-            raise OffloadError(f"{flag} {root} is not a directory: give an existing directory on a fast local drive")
-        remove_stale_swap_dirs(root)
-        self.path = root / f"{SWAP_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank:05d}"
-        self.flag = flag
-        try:
-            self.path.mkdir()
-        except OSError as e:
-            raise OffloadError(f"{flag} {root}: cannot create {self.path.name} ({e.strerror}): choose a directory "
-                               f"you can write") from None
-        self.files: list[SwapFile] = []
-        _LIVE_DIRS.add(str(self.path))
-        _install_sigterm_cleanup()
-        self._finalizer = weakref.finalize(self, _remove_dir, str(self.path))
-
-    def file(self, name: str) -> SwapFile:
-        f = SwapFile(self.path / name, self.flag)
-        self.files.append(f)
-        return f
-
-    @property
-    def nbytes(self) -> int:
-        return sum(f.nbytes for f in self.files)
-
-    def close(self) -> None:
-        """Close and remove every file (also done at interpreter exit if never called)."""
-        for f in self.files:
-            f.close()
-        self._finalizer()
-
-
-def _remove_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    _LIVE_DIRS.discard(path)
-
-
-def _io_thread(name: str) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"megazero-{name}")
 
 
 # ---------------------------------------------------------------------------- optimizer state
@@ -465,7 +269,7 @@ class OffloadedOptimizerState:
             values = master
             staging = self._staging[i % 2]
             if staging is not None:
-                _done(self._staging_done[i % 2])
+                wait_event(self._staging_done[i % 2])
                 values = staging[:e - s]
                 values.copy_(master)
             self.stats.update_s += time.perf_counter() - t0
@@ -526,7 +330,7 @@ class SwappedOptimizerState(OffloadedOptimizerState):
         width = max((e - s for s, e in self.subgroups), default=0)
         self._nbuf = max(1, min(BUFFERS, len(self.subgroups)))     # fewer sub-groups need fewer buffers
         self._buffers = [self.mover.host_empty(3 * width, torch.float32) for _ in range(self._nbuf)]
-        self._reader, self._writer = _io_thread("swap-read"), _io_thread("swap-write")
+        self._reader, self._writer = io_thread("swap-read"), io_thread("swap-write")
         self._reads: dict[int, Future] = {}
         self._writes: dict[int, Future] = {}
         self.master = self.exp_avg = self.exp_avg_sq = None
@@ -540,14 +344,14 @@ class SwappedOptimizerState(OffloadedOptimizerState):
     def _read(self, i: int, previous: Future | None, done) -> None:
         if previous is not None:
             previous.result()                   # the buffer's last write-behind has finished
-        _done(done)                             # and the device copy that read it
+        wait_event(done)                             # and the device copy that read it
         s, _ = self.subgroups[i]
         for region, part in zip(self.region, self._parts(i)):
             self.file.read(region + 4 * s, part)
             self.stats.bytes_read += 4 * part.numel()
 
     def _write(self, i: int, done) -> None:
-        _done(done)
+        wait_event(done)
         s, _ = self.subgroups[i]
         for region, part in zip(self.region, self._parts(i)):
             self.file.write(region + 4 * s, part)
@@ -618,145 +422,3 @@ def build_optimizer_state(where: str, sizes: list[int], device, param_dtype, sub
     cls = {"cpu": OffloadedOptimizerState, "nvme": SwappedOptimizerState}[where]
     return cls(sizes, device, param_dtype, sub_group_size, pin, swap, device_grads)
 
-
-# ---------------------------------------------------------------------------- parameter shards
-class HostShards:
-    """ZeRO-3's parameter shards in host memory (``--offload-params cpu``): ``bucket.shard`` is a host
-    tensor; gathering copies it into a device staging buffer first."""
-
-    offloaded = True
-
-    def __init__(self, device: torch.device, pin: bool = True, swap: SwapDir | None = None):
-        self.stats = OffloadStats()
-        self.mover = Mover(device, pin, self.stats)
-        self.device = torch.device(device)
-        self._bytes = 0
-        self._copied = None                    # CUDA: the last staging copy, which reads a host shard
-
-    def allocate(self, bucket, n: int, dtype: torch.dtype, device=None) -> None:
-        bucket.shard = self.mover.host_zeros(n, dtype)
-        self._bytes += n * bucket.shard.element_size()
-
-    @contextlib.contextmanager
-    def filling(self, bucket):
-        """A writable tensor of the whole shard; what it holds on exit is stored."""
-        yield bucket.shard
-
-    def view(self, bucket) -> torch.Tensor:
-        return bucket.shard
-
-    def prefetch(self, bucket) -> None:
-        pass
-
-    def source(self, bucket) -> torch.Tensor:
-        """The shard on the device, to all-gather from (a staging copy, freed by the caller)."""
-        return self._staged(self.view(bucket))
-
-    def _staged(self, host: torch.Tensor) -> torch.Tensor:
-        staging = torch.empty(host.numel(), dtype=host.dtype, device=self.device)
-        t0 = time.perf_counter()
-        staging.copy_(host, non_blocking=self.mover.cuda)     # on the compute stream, before the all-gather
-        if self.mover.cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        self.stats.to_device_s += time.perf_counter() - t0
-        self.stats.bytes_to_device += host.numel() * host.element_size()
-        return staging
-
-    def write(self, bucket, lo: int, hi: int, values: torch.Tensor) -> None:
-        _done(self._copied)                     # no staging copy still reads the old values
-        bucket.shard[lo:hi].copy_(values)
-
-    def flush(self) -> None:
-        pass
-
-    def offloaded_bytes(self) -> dict[str, int]:
-        return {"host_params": self._bytes}
-
-    def close(self) -> None:
-        pass
-
-
-class SwappedShards(HostShards):
-    """ZeRO-3's parameter shards in this rank's swap file (``--offload-params nvme``): a page-aligned
-    region per bucket of ``params.swp``. Reads (read-ahead for gathers) and writes (new values from the
-    optimizer) go through one I/O thread in order, so a read never sees a value older than a write
-    issued before it."""
-
-    def __init__(self, device: torch.device, pin: bool = True, swap: SwapDir | None = None):
-        super().__init__(device, pin, swap)
-        if swap is None:
-            raise ValueError("offloading the parameters to nvme needs a swap directory (--nvme-path)")
-        self.file = swap.file("params.swp")
-        self._io = _io_thread("param-io")
-        self._where: dict[int, tuple[int, int, torch.dtype]] = {}
-        self._reads: dict[int, Future] = {}
-        self._writes: list[Future] = []
-
-    def allocate(self, bucket, n: int, dtype: torch.dtype, device=None) -> None:
-        size = torch.empty(0, dtype=dtype).element_size()
-        self._where[id(bucket)] = (self.file.reserve(n * size), n, dtype)
-        bucket.shard = None
-        self._bytes += n * size
-
-    @contextlib.contextmanager
-    def filling(self, bucket):
-        _, n, dtype = self._where[id(bucket)]
-        tmp = torch.zeros(n, dtype=dtype)
-        yield tmp
-        self.write(bucket, 0, n, tmp)
-
-    def view(self, bucket) -> torch.Tensor:
-        """The shard as a view of the file (memory map): pending writes land first."""
-        self.flush()
-        self._reads.pop(id(bucket), None)
-        offset, n, dtype = self._where[id(bucket)]
-        return self.file.mapped(offset, n, dtype)
-
-    def _read(self, bucket) -> torch.Tensor:
-        offset, n, dtype = self._where[id(bucket)]
-        out = self.mover.host_empty(n, dtype)
-        self.file.read(offset, out)
-        self.stats.bytes_read += n * out.element_size()
-        return out
-
-    def prefetch(self, bucket) -> None:
-        if id(bucket) not in self._reads:
-            self._reads[id(bucket)] = self._io.submit(self._read, bucket)
-
-    def source(self, bucket) -> torch.Tensor:
-        self.prefetch(bucket)
-        t0 = time.perf_counter()
-        host = self._reads.pop(id(bucket)).result()
-        self.stats.io_wait_s += time.perf_counter() - t0
-        return self._staged(host)
-
-    def _write(self, offset: int, host: torch.Tensor) -> None:
-        self.file.write(offset, host)
-        self.stats.bytes_written += host.numel() * host.element_size()
-
-    def write(self, bucket, lo: int, hi: int, values: torch.Tensor) -> None:
-        offset, _, dtype = self._where[id(bucket)]
-        host = torch.empty(hi - lo, dtype=dtype)
-        host.copy_(values)                      # an owned copy: the caller may reuse values at once
-        self._reads.pop(id(bucket), None)       # a read issued before this write is stale
-        self._writes.append(self._io.submit(self._write, offset + lo * host.element_size(), host))
-
-    def flush(self) -> None:
-        t0 = time.perf_counter()
-        for f in self._writes:
-            f.result()
-        self._writes.clear()
-        self.stats.io_wait_s += time.perf_counter() - t0
-
-    def offloaded_bytes(self) -> dict[str, int]:
-        return {"nvme_params": self._bytes}
-
-    def close(self) -> None:
-        self.flush()
-        self._io.shutdown(wait=True)
-
-
-def build_param_shards(where: str, device, pin: bool, swap: SwapDir | None) -> HostShards:
-    """``--offload-params cpu`` or ``nvme``."""
-    return {"cpu": HostShards, "nvme": SwappedShards}[where](device, pin, swap)

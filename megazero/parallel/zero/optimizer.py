@@ -42,7 +42,8 @@ from megazero.parallel.params import counts_once
 from megazero.parallel.zero.buckets import Bucket
 from megazero.parallel.zero.grad_sync import (AllReduceGradSync, BucketedGradSync, ReduceScatterGradSync,
                                               ShardedGradSync)
-from megazero.parallel.zero.offload import OffloadedOptimizerState, SwapDir, build_optimizer_state
+from megazero.parallel.zero.offload import OffloadedOptimizerState, build_optimizer_state
+from megazero.parallel.zero.swap import SwapDir
 from megazero.parallel.zero.param_sync import ShardedParamSync
 from megazero.precision import DynamicLossScaler
 

@@ -85,7 +85,8 @@ from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype
 from megazero.parallel.zero.grad_sync import ShardedGradSync
 from megazero.parallel.zero.materialize import initial_value, swap_in
-from megazero.parallel.zero.offload import SwapDir, build_param_shards
+from megazero.parallel.zero.offload_params import build_param_shards
+from megazero.parallel.zero.swap import SwapDir
 from megazero.parallel.zero.units import plan_of
 
 
