@@ -105,6 +105,54 @@ def step_batches(spec: Spec, steps: int, data_ranks: int, rank: int, micro: int 
     return out
 
 
+def trainer_argv(layers: int, hidden: int, heads: int, seq: int, vocab: int, micro_batch: int, *extra) -> list[str]:
+    """The trainer's flags for a mock-data GPT of this shape (rows that go through ``parse_job``)."""
+    return ["--mock-data", "--vocab-size", str(vocab), "--num-layers", str(layers), "--hidden-size", str(hidden),
+            "--num-attention-heads", str(heads), "--seq-length", str(seq), "--micro-batch-size", str(micro_batch),
+            *map(str, extra)]
+
+
+def random_micro_batches(vocab: int, micro_batch: int, seq: int, count: int, step: int, rank: int) -> list[dict]:
+    """Rank ``rank``'s ``count`` micro-batches of step ``step`` as the trainer takes them (seeded: every
+    variant of a row sees the same ones)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    shape = (micro_batch, seq)
+    return [{"tokens": torch.randint(0, vocab, shape, generator=g),
+             "labels": torch.randint(0, vocab, shape, generator=g),
+             "loss_mask": torch.ones(shape)} for _ in range(count)]
+
+
+def deepspeed_config(opt_cfg: OptimizerConfig, micro_batch: int, accumulation: int, zero: dict,
+                     torch_adam: bool = True) -> dict:
+    """DeepSpeed's config for our AdamW, clipping and batch (fp32) with ``zero`` as its
+    ``zero_optimization``; ``torch_adam=False`` lets DeepSpeed pick its own optimizer (CPU Adam)."""
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
+            "optimizer": {"type": "AdamW", "params": {"lr": opt_cfg.lr, "betas": [opt_cfg.adam_beta1,
+                                                                                  opt_cfg.adam_beta2],
+                                                      "eps": opt_cfg.adam_eps, "weight_decay": opt_cfg.weight_decay,
+                                                      "torch_adam": torch_adam}},
+            "gradient_clipping": opt_cfg.clip_grad, "zero_optimization": zero,
+            "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def deepspeed_param_groups(model: nn.Module, opt_cfg: OptimizerConfig) -> list[dict]:
+    """Our weight-decay groups in the form ``deepspeed.initialize`` takes."""
+    return [{"params": g["params"], "weight_decay": g["weight_decay"]}
+            for g in torch_adamw(model.named_parameters(), opt_cfg).param_groups]
+
+
+def deepspeed_step(engine, micro: list[dict]) -> float:
+    """One step of a DeepSpeed engine over ``micro`` (dicts as :func:`random_micro_batches` makes);
+    the mean loss of this rank's micro-batches."""
+    total = 0.0
+    for mb in micro:
+        loss = masked_mean(engine(mb["tokens"], mb["labels"]), mb["loss_mask"])
+        engine.backward(loss)          # DeepSpeed divides by gradient_accumulation_steps
+        engine.step()                  # and steps the optimizer on the accumulation boundary only
+        total += loss.item() / len(micro)
+    return total
+
+
 def torch_adamw(named_params, opt_cfg: OptimizerConfig, **kw) -> torch.optim.AdamW:
     """torch AdamW with our weight-decay rule and hyper-parameters."""
     return torch.optim.AdamW(weight_decay_groups(named_params, opt_cfg.weight_decay), lr=opt_cfg.lr,

@@ -221,7 +221,7 @@ def offload_section(spec, res: dict) -> list[str]:
         if "unavailable" in r:
             rows.append([name, "-", "-", "-", "-", "-", "-", r["unavailable"]])
             continue
-        base = res.get("ds-zero1" if name.startswith("ds") else name[:5], {})
+        base = res.get("ds-zero1" if name.startswith("ds") else name.split("-")[0], {})       # same stage, resident
         t, total = median(r["times"]), sum(r["times"])
         versus = f"{t / median(base['times']):.2f}x" if "times" in base else "-"
         st = r.get("stats")

@@ -58,7 +58,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import GPT, masked_mean, spawn, torch_adamw
+from common import (GPT, deepspeed_config, deepspeed_param_groups, deepspeed_step, masked_mean, random_micro_batches,
+                    spawn, torch_adamw, trainer_argv)
 
 from megazero.arguments import parse_job
 from megazero.checkpoint import load_checkpoint, save_checkpoint
@@ -96,10 +97,8 @@ class CapacitySpec:
 
     def argv(self, layers: int, stage: int) -> list[str]:
         """The trainer's flags for this shape (one micro-batch per rank and step, fp32)."""
-        return ["--mock-data", "--vocab-size", str(self.vocab), "--num-layers", str(layers),
-                "--hidden-size", str(self.hidden), "--num-attention-heads", str(self.heads),
-                "--seq-length", str(self.seq), "--micro-batch-size", str(self.micro_batch),
-                "--zero-stage", str(stage)]
+        return trainer_argv(layers, self.hidden, self.heads, self.seq, self.vocab, self.micro_batch,
+                            "--zero-stage", stage)
 
     def job(self, layers: int, stage: int):
         """The validated JobConfig at ``layers`` layers and ZeRO ``stage`` on ``dp`` ranks."""
@@ -190,11 +189,7 @@ class PhaseMeter:
 
 def micro_batches(spec: CapacitySpec, count: int, step: int, rank: int) -> list[dict]:
     """This rank's ``count`` micro-batches of step ``step`` (seeded; the same for every variant)."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    shape = (spec.micro_batch, spec.seq)
-    return [{"tokens": torch.randint(0, spec.vocab, shape, generator=g),
-             "labels": torch.randint(0, spec.vocab, shape, generator=g),
-             "loss_mask": torch.ones(shape)} for _ in range(count)]
+    return random_micro_batches(spec.vocab, spec.micro_batch, spec.seq, count, step, rank)
 
 
 # ------------------------------------------------------------------------------------- variants
@@ -326,18 +321,6 @@ def zero3_options(job) -> dict:
             "stage3_prefetch_bucket_size": layer_elements(job)}
 
 
-def deepspeed_config(job) -> dict:
-    """DeepSpeed's config for the same optimizer, clipping and batch, ZeRO stage 3, fp32."""
-    opt = job.optimizer
-    return {"train_micro_batch_size_per_gpu": job.train.micro_batch_size,
-            "gradient_accumulation_steps": job.num_micro_batches,
-            "optimizer": {"type": "AdamW", "params": {"lr": opt.lr, "betas": [opt.adam_beta1, opt.adam_beta2],
-                                                      "eps": opt.adam_eps, "weight_decay": opt.weight_decay,
-                                                      "torch_adam": True}},
-            "gradient_clipping": opt.clip_grad, "zero_optimization": zero3_options(job),
-            "steps_per_print": 10**9, "wall_clock_breakdown": False}
-
-
 class DeepSpeedZero3:
     """DeepSpeed ZeRO-3 (CPU accelerator, gloo): the GPT built under ``zero.Init``,
     ``deepspeed.initialize``, ``engine.save_checkpoint`` / ``engine.load_checkpoint``."""
@@ -352,21 +335,15 @@ class DeepSpeedZero3:
         deepspeed.init_distributed(dist_backend="gloo")
         job = spec.job(layers, 3)
         self.micro = job.num_micro_batches
-        config = deepspeed_config(job)
+        config = deepspeed_config(job.optimizer, job.train.micro_batch_size, job.num_micro_batches,
+                                  zero3_options(job))
         with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.float32):
             model = zero_init_gpt_class()(job.model, seed=SEED)
-        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
-                  for g in torch_adamw(model.named_parameters(), job.optimizer).param_groups]
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=deepspeed_param_groups(
+            model, job.optimizer), config=config)
 
     def step(self, micro: list[dict]) -> float:
-        total = 0.0
-        for mb in micro:
-            loss = masked_mean(self.engine(mb["tokens"], mb["labels"]), mb["loss_mask"])
-            self.engine.backward(loss)          # divides by gradient_accumulation_steps
-            self.engine.step()                  # steps the optimizer at the accumulation boundary
-            total += loss.item() / len(micro)
-        return total
+        return deepspeed_step(self.engine, micro)
 
     def save(self, path: str, steps: int) -> None:
         self.engine.save_checkpoint(path, tag=self.TAG)

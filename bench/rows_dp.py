@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from common import GPT, Spec, Unavailable, Variant, masked_mean, run_variants, step_batches, torch_adamw
+from common import (GPT, Spec, Unavailable, Variant, deepspeed_config, deepspeed_param_groups, masked_mean,
+                    run_variants, step_batches, torch_adamw)
 
 from megazero.config import ZeroConfig
 from megazero.parallel.topology import Topology
@@ -161,17 +162,9 @@ def build_deepspeed(spec: Spec, stage: int):
     deepspeed.init_distributed(dist_backend="gloo")
     opt_cfg = spec.opt_cfg()
     model = GPT(spec.model_cfg(), seed=1234)
-    groups = torch_adamw(model.named_parameters(), opt_cfg).param_groups
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups]
-    config = {"train_micro_batch_size_per_gpu": spec.micro_batch,
-              "gradient_accumulation_steps": spec.micro_batches,
-              "optimizer": {"type": "AdamW", "params": {"lr": opt_cfg.lr, "betas": [opt_cfg.adam_beta1,
-                                                                                      opt_cfg.adam_beta2],
-                                                          "eps": opt_cfg.adam_eps, "weight_decay": opt_cfg.weight_decay,
-                                                          "torch_adam": True}},
-              "gradient_clipping": opt_cfg.clip_grad, "zero_optimization": {"stage": stage},
-              "steps_per_print": 10**9, "wall_clock_breakdown": False}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    config = deepspeed_config(opt_cfg, spec.micro_batch, spec.micro_batches, {"stage": stage})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=deepspeed_param_groups(model, opt_cfg),
+                                      config=config)
 
     def step(micro):
         total = 0.0

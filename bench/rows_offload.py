@@ -18,9 +18,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import torch
-
-from common import GPT, spawn
+from common import (GPT, deepspeed_config, deepspeed_param_groups, deepspeed_step, random_micro_batches, spawn,
+                    trainer_argv)
 
 from megazero.arguments import parse_job
 from megazero.models import build_model_chunks
@@ -43,11 +42,9 @@ class OffloadSpec:
     steps: int = 4
 
     def argv(self, stage: int, flags: tuple[str, ...]) -> list[str]:
-        return ["--mock-data", "--vocab-size", str(self.vocab), "--num-layers", str(self.layers),
-                "--hidden-size", str(self.hidden), "--num-attention-heads", str(self.heads),
-                "--seq-length", str(self.seq), "--micro-batch-size", str(self.micro_batch),
-                "--global-batch-size", str(self.micro_batch * self.micro_batches * self.dp),
-                "--zero-stage", str(stage), *flags]
+        return trainer_argv(self.layers, self.hidden, self.heads, self.seq, self.vocab, self.micro_batch,
+                            "--global-batch-size", self.micro_batch * self.micro_batches * self.dp,
+                            "--zero-stage", stage, *flags)
 
     def describe(self) -> str:
         return (f"GPT {self.layers} layers x {self.hidden} hidden, {self.heads} heads, seq {self.seq}, vocab "
@@ -70,11 +67,7 @@ VARIANTS = {     # name: (ZeRO stage, flags)
 
 
 def batches(spec: OffloadSpec, step: int, rank: int) -> list[dict]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    shape = (spec.micro_batch, spec.seq)
-    return [{"tokens": torch.randint(0, spec.vocab, shape, generator=g),
-             "labels": torch.randint(0, spec.vocab, shape, generator=g),
-             "loss_mask": torch.ones(shape)} for _ in range(spec.micro_batches)]
+    return random_micro_batches(spec.vocab, spec.micro_batch, spec.seq, spec.micro_batches, step, rank)
 
 
 def worker(rank: int, world: int, spec: OffloadSpec, stage: int, flags: tuple, swap_dir: str) -> dict:
@@ -109,31 +102,18 @@ def deepspeed_worker(rank: int, world: int, spec: OffloadSpec, offload: bool) ->
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    from common import masked_mean, torch_adamw
-
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo")
     job, _ = parse_job(spec.argv(1, ()), world)
     model = GPT(job.model, seed=1234)
-    opt = job.optimizer
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
-              for g in torch_adamw(model.named_parameters(), opt).param_groups]
     zero = {"stage": 1, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
-    config = {"train_micro_batch_size_per_gpu": spec.micro_batch, "gradient_accumulation_steps": spec.micro_batches,
-              "optimizer": {"type": "AdamW", "params": {"lr": opt.lr, "betas": [opt.adam_beta1, opt.adam_beta2],
-                                                        "eps": opt.adam_eps, "weight_decay": opt.weight_decay,
-                                                        "torch_adam": not offload}},
-              "gradient_clipping": opt.clip_grad, "zero_optimization": zero, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    config = deepspeed_config(job.optimizer, spec.micro_batch, spec.micro_batches, zero, torch_adam=not offload)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=deepspeed_param_groups(model, job.optimizer),
+                                      config=config)
     times, loss = [], 0.0
     for step in range(spec.warmup + spec.steps):
         t0 = time.perf_counter()
-        loss = 0.0
-        for mb in batches(spec, step, rank):
-            value = masked_mean(engine(mb["tokens"], mb["labels"]), mb["loss_mask"])
-            engine.backward(value)
-            engine.step()
-            loss += value.item() / spec.micro_batches
+        loss = deepspeed_step(engine, batches(spec, step, rank))
         times.append(time.perf_counter() - t0)
     return {"times": times[spec.warmup:], "loss": loss, "params": sum(p.numel() for p in model.parameters())}
 

@@ -98,11 +98,7 @@ class ResidentState:
 
     def main_grads(self) -> list[torch.Tensor]:
         """fp32 reduced gradient of every owned range (a view when already fp32, else a copy)."""
-        out = []
-        for r in self.opt.ranges:
-            g = self.opt.grad_sync.reduced_grad(r.bucket, r.lo, r.hi)
-            out.append(g if g.dtype == torch.float32 else g.float())
-        return out
+        return [g if g.dtype == torch.float32 else g.float() for g in self.opt.reduced_grads()]
 
     def update(self, grads: list[torch.Tensor], decay_ranges: list[list[tuple[int, int]]], *, write,
                **hyper) -> None:
@@ -157,14 +153,14 @@ class BucketAdamW:
         on_host = self.topo.device.type == "cpu" and grad_dtype == torch.float32
         states = build_optimizer_state(where, [r.hi - r.lo for r in self.ranges], self.topo.device, dtype,
                                        zero_cfg.offload_sub_group_size, zero_cfg.offload_pin_memory, swap,
-                                       device_grads=self._reduced_grads if on_host else None)
+                                       device_grads=self.reduced_grads if on_host else None)
         for k, r in enumerate(self.ranges):
             states.set_masters(k, self._range_params(r.bucket, r.lo, r.hi))
             r.master, r.exp_avg, r.exp_avg_sq = states.host_views(k)
         self.grad_sync.on_reduced = self._grad_landed
         return states
 
-    def _reduced_grads(self) -> list[torch.Tensor]:
+    def reduced_grads(self) -> list[torch.Tensor]:
         """The reduced gradient of every owned range, as views of the gradient buffers."""
         return [self.grad_sync.reduced_grad(r.bucket, r.lo, r.hi) for r in self.ranges]
 
