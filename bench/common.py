@@ -22,6 +22,7 @@ Conventions used by every row of ``bench/run.py``:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import gc
@@ -43,6 +44,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.config import ModelConfig, OptimizerConfig  # noqa: E402
+from megazero.memory.measure import LiveTensorBytes  # noqa: E402
 from megazero.models import GPT, masked_mean  # noqa: E402
 from megazero.optim import weight_decay_groups  # noqa: E402
 
@@ -67,10 +69,12 @@ class Spec:
     pp_micro_batches: int = 8      # micro-batches per step in the pipeline rows
     rounds: int = 14               # steps per variant, the first WARMUP_STEPS untimed
     lr: float = 1e-3
+    untied: bool = False           # a separate output layer (--untie-embeddings-and-output-weights)
 
     def model_cfg(self, **over) -> ModelConfig:
         cfg = ModelConfig(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
-                          seq_length=self.seq, vocab_size=self.vocab, make_vocab_size_divisible_by=128)
+                          seq_length=self.seq, vocab_size=self.vocab, make_vocab_size_divisible_by=128,
+                          untie_embeddings_and_output_weights=self.untied)
         return replace(cfg, **over) if over else cfg
 
     def opt_cfg(self, clip: float = 1.0) -> OptimizerConfig:
@@ -78,7 +82,7 @@ class Spec:
 
     def describe(self) -> str:
         return (f"GPT {self.layers} layers x {self.hidden} hidden, {self.heads} heads, seq {self.seq}, "
-                f"vocab {self.vocab}, micro-batch {self.micro_batch}, fp32")
+                f"vocab {self.vocab}{', untied output layer' if self.untied else ''}, micro-batch {self.micro_batch}, fp32")
 
 
 QUICK = Spec(layers=4, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, pp_micro_batches=4, rounds=4)
@@ -269,6 +273,28 @@ def peak_rss_mib() -> float:
     return _status_kib("VmHWM") / 1024
 
 
+def reachable_tensor_bytes() -> int:
+    """Bytes of the distinct CPU storages of every tensor Python can reach, with the gradients of
+    leaf tensors (autograd keeps ``.grad`` in C++: reading it makes it reachable) and the local
+    shards of DTensors. Exact at a quiescent point (no autograd graph, no collective in flight)."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):
+            continue
+        for t in (obj, obj.grad if obj.is_leaf and obj.requires_grad else None):
+            if t is not None and hasattr(t, "to_local"):
+                t = t.to_local()
+            if t is None or t.device.type != "cpu":
+                continue
+            try:
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):      # a wrapper without storage of its own
+                continue
+    return sum(storages.values())
+
+
 # ---------------------------------------------------------------------------------------- launch
 def _worker(rank, world, init_file, fn, args, queue):
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -325,11 +351,14 @@ class Variant:
     unavailable: str | None = None
 
 
-def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None) -> dict:
+def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None, live_memory: bool = False) -> dict:
     """Warm-up steps (memory, one variant at a time) then timed rounds (rotated order).
 
     Returns per variant: times (s, slowest rank per round), losses (per step, this rank),
-    peak_rss_mib, extra (dict) -- or {"unavailable": reason}."""
+    peak_rss_mib, extra (dict) -- or {"unavailable": reason}. ``live_memory``: also
+    ``peak_live_mib``, the peak bytes of live tensors this variant holds during its last warm-up step
+    (what it built, counted by :func:`reachable_tensor_bytes`, plus the step's own allocations counted
+    by :class:`~megazero.memory.measure.LiveTensorBytes`)."""
     _primer(group)
     base = rss_mib()
     steps, out = {}, {}
@@ -349,11 +378,17 @@ def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None
         dist.barrier(group)
         before = rss_mib()
         reset_peak_rss()
+        live_base = reachable_tensor_bytes() if live_memory else 0
         built = v.build()
         step, extra = built if isinstance(built, tuple) else (built, None)
-        losses = [step(micro) for micro in batches[:WARMUP_STEPS]]
+        losses = [step(micro) for micro in batches[:WARMUP_STEPS - 1]]
+        probe = LiveTensorBytes(alive=reachable_tensor_bytes() - live_base) if live_memory else contextlib.nullcontext()
+        with probe:
+            losses.append(step(batches[WARMUP_STEPS - 1]))
         out[v.name] = {"peak_rss_mib": base + peak_rss_mib() - before, "losses": losses, "times": [],
                        "extra": extra() if extra else {}}
+        if live_memory:
+            out[v.name]["peak_live_mib"] = probe.peak / 2**20
         steps[v.name] = step
     set_mmap_threshold(32 * 2**20)
     names = list(steps)
@@ -442,4 +477,4 @@ def loss_check(a: float, b: float) -> str:
 __all__ = ["Spec", "QUICK", "step_batches", "PlainGPT", "torch_adamw", "spawn", "Variant", "run_variants",
            "Unavailable", "median", "ratio_of_medians_per_round", "zero_fp32_bytes", "dp_comm_bytes",
            "tp_layer_comm_bytes", "flag", "deviation", "num_params", "loss_check", "masked_mean", "GPT",
-           "rss_mib", "peak_rss_mib", "reset_peak_rss", "set_mmap_threshold", "LOSS_TOL", "THEORY_TOL"]
+           "rss_mib", "peak_rss_mib", "reachable_tensor_bytes", "reset_peak_rss", "set_mmap_threshold", "LOSS_TOL", "THEORY_TOL"]

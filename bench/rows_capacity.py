@@ -44,7 +44,6 @@ training step; the save and load phases are outside its scope.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import math
 import os
@@ -59,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common import (GPT, deepspeed_config, deepspeed_param_groups, deepspeed_step, masked_mean, random_micro_batches,
-                    spawn, torch_adamw, trainer_argv)
+                    reachable_tensor_bytes, spawn, torch_adamw, trainer_argv)
 
 from megazero.arguments import parse_job
 from megazero.checkpoint import load_checkpoint, save_checkpoint
@@ -139,28 +138,6 @@ def estimated_largest(spec: CapacitySpec, stage: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------- phases
-def reachable_tensor_bytes() -> int:
-    """Bytes of the distinct CPU storages of every tensor Python can reach, with the gradients of
-    leaf tensors (autograd keeps ``.grad`` in C++: reading it makes it reachable) and the local
-    shards of DTensors. Exact at a quiescent point (no autograd graph, no collective in flight)."""
-    gc.collect()
-    storages: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.Tensor):
-            continue
-        for t in (obj, obj.grad if obj.is_leaf and obj.requires_grad else None):
-            if t is not None and hasattr(t, "to_local"):
-                t = t.to_local()
-            if t is None or t.device.type != "cpu":
-                continue
-            try:
-                storage = t.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-            except (RuntimeError, NotImplementedError):      # a wrapper without storage of its own
-                continue
-    return sum(storages.values())
-
-
 class PhaseMeter:
     """Chained :class:`LiveTensorBytes` blocks: the peak live bytes of each named phase (a phase
     entered several times keeps its largest peak).

@@ -152,7 +152,8 @@ def deepspeed_status() -> str | None:
     return None
 
 
-def build_deepspeed(spec: Spec, stage: int):
+def build_deepspeed(spec: Spec, stage: int, **zero_options):
+    """DeepSpeed ZeRO ``stage`` on our GPT; ``zero_options`` go into its ``zero_optimization``."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import logging
 
@@ -162,7 +163,7 @@ def build_deepspeed(spec: Spec, stage: int):
     deepspeed.init_distributed(dist_backend="gloo")
     opt_cfg = spec.opt_cfg()
     model = GPT(spec.model_cfg(), seed=1234)
-    config = deepspeed_config(opt_cfg, spec.micro_batch, spec.micro_batches, {"stage": stage})
+    config = deepspeed_config(opt_cfg, spec.micro_batch, spec.micro_batches, {"stage": stage, **zero_options})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=deepspeed_param_groups(model, opt_cfg),
                                       config=config)
 

@@ -1,0 +1,219 @@
+"""Scale rows: ZeRO 0/1/2/3 where the gathered and reduced bytes are real (30M+ parameters), against
+DDP, DDP + ZeroRedundancyOptimizer, FSDP2 ``fully_shard`` (resharding after forward or not) and
+DeepSpeed ZeRO 1/2/3, at dp = 2 and 4, with a per-phase split of our step.
+
+The small dp rows (:mod:`rows_dp`) measure a model where per-operation overheads decide; here the
+model is big enough that the collectives' bytes and the optimizer's passes over the states take the
+time. Each ZeRO stage is timed against its peers in its own processes (all variants of every stage
+at once would not fit in memory at this size): one step of each variant per round, rotated order,
+median of the per-round ratios (:func:`common.run_variants`).
+
+Per-phase split of our step (slowest rank's figures are not combined: rank 0's, in ms):
+
+    forward     the micro-batches' forwards, less the time waiting for parameter gathers (ZeRO-3)
+    backward    the backwards, less the gather waits; includes launching the gradient reductions
+    gather wait ZeRO-3: time in ``ShardedParamSync.wait`` (an all-gather that was not done yet)
+    grad wait   ``finalize_grads``: waiting for the last gradient reductions
+    optimizer   ``engine.step``: clipping, the AdamW update of this rank's shard and, at ZeRO-1/2,
+                the all-gather of the updated parameters
+
+Memory: the peak live tensor bytes of a variant during its second warm-up step (what it built plus
+the step's own allocations; ``run_variants(live_memory=True)``), beside the peak RSS.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from common import GPT, Spec, Variant, masked_mean, run_variants, step_batches
+from rows_dp import build_ddp, build_deepspeed, build_fsdp2, deepspeed_status
+
+from megazero.config import ZeroConfig
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero import build_engine
+
+# The shape of the measurement that opened the question (63M parameters) and a deeper, narrower one (46M).
+SCALE_SHAPES = (Spec(layers=8, hidden=768, heads=12, seq=64, vocab=8192, micro_batch=1, micro_batches=1, rounds=7,
+                     untied=True),
+                Spec(layers=12, hidden=512, heads=8, seq=64, vocab=8192, micro_batch=1, micro_batches=1, rounds=7,
+                     untied=True))
+QUICK_SCALE = (Spec(layers=2, hidden=128, heads=4, seq=32, vocab=1024, micro_batch=1, micro_batches=1, rounds=4,
+                    untied=True),)
+
+# Ours -> the peers timed beside it, and the step-time ratio each must reach (ours / peer at most).
+GROUPS = {
+    "ours-zero0": {"torch-ddp": 1.0},
+    "ours-zero1": {"torch-ddp-zero": 0.9, "ds-zero1": 0.9},
+    "ours-zero2": {"torch-ddp-zero": 0.9, "ds-zero2": 0.9},
+    "ours-zero3": {"torch-fsdp2": 0.8, "ds-zero3": 0.8},
+    "ours-zero3-keep": {"torch-fsdp2-noreshard": 0.8},
+}
+# DeepSpeed's buckets at our bucket size: its default reduce bucket (5e8 elements) allocates a 1.9 GiB
+# fp32 buffer in the first backward whatever the model's size.
+DS_BUCKETS = {"reduce_bucket_size": ZeroConfig.bucket_size, "allgather_bucket_size": ZeroConfig.bucket_size}
+PHASES = ("forward", "backward", "gather wait", "grad wait", "optimizer")
+
+
+@dataclass
+class PhaseClock:
+    """Seconds per phase of each timed step of one of our variants."""
+
+    steps: list[dict] = field(default_factory=list)
+    gather_wait: float = 0.0
+
+    def timed_wait(self, wait):
+        def run(unit):
+            t0 = time.perf_counter()
+            wait(unit)
+            self.gather_wait += time.perf_counter() - t0
+        return run
+
+
+def build_ours_phased(spec: Spec, topo, stage: int, clock: PhaseClock, keep_params_gathered: bool = False):
+    """Our engine on the whole model (dp only), its step split into :data:`PHASES`."""
+    model = GPT(spec.model_cfg(), seed=1234)
+    engine = build_engine(model, topo, ZeroConfig(zero_stage=stage, keep_params_gathered=keep_params_gathered),
+                          spec.opt_cfg())
+    if stage == 3:
+        engine.grad_sync.wait = clock.timed_wait(engine.grad_sync.wait)
+
+    def step(micro) -> float:
+        t = dict.fromkeys(PHASES, 0.0)
+        clock.gather_wait = 0.0
+        engine.comm_log.reset()
+        engine.zero_grad()
+        total = 0.0
+        for i, (x, y, m) in enumerate(micro):
+            engine.before_backward(0, i == len(micro) - 1)
+            t0, w0 = time.perf_counter(), clock.gather_wait
+            loss = masked_mean(model(x, y), m)
+            t1, w1 = time.perf_counter(), clock.gather_wait
+            (loss / len(micro)).backward()
+            t2, w2 = time.perf_counter(), clock.gather_wait
+            t["forward"] += (t1 - t0) - (w1 - w0)
+            t["backward"] += (t2 - t1) - (w2 - w1)
+            total += loss.item() / len(micro)
+        t["gather wait"] = clock.gather_wait
+        t0 = time.perf_counter()
+        engine.finalize_grads()
+        t1 = time.perf_counter()
+        engine.step()
+        t["grad wait"], t["optimizer"] = t1 - t0, time.perf_counter() - t1
+        clock.steps.append(t)
+        return total
+
+    def extra():
+        return {"state": engine.model_state_bytes(), "comm": dict(engine.comm_log.bytes())}
+
+    return step, extra
+
+
+def _variants(spec: Spec, topo, world: int, ours: str, clock: PhaseClock, with_deepspeed: bool) -> list[Variant]:
+    stage = int(ours[len("ours-zero")])
+    keep = ours.endswith("-keep")
+    out = [Variant(ours, lambda: build_ours_phased(spec, topo, stage, clock, keep))]
+    ds_reason = deepspeed_status() if with_deepspeed else "skipped (--no-deepspeed)"
+    builders = {"torch-ddp": lambda: build_ddp(spec, False), "torch-ddp-zero": lambda: build_ddp(spec, True),
+                "torch-fsdp2": lambda: build_fsdp2(spec, world),
+                "torch-fsdp2-noreshard": lambda: build_fsdp2(spec, world, reshard_after_forward=False)}
+    for peer in GROUPS[ours]:
+        if peer.startswith("ds-zero"):
+            out.append(Variant(peer, lambda s=int(peer[-1]): build_deepspeed(spec, s, **DS_BUCKETS), unavailable=ds_reason))
+        else:
+            out.append(Variant(peer, builders[peer]))
+    return out
+
+
+def scale_worker(rank: int, world: int, spec: Spec, ours: str, with_deepspeed: bool) -> dict:
+    topo = Topology(dp=world)
+    clock = PhaseClock()
+    res = run_variants(_variants(spec, topo, world, ours, clock, with_deepspeed), step_batches(spec, spec.rounds, world, rank),
+                       live_memory=True)
+    # The throwaway build's step and the warm-up steps come first; keep the timed rounds' phases.
+    res[ours]["phases"] = clock.steps[-len(res[ours]["times"]):] if res[ours].get("times") else []
+    return res
+
+
+def run_scale(spec: Spec, dp: int, only: list[str] | None = None, with_deepspeed: bool = True, log=print) -> dict:
+    """{ours variant: rank 0's results of it and its peers} for one shape at ``dp`` ranks."""
+    from common import spawn
+
+    out = {}
+    for ours in GROUPS:
+        if only and ours not in only:
+            continue
+        log(f"scale {spec.layers}x{spec.hidden} dp={dp}: {ours} vs {', '.join(GROUPS[ours])}")
+        per_rank = spawn(dp, scale_worker, spec, ours, with_deepspeed)
+        res = per_rank[0]
+        for name, r in res.items():
+            if "losses" in r:
+                r["rank_final_losses"] = [pr[name]["losses"][-1] for pr in per_rank]
+                r["peak_live_mib"] = max(pr[name]["peak_live_mib"] for pr in per_rank)
+                r["peak_rss_mib"] = max(pr[name]["peak_rss_mib"] for pr in per_rank)
+        out[ours] = res
+    return out
+
+
+# ---------------------------------------------------------------------------------------- report
+def _row(spec: Spec, dp: int, ours: str, peer: str, target: float, res: dict) -> list[str]:
+    from common import LOSS_TOL, median, ratio_of_medians_per_round
+
+    label = [f"{spec.layers}x{spec.hidden}", str(dp), f"{ours} vs {peer}"]
+    a, b = res[ours], res[peer]
+    if "unavailable" in a or "unavailable" in b:
+        return label + ["-"] * 8 + [a.get("unavailable") or b.get("unavailable")]
+    ratio = ratio_of_medians_per_round(a["times"], b["times"])
+    diff = max(abs(x - y) for x, y in zip(a["rank_final_losses"], b["rank_final_losses"]))
+    same = diff <= LOSS_TOL
+    speed = ("met" if ratio <= target else "MISSED") if same else "void (losses differ)"
+    memory = "met" if a["peak_live_mib"] <= b["peak_live_mib"] else "MISSED"
+    return label + [f"{1e3 * median(a['times']):.0f}", f"{1e3 * median(b['times']):.0f}", f"{ratio:.2f}x",
+                    f"<= {target}x: {speed}", f"{a['peak_live_mib']:.0f}", f"{b['peak_live_mib']:.0f}",
+                    f"{a['peak_rss_mib']:.0f} / {b['peak_rss_mib']:.0f}", memory, f"{diff:.1e}"]
+
+
+def _phase_row(spec: Spec, dp: int, ours: str, r: dict) -> list[str]:
+    from common import median
+
+    head = [f"{spec.layers}x{spec.hidden}", str(dp), ours]
+    if "unavailable" in r or not r.get("phases"):
+        return head + ["-"] * (len(PHASES) + 2)
+    ms = {p: 1e3 * median([s[p] for s in r["phases"]]) for p in PHASES}
+    comm = sum(r["extra"].get("comm", {}).values()) / 2**20
+    return head + [f"{1e3 * median(r['times']):.0f}"] + [f"{ms[p]:.0f}" for p in PHASES] + [f"{comm:.0f}"]
+
+
+def scale_section(results: list) -> list[str]:
+    """BENCHMARKS.md lines from ``[(spec, dp, run_scale(...)), ...]``."""
+    from common import num_params
+    from report import _table
+
+    out = ["## Scale: ZeRO at 30M+ parameters vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed", ""]
+    shapes = {(s.layers, s.hidden): s for s, _, _ in results}
+    for s in shapes.values():
+        out.append(f"- {s.layers}x{s.hidden}: {s.describe()}, {num_params(s.model_cfg()) / 1e6:.1f}M parameters, "
+                   f"{s.micro_batches} micro-batch(es) per rank and step, {s.rounds} steps per variant "
+                   f"(2 untimed).")
+    out += ["", "Each ZeRO stage runs in its own processes beside its peers, one step each per round in a rotated "
+            "order; ms = median step (slowest rank), ratio = median of per-round ratios. Peak live MiB: the "
+            "largest rank's peak of live tensor bytes in its second step (what the variant built plus the step's "
+            "allocations; gloo-thread frees are not seen, so an upper bound); RSS with allocations over 64 KiB "
+            "mmapped. Memory target: ours' peak live bytes at or below the peer's. DeepSpeed's reduce and "
+            f"all-gather buckets are set to our bucket size ({ZeroConfig.bucket_size:,} elements; its default reduce "
+            "bucket allocates 1.9 GiB). `ours-zero3-keep` is "
+            "`--zero3-keep-params-gathered`, FSDP2's `reshard_after_forward=False`.", ""]
+    rows, phases = [], []
+    for spec, dp, res in results:
+        for ours, peers in GROUPS.items():
+            if ours not in res:
+                continue
+            rows += [_row(spec, dp, ours, peer, target, res[ours]) for peer, target in peers.items()
+                     if peer in res[ours]]
+            phases.append(_phase_row(spec, dp, ours, res[ours][ours]))
+    out += _table("| shape | dp | pair | ours ms | peer ms | ours/peer | speed target | ours peak live MiB "
+                  "| peer peak live MiB | peak RSS MiB ours / peer | memory | final loss diff |", rows)
+    out += ["", "### Where our step's time goes (rank 0, median ms per phase)", "",
+            "forward / backward exclude the gather waits; grad wait = `finalize_grads`; optimizer = `engine.step` "
+            "(clip, AdamW on the shard, ZeRO-1/2's parameter all-gather). Comm = the CommLog's bytes per step.", ""]
+    out += _table("| shape | dp | variant | ms/step | " + " | ".join(PHASES) + " | comm MiB/step |", phases)
+    return out + [""]
