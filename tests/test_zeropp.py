@@ -318,6 +318,7 @@ def _check_losses(out, names):
         assert out[name] != plain or name == "hpZ"           # hpZ alone moves no quantized values
 
 
+@pytest.mark.slow
 def test_training_with_each_switch_tracks_zero3():
     """dp 4 on 2 nodes of 2 (hpZ over the 2 ranks of a node), 100 steps: each switch alone and all three
     end within 2% of plain ZeRO-3's loss; hpZ alone is exact (same values, other group)."""
