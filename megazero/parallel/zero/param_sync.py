@@ -67,6 +67,9 @@ read the re-gathered values in backward instead of pinning the forward's copy in
 A forward without autograd (evaluation) releases every unit after use in both modes.
 Outside forward/backward a released parameter is an empty tensor (``p.numel() == 0``): read or
 write parameter values inside ``engine.gathered_parameters()``.
+
+Each bucket's gather goes through ``launch_gather`` / ``finish_gather``: a plain all-gather here;
+ZeRO++ (:mod:`.zeropp`) sends int8 or gathers a node-local secondary shard instead.
 """
 from __future__ import annotations
 
