@@ -12,6 +12,7 @@ Sections (see each module's docstring for the method):
     scaling  rows_scaling.py  model-state memory vs dp (1, 2, 4, 8); step time vs model size
     llama    rows_llama.py    GPT-2 style vs Llama style at equal parameter count (one process)
     offload  rows_offload.py  step time with and without optimizer / parameter offload (cpu, nvme), 63M
+    zeropp   rows_zeropp.py   ZeRO-3 vs ZeRO++ qwZ / hpZ / qgZ at dp 8 on 2 simulated nodes: step time, bytes
     capacity rows_capacity.py largest GPT (layers) within a fixed memory budget per rank at dp = 4:
                               ZeRO 0/1/2/3 vs FSDP2, DeepSpeed ZeRO-3, beside tools/estimate_memory.py
     scale    rows_scale.py    ZeRO 0/1/2/3 at 63M and 46M parameters vs DDP, DDP + ZeroRedundancyOptimizer,
@@ -42,7 +43,7 @@ import torch  # noqa: E402
 import report  # noqa: E402
 from common import QUICK, WARMUP_STEPS, Spec, num_params  # noqa: E402
 
-SECTIONS = ("dp", "tp", "pp", "scaling", "llama", "offload", "gpu", "capacity", "scale")
+SECTIONS = ("dp", "tp", "pp", "scaling", "llama", "offload", "zeropp", "gpu", "capacity", "scale")
 
 
 def _machine() -> list[str]:
@@ -180,6 +181,11 @@ def main(argv=None) -> None:
         off = QUICK_OFFLOAD if a.quick else OffloadSpec()
         log("offload")
         body += report.offload_section(off, run_offload(off, log))
+    if "zeropp" in sections:
+        from rows_zeropp import QUICK_ZEROPP, ZeroPPSpec, run_zeropp, zeropp_section
+        zpp = QUICK_ZEROPP if a.quick else ZeroPPSpec()
+        log("zeropp")
+        body += zeropp_section(zpp, run_zeropp(zpp, log))
     if "scale" in sections:
         from rows_scale import QUICK_SCALE, SCALE_SHAPES, run_scale, scale_section
         only = a.variants.split(",") if a.variants else None

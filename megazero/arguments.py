@@ -44,6 +44,17 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--overlap-grad-reduce",), "zero.overlap_grad_reduce", dict(action=argparse.BooleanOptionalAction)),
         (("--zero3-prefetch-layers",), "zero.prefetch_layers", dict(type=int)),
         (("--zero3-keep-params-gathered",), "zero.keep_params_gathered", dict(action="store_true")),
+        (("--zero-quantized-weights",), "zero.quantized_weights",
+         dict(action="store_true", help="ZeRO++ qwZ (stage 3): int8 parameter all-gathers")),
+        (("--zero-quantization-block-size",), "zero.quantization_block_size",
+         dict(type=int, help="elements per int8 block of qwZ and qgZ (one fp32 scale each)")),
+        (("--zero-hpz-partition-size",), "zero.hpz_partition_size",
+         dict(type=int, help="ZeRO++ hpZ (stage 3): backward gathers over K dp ranks (K = dp ranks per node)")),
+        (("--zero-quantized-gradients",), "zero.quantized_gradients",
+         dict(action="store_true", help="ZeRO++ qgZ (stage 2/3): hierarchical int8 all-to-all gradient reduce")),
+        (("--ranks-per-node",), "parallel.ranks_per_node",
+         dict(type=int, help="ranks on each node (default: torchrun's LOCAL_WORLD_SIZE); lets one machine "
+                             "act as several nodes")),
         (("--zero2-reduce-each-microbatch",), "zero.reduce_each_microbatch",
          dict(action="store_true", help="stage 2: reduce gradients every micro-batch (less memory, "
                                         "m x the gradient traffic)")),

@@ -128,6 +128,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     virtual_stages: int = 1                     # model chunks per rank (v); derived by validate()
     distributed_timeout_minutes: float = 10.0   # every collective of every group ends by then
+    ranks_per_node: int | None = None           # None: torchrun's LOCAL_WORLD_SIZE (ZeRO++'s node hierarchy)
 
 
 @dataclass
@@ -149,6 +150,10 @@ class ZeroConfig:
     offload_pin_memory: bool = True             # page-locked host buffers (only with CUDA)
     offload_sub_group_size: int | None = None   # elements stepped (and swapped) at a time on the host; None:
                                                 # 1/32 of the rank's shard, at most 4M (offload.sub_group_elements)
+    quantized_weights: bool = False             # ZeRO++ qwZ (stage 3): int8 parameter all-gathers
+    quantization_block_size: int = 4096         # elements per int8 block (one fp32 scale each), qwZ and qgZ
+    hpz_partition_size: int = 1                 # ZeRO++ hpZ (stage 3): secondary shard over K dp ranks (1: off)
+    quantized_gradients: bool = False           # ZeRO++ qgZ (stages 2, 3): hierarchical int8 all-to-all reduce
 
 
 @dataclass
@@ -280,6 +285,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     _check_batches(job)
     _check_precision_and_optimizer(job)
     _check_offload(job.zero)
+    _check_zeropp(job.zero, job.parallel, world_size)
     _check_data(job.data)
     _check_checkpoint(job.checkpoint)
     return job
@@ -515,6 +521,29 @@ def _check_precision_and_optimizer(job: JobConfig) -> None:
         _fail(f"--min-loss-scale {pr.min_loss_scale} is above --initial-loss-scale {pr.initial_loss_scale}")
     for name in ("loss_scale_window", "hysteresis", "max_consecutive_skipped_steps"):
         _positive(getattr(pr, name), name)
+
+
+def _check_zeropp(z: ZeroConfig, par: ParallelConfig, world: int) -> None:
+    """ZeRO++'s switches: what stage each needs, and a node layout they can use."""
+    if par.ranks_per_node is not None and (par.ranks_per_node < 1 or world % par.ranks_per_node):
+        _fail(f"--ranks-per-node {par.ranks_per_node} must divide the world size {world}: pick a divisor of {world}")
+    if z.quantized_weights and z.zero_stage != 3:
+        _fail(f"--zero-quantized-weights quantizes ZeRO-3's parameter all-gathers: use --zero-stage 3 "
+              f"(got {z.zero_stage}) or drop the flag")
+    if z.hpz_partition_size < 1:
+        _fail(f"--zero-hpz-partition-size must be >= 1 (1: off), got {z.hpz_partition_size}")
+    if z.hpz_partition_size > 1:
+        if z.zero_stage != 3:
+            _fail(f"--zero-hpz-partition-size applies to --zero-stage 3 only (got {z.zero_stage}): use stage 3 "
+                  f"or drop the flag")
+        if par.dp % z.hpz_partition_size:
+            _fail(f"--zero-hpz-partition-size {z.hpz_partition_size} must divide the data-parallel size "
+                  f"{par.dp}: use the number of dp ranks per node")
+    if z.quantized_gradients and z.zero_stage not in (2, 3):
+        _fail(f"--zero-quantized-gradients replaces the gradient reduce-scatter of --zero-stage 2 or 3 "
+              f"(got {z.zero_stage}; DeepSpeed applies it to stage 3): use --zero-stage 2 or 3 or drop the flag")
+    if (z.quantized_weights or z.quantized_gradients) and z.quantization_block_size < 1:
+        _fail(f"--zero-quantization-block-size must be >= 1, got {z.quantization_block_size}")
 
 
 def _check_offload(z: ZeroConfig) -> None:

@@ -28,6 +28,9 @@ zero_optimization.offload_param.device         --offload-params none / cpu / nvm
 zero_optimization.offload_*.nvme_path          --nvme-path (one directory for both)
 zero_optimization.offload_*.pin_memory         --offload-pin-memory / --no-offload-pin-memory
 zero_optimization.sub_group_size               --offload-sub-group-size
+zero_optimization.zero_quantized_weights       --zero-quantized-weights (ZeRO++ qwZ)
+zero_optimization.zero_hpz_partition_size      --zero-hpz-partition-size (ZeRO++ hpZ)
+zero_optimization.zero_quantized_gradients     --zero-quantized-gradients (ZeRO++ qgZ)
 optimizer {type: Adam/AdamW, params: lr,       --lr, --adam-beta1/2, --adam-eps, --weight-decay
 betas, eps, weight_decay}                      (AdamW: decoupled weight decay)
 scheduler WarmupLR (linear warmup)             --lr-warmup-iters, --lr-decay-style constant
@@ -152,7 +155,8 @@ def _zero(r: _Reader) -> None:
     r.only("zero_optimization", {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
                                  "contiguous_gradients", "reduce_scatter", "allgather_partitions",
                                  "stage3_prefetch_bucket_size", "offload_optimizer", "offload_param",
-                                 "sub_group_size"})
+                                 "sub_group_size", "zero_quantized_weights", "zero_hpz_partition_size",
+                                 "zero_quantized_gradients"})
     r.set("zero.zero_stage", r.get("zero_optimization.stage", int))
     r.set("zero.bucket_size", r.get("zero_optimization.reduce_bucket_size", int))
     r.set("zero.overlap_grad_reduce", r.get("zero_optimization.overlap_comm", bool))
@@ -162,6 +166,9 @@ def _zero(r: _Reader) -> None:
     prefetch = r.get("zero_optimization.stage3_prefetch_bucket_size", int)
     r.set("zero.prefetch_bucket_elements", prefetch)
     r.set("zero.offload_sub_group_size", r.get("zero_optimization.sub_group_size", int))
+    r.set("zero.quantized_weights", r.get("zero_optimization.zero_quantized_weights", bool))
+    r.set("zero.hpz_partition_size", r.get("zero_optimization.zero_hpz_partition_size", int))
+    r.set("zero.quantized_gradients", r.get("zero_optimization.zero_quantized_gradients", bool))
     for key, dest in (("offload_optimizer", "zero.offload_optimizer"), ("offload_param", "zero.offload_params")):
         path = f"zero_optimization.{key}"
         r.only(path, {"device", "nvme_path", "pin_memory"})

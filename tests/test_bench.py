@@ -100,3 +100,15 @@ def test_offload_section_reads_every_variant():
     row = next(line for line in text.splitlines() if line.startswith("| zero1-optimizer-cpu |"))
     assert row.split(" | ")[1:7] == ["3000", "2.00x", "8%", "2%", "3%", "1"], row
     assert "| ds-zero1 | - |" in text and "skipped (--no-deepspeed)" in text
+
+
+def test_zeropp_section_reads_every_variant():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from rows_zeropp import QUICK_ZEROPP, VARIANTS, zeropp_section
+
+    res = {name: {"times": [1.0, 2.0], "losses": [5.0], "links": {"intra": 2**20, "inter": 2**21}} for name in VARIANTS}
+    res["qwZ+hpZ+qgZ"] = {"times": [3.0, 3.0], "losses": [5.0], "links": {"intra": 2**20, "inter": 2**19}}
+    text = "\n".join(zeropp_section(QUICK_ZEROPP, res))
+    row = next(line for line in text.splitlines() if line.startswith("| qwZ+hpZ+qgZ |"))
+    assert row.split(" | ")[1:6] == ["3000", "2.00x", "1.00", "0.50", "0.25x"], row
+    assert "no slow link" in text and all(f"| {name} |" in text for name in VARIANTS)

@@ -178,3 +178,21 @@ def test_configured_runs_train_exactly_like_their_flags(configs, tmp_path):
         losses[name] = [(r["iteration"], r["loss"], r["lr"]) for r in read_metrics(path)[0]]
     assert len(losses["flags"]) == 4 and losses["flags"][1][2] == 2e-3          # warmed up by iteration 2
     assert losses["deepspeed"] == losses["flags"] and losses["accelerate"] == losses["flags"]
+
+
+def test_zeropp_keys_land_on_their_flags(tmp_path, capsys):
+    """DeepSpeed's ZeRO++ switches inside zero_optimization: zero_quantized_weights, zero_hpz_partition_size,
+    zero_quantized_gradients (dp 4 here: hpZ blocks of 2)."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                                                    "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}}))
+    assert from_deepspeed(ds) == {"zero.zero_stage": 3, "zero.quantized_weights": True, "zero.hpz_partition_size": 2,
+                                  "zero.quantized_gradients": True}
+    flags = ["--zero-stage", "3", "--zero-quantized-weights", "--zero-hpz-partition-size", "2",
+             "--zero-quantized-gradients"]
+    assert _settings(parse_job([*BASE, "--deepspeed-config", str(ds)], 4)[0]) == \
+        _settings(parse_job([*BASE, *flags], 4)[0])
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}}))
+    with pytest.raises(SystemExit):
+        parse_job([*BASE, "--deepspeed-config", str(ds)], 4)
+    assert "--zero-hpz-partition-size 3 must divide the data-parallel size 4" in capsys.readouterr().err

@@ -230,6 +230,8 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     parts["grads"] = ge * psi // (n if z.zero_stage >= 2 else 1)
     parts["master_weights"] = master // (n if sharded else 1)
     parts["optimizer_state"] = 8 * psi // (n if sharded else 1)
+    if z.zero_stage == 3 and z.hpz_partition_size > 1:       # ZeRO++ hpZ: a secondary shard over K ranks
+        parts["hpz_secondary_params"] = e * psi // z.hpz_partition_size
     offloaded = offloaded_parts(job, psi, e, parts, ge, device)
     est.model_states = sum(parts.values())
 

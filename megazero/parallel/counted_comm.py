@@ -19,6 +19,23 @@ This is the accounting of the ZeRO paper: plain data parallelism moves 2 Psi (N-
 step (one gradient all-reduce), ZeRO-1/2 move the same as reduce-scatter(grads) + all-gather(params).
 It counts the algorithm's volume, not what a particular backend puts on the wire (gloo may pick a
 different algorithm for small tensors).
+
+    all-to-all         (N-1)/N * S      (S = the full input; rank r sends chunk j to group rank j)
+
+Intra-node and inter-node bytes. When the log knows the nodes (``CommLog(ranks_per_node=L)``: global
+rank g is on node g // L), every record is also split by link. Convention: per rank, *averaged over
+the group's ranks*, so that N times the figure is the traffic the group puts on each kind of link.
+
+    ring (all-reduce, reduce-scatter, all-gather): the N ranks in group-rank order form a ring; each
+        rank sends its B bytes to the next. With c of the N ring edges joining different nodes
+        (c = number of nodes the group spans, when the group is sorted by node and spans more
+        than one), inter = B * c / N and intra = B * (N - c) / N.
+    all-to-all: rank i sends S/N to each other member j; inter = S/N * (pairs (i, j), i != j, on
+        different nodes) / N, intra the rest of (N-1)/N * S.
+
+Example, all-gather of S bytes over dp = 8 on 2 nodes of 4: B = 7/8 S, c = 2: inter = 7/32 S per
+rank; an all-to-all of S bytes over the same group: inter = S/8 * (8*4)/8 = S/2, intra = 3/8 S.
+A group inside one node has inter = 0.
 """
 from __future__ import annotations
 
@@ -39,13 +56,34 @@ class CommLog:
         log.reset()            # e.g. at the start of every step
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ranks_per_node: int | None = None) -> None:
         self._bytes: dict[str, float] = defaultdict(float)
         self._calls: dict[str, int] = defaultdict(int)
+        self._links: dict[str, float] = defaultdict(float)
+        self.ranks_per_node = ranks_per_node       # None: every rank on one node (all bytes intra)
+        self._inter_share: dict[tuple, tuple[float, float]] = {}
 
-    def record(self, tag: str, nbytes: float) -> None:
+    def record(self, tag: str, nbytes: float, group=None, kind: str = "ring") -> None:
+        """Add ``nbytes`` sent per rank under ``tag``; with the group, also split them by link."""
         self._bytes[tag] += nbytes
         self._calls[tag] += 1
+        inter = nbytes * self._inter_fraction(group, kind) if group is not None else 0.0
+        self._links["inter"] += inter
+        self._links["intra"] += nbytes - inter
+
+    def _inter_fraction(self, group, kind: str) -> float:
+        """Share of a collective's bytes that crosses nodes (the module docstring's convention)."""
+        if not self.ranks_per_node:
+            return 0.0
+        ranks = tuple(dist.get_process_group_ranks(group))
+        key = (ranks, kind)
+        if key not in self._inter_share:
+            self._inter_share[key] = inter_fraction([r // self.ranks_per_node for r in ranks], kind)
+        return self._inter_share[key]
+
+    def link_bytes(self) -> dict[str, float]:
+        """Bytes sent per rank since the last reset, by link: {'intra': ..., 'inter': ...}."""
+        return {"intra": self._links["intra"], "inter": self._links["inter"]}
 
     def bytes(self) -> dict[str, float]:
         """Bytes sent per rank since the last reset, by tag."""
@@ -58,6 +96,24 @@ class CommLog:
     def reset(self) -> None:
         self._bytes.clear()
         self._calls.clear()
+        self._links.clear()
+
+
+def inter_fraction(nodes: list[int], kind: str = "ring") -> float:
+    """Share of the bytes a collective sends per rank that crosses nodes, for a group whose members,
+    in group-rank order, sit on ``nodes`` (pure; the module docstring's convention)::
+
+        inter_fraction([0, 0, 0, 0, 1, 1, 1, 1], "ring")        == 2 / 8
+        inter_fraction([0, 0, 0, 0, 1, 1, 1, 1], "all_to_all")  == 32 / 56  (of (N-1)/N * S)
+    """
+    n = len(nodes)
+    if n < 2:
+        return 0.0
+    if kind == "ring":
+        return sum(nodes[i] != nodes[(i + 1) % n] for i in range(n)) / n
+    if kind == "all_to_all":
+        return sum(a != b for a in nodes for b in nodes) / (n * (n - 1))
+    raise ValueError(f"unknown collective kind {kind!r}: ring or all_to_all")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -71,7 +127,7 @@ def all_reduce(tensor: torch.Tensor, group, log: CommLog | None, tag: str, *,
     if n == 1:
         return None
     if log is not None:
-        log.record(tag, 2 * (n - 1) / n * _nbytes(tensor))
+        log.record(tag, 2 * (n - 1) / n * _nbytes(tensor), group)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -101,5 +157,19 @@ def _flat(collective, output, input, full, group, log: CommLog | None, tag: str,
             output.copy_(input)
         return None
     if log is not None:
-        log.record(tag, (n - 1) / n * _nbytes(full))
+        log.record(tag, (n - 1) / n * _nbytes(full), group)
     return collective(output, input, group=group, async_op=async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group, log: CommLog | None, tag: str, *,
+               async_op: bool = False):
+    """Rank i sends chunk j of ``input`` (split along dim 0 into N equal chunks) to group rank j, which
+    stores it as chunk i of ``output``."""
+    n = group_size(group)
+    if n == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return None
+    if log is not None:
+        log.record(tag, (n - 1) / n * _nbytes(input), group, "all_to_all")
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)

@@ -21,13 +21,28 @@ data-parallel, then pipeline. Worked example, world 16 with tp=2, pp=4, dp=2 (Me
     embedding         [0,12] [1,13] [2,14] [3,15]      (first and last stage of each pipeline)
 
 With pp=1 the embedding group of a rank is just that rank: first and last stage coincide.
+
+Nodes. Ranks are placed on nodes in blocks of ``ranks_per_node`` consecutive global ranks (torchrun's
+``LOCAL_WORLD_SIZE``; ``--ranks-per-node`` lets one machine pretend to be several). Each data-parallel
+group is cut two ways (ZeRO++'s hierarchy): ``dp_intra`` = its members on one node, ``dp_inter`` =
+its members with the same position on their node, one per node. Every data-parallel group must hold
+the same number of members on each node it touches. Worked example, world 8, tp=2, dp=4, pp=1,
+ranks_per_node=4 (node 0: ranks 0-3, node 1: ranks 4-7)::
+
+    data-parallel     [0,2,4,6] [1,3,5,7]
+    dp_intra          [0,2] [1,3] [4,6] [5,7]          (dp ranks 0,1 | 2,3 of each group)
+    dp_inter          [0,4] [1,5] [2,6] [3,7]          (dp ranks 0,2 | 1,3 of each group)
+
+so dp rank r of a group sits on node r // L at local position r % L (L = 2 dp members per node).
+:func:`dp_partitions` cuts every data-parallel group into consecutive blocks of K dp ranks (ZeRO++'s
+hpZ secondary partition; K = L keeps it inside a node): K=2 above gives the ``dp_intra`` groups.
 """
 from __future__ import annotations
 
 import datetime
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -50,6 +65,13 @@ class RankGrid:
     data: list[list[int]]
     model: list[list[int]]
     embedding: list[list[int]]
+    ranks_per_node: int | None = None          # None: one node holds every rank
+    dp_intra: list[list[int]] = field(default_factory=list)
+    dp_inter: list[list[int]] = field(default_factory=list)
+
+    def node_of(self, rank: int) -> int:
+        """The node of a global rank (ranks fill nodes in blocks of ``ranks_per_node``)."""
+        return rank // self.ranks_per_node if self.ranks_per_node else 0
 
     def coords(self, rank: int) -> dict[str, int]:
         """{'tp': tp_rank, 'dp': dp_rank, 'pp': pp_rank} of a global rank."""
@@ -105,8 +127,10 @@ def _groups_varying(varying: tuple[str, ...], order: str, tp: int, pp: int, dp: 
     return sorted(groups)
 
 
-def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER) -> RankGrid:
-    """List the ranks of every group for a tp x pp x dp layout (pure; see the module docstring)."""
+def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER,
+              ranks_per_node: int | None = None) -> RankGrid:
+    """List the ranks of every group for a tp x pp x dp layout (pure; see the module docstring).
+    With ``ranks_per_node``, also the node-local and cross-node pieces of every data-parallel group."""
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -115,14 +139,53 @@ def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_O
     pipeline = _groups_varying(("pp",), order, tp, pp, dp)
     by_stage = [_in_stage_order(g, order, tp, pp, dp) for g in pipeline]
     embedding = sorted(sorted({g[0], g[-1]}) for g in by_stage)
+    data = _groups_varying(("dp",), order, tp, pp, dp)
+    intra, inter = _split_by_node(data, world_size, ranks_per_node)
     return RankGrid(
         world_size=world_size, tp=tp, pp=pp, dp=dp, order=order,
         tensor=_groups_varying(("tp",), order, tp, pp, dp),
         pipeline=pipeline,
-        data=_groups_varying(("dp",), order, tp, pp, dp),
+        data=data,
         model=_groups_varying(("tp", "pp"), order, tp, pp, dp),
         embedding=embedding,
+        ranks_per_node=ranks_per_node, dp_intra=intra, dp_inter=inter,
     )
+
+
+def _split_by_node(data: list[list[int]], world_size: int, ranks_per_node: int | None):
+    """(dp_intra, dp_inter) groups of every data-parallel group (see the module docstring); both empty
+    when some data-parallel group holds different numbers of ranks on different nodes."""
+    rpn = ranks_per_node or world_size
+    if rpn < 1 or world_size % rpn:
+        raise ValueError(f"ranks per node ({rpn}) must divide the world size ({world_size}): "
+                         f"set --ranks-per-node to a divisor of {world_size}")
+    intra, inter = [], []
+    for group in data:
+        by_node: dict[int, list[int]] = {}
+        for r in group:
+            by_node.setdefault(r // rpn, []).append(r)
+        sizes = {len(members) for members in by_node.values()}
+        if len(sizes) != 1:            # no regular hierarchy: ZeRO++'s hierarchical paths refuse this layout
+            return [], []
+        local = sizes.pop()
+        nodes = [by_node[n] for n in sorted(by_node)]
+        intra += nodes
+        inter += [[members[i] for members in nodes] for i in range(local)]
+    return sorted(intra), sorted(inter)
+
+
+def dp_partitions(grid: RankGrid, k: int) -> list[list[int]]:
+    """Every data-parallel group cut into consecutive blocks of ``k`` members (in dp-rank order):
+    ZeRO++'s hpZ secondary partition groups. ``k`` must divide dp."""
+    if k < 1 or grid.dp % k:
+        raise ValueError(f"--zero-hpz-partition-size {k} must divide the data-parallel size {grid.dp}")
+    return sorted(g[i:i + k] for g in grid.data for i in range(0, len(g), k))
+
+
+def local_world_size() -> int | None:
+    """Ranks per node as torchrun says (``LOCAL_WORLD_SIZE``), or None outside a launcher."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None
 
 
 def _in_stage_order(group: list[int], order: str, tp: int, pp: int, dp: int) -> list[int]:
@@ -196,16 +259,22 @@ class Topology:
         topo.tp_group, topo.pp_group, topo.dp_group, topo.mp_group, topo.embedding_group
         topo.next_rank, topo.prev_rank        # global ranks of the neighbouring stages (or None)
 
-    ``dp`` may be omitted: it is inferred as world // (tp * pp).
+    ``dp`` may be omitted: it is inferred as world // (tp * pp). ``ranks_per_node`` (default: torchrun's
+    ``LOCAL_WORLD_SIZE``, else the whole world on one node) places ranks on nodes; the node-local and
+    cross-node pieces of this rank's dp group are ``topo.dp_intra_group`` / ``topo.dp_inter_group``
+    (with their ranks in ``dp_intra_ranks`` / ``dp_inter_ranks``), and ``topo.dp_partition_group(k)``
+    creates (once, on every rank) hpZ's k-member blocks of the dp groups.
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, order: str = DEFAULT_ORDER,
-                 device: torch.device | None = None, timeout_s: float | None = None):
+                 device: torch.device | None = None, timeout_s: float | None = None,
+                 ranks_per_node: int | None = None):
         world = dist.get_world_size()
         rank = dist.get_rank()
         dp = dp if dp is not None else world // (tp * pp)
         self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-        self.grid = rank_grid(world, tp, pp, dp, order)
+        self.ranks_per_node = ranks_per_node or local_world_size() or world
+        self.grid = rank_grid(world, tp, pp, dp, order, self.ranks_per_node)
         self.world_size, self.rank = world, rank
         self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
         self.device = device or torch.device("cpu")
@@ -219,6 +288,30 @@ class Topology:
         self.mp_group, self.mp_ranks = self._create(self.grid.model)
         self.embedding_group, self.embedding_ranks = self._create(self.grid.embedding, required=False)  # middle stages: None, []
         self.pp_ranks = _in_stage_order(self.pp_ranks, order, tp, pp, dp)
+        self.node = self.grid.node_of(rank)
+        self.dp_intra_group, self.dp_intra_ranks = self._node_groups(self.grid.dp_intra)
+        self.dp_inter_group, self.dp_inter_ranks = self._node_groups(self.grid.dp_inter)
+        self._partitions: dict[int, tuple] = {}
+
+    def _node_groups(self, groups: list[list[int]]):
+        """Create the groups only when they differ from the dp groups and are not single ranks (so a
+        one-node run makes exactly the groups it made before nodes existed)."""
+        if not groups:
+            return None, []
+        if groups == self.grid.data:
+            return self.dp_group, self.dp_ranks
+        if all(len(g) == 1 for g in groups):
+            return None, [self.rank]
+        return self._create(groups)
+
+    def dp_partition_group(self, k: int):
+        """(group, ranks) of this rank's block of ``k`` consecutive dp members (:func:`dp_partitions`);
+        created on first use, so every rank must call it with the same ``k`` at the same point."""
+        if k not in self._partitions:
+            blocks = dp_partitions(self.grid, k)
+            self._partitions[k] = ((self.dp_group, self.dp_ranks) if blocks == self.grid.data else
+                                   (None, [self.rank]) if k == 1 else self._create(blocks))
+        return self._partitions[k]
 
     def _create(self, groups: list[list[int]], required: bool = True):
         mine = (None, [])

@@ -9,7 +9,8 @@
 Files below this one, each importing only those above it in this list: ``buckets`` (flat layout),
 ``offload`` (state kept in host memory or swap files), ``grad_sync`` (stages 0-2: gradient buckets and
 their reduction), ``units`` (the ZeRO-3 gather units a model declares), ``param_sync`` (stage 3:
-parameters sharded and gathered per unit), ``optimizer`` (AdamW over the owned shard of every bucket).
+parameters sharded and gathered per unit), ``quantize`` and ``zeropp`` (ZeRO++: int8 collectives, hpZ's
+secondary shards, the hierarchical gradient reduce), ``optimizer`` (AdamW over the owned shard of every bucket).
 
 With ``--offload-optimizer`` / ``--offload-params`` nvme the engine owns this rank's swap directory:
 ``engine.close()`` removes it (so does interpreter exit).
@@ -29,6 +30,7 @@ from megazero.parallel.zero.grad_sync import BucketedGradSync, wrap_data_paralle
 from megazero.parallel.zero.swap import SwapDir
 from megazero.parallel.zero.optimizer import BucketAdamW, ZeroStage3Optimizer, build_optimizer
 from megazero.parallel.zero.param_sync import ShardedParamSync
+from megazero.parallel.zero.zeropp import MicrobatchQuantizedGradSync, QuantizedGradSync, ZeroPlusPlusParamSync
 
 
 @dataclass
@@ -191,6 +193,7 @@ class ZeroStage3Engine(ZeroEngine):
         out["gathered_params"] = self.grad_sync.gathered_bytes
         out["gathered_params_peak"] = self.grad_sync.gathered_bytes_peak
         out["gathered_units_peak"] = self.grad_sync.live_units_peak
+        out["hpz_secondary_params"] = getattr(self.grad_sync, "secondary_bytes", int)()   # within params
         return out
 
     def loaded(self, step: int, loss_scaler: dict | None, weights_only: bool) -> None:
@@ -220,7 +223,8 @@ def _build_stage3_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: 
                          precision: PrecisionConfig | None = None, swap: SwapDir | None = None) -> ZeroStage3Engine:
     """Shard this rank's chunks over dp (parameters move into shards: build after the model,
     before the first forward) and build the stage-3 optimizer."""
-    sync = ShardedParamSync(chunks, topo, zero_cfg, swap=swap)
+    zeropp = zero_cfg.quantized_weights or zero_cfg.hpz_partition_size > 1 or zero_cfg.quantized_gradients
+    sync = (ZeroPlusPlusParamSync if zeropp else ShardedParamSync)(chunks, topo, zero_cfg, swap=swap)
     optimizer = ZeroStage3Optimizer(sync, opt_cfg, precision, swap=swap)
     sync.reset_peaks()
     return ZeroStage3Engine(sync, optimizer, swap)
@@ -247,13 +251,21 @@ def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: Optimize
         raise ValueError("--offload-optimizer needs --zero-stage 1, 2 or 3")
     if zero_cfg.offload_params != "none" and zero_cfg.zero_stage != 3:
         raise ValueError("--offload-params applies to --zero-stage 3 only")
+    if (zero_cfg.quantized_weights or zero_cfg.hpz_partition_size > 1) and zero_cfg.zero_stage != 3:
+        raise ValueError("--zero-quantized-weights and --zero-hpz-partition-size apply to --zero-stage 3 only")
+    if zero_cfg.quantized_gradients and zero_cfg.zero_stage not in (2, 3):
+        raise ValueError("--zero-quantized-gradients applies to --zero-stage 2 or 3")
     swap = _swap_dir(zero_cfg, topo)
     try:
         if zero_cfg.zero_stage == 3:
             if grad_sync_cls is not None:
                 raise ValueError("grad_sync_cls applies to ZeRO stages 0-2, not --zero-stage 3")
             return _build_stage3_engine(chunks, topo, zero_cfg, opt_cfg, precision, swap)
-        grad_sync = wrap_data_parallel(chunks, topo, zero_cfg, grad_sync_cls=grad_sync_cls)
+        if zero_cfg.quantized_gradients and grad_sync_cls is None:       # ZeRO++ qgZ at stage 2
+            qgz = MicrobatchQuantizedGradSync if zero_cfg.reduce_each_microbatch else QuantizedGradSync
+            grad_sync = qgz(chunks, topo, zero_cfg)
+        else:
+            grad_sync = wrap_data_parallel(chunks, topo, zero_cfg, grad_sync_cls=grad_sync_cls)
         return ZeroEngine(grad_sync, build_optimizer(grad_sync, opt_cfg, precision, swap=swap), swap)
     except BaseException:
         if swap is not None:

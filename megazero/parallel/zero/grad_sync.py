@@ -70,6 +70,7 @@ class BucketedGradSync:
         self.topo = topo
         self.cfg = zero_cfg or ZeroConfig()
         self.comm_log = comm_log if comm_log is not None else CommLog()
+        self.comm_log.ranks_per_node = self.comm_log.ranks_per_node or getattr(topo, "ranks_per_node", None)
         self.dp_group, self.dp_size, self.dp_rank = topo.dp_group, topo.dp_size, topo.dp_rank
         self.buckets: list[Bucket] = []
         self.slots: list[ParamSlot] = []
@@ -393,12 +394,16 @@ class ShardedGradSync(BucketedGradSync):
         else:
             target = scratch = torch.empty_like(bucket.grad_shard)
             self._track(nbytes(scratch))
-        handle = comm.reduce_scatter(target, grad_data, self.dp_group, self.comm_log, "dp", async_op=True)
+        handle = self.reduce_scatter_grads(target, grad_data)
         for s in bucket.slots:                   # the next backward accumulates into fresh storage
             s.param.grad = None
         bucket.grad_data, bucket.launched = None, True
         self._in_flight.append((bucket, handle, grad_data, scratch))
         self._retire(keep=self._max_in_flight)
+
+    def reduce_scatter_grads(self, target: torch.Tensor, grad_data: torch.Tensor):
+        """Sum ``grad_data`` over dp into ``target``, this rank's shard (ZeRO++'s qgZ: :mod:`.zeropp`)."""
+        return comm.reduce_scatter(target, grad_data, self.dp_group, self.comm_log, "dp", async_op=True)
 
     def _retire(self, keep: int) -> None:
         """Finish reductions in launch order (add scratch shards, release full-size storage): every

@@ -67,6 +67,9 @@ read the re-gathered values in backward instead of pinning the forward's copy in
 A forward without autograd (evaluation) releases every unit after use in both modes.
 Outside forward/backward a released parameter is an empty tensor (``p.numel() == 0``): read or
 write parameter values inside ``engine.gathered_parameters()``.
+
+Each bucket's gather goes through ``launch_gather`` / ``finish_gather``: a plain all-gather here;
+ZeRO++ (:mod:`.zeropp`) sends int8 or gathers a node-local secondary shard instead.
 """
 from __future__ import annotations
 
@@ -164,7 +167,7 @@ class DeviceShards:
         pass
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """True while autograd runs a backward (a forward here is activation recomputation)."""
     return torch._C._current_graph_task_id() != -1
 
@@ -238,15 +241,15 @@ class ShardedParamSync(ShardedGradSync):
             unit.buckets.append(bucket)
 
     # ---------------------------------------------------------- gather/release
-    def gather(self, unit: Unit) -> None:
-        """Launch the all-gather of ``unit`` (asynchronous); :meth:`wait` completes it."""
+    def gather(self, unit: Unit, exact: bool = False) -> None:
+        """Launch the all-gather of ``unit`` (asynchronous); :meth:`wait` completes it. ``exact``: the
+        shards' own values even where ZeRO++ would quantize them (:mod:`.zeropp`)."""
         if unit.state != "released":
             return
         for b in unit.buckets:
             b.param_data.untyped_storage().resize_(b.numel * b.param_data.element_size())
             source = self.shards.source(b)     # the shard on the device (a staging copy when offloaded)
-            unit.handles.append(comm.all_gather(b.param_data, source, self.dp_group, self.comm_log, "dp",
-                                                async_op=True))
+            unit.handles.append((b, self.launch_gather(b, source, exact)))
             if source is not b.shard:
                 unit.staging.append(source)
             self.gathered_bytes += nbytes(b.param_data)
@@ -260,14 +263,21 @@ class ShardedParamSync(ShardedGradSync):
         self.gather(unit)
         if unit.state != "gathering":
             return
-        for h in unit.handles:
-            if h is not None:
-                h.wait()
+        for b, pending in unit.handles:
+            self.finish_gather(b, pending)
         unit.handles, unit.staging = [], []
         for b in unit.buckets:
             for s in b.slots:
                 s.param.data = b.param_data[s.start:s.end].view(s.shape)
         unit.state = "gathered"
+
+    def launch_gather(self, bucket: Bucket, source: torch.Tensor, exact: bool):
+        """Start filling ``bucket.param_data`` from every rank's shard; :meth:`finish_gather` completes."""
+        return comm.all_gather(bucket.param_data, source, self.dp_group, self.comm_log, "dp", async_op=True)
+
+    def finish_gather(self, bucket: Bucket, pending) -> None:
+        if pending is not None:
+            pending.wait()
 
     def release(self, unit: Unit, count: bool = True) -> None:
         """Free the unit's full buffers. Views saved by autograd keep pointing at the same storage,
@@ -317,7 +327,7 @@ class ShardedParamSync(ShardedGradSync):
         """Gather every unit now (blocking); returns the ones that were released before."""
         newly = [u for u in self.units if u.state == "released"]
         for u in newly:
-            self.gather(u)
+            self.gather(u, exact=True)
         for u in self.units:
             self.wait(u)
         return newly
@@ -367,7 +377,7 @@ class ShardedParamSync(ShardedGradSync):
     def _pre_forward(self, trig: Trigger, module, args):
         for u in trig.units:
             self.wait(u)
-        if _in_backward():                     # activation recomputation: gathered by _pre_backward
+        if in_backward():                     # activation recomputation: gathered by _pre_backward
             return None
         self._prefetch(trig, +1)
         if torch.is_grad_enabled() and args and torch.is_tensor(args[0]) and args[0].requires_grad:
@@ -375,7 +385,7 @@ class ShardedParamSync(ShardedGradSync):
         return None
 
     def _post_forward(self, trig: Trigger, module, args, output) -> None:
-        if _in_backward():
+        if in_backward():
             return
         out = output[0] if isinstance(output, (tuple, list)) and output else output
         if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
