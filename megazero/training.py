@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megazero.config import JobConfig
 from megazero.metrics import MetricsLog, device_peak_tflops, model_flops_per_token, peak_memory_bytes
 from megazero.models.gpt import GPT, activation_shape, masked_mean
+from megazero.models.moe import set_aux_loss_scale
 from megazero.optim import learning_rate
 from megazero.parallel.params import counts_once, split_dim
 from megazero.parallel.pipeline import run_schedule
@@ -63,6 +64,7 @@ def _boundary_shape(job: JobConfig) -> tuple[int, int, int]:
 def train_step(chunks, micro_batches: list[dict], topo: Topology, engine, job: JobConfig) -> StepResult:
     """Forward and backward over every micro-batch, reduce gradients, clip, and step the optimizer."""
     engine.zero_grad()
+    set_aux_loss_scale(chunks, engine.loss_scale / len(micro_batches))   # MoE losses: as the main loss's
     losses = run_schedule(chunks, micro_batches, topo, loss_fn=masked_mean, schedule=job.parallel,
                           tensor_shape=_boundary_shape(job), loss_scale=engine.loss_scale, grad_sync=engine)
     engine.finalize_grads()

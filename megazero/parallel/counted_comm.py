@@ -14,6 +14,7 @@ Byte convention (per rank, bytes *sent*, ring algorithm, N = group size, S = byt
     all-reduce       2 (N-1)/N * S      (a ring reduce-scatter followed by a ring all-gather)
     reduce-scatter     (N-1)/N * S      (S = the full input; each rank ends with S/N)
     all-gather         (N-1)/N * S      (S = the full output; each rank starts with S/N)
+    all-to-all         the rows sent to the other ranks (uneven splits: what this rank's split sizes say)
 
 This is the accounting of the ZeRO paper: plain data parallelism moves 2 Psi (N-1)/N per rank per
 step (one gradient all-reduce), ZeRO-1/2 move the same as reduce-scatter(grads) + all-gather(params).
@@ -103,3 +104,19 @@ def _flat(collective, output, input, full, group, log: CommLog | None, tag: str,
     if log is not None:
         log.record(tag, (n - 1) / n * _nbytes(full))
     return collective(output, input, group=group, async_op=async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+               group, log: CommLog | None, tag: str) -> None:
+    """``all_to_all_single`` with uneven splits along dim 0: rows ``input_splits[j]`` go to group rank j,
+    ``output_splits[j]`` rows arrive from it. Records the bytes of the rows sent to the other ranks."""
+    n = group_size(group)
+    if n == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return
+    if log is not None:
+        me = dist.get_rank(group)
+        row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        log.record(tag, sum(c for j, c in enumerate(input_splits) if j != me) * row)
+    dist.all_to_all_single(output, input, output_splits, input_splits, group=group)

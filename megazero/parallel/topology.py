@@ -21,9 +21,20 @@ data-parallel, then pipeline. Worked example, world 16 with tp=2, pp=4, dp=2 (Me
     embedding         [0,12] [1,13] [2,14] [3,15]      (first and last stage of each pipeline)
 
 With pp=1 the embedding group of a rank is just that rank: first and last stage coincide.
+
+Expert parallelism (``ep`` = --expert-model-parallel-size, Mixture of Experts) is carved out of the
+data-parallel group: dp rank ``d`` is expert-parallel rank ``d % ep`` of the expert group of the ``ep``
+consecutive dp ranks ``d - d % ep ..``, which exchange tokens by all-to-all; the ``dp / ep`` ranks
+holding the same experts (same ``d % ep``) form an expert-data-parallel group, over which the experts'
+gradients are reduced. Worked example, world 8 with tp=2, pp=1, dp=4, ep=2 (rank = tp_rank + 2 * dp_rank)::
+
+    data-parallel          [0,2,4,6] [1,3,5,7]
+    expert-parallel        [0,2] [1,3] [4,6] [5,7]     (dp ranks 0-1 and 2-3 of each data-parallel group)
+    expert-data-parallel   [0,4] [1,5] [2,6] [3,7]     (dp ranks 0,2 hold experts 0..E/2-1; 1,3 the rest)
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import os
@@ -50,13 +61,17 @@ class RankGrid:
     data: list[list[int]]
     model: list[list[int]]
     embedding: list[list[int]]
+    ep: int = 1
+    expert: list[list[int]] = dataclasses.field(default_factory=list)
+    expert_data: list[list[int]] = dataclasses.field(default_factory=list)
 
     def coords(self, rank: int) -> dict[str, int]:
         """{'tp': tp_rank, 'dp': dp_rank, 'pp': pp_rank} of a global rank."""
         return _coords(rank, self.order, self.tp, self.pp, self.dp)
 
     def group_of(self, kind: str, rank: int) -> list[int]:
-        """The group of kind ('tensor', 'pipeline', 'data', 'model', 'embedding') holding rank."""
+        """The group of kind ('tensor', 'pipeline', 'data', 'model', 'embedding', 'expert',
+        'expert_data') holding rank."""
         for group in getattr(self, kind):
             if rank in group:
                 return group
@@ -105,16 +120,20 @@ def _groups_varying(varying: tuple[str, ...], order: str, tp: int, pp: int, dp: 
     return sorted(groups)
 
 
-def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER) -> RankGrid:
-    """List the ranks of every group for a tp x pp x dp layout (pure; see the module docstring)."""
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER, ep: int = 1) -> RankGrid:
+    """List the ranks of every group for a tp x pp x dp layout, with ``ep`` expert-parallel ranks
+    carved out of dp (pure; see the module docstring)."""
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if dp % ep:
+        raise ValueError(f"dp {dp} is not divisible by expert-parallel size {ep}")
     if tp * pp * dp != world_size:
         raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != world size {world_size}")
     pipeline = _groups_varying(("pp",), order, tp, pp, dp)
     by_stage = [_in_stage_order(g, order, tp, pp, dp) for g in pipeline]
     embedding = sorted(sorted({g[0], g[-1]}) for g in by_stage)
+    data = [_in_dp_order(g, order, tp, pp, dp) for g in _groups_varying(("dp",), order, tp, pp, dp)]
     return RankGrid(
         world_size=world_size, tp=tp, pp=pp, dp=dp, order=order,
         tensor=_groups_varying(("tp",), order, tp, pp, dp),
@@ -122,7 +141,15 @@ def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_O
         data=_groups_varying(("dp",), order, tp, pp, dp),
         model=_groups_varying(("tp", "pp"), order, tp, pp, dp),
         embedding=embedding,
+        ep=ep,
+        expert=sorted(g[i:i + ep] for g in data for i in range(0, dp, ep)),
+        expert_data=sorted(g[i::ep] for g in data for i in range(ep)),
     )
+
+
+def _in_dp_order(group: list[int], order: str, tp: int, pp: int, dp: int) -> list[int]:
+    """A data-parallel group's ranks ordered by dp_rank."""
+    return sorted(group, key=lambda r: _coords(r, order, tp, pp, dp)["dp"])
 
 
 def _in_stage_order(group: list[int], order: str, tp: int, pp: int, dp: int) -> list[int]:
@@ -195,17 +222,19 @@ class Topology:
         topo.tp_rank, topo.pp_rank, topo.dp_rank
         topo.tp_group, topo.pp_group, topo.dp_group, topo.mp_group, topo.embedding_group
         topo.next_rank, topo.prev_rank        # global ranks of the neighbouring stages (or None)
+        topo.ep_group, topo.ep_rank, topo.ep_size      # expert parallelism (ep=..., see the module doc)
+        topo.expert_dp_group, topo.expert_dp_rank, topo.expert_dp_size
 
     ``dp`` may be omitted: it is inferred as world // (tp * pp).
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, order: str = DEFAULT_ORDER,
-                 device: torch.device | None = None, timeout_s: float | None = None):
+                 device: torch.device | None = None, timeout_s: float | None = None, ep: int = 1):
         world = dist.get_world_size()
         rank = dist.get_rank()
         dp = dp if dp is not None else world // (tp * pp)
         self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-        self.grid = rank_grid(world, tp, pp, dp, order)
+        self.grid = rank_grid(world, tp, pp, dp, order, ep)
         self.world_size, self.rank = world, rank
         self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
         self.device = device or torch.device("cpu")
@@ -219,6 +248,14 @@ class Topology:
         self.mp_group, self.mp_ranks = self._create(self.grid.model)
         self.embedding_group, self.embedding_ranks = self._create(self.grid.embedding, required=False)  # middle stages: None, []
         self.pp_ranks = _in_stage_order(self.pp_ranks, order, tp, pp, dp)
+        self.ep_size, self.ep_rank = ep, self.dp_rank % ep
+        self.expert_dp_size, self.expert_dp_rank = dp // ep, self.dp_rank // ep
+        if ep > 1:                # groups made only when used: a run without experts creates none
+            self.ep_group, self.ep_ranks = self._create(self.grid.expert)
+            self.expert_dp_group, self.expert_dp_ranks = self._create(self.grid.expert_data)
+        else:
+            self.ep_group, self.ep_ranks = None, [rank]
+            self.expert_dp_group, self.expert_dp_ranks = self.dp_group, self.dp_ranks
 
     def _create(self, groups: list[list[int]], required: bool = True):
         mine = (None, [])
