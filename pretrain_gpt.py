@@ -71,7 +71,8 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     """Process groups, model, engine, data, then the training loop (the job and files are checked)."""
     timeout_s = 60 * job.parallel.distributed_timeout_minutes
     topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, order=job.parallel.order,
-                    device=init_distributed(backend, timeout_s), timeout_s=timeout_s)
+                    device=init_distributed(backend, timeout_s), timeout_s=timeout_s,
+                    ep=job.parallel.expert_model_parallel_size)
     if topo.device.type == "cpu":                      # freed tensors leave the resident set: honest peaks
         return_freed_memory()
     log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0)

@@ -10,6 +10,7 @@ import torch
 from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batches
 
+from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
 from megazero.models import GPT, build_model_chunks, masked_mean
 from megazero.models.moe import (capacity_keep, load_balancing_loss, moe_layers, route, set_aux_loss_scale,
@@ -19,6 +20,7 @@ from megazero.parallel.params import split_dim
 from megazero.parallel.tensor import shard
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
+from megazero.state import TrainState
 from megazero.training import train_step
 
 STEPS = 5
@@ -221,3 +223,46 @@ def test_llama_experts_match_serial():
                                       normalization="RMSNorm", position_embedding_type="rope",
                                       untie_embeddings_and_output_weights=True, moe_layer_freq=2))]
     _check(run_on_ranks(4, _parity_body, cases, timeout=600), cases)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def _resume_body(rank, world_size, tp, ep, stage, first, last, save_dir, load):
+    """Steps ``first``..``last`` - 1 of the 8-micro-batch run at (tp, ep, ZeRO stage) on these ranks,
+    after loading ``save_dir`` when ``load``; saves after the last step otherwise."""
+    topo = Topology(tp=tp, ep=ep)
+    cfg = _cfg()
+    par = ParallelConfig(tp=tp, dp=topo.dp_size, expert_model_parallel_size=ep)
+    chunks = build_model_chunks(cfg, par, topo, seed=SEED, device="meta")
+    engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
+    job = JobConfig(model=cfg, parallel=par, optimizer=GPT_OPT, train=TrainConfig(micro_batch_size=MB_SIZE))
+    state = TrainState()
+    if load:
+        state = load_checkpoint(save_dir, chunks=chunks, engine=engine, topo=topo, job=job)
+        assert state.iteration == first
+    per = 2 * MICRO // topo.dp_size
+    losses = []
+    for batches in gpt_batches(STEPS, 2 * MICRO)[first:last]:
+        losses.append(train_step(chunks, batches[topo.dp_rank * per:(topo.dp_rank + 1) * per], topo, engine, job).loss)
+        state.iteration += 1
+    if not load:
+        save_checkpoint(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job)
+    with engine.gathered_parameters():
+        params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
+    return topo.tp_rank, tp, losses, params
+
+
+def test_save_at_ep2_resume_at_ep4_gives_the_uninterrupted_run(tmp_path):
+    """3 steps at tp 2, dp 2, ep 2 (ZeRO-1), saved; 2 more at dp 4, ep 4 (ZeRO-2) from the checkpoint:
+    the 5 losses and the final parameters are the serial run's (8 micro-batches a step throughout)."""
+    saved = run_on_ranks(4, _resume_body, 2, 2, 1, 0, 3, str(tmp_path), False, timeout=600)
+    resumed = run_on_ranks(4, _resume_body, 1, 4, 2, 3, STEPS, str(tmp_path), True, timeout=600)
+    ref_losses, _, ref_params = _reference(2, ())
+    torch.testing.assert_close(torch.tensor(saved[0][2] + resumed[0][2]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    seen = set()
+    for tp_rank, tp, _, params in resumed:
+        for name, (value, pdim) in params.items():
+            torch.testing.assert_close(value, shard(ref_params[name], pdim, tp_rank, tp), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")
+            seen.add(name)
+    assert seen == set(ref_params)
