@@ -19,9 +19,9 @@ import torch.distributed as dist
 from megazero.config import JobConfig
 from megazero.metrics import MetricsLog, device_peak_tflops, model_flops_per_token, peak_memory_bytes
 from megazero.models.gpt import GPT, activation_shape, masked_mean
-from megazero.models.moe import set_aux_loss_scale
+from megazero.models.moe import collect_moe_metrics, describe_moe_metrics, set_aux_loss_scale
 from megazero.optim import learning_rate
-from megazero.parallel.params import counts_once, split_dim
+from megazero.parallel.params import attribute, counts_once, split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
@@ -118,7 +118,9 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
         window_iters += 1
         if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters or stop:
             step_time = (time.perf_counter() - window_start) / window_iters
-            _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo)
+            moe = collect_moe_metrics(chunks, job.model.num_layers, job.model.num_experts or 0, topo.tp_rank,
+                                      job.parallel.sequence_parallel, window_iters, topo.device)
+            _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, moe)
             window_start, window_iters = time.perf_counter(), 0
         if stop:                               # logged, never saved
             raise TrainingStopped(stop)
@@ -159,14 +161,15 @@ def stop_reason(job: JobConfig, engine, r: StepResult, iteration: int, skipped_i
 
 
 def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, step_time: float,
-              tokens_per_step: int, flops_per_step: float, peak_tflops: float | None, topo: Topology) -> None:
+              tokens_per_step: int, flops_per_step: float, peak_tflops: float | None, topo: Topology,
+              moe: dict | None = None) -> None:
     lr = learning_rate(state.iteration - 1, job.optimizer)
     tflops = flops_per_step / step_time / 1e12 / topo.world_size
     record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, "loss": r.loss,
               "lr": lr, "grad_norm": r.grad_norm, "loss_scale": r.loss_scale, "skipped": r.skipped,
               "skipped_iterations": state.skipped_iterations, "step_time_s": step_time,
               "tokens_per_sec": tokens_per_step / step_time, "tflops_per_rank": tflops,
-              "peak_memory_bytes": max_over_ranks(peak_memory_bytes(topo.device), topo)}
+              "peak_memory_bytes": max_over_ranks(peak_memory_bytes(topo.device), topo), **(moe or {})}
     if peak_tflops:
         record["mfu"] = tflops / peak_tflops
     log.record(record, state.iteration)
@@ -176,6 +179,7 @@ def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult,
               f"loss {r.loss:.4f} | grad norm {r.grad_norm:.3f} | loss scale {r.loss_scale:g} | "
               f"skipped {state.skipped_iterations} | tokens/s {tokens_per_step / step_time:,.0f} | "
               f"TFLOP/s/rank {tflops:.3f}{mfu} | peak mem {record['peak_memory_bytes'] / 2**20:.0f} MiB"
+              + describe_moe_metrics(moe or {})
               + (" | step skipped: fp16 overflow, loss scale lowered" if r.skipped else ""))
 
 
@@ -194,9 +198,12 @@ def max_over_ranks(value: float, topo: Topology) -> int:
 
 def count_parameters(chunks, topo: Topology) -> int:
     """Parameters of the whole model, each counted once whatever the layout (a collective): the
-    elements :func:`megazero.parallel.params.counts_once` picks, data-parallel replicas divided out.
+    elements :func:`megazero.parallel.params.counts_once` picks, data-parallel replicas divided out
+    (an MoE expert has dp / ep replicas: its count is multiplied by ep before the division).
     Call before the ZeRO engine shards the parameters (or on an unsharded model)."""
-    local = sum(p.numel() for chunk in chunks for p in chunk.parameters() if counts_once(p, topo.tp_rank))
+    ep = getattr(topo, "ep_size", 1)
+    local = sum(p.numel() * (ep if attribute(p, "expert_parallel") else 1)
+                for chunk in chunks for p in chunk.parameters() if counts_once(p, topo.tp_rank))
     t = torch.tensor([float(local)], device=topo.device, dtype=torch.float64)
     dist.all_reduce(t)
     return int(t.item()) // topo.dp_size

@@ -13,8 +13,8 @@ from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batch
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
 from megazero.models import GPT, build_model_chunks, masked_mean
-from megazero.models.moe import (capacity_keep, load_balancing_loss, moe_layers, route, set_aux_loss_scale,
-                                 z_loss)
+from megazero.models.moe import (capacity_keep, collect_moe_metrics, load_balancing_loss, moe_layers, route,
+                                 set_aux_loss_scale, z_loss)
 from megazero.optim import weight_decay_groups
 from megazero.parallel.params import split_dim
 from megazero.parallel.tensor import shard
@@ -178,15 +178,31 @@ def _parity_body(rank, world_size, cases):
             norms.append(result.grad_norm)
         with engine.gathered_parameters():
             params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
-        out.append((topo.tp_rank, tp, topo.dp_size, losses, norms, params))
+        metrics = collect_moe_metrics(chunks, cfg.num_layers, cfg.num_experts, topo.tp_rank, sp, STEPS, topo.device)
+        out.append((topo.tp_rank, tp, topo.dp_size, losses, norms, params, metrics))
     return out
+
+
+def _check_metrics(metrics: dict, dp: int, model_kw: dict) -> None:
+    """The logged figures, gathered over every rank: each MoE layer routes the global batch's tokens
+    k times a step (mean per expert = tokens * k / E), nothing is dropped, the losses are positive."""
+    cfg = _cfg(**model_kw)
+    tokens = dp * MICRO * MB_SIZE * cfg.seq_length
+    layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    for i in layers:
+        assert metrics[f"moe_layer{i}_tokens_mean"] == pytest.approx(tokens * cfg.moe_router_topk / cfg.num_experts)
+        assert metrics[f"moe_layer{i}_tokens_min"] <= metrics[f"moe_layer{i}_tokens_mean"] <= \
+            metrics[f"moe_layer{i}_tokens_max"]
+    assert not any(k.startswith(f"moe_layer{i}_") for i in set(range(cfg.num_layers)) - set(layers) for k in metrics)
+    assert metrics["moe_dropped_fraction"] == 0.0 and metrics["moe_aux_loss"] > 0
 
 
 def _check(results, cases):
     for i, (tp, pp, ep, sp, stage, model_kw) in enumerate(cases):
         seen = set()
         for rank_results in results:
-            tp_rank, tp, dp, losses, norms, params = rank_results[i]
+            tp_rank, tp, dp, losses, norms, params, metrics = rank_results[i]
+            _check_metrics(metrics, dp, model_kw)
             ref_losses, ref_norms, ref_params = _reference(dp, tuple(sorted(model_kw.items())))
             assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
             what = f"case tp{tp} pp{pp} ep{ep} sp{sp} zero{stage}"

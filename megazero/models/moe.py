@@ -52,7 +52,7 @@ checkpoints do not depend on EP::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -72,7 +72,6 @@ class MoEStats:
     tokens_per_expert: torch.Tensor | None = None   # [E] assignments before dropping, summed
     assignments: int = 0
     dropped: int = 0
-    history: list = field(default_factory=list)
 
 
 class ExpertMLP(nn.Module):
@@ -268,6 +267,11 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def _record(self, aux: torch.Tensor, value: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor) -> None:
+        """Count this forward in :attr:`stats` (training forwards only: not evaluation, nor the
+        recomputation of a checkpointed layer in backward)."""
+        self.last_aux_loss = aux if self.keep_aux_graph else None
+        if not self.training or torch._C._current_graph_task_id() != -1:
+            return
         st = self.stats
         st.aux_loss += float(value)
         st.forwards += 1
@@ -275,7 +279,6 @@ class MoELayer(nn.Module):
         st.tokens_per_expert = counts if st.tokens_per_expert is None else st.tokens_per_expert + counts
         st.assignments += experts.numel()
         st.dropped += int((~keep).sum())
-        self.last_aux_loss = aux if self.keep_aux_graph else None
 
 
 def moe_layers(chunks) -> list[tuple[str, MoELayer]]:
@@ -293,3 +296,57 @@ def set_aux_loss_scale(chunks, scale: float) -> None:
 def reset_moe_stats(chunks) -> None:
     for _, layer in moe_layers(chunks):
         layer.stats = MoEStats()
+
+
+def collect_moe_metrics(chunks, num_layers: int, num_experts: int, tp_rank: int, sequence_parallel: bool,
+                        iterations: int, device) -> dict:
+    """The MoE figures of the last ``iterations`` steps, over all ranks, and reset the layers' counters.
+    A collective over the world (every rank calls it, with or without MoE layers of its own).
+
+    Returns {} without MoE layers anywhere, else ``moe_aux_loss`` (the losses added per micro-batch, summed
+    over layers), ``moe_dropped_fraction`` (dropped / routed assignments), and for every MoE layer i
+    ``moe_layer{i}_tokens_{min,max,mean}``: assignments per expert per step (over the global batch).
+    Token counts come from every tp rank under sequence parallelism (each routes its own chunk), else
+    from tp rank 0; the loss values from tp rank 0 (they are the whole sequence's on every tp rank).
+    """
+    width = num_experts + 4 if num_experts else 4
+    table = torch.zeros(num_layers, width, dtype=torch.float64, device=device)
+    for name, layer in moe_layers(chunks):
+        i, st = int(name.split(".")[1]), layer.stats
+        if st.tokens_per_expert is not None and (sequence_parallel or tp_rank == 0):
+            table[i, :num_experts] = st.tokens_per_expert.to(device=device, dtype=torch.float64)
+            table[i, num_experts + 2] = st.dropped
+            table[i, num_experts + 3] = st.assignments
+        if tp_rank == 0:
+            table[i, num_experts] = st.aux_loss
+            table[i, num_experts + 1] = st.forwards
+        layer.stats = MoEStats()
+    dist.all_reduce(table)
+    if not num_experts:
+        return {}
+    out, aux, dropped, routed = {}, 0.0, 0.0, 0.0
+    for i in range(num_layers):
+        row = table[i]
+        if row[num_experts + 1] == 0:
+            continue
+        aux += float(row[num_experts] / row[num_experts + 1])
+        dropped, routed = dropped + float(row[num_experts + 2]), routed + float(row[num_experts + 3])
+        per_step = row[:num_experts] / max(iterations, 1)
+        out[f"moe_layer{i}_tokens_min"] = float(per_step.min())
+        out[f"moe_layer{i}_tokens_max"] = float(per_step.max())
+        out[f"moe_layer{i}_tokens_mean"] = float(per_step.mean())
+    out["moe_aux_loss"] = aux
+    out["moe_dropped_fraction"] = dropped / routed if routed else 0.0
+    return out
+
+
+def describe_moe_metrics(metrics: dict) -> str:
+    """The log line's MoE part: `` | moe aux 0.0123 | dropped 1.5% | tokens/expert L0 10/22/16 ...``
+    (min/max/mean per layer); empty without MoE."""
+    if not metrics:
+        return ""
+    layers = sorted({int(k[len("moe_layer"):].split("_")[0]) for k in metrics if k.startswith("moe_layer")})
+    per_layer = " ".join(f"L{i} {metrics[f'moe_layer{i}_tokens_min']:.0f}/{metrics[f'moe_layer{i}_tokens_max']:.0f}"
+                         f"/{metrics[f'moe_layer{i}_tokens_mean']:.0f}" for i in layers)
+    return (f" | moe aux {metrics['moe_aux_loss']:.4f} | dropped {100 * metrics['moe_dropped_fraction']:.1f}% | "
+            f"tokens/expert (min/max/mean) {per_layer}")
