@@ -12,6 +12,7 @@ from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batch
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
+from megazero.memory.estimate import estimate_stage, moe_alltoall_bytes, moe_alltoall_bytes_per_step
 from megazero.models import GPT, build_model_chunks, masked_mean
 from megazero.models.moe import (capacity_keep, collect_moe_metrics, load_balancing_loss, moe_layers, route,
                                  set_aux_loss_scale, z_loss)
@@ -179,6 +180,11 @@ def _parity_body(rank, world_size, cases):
         with engine.gathered_parameters():
             params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
         metrics = collect_moe_metrics(chunks, cfg.num_layers, cfg.num_experts, topo.tp_rank, sp, STEPS, topo.device)
+        sized = JobConfig(model=cfg, parallel=par, zero=ZeroConfig(zero_stage=stage),
+                          train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=MB_SIZE * MICRO * topo.dp_size))
+        estimated, measured = estimate_stage(sized, topo.pp_rank).parts, engine.model_state_bytes()
+        for key in ("params", "master_weights", "optimizer_state"):
+            assert estimated[key] == measured[key], (key, estimated[key], measured[key])
         out.append((topo.tp_rank, tp, topo.dp_size, losses, norms, params, metrics))
     return out
 
@@ -282,3 +288,50 @@ def test_save_at_ep2_resume_at_ep4_gives_the_uninterrupted_run(tmp_path):
                                        msg=lambda m: f"{name}: {m}")
             seen.add(name)
     assert seen == set(ref_params)
+
+
+# --------------------------------------------------------------------------- bytes and memory
+
+def _bytes_body(rank, world_size):
+    """One MoE layer at ep 2 on crafted tokens: token t routes to experts t % 4 and (t + 1) % 4 (balanced),
+    forward and backward; the all-to-all bytes the layer counted, and the formula's."""
+    topo = Topology(ep=2)
+    cfg = _cfg(num_layers=1)
+    model = GPT(cfg, topo, seed=SEED)
+    layer = model.layers["0"].mlp
+    s, b, h = 12, 2, cfg.hidden_size
+    t = torch.arange(s * b)
+    x = torch.zeros(s * b, h)
+    x[t, t % 4] = 10.0
+    x[t, (t + 1) % 4] = 5.0
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[:, :4] = torch.eye(4)
+    x = (x + 0.01 * torch.randn(s * b, h, generator=torch.Generator().manual_seed(rank))).view(s, b, h)
+    x.requires_grad_(True)
+    model.ctx.comm_log.reset()
+    layer(x).sum().backward()
+    assert layer.stats.tokens_per_expert.tolist() == [s * b // 2] * 4
+    return model.ctx.comm_log.bytes()["ep"], moe_alltoall_bytes(s * b, 2, h, 4, 2, 4)
+
+
+def test_alltoall_bytes_equal_the_formula():
+    for counted, formula in run_on_ranks(2, _bytes_body):
+        assert counted == formula
+
+
+def test_estimate_counts_experts_per_ep_rank():
+    """Parameters per rank: the dense ones plus E/ep experts per MoE layer; the model states shard
+    the experts over dp/ep."""
+    job = JobConfig(model=_cfg(), parallel=ParallelConfig(dp=4, expert_model_parallel_size=2),
+                    zero=ZeroConfig(zero_stage=1), train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=32))
+    full = GPT(_cfg(), device="meta")
+    expert = sum(p.numel() for n, p in full.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for p in full.parameters()) - expert
+    est = estimate_stage(job, 0)
+    assert est.params == dense + expert // 2
+    one = estimate_stage(JobConfig(**{**vars(job), "parallel": ParallelConfig(dp=4)}), 0)
+    assert one.params == dense + expert and one.parts["params"] > est.parts["params"]
+    # ZeRO-1's sharded state is the same: E/ep experts over dp/ep ranks is E experts over dp
+    assert one.parts["optimizer_state"] == est.parts["optimizer_state"]
+    assert moe_alltoall_bytes_per_step(job) == 4 * moe_alltoall_bytes(16 * MB_SIZE, 2, 32, 4, 2, 4, 4, 1)
