@@ -224,13 +224,16 @@ def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
 
 
 def architecture(m) -> str:
-    """The Llama-family options in use, for the log line ('' for a GPT-2 shaped model)."""
+    """The Llama-family and MoE options in use, for the log line ('' for a GPT-2 shaped model)."""
     parts = [name for name, on in (
         (f"RoPE (base {m.rotary_base:g})", m.position_embedding_type == "rope"),
         ("RMSNorm", m.normalization == "RMSNorm"), (f"SwiGLU (ffn {m.ffn_hidden_size})", m.swiglu),
         (f"GQA ({m.kv_heads} KV heads)", m.group_query_attention), ("no biases", not m.add_bias_linear),
         ("QKV bias", m.add_qkv_bias and not m.add_bias_linear),
-        ("untied output", m.untie_embeddings_and_output_weights)) if on]
+        ("untied output", m.untie_embeddings_and_output_weights),
+        (f"MoE ({m.num_experts} experts, top-{m.moe_router_topk}, every {m.moe_layer_freq} layer(s)"
+         + (f", capacity factor {m.moe_expert_capacity_factor:g})" if m.moe_expert_capacity_factor else ", dropless)"),
+         bool(m.num_experts))) if on]
     return ", " + ", ".join(parts) if parts else ""
 
 
@@ -239,7 +242,8 @@ def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
     """A single-process (tp = pp = 1) GPT with the trained weights, on global rank 0; None elsewhere.
 
     Every rank takes part: tp shards are gathered within each tp group, then the first dp replica's
-    tp rank 0 of every pipeline stage sends its tensors to rank 0. Under ZeRO stage 3 the engine's
+    tp rank 0 of every pipeline stage sends its tensors to rank 0 (and, with expert parallelism, the
+    first ep group's other ranks their experts). Under ZeRO stage 3 the engine's
     ``gathered_parameters()`` materialises the shards first.
     """
     gathered_ctx = getattr(engine, "gathered_parameters", None)
@@ -248,7 +252,10 @@ def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
         for chunk in chunks:
             for name, p in chunk.named_parameters():
                 local[name] = gather_full(p.detach(), split_dim(p), topo.tp_group).float().cpu()
-    mine = local if topo.dp_rank == 0 and topo.tp_rank == 0 else {}
+    ep = getattr(topo, "ep_size", 1)
+    mine = {}
+    if topo.tp_rank == 0 and topo.dp_rank < ep:     # dp ranks 0..ep-1: one replica, all experts
+        mine = {n: t for n, t in local.items() if topo.dp_rank == 0 or ".experts." in n}
     everything = [None] * topo.world_size if topo.rank == 0 else None
     dist.gather_object(mine, everything, dst=0)
     if topo.rank != 0:
