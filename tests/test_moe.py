@@ -315,6 +315,34 @@ def _bytes_body(rank, world_size):
     return model.ctx.comm_log.bytes()["ep"], moe_alltoall_bytes(s * b, 2, h, 4, 2, 4)
 
 
+def _one_sided_body(rank, world_size):
+    """ep 2 with every token routed to experts 0 and 1 (ep rank 0's): rank 1's experts get no rows.
+    The layer's output and input gradient equal the single-process layer's on the same tokens."""
+    topo = Topology(ep=2)
+    cfg = _cfg(num_layers=1)
+    layer = GPT(cfg, topo, seed=SEED).layers["0"].mlp
+    whole = GPT(cfg, seed=SEED).layers["0"].mlp
+    x = torch.randn(8, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(rank)) + 3.0
+    for m in (layer, whole):
+        with torch.no_grad():
+            m.router.weight.zero_()
+            m.router.weight[0, :] = 1.0
+            m.router.weight[1, :] = 0.5
+    outs = []
+    for m in (layer, whole):
+        xi = x.clone().requires_grad_(True)
+        out = m(xi)
+        out.square().sum().backward()
+        outs.append((out.detach(), xi.grad))
+    torch.testing.assert_close(outs[0], outs[1])
+    return layer.stats.tokens_per_expert.tolist()
+
+
+def test_dispatch_when_one_ep_rank_gets_no_tokens():
+    for counts in run_on_ranks(2, _one_sided_body):
+        assert counts == [16, 16, 0, 0]
+
+
 def test_alltoall_bytes_equal_the_formula():
     for counted, formula in run_on_ranks(2, _bytes_body):
         assert counted == formula

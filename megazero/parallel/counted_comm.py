@@ -23,6 +23,7 @@ different algorithm for small tensors).
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -117,6 +118,6 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
         return
     if log is not None:
         me = dist.get_rank(group)
-        row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        row = math.prod(input.shape[1:]) * input.element_size()          # bytes of one row (0 rows is fine)
         log.record(tag, sum(c for j, c in enumerate(input_splits) if j != me) * row)
     dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
