@@ -161,7 +161,11 @@ def moe_section(spec: Spec, res: dict) -> list[str]:
            "size but the router). ms/step: median over rounds, slowest rank; ratio = step time / dense. "
            "all-to-all bytes/rank/step: balanced-routing formula (memory/estimate.py; the counted bytes follow "
            "the actual routing). These 2 cores are shared with other jobs: timings move by tens of percent "
-           "between runs; compare ratios measured in the same run.", ""]
+           "between runs; compare ratios measured in the same run. ds-moe-ep1: DeepSpeed's "
+           "`deepspeed.moe.layer.MoE` (its top-2 gating, drop_tokens=False) in place of megazero's layer in the same "
+           "GPT and engine, at ep 1 only: its expert parallelism needs the DeepSpeed engine to create the expert "
+           "groups and reduce the expert gradients over them, which this row does not set up. The MoE rows' "
+           "equal final losses are the parity of the layouts (the DeepSpeed row has its own initialisation).", ""]
     rows = []
     dense = res.get("dense", {})
     for name, r in res.items():

@@ -223,7 +223,8 @@ def _check(results, cases):
 
 DP4_CASES = [(1, 1, ep, False, stage, {}) for ep in (1, 2, 4) for stage in (0, 1, 2, 3)]
 MIXED_CASES = [(2, 1, 2, False, stage, {}) for stage in (0, 3)] + [(2, 1, 2, True, 1, {}), (2, 1, 2, True, 2, {})] + \
-              [(1, 2, 2, False, stage, {}) for stage in (0, 1, 2, 3)]
+              [(1, 2, 2, False, stage, {}) for stage in (0, 2, 3)] + \
+              [(1, 2, 2, False, 1, dict(recompute_activations=True, moe_layer_freq=2))]
 
 
 @pytest.mark.parametrize("ep", [2, pytest.param(1, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
@@ -235,7 +236,8 @@ def test_expert_parallel_dp4_matches_serial(ep):
 
 @pytest.mark.slow
 def test_expert_parallel_with_tp_and_pp_matches_serial():
-    """ep 2 with tp 2 (with and without sequence parallelism) and with pp 2, dp 2, ZeRO 0-3."""
+    """ep 2 with tp 2 (with and without sequence parallelism) and with pp 2, dp 2, ZeRO 0-3 (and one
+    with activation recomputation and MoE every other layer)."""
     _check(run_on_ranks(4, _parity_body, MIXED_CASES, timeout=600), MIXED_CASES)
 
 
