@@ -365,3 +365,12 @@ def test_estimate_counts_experts_per_ep_rank():
     # ZeRO-1's sharded state is the same: E/ep experts over dp/ep ranks is E experts over dp
     assert one.parts["optimizer_state"] == est.parts["optimizer_state"]
     assert moe_alltoall_bytes_per_step(job) == 4 * moe_alltoall_bytes(16 * MB_SIZE, 2, 32, 4, 2, 4, 4, 1)
+
+
+def test_flops_per_token_count_the_active_experts():
+    """Training FLOPs of a top-2 MoE model = the dense model with an ffn twice as wide + the routers."""
+    from megazero.metrics import model_flops_per_token
+
+    moe, dense = _cfg(), ModelConfig(**{**GPT_CFG, "ffn_hidden_size": 2 * 4 * GPT_CFG["hidden_size"]})
+    router = 3 * 2 * moe.num_layers * moe.hidden_size * moe.num_experts
+    assert model_flops_per_token(moe, 256) == model_flops_per_token(dense, 256) + router
