@@ -165,7 +165,8 @@ def moe_section(spec: Spec, res: dict) -> list[str]:
            "`deepspeed.moe.layer.MoE` (its top-2 gating, drop_tokens=False) in place of megazero's layer in the same "
            "GPT and engine, at ep 1 only: its expert parallelism needs the DeepSpeed engine to create the expert "
            "groups and reduce the expert gradients over them, which this row does not set up. The MoE rows' "
-           "equal final losses are the parity of the layouts (the DeepSpeed row has its own initialisation).", ""]
+           "equal final losses are the parity of the layouts; the DeepSpeed row differs by its own initialisation "
+           "and its top-2 gating, which draws the second expert with Gumbel noise.", ""]
     rows = []
     dense = res.get("dense", {})
     for name, r in res.items():
