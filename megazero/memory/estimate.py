@@ -40,6 +40,11 @@ Three parts, each per pipeline stage (the binding rank is the largest):
 * **offloaded** (``--offload-optimizer``, ``--offload-params``): what leaves the device, counted on the
   host and on NVMe instead (:func:`offloaded_parts`; ``megazero/parallel/zero/offload.py`` has the table).
 
+Mixture of Experts: the model states hold E/ep experts per MoE layer, sharded over dp/ep (as
+``zero/experts.py`` lays them out; checked against the engine in ``tests/test_moe.py``); the activation
+term still counts an MoE layer as one dense MLP (router, top-k copies and all-to-all buffers left out).
+:func:`moe_alltoall_bytes` gives the expert-parallel all-to-all bytes per step.
+
 The estimate is checked against measured live tensor bytes on CPU (``tests/test_memory.py``) and
 reproduces the ZeRO paper's worked figures (:func:`paper_model_states`).
 """
