@@ -72,7 +72,7 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     timeout_s = 60 * job.parallel.distributed_timeout_minutes
     topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, order=job.parallel.order,
                     device=init_distributed(backend, timeout_s), timeout_s=timeout_s,
-                    ranks_per_node=job.parallel.ranks_per_node)
+                    ranks_per_node=job.parallel.ranks_per_node, ep=job.parallel.expert_model_parallel_size)
     if topo.device.type == "cpu":                      # freed tensors leave the resident set: honest peaks
         return_freed_memory()
     log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0)

@@ -11,6 +11,7 @@ Sections (see each module's docstring for the method):
     pp       rows_pp.py       1F1B / GPipe / interleaved vs torch.distributed.pipelining
     scaling  rows_scaling.py  model-state memory vs dp (1, 2, 4, 8); step time vs model size
     llama    rows_llama.py    GPT-2 style vs Llama style at equal parameter count (one process)
+    moe      rows_moe.py      MoE at expert parallelism 1/2/4 vs dense of equal active size, DeepSpeed MoE (dp 4)
     offload  rows_offload.py  step time with and without optimizer / parameter offload (cpu, nvme), 63M
     zeropp   rows_zeropp.py   ZeRO-3 vs ZeRO++ qwZ / hpZ / qgZ at dp 8 on 2 simulated nodes: step time, bytes
     capacity rows_capacity.py largest GPT (layers) within a fixed memory budget per rank at dp = 4:
@@ -43,7 +44,7 @@ import torch  # noqa: E402
 import report  # noqa: E402
 from common import QUICK, WARMUP_STEPS, Spec, num_params  # noqa: E402
 
-SECTIONS = ("dp", "tp", "pp", "scaling", "llama", "offload", "zeropp", "gpu", "capacity", "scale")
+SECTIONS = ("dp", "tp", "pp", "scaling", "llama", "moe", "offload", "zeropp", "gpu", "capacity", "scale")
 
 
 def _machine() -> list[str]:
@@ -166,6 +167,10 @@ def main(argv=None) -> None:
             log(f"gpt2-style vs llama-style, {shape.layers} x {shape.hidden}")
             results.append((shape, run_llama(shape)))
         body += report.llama_section(results)
+    if "moe" in sections:
+        from rows_moe import moe_section, run_moe
+        log("moe: dense vs ep 1/2/4, DeepSpeed MoE")
+        body += moe_section(spec, run_moe(spec))
     if "capacity" in sections:
         from rows_capacity import QUICK_CAPACITY, CapacitySpec, run_capacity
         cap = QUICK_CAPACITY if a.quick else CapacitySpec()

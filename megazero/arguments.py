@@ -98,6 +98,17 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--add-qkv-bias",), "model.add_qkv_bias", dict(action="store_true",
                                                          help="bias in the QKV projection only (Qwen2)")),
     ],
+    "mixture of experts": [
+        (("--num-experts",), "model.num_experts", dict(type=int, help="experts per MoE layer (default: dense)")),
+        (("--moe-router-topk",), "model.moe_router_topk", dict(type=int, help="experts per token (default 2)")),
+        (("--moe-layer-freq",), "model.moe_layer_freq", dict(type=int, help="an MoE layer every N layers (default 1)")),
+        (("--moe-aux-loss-coeff",), "model.moe_aux_loss_coeff", dict(type=float, help="load-balancing loss weight")),
+        (("--moe-z-loss-coeff",), "model.moe_z_loss_coeff", dict(type=float, help="router z-loss weight")),
+        (("--moe-expert-capacity-factor",), "model.moe_expert_capacity_factor",
+         dict(type=float, help="drop tokens beyond this x the even share (default: dropless)")),
+        (("--expert-model-parallel-size",), "parallel.expert_model_parallel_size",
+         dict(type=int, help="experts split over this many dp ranks (default 1)")),
+    ],
     "training": [
         (("--micro-batch-size",), "train.micro_batch_size", dict(type=int)),
         (("--global-batch-size",), "train.global_batch_size", dict(type=int,

@@ -81,6 +81,13 @@ class ModelConfig:
     num_query_groups: int | None = None         # KV heads with group_query_attention (default 1)
     add_bias_linear: bool = True                # False: --disable-bias-linear
     add_qkv_bias: bool = False                  # bias in the QKV projection even without add_bias_linear
+    # Mixture of Experts (Megatron-core's flag names; megazero/models/moe.py). None: dense MLPs.
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_layer_freq: int = 1                     # an MoE layer every N-th layer, from layer 0
+    moe_aux_loss_coeff: float = 0.0             # load balancing, E * sum_e f_e * P_e
+    moe_z_loss_coeff: float = 0.0               # router z-loss, mean logsumexp(logits)^2
+    moe_expert_capacity_factor: float | None = None   # None: dropless
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:        # Megatron's defaults: SwiGLU's two input matrices keep ~8h^2
@@ -109,6 +116,10 @@ class ModelConfig:
         """Features of each query/key head that RoPE rotates (the first ones; the rest pass through)."""
         return int(self.head_dim * self.rotary_percent)
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Does global layer ``layer`` hold experts instead of a dense MLP (``--moe-layer-freq``)?"""
+        return bool(self.num_experts) and layer % self.moe_layer_freq == 0
+
     def padded_vocab_size(self, tp: int) -> int:
         """Vocab rounded up to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule)."""
         multiple = self.make_vocab_size_divisible_by * tp
@@ -126,6 +137,7 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = None
     pipeline_schedule: str = "1f1b"             # 1f1b | gpipe | interleaved (implied by virtual stages)
     sequence_parallel: bool = False
+    expert_model_parallel_size: int = 1         # EP: experts split over EP consecutive dp ranks
     virtual_stages: int = 1                     # model chunks per rank (v); derived by validate()
     distributed_timeout_minutes: float = 10.0   # every collective of every group ends by then
     ranks_per_node: int | None = None           # None: torchrun's LOCAL_WORLD_SIZE (ZeRO++'s node hierarchy)
@@ -376,6 +388,36 @@ def check_model(m: ModelConfig, par: ParallelConfig) -> None:
         _fail(f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got {m.normalization!r}")
     _check_rope(m)
     _check_query_groups(m, par.tp)
+    _check_moe(m, par)
+
+
+def _check_moe(m: ModelConfig, par: ParallelConfig) -> None:
+    """Mixture-of-Experts flags against each other and the expert-parallel layout."""
+    ep = par.expert_model_parallel_size
+    _positive(ep, "expert_model_parallel_size")
+    if not m.num_experts:
+        if m.num_experts is not None:
+            _fail(f"--num-experts must be a positive integer, got {m.num_experts}: leave it unset for dense MLPs")
+        if ep > 1:
+            _fail(f"--expert-model-parallel-size {ep} needs --num-experts: there are no experts to split")
+        return
+    _positive(m.moe_router_topk, "moe_router_topk")
+    _positive(m.moe_layer_freq, "moe_layer_freq")
+    if m.moe_router_topk > m.num_experts:
+        _fail(f"--moe-router-topk {m.moe_router_topk} exceeds --num-experts {m.num_experts}: "
+              f"a token cannot pick more experts than there are")
+    if m.num_experts % ep:
+        _fail(f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}: "
+              f"each expert-parallel rank holds the same number of whole experts")
+    if par.dp is not None and par.dp % ep:
+        _fail(f"data-parallel size {par.dp} is not divisible by --expert-model-parallel-size {ep}: "
+              f"expert groups are carved out of the data-parallel group; choose EP dividing dp")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if getattr(m, name) < 0:
+            _fail(f"{flag(name)} must be >= 0, got {getattr(m, name)}")
+    if m.moe_expert_capacity_factor is not None and not m.moe_expert_capacity_factor > 0:
+        _fail(f"--moe-expert-capacity-factor must be > 0, got {m.moe_expert_capacity_factor}: "
+              f"leave it unset for dropless routing")
 
 
 def _check_rope(m: ModelConfig) -> None:
@@ -482,6 +524,9 @@ def _check_precision_and_optimizer(job: JobConfig) -> None:
         _fail("--bf16 and --fp16 are exclusive: pick one")
     if z.accumulate_allreduce_grads_in_fp32 is None:     # Megatron's main grads: on for bf16
         z.accumulate_allreduce_grads_in_fp32 = pr.bf16
+    if pr.fp16 and job.parallel.expert_model_parallel_size > 1:
+        _fail("--fp16 with --expert-model-parallel-size > 1 is not supported (one loss scaler over two "
+              "optimizers): use --bf16 or fp32")
     if z.zero_stage not in ZERO_STAGES:
         _fail(f"--zero-stage must be {', '.join(map(str, ZERO_STAGES[:-1]))} or {ZERO_STAGES[-1]}, got {z.zero_stage}")
     _positive(z.bucket_size, "bucket_size")

@@ -23,15 +23,18 @@ def model_flops_per_token(cfg: ModelConfig, vocab: int, recompute: bool = False)
     (G key/value heads of d features: h^2 each without grouped-query attention), MLP 2*h*ffn (3*h*ffn
     with SwiGLU's gate); plus the output layer h*V. Attention scores and values: 2 * 2 * s * h per
     layer forward (counted in full, as Megatron and PaLM do). Backward is twice forward; full-layer
-    recomputation adds one more layer forward.
+    recomputation adds one more layer forward. An MoE layer (``--num-experts``) counts the MLP of the
+    ``--moe-router-topk`` experts a token passes through, plus the router's h*E.
     """
     h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
     kv = cfg.kv_heads * cfg.head_dim
-    layer_matmul = 2 * h * h + 2 * h * kv + (3 if cfg.swiglu else 2) * h * cfg.ffn_hidden_size
-    layer_fwd = 2 * layer_matmul + 4 * s * h
-    head_fwd = 2 * h * vocab
+    mlp = (3 if cfg.swiglu else 2) * h * cfg.ffn_hidden_size
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(L))
+    total_matmul = L * (2 * h * h + 2 * h * kv + mlp)
+    if moe_layers:
+        total_matmul += moe_layers * ((cfg.moe_router_topk - 1) * mlp + h * cfg.num_experts)
     passes = 4 if recompute else 3
-    return passes * L * layer_fwd + 3 * head_fwd
+    return passes * (2 * total_matmul + L * 4 * s * h) + 3 * 2 * h * vocab
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from megazero.config import JobConfig
 from megazero.metrics import MetricsLog, device_peak_tflops, model_flops_per_token, peak_memory_bytes
 from megazero.models.gpt import GPT, activation_shape, masked_mean
+from megazero.models.moe import collect_moe_metrics, describe_moe_metrics, set_aux_loss_scale
 from megazero.optim import learning_rate
-from megazero.parallel.params import counts_once, split_dim
+from megazero.parallel.params import attribute, counts_once, split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
@@ -63,6 +64,7 @@ def _boundary_shape(job: JobConfig) -> tuple[int, int, int]:
 def train_step(chunks, micro_batches: list[dict], topo: Topology, engine, job: JobConfig) -> StepResult:
     """Forward and backward over every micro-batch, reduce gradients, clip, and step the optimizer."""
     engine.zero_grad()
+    set_aux_loss_scale(chunks, engine.loss_scale / len(micro_batches))   # MoE losses: as the main loss's
     losses = run_schedule(chunks, micro_batches, topo, loss_fn=masked_mean, schedule=job.parallel,
                           tensor_shape=_boundary_shape(job), loss_scale=engine.loss_scale, grad_sync=engine)
     engine.finalize_grads()
@@ -116,7 +118,9 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
         window_iters += 1
         if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters or stop:
             step_time = (time.perf_counter() - window_start) / window_iters
-            _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo)
+            moe = collect_moe_metrics(chunks, job.model.num_layers, job.model.num_experts or 0, topo.tp_rank,
+                                      job.parallel.sequence_parallel, window_iters, topo.device)
+            _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, moe)
             window_start, window_iters = time.perf_counter(), 0
         if stop:                               # logged, never saved
             raise TrainingStopped(stop)
@@ -157,14 +161,15 @@ def stop_reason(job: JobConfig, engine, r: StepResult, iteration: int, skipped_i
 
 
 def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, step_time: float,
-              tokens_per_step: int, flops_per_step: float, peak_tflops: float | None, topo: Topology) -> None:
+              tokens_per_step: int, flops_per_step: float, peak_tflops: float | None, topo: Topology,
+              moe: dict | None = None) -> None:
     lr = learning_rate(state.iteration - 1, job.optimizer)
     tflops = flops_per_step / step_time / 1e12 / topo.world_size
     record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, "loss": r.loss,
               "lr": lr, "grad_norm": r.grad_norm, "loss_scale": r.loss_scale, "skipped": r.skipped,
               "skipped_iterations": state.skipped_iterations, "step_time_s": step_time,
               "tokens_per_sec": tokens_per_step / step_time, "tflops_per_rank": tflops,
-              "peak_memory_bytes": max_over_ranks(peak_memory_bytes(topo.device), topo)}
+              "peak_memory_bytes": max_over_ranks(peak_memory_bytes(topo.device), topo), **(moe or {})}
     if peak_tflops:
         record["mfu"] = tflops / peak_tflops
     log.record(record, state.iteration)
@@ -174,6 +179,7 @@ def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult,
               f"loss {r.loss:.4f} | grad norm {r.grad_norm:.3f} | loss scale {r.loss_scale:g} | "
               f"skipped {state.skipped_iterations} | tokens/s {tokens_per_step / step_time:,.0f} | "
               f"TFLOP/s/rank {tflops:.3f}{mfu} | peak mem {record['peak_memory_bytes'] / 2**20:.0f} MiB"
+              + describe_moe_metrics(moe or {})
               + (" | step skipped: fp16 overflow, loss scale lowered" if r.skipped else ""))
 
 
@@ -192,9 +198,12 @@ def max_over_ranks(value: float, topo: Topology) -> int:
 
 def count_parameters(chunks, topo: Topology) -> int:
     """Parameters of the whole model, each counted once whatever the layout (a collective): the
-    elements :func:`megazero.parallel.params.counts_once` picks, data-parallel replicas divided out.
+    elements :func:`megazero.parallel.params.counts_once` picks, data-parallel replicas divided out
+    (an MoE expert has dp / ep replicas: its count is multiplied by ep before the division).
     Call before the ZeRO engine shards the parameters (or on an unsharded model)."""
-    local = sum(p.numel() for chunk in chunks for p in chunk.parameters() if counts_once(p, topo.tp_rank))
+    ep = getattr(topo, "ep_size", 1)
+    local = sum(p.numel() * (ep if attribute(p, "expert_parallel") else 1)
+                for chunk in chunks for p in chunk.parameters() if counts_once(p, topo.tp_rank))
     t = torch.tensor([float(local)], device=topo.device, dtype=torch.float64)
     dist.all_reduce(t)
     return int(t.item()) // topo.dp_size
@@ -215,13 +224,16 @@ def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
 
 
 def architecture(m) -> str:
-    """The Llama-family options in use, for the log line ('' for a GPT-2 shaped model)."""
+    """The Llama-family and MoE options in use, for the log line ('' for a GPT-2 shaped model)."""
     parts = [name for name, on in (
         (f"RoPE (base {m.rotary_base:g})", m.position_embedding_type == "rope"),
         ("RMSNorm", m.normalization == "RMSNorm"), (f"SwiGLU (ffn {m.ffn_hidden_size})", m.swiglu),
         (f"GQA ({m.kv_heads} KV heads)", m.group_query_attention), ("no biases", not m.add_bias_linear),
         ("QKV bias", m.add_qkv_bias and not m.add_bias_linear),
-        ("untied output", m.untie_embeddings_and_output_weights)) if on]
+        ("untied output", m.untie_embeddings_and_output_weights),
+        (f"MoE ({m.num_experts} experts, top-{m.moe_router_topk}, every {m.moe_layer_freq} layer(s)"
+         + (f", capacity factor {m.moe_expert_capacity_factor:g})" if m.moe_expert_capacity_factor else ", dropless)"),
+         bool(m.num_experts))) if on]
     return ", " + ", ".join(parts) if parts else ""
 
 
@@ -230,7 +242,8 @@ def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
     """A single-process (tp = pp = 1) GPT with the trained weights, on global rank 0; None elsewhere.
 
     Every rank takes part: tp shards are gathered within each tp group, then the first dp replica's
-    tp rank 0 of every pipeline stage sends its tensors to rank 0. Under ZeRO stage 3 the engine's
+    tp rank 0 of every pipeline stage sends its tensors to rank 0 (and, with expert parallelism, the
+    first ep group's other ranks their experts). Under ZeRO stage 3 the engine's
     ``gathered_parameters()`` materialises the shards first.
     """
     gathered_ctx = getattr(engine, "gathered_parameters", None)
@@ -239,7 +252,10 @@ def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
         for chunk in chunks:
             for name, p in chunk.named_parameters():
                 local[name] = gather_full(p.detach(), split_dim(p), topo.tp_group).float().cpu()
-    mine = local if topo.dp_rank == 0 and topo.tp_rank == 0 else {}
+    ep = getattr(topo, "ep_size", 1)
+    mine = {}
+    if topo.tp_rank == 0 and topo.dp_rank < ep:     # dp ranks 0..ep-1: one replica, all experts
+        mine = {n: t for n, t in local.items() if topo.dp_rank == 0 or ".experts." in n}
     everything = [None] * topo.world_size if topo.rank == 0 else None
     dist.gather_object(mine, everything, dst=0)
     if topo.rank != 0:

@@ -26,6 +26,16 @@ def test_megatron_flags_and_aliases_map_to_config():
     assert job.data.data_path == ["0.3", "a", "0.7", "b"] and job.data.eod_mask_loss
 
 
+def test_moe_flags_map_to_config():
+    job, _ = parse_job(["--num-experts", "8", "--moe-router-topk", "1", "--moe-layer-freq", "2",
+                        "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+                        "--moe-expert-capacity-factor", "1.25", "--expert-model-parallel-size", "2"], world_size=4)
+    m = job.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_layer_freq) == (8, 1, 2)
+    assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_expert_capacity_factor) == (0.01, 0.001, 1.25)
+    assert job.parallel.expert_model_parallel_size == 2 and job.parallel.dp == 4
+
+
 def test_every_flag_is_documented_in_the_readme():
     from megazero.arguments import ARGUMENTS
 

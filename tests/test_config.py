@@ -77,6 +77,19 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
     (1, dict(data=DataConfig(tokenizer_type="GPT2BPETokenizer")), r"needs --vocab-file and --merge-file"),
     (1, dict(model=ModelConfig(num_layers=0)), r"--num-layers must be a positive integer"),
     (1, dict(model=ModelConfig(hidden_dropout=1.0)), r"--hidden-dropout must be in \[0, 1\)"),
+    (4, dict(model=ModelConfig(num_experts=6), parallel=ParallelConfig(expert_model_parallel_size=4)),
+     r"--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
+    (6, dict(model=ModelConfig(num_experts=4), parallel=ParallelConfig(expert_model_parallel_size=4)),
+     r"data-parallel size 6 is not divisible by --expert-model-parallel-size 4"),
+    (1, dict(model=ModelConfig(num_experts=2, moe_router_topk=3)), r"--moe-router-topk 3 exceeds --num-experts 2"),
+    (2, dict(parallel=ParallelConfig(expert_model_parallel_size=2)),
+     r"--expert-model-parallel-size 2 needs --num-experts"),
+    (1, dict(model=ModelConfig(num_experts=4, moe_expert_capacity_factor=0.0)),
+     r"--moe-expert-capacity-factor must be > 0"),
+    (1, dict(model=ModelConfig(num_experts=4, moe_aux_loss_coeff=-1.0)), r"--moe-aux-loss-coeff must be >= 0"),
+    (1, dict(model=ModelConfig(num_experts=4, moe_layer_freq=0)), r"--moe-layer-freq must be a positive integer"),
+    (2, dict(model=ModelConfig(num_experts=4), parallel=ParallelConfig(expert_model_parallel_size=2),
+             precision=PrecisionConfig(fp16=True)), r"--fp16 with --expert-model-parallel-size > 1"),
 ])
 def test_invalid_configs_name_the_flag(world, sections, pattern):
     if pattern is None:  # a valid odd-sized layout: padded vocab stays divisible by tp

@@ -51,6 +51,38 @@ def test_other_order_puts_pp_before_dp():
     assert g.embedding == g.pipeline
 
 
+def test_expert_groups_worked_listing():
+    """The module docstring's listing: world 8, tp 2, dp 4, ep 2 (rank = tp_rank + 2 * dp_rank)."""
+    g = rank_grid(8, tp=2, pp=1, dp=4, ep=2)
+    assert g.data == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g.expert == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g.expert_data == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    g = rank_grid(16, tp=2, pp=2, dp=4, ep=4)             # ep = dp: one expert group per dp group
+    assert g.expert == g.data and g.expert_data == [[r] for r in range(16)]
+    assert rank_grid(4, 1, 1, 4).expert == [[0], [1], [2], [3]]     # ep 1: every rank alone
+    with pytest.raises(ValueError, match="dp 4 is not divisible by expert-parallel size 3"):
+        rank_grid(4, 1, 1, 4, ep=3)
+
+
+def _check_expert_groups(rank, world_size):
+    topo = Topology(tp=2, ep=2)                          # dp 4
+    grid = rank_grid(8, 2, 1, 4, ep=2)
+    out = {}
+    for name, group, kind in (("ep", topo.ep_group, "expert"), ("edp", topo.expert_dp_group, "expert_data")):
+        t = torch.tensor([2 ** rank], dtype=torch.int64)
+        dist.all_reduce(t, group=group)
+        assert t.item() == sum(2 ** r for r in grid.group_of(kind, rank)), name
+        out[name] = t.item()
+    assert topo.ep_rank == dist.get_rank(topo.ep_group) == topo.dp_rank % 2
+    assert topo.expert_dp_rank == dist.get_rank(topo.expert_dp_group) == topo.dp_rank // 2
+    return out
+
+
+def test_expert_groups_on_8_ranks():
+    sums = run_on_ranks(8, _check_expert_groups)
+    assert sums[0] == {"ep": 0b101, "edp": 0b10001} and sums[7] == {"ep": 0b10100000, "edp": 0b10001000}
+
+
 def test_bad_grid_inputs():
     with pytest.raises(ValueError, match="world size 8"):
         rank_grid(8, tp=2, pp=2, dp=1)

@@ -46,7 +46,7 @@ _MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden
                  "max_position_embeddings", "untie_embeddings_and_output_weights", "activation",
                  "layernorm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling",
                  "rope_scaling_factor", "normalization", "swiglu", "group_query_attention", "num_query_groups",
-                 "add_bias_linear", "add_qkv_bias")
+                 "add_bias_linear", "add_qkv_bias", "num_experts", "moe_layer_freq")
 # A checkpoint written before a field existed was saved with its default.
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 _KIND = {"model": fmt.MODEL, "exp_avg": fmt.EXP_AVG, "exp_avg_sq": fmt.EXP_AVG_SQ, "master": fmt.MASTER}

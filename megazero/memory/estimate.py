@@ -40,11 +40,17 @@ Three parts, each per pipeline stage (the binding rank is the largest):
 * **offloaded** (``--offload-optimizer``, ``--offload-params``): what leaves the device, counted on the
   host and on NVMe instead (:func:`offloaded_parts`; ``megazero/parallel/zero/offload.py`` has the table).
 
+Mixture of Experts: the model states hold E/ep experts per MoE layer, sharded over dp/ep (as
+``zero/experts.py`` lays them out; checked against the engine in ``tests/test_moe.py``); the activation
+term still counts an MoE layer as one dense MLP (router, top-k copies and all-to-all buffers left out).
+:func:`moe_alltoall_bytes` gives the expert-parallel all-to-all bytes per step.
+
 The estimate is checked against measured live tensor bytes on CPU (``tests/test_memory.py``) and
 reproduces the ZeRO paper's worked figures (:func:`paper_model_states`).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 
@@ -116,6 +122,40 @@ def _buckets(named, job: JobConfig, bucket_size: int) -> list[int]:
     plan = plan_buckets([_local_numel(p, job) for _, p in named],
                         [bool(attribute(p, "shared_embedding")) for _, p in named], bucket_size, job.parallel.dp)
     return [padded for _, padded in plan]
+
+
+def _held(job: JobConfig, chunk: GPT) -> list:
+    """(name, parameter) of the chunk that a rank holds: with expert parallelism only the experts of one
+    ep rank (E / ep of each MoE layer; the chunk is built at ep = 1 and holds them all)."""
+    local = (job.model.num_experts or 0) // job.parallel.expert_model_parallel_size
+    return [(n, p) for n, p in chunk.named_parameters()
+            if not attribute(p, "expert_parallel") or int(n.split(".experts.")[1].split(".")[0]) < local]
+
+
+def _state_groups(job: JobConfig, chunks: list[GPT]) -> list[tuple[list[int], int, list[int]]]:
+    """The engine's bucket layout: (padded bucket sizes, ranks sharding them, ZeRO-3 unit sizes) for the
+    dense parameters over dp and, with expert parallelism, the experts over dp / ep (zero/experts.py)."""
+    z, par = job.zero, job.parallel
+    ep = par.expert_model_parallel_size
+    kinds = [(lambda p: not attribute(p, "expert_parallel"), par.dp), (lambda p: attribute(p, "expert_parallel"),
+                                                                        par.dp // ep)] if ep > 1 else [(None, par.dp)]
+    out = []
+    for keep, n in kinds:
+        sized = JobConfig(**{**vars(job), "parallel": _with_dp(par, n)})
+        held = [[(name, p) for name, p in _held(job, c) if keep is None or keep(p)] for c in chunks]
+        if z.zero_stage == 3:
+            names = [{name for name, _ in h} for h in held]
+            per_chunk = [[u for u in (sum(_buckets([(m, p) for m, p in members if m in names[i]], sized, sys.maxsize))
+                                      for members in plan_of(c).units.values()) if u]
+                         for i, c in enumerate(chunks)]
+            out.append(([u for cu in per_chunk for u in cu], n, per_chunk))
+        else:
+            out.append(([x for h in held for x in _buckets(h, sized, z.bucket_size)], n, [[] for _ in chunks]))
+    return out
+
+
+def _with_dp(par, dp: int):
+    return dataclasses.replace(par, dp=dp)
 
 
 def _attention_elements(cfg, t: int) -> int:
@@ -215,21 +255,21 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     mask = 1 if device == "cuda" else e
     n = par.dp
     chunks = _chunks(job, pp_rank)
-    if z.zero_stage == 3:
-        units = [[sum(_buckets(members, job, sys.maxsize)) for members in plan_of(c).units.values()] for c in chunks]
-        buckets = [u for cu in units for u in cu]
-    else:
-        buckets = [x for c in chunks for x in _buckets(c.named_parameters(), job, z.bucket_size)]
+    groups = _state_groups(job, chunks)                # [(buckets, dp ranks sharing them)]: dense, experts
+    units = [[u for _, _, per_chunk in groups for u in per_chunk[i]] for i in range(len(chunks))]
+    buckets = [x for bs, _, _ in groups for x in bs]
     psi = sum(buckets)
-    params = sum(_local_numel(p, job) for c in chunks for p in c.parameters())
-    master = 4 * psi if e < 4 else 0
+    params = sum(_local_numel(p, job) for c in chunks for _, p in _held(job, c))
     sharded = z.zero_stage >= 1
     est = StageEstimate(pp_rank, params, psi)
     parts = est.parts
-    parts["params"] = e * psi // (n if z.zero_stage == 3 else 1)
-    parts["grads"] = ge * psi // (n if z.zero_stage >= 2 else 1)
-    parts["master_weights"] = master // (n if sharded else 1)
-    parts["optimizer_state"] = 8 * psi // (n if sharded else 1)
+    parts["params"] = parts["grads"] = parts["master_weights"] = parts["optimizer_state"] = 0
+    for group_buckets, group_n, _ in groups:
+        g_psi = sum(group_buckets)
+        parts["params"] += e * g_psi // (group_n if z.zero_stage == 3 else 1)
+        parts["grads"] += ge * g_psi // (group_n if z.zero_stage >= 2 else 1)
+        parts["master_weights"] += (4 * g_psi if e < 4 else 0) // (group_n if sharded else 1)
+        parts["optimizer_state"] += 8 * g_psi // (group_n if sharded else 1)
     if z.zero_stage == 3 and z.hpz_partition_size > 1:       # ZeRO++ hpZ: a secondary shard over K ranks
         parts["hpz_secondary_params"] = e * psi // z.hpz_partition_size
     offloaded = offloaded_parts(job, psi, e, parts, ge, device)
@@ -321,3 +361,35 @@ def describe(estimates: list[StageEstimate]) -> str:
     return (f" memory estimate per rank (MiB, pipeline stage {worst.pp_rank}; tools/estimate_memory.py): model states "
             f"{worst.model_states / mib:.1f}, activations {worst.activations / mib:.1f}, buffers "
             f"{worst.buffers / mib:.1f}, total {worst.total / mib:.1f}{offloaded}")
+
+
+def moe_alltoall_bytes(tokens: int, topk: int, hidden: int, num_experts: int, ep: int, element_bytes: int,
+                       moe_layers: int = 1, micro_batches: int = 1) -> int:
+    """Bytes one rank sends in expert-parallel all-to-alls (tag "ep") for ``micro_batches`` forward and
+    backward passes through ``moe_layers`` MoE layers, each routing ``tokens`` rows of this rank to
+    ``topk`` experts, when routing is balanced (every expert gets tokens * topk / E of them)::
+
+        per layer and micro-batch   4 * tokens * topk * (ep-1)/ep * hidden * element_bytes
+                                    (dispatch and combine, in forward and again in backward)
+                                  + 8 * (E - E/ep)        (the int64 counts sent ahead of the dispatch)
+
+    0 at ep = 1. Unbalanced routing moves what the routing says (counted exactly by the layers)."""
+    if ep == 1:
+        return 0
+    rows = tokens * topk * (ep - 1) // ep
+    return micro_batches * moe_layers * (4 * rows * hidden * element_bytes + 8 * (num_experts - num_experts // ep))
+
+
+def moe_alltoall_bytes_per_step(job: JobConfig, pp_rank: int = 0) -> int:
+    """:func:`moe_alltoall_bytes` for one step of ``job`` on a rank of pipeline stage ``pp_rank``
+    (balanced routing; ``--recompute-activations`` repeats the forward's half)."""
+    cfg, par = job.model, job.parallel
+    if not cfg.num_experts:
+        return 0
+    tokens = cfg.seq_length * job.train.micro_batch_size // (par.tp if par.sequence_parallel else 1)
+    layers = [i for c in range(par.virtual_stages)
+              for i in stage_layer_ids(cfg.num_layers, par.pp, pp_rank, par.virtual_stages, c) if cfg.is_moe_layer(i)]
+    e = 2 if (job.precision.bf16 or job.precision.fp16) else 4
+    per = moe_alltoall_bytes(tokens, cfg.moe_router_topk, cfg.hidden_size, cfg.num_experts,
+                             par.expert_model_parallel_size, e, len(layers), job.num_micro_batches)
+    return per * 3 // 2 if cfg.recompute_activations else per

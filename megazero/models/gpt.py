@@ -21,6 +21,8 @@ Parameter names are the same on every tp/pp layout (a stage simply lacks what it
     layers.<i>.post_attention_layernorm.{weight,bias}
     layers.<i>.mlp.dense_h_to_4h.{weight,bias}    [ffn/tp, h]     split dim 0 ([2ffn/tp, h] with SwiGLU, see MLP)
     layers.<i>.mlp.dense_4h_to_h.weight           [h, ffn/tp]     split dim 1;  .bias [h] replicated
+    layers.<i>.mlp.router.weight, layers.<i>.mlp.experts.<e>.fc{1,2}.*   MoE layers instead of the MLP
+                                                  (--num-experts; replicated over tp, see moe.py)
     final_norm.{weight,bias}                      [h]             (last stage only)
     output_layer.weight                           [V_pad/tp, h]   only when untied
 
@@ -59,6 +61,7 @@ from megazero.models.kv_cache import KVCache
 from megazero.models.transformer import (NORM_TYPES, Embedding, LayerContext, TransformerLayer,
                                          qkv_blocks_to_interleaved, qkv_interleaved_to_blocks)
 from megazero.parallel.comm import group_rank
+from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage, stage_layer_ids
 from megazero.parallel.tensor import (ColumnParallelLinear, TensorParallelRNG, copy_to_tp_region,
                                       gather_from_sequence_parallel_region, init_std_scaled,
@@ -118,6 +121,9 @@ class GPT(nn.Module):
         self.rng = TensorParallelRNG(seed, group_rank(tp_group), offset=100 * min(layer_ids, default=0),
                                      device=rng_device)
         ctx = self.ctx = LayerContext(cfg, tp_group, sequence_parallel, self.rng, dtype, device)
+        ctx.comm_log = CommLog()                       # the MoE layers' all-to-all bytes (tag "ep")
+        if topo is not None and getattr(topo, "ep_size", 1) > 1:
+            ctx.ep_group, ctx.ep_size, ctx.ep_rank = topo.ep_group, topo.ep_size, topo.ep_rank
 
         if pre_process or (post_process and self.tied):
             self.embedding = Embedding(ctx, self.padded_vocab_size, with_positions=pre_process)
@@ -125,7 +131,7 @@ class GPT(nn.Module):
             word.vocab_padded = True
             word.shared_embedding = self.tied
             word.tied_copy = self.tied and not pre_process   # the last stage's copy of stage 0's tensor
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(ctx) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(ctx, i) for i in layer_ids})
         if post_process:
             self.final_norm = ctx.norm()
             if not self.tied:
@@ -169,7 +175,8 @@ class GPT(nn.Module):
         if is_norm:
             return torch.ones(shape)
         std = cfg.init_method_std
-        if cfg.scaled_output_init and name.endswith(("attention.dense.weight", "mlp.dense_4h_to_h.weight")):
+        if cfg.scaled_output_init and name.endswith(("attention.dense.weight", "mlp.dense_4h_to_h.weight",
+                                                              ".fc2.weight")):
             std = init_std_scaled(std, cfg.num_layers)
         gen = torch.Generator().manual_seed(param_seed(seed, name))
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -199,8 +206,14 @@ class GPT(nn.Module):
             names = (["embedding"] if rest else []) + (["word_embeddings"] if tied_head else [])
             plan.uses.append(UnitUse("embedding", self.embedding, self.embedding, names))
         for key, layer in self.layers.items():
-            plan.units[f"layers.{key}"] = trainable(layer, f"layers.{key}.")
+            experts = getattr(layer.mlp, "experts", None)        # an MoE layer's experts: a unit of their own
+            expert_ids = {id(p) for p in experts.parameters()} if experts is not None else set()
+            plan.units[f"layers.{key}"] = [(n, p) for n, p in trainable(layer, f"layers.{key}.")
+                                           if id(p) not in expert_ids]
             plan.uses.append(UnitUse(f"layers.{key}", layer, layer, [f"layers.{key}"]))
+            if experts is not None:
+                plan.units[f"layers.{key}.experts"] = trainable(experts, f"layers.{key}.mlp.experts.")
+                plan.uses.append(UnitUse(f"layers.{key}.experts", experts, experts, [f"layers.{key}.experts"]))
         if self.post_process:
             head = trainable(self.final_norm, "final_norm.")
             if hasattr(self, "output_layer"):

@@ -27,6 +27,7 @@ from torch import nn
 
 from megazero.config import ModelConfig
 from megazero.models.kv_cache import LayerKVCache
+from megazero.models.moe import MoELayer
 from megazero.models.rotary import RotaryEmbedding
 from megazero.parallel.comm import group_rank, group_size
 from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
@@ -127,6 +128,8 @@ class LayerContext:
         # (sequence parallel) each rank holds different tokens, so it uses the per-rank stream.
         self.hidden_region = TensorParallelRNG.TP if sequence_parallel else TensorParallelRNG.DEFAULT
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
+        # Expert parallelism (MoE layers): set by the model from its topology; one rank by default.
+        self.ep_group, self.ep_size, self.ep_rank, self.comm_log = None, 1, 0, None
 
     def dropout(self, x, p: float, training: bool, region: str):
         if not training or p == 0.0:
@@ -365,15 +368,16 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """One pre-norm block on [s(/tp), b, h]: x + Attn(Norm(x)), then x + MLP(Norm(x)) (with dropout)."""
+    """One pre-norm block on [s(/tp), b, h]: x + Attn(Norm(x)), then x + MLP(Norm(x)) (with dropout).
+    The MLP is a :class:`megazero.models.moe.MoELayer` when global layer ``layer_id`` is an MoE layer."""
 
-    def __init__(self, ctx: LayerContext):
+    def __init__(self, ctx: LayerContext, layer_id: int = 0):
         super().__init__()
         self.ctx = ctx
         self.input_layernorm = ctx.norm()
         self.attention = GroupedQueryAttention(ctx) if ctx.cfg.group_query_attention else SelfAttention(ctx)
         self.post_attention_layernorm = ctx.norm()
-        self.mlp = MLP(ctx)
+        self.mlp = MoELayer(ctx) if ctx.cfg.is_moe_layer(layer_id) else MLP(ctx)
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         ctx, p = self.ctx, self.ctx.cfg.hidden_dropout

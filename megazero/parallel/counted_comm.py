@@ -14,13 +14,13 @@ Byte convention (per rank, bytes *sent*, ring algorithm, N = group size, S = byt
     all-reduce       2 (N-1)/N * S      (a ring reduce-scatter followed by a ring all-gather)
     reduce-scatter     (N-1)/N * S      (S = the full input; each rank ends with S/N)
     all-gather         (N-1)/N * S      (S = the full output; each rank starts with S/N)
+    all-to-all         (N-1)/N * S      (S = the full input; rank r sends chunk j to group rank j; with
+                                         uneven splits, the rows this rank sends to the other ranks)
 
 This is the accounting of the ZeRO paper: plain data parallelism moves 2 Psi (N-1)/N per rank per
 step (one gradient all-reduce), ZeRO-1/2 move the same as reduce-scatter(grads) + all-gather(params).
 It counts the algorithm's volume, not what a particular backend puts on the wire (gloo may pick a
 different algorithm for small tensors).
-
-    all-to-all         (N-1)/N * S      (S = the full input; rank r sends chunk j to group rank j)
 
 Intra-node and inter-node bytes. When the log knows the nodes (``CommLog(ranks_per_node=L)``: global
 rank g is on node g // L), every record is also split by link. Convention: per rank, *averaged over
@@ -39,6 +39,7 @@ A group inside one node has inter = 0.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -162,14 +163,22 @@ def _flat(collective, output, input, full, group, log: CommLog | None, tag: str,
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group, log: CommLog | None, tag: str, *,
-               async_op: bool = False):
-    """Rank i sends chunk j of ``input`` (split along dim 0 into N equal chunks) to group rank j, which
-    stores it as chunk i of ``output``."""
+               output_splits: list[int] | None = None, input_splits: list[int] | None = None, async_op: bool = False):
+    """Rank i sends chunk j of ``input`` (along dim 0) to group rank j, which stores it as chunk i of
+    ``output``: N equal chunks, or ``input_splits[j]`` rows to rank j and ``output_splits[j]`` rows from
+    it (uneven; the caller exchanges the counts first). Records the bytes sent to the other ranks (with
+    uneven splits their intra/inter share is that of an even exchange over the same group)."""
     n = group_size(group)
     if n == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return None
     if log is not None:
-        log.record(tag, (n - 1) / n * _nbytes(input), group, "all_to_all")
-    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+        if input_splits is None:
+            sent = (n - 1) / n * _nbytes(input)
+        else:
+            me = dist.get_rank(group)
+            row = math.prod(input.shape[1:]) * input.element_size()          # bytes of one row (0 rows is fine)
+            sent = sum(c for j, c in enumerate(input_splits) if j != me) * row
+        log.record(tag, sent, group, "all_to_all")
+    return dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=async_op)

@@ -25,6 +25,9 @@ attribute (default)        meaning                                              
                            ``make_vocab_size_divisible_by * tp``; rows at or
                            beyond the real vocabulary size are zero and are not
                            stored in checkpoints
+``expert_parallel``        an expert of an MoE layer (:mod:`megazero.models.moe`):  the ZeRO engine (expert
+(False)                    ep ranks hold different experts; reduced and sharded    buckets), norms
+                           over the expert-data-parallel group
 =========================  ======================================================  ==========================
 
 Worked example, GPT at tp=2 pp=2 with tied embeddings, rank (tp 1, pp 1)::
@@ -40,7 +43,8 @@ import torch
 from torch import nn
 
 ATTRIBUTES = {"tensor_parallel": False, "partition_dim": -1, "sequence_parallel_grad": False,
-              "shared_embedding": False, "tied_copy": False, "vocab_padded": False}
+              "shared_embedding": False, "tied_copy": False, "vocab_padded": False,
+              "expert_parallel": False}
 
 
 def set_tp_attributes(p: nn.Parameter, tensor_parallel: bool, partition_dim: int = -1,

@@ -36,6 +36,16 @@ ranks_per_node=4 (node 0: ranks 0-3, node 1: ranks 4-7)::
 so dp rank r of a group sits on node r // L at local position r % L (L = 2 dp members per node).
 :func:`dp_partitions` cuts every data-parallel group into consecutive blocks of K dp ranks (ZeRO++'s
 hpZ secondary partition; K = L keeps it inside a node): K=2 above gives the ``dp_intra`` groups.
+
+Expert parallelism (``ep`` = --expert-model-parallel-size, Mixture of Experts) is carved out of the
+data-parallel group: dp rank ``d`` is expert-parallel rank ``d % ep`` of the expert group of the ``ep``
+consecutive dp ranks ``d - d % ep ..``, which exchange tokens by all-to-all; the ``dp / ep`` ranks
+holding the same experts (same ``d % ep``) form an expert-data-parallel group, over which the experts'
+gradients are reduced. Worked example, world 8 with tp=2, pp=1, dp=4, ep=2 (rank = tp_rank + 2 * dp_rank)::
+
+    data-parallel          [0,2,4,6] [1,3,5,7]
+    expert-parallel        [0,2] [1,3] [4,6] [5,7]     (dp ranks 0-1 and 2-3 of each data-parallel group)
+    expert-data-parallel   [0,4] [1,5] [2,6] [3,7]     (dp ranks 0,2 hold experts 0..E/2-1; 1,3 the rest)
 """
 from __future__ import annotations
 
@@ -65,6 +75,9 @@ class RankGrid:
     data: list[list[int]]
     model: list[list[int]]
     embedding: list[list[int]]
+    ep: int = 1
+    expert: list[list[int]] = field(default_factory=list)
+    expert_data: list[list[int]] = field(default_factory=list)
     ranks_per_node: int | None = None          # None: one node holds every rank
     dp_intra: list[list[int]] = field(default_factory=list)
     dp_inter: list[list[int]] = field(default_factory=list)
@@ -78,7 +91,8 @@ class RankGrid:
         return _coords(rank, self.order, self.tp, self.pp, self.dp)
 
     def group_of(self, kind: str, rank: int) -> list[int]:
-        """The group of kind ('tensor', 'pipeline', 'data', 'model', 'embedding') holding rank."""
+        """The group of kind ('tensor', 'pipeline', 'data', 'model', 'embedding', 'expert',
+        'expert_data') holding rank."""
         for group in getattr(self, kind):
             if rank in group:
                 return group
@@ -128,18 +142,21 @@ def _groups_varying(varying: tuple[str, ...], order: str, tp: int, pp: int, dp: 
 
 
 def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER,
-              ranks_per_node: int | None = None) -> RankGrid:
-    """List the ranks of every group for a tp x pp x dp layout (pure; see the module docstring).
-    With ``ranks_per_node``, also the node-local and cross-node pieces of every data-parallel group."""
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+              ranks_per_node: int | None = None, ep: int = 1) -> RankGrid:
+    """List the ranks of every group for a tp x pp x dp layout, with ``ep`` expert-parallel ranks
+    carved out of dp (pure; see the module docstring). With ``ranks_per_node``, also the node-local
+    and cross-node pieces of every data-parallel group."""
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if dp % ep:
+        raise ValueError(f"dp {dp} is not divisible by expert-parallel size {ep}")
     if tp * pp * dp != world_size:
         raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != world size {world_size}")
     pipeline = _groups_varying(("pp",), order, tp, pp, dp)
     by_stage = [_in_stage_order(g, order, tp, pp, dp) for g in pipeline]
     embedding = sorted(sorted({g[0], g[-1]}) for g in by_stage)
-    data = _groups_varying(("dp",), order, tp, pp, dp)
+    data = [_in_dp_order(g, order, tp, pp, dp) for g in _groups_varying(("dp",), order, tp, pp, dp)]
     intra, inter = _split_by_node(data, world_size, ranks_per_node)
     return RankGrid(
         world_size=world_size, tp=tp, pp=pp, dp=dp, order=order,
@@ -149,6 +166,9 @@ def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_O
         model=_groups_varying(("tp", "pp"), order, tp, pp, dp),
         embedding=embedding,
         ranks_per_node=ranks_per_node, dp_intra=intra, dp_inter=inter,
+        ep=ep,
+        expert=sorted(g[i:i + ep] for g in data for i in range(0, dp, ep)),
+        expert_data=sorted(g[i::ep] for g in data for i in range(ep)),
     )
 
 
@@ -186,6 +206,11 @@ def local_world_size() -> int | None:
     """Ranks per node as torchrun says (``LOCAL_WORLD_SIZE``), or None outside a launcher."""
     value = os.environ.get("LOCAL_WORLD_SIZE")
     return int(value) if value else None
+
+
+def _in_dp_order(group: list[int], order: str, tp: int, pp: int, dp: int) -> list[int]:
+    """A data-parallel group's ranks ordered by dp_rank."""
+    return sorted(group, key=lambda r: _coords(r, order, tp, pp, dp)["dp"])
 
 
 def _in_stage_order(group: list[int], order: str, tp: int, pp: int, dp: int) -> list[int]:
@@ -258,6 +283,8 @@ class Topology:
         topo.tp_rank, topo.pp_rank, topo.dp_rank
         topo.tp_group, topo.pp_group, topo.dp_group, topo.mp_group, topo.embedding_group
         topo.next_rank, topo.prev_rank        # global ranks of the neighbouring stages (or None)
+        topo.ep_group, topo.ep_rank, topo.ep_size      # expert parallelism (ep=..., see the module doc)
+        topo.expert_dp_group, topo.expert_dp_rank, topo.expert_dp_size
 
     ``dp`` may be omitted: it is inferred as world // (tp * pp). ``ranks_per_node`` (default: torchrun's
     ``LOCAL_WORLD_SIZE``, else the whole world on one node) places ranks on nodes; the node-local and
@@ -268,13 +295,13 @@ class Topology:
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, order: str = DEFAULT_ORDER,
                  device: torch.device | None = None, timeout_s: float | None = None,
-                 ranks_per_node: int | None = None):
+                 ranks_per_node: int | None = None, ep: int = 1):
         world = dist.get_world_size()
         rank = dist.get_rank()
         dp = dp if dp is not None else world // (tp * pp)
         self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         self.ranks_per_node = ranks_per_node or local_world_size() or world
-        self.grid = rank_grid(world, tp, pp, dp, order, self.ranks_per_node)
+        self.grid = rank_grid(world, tp, pp, dp, order, self.ranks_per_node, ep)
         self.world_size, self.rank = world, rank
         self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
         self.device = device or torch.device("cpu")
@@ -292,6 +319,14 @@ class Topology:
         self.dp_intra_group, self.dp_intra_ranks = self._node_groups(self.grid.dp_intra)
         self.dp_inter_group, self.dp_inter_ranks = self._node_groups(self.grid.dp_inter)
         self._partitions: dict[int, tuple] = {}
+        self.ep_size, self.ep_rank = ep, self.dp_rank % ep
+        self.expert_dp_size, self.expert_dp_rank = dp // ep, self.dp_rank // ep
+        if ep > 1:                # groups made only when used: a run without experts creates none
+            self.ep_group, self.ep_ranks = self._create(self.grid.expert)
+            self.expert_dp_group, self.expert_dp_ranks = self._create(self.grid.expert_data)
+        else:
+            self.ep_group, self.ep_ranks = None, [rank]
+            self.expert_dp_group, self.expert_dp_ranks = self.dp_group, self.dp_ranks
 
     def _node_groups(self, groups: list[list[int]]):
         """Create the groups only when they differ from the dp groups and are not single ranks (so a

@@ -9,6 +9,7 @@
     units.py       the ZeRO-3 gather units a model declares (``zero3_plan()``)
     param_sync.py  stage 3: parameters sharded too, gathered per unit around forward and backward
     optimizer.py   AdamW over the owned shard of every bucket (fp32 masters, clipping, fp16 scaling)
+    experts.py     MoE expert parallelism: experts bucketed and sharded over the expert-data-parallel group
     engine.py      ZeroEngine / build_engine: what the trainer drives; model-state accounting
 
 Each file imports only the ones listed above it.

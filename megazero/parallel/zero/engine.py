@@ -10,7 +10,8 @@ Files below this one, each importing only those above it in this list: ``buckets
 ``offload`` (state kept in host memory or swap files), ``grad_sync`` (stages 0-2: gradient buckets and
 their reduction), ``units`` (the ZeRO-3 gather units a model declares), ``param_sync`` (stage 3:
 parameters sharded and gathered per unit), ``quantize`` and ``zeropp`` (ZeRO++: int8 collectives, hpZ's
-secondary shards, the hierarchical gradient reduce), ``optimizer`` (AdamW over the owned shard of every bucket).
+secondary shards, the hierarchical gradient reduce), ``optimizer`` (AdamW over the owned shard of every bucket),
+``experts`` (MoE experts over the expert-data-parallel group: two engines in one).
 
 With ``--offload-optimizer`` / ``--offload-params`` nvme the engine owns this rank's swap directory:
 ``engine.close()`` removes it (so does interpreter exit).
@@ -26,6 +27,8 @@ from torch import nn
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import nbytes
+from megazero.parallel.zero.experts import (ExpertDataTopology, ExpertParallelEngine, dense_view, expert_view,
+                                            is_expert)
 from megazero.parallel.zero.grad_sync import BucketedGradSync, wrap_data_parallel
 from megazero.parallel.zero.swap import SwapDir
 from megazero.parallel.zero.optimizer import BucketAdamW, ZeroStage3Optimizer, build_optimizer
@@ -243,7 +246,28 @@ def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: Optimize
                  precision: PrecisionConfig | None = None, *, grad_sync_cls: type | None = None) -> ZeroEngine:
     """Wrap this rank's model chunks for ``zero_cfg.zero_stage`` and build the matching optimizer.
     Build it after the model and before the first forward: parameters move into the DP buffers.
-    ``grad_sync_cls``: see :func:`megazero.parallel.zero.grad_sync.wrap_data_parallel`."""
+    ``grad_sync_cls``: see :func:`megazero.parallel.zero.grad_sync.wrap_data_parallel`.
+
+    With expert parallelism (``topo.ep_size > 1`` and MoE experts in the chunks) the result is an
+    :class:`~megazero.parallel.zero.experts.ExpertParallelEngine`: the same stage twice, the dense
+    parameters over dp and the experts over the expert-data-parallel group."""
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    if getattr(topo, "ep_size", 1) > 1 and any(is_expert(p) for c in chunks for p in c.parameters()):
+        if "nvme" in (zero_cfg.offload_optimizer, zero_cfg.offload_params):
+            raise ValueError("--offload-optimizer/--offload-params nvme with --expert-model-parallel-size > 1 "
+                             "is not supported: offload to cpu or drop expert parallelism")
+        dense = _build_one(dense_view(chunks), topo, zero_cfg, opt_cfg, precision, grad_sync_cls)
+        experts = _build_one(expert_view(chunks), ExpertDataTopology(topo), zero_cfg, opt_cfg,
+                             precision, grad_sync_cls)
+        for part in (experts.grad_sync, experts.optimizer, experts):   # one byte log for the step
+            part.comm_log = dense.comm_log
+        return ExpertParallelEngine(dense, experts, topo)
+    return _build_one(chunks, topo, zero_cfg, opt_cfg, precision, grad_sync_cls)
+
+
+def _build_one(chunks, topo, zero_cfg: ZeroConfig, opt_cfg: OptimizerConfig, precision: PrecisionConfig | None,
+               grad_sync_cls: type | None) -> ZeroEngine:
+    """One engine of ``zero_cfg.zero_stage`` over the chunks' parameters and ``topo``'s dp group."""
     if zero_cfg.keep_params_gathered and zero_cfg.zero_stage != 3:
         raise ValueError(f"--zero3-keep-params-gathered applies to --zero-stage 3 only (got stage "
                          f"{zero_cfg.zero_stage}): drop the flag or use stage 3")

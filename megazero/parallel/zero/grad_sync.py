@@ -72,6 +72,9 @@ class BucketedGradSync:
         self.comm_log = comm_log if comm_log is not None else CommLog()
         self.comm_log.ranks_per_node = self.comm_log.ranks_per_node or getattr(topo, "ranks_per_node", None)
         self.dp_group, self.dp_size, self.dp_rank = topo.dp_group, topo.dp_size, topo.dp_rank
+        # Gradients are averaged over this many ranks: dp, also for experts reduced over the smaller
+        # expert-data-parallel group (each expert saw the tokens of all ep ranks: zero/experts.py).
+        self.average_over = getattr(topo, "gradient_average_size", self.dp_size)
         self.buckets: list[Bucket] = []
         self.slots: list[ParamSlot] = []
         self._slot_of: dict[int, ParamSlot] = {}
@@ -200,8 +203,8 @@ class BucketedGradSync:
 
     def _start(self, bucket: Bucket) -> None:
         grad_data = self._grad_storage(bucket)
-        if self.dp_size > 1:
-            grad_data.mul_(1.0 / self.dp_size)
+        if self.average_over > 1:
+            grad_data.mul_(1.0 / self.average_over)
         bucket.handle = self._launch(bucket, grad_data)
         bucket.launched = True
 
@@ -384,8 +387,8 @@ class ShardedGradSync(BucketedGradSync):
         """Reduce-scatter the bucket into its gradient shard (or a scratch shard added on arrival),
         detach its storage from the parameters, keep the number in flight bounded."""
         grad_data = self._grad_storage(bucket)
-        if self.dp_size > 1:
-            grad_data.mul_(1.0 / self.dp_size)
+        if self.average_over > 1:
+            grad_data.mul_(1.0 / self.average_over)
         scratch = None
         if bucket.grad_shard is None:            # the step's first reduction of this bucket
             bucket.grad_shard = target = torch.empty(bucket.shard_size, dtype=grad_data.dtype,

@@ -248,6 +248,15 @@ class BucketAdamW:
         (the usual overflow), in bf16 and fp32 the step is reported skipped with its norm (inf or nan)
         and the trainer decides whether the run stops (``--check-for-nan-in-loss-and-grad``). Every
         rank takes the same decision: the norm and the overflow flag are global."""
+        grads, early = self.begin_step()
+        if early is not None:
+            return early
+        return self.finish_step(grads, self.global_grad_norm(grads))
+
+    @torch.no_grad()
+    def begin_step(self) -> tuple[list[torch.Tensor], tuple[float, bool] | None]:
+        """First half of :meth:`step`: the fp32 unscaled gradients of the owned ranges, and (inf, True)
+        when an fp16 overflow skips the step (the loss scale is lowered), else None."""
         self.grad_sync.check_synced()
         grads = self._main_grads()
         if self.scaler is not None and self._found_inf(grads):
@@ -255,8 +264,12 @@ class BucketAdamW:
             self.scaler.update(found_inf=True)
             log.warning("fp16: inf/nan in gradients, skipping step %d; loss scale %g -> %g",
                         self.step_count + 1, old, self.scaler.scale)
-            return float("inf"), True
-        norm = self.global_grad_norm(grads)
+            return grads, (float("inf"), True)
+        return grads, None
+
+    @torch.no_grad()
+    def finish_step(self, grads: list[torch.Tensor], norm: float) -> tuple[float, bool]:
+        """Second half of :meth:`step`: clip ``grads`` by the global ``norm`` and apply AdamW."""
         if not math.isfinite(norm):
             log.warning("non-finite gradient norm %s: step %d not applied", norm, self.step_count + 1)
             return norm, True
@@ -298,14 +311,19 @@ class BucketAdamW:
         """L2 norm of the whole model's gradient, each element counted once (see module doc)."""
         if grads is None:
             grads = self._main_grads()
+        sq = self.local_norm_sq(grads)
+        group, tag = self._norm_group()
+        comm.all_reduce(sq, group, self.comm_log, tag)
+        return math.sqrt(sq.item())
+
+    def local_norm_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Squared L2 norm (float64, [1], on this rank's device) of the owned ranges' gradients that
+        count once (see the module doc), before any sum over ranks."""
         sq = torch.zeros(1, dtype=torch.float64, device=self._grads_device(grads))
         for r, g in zip(self.ranges, grads):
             for a, b in r.norm_ranges:
                 sq += torch.linalg.vector_norm(g[a:b]).double() ** 2
-        sq = sq.to(self.topo.device)
-        group, tag = self._norm_group()
-        comm.all_reduce(sq, group, self.comm_log, tag)
-        return math.sqrt(sq.item())
+        return sq.to(self.topo.device)
 
     def nonfinite_parameters(self, limit: int = 3) -> list[str]:
         """Names of (at most ``limit``) parameters whose reduced gradient held on this rank is not

@@ -1,0 +1,376 @@
+"""Mixture of Experts (megazero/models/moe.py, megazero/parallel/zero/experts.py): routing, capacity and
+losses against hand-computed cases, and 5 training steps of a top-2, 4-expert, dropless GPT at expert
+parallelism 1, 2 and 4 (dp 4), with tp 2 and with pp 2, under ZeRO 0-3, each equal to the
+single-process run (fp32, 1e-5 relative)."""
+import functools
+import math
+
+import pytest
+import torch
+from helpers import run_on_ranks
+from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batches
+
+from megazero.checkpoint import load_checkpoint, save_checkpoint
+from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
+from megazero.memory.estimate import estimate_stage, moe_alltoall_bytes, moe_alltoall_bytes_per_step
+from megazero.models import GPT, build_model_chunks, masked_mean
+from megazero.models.moe import (capacity_keep, collect_moe_metrics, load_balancing_loss, moe_layers, route,
+                                 set_aux_loss_scale, z_loss)
+from megazero.optim import weight_decay_groups
+from megazero.parallel.params import split_dim
+from megazero.parallel.tensor import shard
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero import build_engine
+from megazero.state import TrainState
+from megazero.training import train_step
+
+STEPS = 5
+MOE_KW = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+
+
+def _cfg(**kw) -> ModelConfig:
+    return ModelConfig(**{**GPT_CFG, **MOE_KW, **kw})
+
+
+# --------------------------------------------------------------------------- routing and losses by hand
+
+def test_top2_gates_renormalised_and_top1_keeps_the_probability():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    probs, gates, experts = route(logits, 2)
+    p = torch.softmax(logits, -1)[0]
+    assert experts.tolist() == [[0, 1]]
+    torch.testing.assert_close(gates[0], torch.stack([p[0], p[1]]) / (p[0] + p[1]))
+    _, gates1, experts1 = route(logits, 1)
+    assert experts1.tolist() == [[0]] and gates1[0, 0] == p[0]
+
+
+def test_capacity_drops_later_tokens_of_a_full_expert():
+    """6 tokens, top-1, 3 experts, capacity factor 1: C = ceil(1 * 6 * 1 / 3) = 2 per expert. Expert 0 is
+    chosen by tokens 0, 1, 2, 4 -> tokens 2 and 4 dropped; expert 1 by 3, 5 -> kept; dropped 2/6."""
+    experts = torch.tensor([[0], [0], [0], [1], [0], [1]])
+    keep = capacity_keep(experts, 3, 1.0)
+    assert keep.reshape(-1).tolist() == [True, True, False, True, False, True]
+    assert capacity_keep(experts, 3, None).all()
+
+
+def test_dropped_fraction_and_gradients_only_through_kept_tokens():
+    """A one-layer MoE GPT whose router sends every token to expert 0 (top-1, 4 experts, factor 1):
+    C = ceil(T / 4), so exactly T - C of the T tokens are dropped, as the layer reports, and the dropped
+    tokens' inputs get no gradient through the MoE layer (only through the residual path)."""
+    cfg = _cfg(num_layers=1, moe_router_topk=1, moe_expert_capacity_factor=1.0, moe_aux_loss_coeff=0.0,
+               moe_z_loss_coeff=0.0)
+    model = GPT(cfg, seed=SEED)
+    layer = model.layers["0"].mlp
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0] = 1.0                   # logit of expert 0 = sum of features, large
+    t = 16
+    x = torch.randn(t, 1, cfg.hidden_size) + 3.0         # sum of features >> 0: everyone picks expert 0
+    x.requires_grad_(True)
+    out = layer(x)
+    st = layer.stats
+    capacity = math.ceil(1.0 * t / 4)
+    assert st.dropped == t - capacity and st.assignments == t
+    out.sum().backward()
+    got = x.grad.reshape(t, -1).abs().sum(-1)
+    assert (got[:capacity] > 0).all()
+    # dropped tokens: output zero, gradient only through the router's gate of ... none: they have no gate
+    assert (out.detach().reshape(t, -1)[capacity:] == 0).all()
+    assert (got[capacity:] == 0).all()
+
+
+def test_aux_loss_value_and_gradient_match_the_formula():
+    """On a fixed routing, the layer's load-balancing + z-loss equals a * E * sum f_e P_e + z * mean lse^2,
+    and the router weight's gradient from it equals autograd of that direct formula."""
+    torch.manual_seed(0)
+    cfg = _cfg(num_layers=1, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    model = GPT(cfg, seed=SEED)
+    layer = model.layers["0"].mlp
+    layer.keep_aux_graph = True
+    x = torch.randn(8, 2, cfg.hidden_size)
+    layer(x)
+    w = layer.router.weight.detach().clone().requires_grad_(True)
+    logits = x.reshape(-1, cfg.hidden_size) @ w.t()
+    probs = torch.softmax(logits, -1)
+    chosen = probs.topk(2, -1).indices
+    t, e = logits.shape
+    f = torch.stack([(chosen == i).sum() for i in range(e)]).float() / (t * 2)
+    direct = 0.1 * e * (f * probs.mean(0)).sum() + 0.01 * (torch.logsumexp(logits, -1) ** 2).mean()
+    torch.testing.assert_close(layer.last_aux_loss, direct)
+    assert layer.stats.aux_loss == pytest.approx(direct.item(), rel=1e-6)
+    counts = torch.bincount(chosen.reshape(-1), minlength=e)
+    torch.testing.assert_close(load_balancing_loss(probs, counts, t, 2, 0.1) + z_loss(logits, 0.01, t), direct)
+    (g_direct,) = torch.autograd.grad(direct, w)
+    layer.router.weight.grad = None
+    layer.last_aux_loss.backward()
+    torch.testing.assert_close(layer.router.weight.grad, g_direct)
+
+
+def test_aux_loss_reaches_backward_through_the_output_scaled():
+    """The attached loss gets gradient ``aux_loss_scale`` in the layer's backward: output.sum() backward
+    with scale s gives the router grad of (output.sum() + s * aux)."""
+    cfg = _cfg(num_layers=1, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    model = GPT(cfg, seed=SEED)
+    layer = model.layers["0"].mlp
+    layer.keep_aux_graph = True
+    x = torch.randn(8, 2, cfg.hidden_size)
+    set_aux_loss_scale(model, 0.25)
+    layer(x).sum().backward()
+    injected = layer.router.weight.grad.clone()
+    layer.router.weight.grad = None
+    set_aux_loss_scale(model, 0.0)
+    out = layer(x)
+    (out.sum() + 0.25 * layer.last_aux_loss).backward()
+    torch.testing.assert_close(injected, layer.router.weight.grad)
+
+
+def test_init_does_not_depend_on_expert_parallelism():
+    """Expert e's tensors are drawn from (seed, global name): the same whoever holds it."""
+    full = GPT(_cfg(), seed=SEED)
+    names = [n for n, _ in full.named_parameters()]
+    assert "layers.1.mlp.experts.3.fc2.weight" in names and "layers.1.mlp.router.weight" in names
+    swiglu = GPT(_cfg(swiglu=True, add_bias_linear=False, ffn_hidden_size=48), seed=SEED)
+    assert swiglu.get_parameter("layers.0.mlp.experts.2.fc1.weight").shape == (96, 32)
+
+
+# --------------------------------------------------------------------------- parallel == serial
+
+@functools.lru_cache(maxsize=8)
+def _reference(dp: int, model_kw: tuple):
+    """The serial run: torch AdamW + clip_grad_norm_, the MoE losses added to each micro-batch's loss
+    explicitly (the layers' in-backward injection switched off)."""
+    model = GPT(_cfg(**dict(model_kw)), seed=SEED)
+    set_aux_loss_scale(model, 0.0)
+    layers = [layer for _, layer in moe_layers(model)]
+    for layer in layers:
+        layer.keep_aux_graph = True
+    opt = torch.optim.AdamW(weight_decay_groups(model.named_parameters(), GPT_OPT.weight_decay),
+                            lr=GPT_OPT.lr, eps=GPT_OPT.adam_eps)
+    losses, norms = [], []
+    for batches in gpt_batches(STEPS, dp * MICRO):
+        total = 0.0
+        for mb in batches:
+            loss = masked_mean(model(mb["tokens"], mb["labels"]), mb["loss_mask"])
+            aux = sum(layer.last_aux_loss for layer in layers)
+            ((loss + aux) / len(batches)).backward()
+            total += loss.item() / len(batches)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), GPT_OPT.clip_grad)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _parity_body(rank, world_size, cases):
+    """Train each case (tp, pp, ep, sp, ZeRO stage, model flags) STEPS steps with the trainer's step on
+    these ranks; chunks built on the meta device, as the trainer does."""
+    out = []
+    for tp, pp, ep, sp, stage, model_kw in cases:
+        topo = Topology(tp=tp, pp=pp, ep=ep)
+        cfg = _cfg(**model_kw)
+        par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, expert_model_parallel_size=ep)
+        chunks = build_model_chunks(cfg, par, topo, seed=SEED, device="meta")
+        engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
+        job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
+        losses, norms = [], []
+        for batches in gpt_batches(STEPS, topo.dp_size * MICRO):
+            result = train_step(chunks, batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO], topo, engine, job)
+            losses.append(result.loss)
+            norms.append(result.grad_norm)
+        with engine.gathered_parameters():
+            params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
+        metrics = collect_moe_metrics(chunks, cfg.num_layers, cfg.num_experts, topo.tp_rank, sp, STEPS, topo.device)
+        sized = JobConfig(model=cfg, parallel=par, zero=ZeroConfig(zero_stage=stage),
+                          train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=MB_SIZE * MICRO * topo.dp_size))
+        estimated, measured = estimate_stage(sized, topo.pp_rank).parts, engine.model_state_bytes()
+        for key in ("params", "master_weights", "optimizer_state"):
+            assert estimated[key] == measured[key], (key, estimated[key], measured[key])
+        out.append((topo.tp_rank, tp, topo.dp_size, losses, norms, params, metrics))
+    return out
+
+
+def _check_metrics(metrics: dict, dp: int, model_kw: dict) -> None:
+    """The logged figures, gathered over every rank: each MoE layer routes the global batch's tokens
+    k times a step (mean per expert = tokens * k / E), nothing is dropped, the losses are positive."""
+    cfg = _cfg(**model_kw)
+    tokens = dp * MICRO * MB_SIZE * cfg.seq_length
+    layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    for i in layers:
+        assert metrics[f"moe_layer{i}_tokens_mean"] == pytest.approx(tokens * cfg.moe_router_topk / cfg.num_experts)
+        assert metrics[f"moe_layer{i}_tokens_min"] <= metrics[f"moe_layer{i}_tokens_mean"] <= \
+            metrics[f"moe_layer{i}_tokens_max"]
+    assert not any(k.startswith(f"moe_layer{i}_") for i in set(range(cfg.num_layers)) - set(layers) for k in metrics)
+    assert metrics["moe_dropped_fraction"] == 0.0 and metrics["moe_aux_loss"] > 0
+
+
+def _check(results, cases):
+    for i, (tp, pp, ep, sp, stage, model_kw) in enumerate(cases):
+        seen = set()
+        for rank_results in results:
+            tp_rank, tp, dp, losses, norms, params, metrics = rank_results[i]
+            _check_metrics(metrics, dp, model_kw)
+            ref_losses, ref_norms, ref_params = _reference(dp, tuple(sorted(model_kw.items())))
+            assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
+            what = f"case tp{tp} pp{pp} ep{ep} sp{sp} zero{stage}"
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0, msg=what)
+            torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0, msg=what)
+            for name, (value, pdim) in params.items():
+                torch.testing.assert_close(value, shard(ref_params[name], pdim, tp_rank, tp), rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{what} {name}: {m}")
+                seen.add(name)
+        assert seen == set(ref_params), f"{what}: parameters never compared: {set(ref_params) - seen}"
+
+
+DP4_CASES = [(1, 1, ep, False, stage, {}) for ep in (1, 2, 4) for stage in (0, 1, 2, 3)]
+MIXED_CASES = [(2, 1, 2, False, stage, {}) for stage in (0, 3)] + [(2, 1, 2, True, 1, {}), (2, 1, 2, True, 2, {})] + \
+              [(1, 2, 2, False, stage, {}) for stage in (0, 2, 3)] + \
+              [(1, 2, 2, False, 1, dict(recompute_activations=True, moe_layer_freq=2))]
+
+
+@pytest.mark.parametrize("ep", [2, pytest.param(1, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+def test_expert_parallel_dp4_matches_serial(ep):
+    """dp 4 at expert parallelism ep, ZeRO 0, 1, 2 and 3, dropless top-2 over 4 experts."""
+    cases = [c for c in DP4_CASES if c[2] == ep]
+    _check(run_on_ranks(4, _parity_body, cases, timeout=600), cases)
+
+
+@pytest.mark.slow
+def test_expert_parallel_with_tp_and_pp_matches_serial():
+    """ep 2 with tp 2 (with and without sequence parallelism) and with pp 2, dp 2, ZeRO 0-3 (and one
+    with activation recomputation and MoE every other layer)."""
+    _check(run_on_ranks(4, _parity_body, MIXED_CASES, timeout=600), MIXED_CASES)
+
+
+def test_llama_experts_match_serial():
+    """SwiGLU experts (the Llama MLP form), ep 2 dp 2 with pp 2 and ZeRO 1... at world 4: tp 1, pp 2."""
+    cases = [(1, 2, 2, False, 1, dict(swiglu=True, ffn_hidden_size=64, add_bias_linear=False,
+                                      normalization="RMSNorm", position_embedding_type="rope",
+                                      untie_embeddings_and_output_weights=True, moe_layer_freq=2))]
+    _check(run_on_ranks(4, _parity_body, cases, timeout=600), cases)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def _resume_body(rank, world_size, tp, ep, stage, first, last, save_dir, load):
+    """Steps ``first``..``last`` - 1 of the 8-micro-batch run at (tp, ep, ZeRO stage) on these ranks,
+    after loading ``save_dir`` when ``load``; saves after the last step otherwise."""
+    topo = Topology(tp=tp, ep=ep)
+    cfg = _cfg()
+    par = ParallelConfig(tp=tp, dp=topo.dp_size, expert_model_parallel_size=ep)
+    chunks = build_model_chunks(cfg, par, topo, seed=SEED, device="meta")
+    engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
+    job = JobConfig(model=cfg, parallel=par, optimizer=GPT_OPT, train=TrainConfig(micro_batch_size=MB_SIZE))
+    state = TrainState()
+    if load:
+        state = load_checkpoint(save_dir, chunks=chunks, engine=engine, topo=topo, job=job)
+        assert state.iteration == first
+    per = 2 * MICRO // topo.dp_size
+    losses = []
+    for batches in gpt_batches(STEPS, 2 * MICRO)[first:last]:
+        losses.append(train_step(chunks, batches[topo.dp_rank * per:(topo.dp_rank + 1) * per], topo, engine, job).loss)
+        state.iteration += 1
+    if not load:
+        save_checkpoint(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job)
+    with engine.gathered_parameters():
+        params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
+    return topo.tp_rank, tp, losses, params
+
+
+def test_save_at_ep2_resume_at_ep4_gives_the_uninterrupted_run(tmp_path):
+    """3 steps at tp 2, dp 2, ep 2 (ZeRO-1), saved; 2 more at dp 4, ep 4 (ZeRO-2) from the checkpoint:
+    the 5 losses and the final parameters are the serial run's (8 micro-batches a step throughout)."""
+    saved = run_on_ranks(4, _resume_body, 2, 2, 1, 0, 3, str(tmp_path), False, timeout=600)
+    resumed = run_on_ranks(4, _resume_body, 1, 4, 2, 3, STEPS, str(tmp_path), True, timeout=600)
+    ref_losses, _, ref_params = _reference(2, ())
+    torch.testing.assert_close(torch.tensor(saved[0][2] + resumed[0][2]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    seen = set()
+    for tp_rank, tp, _, params in resumed:
+        for name, (value, pdim) in params.items():
+            torch.testing.assert_close(value, shard(ref_params[name], pdim, tp_rank, tp), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")
+            seen.add(name)
+    assert seen == set(ref_params)
+
+
+# --------------------------------------------------------------------------- bytes and memory
+
+def _bytes_body(rank, world_size):
+    """One MoE layer at ep 2 on crafted tokens: token t routes to experts t % 4 and (t + 1) % 4 (balanced),
+    forward and backward; the all-to-all bytes the layer counted, and the formula's."""
+    topo = Topology(ep=2)
+    cfg = _cfg(num_layers=1)
+    model = GPT(cfg, topo, seed=SEED)
+    layer = model.layers["0"].mlp
+    s, b, h = 12, 2, cfg.hidden_size
+    t = torch.arange(s * b)
+    x = torch.zeros(s * b, h)
+    x[t, t % 4] = 10.0
+    x[t, (t + 1) % 4] = 5.0
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[:, :4] = torch.eye(4)
+    x = (x + 0.01 * torch.randn(s * b, h, generator=torch.Generator().manual_seed(rank))).view(s, b, h)
+    x.requires_grad_(True)
+    model.ctx.comm_log.reset()
+    layer(x).sum().backward()
+    assert layer.stats.tokens_per_expert.tolist() == [s * b // 2] * 4
+    return model.ctx.comm_log.bytes()["ep"], moe_alltoall_bytes(s * b, 2, h, 4, 2, 4)
+
+
+def _one_sided_body(rank, world_size):
+    """ep 2 with every token routed to experts 0 and 1 (ep rank 0's): rank 1's experts get no rows.
+    The layer's output and input gradient equal the single-process layer's on the same tokens."""
+    topo = Topology(ep=2)
+    cfg = _cfg(num_layers=1)
+    layer = GPT(cfg, topo, seed=SEED).layers["0"].mlp
+    whole = GPT(cfg, seed=SEED).layers["0"].mlp
+    x = torch.randn(8, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(rank)) + 3.0
+    for m in (layer, whole):
+        with torch.no_grad():
+            m.router.weight.zero_()
+            m.router.weight[0, :] = 1.0
+            m.router.weight[1, :] = 0.5
+    outs = []
+    for m in (layer, whole):
+        xi = x.clone().requires_grad_(True)
+        out = m(xi)
+        out.square().sum().backward()
+        outs.append((out.detach(), xi.grad))
+    torch.testing.assert_close(outs[0], outs[1])
+    return layer.stats.tokens_per_expert.tolist()
+
+
+def test_dispatch_when_one_ep_rank_gets_no_tokens():
+    for counts in run_on_ranks(2, _one_sided_body):
+        assert counts == [16, 16, 0, 0]
+
+
+def test_alltoall_bytes_equal_the_formula():
+    for counted, formula in run_on_ranks(2, _bytes_body):
+        assert counted == formula
+
+
+def test_estimate_counts_experts_per_ep_rank():
+    """Parameters per rank: the dense ones plus E/ep experts per MoE layer; the model states shard
+    the experts over dp/ep."""
+    job = JobConfig(model=_cfg(), parallel=ParallelConfig(dp=4, expert_model_parallel_size=2),
+                    zero=ZeroConfig(zero_stage=1), train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=32))
+    full = GPT(_cfg(), device="meta")
+    expert = sum(p.numel() for n, p in full.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for p in full.parameters()) - expert
+    est = estimate_stage(job, 0)
+    assert est.params == dense + expert // 2
+    one = estimate_stage(JobConfig(**{**vars(job), "parallel": ParallelConfig(dp=4)}), 0)
+    assert one.params == dense + expert and one.parts["params"] > est.parts["params"]
+    # ZeRO-1's sharded state is the same: E/ep experts over dp/ep ranks is E experts over dp
+    assert one.parts["optimizer_state"] == est.parts["optimizer_state"]
+    assert moe_alltoall_bytes_per_step(job) == 4 * moe_alltoall_bytes(16 * MB_SIZE, 2, 32, 4, 2, 4, 4, 1)
+
+
+def test_flops_per_token_count_the_active_experts():
+    """Training FLOPs of a top-2 MoE model = the dense model with an ffn twice as wide + the routers."""
+    from megazero.metrics import model_flops_per_token
+
+    moe, dense = _cfg(), ModelConfig(**{**GPT_CFG, "ffn_hidden_size": 2 * 4 * GPT_CFG["hidden_size"]})
+    router = 3 * 2 * moe.num_layers * moe.hidden_size * moe.num_experts
+    assert model_flops_per_token(moe, 256) == model_flops_per_token(dense, 256) + router
