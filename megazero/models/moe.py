@@ -123,13 +123,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, send: list[int], recv: list[int], group, log):
         ctx.send, ctx.recv, ctx.group, ctx.log = send, recv, group, log
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        counted_comm.all_to_all(out, x.contiguous(), recv, send, group, log, "ep")
+        counted_comm.all_to_all(out, x.contiguous(), group, log, "ep", output_splits=recv, input_splits=send)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        counted_comm.all_to_all(out, grad.contiguous(), ctx.send, ctx.recv, ctx.group, ctx.log, "ep")
+        counted_comm.all_to_all(out, grad.contiguous(), ctx.group, ctx.log, "ep", output_splits=ctx.send,
+                                input_splits=ctx.recv)
         return out, None, None, None, None
 
 
@@ -227,8 +228,8 @@ class MoELayer(nn.Module):
             return self.experts(rows, counts.tolist())
         ep, local = self.ep_size, self.local_count
         received = torch.empty_like(counts)
-        counted_comm.all_to_all(received, counts, [local] * ep, [local] * ep, self.ep_group,
-                                self.ctx.comm_log, "ep")               # counts first: [ep source, local expert]
+        # The counts first: received[j, e] = rows ep rank j sends to my local expert e.
+        counted_comm.all_to_all(received, counts, self.ep_group, self.ctx.comm_log, "ep")
         received = received.view(ep, local)
         send = counts.view(ep, local).sum(1).tolist()
         recv = received.sum(1).tolist()
