@@ -118,8 +118,9 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
         window_iters += 1
         if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters or stop:
             step_time = (time.perf_counter() - window_start) / window_iters
-            moe = collect_moe_metrics(chunks, job.model.num_layers, job.model.num_experts or 0, topo.tp_rank,
-                                      job.parallel.sequence_parallel, window_iters, topo.device)
+            moe = collect_moe_metrics(chunks, job.model.num_layers, job.model.num_experts, topo.tp_rank,
+                                      job.parallel.sequence_parallel, window_iters, topo.device) \
+                if job.model.num_experts else {}                # a collective: MoE runs only
             _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, moe)
             window_start, window_iters = time.perf_counter(), 0
         if stop:                               # logged, never saved
