@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megazero"
 ZERO_ORDER = ["buckets", "materialize", "swap", "offload", "offload_params", "grad_sync", "units", "param_sync",
-              "quantize", "zeropp", "optimizer", "experts", "engine"]
+              "quantize", "zeropp", "optimizer", "stages", "experts", "engine"]
 
 
 def _module_name(path: Path) -> str:

@@ -9,6 +9,7 @@
     units.py       the ZeRO-3 gather units a model declares (``zero3_plan()``)
     param_sync.py  stage 3: parameters sharded too, gathered per unit around forward and backward
     optimizer.py   AdamW over the owned shard of every bucket (fp32 masters, clipping, fp16 scaling)
+    stages.py      the optimizer of each stage: owned range, norm group, how new weights reach the model
     experts.py     MoE expert parallelism: experts bucketed and sharded over the expert-data-parallel group
     engine.py      ZeroEngine / build_engine: what the trainer drives; model-state accounting
 
@@ -22,7 +23,8 @@ from megazero.parallel.zero.grad_sync import (MAX_REDUCTIONS_IN_FLIGHT, AllReduc
                                               wrap_data_parallel)
 from megazero.parallel.zero.offload import OffloadStats
 from megazero.parallel.zero.swap import OffloadError, SwapDir
-from megazero.parallel.zero.optimizer import BucketAdamW, build_optimizer, merge_optimizer_states
+from megazero.parallel.zero.optimizer import BucketAdamW, merge_optimizer_states
+from megazero.parallel.zero.stages import build_optimizer
 from megazero.parallel.zero.param_sync import ShardedParamSync
 from megazero.parallel.zero.units import UnitUse, Zero3Plan, trainable, whole_module_plan
 

@@ -11,7 +11,8 @@ Files below this one, each importing only those above it in this list: ``buckets
 their reduction), ``units`` (the ZeRO-3 gather units a model declares), ``param_sync`` (stage 3:
 parameters sharded and gathered per unit), ``quantize`` and ``zeropp`` (ZeRO++: int8 collectives, hpZ's
 secondary shards, the hierarchical gradient reduce), ``optimizer`` (AdamW over the owned shard of every bucket),
-``experts`` (MoE experts over the expert-data-parallel group: two engines in one).
+``stages`` (each stage's optimizer: owned range, norm group, publishing), ``experts`` (MoE experts over the
+expert-data-parallel group: two engines in one).
 
 With ``--offload-optimizer`` / ``--offload-params`` nvme the engine owns this rank's swap directory:
 ``engine.close()`` removes it (so does interpreter exit).
@@ -31,7 +32,8 @@ from megazero.parallel.zero.experts import (ExpertDataTopology, ExpertParallelEn
                                             is_expert)
 from megazero.parallel.zero.grad_sync import BucketedGradSync, wrap_data_parallel
 from megazero.parallel.zero.swap import SwapDir
-from megazero.parallel.zero.optimizer import BucketAdamW, ZeroStage3Optimizer, build_optimizer
+from megazero.parallel.zero.optimizer import BucketAdamW
+from megazero.parallel.zero.stages import ZeroStage3Optimizer, build_optimizer
 from megazero.parallel.zero.param_sync import ShardedParamSync
 from megazero.parallel.zero.zeropp import MicrobatchQuantizedGradSync, QuantizedGradSync, ZeroPlusPlusParamSync
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.params import attribute
-from megazero.parallel.zero.optimizer import DataParallelOptimizer
+from megazero.parallel.zero.stages import DataParallelOptimizer
 
 
 def is_expert(p) -> bool:

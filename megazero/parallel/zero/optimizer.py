@@ -9,7 +9,7 @@ Who holds what (dp = N ranks, one bucket of 2N elements, rank r owns elements [2
     ZeroStage2Optimizer     rank r: its shard only    rank r: its shard only       copy shard, all-gather
     ZeroStage3Optimizer     rank r: its shard only    rank r: its shard only       copy into the param shard
 
-All four share :class:`BucketAdamW`, which steps one (bucket, owned range) at a time:
+The four classes live in :mod:`.stages`; all share :class:`BucketAdamW` (here), which steps one (bucket, owned range) at a time:
 unscale (fp16) -> inf/nan check over all ranks (skip + shrink the scale on overflow) -> global
 gradient norm -> clip -> AdamW on the flat fp32 range -> publish the new weights to the model.
 With fp32 parameters the "master" of a range *is* the model's parameter buffer (a view: no copy,
@@ -40,11 +40,9 @@ from megazero.optim import adamw_update, decays, merge_ranges
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.params import counts_once
 from megazero.parallel.zero.buckets import Bucket
-from megazero.parallel.zero.grad_sync import (AllReduceGradSync, BucketedGradSync, ReduceScatterGradSync,
-                                              ShardedGradSync)
+from megazero.parallel.zero.grad_sync import BucketedGradSync
 from megazero.parallel.zero.offload import OffloadedOptimizerState, build_optimizer_state
 from megazero.parallel.zero.swap import SwapDir
-from megazero.parallel.zero.param_sync import ShardedParamSync
 from megazero.precision import DynamicLossScaler
 
 log = logging.getLogger(__name__)
@@ -439,100 +437,6 @@ class BucketAdamW:
     def offload_stats(self):
         """Time and bytes of the offloaded work (``offload.OffloadStats``), None without offload."""
         return getattr(self.states, "stats", None)
-
-
-class DataParallelOptimizer(BucketAdamW):
-    """Stage 0: every DP rank keeps fp32 masters and Adam state for every parameter."""
-
-    def _check_grad_sync(self, grad_sync) -> None:
-        if type(grad_sync) is not AllReduceGradSync:
-            raise TypeError("DataParallelOptimizer needs full gradients: use AllReduceGradSync (--zero-stage 0)")
-
-    def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
-        return 0, bucket.numel
-
-    def _norm_group(self):
-        return self.topo.mp_group, "mp"
-
-
-class ZeroStage1Optimizer(BucketAdamW):
-    """ZeRO-1: rank r keeps fp32 masters and Adam state for shard r of every bucket, steps it and
-    all-gathers the updated parameters over dp. Gradients stay full-size (ReduceScatterGradSync, or
-    AllReduceGradSync where an all-reduce is the cheaper collective)."""
-
-    def _check_grad_sync(self, grad_sync) -> None:
-        if type(grad_sync) not in (ReduceScatterGradSync, AllReduceGradSync):
-            raise TypeError("ZeroStage1Optimizer needs ReduceScatterGradSync or AllReduceGradSync (--zero-stage 1)")
-
-    def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
-        return self.grad_sync.shard_range(bucket)
-
-    def _norm_group(self):
-        return dist.group.WORLD, "world"
-
-    def _share(self) -> None:
-        handles = []
-        for r in self.ranges:
-            shard = r.bucket.param_data[r.lo:r.hi]
-            handles.append(comm.all_gather(r.bucket.param_data, shard, self.grad_sync.dp_group,
-                                           self.comm_log, "dp", async_op=True))
-        for h in handles:
-            if h is not None:
-                h.wait()
-
-
-class ZeroStage2Optimizer(ZeroStage1Optimizer):
-    """ZeRO-2: as stage 1, over gradients that are themselves sharded (ShardedGradSync)."""
-
-    def _check_grad_sync(self, grad_sync) -> None:
-        if not isinstance(grad_sync, ShardedGradSync):
-            raise TypeError("ZeroStage2Optimizer needs ShardedGradSync (--zero-stage 2)")
-
-
-class ZeroStage3Optimizer(BucketAdamW):
-    """AdamW on this rank's shard of every bucket; publishing = writing the shard (no all-gather:
-    the next forward gathers)."""
-
-    def _check_grad_sync(self, grad_sync) -> None:
-        if not isinstance(grad_sync, ShardedParamSync):
-            raise TypeError("ZeroStage3Optimizer needs ShardedParamSync (--zero-stage 3)")
-
-    def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
-        return self.grad_sync.shard_range(bucket)
-
-    def _range_params(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
-        return self.grad_sync.shard_values(bucket)
-
-    def _params_on_device(self) -> bool:
-        return not self.grad_sync.shards.offloaded
-
-    def _norm_group(self):
-        return dist.group.WORLD, "world"
-
-    def _before_write(self) -> None:
-        self.grad_sync.release_all()              # gathered copies would be stale
-
-    def _write_params(self, k: int, a: int, b: int, values: torch.Tensor) -> None:
-        r = self.ranges[k]
-        self.grad_sync.write_params(r.bucket, r.lo + a, r.lo + b, values)
-
-    def _share(self) -> None:
-        self.grad_sync.flush_params()             # the next forward gathers from the shards
-
-
-OPTIMIZER_BY_STAGE = {0: DataParallelOptimizer, 1: ZeroStage1Optimizer, 2: ZeroStage2Optimizer,
-                      3: ZeroStage3Optimizer}
-
-
-def build_optimizer(grad_sync: BucketedGradSync, opt_cfg: OptimizerConfig,
-                    precision: PrecisionConfig | None = None, stage: int | None = None, *,
-                    swap: SwapDir | None = None) -> BucketAdamW:
-    """The optimizer for ``stage`` (default: the grad sync's ``zero_stage``); ``swap``: where
-    ``--offload-optimizer nvme`` keeps its file."""
-    stage = grad_sync.cfg.zero_stage if stage is None else stage
-    if stage not in OPTIMIZER_BY_STAGE:
-        raise ValueError(f"--zero-stage {stage}: only 0, 1, 2 and 3 are implemented")
-    return OPTIMIZER_BY_STAGE[stage](grad_sync, opt_cfg, precision, swap=swap)
 
 
 def merge_optimizer_states(states: list[dict]) -> dict:
