@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from helpers import run_on_ranks
 from helpers.gpt_parity import (GPT_CFG, GPT_OPT, LLAMA_KW, MB_SIZE, MICRO, SEED, check_against_reference,
-                                gpt_batches)
+                                gpt_batches, trainer_steps)
 
 from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
 from megazero.models import GPT, build_model_chunks, masked_mean
@@ -19,7 +19,6 @@ from megazero.parallel.params import split_dim
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine, wrap_data_parallel
-from megazero.training import train_step
 
 STEPS = 5
 
@@ -170,13 +169,7 @@ def _parity_body(rank, world_size, tp, pp, v, sp, stage, model_kw):
     chunks = build_model_chunks(cfg, par, topo, seed=SEED, device="meta")
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
     job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
-    losses, norms = [], []
-    for batches in gpt_batches(STEPS, topo.dp_size * MICRO):
-        result = train_step(chunks, batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO], topo, engine, job)
-        losses.append(result.loss)
-        norms.append(result.grad_norm)
-    with engine.gathered_parameters():
-        params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
+    losses, norms, params = trainer_steps(chunks, topo, engine, job, STEPS)
     return topo.tp_rank, topo.tp_size, losses, norms, params
 
 

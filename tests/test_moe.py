@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from helpers import run_on_ranks
-from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batches
+from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batches, trainer_steps
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
@@ -172,13 +172,7 @@ def _parity_body(rank, world_size, cases):
         chunks = build_model_chunks(cfg, par, topo, seed=SEED, device="meta")
         engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
         job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
-        losses, norms = [], []
-        for batches in gpt_batches(STEPS, topo.dp_size * MICRO):
-            result = train_step(chunks, batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO], topo, engine, job)
-            losses.append(result.loss)
-            norms.append(result.grad_norm)
-        with engine.gathered_parameters():
-            params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
+        losses, norms, params = trainer_steps(chunks, topo, engine, job, STEPS)
         metrics = collect_moe_metrics(chunks, cfg.num_layers, cfg.num_experts, topo.tp_rank, sp, STEPS, topo.device)
         sized = JobConfig(model=cfg, parallel=par, zero=ZeroConfig(zero_stage=stage),
                           train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=MB_SIZE * MICRO * topo.dp_size))

@@ -60,6 +60,23 @@ def _reference(steps: int, dp: int, model_kw: tuple):
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def trainer_steps(chunks, topo, engine, job, steps: int):
+    """``steps`` steps of the trainer's ``train_step`` on this dp rank's MICRO micro-batches of
+    :func:`gpt_batches`: (losses, clipped norms, {name: (tp-local value, split dim)}) as
+    :func:`check_against_reference` takes them."""
+    from megazero.parallel.params import split_dim
+    from megazero.training import train_step
+
+    losses, norms = [], []
+    for batches in gpt_batches(steps, topo.dp_size * MICRO):
+        result = train_step(chunks, batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO], topo, engine, job)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    with engine.gathered_parameters():
+        params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
+    return losses, norms, params
+
+
 def global_loss(losses, topo) -> float:
     t = torch.zeros(2)
     if topo.is_last_stage and topo.tp_rank == 0:
