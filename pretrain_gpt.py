@@ -171,9 +171,12 @@ def _steps(iterator, device):
 
 
 if __name__ == "__main__":
+    code = 1
     try:
         code = main()
     finally:                # also on errors: recent torch aborts at exit while a process group is alive
         if dist.is_initialized():
+            if code == 0:   # every rank done before any closes its connections (gloo aborts a rank whose
+                dist.barrier()      # peer hangs up while it still reads)
             dist.destroy_process_group()
     sys.exit(code)

@@ -44,9 +44,16 @@ def _finish(procs: dict[str, subprocess.Popen]) -> None:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
-        shown = "\n".join(f"===== {name} (exit {procs[name].returncode}) =====\n{out[-4000:]}"
+        shown = "\n".join(f"===== {name} (exit {procs[name].returncode}) =====\n{_first_errors(out)}{out[-4000:]}"
                           for name, out in outputs.items())
         pytest.fail(f"a launcher failed:\n{shown}")
+
+
+def _first_errors(out: str) -> str:
+    """The lines that say why a rank died (the launcher's own report, at the end, only names the signal)."""
+    keys = ("terminate called", "what():", "Error", "error", "Traceback", "corrupt", "Signal")
+    lines = [line for line in out.splitlines() if any(k in line for k in keys)][:40]
+    return ("first error lines:\n" + "\n".join(lines) + "\n----- tail -----\n") if lines else ""
 
 
 def _run(tmp_path, name: str, flags: list[str], two_agents: bool) -> list[float]:
