@@ -12,10 +12,12 @@ Per-phase split of our step (slowest rank's figures are not combined: rank 0's, 
 
     forward     the micro-batches' forwards, less the time waiting for parameter gathers (ZeRO-3)
     backward    the backwards, less the gather waits; includes launching the gradient reductions
-    gather wait ZeRO-3: time in ``ShardedParamSync.wait`` (an all-gather that was not done yet)
+    gather wait time waiting for a parameter all-gather that was not done yet: ZeRO-3's
+                ``ShardedParamSync.wait``; ZeRO-1/2 (run with ``--overlap-param-gather``) the forward's
+                waits for the previous step's gathers
     grad wait   ``finalize_grads``: waiting for the last gradient reductions
     optimizer   ``engine.step``: clipping, the AdamW update of this rank's shard and, at ZeRO-1/2,
-                the all-gather of the updated parameters
+                launching the all-gathers of the updated parameters
 
 Memory: the peak live tensor bytes of a variant during its second warm-up step (what it built plus
 the step's own allocations; ``run_variants(live_memory=True)``), beside the peak RSS.
@@ -72,10 +74,14 @@ class PhaseClock:
 def build_ours_phased(spec: Spec, topo, stage: int, clock: PhaseClock, keep_params_gathered: bool = False):
     """Our engine on the whole model (dp only), its step split into :data:`PHASES`."""
     model = GPT(spec.model_cfg(), seed=1234)
-    engine = build_engine(model, topo, ZeroConfig(zero_stage=stage, keep_params_gathered=keep_params_gathered),
-                          spec.opt_cfg())
+    engine = build_engine(model, topo, ZeroConfig(zero_stage=stage, keep_params_gathered=keep_params_gathered,
+                                                  overlap_param_gather=stage in (1, 2)), spec.opt_cfg())
     if stage == 3:
         engine.grad_sync.wait = clock.timed_wait(engine.grad_sync.wait)
+    else:
+        overlap = getattr(engine.optimizer, "overlap", None)
+        if overlap is not None:
+            overlap.wait = clock.timed_wait(overlap.wait)
 
     def step(micro) -> float:
         t = dict.fromkeys(PHASES, 0.0)
@@ -213,7 +219,9 @@ def scale_section(results: list) -> list[str]:
     out += _table("| shape | dp | pair | ours ms | peer ms | ours/peer | speed target | ours peak live MiB "
                   "| peer peak live MiB | peak RSS MiB ours / peer | memory | final loss diff |", rows)
     out += ["", "### Where our step's time goes (rank 0, median ms per phase)", "",
-            "forward / backward exclude the gather waits; grad wait = `finalize_grads`; optimizer = `engine.step` "
-            "(clip, AdamW on the shard, ZeRO-1/2's parameter all-gather). Comm = the CommLog's bytes per step.", ""]
+            "forward / backward exclude the gather waits (ZeRO-3: each unit's all-gather; ZeRO-1/2, run with "
+            "`--overlap-param-gather`: the previous step's parameter all-gathers, finishing behind the forward); "
+            "grad wait = `finalize_grads`; optimizer = `engine.step` (clip, AdamW on the shard, launching ZeRO-1/2's "
+            "parameter all-gathers). Comm = the CommLog's bytes per step.", ""]
     out += _table("| shape | dp | variant | ms/step | " + " | ".join(PHASES) + " | comm MiB/step |", phases)
     return out + [""]

@@ -42,6 +42,8 @@ ARGUMENTS: dict[str, list[tuple[tuple[str, ...], str, dict]]] = {
         (("--zero-stage",), "zero.zero_stage", dict(type=int, choices=ZERO_STAGES)),
         (("--bucket-size",), "zero.bucket_size", dict(type=int, help="elements per gradient bucket")),
         (("--overlap-grad-reduce",), "zero.overlap_grad_reduce", dict(action=argparse.BooleanOptionalAction)),
+        (("--overlap-param-gather",), "zero.overlap_param_gather",
+         dict(action="store_true", help="ZeRO-1/2: the updated parameters' all-gathers finish behind the next forward")),
         (("--zero3-prefetch-layers",), "zero.prefetch_layers", dict(type=int)),
         (("--zero3-keep-params-gathered",), "zero.keep_params_gathered", dict(action="store_true")),
         (("--zero-quantized-weights",), "zero.quantized_weights",

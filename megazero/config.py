@@ -150,6 +150,7 @@ class ZeroConfig:
     zero_stage: int = 0
     bucket_size: int = 4_000_000                # elements per gradient bucket
     overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False          # stages 1-2: parameter all-gathers finish behind the next forward
     prefetch_layers: int = 1                    # stage 3: gathered layers in flight ahead of compute
     prefetch_bucket_elements: int | None = None  # DeepSpeed's stage3_prefetch_bucket_size -> prefetch_layers
     keep_params_gathered: bool = False          # stage 3 with pp: keep gathered for the whole step
@@ -535,6 +536,9 @@ def _check_precision_and_optimizer(job: JobConfig) -> None:
     if z.keep_params_gathered and z.zero_stage != 3:
         _fail(f"--zero3-keep-params-gathered applies to --zero-stage 3 only (got {z.zero_stage}): "
               f"drop the flag or use --zero-stage 3")
+    if z.overlap_param_gather and z.zero_stage not in (1, 2):
+        _fail(f"--overlap-param-gather applies to --zero-stage 1 and 2 (got {z.zero_stage}; stage 3 gathers "
+              "each layer ahead of its compute, see --zero3-prefetch-layers): drop the flag or use stage 1 or 2")
     if z.reduce_each_microbatch and z.zero_stage != 2:
         _fail(f"--zero2-reduce-each-microbatch applies to --zero-stage 2 only (got {z.zero_stage}): "
               f"drop the flag or use --zero-stage 2")

@@ -61,6 +61,8 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
     (1, dict(zero=ZeroConfig(zero_stage=4)), r"--zero-stage must be 0, 1, 2 or 3, got 4"),
     (2, dict(zero=ZeroConfig(zero_stage=1, reduce_each_microbatch=True)),
      r"--zero2-reduce-each-microbatch applies to --zero-stage 2 only \(got 1\)"),
+    (2, dict(zero=ZeroConfig(zero_stage=3, overlap_param_gather=True)),
+     r"--overlap-param-gather applies to --zero-stage 1 and 2 \(got 3"),
     (2, dict(zero=ZeroConfig(zero_stage=2, keep_params_gathered=True)),
      r"--zero3-keep-params-gathered applies to --zero-stage 3 only \(got 2\)"),
     (1, dict(precision=PrecisionConfig(bf16=True, fp16=True)), r"--bf16 and --fp16 are exclusive"),

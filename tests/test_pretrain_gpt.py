@@ -29,7 +29,8 @@ LAYOUTS = [
     ("dp2-zero3", 2, ["--dp", "2", "--zero-stage", "3"]),
     ("dp2-zero3-keep-gathered", 2, ["--dp", "2", "--zero-stage", "3", "--zero3-keep-params-gathered"]),
     ("tp2pp2dp2-sp-zero3", 8, ["--tp", "2", "--pp", "2", "--dp", "2", "--sequence-parallel", "--zero-stage", "3"]),
-    ("tp2pp2dp2-zero1", 8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "1"]),
+    ("tp2pp2dp2-zero1-overlap-param-gather", 8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "1",
+                                                 "--overlap-param-gather"]),
     ("tp2pp2dp2-interleaved-zero2-each-mb", 8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "2",
                                                "--zero2-reduce-each-microbatch", "--sequence-parallel",
                                                "--num-layers-per-virtual-pipeline-stage", "1"]),
@@ -54,7 +55,7 @@ def test_serial_run_logs_every_iteration(serial_metrics):
     assert valid[-1]["valid_ppl"] == pytest.approx(math.exp(valid[-1]["valid_loss"]), rel=1e-6)
 
 
-QUICK_LAYOUTS = {"dp2-zero3", "tp2pp2dp2-zero1"}     # the quick tier's share of the matrix
+QUICK_LAYOUTS = {"dp2-zero3", "tp2pp2dp2-zero1-overlap-param-gather"}     # the quick tier's share of the matrix
 
 
 @pytest.mark.parametrize("world,flags", [pytest.param(*c[1:], marks=() if c[0] in QUICK_LAYOUTS else pytest.mark.slow)
@@ -70,7 +71,7 @@ def test_layout_matches_serial(world, flags, serial_metrics, tmp_path):
 # (id, world size, layout flags) run in bf16 and fp16 against the serial run in the same precision.
 MIXED_LAYOUTS = [
     ("bf16-tp2pp2dp2-sp-zero1", 8, ["--bf16", "--tp", "2", "--pp", "2", "--dp", "2", "--sequence-parallel",
-                                    "--zero-stage", "1"]),
+                                    "--zero-stage", "1", "--overlap-param-gather"]),
     ("bf16-dp2-zero3", 2, ["--bf16", "--dp", "2", "--zero-stage", "3"]),
     ("fp16-tp2pp2-zero0", 4, ["--fp16", "--tp", "2", "--pp", "2"]),
     ("fp16-dp2-zero2", 2, ["--fp16", "--dp", "2", "--zero-stage", "2"]),

@@ -98,12 +98,13 @@ def test_model_state_bytes_match_zero_formulas(world):
 
 # --------------------------------------------------------------------------- GPT with tp x pp x dp
 
-def _gpt_body(rank, world_size, tp, pp, stage, sequence_parallel, steps, virtual_stages=1):
+def _gpt_body(rank, world_size, tp, pp, stage, sequence_parallel, steps, virtual_stages=1, overlap_param_gather=False):
     topo = Topology(tp=tp, pp=pp)
     par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sequence_parallel,
                          virtual_stages=virtual_stages)
     chunks = build_model_chunks(ModelConfig(**GPT_CFG), par, topo, seed=SEED)
-    engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, bucket_size=3000), GPT_OPT)
+    engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, bucket_size=3000,
+                                                   overlap_param_gather=overlap_param_gather), GPT_OPT)
     losses, norms = [], []
     for batches in gpt_batches(steps, topo.dp_size * MICRO):
         mine = batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
@@ -113,9 +114,12 @@ def _gpt_body(rank, world_size, tp, pp, stage, sequence_parallel, steps, virtual
         engine.finalize_grads()
         norm, skipped = engine.step()
         assert not skipped
+        if overlap_param_gather:              # the gathers finish behind the next forward
+            assert len(engine.optimizer.overlap.pending) == len(engine.grad_sync.buckets) > 1
         losses.append(global_loss(out, topo))
         norms.append(norm)
-    params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
+    with engine.gathered_parameters():        # waits for gathers still in flight
+        params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
     return topo.tp_rank, topo.tp_size, losses, norms, params
 
 
@@ -130,6 +134,14 @@ def test_gpt_tp2_pp2_dp2_matches_single_process(stage, sequence_parallel):
 @pytest.mark.slow
 def test_gpt_tp2_dp2_stage0_sequence_parallel_matches_single_process():
     results = run_on_ranks(4, _gpt_body, 2, 1, 0, True, 3)
+    check_against_reference(results, 3, dp=2)
+
+
+@pytest.mark.parametrize("stage,tp,pp,sequence_parallel", [(1, 1, 2, False), (2, 2, 1, True)])
+def test_overlapped_param_gather_matches_single_process(stage, tp, pp, sequence_parallel):
+    """--overlap-param-gather: step() returns with every bucket's all-gather pending; each module's
+    forward waits for its own buckets; the run equals one process."""
+    results = run_on_ranks(4, _gpt_body, tp, pp, stage, sequence_parallel, 3, 1, True)
     check_against_reference(results, 3, dp=2)
 
 

@@ -18,6 +18,70 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class JoinedWork:
+    """One work handle for several async collectives, and an action to run once all are done
+    (``wait`` runs it once; ``is_completed`` is true when every part is)."""
+
+    def __init__(self, works: list, then=None):
+        self.works, self.then = [w for w in works if w is not None], then
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        if self.then is not None:
+            self.then, then = None, self.then
+            then()
+        return True
+
+
+def _finish(works: list, then, async_op: bool):
+    work = JoinedWork(works, then)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    """Every rank's ``input`` concatenated into ``output`` in group-rank order (``input`` may be this
+    rank's chunk of ``output``); the work handle when ``async_op``.
+
+    On CPU tensors (gloo) as one broadcast per rank from that rank's chunk: the same bytes per rank
+    ((N-1)/N of ``output``), but gloo's ring all-gather stages every chunk through extra copies and
+    runs 2.5-4.5x slower (44M fp32 elements: 183 vs 41 ms at dp 2, 340 vs 131 ms at dp 4). On GPU
+    tensors the backend's all-gather (NCCL's is the fast one there).
+    """
+    if output.is_cuda:
+        return all_gather_flat(output, input, group=group, async_op=async_op)
+    chunks = output.chunk(dist.get_world_size(group))
+    me = dist.get_rank(group)
+    if input.data_ptr() != chunks[me].data_ptr():
+        chunks[me].copy_(input)
+    ranks = dist.get_process_group_ranks(group)
+    works = [dist.broadcast(c, src=ranks[i], group=group, async_op=async_op) for i, c in enumerate(chunks)]
+    return _finish(works, None, async_op)
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False, *,
+                        input_is_scratch: bool = False):
+    """``input`` summed over ``group``, this rank's chunk in ``output`` (which may be that chunk of
+    ``input``); the work handle when ``async_op``.
+
+    With ``input_is_scratch`` (the caller never reads ``input`` again, except its own chunk) and CPU
+    tensors, as an in-place all-reduce of ``input`` and a copy of the chunk: twice the bytes, but
+    gloo's reduce-scatter runs 2-2.5x slower than its all-reduce of the same buffer (44M fp32
+    elements: 204 vs 104 ms at dp 2, 546 vs 223 ms at dp 4). Otherwise the backend's reduce-scatter.
+    """
+    if output.is_cuda or not input_is_scratch:
+        return reduce_scatter_flat(output, input, group=group, async_op=async_op)
+    chunk = input.chunk(dist.get_world_size(group))[dist.get_rank(group)]
+    then = None if chunk.data_ptr() == output.data_ptr() else (lambda: output.copy_(chunk))
+    return _finish([dist.all_reduce(input, group=group, async_op=async_op)], then, async_op)
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Number of ranks in ``group``; 1 for ``None``."""
     return 1 if group is None else dist.get_world_size(group)
@@ -38,7 +102,7 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0, in group-rank order: [n, ...] -> [size * n, ...]."""
     size = group_size(group)
-    return x if size == 1 else _flat_dim0(all_gather_flat, x, size * x.shape[0], group)
+    return x if size == 1 else _flat_dim0(all_gather_into, x, size * x.shape[0], group)
 
 
 def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:

@@ -45,7 +45,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from megazero.parallel.comm import all_gather_flat, group_size, reduce_scatter_flat
+from megazero.parallel.comm import all_gather_into, group_size, reduce_scatter_into
 
 
 class CommLog:
@@ -133,12 +133,16 @@ def all_reduce(tensor: torch.Tensor, group, log: CommLog | None, tag: str, *,
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, log: CommLog | None, tag: str, *,
-                   async_op: bool = False):
+                   async_op: bool = False, input_is_scratch: bool = False):
     """Sum ``input`` (N * output.numel() elements) over ``group``; rank r gets chunk r in ``output``.
 
     ``output`` may be rank r's chunk of ``input`` itself (in place; works on gloo and NCCL).
+    ``input_is_scratch``: the caller reads no other chunk of ``input`` afterwards, so the backend may
+    overwrite it (:func:`megazero.parallel.comm.reduce_scatter_into`; counted as a reduce-scatter).
     """
-    return _flat(reduce_scatter_flat, output, input, input, group, log, tag, async_op)
+    def collective(out, inp, group, async_op):
+        return reduce_scatter_into(out, inp, group, async_op, input_is_scratch=input_is_scratch)
+    return _flat(collective, output, input, input, group, log, tag, async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, log: CommLog | None, tag: str, *,
@@ -147,7 +151,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, log: CommLog | 
 
     ``input`` may be rank r's chunk of ``output`` itself (in place).
     """
-    return _flat(all_gather_flat, output, input, output, group, log, tag, async_op)
+    return _flat(all_gather_into, output, input, output, group, log, tag, async_op)
 
 
 def _flat(collective, output, input, full, group, log: CommLog | None, tag: str, async_op: bool):
@@ -159,7 +163,7 @@ def _flat(collective, output, input, full, group, log: CommLog | None, tag: str,
         return None
     if log is not None:
         log.record(tag, (n - 1) / n * _nbytes(full), group)
-    return collective(output, input, group=group, async_op=async_op)
+    return collective(output, input, group, async_op)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group, log: CommLog | None, tag: str, *,

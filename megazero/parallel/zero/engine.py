@@ -131,9 +131,11 @@ class ZeroEngine:
         return model_state_bytes(self.grad_sync, self.optimizer)
 
     def state_dict(self) -> dict:
+        self.optimizer.wait_params()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        self.optimizer.wait_params()
         self.optimizer.load_state_dict(state)
 
     def _pieces(self, ranges, weights: bool, optimizer: bool) -> list[StatePiece]:
@@ -153,11 +155,13 @@ class ZeroEngine:
         """What this rank writes to a checkpoint: for every bucket, its data-parallel shard of the
         elements, weights and optimizer state (at stage 0 too: replicated state is written once,
         split over the dp ranks, in parallel)."""
+        self.optimizer.wait_params()
         return self._pieces([(b, *self.grad_sync.shard_range(b)) for b in self.grad_sync.buckets], True, True)
 
     def loaded_pieces(self, weights_only: bool = False) -> list[StatePiece]:
         """What this rank fills from a checkpoint: the weights it holds (stages 0-2 whole tp-local
         parameters, stage 3 its shard) and, unless ``weights_only``, the optimizer state it owns."""
+        self.optimizer.wait_params()
         sync = self.grad_sync
         weight_ranges = [(b, *(sync.shard_range(b) if isinstance(sync, ShardedParamSync) else (0, b.numel)))
                          for b in sync.buckets]
@@ -182,6 +186,7 @@ class ZeroEngine:
         """Inside: every parameter of the chunks holds its full tp-local value (stages 0-2 always do).
         With ``write_back``, on a normal exit the parameters become the truth: the fp32 masters are
         refreshed from them (matters for bf16/fp16). Call on every rank (stage 3 gathers here)."""
+        self.optimizer.wait_params()
         yield
         if write_back:
             self.optimizer.refresh_masters()

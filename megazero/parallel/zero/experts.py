@@ -48,6 +48,9 @@ class ParamSubset:
     def named_parameters(self):
         return [(n, p) for n, p in self.chunk.named_parameters() if self.keep(p)]
 
+    def modules(self):
+        return self.chunk.modules()
+
     def parameters(self):
         return [p for _, p in self.named_parameters()]
 

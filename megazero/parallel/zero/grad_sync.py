@@ -50,7 +50,7 @@ from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype, weak_grad_hook
 from megazero.parallel.zero.materialize import initial_value, is_meta, swap_in
 
-MAX_REDUCTIONS_IN_FLIGHT = 1   # sharded gradient reductions that may still run: one reduces while the next bucket fills
+MAX_REDUCTIONS_IN_FLIGHT = 3   # sharded gradient reductions that may still run: one reduces while the next bucket fills
 
 
 class BucketedGradSync:
@@ -332,7 +332,7 @@ class ReduceScatterGradSync(BucketedGradSync):
     def _launch(self, bucket: Bucket, grad_data: torch.Tensor):
         lo, hi = self.shard_range(bucket)
         return comm.reduce_scatter(grad_data[lo:hi], grad_data, self.dp_group, self.comm_log, "dp",
-                                   async_op=True)
+                                   async_op=True, input_is_scratch=True)
 
     def grad_range(self, bucket: Bucket) -> tuple[int, int]:
         return self.shard_range(bucket)
@@ -406,7 +406,8 @@ class ShardedGradSync(BucketedGradSync):
 
     def reduce_scatter_grads(self, target: torch.Tensor, grad_data: torch.Tensor):
         """Sum ``grad_data`` over dp into ``target``, this rank's shard (ZeRO++'s qgZ: :mod:`.zeropp`)."""
-        return comm.reduce_scatter(target, grad_data, self.dp_group, self.comm_log, "dp", async_op=True)
+        return comm.reduce_scatter(target, grad_data, self.dp_group, self.comm_log, "dp", async_op=True,
+                                   input_is_scratch=True)
 
     def _retire(self, keep: int) -> None:
         """Finish reductions in launch order (add scratch shards, release full-size storage): every

@@ -204,6 +204,10 @@ class BucketAdamW:
     def _share(self) -> None:
         """Make the stored parameter values the model's everywhere (stages 1-2: all-gather over dp)."""
 
+    def wait_params(self) -> None:
+        """Return once the parameters hold the last step's values (stages 1-2 with
+        ``--overlap-param-gather`` may still be gathering them)."""
+
     def _publish(self) -> None:
         """Parameters from the masters, then shared (after a state was loaded)."""
         self._before_write()

@@ -47,15 +47,84 @@ class ZeroStage1Optimizer(BucketAdamW):
     def _norm_group(self):
         return dist.group.WORLD, "world"
 
+    def __init__(self, grad_sync, *args, **kwargs):
+        super().__init__(grad_sync, *args, **kwargs)
+        self.overlap = OverlappedParamGather(grad_sync) if grad_sync.cfg.overlap_param_gather else None
+
     def _share(self) -> None:
-        handles = []
-        for r in self.ranges:
+        """All-gather every bucket's updated shard over dp, in the order the forward uses the buckets
+        (the last bucket holds the first layers); wait, or with ``--overlap-param-gather`` leave the
+        gathers to finish behind the next forward."""
+        handles = {}
+        for k in reversed(range(len(self.ranges))):
+            r = self.ranges[k]
             shard = r.bucket.param_data[r.lo:r.hi]
-            handles.append(comm.all_gather(r.bucket.param_data, shard, self.grad_sync.dp_group,
-                                           self.comm_log, "dp", async_op=True))
-        for h in handles:
+            handles[k] = comm.all_gather(r.bucket.param_data, shard, self.grad_sync.dp_group,
+                                         self.comm_log, "dp", async_op=True)
+        if self.overlap is not None:
+            self.overlap.launched(handles)
+            return
+        for h in handles.values():
             if h is not None:
                 h.wait()
+
+    def wait_params(self) -> None:
+        if self.overlap is not None:
+            self.overlap.wait_all()
+
+    def _before_write(self) -> None:
+        self.wait_params()                        # a gather still writing the parameters finishes first
+
+    def close(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
+        super().close()
+
+
+class OverlappedParamGather:
+    """ZeRO-1/2 with ``--overlap-param-gather``: the updated parameters' all-gathers finish behind the
+    next forward instead of at the end of the step (Megatron's flag of the same name).
+
+    A forward pre-hook on every module that owns parameters waits for the gathers of its own
+    buckets only. Whatever else reads or writes the parameters first calls :meth:`wait_all`: the
+    optimizer before it writes new values, the engine before saving, loading, ``gathered_parameters``
+    and ``state_dict``.
+
+    Example, dp = 2, buckets filled in backward order: b0 = [output head, layer 1], b1 = [layer 0,
+    embedding]. ``step()`` returns with both gathers queued, b1's first; the next forward's embedding
+    waits for b1 alone and layer 0 runs while b0's gather goes on; layer 1 then waits for b0.
+    """
+
+    def __init__(self, grad_sync):
+        self.pending: dict[int, object] = {}          # bucket index -> work handle of its all-gather
+        bucket_of = {id(s.param): k for k, b in enumerate(grad_sync.buckets) for s in b.slots}
+        self._hooks = []
+        for chunk in grad_sync.chunks:
+            for module in chunk.modules():
+                ks = sorted({bucket_of[id(p)] for p in module._parameters.values()
+                             if p is not None and id(p) in bucket_of})
+                if ks:
+                    self._hooks.append(module.register_forward_pre_hook(
+                        lambda module, args, ks=ks: self.wait(ks)))
+
+    def launched(self, handles: dict[int, object]) -> None:
+        self.pending.update({k: h for k, h in handles.items() if h is not None})
+
+    def wait(self, ks) -> None:
+        if self.pending:
+            for k in ks:
+                h = self.pending.pop(k, None)
+                if h is not None:
+                    h.wait()
+
+    def wait_all(self) -> None:
+        self.wait(list(self.pending))
+
+    def close(self) -> None:
+        self.wait_all()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
 
 class ZeroStage2Optimizer(ZeroStage1Optimizer):
