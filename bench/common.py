@@ -358,7 +358,8 @@ def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None
     peak_rss_mib, extra (dict) -- or {"unavailable": reason}. ``live_memory``: also
     ``peak_live_mib``, the peak bytes of live tensors this variant holds during its last warm-up step
     (what it built, counted by :func:`reachable_tensor_bytes`, plus the step's own allocations counted
-    by :class:`~megazero.memory.measure.LiveTensorBytes`)."""
+    by :class:`~megazero.memory.measure.LiveTensorBytes`, opened a step earlier and marked, so the
+    tensors of the step before that die in it are seen leaving)."""
     _primer(group)
     base = rss_mib()
     steps, out = {}, {}
@@ -381,9 +382,14 @@ def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None
         live_base = reachable_tensor_bytes() if live_memory else 0
         built = v.build()
         step, extra = built if isinstance(built, tuple) else (built, None)
-        losses = [step(micro) for micro in batches[:WARMUP_STEPS - 1]]
-        probe = LiveTensorBytes(alive=reachable_tensor_bytes() - live_base) if live_memory else contextlib.nullcontext()
+        # The probe opens a step early: the last step frees what the one before left (gradients), and
+        # the profiler sees a free only of what it saw allocated. The peak counts from the mark.
+        losses = [step(micro) for micro in batches[:WARMUP_STEPS - 2]]
+        probe = LiveTensorBytes() if live_memory else contextlib.nullcontext()
         with probe:
+            losses.append(step(batches[WARMUP_STEPS - 2]))
+            if live_memory:
+                probe.mark(reachable_tensor_bytes() - live_base)
             losses.append(step(batches[WARMUP_STEPS - 1]))
         out[v.name] = {"peak_rss_mib": base + peak_rss_mib() - before, "losses": losses, "times": [],
                        "extra": extra() if extra else {}}

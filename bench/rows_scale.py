@@ -20,7 +20,8 @@ Per-phase split of our step (slowest rank's figures are not combined: rank 0's, 
                 launching the all-gathers of the updated parameters
 
 Memory: the peak live tensor bytes of a variant during its second warm-up step (what it built plus
-the step's own allocations; ``run_variants(live_memory=True)``), beside the peak RSS.
+the allocations of its first two steps, the peak taken in the second, where the first step's
+gradients are freed; ``run_variants(live_memory=True)``), beside the peak RSS.
 """
 from __future__ import annotations
 
@@ -202,8 +203,8 @@ def scale_section(results: list) -> list[str]:
                    f"(2 untimed).")
     out += ["", "Each ZeRO stage runs in its own processes beside its peers, one step each per round in a rotated "
             "order; ms = median step (slowest rank), ratio = median of per-round ratios. Peak live MiB: the "
-            "largest rank's peak of live tensor bytes in its second step (what the variant built plus the step's "
-            "allocations; gloo-thread frees are not seen, so an upper bound); RSS with allocations over 64 KiB "
+            "largest rank's peak of live tensor bytes in its second step (what the variant built plus the allocations "
+            "of its first two steps, counted from the second; gloo-thread frees are not seen, so an upper bound); RSS with allocations over 64 KiB "
             "mmapped. Memory target: ours' peak live bytes at or below the peer's. DeepSpeed's reduce and "
             f"all-gather buckets are set to our bucket size ({ZeroConfig.bucket_size:,} elements; its default reduce "
             "bucket allocates 1.9 GiB). `ours-zero3-keep` is "

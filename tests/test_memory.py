@@ -30,6 +30,17 @@ def test_live_tensor_bytes_follows_allocations():
     assert (first.peak, first.end) == (12_000_000, 4_000_000)
     assert (second.peak, second.end) == (6_000_000, 6_000_000)
     del a, c
+    old = torch.zeros(1000, 1000)                        # 4 MB from before, freed in the first "step"
+    with LiveTensorBytes(alive=4_000_000) as third:      # one "step" early, then the mark
+        del old                                          # unseen: allocated before the block
+        grad = torch.zeros(1000, 1000)                   # 4 MB the next step frees
+        big = torch.zeros(3000, 1000)                    # a 12 MB peak before the mark: not counted
+        del big
+        third.mark(4_000_000)                            # what is alive here: grad
+        del grad                                         # seen leaving: allocated inside the block
+        d = torch.zeros(500, 1000)
+    assert (third.peak, third.end) == (4_000_000, 2_000_000)
+    del d
 
 
 def test_zero_paper_worked_example():

@@ -9,8 +9,8 @@ history: a ZeRO-3 run that holds 180 MiB of tensors can show 1.5 GiB resident. T
   ``peak mem`` it logs is then resident memory that means something.
 * :class:`LiveTensorBytes` counts the bytes of tensors alive, from the allocation events of
   torch's profiler: exact and independent of the allocator, but slow enough to be for tests and
-  benchmarks only. Tensors allocated before it started and freed inside count negatively; measure
-  from before what you care about is created.
+  benchmarks only. The profiler sees no free of a tensor allocated before it started: measure from
+  before what you care about is created, or start a step early and :meth:`LiveTensorBytes.mark`.
 """
 from __future__ import annotations
 
@@ -44,17 +44,38 @@ class LiveTensorBytes:
             train_step(...)
         build.peak, step.peak, step.end
 
-    A tensor allocated before the block and freed inside counts negatively: measure from before
-    what you care about is created (``gc.collect()`` first), and chain blocks through ``alive`` to
-    follow phases. The profiler sees the allocations and frees of the thread that runs the block:
+    The profiler does not see the free of a tensor allocated before the block (it stays counted):
+    measure from before what you care about is created (``gc.collect()`` first), and chain blocks
+    through ``alive`` to follow phases. For the peak of one training step, whose tensors from the
+    step before (gradients, say) die inside it, open the block a step early and call :meth:`mark`
+    where the step begins with the bytes alive there (counted exactly at a quiescent point, e.g. by
+    walking the reachable tensors): counting starts over at the mark, and the frees of what the
+    step before allocated are seen::
+
+        with LiveTensorBytes() as probe:
+            train_step(...)          # allocates what the next step frees
+            probe.mark(alive_now)
+            train_step(...)
+        probe.peak, probe.end        # the second step's
+
+    The profiler sees the allocations and frees of the thread that runs the block:
     a tensor whose last reference dies in a collective's worker thread (gloo, with tp > 1) stays
     counted, so keep blocks short (one step) and read the figures as upper bounds there.
     """
+
+    _MARK = "megazero.LiveTensorBytes.mark"
 
     def __init__(self, alive: int = 0) -> None:
         self.alive = alive
         self.peak = self.end = alive
         self._prof = None
+        self._marked: int | None = None
+
+    def mark(self, alive: int) -> None:
+        """Start counting over here, from ``alive`` bytes (see the class docstring)."""
+        self._marked = alive
+        with torch.profiler.record_function(self._MARK):
+            pass
 
     def __enter__(self) -> "LiveTensorBytes":
         from torch.profiler import ProfilerActivity, profile
@@ -65,9 +86,16 @@ class LiveTensorBytes:
 
     def __exit__(self, *exc) -> None:
         self._prof.__exit__(*exc)
-        events = sorted((e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"
+        all_events = self._prof.profiler.kineto_results.events()
+        events = sorted((e for e in all_events if e.name() == "[memory]"
                          and e.device_type() == torch.autograd.DeviceType.CPU), key=lambda e: e.start_ns())
         live = peak = self.alive
+        if self._marked is not None:
+            marks = [e.start_ns() for e in all_events if e.name() == self._MARK]
+            if not marks:
+                raise RuntimeError("LiveTensorBytes.mark() was called but the profiler recorded no mark")
+            events = [e for e in events if e.start_ns() >= max(marks)]
+            live = peak = self._marked
         for e in events:
             live += e.nbytes()
             peak = max(peak, live)

@@ -351,6 +351,7 @@ class ShardedGradSync(BucketedGradSync):
     def __init__(self, *args, **kwargs):
         self._in_flight: deque = deque()       # (bucket, handle, full storage, scratch shard or None)
         self._held = self._peak = 0
+        self._spare: list[torch.Tensor] = []     # retired full-size storage, reused within one backward
         super().__init__(*args, **kwargs)
         self._max_in_flight = MAX_REDUCTIONS_IN_FLIGHT if self.cfg.overlap_grad_reduce else 0
 
@@ -366,14 +367,22 @@ class ShardedGradSync(BucketedGradSync):
 
     def _grad_storage(self, bucket: Bucket) -> torch.Tensor:
         if bucket.grad_data is None:
-            bucket.grad_data = torch.zeros(bucket.numel, dtype=self.grad_dtype(bucket.param_data.dtype),
-                                           device=bucket.param_data.device)
+            bucket.grad_data = self._fresh_storage(bucket)
             self._track(nbytes(bucket.grad_data))
             for s in bucket.slots:
                 if s.param.grad is not None:          # a gradient autograd made before we saw it
                     bucket.grad_data[s.start:s.end].add_(s.param.grad.reshape(-1))
                 self._point_grad(s, bucket.grad_data)
         return bucket.grad_data
+
+    def _fresh_storage(self, bucket: Bucket) -> torch.Tensor:
+        """Zeroed full-size gradient storage for ``bucket``: a retired bucket's storage of the same
+        size when one is spare (the allocator would hand back fresh pages to fault in), else new."""
+        dtype, device = self.grad_dtype(bucket.param_data.dtype), bucket.param_data.device
+        for i, t in enumerate(self._spare):
+            if t.numel() == bucket.numel and t.dtype == dtype and t.device == device:
+                return self._spare.pop(i).zero_()
+        return torch.zeros(bucket.numel, dtype=dtype, device=device)
 
     def _holds_grads(self, bucket: Bucket) -> bool:
         return bucket.grad_data is not None
@@ -423,6 +432,8 @@ class ShardedGradSync(BucketedGradSync):
                 bucket.grad_shard.add_(scratch)
                 self._held -= nbytes(scratch)
             self._held -= nbytes(full)
+            if len(self._spare) < 1:
+                self._spare.append(full)
             self._in_flight.popleft()
             self._reduced(bucket, *self.shard_range(bucket))
 
@@ -433,6 +444,7 @@ class ShardedGradSync(BucketedGradSync):
             if bucket.grad_data is not None or bucket.grad_shard is None:
                 self._start(bucket)
         self._retire(keep=0)
+        self._spare.clear()
         self._reset_countdown()
         self._synced = True
 
