@@ -2,8 +2,9 @@
 
 The pipeline schedule calls ``before_backward(chunk_id, is_last_microbatch)`` before every backward.
 A hook on each parameter counts down its bucket (:mod:`~megazero.parallel.zero.buckets`); when the
-bucket's last gradient of a reducing backward has arrived, the bucket is scaled by 1/dp and its
-reduction launched asynchronously, overlapping the rest of backward. At the end of each backward
+bucket's last gradient of a reducing backward has arrived, its reduction is launched asynchronously,
+overlapping the rest of backward; the sum is averaged over dp (stage 0 and fp16 buckets before the
+reduction, the sharded stages on their kept range after it). At the end of each backward
 the reductions the countdown did not launch (parameters that got no gradient, or overlap off) are
 launched. ``finish_grad_sync()`` waits for everything; ``finalize_grads()`` adds the tensor- and
 pipeline-parallel sums.
@@ -24,8 +25,8 @@ backward accumulates into fresh storage). The first reduction of a step lands in
 gradient shard; a later one (reducing every micro-batch) lands in a scratch shard that is added once
 it completes. At most ``MAX_REDUCTIONS_IN_FLIGHT`` reductions stay in flight; older ones are waited
 on and their full storage released. Worked example, dp = 2, 2 micro-batches reduced each, one bucket
-of 6 elements: micro-batch 0 fills g0 (6), reduce-scatter(g0 / 2) -> shard (3); micro-batch 1 fills
-g1 (6, new storage), reduce-scatter(g1 / 2) -> scratch (3), shard += scratch once it lands.
+of 6 elements: micro-batch 0 fills g0 (6), reduce-scatter(g0) -> shard (3), halved once it lands;
+micro-batch 1 fills g1 (6, new storage), reduce-scatter(g1) -> scratch (3), shard += scratch / 2 once it lands.
 
 Memory, honestly. Stage 2 reduces once per step, after the last micro-batch, so with gradient
 accumulation every bucket holds its full storage from the first micro-batch's backward to its
@@ -50,7 +51,7 @@ from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype, weak_grad_hook
 from megazero.parallel.zero.materialize import initial_value, is_meta, swap_in
 
-MAX_REDUCTIONS_IN_FLIGHT = 3   # sharded gradient reductions that may still run: one reduces while the next bucket fills
+MAX_REDUCTIONS_IN_FLIGHT = 3   # sharded gradient reductions that may still run while the next buckets fill
 
 
 class BucketedGradSync:
@@ -63,6 +64,7 @@ class BucketedGradSync:
     """
 
     reduce_every_backward = False          # True: every backward reduces (not only the step's last)
+    average_after = False                  # True: scale by 1/dp after the reduction, this rank's range only
 
     def __init__(self, chunks: nn.Module | list[nn.Module], topo: Topology, zero_cfg: ZeroConfig | None = None,
                  *, comm_log: CommLog | None = None):
@@ -203,10 +205,16 @@ class BucketedGradSync:
 
     def _start(self, bucket: Bucket) -> None:
         grad_data = self._grad_storage(bucket)
-        if self.average_over > 1:
+        if self.average_over > 1 and not self._averages_after(grad_data):
             grad_data.mul_(1.0 / self.average_over)
         bucket.handle = self._launch(bucket, grad_data)
         bucket.launched = True
+
+    def _averages_after(self, grad_data: torch.Tensor) -> bool:
+        """Average the reduced range, not the whole bucket before (1/N of the multiplies where only a
+        shard is kept, and bitwise the same for N a power of two). fp16 sums of N unscaled gradients
+        could overflow, so fp16 buckets are averaged first, as stage 0's (read whole) always are."""
+        return self.average_after and grad_data.dtype != torch.float16
 
     def _launch(self, bucket: Bucket, grad_data: torch.Tensor):
         raise NotImplementedError
@@ -220,7 +228,10 @@ class BucketedGradSync:
             if bucket.handle is not None:
                 bucket.handle.wait()
             bucket.handle = None
-            self._reduced(bucket, *self.grad_range(bucket))
+            lo, hi = self.grad_range(bucket)
+            if self.average_over > 1 and self._averages_after(bucket.grad_data):
+                bucket.grad_data[lo:hi].mul_(1.0 / self.average_over)
+            self._reduced(bucket, lo, hi)
         self._reset_countdown()
         self._synced = True
 
@@ -329,6 +340,8 @@ class AllReduceGradSync(BucketedGradSync):
 class ReduceScatterGradSync(BucketedGradSync):
     """Stage 1: reduce-scatter each bucket in place; only this rank's shard is read afterwards."""
 
+    average_after = True
+
     def _launch(self, bucket: Bucket, grad_data: torch.Tensor):
         lo, hi = self.shard_range(bucket)
         return comm.reduce_scatter(grad_data[lo:hi], grad_data, self.dp_group, self.comm_log, "dp",
@@ -344,14 +357,19 @@ class ShardedGradSync(BucketedGradSync):
     Lifetimes, per bucket: the full-size storage from the bucket's first gradient until its
     reduce-scatter is retired; the gradient shard from the step's first reduction until
     ``zero_grad``. So the optimizer step holds only shards, the next forward holds no gradients at
-    all, and backward holds the full storage of buckets not yet reduced. ``peak_grad_bytes``
-    records the most held at once.
+    all, and backward holds the full storage of buckets not yet reduced. A retired storage is kept
+    for the next bucket of its size until the backward's reductions are finished (fresh memory costs
+    a page fault at every first touch): at most ``MAX_REDUCTIONS_IN_FLIGHT`` + 1 are kept, and they
+    are freed before a storage of another size is allocated, so they never raise the peak.
+    ``peak_grad_bytes`` records the most held at once.
     """
+
+    average_after = True
 
     def __init__(self, *args, **kwargs):
         self._in_flight: deque = deque()       # (bucket, handle, full storage, scratch shard or None)
         self._held = self._peak = 0
-        self._spare: list[torch.Tensor] = []     # retired full-size storage, reused within one backward
+        self._spare: list[torch.Tensor] = []     # retired full-size storage for the next buckets of this backward
         super().__init__(*args, **kwargs)
         self._max_in_flight = MAX_REDUCTIONS_IN_FLIGHT if self.cfg.overlap_grad_reduce else 0
 
@@ -381,8 +399,14 @@ class ShardedGradSync(BucketedGradSync):
         dtype, device = self.grad_dtype(bucket.param_data.dtype), bucket.param_data.device
         for i, t in enumerate(self._spare):
             if t.numel() == bucket.numel and t.dtype == dtype and t.device == device:
+                self._held -= nbytes(t)          # counted again by the caller, as a bucket's storage
                 return self._spare.pop(i).zero_()
+        self._drop_spares()                      # of other sizes: freed before anything new is allocated
         return torch.zeros(bucket.numel, dtype=dtype, device=device)
+
+    def _drop_spares(self) -> None:
+        self._held -= sum(nbytes(t) for t in self._spare)
+        self._spare.clear()
 
     def _holds_grads(self, bucket: Bucket) -> bool:
         return bucket.grad_data is not None
@@ -396,7 +420,7 @@ class ShardedGradSync(BucketedGradSync):
         """Reduce-scatter the bucket into its gradient shard (or a scratch shard added on arrival),
         detach its storage from the parameters, keep the number in flight bounded."""
         grad_data = self._grad_storage(bucket)
-        if self.average_over > 1:
+        if self.average_over > 1 and not self._averages_after(grad_data):
             grad_data.mul_(1.0 / self.average_over)
         scratch = None
         if bucket.grad_shard is None:            # the step's first reduction of this bucket
@@ -428,12 +452,15 @@ class ShardedGradSync(BucketedGradSync):
                 if len(self._in_flight) <= keep and not handle.is_completed():
                     return
                 handle.wait()
+            if self.average_over > 1 and self._averages_after(full):
+                (bucket.grad_shard if scratch is None else scratch).mul_(1.0 / self.average_over)
             if scratch is not None:
                 bucket.grad_shard.add_(scratch)
                 self._held -= nbytes(scratch)
-            self._held -= nbytes(full)
-            if len(self._spare) < 1:
-                self._spare.append(full)
+            if len(self._spare) <= self._max_in_flight:
+                self._spare.append(full)             # still held: counted until reused or dropped
+            else:
+                self._held -= nbytes(full)
             self._in_flight.popleft()
             self._reduced(bucket, *self.shard_range(bucket))
 
@@ -444,7 +471,7 @@ class ShardedGradSync(BucketedGradSync):
             if bucket.grad_data is not None or bucket.grad_shard is None:
                 self._start(bucket)
         self._retire(keep=0)
-        self._spare.clear()
+        self._drop_spares()
         self._reset_countdown()
         self._synced = True
 
@@ -460,6 +487,7 @@ class ShardedGradSync(BucketedGradSync):
 
     def zero_grad(self) -> None:
         self._retire(keep=0)
+        self._drop_spares()
         for bucket in self.buckets:
             if bucket.grad_data is not None:     # normally released when its reduction is launched
                 self._held -= nbytes(bucket.grad_data)
@@ -474,7 +502,7 @@ class ShardedGradSync(BucketedGradSync):
     def held_grad_tensors(self) -> list[torch.Tensor]:
         shards = [b.grad_shard for b in self.buckets if b.grad_shard is not None]
         full = [b.grad_data for b in self.buckets if b.grad_data is not None]
-        return shards + full + [f[2] for f in self._in_flight] + [f[3] for f in self._in_flight
+        return shards + full + self._spare + [f[2] for f in self._in_flight] + [f[3] for f in self._in_flight
                                                                    if f[3] is not None]
 
     @property
