@@ -33,8 +33,8 @@ Three parts, each per pipeline stage (the binding rank is the largest):
   rank with 1F1B, m with GPipe, the interleaved order chunk by chunk).
 
 * **buffers**: the transients on top -- gradients in flight (stage 2: the full-size storage until
-  the step's reductions; reducing every micro-batch or stage 3: the bucket being filled and one being
-  reduced, with scratch shards), stage 3's gathered units (1 + prefetch), the logits of the current
+  the step's reductions; reducing every micro-batch: the bucket being filled and up to three being
+  reduced, stage 3: one, with scratch shards), stage 3's gathered units (1 + prefetch), the logits of the current
   micro-batch, and the fp32 copy of the gradients the optimizer step makes in bf16/fp16.
 
 * **offloaded** (``--offload-optimizer``, ``--offload-params``): what leaves the device, counted on the
@@ -60,6 +60,7 @@ from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline.interleaved import chunk_of, interleaved_warmup
 from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage, stage_layer_ids
 from megazero.parallel.zero.buckets import plan_buckets
+from megazero.parallel.zero.grad_sync import MAX_REDUCTIONS_IN_FLIGHT
 from megazero.parallel.zero.offload import sub_group_elements
 from megazero.parallel.zero.units import plan_of
 
@@ -278,13 +279,14 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     est.activations = _held_peak(job, pp_rank, [_chunk_activation_bytes(job, c, e, mask) for c in chunks])
 
     s, b, t = job.model.seq_length, job.train.micro_batch_size, par.tp
-    two = sorted(buckets)[-2:]                         # the bucket being filled and the one reducing
+    in_flight = MAX_REDUCTIONS_IN_FLIGHT if z.zero_stage == 2 and z.overlap_grad_reduce else 1
+    largest = sorted(buckets)[-1 - in_flight:]        # the bucket being filled and the ones reducing
     if z.zero_stage == 2 and not z.reduce_each_microbatch:
         parts["grads_in_backward"] = ge * psi            # full storage until the step's reductions
     elif z.zero_stage == 3 and z.keep_params_gathered:
         parts["grads_in_backward"] = ge * psi
-    elif z.zero_stage >= 2:                            # being filled + one reducing, with scratch shards
-        parts["grads_in_backward"] = sum(ge * x + ge * x // n for x in two)
+    elif z.zero_stage >= 2:                            # being filled + those reducing, with scratch shards
+        parts["grads_in_backward"] = sum(ge * x + ge * x // n for x in largest)
     if z.zero_stage == 3:
         window = 1 + z.prefetch_layers
         gathered = max((sum(cu[i:i + window]) for cu in units for i in range(len(cu))), default=0)

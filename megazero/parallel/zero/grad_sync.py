@@ -51,7 +51,7 @@ from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype, weak_grad_hook
 from megazero.parallel.zero.materialize import initial_value, is_meta, swap_in
 
-MAX_REDUCTIONS_IN_FLIGHT = 3   # sharded gradient reductions that may still run while the next buckets fill
+MAX_REDUCTIONS_IN_FLIGHT = 3   # stage 2's gradient reductions that may still run while the next buckets fill (stage 3: 1)
 
 
 class BucketedGradSync:

@@ -26,7 +26,7 @@ a multiple of 64 N elements). Temporary buffers on top of it, per rank:
   computing and the ones prefetched), e.g. 2 transformer layers with the default
   ``prefetch_layers=1`` (``gathered_units_peak``, ``gathered_params_peak``).
 * gradients: the full-size gradient of a unit from its first gradient in a backward until its
-  reduce-scatter is retired (at most ``MAX_REDUCTIONS_IN_FLIGHT`` = 1 reduction in flight; the
+  reduce-scatter is retired (at most ``REDUCTIONS_IN_FLIGHT`` = 1 reduction in flight; the
   unit being computed holds its own), plus a 1/N scratch shard when the shard already holds
   earlier micro-batches (``grads_peak``; the mechanism is stage 2's, :mod:`.grad_sync`). The tied word embedding on a pp = 1 chunk holds its full gradient from the
   head's backward to the embedding's, since both add to it.
@@ -172,6 +172,11 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+# Gradient reductions in flight at stage 3 (stage 2 allows grad_sync.MAX_REDUCTIONS_IN_FLIGHT): a unit's
+# gradient storage is a whole layer, and holding fewer is the point of the stage.
+REDUCTIONS_IN_FLIGHT = 1
+
+
 class ShardedParamSync(ShardedGradSync):
     """Stage 3 parameter and gradient sharding over ``topo.dp_group`` (see the module docstring).
 
@@ -196,6 +201,7 @@ class ShardedParamSync(ShardedGradSync):
         self._hooks = []                   # forward hook handles (remove() to unwrap)
         self._trigger_modules: list[list[tuple[nn.Module, nn.Module]]] = []
         super().__init__(chunks, topo, cfg, comm_log=comm_log)
+        self._max_in_flight = min(self._max_in_flight, REDUCTIONS_IN_FLIGHT)
         for chunk_id in range(len(self.chunks)):
             self._install_hooks(chunk_id)
 
