@@ -341,20 +341,36 @@ def spawn(world: int, fn, *args, timeout: float = 900.0) -> list:
 # ---------------------------------------------------------------------------------------- timing
 @dataclass
 class Variant:
-    """One side of a comparison inside a row: ``build()`` returns ``step(micro_batches) -> loss``.
+    """One side of a comparison inside a row: ``build()`` returns ``step(micro_batches) -> loss``,
+    or ``(step, extra)``, or ``(step, extra, settle)``.
 
     ``extra()`` (optional, called after the warm-up step) returns measured figures such as
-    model-state bytes. ``pending``/``unavailable``: a reason string instead of figures."""
+    model-state bytes. ``settle()`` (optional) finishes the work a step leaves running behind it
+    (ZeRO-1/2's overlapped parameter all-gathers), so it neither runs during another variant's
+    timed step nor escapes this variant's time. ``pending``/``unavailable``: a reason string instead
+    of figures."""
 
     name: str
     build: object
     unavailable: str | None = None
 
 
-def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None, live_memory: bool = False) -> dict:
+def _unpack(built) -> tuple:
+    """(step, extra or None, settle or None) from what a :class:`Variant`'s build returned."""
+    parts = built if isinstance(built, tuple) else (built,)
+    return tuple(parts) + (None,) * (3 - len(parts))
+
+
+def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None, live_memory: bool = False,
+                 steps_per_round: int = 1) -> dict:
     """Warm-up steps (memory, one variant at a time) then timed rounds (rotated order).
 
-    Returns per variant: times (s, slowest rank per round), losses (per step, this rank),
+    ``steps_per_round``: each variant runs that many consecutive steps per round, then settles
+    (:class:`Variant`); its time is the block's over ``steps_per_round``. A variant whose step leaves
+    work running into the next one (an overlapped all-gather) is timed as in a run of such steps, all
+    but the block's last overlapped, and a variant that leaves nothing running pays the same.
+
+    Returns per variant: times (s per step, slowest rank per round), losses (per step, this rank),
     peak_rss_mib, extra (dict) -- or {"unavailable": reason}. ``live_memory``: also
     ``peak_live_mib``, the peak bytes of live tensors this variant holds during its last warm-up step
     (what it built, counted by :func:`reachable_tensor_bytes`, plus the step's own allocations counted
@@ -373,41 +389,50 @@ def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None
         except Unavailable as e:          # e.g. ZeRO-3 not in this build yet
             out[v.name] = {"unavailable": str(e)}
             continue
-        (built[0] if isinstance(built, tuple) else built)(batches[0])
-        del built
+        step, _, settle = _unpack(built)
+        step(batches[0])
+        if settle:
+            settle()
+        del built, step, settle
         gc.collect()
         dist.barrier(group)
         before = rss_mib()
         reset_peak_rss()
         live_base = reachable_tensor_bytes() if live_memory else 0
         built = v.build()
-        step, extra = built if isinstance(built, tuple) else (built, None)
+        step, extra, settle = _unpack(built)
+        settled_step = step if settle is None else (lambda micro: (step(micro), settle())[0])
         # The probe opens a step early: the last step frees what the one before left (gradients), and
         # the profiler sees a free only of what it saw allocated. The peak counts from the mark.
-        losses = [step(micro) for micro in batches[:WARMUP_STEPS - 2]]
+        losses = [settled_step(micro) for micro in batches[:WARMUP_STEPS - 2]]
         probe = LiveTensorBytes() if live_memory else contextlib.nullcontext()
         with probe:
-            losses.append(step(batches[WARMUP_STEPS - 2]))
+            losses.append(settled_step(batches[WARMUP_STEPS - 2]))
             if live_memory:
                 probe.mark(reachable_tensor_bytes() - live_base)
-            losses.append(step(batches[WARMUP_STEPS - 1]))
+            losses.append(settled_step(batches[WARMUP_STEPS - 1]))
         out[v.name] = {"peak_rss_mib": base + peak_rss_mib() - before, "losses": losses, "times": [],
                        "extra": extra() if extra else {}}
         if live_memory:
             out[v.name]["peak_live_mib"] = probe.peak / 2**20
-        steps[v.name] = step
+        steps[v.name] = (step, settle)
     set_mmap_threshold(32 * 2**20)
     names = list(steps)
-    for i, micro in enumerate(batches[WARMUP_STEPS:]):
+    timed = batches[WARMUP_STEPS:]
+    blocks = [timed[i:i + steps_per_round] for i in range(0, len(timed) - steps_per_round + 1, steps_per_round)]
+    for i, block in enumerate(blocks):
         k = i % max(1, len(names))
         for name in names[k:] + names[:k]:
+            step, settle = steps[name]
             dist.barrier(group)
             t0 = time.perf_counter()
-            loss = steps[name](micro)
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            losses = [step(micro) for micro in block]
+            if settle:
+                settle()
+            t = torch.tensor([(time.perf_counter() - t0) / len(block)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             out[name]["times"].append(t.item())
-            out[name]["losses"].append(loss)
+            out[name]["losses"] += losses
     return out
 
 
