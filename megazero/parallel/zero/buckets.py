@@ -39,6 +39,7 @@ class ParamSlot:
     start: int
     end: int
     shape: torch.Size = torch.Size()
+    filled: bool = False     # sharded stages: this backward's gradient is in the bucket's storage
 
 
 @dataclass

@@ -65,6 +65,7 @@ class BucketedGradSync:
 
     reduce_every_backward = False          # True: every backward reduces (not only the step's last)
     average_after = False                  # True: scale by 1/dp after the reduction, this rank's range only
+    zeroed_storage = True                  # False: gradient storage starts unwritten (see ShardedGradSync)
 
     def __init__(self, chunks: nn.Module | list[nn.Module], topo: Topology, zero_cfg: ZeroConfig | None = None,
                  *, comm_log: CommLog | None = None):
@@ -128,6 +129,7 @@ class BucketedGradSync:
         return self.topo.device if is_meta(p) else p.device
 
     def _add_slot(self, slot: ParamSlot) -> None:
+        slot.filled = self.zeroed_storage
         slot.bucket.slots.append(slot)
         self.slots.append(slot)
         self._slot_of[id(slot.param)] = slot
@@ -164,6 +166,13 @@ class BucketedGradSync:
     def _holds_grads(self, bucket: Bucket) -> bool:
         return True
 
+    @staticmethod
+    def _fold(slot: ParamSlot, storage: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add a gradient autograd made on its own (or copy it, the first into storage not zeroed)."""
+        view = storage[slot.start:slot.end]
+        view.add_(grad.reshape(-1)) if slot.filled else view.copy_(grad.reshape(-1))
+        slot.filled = True
+
     # ------------------------------------------------------------- backward
     def before_backward(self, chunk_id: int, is_last_microbatch: bool) -> None:
         """Called by the schedule before each backward of ``chunk_id``: does this one reduce?"""
@@ -177,7 +186,7 @@ class BucketedGradSync:
         self._watch_backward(bucket.chunk_id)
         storage = self._grad_storage(bucket)
         if param.grad is not None and param.grad.data_ptr() != storage[slot.start:slot.end].data_ptr():
-            storage[slot.start:slot.end].add_(param.grad.reshape(-1))   # a fresh .grad: fold it into the bucket
+            self._fold(slot, storage, param.grad)    # a fresh .grad: into the bucket
             self._point_grad(slot, storage)
         if self._reducing[bucket.chunk_id] and self._countdown_launches:
             bucket.pending -= 1
@@ -365,6 +374,7 @@ class ShardedGradSync(BucketedGradSync):
     """
 
     average_after = True
+    zeroed_storage = False
 
     def __init__(self, *args, **kwargs):
         self._in_flight: deque = deque()       # (bucket, handle, full storage, scratch shard or None)
@@ -384,25 +394,42 @@ class ShardedGradSync(BucketedGradSync):
         self._peak = max(self._peak, self._held)
 
     def _grad_storage(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's full-size storage, made by its first gradient of a backward and not zeroed:
+        each parameter's first gradient is copied in (its ``.grad`` stays unset until then, so
+        autograd hands it over instead of adding it to garbage), later ones added in place;
+        the padding is zeroed here, parameters that got no gradient as the reduction is launched."""
         if bucket.grad_data is None:
-            bucket.grad_data = self._fresh_storage(bucket)
-            self._track(nbytes(bucket.grad_data))
+            bucket.grad_data = storage = self._fresh_storage(bucket)
+            self._track(nbytes(storage))
+            covered = 0
+            for s in sorted(bucket.slots, key=lambda s: s.start):
+                storage[covered:s.start].zero_()
+                covered = s.end
+            storage[covered:].zero_()
             for s in bucket.slots:
+                s.filled = False
                 if s.param.grad is not None:          # a gradient autograd made before we saw it
-                    bucket.grad_data[s.start:s.end].add_(s.param.grad.reshape(-1))
-                self._point_grad(s, bucket.grad_data)
+                    self._fold(s, storage, s.param.grad)
+                    self._point_grad(s, storage)
         return bucket.grad_data
 
+    def _fill_unwritten(self, bucket: Bucket) -> None:
+        """Zeros for the parameters of ``bucket`` that got no gradient since its storage was made."""
+        for s in bucket.slots:
+            if not s.filled:
+                bucket.grad_data[s.start:s.end].zero_()
+                s.filled = True
+
     def _fresh_storage(self, bucket: Bucket) -> torch.Tensor:
-        """Zeroed full-size gradient storage for ``bucket``: a retired bucket's storage of the same
-        size when one is spare (the allocator would hand back fresh pages to fault in), else new."""
+        """Full-size gradient storage for ``bucket``, contents undefined: a retired bucket's storage of
+        the same size when one is spare (the allocator would hand back fresh pages to fault in), else new."""
         dtype, device = self.grad_dtype(bucket.param_data.dtype), bucket.param_data.device
         for i, t in enumerate(self._spare):
             if t.numel() == bucket.numel and t.dtype == dtype and t.device == device:
                 self._held -= nbytes(t)          # counted again by the caller, as a bucket's storage
-                return self._spare.pop(i).zero_()
+                return self._spare.pop(i)
         self._drop_spares()                      # of other sizes: freed before anything new is allocated
-        return torch.zeros(bucket.numel, dtype=dtype, device=device)
+        return torch.empty(bucket.numel, dtype=dtype, device=device)
 
     def _drop_spares(self) -> None:
         self._held -= sum(nbytes(t) for t in self._spare)
@@ -420,6 +447,7 @@ class ShardedGradSync(BucketedGradSync):
         """Reduce-scatter the bucket into its gradient shard (or a scratch shard added on arrival),
         detach its storage from the parameters, keep the number in flight bounded."""
         grad_data = self._grad_storage(bucket)
+        self._fill_unwritten(bucket)
         if self.average_over > 1 and not self._averages_after(grad_data):
             grad_data.mul_(1.0 / self.average_over)
         scratch = None
