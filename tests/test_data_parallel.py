@@ -8,6 +8,7 @@ from helpers import run_on_ranks
 from helpers.tinynet import OPT, TinyNet, make_batches, reference_run, train_dp
 
 from megazero.config import PrecisionConfig, ZeroConfig
+from megazero.optim import weight_decay_groups
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import (MAX_REDUCTIONS_IN_FLIGHT, AllReduceGradSync, build_optimizer, plan_buckets,
                                    wrap_data_parallel)
@@ -204,3 +205,58 @@ def _finalize_body(rank, world_size):
         assert "finalize_grads" in str(e)
     sync.finalize_grads()
     return math.isfinite(opt.step()[0])
+
+
+class _WithUnused(TinyNet):
+    """TinyNet with a layer forward never uses, laid out between the head and fc2 (so it shares a
+    bucket with parameters that do get gradients): its gradient is zero, as in Megatron and DeepSpeed."""
+
+    def __init__(self):
+        super().__init__()
+        head = self.head
+        del self.head
+        self.unused = torch.nn.Linear(16, 16)
+        self.head = head
+        with torch.no_grad():
+            for p in self.unused.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.3)
+
+
+def _unused_reference(steps, global_batch):
+    model = _WithUnused()
+    opt = torch.optim.AdamW(weight_decay_groups(model.named_parameters(), OPT.weight_decay), lr=OPT.lr,
+                            betas=(OPT.adam_beta1, OPT.adam_beta2), eps=OPT.adam_eps)
+    losses = []
+    for tokens, labels in make_batches(steps, global_batch):
+        loss = model(tokens, labels)
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPT.clip_grad)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _unused_body(rank, world_size):
+    topo = Topology(dp=world_size)
+    out = {}
+    for each in (False, True):
+        losses, _, params, _, _ = train_dp(topo, 2, steps=3, global_batch=8, micro_batches=2, model=_WithUnused(),
+                                           each_microbatch=each)
+        out[each] = (losses, params)
+    return out
+
+
+def test_zero2_parameter_without_gradient_is_updated_as_zero_gradient():
+    """ZeRO-2's gradient storage is not zeroed when made: a parameter that got no gradient must be
+    reduced as zeros (weight decay and Adam's moments still move it), not as what the memory held."""
+    ref_losses, ref_params = _unused_reference(3, 8)
+    assert not torch.equal(ref_params["unused.weight"], _WithUnused().unused.weight)
+    for out in run_on_ranks(2, _unused_body):
+        for losses, params in out.values():
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+            for name, ref in ref_params.items():
+                torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)

@@ -39,7 +39,7 @@ class ParamSlot:
     start: int
     end: int
     shape: torch.Size = torch.Size()
-    filled: bool = False     # sharded stages: this backward's gradient is in the bucket's storage
+    filled: bool = True      # False: its gradient is not yet in the bucket storage (made unzeroed: ZeRO 2/3)
 
 
 @dataclass

@@ -65,7 +65,6 @@ class BucketedGradSync:
 
     reduce_every_backward = False          # True: every backward reduces (not only the step's last)
     average_after = False                  # True: scale by 1/dp after the reduction, this rank's range only
-    zeroed_storage = True                  # False: gradient storage starts unwritten (see ShardedGradSync)
 
     def __init__(self, chunks: nn.Module | list[nn.Module], topo: Topology, zero_cfg: ZeroConfig | None = None,
                  *, comm_log: CommLog | None = None):
@@ -129,7 +128,6 @@ class BucketedGradSync:
         return self.topo.device if is_meta(p) else p.device
 
     def _add_slot(self, slot: ParamSlot) -> None:
-        slot.filled = self.zeroed_storage
         slot.bucket.slots.append(slot)
         self.slots.append(slot)
         self._slot_of[id(slot.param)] = slot
@@ -374,7 +372,6 @@ class ShardedGradSync(BucketedGradSync):
     """
 
     average_after = True
-    zeroed_storage = False
 
     def __init__(self, *args, **kwargs):
         self._in_flight: deque = deque()       # (bucket, handle, full storage, scratch shard or None)
