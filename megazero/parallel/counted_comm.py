@@ -133,15 +133,16 @@ def all_reduce(tensor: torch.Tensor, group, log: CommLog | None, tag: str, *,
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, log: CommLog | None, tag: str, *,
-                   async_op: bool = False, input_is_scratch: bool = False):
+                   async_op: bool = False, input_is_scratch: bool = False, inbox: bool = False):
     """Sum ``input`` (N * output.numel() elements) over ``group``; rank r gets chunk r in ``output``.
 
     ``output`` may be rank r's chunk of ``input`` itself (in place; works on gloo and NCCL).
     ``input_is_scratch``: the caller reads no other chunk of ``input`` afterwards, so the backend may
-    overwrite it (:func:`megazero.parallel.comm.reduce_scatter_into`; counted as a reduce-scatter).
+    overwrite it; ``inbox``: the caller bounds the reductions in flight, so each may hold a temporary
+    (N-1)/N of ``input`` (:func:`megazero.parallel.comm.reduce_scatter_into`; counted as a reduce-scatter).
     """
     def collective(out, inp, group, async_op):
-        return reduce_scatter_into(out, inp, group, async_op, input_is_scratch=input_is_scratch)
+        return reduce_scatter_into(out, inp, group, async_op, input_is_scratch=input_is_scratch, inbox=inbox)
     return _flat(collective, output, input, input, group, log, tag, async_op)
 
 

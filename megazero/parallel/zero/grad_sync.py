@@ -463,9 +463,10 @@ class ShardedGradSync(BucketedGradSync):
         self._retire(keep=self._max_in_flight)
 
     def reduce_scatter_grads(self, target: torch.Tensor, grad_data: torch.Tensor):
-        """Sum ``grad_data`` over dp into ``target``, this rank's shard (ZeRO++'s qgZ: :mod:`.zeropp`)."""
+        """Sum ``grad_data`` over dp into ``target``, this rank's shard (ZeRO++'s qgZ: :mod:`.zeropp`).
+        At most ``_max_in_flight`` + 1 reductions run at once, so each may take an inbox on gloo."""
         return comm.reduce_scatter(target, grad_data, self.dp_group, self.comm_log, "dp", async_op=True,
-                                   input_is_scratch=True)
+                                   input_is_scratch=True, inbox=True)
 
     def _retire(self, keep: int) -> None:
         """Finish reductions in launch order (add scratch shards, release full-size storage): every
@@ -554,8 +555,8 @@ def wrap_data_parallel(chunks, topo: Topology, zero_cfg: ZeroConfig, *, comm_log
     ``grad_sync_cls`` overrides the stage's default class; the one useful override is
     ``AllReduceGradSync`` for stage 1: the ZeRO-1 optimizer only reads its shard, so an all-reduce
     works as well as a reduce-scatter. It sends 2Ψ(N-1)/N instead of Ψ(N-1)/N for the gradients
-    (3Ψ(N-1)/N per step with the parameter all-gather, vs 2Ψ(N-1)/N), but on gloo an all-reduce is
-    ~2x faster than a reduce-scatter of the same buffer, so bench/bench_zero.py measures both.
+    (3Ψ(N-1)/N per step with the parameter all-gather, vs 2Ψ(N-1)/N); bench/bench_zero.py measures
+    both.
     """
     cls = grad_sync_cls or GRAD_SYNC_BY_STAGE.get(zero_cfg.zero_stage)
     if zero_cfg.reduce_each_microbatch:
