@@ -276,7 +276,7 @@ def scale_section(results: list) -> list[str]:
             "grad wait = `finalize_grads`; optimizer = `engine.step` (clip, AdamW on the shard, launching ZeRO-1/2's "
             "parameter all-gathers). Comm = the CommLog's bytes per step: each collective's volume per rank as a ring "
             "moves it ((N-1)/N of the buffer for an all-gather or reduce-scatter, twice that for an all-reduce); on "
-            "gloo ours runs its all-gather as broadcasts and its gradient reduce-scatter as point-to-point "
-            "messages, the same bytes.", ""]
+            "gloo ours runs its all-gather as broadcasts and ZeRO-2/3's gradient reduce-scatter as point-to-point "
+            "messages, the same bytes (ZeRO-1's as an all-reduce of the bucket, twice the bytes).", ""]
     out += _table("| shape | dp | variant | ms/step | " + " | ".join(PHASES) + " | comm MiB/step |", phases)
     return out + [""]
