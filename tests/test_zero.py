@@ -3,7 +3,7 @@ tensor and pipeline parallelism (tp2 x pp2 x dp2) against the single-process run
 import pytest
 import torch
 from helpers import run_on_ranks
-from helpers.gpt_parity import (GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, check_against_reference, global_loss,
+from helpers.gpt_parity import (GPT_CFG, GPT_OPT, LLAMA_KW, MB_SIZE, MICRO, SEED, check_against_reference, global_loss,
                                 gpt_batches)
 from helpers.tinynet import TinyNet, reference_run, train_dp
 
@@ -98,11 +98,49 @@ def test_model_state_bytes_match_zero_formulas(world):
 
 # --------------------------------------------------------------------------- GPT with tp x pp x dp
 
-def _gpt_body(rank, world_size, tp, pp, stage, sequence_parallel, steps, virtual_stages=1, overlap_param_gather=False):
+class _DeferredGather:
+    """An all-gather that runs only when waited for: with ``--overlap-param-gather`` a parameter read
+    before its module waited sees the step's stale values, every time, not only when a real gather
+    happens to lag (as one did at 69M parameters under load)."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def is_completed(self):
+        return False
+
+    def wait(self):
+        run, self.run = self.run, None
+        if run is not None:
+            run()
+
+
+def _deferring(all_gather):
+    def deferred(*args, async_op=False, **kw):
+        if not async_op:
+            return all_gather(*args, **kw)
+        return _DeferredGather(lambda: all_gather(*args, async_op=False, **kw))
+    return deferred
+
+
+def _gpt_body(rank, world_size, tp, pp, stage, sequence_parallel, steps, virtual_stages=1, overlap_param_gather=False,
+              model_kw=None):
+    if overlap_param_gather:                  # gathers deferred to their wait (restored: workers are reused)
+        from megazero.parallel.zero import stages
+        real = stages.comm.all_gather
+        stages.comm.all_gather = _deferring(real)
+        try:
+            return _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, True, model_kw)
+        finally:
+            stages.comm.all_gather = real
+    return _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, False, model_kw)
+
+
+def _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, overlap_param_gather, model_kw):
     topo = Topology(tp=tp, pp=pp)
     par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sequence_parallel,
                          virtual_stages=virtual_stages)
-    chunks = build_model_chunks(ModelConfig(**GPT_CFG), par, topo, seed=SEED)
+    chunks = build_model_chunks(ModelConfig(**{**GPT_CFG, **(model_kw or {})}), par, topo, seed=SEED)
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, bucket_size=3000,
                                                    overlap_param_gather=overlap_param_gather), GPT_OPT)
     losses, norms = [], []
@@ -137,12 +175,17 @@ def test_gpt_tp2_dp2_stage0_sequence_parallel_matches_single_process():
     check_against_reference(results, 3, dp=2)
 
 
-@pytest.mark.parametrize("stage,tp,pp,sequence_parallel", [(1, 1, 2, False), (2, 2, 1, True)])
-def test_overlapped_param_gather_matches_single_process(stage, tp, pp, sequence_parallel):
+@pytest.mark.parametrize("stage,tp,pp,sequence_parallel,model_kw", [
+    (1, 1, 2, False, None),                                   # tied: the last stage's copy of the embedding
+    (2, 2, 1, True, LLAMA_KW),                                # untied output head, RMSNorm, SwiGLU
+    (2, 1, 1, False, {"num_experts": 4, "moe_router_topk": 2}),  # MoE: router and experts read by their layer
+])
+def test_overlapped_param_gather_matches_single_process(stage, tp, pp, sequence_parallel, model_kw):
     """--overlap-param-gather: step() returns with every bucket's all-gather pending; each module's
-    forward waits for its own buckets; the run equals one process."""
-    results = run_on_ranks(4, _gpt_body, tp, pp, stage, sequence_parallel, 3, 1, True)
-    check_against_reference(results, 3, dp=2)
+    forward waits for the buckets it reads, the gathers deferred until then (so a read before its
+    wait sees stale values); the run equals one process."""
+    results = run_on_ranks(4, _gpt_body, tp, pp, stage, sequence_parallel, 3, 1, True, model_kw)
+    check_against_reference(results, 3, dp=4 // (tp * pp), model_kw=model_kw)
 
 
 def test_gpt_interleaved_pp2_dp2_stage2_matches_single_process():

@@ -247,14 +247,18 @@ class GPT(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] -> this rank's [s, b, V_pad/tp] logits with padded entries at -inf (kept in
-        the sequence-first layout: the matmul reads ``h`` as it is, no transposed copy either way)."""
-        if self.sequence_parallel:
-            h = gather_from_sequence_parallel_region(h, self.tp_group)
+        the sequence-first layout: the matmul reads ``h`` as it is, no transposed copy either way).
+        An untied head is called as a module, so its forward hooks run (``--overlap-param-gather``
+        waits there for the head's all-gather)."""
+        if self.tied:
+            if self.sequence_parallel:
+                h = gather_from_sequence_parallel_region(h, self.tp_group)
+            else:
+                h = copy_to_tp_region(h, self.tp_group)
+            logits = F.linear(h, self.embedding.word_embeddings.weight)
         else:
-            h = copy_to_tp_region(h, self.tp_group)
-        weight = self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight
-        logits = F.linear(h, weight)
-        return mask_padded_vocab(logits, self.cfg.vocab_size, self.ctx.tp_rank * weight.shape[0], inplace=True)
+            logits = self.output_layer(h)
+        return mask_padded_vocab(logits, self.cfg.vocab_size, self.ctx.tp_rank * logits.shape[-1], inplace=True)
 
     def _checkpointed(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """Run ``layer`` without keeping its activations; backward recomputes it with the same dropout

@@ -85,10 +85,15 @@ class OverlappedParamGather:
     """ZeRO-1/2 with ``--overlap-param-gather``: the updated parameters' all-gathers finish behind the
     next forward instead of at the end of the step (Megatron's flag of the same name).
 
-    A forward pre-hook on every module that owns parameters waits for the gathers of its own
-    buckets only. Whatever else reads or writes the parameters first calls :meth:`wait_all`: the
-    optimizer before it writes new values, the engine before saving, loading, ``gathered_parameters``
-    and ``state_dict``.
+    A forward pre-hook on every module below a chunk's root waits for the gathers of the buckets
+    that hold the parameters of its whole subtree: a module may read a child's parameters without
+    calling the child (the MoE layer reads its router's and experts' weights). The chunk's root
+    waits at the start of its forward for its own parameters and for those read by the root itself
+    where no module that owns them is called: the output head (the model calls ``output_layer``
+    to read it) and the last pipeline stage's tied copy of the word embeddings (``tied_copy``).
+    Whatever else reads or writes the parameters first calls :meth:`wait_all`: the optimizer before
+    it writes new values, the engine before saving, loading, ``gathered_parameters`` and
+    ``state_dict``.
 
     Example, dp = 2, buckets filled in backward order: b0 = [output head, layer 1], b1 = [layer 0,
     embedding]. ``step()`` returns with both gathers queued, b1's first; the next forward's embedding
@@ -101,8 +106,12 @@ class OverlappedParamGather:
         self._hooks = []
         for chunk in grad_sync.chunks:
             for module in chunk.modules():
-                ks = sorted({bucket_of[id(p)] for p in module._parameters.values()
-                             if p is not None and id(p) in bucket_of})
+                if module is chunk:
+                    own = {id(p) for p in chunk.parameters(recurse=False)}
+                    params = [p for p in chunk.parameters() if id(p) in own or getattr(p, "tied_copy", False)]
+                else:
+                    params = list(module.parameters())
+                ks = sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of})
                 if ks:
                     self._hooks.append(module.register_forward_pre_hook(
                         lambda module, args, ks=ks: self.wait(ks)))
