@@ -34,7 +34,7 @@ Three parts, each per pipeline stage (the binding rank is the largest):
 
 * **buffers**: the transients on top -- gradients in flight (stage 2: the full-size storage until
   the step's reductions; reducing every micro-batch: the bucket being filled and up to three being
-  reduced, stage 3: one, with scratch shards and, on CPU, each reduction's gloo inbox of (N-1)/N of
+  reduced, stage 3: one, with scratch shards and, on CPU, each reduction's gloo inbox of (N-2)/N of
   its bucket), stage 3's gathered units (1 + prefetch), the logits of the current
   micro-batch, and the fp32 copy of the gradients the optimizer step makes in bf16/fp16.
 
@@ -288,8 +288,8 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
         parts["grads_in_backward"] = ge * psi
     elif z.zero_stage >= 2:                            # being filled + those reducing, with scratch shards
         parts["grads_in_backward"] = sum(ge * x + ge * x // n for x in largest)
-        if device != "cuda":                           # gloo: each reduction's inbox of N-1 chunks
-            parts["grads_in_backward"] += sum(ge * x * (n - 1) // n for x in largest[1:])
+        if device != "cuda" and n > 2:                 # gloo: each reduction's inbox of N-2 chunks
+            parts["grads_in_backward"] += sum(ge * x * (n - 2) // n for x in largest[1:])
     if z.zero_stage == 3:
         window = 1 + z.prefetch_layers
         gathered = max((sum(cu[i:i + window]) for cu in units for i in range(len(cu))), default=0)

@@ -139,7 +139,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, log: CommLo
     ``output`` may be rank r's chunk of ``input`` itself (in place; works on gloo and NCCL).
     ``input_is_scratch``: the caller reads no other chunk of ``input`` afterwards, so the backend may
     overwrite it; ``inbox``: the caller bounds the reductions in flight, so each may hold a temporary
-    (N-1)/N of ``input`` (:func:`megazero.parallel.comm.reduce_scatter_into`; counted as a reduce-scatter).
+    (N-2)/N of ``input`` (:func:`megazero.parallel.comm.reduce_scatter_into`; counted as a reduce-scatter).
     """
     def collective(out, inp, group, async_op):
         return reduce_scatter_into(out, inp, group, async_op, input_is_scratch=input_is_scratch, inbox=inbox)
