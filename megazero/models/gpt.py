@@ -52,7 +52,6 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -63,8 +62,8 @@ from megazero.models.transformer import (NORM_TYPES, Embedding, LayerContext, Tr
 from megazero.parallel.comm import group_rank
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage, stage_layer_ids
-from megazero.parallel.tensor import (ColumnParallelLinear, TensorParallelRNG, copy_to_tp_region,
-                                      gather_from_sequence_parallel_region, init_std_scaled,
+from megazero.parallel.tensor import (ColumnParallelLinear, TensorParallelRNG, column_parallel_linear,
+                                      init_std_scaled,
                                       mask_padded_vocab, set_tp_attributes, shard,
                                       vocab_parallel_cross_entropy)
 from megazero.parallel.zero.units import UnitUse, Zero3Plan, trainable
@@ -251,11 +250,8 @@ class GPT(nn.Module):
         An untied head is called as a module, so its forward hooks run (``--overlap-param-gather``
         waits there for the head's all-gather)."""
         if self.tied:
-            if self.sequence_parallel:
-                h = gather_from_sequence_parallel_region(h, self.tp_group)
-            else:
-                h = copy_to_tp_region(h, self.tp_group)
-            logits = F.linear(h, self.embedding.word_embeddings.weight)
+            logits = column_parallel_linear(h, self.embedding.word_embeddings.weight, None, self.tp_group,
+                                            sequence_parallel=self.sequence_parallel)
         else:
             logits = self.output_layer(h)
         return mask_padded_vocab(logits, self.cfg.vocab_size, self.ctx.tp_rank * logits.shape[-1], inplace=True)

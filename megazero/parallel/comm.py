@@ -98,9 +98,9 @@ def _direct_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group):
     ``input``, which is still being sent), the others into a temporary inbox of N-2 chunks. Once
     every message is in, chunk r is summed in group-rank order, the first addition into ``output``
     (two fp numbers add to the same bits either way round), so the result does not depend on
-    arrival order and for N=2 equals any all-reduce bitwise. Worked example, N=3, rank 1: sends input[0:c] to rank 0 and
-    input[2c:3c] to rank 2; receives rank 0's chunk 1 into ``output`` and rank 2's into the inbox;
-    then output = (rank0 + mine) + rank2. At N=2 there is no inbox at all.
+    arrival order and for N=2 equals any all-reduce bitwise. Worked example, N=3, rank 1: sends
+    input[0:c] to rank 0 and input[2c:3c] to rank 2; receives rank 0's chunk 1 into ``output`` and
+    rank 2's into the inbox; then output = (rank0 + mine) + rank2. At N=2 there is no inbox at all.
 
     Every message of a pair of ranks uses the same tag, and gloo matches them in posting order; all
     ranks post their reductions in the same order (as with any collective), so several may be in

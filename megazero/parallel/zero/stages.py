@@ -107,8 +107,8 @@ class OverlappedParamGather:
         for chunk in grad_sync.chunks:
             for module in chunk.modules():
                 if module is chunk:
-                    own = {id(p) for p in chunk.parameters(recurse=False)}
-                    params = [p for p in chunk.parameters() if id(p) in own or getattr(p, "tied_copy", False)]
+                    params = [*chunk.parameters(recurse=False),
+                              *(p for p in chunk.parameters() if getattr(p, "tied_copy", False))]
                 else:
                     params = list(module.parameters())
                 ks = sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of})
