@@ -153,7 +153,7 @@ class ZeroConfig:
     overlap_param_gather: bool = False          # stages 1-2: parameter all-gathers finish behind the next forward
     prefetch_layers: int = 1                    # stage 3: gathered layers in flight ahead of compute
     prefetch_bucket_elements: int | None = None  # DeepSpeed's stage3_prefetch_bucket_size -> prefetch_layers
-    keep_params_gathered: bool = False          # stage 3 with pp: keep gathered for the whole step
+    keep_params_gathered: bool = False          # stage 3 with pp: gathered once, kept into the last backward
     reduce_each_microbatch: bool = False        # stage 2: reduce-scatter after every micro-batch
     sharded_init: bool = True                   # build on the meta device; materialise shard by shard
     accumulate_allreduce_grads_in_fp32: bool | None = None   # fp32 gradient buckets; None: on for bf16

@@ -96,6 +96,56 @@ def test_model_state_bytes_match_zero_formulas(world):
             assert got["optimizer_state"] == pytest.approx(8 * psi / shard, rel=0.05)
 
 
+def _counting_launches(sync, beside):
+    """``sync.reduce_scatter_grads`` that first notes how many reductions are still in flight."""
+    launch = sync.reduce_scatter_grads
+
+    def counted(target, grad):
+        beside.append(len(sync._in_flight))
+        return launch(target, grad)
+    return counted
+
+
+def _transients_body(rank, world_size):
+    from megazero.config import JobConfig, TrainConfig
+    from megazero.memory import LiveTensorBytes
+    from megazero.training import train_step
+    topo = Topology()
+    cfg = ModelConfig(**GPT_CFG)
+    par = ParallelConfig(dp=topo.dp_size)
+    job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
+    out = {}
+    for stage in (2, 3):
+        chunks = build_model_chunks(cfg, par, topo, seed=SEED)
+        engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, bucket_size=2000), GPT_OPT)
+        sync, beside = engine.grad_sync, []
+        sync.reduce_scatter_grads = _counting_launches(sync, beside)
+        mine = gpt_batches(1, 2 * topo.dp_size)[0][2 * rank:2 * rank + 2]
+        train_step(chunks, mine, topo, engine, job)
+        bucket = max(sync.buckets, key=lambda b: b.numel)
+        with LiveTensorBytes() as probe:       # a retired storage of another size, then a fresh one
+            spare = torch.empty(bucket.numel + 1000, dtype=torch.float32)
+            sync._spare.append(spare)
+            sync._held += spare.nbytes
+            del spare
+            fresh = sync._fresh_storage(bucket)
+            del fresh
+        out[stage] = (len(sync.buckets), max(beside), sync._max_in_flight, probe.peak, (bucket.numel + 1000) * 4)
+    return out
+
+
+def test_sharded_grad_sync_bounds_its_transients():
+    """Stages 2 and 3 at dp = 4 on gloo, where each gradient reduction holds an inbox of (N-2)/N of
+    its bucket: a reduction is launched only once fewer than the bound are in flight (so at most the
+    bound's inboxes exist), and a retired storage of another size is freed before a new one is
+    allocated (the peak is the larger of the two, not their sum)."""
+    for out in run_on_ranks(4, _transients_body):
+        for stage, (buckets, most_beside, bound, peak, spare_bytes) in out.items():
+            assert buckets > bound + 2, (stage, buckets)
+            assert most_beside == bound - 1, (stage, most_beside, bound)
+            assert peak == spare_bytes, (stage, peak, spare_bytes)
+
+
 # --------------------------------------------------------------------------- GPT with tp x pp x dp
 
 class _DeferredGather:

@@ -193,6 +193,43 @@ def test_gathered_units_bounded_by_prefetch_limit(untie, k):
         assert states["gathered_params_peak"] <= bound_bytes
 
 
+def _keep_release_body(rank, world_size, untie):
+    seen = []
+
+    def record(sync, original):
+        def after_unit_backward(trig):
+            original(trig)
+            seen.append((sync._reducing[trig.chunk_id], trig.index, sync.live_units))
+        return after_unit_backward
+
+    topo = Topology()
+    cfg = ModelConfig(**{**GPT_CFG, "untie_embeddings_and_output_weights": untie})
+    chunks = build_model_chunks(cfg, ParallelConfig(dp=topo.dp_size), topo, seed=SEED)
+    engine = build_engine(chunks, topo, ZeroConfig(zero_stage=3, keep_params_gathered=True), GPT_OPT)
+    sync = engine.grad_sync
+    sync.after_unit_backward = record(sync, sync.after_unit_backward)
+    job = JobConfig(model=cfg, parallel=ParallelConfig(dp=topo.dp_size), train=TrainConfig(micro_batch_size=MB_SIZE))
+    train_step(chunks, gpt_batches(1, 2 * topo.dp_size)[0][2 * rank:2 * rank + 2], topo, engine, job)
+    first = len(sync.triggers[0][0].units)
+    return seen, len(sync.units), first, sync.live_units
+
+
+@pytest.mark.parametrize("untie", [False, True])
+def test_keep_params_gathered_frees_each_unit_after_its_last_backward(untie):
+    """keep_params_gathered holds every unit from its first forward through the step's earlier
+    micro-batches, then frees each after its backward in the last one (none is needed again this
+    step), as FSDP's reshard_after_forward=False does; a tied word embedding stays until the
+    embedding's backward (no second gather: test_bytes_per_step). Step end: nothing gathered."""
+    for seen, total, first, after in run_on_ranks(2, _keep_release_body, untie):
+        earlier = [live for last, _, live in seen if not last]
+        final = [(i, live) for last, i, live in seen if last]
+        assert earlier and all(live == total for live in earlier)
+        assert [i for i, _ in final] == sorted((i for i, _ in final), reverse=True)   # head first, layer 0 last
+        assert [live for _, live in final] == list(range(total - 1, total - 1 - len(final), -1))
+        assert final[-1][1] == first          # the embedding trigger's units: it has no backward hook
+        assert after == 0
+
+
 def _eval_body(rank, world_size, keep):
     topo, chunks, engine, _, _, _ = _train(1, 1, 1, micro=2, keep_params_gathered=keep)
     engine.grad_sync.reset_peaks()

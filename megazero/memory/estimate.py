@@ -35,7 +35,8 @@ Three parts, each per pipeline stage (the binding rank is the largest):
 * **buffers**: the transients on top -- gradients in flight (stage 2: the full-size storage until
   the step's reductions; reducing every micro-batch: the bucket being filled and up to three being
   reduced, stage 3: one, with scratch shards and, on CPU, each reduction's gloo inbox of (N-2)/N of
-  its bucket), stage 3's gathered units (1 + prefetch), the logits of the current
+  its bucket), stage 3's gathered units (1 + prefetch; ``--zero3-keep-params-gathered``: the whole
+  chunk, and with m > 1 the earlier micro-batches' full-size gradients), the logits of the current
   micro-batch, and the fp32 copy of the gradients the optimizer step makes in bf16/fp16.
 
 * **offloaded** (``--offload-optimizer``, ``--offload-params``): what leaves the device, counted on the
@@ -284,8 +285,8 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     largest = sorted(buckets)[-1 - in_flight:]        # the bucket being filled and the ones reducing
     if z.zero_stage == 2 and not z.reduce_each_microbatch:
         parts["grads_in_backward"] = ge * psi            # full storage until the step's reductions
-    elif z.zero_stage == 3 and z.keep_params_gathered:
-        parts["grads_in_backward"] = ge * psi
+    elif z.zero_stage == 3 and z.keep_params_gathered and job.num_micro_batches > 1:
+        parts["grads_in_backward"] = ge * psi           # earlier micro-batches' gradients, full-size
     elif z.zero_stage >= 2:                            # being filled + those reducing, with scratch shards
         parts["grads_in_backward"] = sum(ge * x + ge * x // n for x in largest)
         if device != "cuda" and n > 2:                 # gloo: each reduction's inbox of N-2 chunks

@@ -24,8 +24,9 @@ its first gradient and detached from the parameters as its reduce-scatter is lau
 backward accumulates into fresh storage). The first reduction of a step lands in the bucket's
 gradient shard; a later one (reducing every micro-batch) lands in a scratch shard that is added once
 it completes. At most ``MAX_REDUCTIONS_IN_FLIGHT`` reductions stay in flight; older ones are waited
-on and their full storage released. Worked example, dp = 2, 2 micro-batches reduced each, one bucket
-of 6 elements: micro-batch 0 fills g0 (6), reduce-scatter(g0) -> shard (3), halved once it lands;
+on and their full storage released (on gloo at dp > 2, where each holds an inbox, before the next is
+launched, so no more than that many inboxes exist at once). Worked example, dp = 2, 2 micro-batches
+reduced each, one bucket of 6 elements: micro-batch 0 fills g0 (6), reduce-scatter(g0) -> shard (3), halved once it lands;
 micro-batch 1 fills g1 (6, new storage), reduce-scatter(g1) -> scratch (3), shard += scratch / 2 once it lands.
 
 Memory, honestly. Stage 2 reduces once per step, after the last micro-batch, so with gradient
@@ -421,11 +422,12 @@ class ShardedGradSync(BucketedGradSync):
         """Full-size gradient storage for ``bucket``, contents undefined: a retired bucket's storage of
         the same size when one is spare (the allocator would hand back fresh pages to fault in), else new."""
         dtype, device = self.grad_dtype(bucket.param_data.dtype), bucket.param_data.device
-        for i, t in enumerate(self._spare):
-            if t.numel() == bucket.numel and t.dtype == dtype and t.device == device:
-                self._held -= nbytes(t)          # counted again by the caller, as a bucket's storage
-                return self._spare.pop(i)
-        self._drop_spares()                      # of other sizes: freed before anything new is allocated
+        fits = [i for i, t in enumerate(self._spare)
+                if t.numel() == bucket.numel and t.dtype == dtype and t.device == device]
+        if fits:
+            self._held -= nbytes(self._spare[fits[0]])   # counted again by the caller, as a bucket's storage
+            return self._spare.pop(fits[0])
+        self._drop_spares()     # of other sizes: freed before anything new is allocated (no reference left here)
         return torch.empty(bucket.numel, dtype=dtype, device=device)
 
     def _drop_spares(self) -> None:
@@ -444,6 +446,8 @@ class ShardedGradSync(BucketedGradSync):
         """Reduce-scatter the bucket into its gradient shard (or a scratch shard added on arrival),
         detach its storage from the parameters, keep the number in flight bounded."""
         grad_data = self._grad_storage(bucket)
+        if self._max_in_flight and not grad_data.is_cuda and self.dp_size > 2:
+            self._retire(keep=self._max_in_flight - 1)   # gloo: each takes an inbox; at most _max_in_flight at once
         self._fill_unwritten(bucket)
         if self.average_over > 1 and not self._averages_after(grad_data):
             grad_data.mul_(1.0 / self.average_over)
@@ -464,7 +468,8 @@ class ShardedGradSync(BucketedGradSync):
 
     def reduce_scatter_grads(self, target: torch.Tensor, grad_data: torch.Tensor):
         """Sum ``grad_data`` over dp into ``target``, this rank's shard (ZeRO++'s qgZ: :mod:`.zeropp`).
-        At most ``_max_in_flight`` + 1 reductions run at once, so each may take an inbox on gloo."""
+        On gloo at dp > 2 each takes an inbox of (N-2)/N of the bucket, so :meth:`_start` lets at most
+        ``_max_in_flight`` run at once there (elsewhere one more, briefly: the new one beside the others)."""
         return comm.reduce_scatter(target, grad_data, self.dp_group, self.comm_log, "dp", async_op=True,
                                    input_is_scratch=True, inbox=True)
 

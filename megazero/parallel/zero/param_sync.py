@@ -37,14 +37,17 @@ Communication per rank per step (bytes of the parameter dtype, ring accounting o
     default (reshard after forward)   M * 3Ψ(N-1)/N   all-gather in forward, all-gather in backward,
                                                       reduce-scatter of the gradients, per micro-batch
     keep_params_gathered=True             2Ψ(N-1)/N   each unit gathered once per step (first use)
-                                                      and kept until the step's gradients are
-                                                      reduced; gradients accumulate full-size over
-                                                      the micro-batches and are reduce-scattered once
+                                                      and kept until its backward in the step's
+                                                      last micro-batch; gradients accumulate
+                                                      full-size over the micro-batches and are
+                                                      reduce-scattered once, in that backward
 
 So the default costs 1.5x the traffic of ZeRO-1/2 (at M = 1) for a parameter footprint of
 2Ψ/N + 2 units; ``keep_params_gathered`` has ZeRO-2's traffic for every M but holds the stage's
-full parameters and gradients (4Ψ) from its first forward to the end of the step, and only
-16Ψ/N between steps (PyTorch FSDP's ``reshard_after_forward=False``). With pipeline parallelism
+full parameters (and, with M > 1, gradients: 4Ψ) from its first forward into the last backward,
+which frees each unit once its backward is done and reduces its gradients as it goes, and only
+16Ψ/N between steps (PyTorch FSDP's ``reshard_after_forward=False``, which also reshards after
+backward). With pipeline parallelism
 each stage shards its own chunk; the default re-gathers per micro-batch (M micro-batches, 3MΨ),
 which is where keeping the parameters gathered pays off most.
 
@@ -104,6 +107,7 @@ class Unit:
     chunk_id: int
     buckets: list[Bucket] = field(default_factory=list)
     state: str = "released"           # released | gathering | gathered
+    first_use: int = -1               # index of the first trigger using it: its backward is the unit's last
     handles: list = field(default_factory=list)
     staging: list = field(default_factory=list)   # offloaded shards' device copies, until gathered
 
@@ -216,6 +220,9 @@ class ShardedParamSync(ShardedGradSync):
             self.units.append(unit)
         self.triggers.append([Trigger(use.name, chunk_id, i, [by_name[u] for u in use.units])
                               for i, use in enumerate(plan.uses)])
+        for trig in reversed(self.triggers[-1]):
+            for u in trig.units:
+                u.first_use = trig.index
         self._trigger_modules.append([(use.pre_module, use.post_module) for use in plan.uses])
         self.grad_buffers.append(None)
 
@@ -408,9 +415,14 @@ class ShardedParamSync(ShardedGradSync):
         self._prefetch(trig, -1)
 
     def after_unit_backward(self, trig: Trigger) -> None:
-        """A use's backward is done (called by :class:`_PostBackward`): free its units by default."""
-        if not self.keep:
-            for u in trig.units:
+        """A use's backward is done (called by :class:`_PostBackward`): free its units by default;
+        with ``keep_params_gathered`` only in the step's last backward of the chunk (its gradients are
+        being reduced) and only the units this use is the first of (a tied word embedding, used by
+        the embedding and the head, stays until the embedding's backward): nothing needs them again
+        this step, so the gathered parameters shrink through that backward as FSDP's do."""
+        last = self.keep and self._reducing[trig.chunk_id]
+        for u in trig.units:
+            if not self.keep or last and u.first_use == trig.index:
                 self.release(u)
 
     def _end_of_backward(self, chunk_id: int) -> None:
