@@ -7,13 +7,15 @@ from helpers.gpt_parity import (GPT_CFG, GPT_OPT, LLAMA_KW, MB_SIZE, MICRO, SEED
                                 gpt_batches)
 from helpers.tinynet import TinyNet, reference_run, train_dp
 
-from megazero.config import ModelConfig, ParallelConfig, PrecisionConfig, ZeroConfig
+from megazero.config import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
+from megazero.memory import LiveTensorBytes
 from megazero.models import activation_shape, build_model_chunks, masked_mean
 from megazero.optim import adamw_update
 from megazero.parallel.params import split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine, merge_optimizer_states, model_state_bytes, zero_paper_bytes
+from megazero.training import train_step
 
 
 def test_flat_adamw_matches_torch_adamw():
@@ -107,9 +109,6 @@ def _counting_launches(sync, beside):
 
 
 def _transients_body(rank, world_size):
-    from megazero.config import JobConfig, TrainConfig
-    from megazero.memory import LiveTensorBytes
-    from megazero.training import train_step
     topo = Topology()
     cfg = ModelConfig(**GPT_CFG)
     par = ParallelConfig(dp=topo.dp_size)

@@ -63,8 +63,7 @@ from megazero.parallel.comm import group_rank
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage, stage_layer_ids
 from megazero.parallel.tensor import (ColumnParallelLinear, TensorParallelRNG, column_parallel_linear,
-                                      init_std_scaled,
-                                      mask_padded_vocab, set_tp_attributes, shard,
+                                      init_std_scaled, mask_padded_vocab, set_tp_attributes, shard,
                                       vocab_parallel_cross_entropy)
 from megazero.parallel.zero.units import UnitUse, Zero3Plan, trainable
 

@@ -26,8 +26,9 @@ gradient shard; a later one (reducing every micro-batch) lands in a scratch shar
 it completes. At most ``MAX_REDUCTIONS_IN_FLIGHT`` reductions stay in flight; older ones are waited
 on and their full storage released (on gloo at dp > 2, where each holds an inbox, before the next is
 launched, so no more than that many inboxes exist at once). Worked example, dp = 2, 2 micro-batches
-reduced each, one bucket of 6 elements: micro-batch 0 fills g0 (6), reduce-scatter(g0) -> shard (3), halved once it lands;
-micro-batch 1 fills g1 (6, new storage), reduce-scatter(g1) -> scratch (3), shard += scratch / 2 once it lands.
+reduced each, one bucket of 6 elements: micro-batch 0 fills g0 (6), reduce-scatter(g0) -> shard (3),
+halved once it lands; micro-batch 1 fills g1 (6, new storage), reduce-scatter(g1) -> scratch (3),
+shard += scratch / 2 once it lands.
 
 Memory, honestly. Stage 2 reduces once per step, after the last micro-batch, so with gradient
 accumulation every bucket holds its full storage from the first micro-batch's backward to its
@@ -422,12 +423,13 @@ class ShardedGradSync(BucketedGradSync):
         """Full-size gradient storage for ``bucket``, contents undefined: a retired bucket's storage of
         the same size when one is spare (the allocator would hand back fresh pages to fault in), else new."""
         dtype, device = self.grad_dtype(bucket.param_data.dtype), bucket.param_data.device
-        fits = [i for i, t in enumerate(self._spare)
-                if t.numel() == bucket.numel and t.dtype == dtype and t.device == device]
-        if fits:
-            self._held -= nbytes(self._spare[fits[0]])   # counted again by the caller, as a bucket's storage
-            return self._spare.pop(fits[0])
-        self._drop_spares()     # of other sizes: freed before anything new is allocated (no reference left here)
+        # A generator, not a for loop: no loop variable is left holding a spare past the allocation below.
+        fit = next((i for i, t in enumerate(self._spare)
+                    if t.numel() == bucket.numel and t.dtype == dtype and t.device == device), None)
+        if fit is not None:
+            self._held -= nbytes(self._spare[fit])   # counted again by the caller, as a bucket's storage
+            return self._spare.pop(fit)
+        self._drop_spares()                      # of other sizes: freed before anything new is allocated
         return torch.empty(bucket.numel, dtype=dtype, device=device)
 
     def _drop_spares(self) -> None:

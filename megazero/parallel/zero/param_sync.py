@@ -47,9 +47,8 @@ So the default costs 1.5x the traffic of ZeRO-1/2 (at M = 1) for a parameter foo
 full parameters (and, with M > 1, gradients: 4Ψ) from its first forward into the last backward,
 which frees each unit once its backward is done and reduces its gradients as it goes, and only
 16Ψ/N between steps (PyTorch FSDP's ``reshard_after_forward=False``, which also reshards after
-backward). With pipeline parallelism
-each stage shards its own chunk; the default re-gathers per micro-batch (M micro-batches, 3MΨ),
-which is where keeping the parameters gathered pays off most.
+backward). With pipeline parallelism each stage shards its own chunk; the default re-gathers per
+micro-batch (M micro-batches, 3MΨ), which is where keeping the parameters gathered pays off most.
 
 One exception to 3Ψ: with pp = 1 and a tied output layer, the word embedding is used by the
 embedding unit and again by the head, so it is gathered twice in forward and twice in backward:
@@ -420,10 +419,14 @@ class ShardedParamSync(ShardedGradSync):
         being reduced) and only the units this use is the first of (a tied word embedding, used by
         the embedding and the head, stays until the embedding's backward): nothing needs them again
         this step, so the gathered parameters shrink through that backward as FSDP's do."""
-        last = self.keep and self._reducing[trig.chunk_id]
-        for u in trig.units:
-            if not self.keep or last and u.first_use == trig.index:
-                self.release(u)
+        if not self.keep:
+            done = trig.units
+        elif self._reducing[trig.chunk_id]:
+            done = [u for u in trig.units if u.first_use == trig.index]
+        else:
+            done = []
+        for u in done:
+            self.release(u)
 
     def _end_of_backward(self, chunk_id: int) -> None:
         """After each backward of a chunk: free what is still gathered (default mode), then reduce."""
