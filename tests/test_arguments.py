@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megazero.arguments import parse_job
+from megazero.arguments import flag_reference_markdown, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,13 +36,27 @@ def test_moe_flags_map_to_config():
     assert job.parallel.expert_model_parallel_size == 2 and job.parallel.dp == 4
 
 
-def test_every_flag_is_documented_in_the_readme():
+def test_every_flag_is_documented_in_the_flag_reference():
     from megazero.arguments import ARGUMENTS
 
-    readme = (ROOT / "README.md").read_text()
+    reference = (ROOT / "docs" / "flags.md").read_text()
     missing = [f for entries in ARGUMENTS.values() for flags, _, _ in entries for f in flags
-               if f"`{f}`" not in readme]
-    assert not missing, f"flags not documented in README.md: {missing}"
+               if f"`{f}`" not in reference]
+    assert not missing, f"flags not documented in docs/flags.md: {missing}"
+    assert "docs/flags.md" in (ROOT / "README.md").read_text(), "README.md should link the flag reference"
+
+
+def test_flag_reference_is_generated_from_the_metadata():
+    page = ROOT / "docs" / "flags.md"
+    assert page.is_file() and page.read_text() == flag_reference_markdown(), \
+        "docs/flags.md is stale: regenerate it with `python -m megazero.arguments --markdown > docs/flags.md`"
+
+
+def test_model_family_flag_and_config_key(tmp_path):
+    assert parse_job(["--model-family", "gpt"], world_size=1)[0].model.model_family == "gpt"
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('model_family = "gpt"\n')
+    assert parse_job(["--config", str(cfg)], world_size=1)[0].model.model_family == "gpt"
 
 
 def test_config_file_with_cli_override(tmp_path):

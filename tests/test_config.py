@@ -1,8 +1,10 @@
-"""Every invalid layout or shape is rejected by validate() with a message naming the flag."""
+"""Every invalid layout or shape is rejected by validate() with a message naming the flag, and every
+flag a message names is one the command line takes."""
 import pytest
 
+from megazero.arguments import build_parser
 from megazero.config import (CheckpointConfig, ConfigError, DataConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                             PrecisionConfig, TrainConfig, ZeroConfig, validate)
+                             PrecisionConfig, TrainConfig, ZeroConfig, flag, flag_fields, setting, validate)
 
 
 def job(**sections) -> JobConfig:
@@ -106,3 +108,50 @@ def test_padded_vocab_always_divisible_by_tp():
     for tp in (1, 2, 3, 4, 8):
         for div in (1, 7, 128):
             assert ModelConfig(vocab_size=1001, make_vocab_size_divisible_by=div).padded_vocab_size(tp) % tp == 0
+
+
+def test_every_flag_names_a_parser_option_of_its_own_field():
+    options = build_parser()._option_string_actions
+    fields = list(flag_fields())
+    assert len(fields) > 90
+    for section, f, _ in fields:
+        for spelling in flag(f.name).split("/"):
+            assert spelling in options, f"flag({f.name!r}) gives {spelling}, which the parser does not take"
+            assert options[spelling].dest == f"{section}.{f.name}", f"{spelling} sets {options[spelling].dest}"
+
+
+@pytest.mark.parametrize("name,spelling", [
+    ("order", "--parallel-order"), ("prefetch_layers", "--zero3-prefetch-layers"),
+    ("keep_params_gathered", "--zero3-keep-params-gathered"),
+    ("reduce_each_microbatch", "--zero2-reduce-each-microbatch"),
+    ("quantized_weights", "--zero-quantized-weights"), ("quantization_block_size", "--zero-quantization-block-size"),
+    ("hpz_partition_size", "--zero-hpz-partition-size"), ("quantized_gradients", "--zero-quantized-gradients"),
+])
+def test_fields_named_unlike_their_flag_give_the_real_flag(name, spelling):
+    # flag() once spelled these "--" + the field name ("--order", "--prefetch-layers", ...): no such options.
+    assert flag(name) == spelling and spelling in build_parser()._option_string_actions
+
+
+def test_flag_shows_short_aliases_only_and_refuses_non_flags():
+    assert flag("tp") == "--tensor-model-parallel-size/--tp"
+    assert flag("add_bias_linear") == "--disable-bias-linear"
+    assert flag("layernorm_epsilon") == "--norm-epsilon"       # its longer alias --layernorm-epsilon is not shown
+    for name in ("virtual_stages", "gradient_accumulation_steps", "no_such_field"):
+        with pytest.raises(KeyError):
+            flag(name)
+    assert setting("gradient_accumulation_steps") == "gradient_accumulation_steps" and setting("tp") == flag("tp")
+
+
+def test_model_family_must_be_a_name():
+    assert validate(JobConfig(), 1).model.model_family == "gpt"
+    with pytest.raises(ConfigError, match=r"--model-family must name a model family, got ''"):
+        validate(job(model=ModelConfig(model_family="")), 1)
+
+
+def test_a_section_checks_itself():
+    """An engine holding only its own section applies the same rules as validate()."""
+    ZeroConfig(zero_stage=3, hpz_partition_size=2).check(ParallelConfig(dp=4), world_size=4)
+    with pytest.raises(ConfigError, match=r"--zero-hpz-partition-size 3 must divide the data-parallel size 4"):
+        ZeroConfig(zero_stage=3, hpz_partition_size=3).check(ParallelConfig(dp=4), world_size=4)
+    with pytest.raises(ConfigError, match=r"--zero3-keep-params-gathered applies to --zero-stage 3 only"):
+        ZeroConfig(zero_stage=2, keep_params_gathered=True).check(ParallelConfig(dp=2), world_size=2)

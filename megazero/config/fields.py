@@ -1,0 +1,143 @@
+"""Flag metadata on config fields: the one home of each flag's spellings, help, group and argparse kind.
+
+A section field that is a command-line flag is declared with :func:`flag_field`::
+
+    tp: int = flag_field(1, "--tensor-model-parallel-size", "--tp", type=int, group="parallelism",
+                         help="tensor-parallel size: ranks that split each layer's weight matrices")
+
+The :class:`Flag` it stores under ``field.metadata["flag"]`` is read by :func:`flag` (the spelling an
+error message uses), by :mod:`megazero.arguments` (the parser, config-file keys) and by the generated
+``docs/flags.md``. A field without it (a derived value such as ``virtual_stages``, a setting only a
+DeepSpeed or Accelerate config gives such as ``gradient_accumulation_steps``) is not on the command line;
+:func:`setting` names either kind.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+# The help groups of the command line, in the order ``--help`` and docs/flags.md list them.
+GROUPS = ("parallelism", "model", "mixture of experts", "training", "optimizer", "mixed precision", "data",
+          "checkpointing", "logging", "offload")
+_BOOLEAN_ACTIONS = ("store_true", "store_false", argparse.BooleanOptionalAction)
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one config field appears on the command line.
+
+    ``spellings``: the canonical spelling first, then aliases. ``action``: how a boolean is given
+    (``"store_true"``, ``"store_false"`` for a flag that turns its field off, such as
+    ``--disable-bias-linear`` for ``add_bias_linear``, or ``argparse.BooleanOptionalAction`` for a
+    ``--x`` / ``--no-x`` pair); ``type``, ``choices`` and ``nargs`` as argparse takes them.
+    """
+
+    spellings: tuple[str, ...]
+    group: str
+    help: str | None = None
+    type: Any = None
+    choices: tuple | None = None
+    action: Any = None
+    nargs: str | None = None
+
+    @property
+    def display(self) -> str:
+        """The spelling messages use: the canonical one, then each alias shorter than it after a slash.
+
+        ``--tensor-model-parallel-size/--tp``; ``--norm-epsilon`` (its alias ``--layernorm-epsilon``,
+        Megatron's older spelling, is longer: accepted, not shown)."""
+        canonical = self.spellings[0]
+        return "/".join([canonical, *(s for s in self.spellings[1:] if len(s) < len(canonical))])
+
+    def argparse_kwargs(self) -> dict:
+        """The keyword arguments of ``parser.add_argument`` (besides the spellings, dest and default)."""
+        kwargs = dict(type=self.type, choices=self.choices, action=self.action, nargs=self.nargs, help=self.help)
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def flag_field(default, *spellings: str, group: str, help: str | None = None, type: Any = None,
+               choices: tuple | None = None, action: Any = None, nargs: str | None = None):
+    """A dataclass field that is a command-line flag (see the module docstring for an example).
+
+    A list default is copied for each instance (``flag_field([], "--data-path", nargs="+", ...)``)."""
+    if not spellings or not all(s.startswith("--") for s in spellings):
+        raise ValueError(f"flag spellings must start with --, got {spellings}")
+    if group not in GROUPS:
+        raise ValueError(f"{spellings[0]}: group {group!r} is not one of {GROUPS}")
+    if action is not None and action not in _BOOLEAN_ACTIONS:
+        raise ValueError(f"{spellings[0]}: action {action!r} is not one of {_BOOLEAN_ACTIONS}")
+    meta = {"flag": Flag(tuple(spellings), group, help, type, choices, action, nargs)}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=functools.partial(list, default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+_JOB: list[type] = []      # the JobConfig class, registered by sections.py (which imports this module)
+
+
+def register_job(job_cls: type) -> type:
+    """Make the job dataclass's fields known to :func:`flag` (sections.py does this once, for JobConfig:
+    the lookup cannot import sections.py, which imports this module)."""
+    _JOB[:] = [job_cls]
+    _fields_by_name.cache_clear()
+    return job_cls
+
+
+@functools.cache
+def _fields_by_name() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Every section field by its name -> (section, field). Names are unique over the sections, so a
+    message can name a field without its section."""
+    table: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section in dataclasses.fields(_JOB[0]):
+        for f in dataclasses.fields(section.default_factory):
+            if f.name in table:
+                raise RuntimeError(f"config field {f.name!r} is in both {table[f.name][0]} and {section.name}")
+            table[f.name] = (section.name, f)
+    return table
+
+
+def flag_fields() -> Iterator[tuple[str, dataclasses.Field, Flag]]:
+    """``(section, field, flag)`` for every field that is a flag, in JobConfig's section and field order."""
+    for section, f in _fields_by_name().values():
+        if "flag" in f.metadata:
+            yield section, f, f.metadata["flag"]
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of config field ``name`` (see :attr:`Flag.display`)::
+
+        flag("num_attention_heads") == "--num-attention-heads"
+        flag("tp") == "--tensor-model-parallel-size/--tp"
+        flag("add_bias_linear") == "--disable-bias-linear"      # stores False into the field
+
+    A name that is not a field, or a field with no flag, is a programming error (KeyError); a message
+    about a setting that may have no flag names it with :func:`setting`."""
+    section, f = _fields_by_name().get(name, (None, None))
+    if f is None or "flag" not in f.metadata:
+        why = "is not a config field" if f is None else f"({section}) has no command-line flag: use setting()"
+        raise KeyError(f"{name!r} {why}")
+    return f.metadata["flag"].display
+
+
+def setting(name: str) -> str:
+    """How a message names config field ``name``: its flag when it has one, else the field's own name
+    (``gradient_accumulation_steps``, which only a DeepSpeed or Accelerate config sets)."""
+    if name not in _fields_by_name():
+        raise KeyError(f"{name!r} is not a config field")
+    return flag(name) if "flag" in _fields_by_name()[name][1].metadata else name
+
+
+def choices(name: str) -> tuple:
+    """The allowed values of choice flag ``name`` (``choices("zero_stage") == (0, 1, 2, 3)``)."""
+    flag(name)                                          # a KeyError for a field that is not a flag
+    allowed = _fields_by_name()[name][1].metadata["flag"].choices
+    if allowed is None:
+        raise KeyError(f"{name!r} is not a choice flag")
+    return allowed
