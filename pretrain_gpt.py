@@ -1,11 +1,13 @@
-"""Pretrain a GPT with tensor, pipeline and data parallelism and a ZeRO-sharded optimizer.
+"""Pretrain a GPT (or any registered model family, ``--model-family``) with tensor, pipeline and data
+parallelism and a ZeRO-sharded optimizer.
 
     python pretrain_gpt.py                                   # tiny GPT on the bundled sample corpus
     torchrun --nproc-per-node 8 pretrain_gpt.py --tp 2 --pp 2 --dp 2 --zero-stage 1
 
 Top-down: parse and validate every flag (before any process group, model or dataset exists), pick
-the data and tokenizer, build the topology, the model chunks this rank owns, the gradient/optimizer
-engine and the data iterators, then run the loop in ``megazero/training.py``.
+the data and tokenizer, build the topology, the model chunks this rank owns (the model spec builds
+them), the gradient/optimizer engine and the data iterators, then run the loop in
+``megazero/training.py``.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from megazero.memory import return_freed_memory
 from megazero.memory.estimate import describe as describe_estimate
 from megazero.memory.estimate import estimate_memory
 from megazero.metrics import MetricsLog
-from megazero.models.gpt import build_model_chunks
+from megazero.models.spec import build_model_chunks, get_model_spec
 from megazero.parallel.topology import Topology, init_distributed
 from megazero.preflight import PreflightError, preflight
 from megazero.parallel.zero import build_engine
@@ -78,7 +80,8 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0)
     torch.manual_seed(job.train.seed)
 
-    chunks = build_model_chunks(job.model, job.parallel, topo, seed=job.train.seed, dtype=param_dtype(job),
+    spec = get_model_spec(job.model.model_family)
+    chunks = build_model_chunks(spec, job, topo, dtype=param_dtype(job),
                                 device="meta" if job.zero.sharded_init else None)   # the engine materialises
     header = describe_run(job, topo, chunks)           # counts parameters before ZeRO moves them
     engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)

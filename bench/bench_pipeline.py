@@ -170,7 +170,7 @@ def _worker(rank, pp, port, a, out_queue):
             _BUSY[0] = 0.0
             t0 = time.perf_counter()
             stats = PipelineStats()
-            run_schedule(chunks, mbs, topo, loss_fn=masked_mean, schedule=name, tensor_shape=shape, stats=stats,
+            run_schedule(chunks, mbs, topo.pipeline(), loss_fn=masked_mean, schedule=name, tensor_shape=shape, stats=stats,
                          grad_sync=syncs[name])
             syncs[name].finalize_grads()          # the tied-embedding sum, as the trainer does
             step = _max_over_ranks(time.perf_counter() - t0)

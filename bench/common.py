@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.config import ModelConfig, OptimizerConfig  # noqa: E402
 from megazero.memory.measure import LiveTensorBytes  # noqa: E402
-from megazero.models import GPT, masked_mean  # noqa: E402
-from megazero.optim import weight_decay_groups  # noqa: E402
+from megazero.models.gpt import GPT, masked_mean  # noqa: E402
+from megazero.parallel.zero.adamw import weight_decay_groups  # noqa: E402
 
 WARMUP_STEPS = 2         # untimed; memory is measured over them (lazy optimizer state appears in step 1,
                          # so only the second step shows a peer's steady-state peak)

@@ -21,8 +21,9 @@ import torch.distributed as dist
 from common import GPT, PlainGPT, median, ratio_of_medians_per_round
 
 from megazero.config import ModelConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.metrics import device_peak_tflops, model_flops_per_token
-from megazero.models import masked_mean
+from megazero.metrics import device_peak_tflops
+from megazero.models.gpt_spec import flops_per_token as model_flops_per_token
+from megazero.models.gpt import masked_mean
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 
@@ -62,7 +63,7 @@ def _run_model(name: str, micro_batch: int, seq: int, steps: int) -> dict:
         return step
 
     def build_ours():
-        model = GPT(cfg, topo, seed=1234, dtype=torch.bfloat16, device=dev)
+        model = GPT(cfg, topo.model_groups(), seed=1234, dtype=torch.bfloat16, device=dev)
         engine = build_engine(model, topo, ZeroConfig(0), opt_cfg, PrecisionConfig(bf16=True))
 
         def step(tok):

@@ -64,7 +64,7 @@ from megazero.arguments import parse_job
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.memory import LiveTensorBytes
 from megazero.memory.estimate import estimate_memory
-from megazero.models import build_model_chunks
+from megazero.models.gpt import build_model_chunks
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 from megazero.state import TrainState

@@ -15,7 +15,7 @@ from common import GPT, Spec, Variant, run_variants, step_batches
 from rows_dp import ours_step
 
 from megazero.config import ModelConfig, ZeroConfig
-from megazero.metrics import model_flops_per_token
+from megazero.models.gpt_spec import flops_per_token as model_flops_per_token
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 

@@ -20,7 +20,7 @@ from common import Spec, Unavailable, Variant, median, run_variants, step_batche
 from torch import nn
 
 from megazero.config import ParallelConfig, ZeroConfig
-from megazero.models import build_model_chunks, masked_mean
+from megazero.models.gpt import build_model_chunks, masked_mean
 from megazero.models.moe import moe_layers, set_aux_loss_scale
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
@@ -137,7 +137,7 @@ def run_moe(spec: Spec) -> dict:
 
 def count(cfg) -> tuple[int, int]:
     """(total, active per token) parameters: active counts TOPK of each MoE layer's experts."""
-    from megazero.models import GPT
+    from megazero.models.gpt import GPT
 
     model = GPT(cfg, device="meta")
     total = sum(p.numel() for p in model.parameters())

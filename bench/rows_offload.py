@@ -22,7 +22,7 @@ from common import (GPT, deepspeed_config, deepspeed_param_groups, deepspeed_ste
                     trainer_argv)
 
 from megazero.arguments import parse_job
-from megazero.models import build_model_chunks
+from megazero.models.gpt import build_model_chunks
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 from megazero.training import train_step

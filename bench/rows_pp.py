@@ -57,7 +57,7 @@ def build_ours(spec: Spec, topo, name: str, v: int, record: dict):
         stats = PipelineStats()
         _BUSY[0] = 0.0
         t0 = _now()
-        losses = run_schedule(chunks, _pp_micro(micro), topo, loss_fn=masked_mean, schedule=name,
+        losses = run_schedule(chunks, _pp_micro(micro), topo.pipeline(), loss_fn=masked_mean, schedule=name,
                               tensor_shape=shape, stats=stats, grad_sync=sync)
         sync.finalize_grads()
         record.setdefault("step", []).append(_now() - t0)

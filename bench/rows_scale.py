@@ -89,9 +89,9 @@ def build_ours_phased(spec: Spec, topo, stage: int, clock: PhaseClock, keep_para
     engine = build_engine(model, topo, ZeroConfig(zero_stage=stage, keep_params_gathered=keep_params_gathered,
                                                   overlap_param_gather=stage in (1, 2)), spec.opt_cfg())
     if stage == 3:
-        engine.grad_sync.wait = clock.timed_wait(engine.grad_sync.wait)
+        engine.bucket_groups[0].wait = clock.timed_wait(engine.bucket_groups[0].wait)
     else:
-        overlap = getattr(engine.optimizer, "overlap", None)
+        overlap = engine.optimizer.publish.overlap
         if overlap is not None:
             overlap.wait = clock.timed_wait(overlap.wait)
 

@@ -25,13 +25,13 @@ import torch.nn.functional as F
 from common import GPT, PlainGPT, Spec, Variant, masked_mean, run_variants, step_batches, torch_adamw
 
 from megazero.config import ZeroConfig
-from megazero.parallel import comm as mz_comm
+from megazero.parallel import raw_comm as mz_comm
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 
 
 def build_ours(spec: Spec, topo, sp: bool):
-    model = GPT(spec.model_cfg(), topo, sequence_parallel=sp, seed=1234)
+    model = GPT(spec.model_cfg(), topo.model_groups(sp), seed=1234)
     engine = build_engine(model, topo, ZeroConfig(zero_stage=0), spec.opt_cfg(clip=0.0))
 
     def step(micro):
@@ -148,7 +148,7 @@ def layer_comm_bytes(spec: Spec, topo, sp: bool) -> float:
     counts = []
     x, y, m = step_batches(spec, 1, 1, 0)[0][0]
     for layers in (spec.layers, spec.layers // 2):
-        model = GPT(spec.model_cfg(num_layers=layers), topo, sequence_parallel=sp, seed=1234)
+        model = GPT(spec.model_cfg(num_layers=layers), topo.model_groups(sp), seed=1234)
         with _CountingComm().active() as c:
             masked_mean(model(x, y), m).backward()
         counts.append(c.bytes)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from common import random_micro_batches, spawn, trainer_argv
 
 from megazero.arguments import parse_job
-from megazero.models import build_model_chunks
+from megazero.models.gpt import build_model_chunks
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 from megazero.training import train_step

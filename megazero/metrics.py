@@ -1,4 +1,5 @@
-"""What a training run reports: model FLOPs, peak memory, and the log/metrics writers.
+"""What a training run reports: peak memory, the GPUs' peak FLOP/s, and the log/metrics writers (a
+model's FLOPs per token are its spec's: ``ModelSpec.flops_per_token``).
 
 Rank 0 writes everything (console line, ``--metrics-file`` JSON lines, ``--tensorboard-dir``
 scalars); other ranks construct a :class:`MetricsLog` that does nothing.
@@ -13,28 +14,6 @@ import sys
 
 import torch
 
-from megazero.config import ModelConfig
-
-
-def model_flops_per_token(cfg: ModelConfig, vocab: int, recompute: bool = False) -> float:
-    """Training FLOPs per token: 6 * (matmul parameters) + the attention score/value term.
-
-    Matmul parameters per layer: queries and output projection h^2 each, keys and values h*G*d each
-    (G key/value heads of d features: h^2 each without grouped-query attention), MLP 2*h*ffn (3*h*ffn
-    with SwiGLU's gate); plus the output layer h*V. Attention scores and values: 2 * 2 * s * h per
-    layer forward (counted in full, as Megatron and PaLM do). Backward is twice forward; full-layer
-    recomputation adds one more layer forward. An MoE layer (``--num-experts``) counts the MLP of the
-    ``--moe-router-topk`` experts a token passes through, plus the router's h*E.
-    """
-    h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
-    kv = cfg.kv_heads * cfg.head_dim
-    mlp = (3 if cfg.swiglu else 2) * h * cfg.ffn_hidden_size
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(L))
-    total_matmul = L * (2 * h * h + 2 * h * kv + mlp)
-    if moe_layers:
-        total_matmul += moe_layers * ((cfg.moe_router_topk - 1) * mlp + h * cfg.num_experts)
-    passes = 4 if recompute else 3
-    return passes * (2 * total_matmul + L * 4 * s * h) + 3 * 2 * h * vocab
 
 
 def peak_memory_bytes(device: torch.device) -> int:

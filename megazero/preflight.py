@@ -1,6 +1,6 @@
 """Checks of everything a run will read or write, before any process group, model or dataset exists.
 
-``validate()`` (megazero/config.py) checks the flags against each other; this module checks them
+``validate()`` (megazero/config/) checks the flags against each other; this module checks them
 against the machine: the backend against the hardware, the output paths are writable, ``--save``
 holds no other run's checkpoints (and is locked for this run), ``--load`` holds a checkpoint of this
 model, every data prefix has agreeing ``.idx``/``.bin`` files whose token ids the tokenizer's
@@ -17,13 +17,10 @@ from pathlib import Path
 import torch
 
 from megazero.checkpoint.format import INDEX, CheckpointError, checkpoint_dir, read_json, read_tracker, recover
+from megazero.checkpoint.distributed import model_mismatch
 from megazero.checkpoint.lock import SaveLock
 from megazero.config import JobConfig, flag
 from megazero.data.indexed_dataset import IndexedDataset
-
-_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-                 "max_position_embeddings", "untie_embeddings_and_output_weights", "activation")
-
 
 class PreflightError(ValueError):
     """An input the run cannot use; the message names the flag and the fix."""
@@ -143,11 +140,11 @@ def _checkpoints(job: JobConfig) -> None:
             theirs = _saved_model(checkpoint_dir(path, iteration))
         except CheckpointError as e:
             raise PreflightError(str(e)) from None
-        for name in _MODEL_FIELDS:
-            if theirs.get(name) != getattr(job.model, name):
-                raise PreflightError(f"{path} was saved with {flag(name)} {theirs.get(name)}, this run has "
-                                     f"{getattr(job.model, name)}: use the checkpoint's model settings or another "
-                                     f"directory")
+        differs = model_mismatch(theirs, job.model)
+        if differs:
+            name, saved, mine = differs
+            raise PreflightError(f"{path} was saved with {flag(name)} {saved}, this run has {mine}: use the "
+                                 f"checkpoint's model settings or another directory")
 
 
 def _data(job: JobConfig, scan: bool) -> None:

@@ -17,10 +17,9 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import JobConfig
-from megazero.metrics import MetricsLog, device_peak_tflops, model_flops_per_token, peak_memory_bytes
-from megazero.models.gpt import GPT, activation_shape, masked_mean
-from megazero.models.moe import collect_moe_metrics, describe_moe_metrics, set_aux_loss_scale
-from megazero.optim import learning_rate
+from megazero.lr_schedule import learning_rate
+from megazero.metrics import MetricsLog, device_peak_tflops, peak_memory_bytes
+from megazero.models.spec import ModelSpec, get_model_spec
 from megazero.parallel.params import attribute, counts_once, split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.tensor import gather_full
@@ -56,31 +55,36 @@ def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
     return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
 
 
-def _boundary_shape(job: JobConfig) -> tuple[int, int, int]:
-    """Shape of the activations passed between pipeline stages."""
-    return activation_shape(job.model, job.train.micro_batch_size, job.parallel.tp, job.parallel.sequence_parallel)
+def _boundary_shape(spec: ModelSpec, job: JobConfig, topo: Topology) -> tuple[int, ...]:
+    """Shape of the activations passed between pipeline stages (the model spec's)."""
+    return spec.boundary_shape(job.model, job.train.micro_batch_size, topo.model_groups(job.parallel.sequence_parallel))
 
 
-def train_step(chunks, micro_batches: list[dict], topo: Topology, engine, job: JobConfig) -> StepResult:
-    """Forward and backward over every micro-batch, reduce gradients, clip, and step the optimizer."""
+def train_step(chunks, micro_batches: list[dict], topo: Topology, engine, job: JobConfig,
+               spec: ModelSpec | None = None) -> StepResult:
+    """Forward and backward over every micro-batch, reduce gradients, clip, and step the optimizer.
+    ``spec``: the model's (default: the one ``job.model.model_family`` names)."""
+    spec = spec or get_model_spec(job.model.model_family)
     engine.zero_grad()
-    set_aux_loss_scale(chunks, engine.loss_scale / len(micro_batches))   # MoE losses: as the main loss's
-    losses = run_schedule(chunks, micro_batches, topo, loss_fn=masked_mean, schedule=job.parallel,
-                          tensor_shape=_boundary_shape(job), loss_scale=engine.loss_scale, grad_sync=engine)
+    spec.hooks.before_step(chunks, engine.loss_scale / len(micro_batches))   # e.g. MoE losses, as the main loss's
+    losses = run_schedule(chunks, micro_batches, topo.pipeline(), loss_fn=spec.loss, schedule=job.parallel,
+                          tensor_shape=_boundary_shape(spec, job, topo), loss_scale=engine.loss_scale, grad_sync=engine)
     engine.finalize_grads()
     grad_norm, skipped = engine.step()
     return StepResult(global_mean_loss(losses, topo), grad_norm, skipped, engine.loss_scale)
 
 
 @torch.no_grad()
-def evaluate(chunks, batches: Iterator[list[dict]], topo: Topology, job: JobConfig, iters: int) -> float:
+def evaluate(chunks, batches: Iterator[list[dict]], topo: Topology, job: JobConfig, iters: int,
+             spec: ModelSpec | None = None) -> float:
     """Mean validation loss over ``iters`` steps' worth of micro-batches (forward only)."""
+    spec = spec or get_model_spec(job.model.model_family)
     for chunk in chunks:
         chunk.eval()
     losses = []
     for _ in range(iters):
-        step_losses = run_schedule(chunks, next(batches), topo, loss_fn=masked_mean, schedule=job.parallel,
-                                   tensor_shape=_boundary_shape(job), forward_only=True)
+        step_losses = run_schedule(chunks, next(batches), topo.pipeline(), loss_fn=spec.loss, schedule=job.parallel,
+                                   tensor_shape=_boundary_shape(spec, job, topo), forward_only=True)
         losses.append(global_mean_loss(step_losses, topo))
     for chunk in chunks:
         chunk.train()
@@ -99,9 +103,10 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     checkpoint as the latest.
     """
     t, opt = job.train, job.optimizer
+    spec = get_model_spec(job.model.model_family)
     tokens_per_step = t.global_batch_size * job.model.seq_length
-    flops_per_step = model_flops_per_token(job.model, job.model.padded_vocab_size(job.parallel.tp),
-                                           job.model.recompute_activations) * tokens_per_step
+    flops_per_step = spec.flops_per_token(job.model, job.model.padded_vocab_size(job.parallel.tp),
+                                          job.model.recompute_activations) * tokens_per_step
     peak = device_peak_tflops(topo.device, job.precision.dtype_name)
     batches = train_batches(state.consumed_samples)
     window_start, window_iters = time.perf_counter(), 0
@@ -109,7 +114,7 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     skipped_in_a_row, save_due = 0, False
     while state.iteration < t.train_iters:
         engine.set_lr(learning_rate(state.iteration, opt))
-        result = train_step(chunks, next(batches), topo, engine, job)
+        result = train_step(chunks, next(batches), topo, engine, job, spec)
         skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
         stop = stop_reason(job, engine, result, state.iteration + 1, skipped_in_a_row)
         state.iteration += 1
@@ -118,16 +123,15 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
         window_iters += 1
         if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters or stop:
             step_time = (time.perf_counter() - window_start) / window_iters
-            moe = collect_moe_metrics(chunks, job.model.num_layers, job.model.num_experts, topo.tp_rank,
-                                      job.parallel.sequence_parallel, window_iters, topo.device) \
-                if job.model.num_experts else {}                # a collective: MoE runs only
-            _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, moe)
+            extra = spec.hooks.metrics(chunks, job, topo.tp_rank, window_iters, topo.device)   # a collective
+            _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, extra,
+                      spec.hooks.describe_metrics(extra))
             window_start, window_iters = time.perf_counter(), 0
         if stop:                               # logged, never saved
             raise TrainingStopped(stop)
         if valid_batches and t.eval_iters and (state.iteration % t.eval_interval == 0
                                                or state.iteration == t.train_iters):
-            _log_eval(log, state, evaluate(chunks, valid_batches(), topo, job, t.eval_iters))
+            _log_eval(log, state, evaluate(chunks, valid_batches(), topo, job, t.eval_iters, spec))
             window_start = time.perf_counter()
         if save and job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0:
             save_due = True
@@ -163,14 +167,14 @@ def stop_reason(job: JobConfig, engine, r: StepResult, iteration: int, skipped_i
 
 def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, step_time: float,
               tokens_per_step: int, flops_per_step: float, peak_tflops: float | None, topo: Topology,
-              moe: dict | None = None) -> None:
+              extra: dict, extra_text: str) -> None:
     lr = learning_rate(state.iteration - 1, job.optimizer)
     tflops = flops_per_step / step_time / 1e12 / topo.world_size
     record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, "loss": r.loss,
               "lr": lr, "grad_norm": r.grad_norm, "loss_scale": r.loss_scale, "skipped": r.skipped,
               "skipped_iterations": state.skipped_iterations, "step_time_s": step_time,
               "tokens_per_sec": tokens_per_step / step_time, "tflops_per_rank": tflops,
-              "peak_memory_bytes": max_over_ranks(peak_memory_bytes(topo.device), topo), **(moe or {})}
+              "peak_memory_bytes": max_over_ranks(peak_memory_bytes(topo.device), topo), **extra}
     if peak_tflops:
         record["mfu"] = tflops / peak_tflops
     log.record(record, state.iteration)
@@ -180,7 +184,7 @@ def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult,
               f"loss {r.loss:.4f} | grad norm {r.grad_norm:.3f} | loss scale {r.loss_scale:g} | "
               f"skipped {state.skipped_iterations} | tokens/s {tokens_per_step / step_time:,.0f} | "
               f"TFLOP/s/rank {tflops:.3f}{mfu} | peak mem {record['peak_memory_bytes'] / 2**20:.0f} MiB"
-              + describe_moe_metrics(moe or {})
+              + extra_text
               + (" | step skipped: fp16 overflow, loss scale lowered" if r.skipped else ""))
 
 
@@ -202,7 +206,7 @@ def count_parameters(chunks, topo: Topology) -> int:
     elements :func:`megazero.parallel.params.counts_once` picks, data-parallel replicas divided out
     (an MoE expert has dp / ep replicas: its count is multiplied by ep before the division).
     Call before the ZeRO engine shards the parameters (or on an unsharded model)."""
-    ep = getattr(topo, "ep_size", 1)
+    ep = topo.ep_size
     local = sum(p.numel() * (ep if attribute(p, "expert_parallel") else 1)
                 for chunk in chunks for p in chunk.parameters() if counts_once(p, topo.tp_rank))
     t = torch.tensor([float(local)], device=topo.device, dtype=torch.float64)
@@ -215,45 +219,32 @@ def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
     par, m = job.parallel, job.model
     n = count_parameters(chunks, topo)
     schedule = f"{par.pipeline_schedule} (v={par.virtual_stages})" if par.pp > 1 else "none"
+    spec = get_model_spec(m.model_family)
     return (f" megazero: world {topo.world_size} = tp {par.tp} x pp {par.pp} x dp {par.dp} | zero stage "
             f"{job.zero.zero_stage} | {job.precision.dtype_name} | pipeline {schedule} | sequence parallel "
             f"{par.sequence_parallel} | micro-batch {job.train.micro_batch_size} x {job.num_micro_batches} "
             f"micro-batches x dp {par.dp} = global batch {job.train.global_batch_size}\n"
             f" model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, seq "
-            f"{m.seq_length}, vocab {m.vocab_size} (padded {m.padded_vocab_size(par.tp)}){architecture(m)} | "
+            f"{m.seq_length}, vocab {m.vocab_size} (padded {m.padded_vocab_size(par.tp)}){spec.describe(m)} | "
             f"{n:,} parameters")
-
-
-def architecture(m) -> str:
-    """The Llama-family and MoE options in use, for the log line ('' for a GPT-2 shaped model)."""
-    parts = [name for name, on in (
-        (f"RoPE (base {m.rotary_base:g})", m.position_embedding_type == "rope"),
-        ("RMSNorm", m.normalization == "RMSNorm"), (f"SwiGLU (ffn {m.ffn_hidden_size})", m.swiglu),
-        (f"GQA ({m.kv_heads} KV heads)", m.group_query_attention), ("no biases", not m.add_bias_linear),
-        ("QKV bias", m.add_qkv_bias and not m.add_bias_linear),
-        ("untied output", m.untie_embeddings_and_output_weights),
-        (f"MoE ({m.num_experts} experts, top-{m.moe_router_topk}, every {m.moe_layer_freq} layer(s)"
-         + (f", capacity factor {m.moe_expert_capacity_factor:g})" if m.moe_expert_capacity_factor else ", dropless)"),
-         bool(m.num_experts))) if on]
-    return ", " + ", ".join(parts) if parts else ""
 
 
 @torch.no_grad()
 def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
-    """A single-process (tp = pp = 1) GPT with the trained weights, on global rank 0; None elsewhere.
+    """A single-process (tp = pp = 1) model with the trained weights (the spec's ``build_full``), on
+    global rank 0; None elsewhere.
 
     Every rank takes part: tp shards are gathered within each tp group, then the first dp replica's
     tp rank 0 of every pipeline stage sends its tensors to rank 0 (and, with expert parallelism, the
     first ep group's other ranks their experts). Under ZeRO stage 3 the engine's
     ``gathered_parameters()`` materialises the shards first.
     """
-    gathered_ctx = getattr(engine, "gathered_parameters", None)
-    with gathered_ctx() if gathered_ctx else nullcontext():
+    with engine.gathered_parameters() if engine is not None else nullcontext():
         local = {}
         for chunk in chunks:
             for name, p in chunk.named_parameters():
                 local[name] = gather_full(p.detach(), split_dim(p), topo.tp_group).float().cpu()
-    ep = getattr(topo, "ep_size", 1)
+    ep = topo.ep_size
     mine = {}
     if topo.tp_rank == 0 and topo.dp_rank < ep:     # dp ranks 0..ep-1: one replica, all experts
         mine = {n: t for n, t in local.items() if topo.dp_rank == 0 or ".experts." in n}
@@ -261,7 +252,7 @@ def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
     dist.gather_object(mine, everything, dst=0)
     if topo.rank != 0:
         return None
-    model = GPT(job.model, None, seed=job.train.seed)
+    model = get_model_spec(job.model.model_family).build_full(job.model, seed=job.train.seed)
     state = {}
     for part in everything:
         state.update(part)
@@ -276,7 +267,7 @@ def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
 
 @torch.no_grad()
 def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The next ``max_new_tokens`` ids a single-process GPT predicts greedily after ``prompt_ids``
+    """The next ``max_new_tokens`` ids a single-process model predicts greedily after ``prompt_ids``
     (:func:`megazero.generation.generate`, which also samples with top-k / top-p)."""
     from megazero.generation import generate
 

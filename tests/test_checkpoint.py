@@ -19,7 +19,7 @@ from megazero.checkpoint import CheckpointError, CheckpointReader, latest_iterat
 from megazero.checkpoint.format import checkpoint_dir, recover
 from megazero.checkpoint.offline import declarations, read_model, write_weights_checkpoint
 from megazero.config import ModelConfig
-from megazero.models import GPT, build_model_chunks
+from megazero.models.gpt import GPT, build_model_chunks
 from megazero.parallel.params import split_dim
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
@@ -163,7 +163,7 @@ _CRASH_SCRIPT = textwrap.dedent("""
     import megazero.checkpoint.format as fmt
     from megazero.checkpoint import save_checkpoint
     from megazero.config import JobConfig, ModelConfig
-    from megazero.models import build_model_chunks
+    from megazero.models.gpt import build_model_chunks
     from megazero.parallel.topology import Topology
     from megazero.parallel.zero import build_engine
     from megazero.state import TrainState
@@ -334,7 +334,7 @@ def _sharded_body(rank, world_size, tp, pp, stage, steps, save_dir=None, load_di
             with LiveTensorBytes(alive) as save:
                 save_checkpoint(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job)
             peaks["save"], alive = save.peak, save.end
-    bucket = max(b.numel for b in engine.grad_sync.buckets) * 4
+    bucket = max(b.numel for b in engine.bucket_groups[0].buckets) * 4
     return dict(losses=losses, stats=stats, peaks=peaks, bucket=bucket, rank=topo.rank)
 
 

@@ -18,7 +18,7 @@ from megazero.checkpoint.hf import load_hf, model_config_from_hf
 from megazero.checkpoint.offline import build_full_model, read_model, write_weights_checkpoint
 from megazero.config import JobConfig, ModelConfig
 from megazero.generation import generate
-from megazero.models import GPT, build_model_chunks
+from megazero.models.gpt import GPT, build_model_chunks
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
 
@@ -97,10 +97,10 @@ def _forward_tp2pp2_body(rank, world_size, load_dir, model_cfg):
     s, b, h = TOKENS.shape[1], TOKENS.shape[0], model_cfg.hidden_size
     with torch.no_grad():
         if topo.is_first_stage:
-            dist.send(chunk(TOKENS).contiguous(), topo.next_rank)
+            dist.send(chunk(TOKENS).contiguous(), topo.pipeline().next_rank)
             return None
         hidden = torch.empty(s, b, h)
-        dist.recv(hidden, topo.prev_rank)
+        dist.recv(hidden, topo.pipeline().prev_rank)
         logits = gather_full(chunk(hidden), 2, topo.tp_group)
     return logits[..., :model_cfg.vocab_size] if topo.tp_rank == 0 else None
 

@@ -8,9 +8,9 @@ from helpers import run_on_ranks
 from helpers.tinynet import OPT, TinyNet, make_batches, reference_run, train_dp
 
 from megazero.config import PrecisionConfig, ZeroConfig
-from megazero.optim import weight_decay_groups
+from megazero.parallel.zero.adamw import weight_decay_groups
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import (MAX_REDUCTIONS_IN_FLIGHT, AllReduceGradSync, build_optimizer, plan_buckets,
+from megazero.parallel.zero import (AllReduceGradSync, build_optimizer, plan_buckets, reductions_in_flight,
                                    wrap_data_parallel)
 
 
@@ -143,10 +143,10 @@ def test_zero2_reducing_each_micro_batch_holds_one_bucket_not_all_gradients():
     assert peak_default >= full
     assert peak_each <= shards + biggest + biggest // 2
     assert peak_each < full
-    # overlapped: the bucket being filled and MAX_REDUCTIONS_IN_FLIGHT in flight, each with a scratch shard,
+    # overlapped: the bucket being filled and reductions_in_flight(2) in flight, each with a scratch shard,
     # whatever the number of micro-batches (the default's peak is the full gradient size for any m)
     peak_overlap = run_on_ranks(2, _grad_peak_body, True, True)[0][0]
-    assert peak_overlap <= shards + (1 + MAX_REDUCTIONS_IN_FLIGHT) * (biggest + biggest // 2)
+    assert peak_overlap <= shards + (1 + reductions_in_flight(2, True)) * (biggest + biggest // 2)
     assert run_on_ranks(2, _grad_peak_body, True, True, 8)[0][0] == peak_overlap
 
 

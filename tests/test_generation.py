@@ -11,7 +11,7 @@ import torch
 from megazero.checkpoint.offline import build_full_model, write_weights_checkpoint
 from megazero.config import JobConfig, ModelConfig
 from megazero.generation import filter_logits, generate, next_token
-from megazero.models import GPT
+from megazero.models.gpt import GPT
 from megazero.models.kv_cache import KVCache
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,8 @@ import torch
 from helpers import run_on_ranks
 
 from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, ZeroConfig, validate
-from megazero.models import GPT, masked_mean
+from megazero.models.gpt import GPT, masked_mean
+from megazero.parallel.groups import ModelParallelGroups, TensorParallel
 from megazero.parallel.params import split_dim
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
@@ -44,7 +45,7 @@ def _full_state(model: GPT, group, grads: bool = False) -> dict[str, torch.Tenso
 
 def _run(topo, cfg: ModelConfig, sequence_parallel: bool, dtype=torch.float32, steps: int = 3) -> dict:
     """Init, record logits/loss, then train ``steps`` AdamW steps; return everything gathered whole."""
-    model = GPT(cfg, topo, sequence_parallel=sequence_parallel, seed=SEED, dtype=dtype)
+    model = GPT(cfg, topo.model_groups(sequence_parallel) if topo else None, seed=SEED, dtype=dtype)
     group = model.tp_group
     tokens, labels, mask = _batch(s=cfg.seq_length)
     init = _full_state(model, group)
@@ -187,7 +188,7 @@ def _recompute_body(rank, world_size):
     grads = []
     for recompute in (False, True):
         cfg = _cfg(recompute_activations=recompute, attention_dropout=0.1, hidden_dropout=0.1)
-        model = GPT(cfg, topo, sequence_parallel=True, seed=SEED).train()
+        model = GPT(cfg, topo.model_groups(True), seed=SEED).train()
         masked_mean(model(tokens, labels), mask).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:
@@ -195,11 +196,11 @@ def _recompute_body(rank, world_size):
 
     # Two chained stages under sequence parallel pass [s/tp, b, h] chunks and match the whole model.
     cfg = _cfg(num_layers=4)
-    stage0 = GPT(cfg, topo, sequence_parallel=True, layer_ids=[0, 1], post_process=False, seed=SEED)
-    stage1 = GPT(cfg, topo, sequence_parallel=True, layer_ids=[2, 3], pre_process=False, seed=SEED)
+    stage0 = GPT(cfg, topo.model_groups(True), layer_ids=[0, 1], post_process=False, seed=SEED)
+    stage1 = GPT(cfg, topo.model_groups(True), layer_ids=[2, 3], pre_process=False, seed=SEED)
     hidden = stage0(tokens)
     assert hidden.shape == (16 // world_size, 2, 32)
-    whole = GPT(cfg, topo, sequence_parallel=True, seed=SEED)(tokens, labels)
+    whole = GPT(cfg, topo.model_groups(True), seed=SEED)(tokens, labels)
     torch.testing.assert_close(stage1(hidden, labels), whole, rtol=1e-6, atol=1e-6)
     return True
 
@@ -229,7 +230,7 @@ def test_config_rejects_shapes_tp_cannot_split(field, value, tp, match):
     with pytest.raises(ConfigError, match=match):
         validate(job, world_size=tp)
     with pytest.raises(ConfigError, match=match):     # the model refuses it too, with the same message
-        GPT(model, _FakeTopo(tp), sequence_parallel=True)
+        GPT(model, ModelParallelGroups(TensorParallel(None, tuple(range(tp)), 0, tp), sequence_parallel=True))
 
 
 def test_config_rejects_padded_vocab_not_divisible_by_tp(monkeypatch):
@@ -238,13 +239,6 @@ def test_config_rejects_padded_vocab_not_divisible_by_tp(monkeypatch):
     monkeypatch.setattr(ModelConfig, "padded_vocab_size", lambda self, tp: 100)
     with pytest.raises(ConfigError, match="padded vocab 100 is not divisible by"):
         validate(JobConfig(model=_cfg(num_attention_heads=8), parallel=ParallelConfig(tp=8)), world_size=8)
-
-
-class _FakeTopo:
-    """Just enough of a Topology for the constructor's shape checks (they run before any collective)."""
-
-    def __init__(self, tp):
-        self.tp_size, self.tp_group, self.device = tp, object(), torch.device("cpu")
 
 
 def test_fused_qkv_layout_matches_block_attention():

@@ -10,8 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megazero"
-ZERO_ORDER = ["buckets", "materialize", "swap", "offload", "offload_params", "grad_sync", "units", "param_sync",
-              "quantize", "zeropp", "optimizer", "stages", "experts", "engine"]
+ZERO_ORDER = ["buckets", "materialize", "swap", "adamw", "offload", "offload_params", "quantize", "reducers",
+              "grad_sync", "units", "sharded_grads", "param_sync", "zeropp", "publish", "optimizer", "engine"]
 
 
 def _module_name(path: Path) -> str:
@@ -29,9 +29,13 @@ def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str],
     """(imported megazero module, names taken from it, at module level?) for every import in ``path``."""
     tree = ast.parse(path.read_text(), filename=str(path))
     top = {id(n) for n in tree.body}
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                   for stmt in block.body for n in ast.walk(stmt)}
     this = _module_name(path) if path.is_relative_to(PACKAGE) else ""
     out = []
     for node in ast.walk(tree):
+        if id(node) in typing_only:                          # `if TYPE_CHECKING:` imports never run
+            continue
         if isinstance(node, ast.Import):
             out += [(a.name, [], id(node) in top) for a in node.names if a.name.startswith("megazero")]
         elif isinstance(node, ast.ImportFrom):
@@ -49,6 +53,11 @@ def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str],
             if names or not submodules:
                 out.append((base, names, id(node) in top))
     return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _graph() -> dict[str, set[str]]:

@@ -12,7 +12,7 @@ from helpers.gpt_parity import (GPT_CFG, GPT_OPT, LLAMA_KW, MB_SIZE, MICRO, SEED
                                 gpt_batches, trainer_steps)
 
 from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
-from megazero.models import GPT, build_model_chunks, masked_mean
+from megazero.models.gpt import GPT, build_model_chunks, masked_mean
 from megazero.models.rotary import RotaryEmbedding
 from megazero.models.transformer import interleaved_to_gate_up, kv_interleaved_to_blocks
 from megazero.parallel.params import split_dim
@@ -207,7 +207,7 @@ def test_llama_parallel_matches_serial(case):
 def _float64_body(rank, world_size, sp):
     """3 AdamW steps (torch's) of the float64 Llama-style model at tp = world_size; every parameter whole."""
     topo = Topology(tp=world_size) if world_size > 1 else None
-    model = GPT(_cfg(), topo, sequence_parallel=sp, seed=SEED, dtype=torch.float64)
+    model = GPT(_cfg(), topo.model_groups(sp) if topo else None, seed=SEED, dtype=torch.float64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
     sync = wrap_data_parallel(model, topo, ZeroConfig()) if topo is not None else None
     for batches in gpt_batches(3, MICRO):

@@ -68,7 +68,7 @@ def test_estimated_model_states_are_the_zero_accounting():
 
 def _measure_body(rank, world_size, argv):
     """Peak live tensor bytes of construction + one training step on this rank."""
-    from megazero.models import build_model_chunks
+    from megazero.models.gpt import build_model_chunks
     from megazero.parallel.topology import Topology
     from megazero.parallel.zero import build_engine
     from megazero.training import train_step
@@ -130,7 +130,7 @@ def test_estimate_is_within_10_percent_of_measured(world, flags):
 # --------------------------------------------------------------------------- sharded construction
 
 def _construction_body(rank, world_size, stage, device):
-    from megazero.models import build_model_chunks
+    from megazero.models.gpt import build_model_chunks
     from megazero.parallel.topology import Topology
     from megazero.parallel.zero import build_engine
 
@@ -140,7 +140,7 @@ def _construction_body(rank, world_size, stage, device):
     with LiveTensorBytes() as build:
         chunks = build_model_chunks(cfg, ParallelConfig(dp=world_size), topo, seed=3, device=device)
         engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), OptimizerConfig())
-    sync = engine.grad_sync
+    sync = engine.bucket_groups[0]
     unit = max((sum(b.numel for b in u.buckets) for u in getattr(sync, "units", [])), default=0) * 4
     param = max(s.end - s.start for s in sync.slots) * 4
     with engine.gathered_parameters():

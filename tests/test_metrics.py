@@ -4,8 +4,9 @@ import math
 import pytest
 
 from megazero.config import ModelConfig, OptimizerConfig
-from megazero.metrics import MetricsLog, model_flops_per_token
-from megazero.optim import learning_rate
+from megazero.metrics import MetricsLog
+from megazero.models.gpt_spec import flops_per_token as model_flops_per_token
+from megazero.lr_schedule import learning_rate
 
 
 def test_warmup_then_cosine_to_min_lr():

@@ -13,10 +13,10 @@ from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batch
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
 from megazero.memory.estimate import estimate_stage, moe_alltoall_bytes, moe_alltoall_bytes_per_step
-from megazero.models import GPT, build_model_chunks, masked_mean
+from megazero.models.gpt import GPT, build_model_chunks, masked_mean
 from megazero.models.moe import (capacity_keep, collect_moe_metrics, load_balancing_loss, moe_layers, route,
                                  set_aux_loss_scale, z_loss)
-from megazero.optim import weight_decay_groups
+from megazero.parallel.zero.adamw import weight_decay_groups
 from megazero.parallel.params import split_dim
 from megazero.parallel.tensor import shard
 from megazero.parallel.topology import Topology
@@ -293,7 +293,7 @@ def _bytes_body(rank, world_size):
     forward and backward; the all-to-all bytes the layer counted, and the formula's."""
     topo = Topology(ep=2)
     cfg = _cfg(num_layers=1)
-    model = GPT(cfg, topo, seed=SEED)
+    model = GPT(cfg, topo.model_groups(), seed=SEED)
     layer = model.layers["0"].mlp
     s, b, h = 12, 2, cfg.hidden_size
     t = torch.arange(s * b)
@@ -316,7 +316,7 @@ def _one_sided_body(rank, world_size):
     The layer's output and input gradient equal the single-process layer's on the same tokens."""
     topo = Topology(ep=2)
     cfg = _cfg(num_layers=1)
-    layer = GPT(cfg, topo, seed=SEED).layers["0"].mlp
+    layer = GPT(cfg, topo.model_groups(), seed=SEED).layers["0"].mlp
     whole = GPT(cfg, seed=SEED).layers["0"].mlp
     x = torch.randn(8, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(rank)) + 3.0
     for m in (layer, whole):
@@ -363,7 +363,7 @@ def test_estimate_counts_experts_per_ep_rank():
 
 def test_flops_per_token_count_the_active_experts():
     """Training FLOPs of a top-2 MoE model = the dense model with an ffn twice as wide + the routers."""
-    from megazero.metrics import model_flops_per_token
+    from megazero.models.gpt_spec import flops_per_token as model_flops_per_token
 
     moe, dense = _cfg(), ModelConfig(**{**GPT_CFG, "ffn_hidden_size": 2 * 4 * GPT_CFG["hidden_size"]})
     router = 3 * 2 * moe.num_layers * moe.hidden_size * moe.num_experts

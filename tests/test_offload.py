@@ -12,7 +12,7 @@ from helpers.ckpt import GLOBAL_MB, MB_SIZE, MODEL, OPT, SEED, full_params, trai
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
-from megazero.models import build_model_chunks
+from megazero.models.gpt import build_model_chunks
 from megazero.parallel.zero import build_engine
 from megazero.parallel.zero.swap import SWAP_PREFIX
 from megazero.parallel.topology import Topology

@@ -162,11 +162,11 @@ def _full_tensor(t, p, topo):
 
 def _tied_copies_equal(chunks, topo) -> bool | None:
     """On first/last stages: is this rank's tied embedding bit-identical to the other end's?"""
-    if topo.pp_size == 1 or topo.embedding_group is None:
+    if topo.pp_size == 1 or topo.pipeline().embedding is None:
         return None
     (w,) = [p for c in chunks for p in c.parameters() if attribute(p, "shared_embedding")]
     both = [torch.empty_like(w) for _ in range(2)]
-    dist.all_gather(both, w.detach(), group=topo.embedding_group)
+    dist.all_gather(both, w.detach(), group=topo.pipeline().embedding.group)
     return torch.equal(both[0], both[1])
 
 
@@ -185,7 +185,7 @@ def _parallel_body(rank, world, tp, pp, schedule, v, m, sp=False, dtype=torch.fl
     for step in range(STEPS):
         stats = PipelineStats()
         sync.zero_grad()
-        step_losses = run_schedule(chunks, _batches(step, m, cfg), topo, loss_fn=masked_mean,
+        step_losses = run_schedule(chunks, _batches(step, m, cfg), topo.pipeline(), loss_fn=masked_mean,
                                    schedule=get_schedule(par), tensor_shape=shape, stats=stats, grad_sync=sync)
         sync.finalize_grads()
         if step == 0:
@@ -296,12 +296,12 @@ def _eval_and_hook_body(rank, world, pp, schedule, v, m):
         mbs = [{"labels": b["labels"], "loss_mask": b["loss_mask"]} for b in mbs]
     shape = activation_shape(cfg, MICRO)
     stats = PipelineStats()
-    eval_losses = run_schedule(chunks, mbs, topo, loss_fn=masked_mean, forward_only=True, schedule=schedule,
+    eval_losses = run_schedule(chunks, mbs, topo.pipeline(), loss_fn=masked_mean, forward_only=True, schedule=schedule,
                                tensor_shape=shape, stats=stats)
     no_grads = all(p.grad is None for c in chunks for p in c.parameters())
     eval_peak = stats.peak_in_flight
     hook = _HookRecorder(stats)
-    train_losses = run_schedule(chunks, mbs, topo, loss_fn=masked_mean, schedule=schedule, tensor_shape=shape,
+    train_losses = run_schedule(chunks, mbs, topo.pipeline(), loss_fn=masked_mean, schedule=schedule, tensor_shape=shape,
                                 stats=stats, grad_sync=hook)
     return {"pp_rank": topo.pp_rank, "eval": [x.item() for x in eval_losses],
             "train": [x.item() for x in train_losses], "no_grads": no_grads, "eval_peak": eval_peak,
@@ -329,13 +329,10 @@ def test_forward_only_and_grad_sync_hook(pp, schedule, v, m):
 
 
 def test_p2p_rejects_wrong_shape_before_communicating():
-    from types import SimpleNamespace
-
+    from megazero.parallel.groups import PipelineLayout
     from megazero.parallel.pipeline import StageComm
 
-    topo = SimpleNamespace(device=torch.device("cpu"), pp_group=None, pp_size=2, pp_rank=0, pp_ranks=[0, 1],
-                           prev_rank=None, next_rank=1)
-    comm = StageComm(topo, (16, 2, 32), torch.float32)
+    comm = StageComm(PipelineLayout(None, (0, 1), 0, 2), (16, 2, 32), torch.float32)
     with pytest.raises(RuntimeError, match="--micro-batch-size"):
         comm.send_forward(torch.zeros(16, 4, 32))
     with pytest.raises(RuntimeError, match="does not match"):
@@ -346,13 +343,11 @@ def test_p2p_rejects_wrong_shape_before_communicating():
 
 
 def test_run_schedule_needs_the_boundary_shape_with_pipelining():
-    from types import SimpleNamespace
+    from megazero.parallel.groups import PipelineLayout
 
-    topo = SimpleNamespace(device=torch.device("cpu"), pp_group=None, pp_size=2, pp_rank=1, pp_ranks=[0, 1],
-                           prev_rank=0, next_rank=None, tp_size=1, is_first_stage=False, is_last_stage=True)
     chunk = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="needs tensor_shape: the model's activation_shape"):
-        run_schedule([chunk], [None, None], topo, loss_fn=masked_mean, schedule="1f1b")
+    with pytest.raises(ValueError, match="needs tensor_shape: the model spec's boundary_shape"):
+        run_schedule([chunk], [None, None], PipelineLayout(None, (0, 1), 1, 2), loss_fn=masked_mean, schedule="1f1b")
 
 
 def test_pipeline_inside_a_data_parallel_grid():

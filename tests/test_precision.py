@@ -113,7 +113,7 @@ def _accumulation_body(rank, world_size, precision_flags):
     """50 steps of a one-layer GPT at dp2 ZeRO-1 with 128 micro-batches per rank per step (where
     bf16 sums lose the most); the losses and this rank's shard of the fp32 master weights."""
     from megazero.arguments import parse_job
-    from megazero.models import build_model_chunks
+    from megazero.models.gpt import build_model_chunks
     from megazero.training import train_step
 
     flags = ["--mock-data", "--vocab-size", "200", "--num-layers", "1", "--hidden-size", "16",

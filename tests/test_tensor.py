@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from helpers import run_on_ranks
 
 from megazero.config import ModelConfig, ZeroConfig
-from megazero.models import GPT
+from megazero.models.gpt import GPT
 from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
                                       VocabParallelEmbedding, copy_to_tp_region, gather_from_sequence_parallel_region,
                                       gather_from_tp_region, gather_full, reduce_from_tp_region,
@@ -231,7 +231,7 @@ def _rng_body(rank, world_size):
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
                       make_vocab_size_divisible_by=8, attention_dropout=0.2, hidden_dropout=0.2)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
-    losses = [GPT(cfg, topo, seed=s).train()(ids, ids).mean().item() for s in (1, 1, 2)]
+    losses = [GPT(cfg, topo.model_groups(), seed=s).train()(ids, ids).mean().item() for s in (1, 1, 2)]
     assert losses[0] == losses[1] and losses[0] != losses[2]
     return losses[0]
 

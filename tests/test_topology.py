@@ -68,13 +68,16 @@ def _check_expert_groups(rank, world_size):
     topo = Topology(tp=2, ep=2)                          # dp 4
     grid = rank_grid(8, 2, 1, 4, ep=2)
     out = {}
-    for name, group, kind in (("ep", topo.ep_group, "expert"), ("edp", topo.expert_dp_group, "expert_data")):
+    ep, edp = topo.expert_parallel(), topo.expert_data_parallel()
+    for name, view, kind in (("ep", ep, "expert"), ("edp", edp, "expert_data")):
         t = torch.tensor([2 ** rank], dtype=torch.int64)
-        dist.all_reduce(t, group=group)
+        dist.all_reduce(t, group=view.group)
         assert t.item() == sum(2 ** r for r in grid.group_of(kind, rank)), name
+        assert list(view.ranks) == grid.group_of(kind, rank) and view.size == len(view.ranks), name
         out[name] = t.item()
-    assert topo.ep_rank == dist.get_rank(topo.ep_group) == topo.dp_rank % 2
-    assert topo.expert_dp_rank == dist.get_rank(topo.expert_dp_group) == topo.dp_rank // 2
+    assert ep.rank == dist.get_rank(ep.group) == topo.dp_rank % 2
+    assert edp.rank == dist.get_rank(edp.group) == topo.dp_rank // 2
+    assert edp.average_over == topo.data_parallel().average_over == 4     # experts average over the whole dp
     return out
 
 
@@ -97,13 +100,16 @@ def _check_topology(rank, world_size):
     assert (topo.tp_rank, topo.dp_rank, topo.pp_rank) == (coords["tp"], coords["dp"], coords["pp"])
     assert (topo.tp_size, topo.pp_size, topo.dp_size) == (2, 2, 2)
     assert topo.is_first_stage == (topo.pp_rank == 0) and topo.is_last_stage == (topo.pp_rank == 1)
-    assert topo.next_rank == (rank + 4 if topo.pp_rank == 0 else None)
-    assert topo.prev_rank == (rank - 4 if topo.pp_rank == 1 else None)
+    pipe = topo.pipeline()
+    assert pipe.next_rank == (rank + 4 if topo.pp_rank == 0 else None)
+    assert pipe.prev_rank == (rank - 4 if topo.pp_rank == 1 else None)
+    assert (pipe.rank, pipe.size, topo.tensor_parallel().rank, topo.data_parallel().rank) == \
+        (topo.pp_rank, 2, topo.tp_rank, topo.dp_rank)
     # An all_reduce of 2**rank over each group sums exactly the expected members.
     sums = {}
-    for name, group, kind in (("tp", topo.tp_group, "tensor"), ("pp", topo.pp_group, "pipeline"),
-                              ("dp", topo.dp_group, "data"), ("mp", topo.mp_group, "model"),
-                              ("emb", topo.embedding_group, "embedding")):
+    for name, group, kind in (("tp", topo.tensor_parallel().group, "tensor"), ("pp", pipe.group, "pipeline"),
+                              ("dp", topo.data_parallel().group, "data"), ("mp", topo.model_replica().group, "model"),
+                              ("emb", pipe.embedding.group, "embedding")):
         t = torch.tensor([2 ** rank], dtype=torch.int64)
         dist.all_reduce(t, group=group)
         expected = sum(2 ** r for r in grid.group_of(kind, rank))

@@ -9,8 +9,8 @@ from helpers.tinynet import TinyNet, reference_run, train_dp
 
 from megazero.config import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
 from megazero.memory import LiveTensorBytes
-from megazero.models import activation_shape, build_model_chunks, masked_mean
-from megazero.optim import adamw_update
+from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
+from megazero.parallel.zero.adamw import adamw_update
 from megazero.parallel.params import split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
@@ -99,8 +99,8 @@ def test_model_state_bytes_match_zero_formulas(world):
 
 
 def _counting_launches(sync, beside):
-    """``sync.reduce_scatter_grads`` that first notes how many reductions are still in flight."""
-    launch = sync.reduce_scatter_grads
+    """``sync.reducer.reduce_into`` that first notes how many reductions are still in flight."""
+    launch = sync.reducer.reduce_into
 
     def counted(target, grad):
         beside.append(len(sync._in_flight))
@@ -117,8 +117,8 @@ def _transients_body(rank, world_size):
     for stage in (2, 3):
         chunks = build_model_chunks(cfg, par, topo, seed=SEED)
         engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, bucket_size=2000), GPT_OPT)
-        sync, beside = engine.grad_sync, []
-        sync.reduce_scatter_grads = _counting_launches(sync, beside)
+        sync, beside = engine.bucket_groups[0], []
+        sync.reducer.reduce_into = _counting_launches(sync, beside)
         mine = gpt_batches(1, 2 * topo.dp_size)[0][2 * rank:2 * rank + 2]
         train_step(chunks, mine, topo, engine, job)
         bucket = max(sync.buckets, key=lambda b: b.numel)
@@ -175,13 +175,13 @@ def _deferring(all_gather):
 def _gpt_body(rank, world_size, tp, pp, stage, sequence_parallel, steps, virtual_stages=1, overlap_param_gather=False,
               model_kw=None):
     if overlap_param_gather:                  # gathers deferred to their wait (restored: workers are reused)
-        from megazero.parallel.zero import stages
-        real = stages.comm.all_gather
-        stages.comm.all_gather = _deferring(real)
+        from megazero.parallel.zero import publish
+        real = publish.comm.all_gather
+        publish.comm.all_gather = _deferring(real)
         try:
             return _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, True, model_kw)
         finally:
-            stages.comm.all_gather = real
+            publish.comm.all_gather = real
     return _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, False, model_kw)
 
 
@@ -196,13 +196,13 @@ def _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, overlap_pa
     for batches in gpt_batches(steps, topo.dp_size * MICRO):
         mine = batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
         engine.zero_grad()
-        out = run_schedule(chunks, mine, topo, loss_fn=masked_mean, loss_scale=engine.loss_scale, grad_sync=engine,
+        out = run_schedule(chunks, mine, topo.pipeline(), loss_fn=masked_mean, loss_scale=engine.loss_scale, grad_sync=engine,
                            tensor_shape=activation_shape(chunks[0].cfg, MB_SIZE, tp, sequence_parallel))
         engine.finalize_grads()
         norm, skipped = engine.step()
         assert not skipped
         if overlap_param_gather:              # the gathers finish behind the next forward
-            assert len(engine.optimizer.overlap.pending) == len(engine.grad_sync.buckets) > 1
+            assert len(engine.optimizer.publish.overlap.pending) == len(engine.bucket_groups[0].buckets) > 1
         losses.append(global_loss(out, topo))
         norms.append(norm)
     with engine.gathered_parameters():        # waits for gathers still in flight

@@ -10,11 +10,11 @@ from helpers.gpt_parity import (GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, check_ag
                                 gpt_batches, gpt_reference)
 
 from megazero.config import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
-from megazero.models import activation_shape, build_model_chunks, masked_mean
+from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import ZeroStage3Engine, build_engine, merge_optimizer_states, zero_paper_bytes
+from megazero.parallel.zero import ShardedParamSync, build_engine, merge_optimizer_states, zero_paper_bytes
 from megazero.training import train_step
 
 
@@ -35,7 +35,7 @@ def _train(tp, pp, steps, micro=MICRO, model_kw=None, dtype=torch.float32, preci
                 for n, p in c.named_parameters():
                     p.copy_(init[n])
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, **zero_kw), GPT_OPT, precision)
-    assert isinstance(engine, ZeroStage3Engine) == (stage == 3)
+    assert isinstance(engine.bucket_groups[0], ShardedParamSync) == (stage == 3) == (engine.stage == 3)
     if opt_state is not None:
         engine.load_state_dict(opt_state)
     losses, norms, info = [], [], []
@@ -58,7 +58,7 @@ def _step(chunks, engine, micro_batches, topo, loss_fn=None):
     """train_step's sequence with a custom loss function; returns (losses, norm, skipped)."""
     engine.zero_grad()
     shape = activation_shape(chunks[0].cfg, MB_SIZE, topo.tp_size, chunks[0].sequence_parallel)
-    out = run_schedule(chunks, micro_batches, topo, loss_fn=loss_fn or masked_mean, loss_scale=engine.loss_scale,
+    out = run_schedule(chunks, micro_batches, topo.pipeline(), loss_fn=loss_fn or masked_mean, loss_scale=engine.loss_scale,
                        grad_sync=engine, tensor_shape=shape)
     engine.finalize_grads()
     norm, skipped = engine.step()
@@ -104,7 +104,7 @@ def test_keep_params_gathered_matches_single_process(tp, pp):
 
 def _sizes(engine):
     """(Ψ padded, Ψ, padded size of the tied word embedding if this chunk's head uses its copy)."""
-    sync = engine.grad_sync
+    sync = engine.bucket_groups[0]
     psi_pad = sum(b.numel for b in sync.buckets)
     psi = sum(s.end - s.start for s in sync.slots)
     word = sum(b.numel for b in sync.buckets if any(attribute(s.param, "shared_embedding") for s in b.slots))
@@ -168,7 +168,7 @@ def test_model_state_bytes_are_16_psi_over_n(world, pp):
 def _window_bound(engine, k):
     """Most units (and bytes) in any k + 1 consecutive units' triggers of one chunk."""
     units, nbytes = 0, 0
-    for trigs in engine.grad_sync.triggers:
+    for trigs in engine.bucket_groups[0].triggers:
         for i in range(len(trigs)):
             window = {id(u): u for t in trigs[i:i + k + 1] for u in t.units}.values()
             units = max(units, len(window))
@@ -179,7 +179,7 @@ def _window_bound(engine, k):
 def _prefetch_body(rank, world_size, untie, k):
     _, _, engine, _, _, info = _train(1, 1, 2, micro=2, prefetch_layers=k,
                                       model_kw=dict(untie_embeddings_and_output_weights=untie))
-    return engine.model_state_bytes(), _window_bound(engine, k), len(engine.grad_sync.units)
+    return engine.model_state_bytes(), _window_bound(engine, k), len(engine.bucket_groups[0].units)
 
 
 @pytest.mark.parametrize("untie,k", [(True, 0), (True, 1), (True, 3), (False, 1)])
@@ -206,7 +206,7 @@ def _keep_release_body(rank, world_size, untie):
     cfg = ModelConfig(**{**GPT_CFG, "untie_embeddings_and_output_weights": untie})
     chunks = build_model_chunks(cfg, ParallelConfig(dp=topo.dp_size), topo, seed=SEED)
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=3, keep_params_gathered=True), GPT_OPT)
-    sync = engine.grad_sync
+    sync = engine.bucket_groups[0]
     sync.after_unit_backward = record(sync, sync.after_unit_backward)
     job = JobConfig(model=cfg, parallel=ParallelConfig(dp=topo.dp_size), train=TrainConfig(micro_batch_size=MB_SIZE))
     train_step(chunks, gpt_batches(1, 2 * topo.dp_size)[0][2 * rank:2 * rank + 2], topo, engine, job)
@@ -232,9 +232,9 @@ def test_keep_params_gathered_frees_each_unit_after_its_last_backward(untie):
 
 def _eval_body(rank, world_size, keep):
     topo, chunks, engine, _, _, _ = _train(1, 1, 1, micro=2, keep_params_gathered=keep)
-    engine.grad_sync.reset_peaks()
+    engine.bucket_groups[0].reset_peaks()
     with torch.no_grad():
-        losses = run_schedule(chunks, gpt_batches(1, 4)[0][rank * 2:rank * 2 + 2], topo, loss_fn=masked_mean,
+        losses = run_schedule(chunks, gpt_batches(1, 4)[0][rank * 2:rank * 2 + 2], topo.pipeline(), loss_fn=masked_mean,
                               forward_only=True)
     return len(losses), engine.model_state_bytes(), _window_bound(engine, 1)[0]
 

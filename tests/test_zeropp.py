@@ -9,13 +9,14 @@ from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, SEED, gpt_batches
 
 from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
 from megazero.memory.estimate import estimate_stage
-from megazero.models import build_model_chunks
+from megazero.models.gpt import build_model_chunks
 from megazero.parallel.counted_comm import CommLog, inter_fraction
 from megazero.parallel.topology import Topology, dp_partitions, rank_grid
 from megazero.parallel.zero import build_engine
 from megazero.parallel.zero.quantize import (QMAX, packed_columns, quantize_dequantize, quantize_rows,
                                              dequantize_rows)
-from megazero.parallel.zero.zeropp import HierarchicalReducer, ZeroPlusPlusParamSync
+from megazero.parallel.zero.reducers import HierarchicalReducer
+from megazero.parallel.zero.zeropp import ZeroPlusPlusGathering
 from megazero.training import train_step
 
 ALL_THREE = dict(quantized_weights=True, hpz_partition_size=-1, quantized_gradients=True)   # -1: dp per node
@@ -109,7 +110,7 @@ def _train(steps, micro, rpn, tp=1, pp=1, block=4096, **zero_kw):
     nodes of ``rpn`` ranks; returns (topo, engine, losses, per-step link bytes)."""
     topo = Topology(tp=tp, pp=pp, ranks_per_node=rpn)
     if zero_kw.get("hpz_partition_size") == -1:
-        zero_kw["hpz_partition_size"] = len(topo.dp_intra_ranks)
+        zero_kw["hpz_partition_size"] = topo.data_parallel().intra.size
     cfg, par, job = _job(tp, pp, topo.dp_size)
     chunks = build_model_chunks(cfg, par, topo, seed=SEED)
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=3, quantization_block_size=block, **zero_kw), GPT_OPT)
@@ -129,7 +130,7 @@ def _expected_links(engine, micro, zeropp: bool, block: int = 4096):
     in backward, reduced once, per micro-batch: the untied model has no unit used twice; then the
     gradient norm's all-reduce over the 8 ranks)."""
     intra = inter = 0.0
-    for b in engine.grad_sync.buckets:
+    for b in engine.bucket_groups[0].buckets:
         n, c = b.numel, b.shard_size
         if not zeropp:
             ring = 7 / 8 * 4 * n                                   # fp32 all-gather / reduce-scatter
@@ -153,8 +154,8 @@ def _quantized_gather_body(rank, world_size, block):
     chunks = build_model_chunks(cfg, par, topo, seed=SEED)
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=3, quantized_weights=True,
                                                    quantization_block_size=block), GPT_OPT)
-    sync = engine.grad_sync
-    assert isinstance(sync, ZeroPlusPlusParamSync)
+    sync = engine.bucket_groups[0]
+    assert isinstance(sync.gathering, ZeroPlusPlusGathering)
     shards_before = [b.shard.clone() for b in sync.buckets]
     worst = 0.0
     for unit in sync.units:
@@ -182,13 +183,13 @@ def _reducer_body(rank, world_size):
     for rpn in (4, 2):
         topo = Topology(ranks_per_node=rpn)
         log = CommLog(ranks_per_node=rpn)
-        reducer = HierarchicalReducer(topo, 64, log)
+        reducer = HierarchicalReducer(topo.data_parallel(), log, 64)
         g = torch.Generator().manual_seed(100 + rank)
         grad = torch.randn(8 * 256, generator=g)
         exact = grad.clone()
         dist.all_reduce(exact)
         mine = torch.empty(256)
-        reducer.reduce_scatter(mine, grad)
+        reducer.reduce_into(mine, grad)
         chunks = exact.view(8, 256)
         err = [(mine - chunks[j]).abs().max().item() for j in range(8)]
         out.append((rpn, topo.dp_rank, err, chunks.abs().max().item(), log.link_bytes()))
@@ -220,7 +221,9 @@ def _stage2_body(rank, world_size):
         for batches in _learnable_batches(5, 16):
             engine.comm_log.reset()
             losses.append(train_step(chunks, batches[2 * topo.dp_rank:2 * topo.dp_rank + 2], topo, engine, job).loss)
-        out[name] = (type(engine.grad_sync).__name__, losses, engine.comm_log.link_bytes()["inter"])
+        sync = engine.bucket_groups[0]
+        out[name] = ((type(sync).__name__, type(sync.reducer).__name__, sync.reduce_every_backward), losses,
+                     engine.comm_log.link_bytes()["inter"])
     return out
 
 
@@ -243,9 +246,9 @@ def test_on_two_nodes_of_four():
         assert secondary == 2 * plain_states["params"]             # Ψ/4 vs Ψ/8 elements
         assert estimated == secondary                              # the estimator counts the same
     for out in run_on_ranks(8, _stage2_body):
-        for plain, quantized, cls, reductions in (("plain", "qgZ", "QuantizedGradSync", 1),
-                                                  ("plain-each", "qgZ-each", "MicrobatchQuantizedGradSync", 2)):
-            assert out[quantized][0] == cls
+        for plain, quantized, each, reductions in (("plain", "qgZ", False, 1), ("plain-each", "qgZ-each", True, 2)):
+            assert out[quantized][0] == ("ShardedGradSync", "HierarchicalReducer", each)   # stage 2 + the qgZ reducer
+            assert out[plain][0] == ("ShardedGradSync", "ReduceScatter", each)
             assert out[quantized][1] != out[plain][1]
             assert out[quantized][1] == pytest.approx(out[plain][1], rel=1e-3)
             # ZeRO-2 sends X inter-node bytes per fp32 ring over the buckets: `reductions` reduce-scatters
@@ -287,7 +290,7 @@ def _train_variants(tp, pp, rpn, steps, variants):
         topo = Topology(tp=tp, pp=pp, ranks_per_node=rpn)
         kw = dict(kw)
         if kw.get("hpz_partition_size") == -1:
-            kw["hpz_partition_size"] = len(topo.dp_intra_ranks)
+            kw["hpz_partition_size"] = topo.data_parallel().intra.size
         cfg, par, job = _job(tp, pp, topo.dp_size)
         chunks = build_model_chunks(cfg, par, topo, seed=SEED)
         engine = build_engine(chunks, topo, ZeroConfig(zero_stage=3, quantization_block_size=32, **kw), GPT_OPT)

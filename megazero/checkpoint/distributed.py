@@ -36,17 +36,13 @@ from megazero.checkpoint.regions import numel
 from megazero.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from megazero.checkpoint.tensor_file import write_pieces
 from megazero.config import ModelConfig, flag
-from megazero.optim import learning_rate
+from megazero.lr_schedule import learning_rate
+from megazero.models.spec import get_model_spec
 from megazero.parallel.params import attribute, counts_once, split_dim
 from megazero.parallel.zero import StatePiece
 from megazero.state import TrainState
 
 log = logging.getLogger(__name__)
-_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-                 "max_position_embeddings", "untie_embeddings_and_output_weights", "activation",
-                 "layernorm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling",
-                 "rope_scaling_factor", "normalization", "swiglu", "group_query_attention", "num_query_groups",
-                 "add_bias_linear", "add_qkv_bias", "num_experts", "moe_layer_freq")
 # A checkpoint written before a field existed was saved with its default.
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 _KIND = {"model": fmt.MODEL, "exp_avg": fmt.EXP_AVG, "exp_avg_sq": fmt.EXP_AVG_SQ, "master": fmt.MASTER}
@@ -117,7 +113,7 @@ def _commit(save_dir: Path, tmp: Path, final: Path, world: int, index: dict) -> 
 
 
 def _scheduler_state(iteration: int, opt_cfg) -> dict:
-    """The LR schedule is a pure function of the iteration (megazero.optim.learning_rate): its
+    """The LR schedule is a pure function of the iteration (megazero.lr_schedule.learning_rate): its
     position is the iteration; the next step's LR is recorded for people reading the index."""
     lr = learning_rate(iteration, opt_cfg) if opt_cfg.lr_decay_iters is not None else None
     return {"iteration": iteration, "next_lr": lr, "optimizer_config": dataclasses.asdict(opt_cfg)}
@@ -164,13 +160,24 @@ def save_checkpoint(save_dir, state, *, chunks, engine, topo, job, extra_rng: di
 
 
 # ----------------------------------------------------------------------------------- load
-def check_model_compatible(saved_model: dict, model_cfg, where) -> None:
-    """Refuse a checkpoint whose model differs in a way that changes shapes or meaning."""
-    for name in _MODEL_FIELDS:
+def model_mismatch(saved_model: dict, model_cfg: ModelConfig) -> tuple[str, object, object] | None:
+    """(field, saved value, this run's value) of the first model setting a checkpoint must match and does
+    not: the model family, then the fields its spec lists (``ModelSpec.checkpoint_fields``); None when
+    they all agree. The one list both the pre-launch check and the load use."""
+    for name in ("model_family",) + get_model_spec(model_cfg.model_family).checkpoint_fields:
         mine, theirs = getattr(model_cfg, name), saved_model.get(name, _FIELD_DEFAULTS[name])
         if mine != theirs:
-            raise CheckpointError(f"{where} was saved with {name} = {theirs} ({flag(name)}), this run has {mine}: "
-                                  f"use the checkpoint's model settings")
+            return name, theirs, mine
+    return None
+
+
+def check_model_compatible(saved_model: dict, model_cfg, where) -> None:
+    """Refuse a checkpoint whose model differs in a way that changes shapes or meaning."""
+    differs = model_mismatch(saved_model, model_cfg)
+    if differs:
+        name, theirs, mine = differs
+        raise CheckpointError(f"{where} was saved with {name} = {theirs} ({flag(name)}), this run has {mine}: "
+                              f"use the checkpoint's model settings")
 
 
 def _read_rank(reader: CheckpointReader, chunks, engine, topo, job, weights_only: bool) -> int:

@@ -1,13 +1,13 @@
-"""HuggingFace model directories <-> megazero whole tensors: the files, and which HF format a model is.
+"""HuggingFace model directories <-> megazero whole tensors: the files, and the dispatch to a model
+family's HF adapter (``ModelSpec.hf``, :mod:`megazero.models.spec`).
 
     save_hf(out_dir, tensors, cfg, data_cfg=job.data)     # config.json + safetensors (+ tokenizer files)
-    cfg, tensors, tokenizer_dir = load_hf(path)          # single or sharded safetensors, or pytorch_model.bin
+    cfg, tensors = load_hf(path)                          # single or sharded safetensors, or pytorch_model.bin
 
-Formats (key maps and configs in their modules):
-
-- learned position embeddings -> ``GPT2LMHeadModel`` (:mod:`.hf_gpt2`);
-- RoPE -> ``LlamaForCausalLM``, or ``Qwen2ForCausalLM`` with a QKV-only bias (:mod:`.hf_llama`); read
-  also: ``MistralForCausalLM`` without a sliding window.
+Which format: on export, the adapter of the model's family (``cfg.model_family``) writes the config and
+maps the tensors (the GPT family: GPT-2's ``GPT2LMHeadModel`` for learned positions, the Llama family's
+``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` for RoPE, :mod:`megazero.models.gpt_spec`); on import, the
+family whose adapter reads the config's ``model_type`` (GPT-2 when absent).
 
 Weights above ``max_shard_bytes`` are split, as ``save_pretrained`` does, into
 ``model-00001-of-0000N.safetensors`` ... with ``model.safetensors.index.json`` (``weight_map``: tensor
@@ -17,6 +17,7 @@ tensor is refused, never initialised or dropped.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -25,29 +26,31 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from megazero.checkpoint import hf_gpt2, hf_llama
 from megazero.checkpoint.format import CheckpointError
-from megazero.config import DataConfig, ModelConfig
+from megazero.config import ConfigError, DataConfig, ModelConfig
+from megazero.models.spec import ModelSpec, get_model_spec, spec_for_hf
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9       # save_pretrained's default "5GB"
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def format_of(cfg: ModelConfig):
-    """The HF format module a megazero model exports to."""
-    return hf_llama if cfg.position_embedding_type == "rope" else hf_gpt2
+def adapter_of(cfg: ModelConfig):
+    """The HF adapter of a model's family; refused when the family has none."""
+    spec = get_model_spec(cfg.model_family)
+    if spec.hf is None:
+        raise CheckpointError(f"model family {spec.name!r} has no HuggingFace format: it cannot be exported")
+    return spec.hf
 
 
 def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig:
-    """The megazero ModelConfig of an HF config dict (by its ``model_type``; GPT-2 when absent)."""
-    kind = hf.get("model_type", "gpt2")
-    if kind in hf_llama.MODEL_TYPES:
-        return hf_llama.model_config_from_hf(hf, seq_length)
-    if kind != "gpt2":
-        raise CheckpointError(f"cannot import this HF model: model_type {kind!r} (megazero reads gpt2, "
-                              f"{', '.join(hf_llama.MODEL_TYPES)})")
-    return hf_gpt2.model_config_from_hf(hf, seq_length)
+    """The megazero ModelConfig of an HF config dict (by its ``model_type``; GPT-2 when absent), with
+    ``model_family`` naming the family that reads it."""
+    try:
+        spec: ModelSpec = spec_for_hf(hf.get("model_type", "gpt2"))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    return dataclasses.replace(spec.hf.config_from_hf(hf, seq_length), model_family=spec.name)
 
 
 def save_hf(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], cfg: ModelConfig,
@@ -55,14 +58,13 @@ def save_hf(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], cfg: M
             data_cfg: DataConfig | None = None) -> Path:
     """Write ``config.json`` + safetensors loadable by ``AutoModelForCausalLM.from_pretrained``, and the
     run's tokenizer files when it is known (see :func:`copy_tokenizer`)."""
-    out, fmt = Path(out_dir), format_of(cfg)
-    config = fmt.hf_config(cfg)                       # refuses what the format cannot express, before writing
+    out, adapter = Path(out_dir), adapter_of(cfg)
+    adapter.hf_config(cfg, None)                      # refuses what the format cannot express, before writing
     out.mkdir(parents=True, exist_ok=True)
     eos = copy_tokenizer(data_cfg, out) if data_cfg is not None else None
-    if fmt is hf_llama:
-        config["eos_token_id"] = eos
+    config = adapter.hf_config(cfg, eos)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    state = {k: v.to(dtype).contiguous() for k, v in fmt.to_hf_state(tensors, cfg).items()}
+    state = {k: v.to(dtype).contiguous() for k, v in adapter.to_hf_state(tensors, cfg).items()}
     write_safetensors(out, state, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return out
@@ -115,8 +117,8 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf(path: str | os.PathLike, seq_length: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, megazero whole tensors) of an HF GPT-2 or Llama-family directory; every tensor
-    of the model must be there and nothing else."""
+    """(ModelConfig, megazero whole tensors) of an HF directory a registered family reads (GPT-2,
+    Llama, Mistral, Qwen2 for the GPT family); every tensor of the model must be there and nothing else."""
     from megazero.checkpoint.offline import declarations
 
     path = Path(path)
@@ -124,7 +126,7 @@ def load_hf(path: str | os.PathLike, seq_length: int | None = None) -> tuple[Mod
     if not config_path.is_file():
         raise CheckpointError(f"{config_path} is missing: --input must be an HF model directory")
     cfg = model_config_from_hf(json.loads(config_path.read_text()), seq_length)
-    tensors = format_of(cfg).from_hf_state(read_weights(path), cfg)
+    tensors = adapter_of(cfg).from_hf_state(read_weights(path), cfg)
     expected = set(declarations(cfg))
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)

@@ -1,7 +1,7 @@
 """Single-process access to checkpoints for tools: whole tensors by stable name, no process group.
 
     cfg, tensors, index = read_model(path)          # path: a save dir (tracker) or an iter_* dir
-    model = build_full_model(path)                  # a tp=1 GPT with the checkpoint's weights
+    model, job = build_full_model(path)             # a tp=1 model (its spec's) with the checkpoint's weights
     write_weights_checkpoint(out_dir, tensors, job, tp=2, pp=2)   # files sharded for that layout
 
 Whole tensors here are the layout-free form of :mod:`megazero.checkpoint.format`: the tp=1 shape,
@@ -22,9 +22,8 @@ from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.regions import numel
 from megazero.checkpoint.tensor_file import write_pieces
 from megazero.config import JobConfig, ModelConfig
-from megazero.models.gpt import GPT
+from megazero.models.spec import get_model_spec
 from megazero.parallel.params import attribute, counts_once, split_dim
-from megazero.parallel.pipeline.stages import stage_layer_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +39,9 @@ def declarations(cfg: ModelConfig, pp: int = 1) -> dict[str, ParamDecl]:
     """Every saved parameter of the model, by name: built on the meta device for each pipeline rank
     (no memory), so split dims, vocabulary padding and stage membership are the model's own."""
     out: dict[str, ParamDecl] = {}
+    spec = get_model_spec(cfg.model_family)
     for r in range(pp):
-        chunk = GPT(cfg, None, layer_ids=stage_layer_ids(cfg.num_layers, pp, r), pre_process=r == 0,
-                    post_process=r == pp - 1, device="meta")
+        chunk, = spec.meta_chunks(cfg, pp, r)
         for name, p in chunk.named_parameters():
             if not counts_once(p, 0):
                 continue                               # a tied copy: its original is saved
@@ -78,10 +77,11 @@ def read_model(path: str | os.PathLike, verify: bool = True) -> tuple[ModelConfi
 
 
 def build_full_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device=None):
-    """A single-process (tp=1, all layers) GPT holding a checkpoint's weights, in eval mode."""
+    """(a single-process (tp=1, all layers) model of the checkpoint's family holding its weights, in eval
+    mode; the checkpoint's job)."""
     reader = CheckpointReader(resolve(path))
     job = saved_job(reader.index)
-    model = GPT(job.model, dtype=dtype, device=device or "cpu")
+    model = get_model_spec(job.model.model_family).build_full(job.model, dtype=dtype, device=device or "cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
             vocab = job.model.vocab_size if attribute(p, "vocab_padded") else None
@@ -110,7 +110,8 @@ def write_weights_checkpoint(save_dir: str | os.PathLike, tensors: dict[str, tor
     files, decls = {}, declarations(cfg, pp)
     unknown = sorted(set(tensors) - set(decls))
     if unknown:
-        raise CheckpointError(f"tensors {unknown[:5]} are not parameters of a {cfg.num_layers}-layer GPT")
+        raise CheckpointError(f"tensors {unknown[:5]} are not parameters of a {cfg.num_layers}-layer "
+                              f"{cfg.model_family} model")
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             pieces = []

@@ -1,69 +1,55 @@
 """Memory per rank, estimated before launch from the job's flags: what ``tools/estimate_memory.py`` prints.
 
-Three parts, each per pipeline stage (the binding rank is the largest):
+Model-agnostic: the model's chunks come from its spec (:mod:`megazero.models.spec`), built on the meta
+device; the engine's layout, bounds and transients from the ZeRO components' own formulas. Three
+parts, each per pipeline stage (the binding rank is the largest):
 
 * **model states** (the ZeRO paper's accounting, exact for this implementation): the rank's
   parameters Ψ (its tp-local slice of its stage, padded into the buckets exactly as the engine pads
-  them), in the parameter dtype (e bytes), fp32 masters when e < 4, Adam's two moments, and the
-  gradients, each divided by N = dp where the stage shards it::
+  them, in the engine's bucket groups: experts over dp / ep with expert parallelism), in the
+  parameter dtype (e bytes), fp32 masters when e < 4, Adam's two moments, and the gradients, each
+  divided by N = dp where the stage shards it::
 
       stage 0: eΨ + gΨ + 4Ψ + 8Ψ      1: eΨ + gΨ + 12Ψ/N      2: eΨ + gΨ/N + 12Ψ/N      3: 16Ψ/N (e = g = 2)
 
   (g: gradient bytes, 4 with --accumulate-allreduce-grads-in-fp32, the default under bf16)
 
-* **activations** (Korthikanti et al. 2022, counted for this implementation): per layer and
-  micro-batch, the tensors autograd keeps, in units of sbh elements of e bytes (s sequence, b
-  micro-batch, h hidden, f ffn, t tp, a heads)::
+* **activations**: what the model spec's activation model says one micro-batch leaves held in each
+  chunk (the GPT family counts its implementation exactly, :mod:`megazero.models.gpt_memory`; other
+  models get Korthikanti et al.'s generic count, :mod:`megazero.memory.activations`), times the
+  micro-batches held at once, which come from replaying the rank's schedule (1 without a pipeline,
+  pp - rank with 1F1B, m with GPipe, the interleaved order chunk by chunk).
 
-      without sequence parallel   4 sbh + (4 sbh + 2 sbf) / t        (x, LN outputs, x after attention,
-      with sequence parallel      2 sbh + (6 sbh + 2 sbf) / t         qkv, attention out, MLP in/out; SP
-                                                                      stores the gathered inputs of the
-                                                                      column-parallel layers)
-
-  for GPT-2; the Llama-family layers change the attention and MLP terms (per token: RoPE keeps the
-  rotated queries and keys, grouped-query attention 2h/t + 2Gd/t (+ Gd/t rotated keys) instead of
-  4h/t, SwiGLU 4f/t instead of 2f/t) and RMSNorm keeps one statistic per row instead of two;
-
-  plus the layer norms' statistics (fp32), the attention's log-sum-exp (fp32; the fused kernel keeps
-  no s x s scores, except with attention dropout, where the unfused path keeps the probabilities and
-  the mask), dropout masks (1 byte on CUDA, the activation's dtype on a CPU, whose dropout keeps
-  its noise tensor) and the head's softmax (fp32, sbV/t). With ``--recompute-activations`` a layer
-  keeps only its input, and one layer's activations exist again during its backward. The
-  micro-batches held at once come from replaying the rank's schedule (1 without a pipeline, pp -
-  rank with 1F1B, m with GPipe, the interleaved order chunk by chunk).
-
-* **buffers**: the transients on top -- gradients in flight (stage 2: the full-size storage until
-  the step's reductions; reducing every micro-batch: the bucket being filled and up to three being
-  reduced, stage 3: one, with scratch shards and, on CPU, each reduction's gloo inbox of (N-2)/N of
-  its bucket), stage 3's gathered units (1 + prefetch; ``--zero3-keep-params-gathered``: the whole
-  chunk, and with m > 1 the earlier micro-batches' full-size gradients), the logits of the current
+* **buffers**: the transients on top -- gradients in flight
+  (:func:`megazero.parallel.zero.sharded_grads.backward_grad_bytes`), stage 3's gathered units
+  (:func:`megazero.parallel.zero.param_sync.gathered_unit_bytes`), the logits of the current
   micro-batch, and the fp32 copy of the gradients the optimizer step makes in bf16/fp16.
 
 * **offloaded** (``--offload-optimizer``, ``--offload-params``): what leaves the device, counted on the
   host and on NVMe instead (:func:`offloaded_parts`; ``megazero/parallel/zero/offload.py`` has the table).
 
-Mixture of Experts: the model states hold E/ep experts per MoE layer, sharded over dp/ep (as
-``zero/experts.py`` lays them out; checked against the engine in ``tests/test_moe.py``); the activation
-term still counts an MoE layer as one dense MLP (router, top-k copies and all-to-all buffers left out).
-:func:`moe_alltoall_bytes` gives the expert-parallel all-to-all bytes per step.
-
-The estimate is checked against measured live tensor bytes on CPU (``tests/test_memory.py``) and
-reproduces the ZeRO paper's worked figures (:func:`paper_model_states`).
+:func:`moe_alltoall_bytes` gives the expert-parallel all-to-all bytes per step. The estimate is
+checked against measured live tensor bytes on CPU (``tests/test_memory.py``) and reproduces the ZeRO
+paper's worked figures (:func:`paper_model_states`).
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass, field
 
 from megazero.config import JobConfig
-from megazero.models.gpt import GPT
+from megazero.memory.activations import TransformerActivations
+from megazero.models.spec import get_model_spec
+from megazero.parallel.groups import ExpertParallel, ModelParallelGroups
 from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline.interleaved import chunk_of, interleaved_warmup
-from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage, stage_layer_ids
+from megazero.parallel.pipeline.partition import placements, stage_layer_ids
 from megazero.parallel.zero.buckets import plan_buckets
-from megazero.parallel.zero.grad_sync import MAX_REDUCTIONS_IN_FLIGHT
+from megazero.parallel.zero.engine import bucket_group_filters
 from megazero.parallel.zero.offload import sub_group_elements
+from megazero.parallel.zero.param_sync import gathered_unit_bytes
+from megazero.parallel.zero.reducers import HierarchicalReducer, ReduceScatter
+from megazero.parallel.zero.sharded_grads import backward_grad_bytes
 from megazero.parallel.zero.units import plan_of
 
 GIB = 1e9
@@ -100,13 +86,14 @@ class StageEstimate:
                 "host_bytes": self.host, "nvme_bytes": self.nvme, "parts": dict(self.parts)}
 
 
-def _chunks(job: JobConfig, pp_rank: int) -> list[GPT]:
-    """The stage's chunks on the meta device at tp = 1 (their declarations; local sizes are scaled)."""
-    par, cfg = job.parallel, job.model
-    v = par.virtual_stages
-    return [GPT(cfg, None, layer_ids=stage_layer_ids(cfg.num_layers, par.pp, pp_rank, v, c),
-                pre_process=is_first_virtual_stage(pp_rank, c), post_process=is_last_virtual_stage(pp_rank, par.pp, c, v),
-                device="meta") for c in range(v)]
+def _chunks(job: JobConfig, pp_rank: int) -> list:
+    """The stage's chunks on the meta device at tp = 1 (their declarations; local sizes are scaled),
+    holding one ep rank's experts (E / ep of each MoE layer)."""
+    par, ep = job.parallel, job.parallel.expert_model_parallel_size
+    groups = ModelParallelGroups(ep=ExpertParallel(None, tuple(range(ep)), 0, ep))
+    spec = get_model_spec(job.model.model_family)
+    return [spec.build_chunk(job.model, placement, groups, device="meta")
+            for placement in placements(job.model.num_layers, par.pp, pp_rank, par.virtual_stages)]
 
 
 def _local_numel(p, job: JobConfig) -> int:
@@ -119,104 +106,33 @@ def _local_numel(p, job: JobConfig) -> int:
     return p.numel() // tp
 
 
-def _buckets(named, job: JobConfig, bucket_size: int) -> list[int]:
+def _buckets(named, job: JobConfig, bucket_size: int, dp: int) -> list[int]:
     """Padded bucket sizes of parameters laid out in backward order, as the engine does."""
     named = list(named)[::-1]
     plan = plan_buckets([_local_numel(p, job) for _, p in named],
-                        [bool(attribute(p, "shared_embedding")) for _, p in named], bucket_size, job.parallel.dp)
+                        [bool(attribute(p, "shared_embedding")) for _, p in named], bucket_size, dp)
     return [padded for _, padded in plan]
 
 
-def _held(job: JobConfig, chunk: GPT) -> list:
-    """(name, parameter) of the chunk that a rank holds: with expert parallelism only the experts of one
-    ep rank (E / ep of each MoE layer; the chunk is built at ep = 1 and holds them all)."""
-    local = (job.model.num_experts or 0) // job.parallel.expert_model_parallel_size
-    return [(n, p) for n, p in chunk.named_parameters()
-            if not attribute(p, "expert_parallel") or int(n.split(".experts.")[1].split(".")[0]) < local]
-
-
-def _state_groups(job: JobConfig, chunks: list[GPT]) -> list[tuple[list[int], int, list[int]]]:
-    """The engine's bucket layout: (padded bucket sizes, ranks sharding them, ZeRO-3 unit sizes) for the
-    dense parameters over dp and, with expert parallelism, the experts over dp / ep (zero/experts.py)."""
+def _state_groups(job: JobConfig, chunks: list) -> list[tuple[list[int], int, list[list[int]]]]:
+    """The engine's bucket layout, per bucket group (:func:`megazero.parallel.zero.engine.bucket_group_filters`:
+    the dense parameters over dp and, with expert parallelism, the experts over dp / ep): (padded
+    bucket sizes, ranks sharding them, ZeRO-3 unit sizes per chunk)."""
     z, par = job.zero, job.parallel
     ep = par.expert_model_parallel_size
-    kinds = [(lambda p: not attribute(p, "expert_parallel"), par.dp), (lambda p: attribute(p, "expert_parallel"),
-                                                                        par.dp // ep)] if ep > 1 else [(None, par.dp)]
+    has_experts = any(attribute(p, "expert_parallel") for c in chunks for p in c.parameters())
     out = []
-    for keep, n in kinds:
-        sized = JobConfig(**{**vars(job), "parallel": _with_dp(par, n)})
-        held = [[(name, p) for name, p in _held(job, c) if keep is None or keep(p)] for c in chunks]
+    for name, keep in bucket_group_filters(ep, has_experts):
+        n = par.dp // ep if name == "experts" else par.dp
+        held = [[(m, p) for m, p in c.named_parameters() if keep is None or keep(p)] for c in chunks]
         if z.zero_stage == 3:
-            names = [{name for name, _ in h} for h in held]
-            per_chunk = [[u for u in (sum(_buckets([(m, p) for m, p in members if m in names[i]], sized, sys.maxsize))
+            names = [{m for m, _ in h} for h in held]
+            per_chunk = [[u for u in (sum(_buckets([(m, p) for m, p in members if m in names[i]], job, sys.maxsize, n))
                                       for members in plan_of(c).units.values()) if u]
                          for i, c in enumerate(chunks)]
             out.append(([u for cu in per_chunk for u in cu], n, per_chunk))
         else:
-            out.append(([x for h in held for x in _buckets(h, sized, z.bucket_size)], n, [[] for _ in chunks]))
-    return out
-
-
-def _with_dp(par, dp: int):
-    return dataclasses.replace(par, dp=dp)
-
-
-def _attention_elements(cfg, t: int) -> int:
-    """Elements per token one tp rank's attention keeps: the fused QKV output (its value part is a view
-    SDPA saves), or the query and the key/value projection outputs (G >= t groups split, one group per
-    rank when replicated); RoPE's rotated queries and keys instead of the projections' views; the output."""
-    h, d, rope = cfg.hidden_size, cfg.head_dim, cfg.position_embedding_type == "rope"
-    if not cfg.group_query_attention:
-        return (4 * h + (2 * h if rope else 0)) // t
-    groups = max(cfg.num_query_groups // t, 1)
-    return 2 * h // t + 2 * groups * d + (groups * d if rope else 0)
-
-
-def _mlp_elements(cfg, t: int) -> int:
-    """Elements per token one tp rank's MLP keeps: GELU's input and output; or SwiGLU's fused gate/up
-    output (2 ffn), silu(gate) and the product fed to the down projection."""
-    return (4 if cfg.swiglu else 2) * cfg.ffn_hidden_size // t
-
-
-def _layer_activation_bytes(job: JobConfig, e: int, mask: int) -> tuple[int, int]:
-    """(bytes one layer keeps for backward, bytes of its input) per micro-batch; ``mask``: bytes per
-    element of a dropout mask (1 for CUDA's fused dropout, the activation's e bytes on a CPU)."""
-    cfg, par = job.model, job.parallel
-    s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
-    a = cfg.num_attention_heads
-    sp = par.sequence_parallel and t > 1
-    sbh = s * b * h
-    inner = s * b * (_attention_elements(cfg, t) + _mlp_elements(cfg, t))
-    elems = (2 * sbh + 2 * sbh // t + inner) if sp else (4 * sbh + inner)
-    rows = s * b // t if sp else s * b                    # the rows a layer norm (and dropout) sees
-    stats = 2 if cfg.normalization == "LayerNorm" else 1  # LayerNorm: mean and rstd; RMSNorm: rstd
-    out = e * elems + 2 * stats * 4 * rows               # two norms' statistics, fp32
-    if cfg.attention_dropout > 0:
-        out += b * (a // t) * s * s * (2 * e + mask)       # unfused attention: probabilities, dropped, mask
-    else:
-        out += 4 * b * (a // t) * s                        # fused attention's log-sum-exp
-    if cfg.hidden_dropout > 0:
-        out += 2 * rows * h * mask                         # two dropout masks
-    return out, e * rows * h
-
-
-def _chunk_activation_bytes(job: JobConfig, chunk: GPT, e: int, mask: int) -> int:
-    """Bytes one micro-batch leaves held in one chunk after its forward."""
-    cfg, par = job.model, job.parallel
-    s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
-    layer, layer_input = _layer_activation_bytes(job, e, mask)
-    n = len(chunk.layer_ids)
-    out = n * (layer_input if cfg.recompute_activations else layer)
-    if chunk.pre_process:
-        out += 2 * 8 * s * b                               # token and position ids
-        out += s * b * h * mask if cfg.hidden_dropout > 0 else 0     # the embedding's dropout mask
-    rows = s * b // t if par.sequence_parallel and t > 1 else s * b
-    if not chunk.post_process:                         # the output, held by the schedule for the backward
-        out += e * rows * h
-    if chunk.post_process:
-        stats = 2 if cfg.normalization == "LayerNorm" else 1
-        out += e * rows * h + stats * 4 * rows + e * s * b * h   # final norm input and stats, the logits' input
-        out += 4 * s * b * cfg.padded_vocab_size(t) // t + 9 * s * b   # softmax (fp32), target, mask
+            out.append(([x for h in held for x in _buckets(h, job, z.bucket_size, n)], n, [[] for _ in chunks]))
     return out
 
 
@@ -257,12 +173,15 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     ge = 4 if z.accumulate_allreduce_grads_in_fp32 else e    # gradient element bytes
     mask = 1 if device == "cuda" else e
     n = par.dp
+    spec = get_model_spec(job.model.model_family)
+    activation_model = spec.activation_bytes or TransformerActivations()
+    places = placements(job.model.num_layers, par.pp, pp_rank, par.virtual_stages)
     chunks = _chunks(job, pp_rank)
     groups = _state_groups(job, chunks)                # [(buckets, dp ranks sharing them)]: dense, experts
     units = [[u for _, _, per_chunk in groups for u in per_chunk[i]] for i in range(len(chunks))]
     buckets = [x for bs, _, _ in groups for x in bs]
     psi = sum(buckets)
-    params = sum(_local_numel(p, job) for c in chunks for _, p in _held(job, c))
+    params = sum(_local_numel(p, job) for c in chunks for p in c.parameters())
     sharded = z.zero_stage >= 1
     est = StageEstimate(pp_rank, params, psi)
     parts = est.parts
@@ -275,42 +194,27 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
         parts["optimizer_state"] += 8 * g_psi // (group_n if sharded else 1)
     if z.zero_stage == 3 and z.hpz_partition_size > 1:       # ZeRO++ hpZ: a secondary shard over K ranks
         parts["hpz_secondary_params"] = e * psi // z.hpz_partition_size
-    offloaded = offloaded_parts(job, psi, e, parts, ge, device)
+    offloaded = offloaded_parts(job, groups, e, parts, ge, device)
     est.model_states = sum(parts.values())
 
-    est.activations = _held_peak(job, pp_rank, [_chunk_activation_bytes(job, c, e, mask) for c in chunks])
+    est.activations = _held_peak(job, pp_rank, [activation_model.held(job, pl, e, mask) for pl in places])
 
-    s, b, t = job.model.seq_length, job.train.micro_batch_size, par.tp
-    in_flight = MAX_REDUCTIONS_IN_FLIGHT if z.zero_stage == 2 and z.overlap_grad_reduce else 1
-    largest = sorted(buckets)[-1 - in_flight:]        # the bucket being filled and the ones reducing
-    if z.zero_stage == 2 and not z.reduce_each_microbatch:
-        parts["grads_in_backward"] = ge * psi            # full storage until the step's reductions
-    elif z.zero_stage == 3 and z.keep_params_gathered and job.num_micro_batches > 1:
-        parts["grads_in_backward"] = ge * psi           # earlier micro-batches' gradients, full-size
-    elif z.zero_stage >= 2:                            # being filled + those reducing, with scratch shards
-        parts["grads_in_backward"] = sum(ge * x + ge * x // n for x in largest)
-        if device != "cuda" and n > 2:                 # gloo: each reduction's inbox of N-2 chunks
-            parts["grads_in_backward"] += sum(ge * x * (n - 2) // n for x in largest[1:])
+    if z.zero_stage >= 2:                    # the bucket being filled, those reducing, scratch shards, inboxes
+        accumulates_full = (z.zero_stage == 2 and not z.reduce_each_microbatch
+                            or z.zero_stage == 3 and z.keep_params_gathered and job.num_micro_batches > 1)
+        reducer = HierarchicalReducer if z.quantized_gradients else ReduceScatter
+        parts["grads_in_backward"] = backward_grad_bytes(buckets, ge, n, z.zero_stage, overlap=z.overlap_grad_reduce,
+                                                         accumulates_full=accumulates_full, on_cuda=device == "cuda",
+                                                         reducer=reducer)
     if z.zero_stage == 3:
-        window = 1 + z.prefetch_layers
-        gathered = max((sum(cu[i:i + window]) for cu in units for i in range(len(cu))), default=0)
-        parts["gathered_units"] = e * (psi if z.keep_params_gathered else gathered)
-    if any(c.post_process for c in chunks):            # the logits (and their float32 copy) beside the softmax
-        parts["logits"] = (e + (4 if e < 4 else 0)) * s * b * job.model.padded_vocab_size(t) // t
+        parts["gathered_units"] = gathered_unit_bytes(units, e, z.prefetch_layers, z.keep_params_gathered)
+    if places[-1].post_process:                        # the logits (and their float32 copy) beside the softmax
+        parts["logits"] = activation_model.logits(job, e)
     # Two moments compete for the peak. The end of the last held forward: the logits beside the softmax,
     # and gradient storage already filled by earlier micro-batches (reduced once per step, m > 1). A
     # backward: the head's activations are gone first; the gradients passing between layers, the
     # gradients in flight and, recomputing, one layer's activations back.
-    layer, layer_input = _layer_activation_bytes(job, e, mask)
-    rows = s * b // t if par.sequence_parallel and t > 1 else s * b
-    mlp_width = job.model.ffn_hidden_size * (2 if job.model.swiglu else 1)
-    working = e * (2 * rows * job.model.hidden_size + s * b * mlp_width // t)
-    if job.model.recompute_activations:
-        working += layer
-    last = chunks[-1]
-    if last.post_process:
-        inputs = len(last.layer_ids) * (layer_input if job.model.recompute_activations else layer)
-        working -= _chunk_activation_bytes(job, last, e, mask) - inputs
+    working = activation_model.working(job, places, e, mask)
     grads, gathered = parts.get("grads_in_backward", 0), parts.get("gathered_units", 0)
     accumulating = job.num_micro_batches > 1 and (z.zero_stage == 2 and not z.reduce_each_microbatch
                                                   or z.zero_stage == 3 and z.keep_params_gathered)
@@ -318,7 +222,7 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     backward = max(working, 0) + gathered + grads
     step = 0
     if ge < 4 and z.offload_optimizer == "none":       # the optimizer step's fp32 copy of the gradients,
-        step = parts["fp32_grads_in_step"] = 4 * psi // (n if sharded else 1)    # after the activations went
+        step = parts["fp32_grads_in_step"] = sum(4 * sum(bs) // (gn if sharded else 1) for bs, gn, _ in groups)
     if z.offload_params != "none" and z.zero_stage == 3:   # device staging copies of the shards in flight
         parts["offload_staging"] = gathered // n
         forward_end, backward = forward_end + gathered // n, backward + gathered // n
@@ -329,15 +233,17 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     return est
 
 
-def offloaded_parts(job: JobConfig, psi: int, e: int, parts: dict, ge: int = 4, device: str = "cpu") -> dict:
+def offloaded_parts(job: JobConfig, groups, e: int, parts: dict, ge: int = 4, device: str = "cpu") -> dict:
     """Move what ``--offload-optimizer`` / ``--offload-params`` keep off the device out of ``parts`` (the
-    device model states) and return it as ``host_*`` / ``nvme_*`` bytes. Per rank, Ψ/N owned elements:
-    host fp32 gradient copy 4Ψ/N (none on a CPU with fp32 gradients: the host reads the device's); masters and moments 12Ψ/N on the host (cpu) or in the swap file (nvme),
-    with up to three sub-group buffers of 12 bytes per element on the host (nvme) and two cast buffers in the
-    parameter dtype (bf16/fp16); ZeRO-3 parameter shards eΨ/N on the host or in the swap file."""
-    z, n = job.zero, job.parallel.dp
+    device model states) and return it as ``host_*`` / ``nvme_*`` bytes. Per rank, Ψ/N owned elements
+    (summed over the bucket groups, each over its own N): host fp32 gradient copy 4Ψ/N (none on a CPU
+    with fp32 gradients: the host reads the device's); masters and moments 12Ψ/N on the host (cpu) or in
+    the swap file (nvme), with up to three sub-group buffers of 12 bytes per element on the host (nvme)
+    and two cast buffers in the parameter dtype (bf16/fp16); ZeRO-3 parameter shards eΨ/N on the host
+    or in the swap file."""
+    z = job.zero
     out = {}
-    owned = psi // n
+    owned = sum(sum(bs) // gn for bs, gn, _ in groups)
     width = min(sub_group_elements(z.offload_sub_group_size, owned), owned)
     if z.offload_optimizer != "none":
         parts["master_weights"] = parts["optimizer_state"] = 0

@@ -1,32 +1,19 @@
-"""Models, and the contract between a model and the parallel machinery.
+"""Models, and the contract between a model family and everything else: its spec.
 
-``megazero/parallel/`` never imports a model: it reads what the model declares. A model module
-(``gpt.py``; the next one goes beside it) supplies:
+``megazero/parallel/`` never imports a model: it reads what the model declares (the parameter
+attributes of :mod:`megazero.parallel.params`, ``zero3_plan()``, ``initial_value(name)``). The trainer,
+checkpoints, the memory estimator and the tools import no concrete model either: they ask the registry
+of :mod:`megazero.models.spec` for the family named by ``--model-family`` and use what its
+:class:`~megazero.models.spec.ModelSpec` supplies (chunks, boundary shape, loss, FLOPs, step hooks,
+the full-model builder, the HF adapter, the checkpoint's shape fields, activation memory).
 
-======================================  ==========================================  ======================
-what                                    how (GPT)                                   read by
-======================================  ==========================================  ======================
-its pipeline chunks                     ``build_model_chunks(model_cfg, parallel_   the trainer; chunk c
-                                        cfg, topo, seed, dtype, device)``: the      of pipeline rank r is
-                                        ``v`` chunks of this rank; parameter        virtual stage c*pp + r
-                                        names are the full model's
-the stage boundary                      ``activation_shape(model_cfg, micro_batch,  ``run_schedule``
-                                        tp, sequence_parallel)``                    (receive buffers)
-its loss                                ``masked_mean(per_token_loss, loss_mask)``  ``run_schedule``
-                                        over the last chunk's ``chunk(x, labels)``  (``loss_fn=``)
-its ZeRO-3 gather units                 ``chunk.zero3_plan()``                      ZeRO-3
-                                        (:mod:`megazero.parallel.zero.units`)
-which parameters are split (on which    parameter attributes                        ZeRO, norms, counts,
-dim), tied, or vocabulary-padded        (:mod:`megazero.parallel.params`)           checkpoints, tools
-======================================  ==========================================  ======================
-
-Tools that need the declarations without a process group build the model on the meta device
-(``GPT(cfg, device="meta")``): every name and attribute, no memory.
-
-The GPT covers GPT-2 and the Llama family (RoPE, RMSNorm, SwiGLU, grouped-query attention, bias-free
-layers) through Megatron's flags, as Megatron's GPTModel does (its layers: ``transformer.py``); a
-different architecture would be a module of its own beside it, providing the same contract.
+The built-in family is ``gpt`` (:mod:`.gpt_spec`): GPT-2, and the Llama family and Mixture of Experts by
+Megatron's flags, as Megatron's GPTModel does (the model: :mod:`.gpt`; its layers: :mod:`.transformer`,
+:mod:`.moe`, :mod:`.rotary`; its HF formats: :mod:`.hf_gpt2`, :mod:`.hf_llama`). A different
+architecture is a module of its own that registers a spec; nothing else changes.
 """
-from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
+from megazero.models.spec import (HFAdapter, ModelSpec, StepHooks, build_model_chunks, get_model_spec,
+                                  model_family_names, register_model_spec)
 
-__all__ = ["GPT", "activation_shape", "build_model_chunks", "masked_mean"]
+__all__ = ["HFAdapter", "ModelSpec", "StepHooks", "build_model_chunks", "get_model_spec", "model_family_names",
+           "register_model_spec"]

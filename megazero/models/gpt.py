@@ -31,10 +31,10 @@ the *global* layer index. With tied embeddings a last stage that is not also the
 still owns ``embedding.word_embeddings.weight`` (same init, ``shared_embedding=True``,
 ``tied_copy=True``); the ZeRO engine sums the two copies' gradients over the embedding group.
 
-What the model declares for the parallel machinery (the contract in :mod:`megazero.models`):
-:func:`build_model_chunks` (the pipeline cut), :func:`activation_shape` (the stage boundary),
-:func:`masked_mean` (the loss over per-token losses), :meth:`GPT.zero3_plan` (the ZeRO-3 gather
-units), :meth:`GPT.initial_value` (sharded construction) and the parameter attributes of
+What the model declares for the parallel machinery (its spec: :mod:`megazero.models.gpt_spec`):
+one chunk per pipeline placement, :func:`activation_shape` (the stage boundary), :func:`masked_mean`
+(the loss over per-token losses), :meth:`GPT.zero3_plan` (the ZeRO-3 gather units),
+:meth:`GPT.initial_value` (sharded construction) and the parameter attributes of
 :mod:`megazero.parallel.params` (split dims, the tied embedding, the padded vocabulary, the partial
 gradients of replicated key/value heads).
 
@@ -59,9 +59,9 @@ from megazero.config import ModelConfig, ParallelConfig, check_model
 from megazero.models.kv_cache import KVCache
 from megazero.models.transformer import (NORM_TYPES, Embedding, LayerContext, TransformerLayer,
                                          qkv_blocks_to_interleaved, qkv_interleaved_to_blocks)
-from megazero.parallel.comm import group_rank
-from megazero.parallel.counted_comm import CommLog
-from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage, stage_layer_ids
+from megazero.parallel.groups import ModelParallelGroups
+from megazero.parallel.raw_comm import group_rank
+from megazero.parallel.pipeline.partition import placements
 from megazero.parallel.tensor import (ColumnParallelLinear, TensorParallelRNG, column_parallel_linear,
                                       init_std_scaled, mask_padded_vocab, set_tp_attributes, shard,
                                       vocab_parallel_cross_entropy)
@@ -88,8 +88,11 @@ def param_seed(seed: int, name: str) -> int:
 class GPT(nn.Module):
     """The GPT model, or the part of it one pipeline stage owns.
 
-    ``GPT(cfg, topo, sequence_parallel=False, layer_ids=None, pre_process=True, post_process=True,
-    seed=1234, dtype=torch.float32, device=None)``. ``forward(x, labels=None, *, kv_cache=None)``:
+    ``GPT(cfg, groups=None, layer_ids=None, pre_process=True, post_process=True, seed=1234,
+    dtype=torch.float32, device=None, home_device=None)``: ``groups`` the tensor- and expert-parallel
+    groups (``topo.model_groups(sequence_parallel)``; None: one process); ``home_device`` this rank's
+    device (default CPU), where parameters built on ``device="meta"`` will be materialised.
+    ``forward(x, labels=None, *, kv_cache=None)``:
 
     - ``x``: token ids [b, s] int64 when ``pre_process``, else hidden [s(/tp), b, h] from the
       previous stage;
@@ -99,29 +102,25 @@ class GPT(nn.Module):
       the tokens the cache holds, at positions ``kv_cache.length ..``; the chunk's layers append theirs.
     """
 
-    def __init__(self, model_cfg: ModelConfig, topo=None, *, sequence_parallel: bool = False,
-                 layer_ids: Sequence[int] | None = None, pre_process: bool = True,
-                 post_process: bool = True, seed: int = 1234, dtype=torch.float32, device=None):
+    def __init__(self, model_cfg: ModelConfig, groups: ModelParallelGroups | None = None, *,
+                 layer_ids: Sequence[int] | None = None, pre_process: bool = True, post_process: bool = True,
+                 seed: int = 1234, dtype=torch.float32, device=None, home_device=None):
         super().__init__()
         cfg = model_cfg
-        tp = topo.tp_size if topo is not None else 1
-        check_model(cfg, ParallelConfig(tp=tp, sequence_parallel=sequence_parallel))
-        tp_group = topo.tp_group if tp > 1 else None
-        sequence_parallel = sequence_parallel and tp > 1
-        device = torch.device(device) if device is not None else (topo.device if topo is not None
-                                                                   else torch.device("cpu"))
+        groups = groups or ModelParallelGroups.single()
+        tp = groups.tp.size
+        check_model(cfg, ParallelConfig(tp=tp, sequence_parallel=groups.sequence_parallel))
+        home_device = torch.device(home_device) if home_device is not None else torch.device("cpu")
+        device = torch.device(device) if device is not None else home_device
         layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
-        self.cfg, self.tp_group, self.sequence_parallel = cfg, tp_group, sequence_parallel
         self.pre_process, self.post_process, self.layer_ids = pre_process, post_process, layer_ids
         self.tied = not cfg.untie_embeddings_and_output_weights
         self.padded_vocab_size = cfg.padded_vocab_size(tp)
-        rng_device = device if device.type != "meta" else (topo.device if topo is not None else torch.device("cpu"))
+        tp_group = groups.tp.group if tp > 1 else None
         self.rng = TensorParallelRNG(seed, group_rank(tp_group), offset=100 * min(layer_ids, default=0),
-                                     device=rng_device)
-        ctx = self.ctx = LayerContext(cfg, tp_group, sequence_parallel, self.rng, dtype, device)
-        ctx.comm_log = CommLog()                       # the MoE layers' all-to-all bytes (tag "ep")
-        if topo is not None and getattr(topo, "ep_size", 1) > 1:
-            ctx.ep_group, ctx.ep_size, ctx.ep_rank = topo.ep_group, topo.ep_size, topo.ep_rank
+                                     device=device if device.type != "meta" else home_device)
+        ctx = self.ctx = LayerContext(cfg, groups, self.rng, dtype, device)
+        self.cfg, self.tp_group, self.sequence_parallel = cfg, ctx.tp_group, ctx.sp
 
         if pre_process or (post_process and self.tied):
             self.embedding = Embedding(ctx, self.padded_vocab_size, with_positions=pre_process)
@@ -134,7 +133,7 @@ class GPT(nn.Module):
             self.final_norm = ctx.norm()
             if not self.tied:
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, tp_group,
-                                                         bias=False, sequence_parallel=sequence_parallel,
+                                                         bias=False, sequence_parallel=self.sequence_parallel,
                                                          dtype=dtype, device=device)
                 self.output_layer.weight.vocab_padded = True
         for p in self.parameters():
@@ -279,8 +278,9 @@ class GPT(nn.Module):
 
 def build_model_chunks(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, topo, seed: int = 1234,
                        dtype: torch.dtype = torch.float32, device=None) -> list[GPT]:
-    """The ``v`` GPT chunks this rank runs (``v = parallel_cfg.virtual_stages``, 1 unless interleaved):
-    the pipeline cut of :func:`megazero.parallel.pipeline.stages.stage_layer_ids`.
+    """The ``v`` GPT chunks this rank runs (``v = parallel_cfg.virtual_stages``, 1 unless interleaved),
+    built for the placements of :func:`megazero.parallel.pipeline.partition.placements` (what the GPT
+    spec's ``build_chunk`` does for the trainer; tests and benchmarks call this directly).
 
     Each chunk holds only its layers; parameter names are the full model's (``layers.5.mlp...``), so
     checkpoints and comparisons do not depend on the layout. ``parallel_cfg`` should have been through
@@ -290,13 +290,10 @@ def build_model_chunks(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, top
     if parallel_cfg.pp != topo.pp_size or parallel_cfg.tp != topo.tp_size:
         raise ValueError(f"parallel config (tp {parallel_cfg.tp}, pp {parallel_cfg.pp}) does not match the "
                          f"topology (tp {topo.tp_size}, pp {topo.pp_size}): build both from the same config")
-    v = parallel_cfg.virtual_stages
-    return [GPT(model_cfg, topo, sequence_parallel=parallel_cfg.sequence_parallel,
-                layer_ids=stage_layer_ids(model_cfg.num_layers, topo.pp_size, topo.pp_rank, v, c),
-                pre_process=is_first_virtual_stage(topo.pp_rank, c),
-                post_process=is_last_virtual_stage(topo.pp_rank, topo.pp_size, c, v),
-                seed=seed, dtype=dtype, device=device if device is not None else topo.device)
-            for c in range(v)]
+    groups = topo.model_groups(parallel_cfg.sequence_parallel)
+    return [GPT(model_cfg, groups, layer_ids=p.layer_ids, pre_process=p.pre_process, post_process=p.post_process,
+                seed=seed, dtype=dtype, device=device if device is not None else topo.device, home_device=topo.device)
+            for p in placements(model_cfg.num_layers, topo.pp_size, topo.pp_rank, parallel_cfg.virtual_stages)]
 
 
 def activation_shape(model_cfg: ModelConfig, micro_batch_size: int, tp: int = 1,

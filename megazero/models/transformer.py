@@ -29,7 +29,9 @@ from megazero.config import ModelConfig
 from megazero.models.kv_cache import LayerKVCache
 from megazero.models.moe import MoELayer
 from megazero.models.rotary import RotaryEmbedding
-from megazero.parallel.comm import group_rank, group_size
+from megazero.parallel.counted_comm import CommLog
+from megazero.parallel.groups import ModelParallelGroups
+from megazero.parallel.raw_comm import group_rank, group_size
 from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
                                       VocabParallelEmbedding, copy_to_tp_region,
                                       gather_from_sequence_parallel_region, new_parameter, set_tp_attributes)
@@ -119,8 +121,9 @@ NORM_TYPES = (nn.LayerNorm, RMSNorm)
 class LayerContext:
     """What every submodule needs to know about the layout (one shared object per chunk, not a global)."""
 
-    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, rng: TensorParallelRNG,
-                 dtype, device):
+    def __init__(self, cfg: ModelConfig, groups: ModelParallelGroups, rng: TensorParallelRNG, dtype, device):
+        tp_group = groups.tp.group if groups.tp.size > 1 else None
+        sequence_parallel = groups.sequence_parallel and groups.tp.size > 1
         self.cfg, self.tp_group, self.sp, self.rng = cfg, tp_group, sequence_parallel, rng
         self.dtype, self.device = dtype, device
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
@@ -128,8 +131,10 @@ class LayerContext:
         # (sequence parallel) each rank holds different tokens, so it uses the per-rank stream.
         self.hidden_region = TensorParallelRNG.TP if sequence_parallel else TensorParallelRNG.DEFAULT
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
-        # Expert parallelism (MoE layers): set by the model from its topology; one rank by default.
-        self.ep_group, self.ep_size, self.ep_rank, self.comm_log = None, 1, 0, None
+        # Expert parallelism (MoE layers); the MoE all-to-all's bytes are recorded in comm_log (tag "ep").
+        ep = groups.ep
+        self.ep_group, self.ep_size, self.ep_rank = (ep.group, ep.size, ep.rank) if ep.size > 1 else (None, 1, 0)
+        self.comm_log = CommLog()
 
     def dropout(self, x, p: float, training: bool, region: str):
         if not training or p == 0.0:

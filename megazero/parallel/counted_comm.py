@@ -1,10 +1,10 @@
 """The collectives megazero's data-parallel and ZeRO code issues, each one recording its bytes.
 
-Thin wrappers over :mod:`megazero.parallel.comm` (which holds the torch-version shims) that
+Call these (not :mod:`megazero.parallel.raw_comm`, which they wrap) for any traffic of model state. They
 
 * take ``async_op`` and return the work handle, so bucket reductions overlap backward;
 * are a no-op at group size 1 (nothing is sent, nothing is counted); ``group=None`` means size 1,
-  as everywhere in :mod:`~megazero.parallel.comm` -- pass ``dist.group.WORLD`` for the world;
+  as everywhere in :mod:`~megazero.parallel.raw_comm` -- pass ``dist.group.WORLD`` for the world;
 * record into a :class:`CommLog`, keyed by a tag naming the group ("dp", "tp", "emb", "mp",
   "world"). The log is an explicit object handed to whoever issues collectives; there is no
   module-level counter.
@@ -45,7 +45,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from megazero.parallel.comm import all_gather_into, group_size, reduce_scatter_into
+from megazero.parallel.raw_comm import all_gather_into, group_size, reduce_scatter_into
 
 
 class CommLog:
@@ -139,7 +139,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, log: CommLo
     ``output`` may be rank r's chunk of ``input`` itself (in place; works on gloo and NCCL).
     ``input_is_scratch``: the caller reads no other chunk of ``input`` afterwards, so the backend may
     overwrite it; ``inbox``: the caller bounds the reductions in flight, so each may hold a temporary
-    (N-2)/N of ``input`` (:func:`megazero.parallel.comm.reduce_scatter_into`; counted as a reduce-scatter).
+    (N-2)/N of ``input`` (:func:`megazero.parallel.raw_comm.reduce_scatter_into`; counted as a reduce-scatter).
     """
     def collective(out, inp, group, async_op):
         return reduce_scatter_into(out, inp, group, async_op, input_is_scratch=input_is_scratch, inbox=inbox)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.parallel.comm import (all_gather_dim0, all_gather_last_dim, all_reduce, group_rank,
+from megazero.parallel.raw_comm import (all_gather_dim0, all_gather_last_dim, all_reduce, group_rank,
                                     group_size, reduce_scatter_dim0)
 from megazero.parallel.params import set_tp_attributes
 from megazero.parallel.rng import TensorParallelRNG  # noqa: F401  (re-exported: part of this API)

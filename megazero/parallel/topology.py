@@ -57,6 +57,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megazero.parallel.groups import (DataParallel, ExpertParallel, ModelParallelGroups, ModelReplica, PipelineLayout,
+                                      SubGroup, TensorParallel)
+
 DIMS = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"
 
@@ -81,6 +84,8 @@ class RankGrid:
     ranks_per_node: int | None = None          # None: one node holds every rank
     dp_intra: list[list[int]] = field(default_factory=list)
     dp_inter: list[list[int]] = field(default_factory=list)
+    expert_data_intra: list[list[int]] = field(default_factory=list)
+    expert_data_inter: list[list[int]] = field(default_factory=list)
 
     def node_of(self, rank: int) -> int:
         """The node of a global rank (ranks fill nodes in blocks of ``ranks_per_node``)."""
@@ -158,6 +163,8 @@ def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_O
     embedding = sorted(sorted({g[0], g[-1]}) for g in by_stage)
     data = [_in_dp_order(g, order, tp, pp, dp) for g in _groups_varying(("dp",), order, tp, pp, dp)]
     intra, inter = _split_by_node(data, world_size, ranks_per_node)
+    expert_data = sorted(g[i::ep] for g in data for i in range(ep))
+    expert_intra, expert_inter = _split_by_node(expert_data, world_size, ranks_per_node)
     return RankGrid(
         world_size=world_size, tp=tp, pp=pp, dp=dp, order=order,
         tensor=_groups_varying(("tp",), order, tp, pp, dp),
@@ -168,7 +175,7 @@ def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_O
         ranks_per_node=ranks_per_node, dp_intra=intra, dp_inter=inter,
         ep=ep,
         expert=sorted(g[i:i + ep] for g in data for i in range(0, dp, ep)),
-        expert_data=sorted(g[i::ep] for g in data for i in range(ep)),
+        expert_data=expert_data, expert_data_intra=expert_intra, expert_data_inter=expert_inter,
     )
 
 
@@ -194,12 +201,15 @@ def _split_by_node(data: list[list[int]], world_size: int, ranks_per_node: int |
     return sorted(intra), sorted(inter)
 
 
-def dp_partitions(grid: RankGrid, k: int) -> list[list[int]]:
-    """Every data-parallel group cut into consecutive blocks of ``k`` members (in dp-rank order):
-    ZeRO++'s hpZ secondary partition groups. ``k`` must divide dp."""
-    if k < 1 or grid.dp % k:
-        raise ValueError(f"--zero-hpz-partition-size {k} must divide the data-parallel size {grid.dp}")
-    return sorted(g[i:i + k] for g in grid.data for i in range(0, len(g), k))
+def dp_partitions(grid: RankGrid, k: int, kind: str = "data") -> list[list[int]]:
+    """Every data-parallel group (``kind`` "data", or "expert_data") cut into consecutive blocks of
+    ``k`` members (in dp-rank order): ZeRO++'s hpZ secondary partition groups. ``k`` must divide the
+    groups' size."""
+    groups = getattr(grid, kind)
+    size = len(groups[0])
+    if k < 1 or size % k:
+        raise ValueError(f"--zero-hpz-partition-size {k} must divide the data-parallel size {size}")
+    return sorted(g[i:i + k] for g in groups for i in range(0, len(g), k))
 
 
 def local_world_size() -> int | None:
@@ -277,20 +287,18 @@ def _free_port() -> int:
 class Topology:
     """The process groups of one tp x pp x dp layout and this rank's place in them.
 
-    Build once per process, after the default group is initialised, and pass it to every component::
+    Build once per process, after the default group is initialised, and pass it to the entry point's
+    builders, which hand each component the typed view it works over (:mod:`megazero.parallel.groups`)::
 
         topo = Topology(tp=2, pp=2, dp=2)       # on each of 8 ranks
-        topo.tp_rank, topo.pp_rank, topo.dp_rank
-        topo.tp_group, topo.pp_group, topo.dp_group, topo.mp_group, topo.embedding_group
-        topo.next_rank, topo.prev_rank        # global ranks of the neighbouring stages (or None)
-        topo.ep_group, topo.ep_rank, topo.ep_size      # expert parallelism (ep=..., see the module doc)
-        topo.expert_dp_group, topo.expert_dp_rank, topo.expert_dp_size
+        topo.tensor_parallel(), topo.pipeline(), topo.data_parallel(), topo.model_replica()
+        topo.expert_parallel(), topo.expert_data_parallel()        # expert parallelism (ep=...)
+        topo.tp_rank, topo.pp_rank, topo.dp_rank, topo.rank, topo.world_size, topo.device
 
     ``dp`` may be omitted: it is inferred as world // (tp * pp). ``ranks_per_node`` (default: torchrun's
-    ``LOCAL_WORLD_SIZE``, else the whole world on one node) places ranks on nodes; the node-local and
-    cross-node pieces of this rank's dp group are ``topo.dp_intra_group`` / ``topo.dp_inter_group``
-    (with their ranks in ``dp_intra_ranks`` / ``dp_inter_ranks``), and ``topo.dp_partition_group(k)``
-    creates (once, on every rank) hpZ's k-member blocks of the dp groups.
+    ``LOCAL_WORLD_SIZE``, else the whole world on one node) places ranks on nodes; the data-parallel
+    views carry their node-local and cross-node pieces and make hpZ's k-member blocks on first use.
+    Groups that equal another are created once; a run without experts creates no expert groups.
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, order: str = DEFAULT_ORDER,
@@ -303,50 +311,92 @@ class Topology:
         self.ranks_per_node = ranks_per_node or local_world_size() or world
         self.grid = rank_grid(world, tp, pp, dp, order, self.ranks_per_node, ep)
         self.world_size, self.rank = world, rank
-        self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
+        self.tp_size, self.pp_size, self.dp_size, self.ep_size = tp, pp, dp, ep
         self.device = device or torch.device("cpu")
         coords = self.grid.coords(rank)
         self.tp_rank, self.pp_rank, self.dp_rank = coords["tp"], coords["pp"], coords["dp"]
+        self.ep_rank = self.dp_rank % ep
 
         # Every rank creates every group in the same order (a torch.distributed requirement).
-        self.tp_group, self.tp_ranks = self._create(self.grid.tensor)
-        self.pp_group, self.pp_ranks = self._create(self.grid.pipeline)
-        self.dp_group, self.dp_ranks = self._create(self.grid.data)
-        self.mp_group, self.mp_ranks = self._create(self.grid.model)
-        self.embedding_group, self.embedding_ranks = self._create(self.grid.embedding, required=False)  # middle stages: None, []
-        self.pp_ranks = _in_stage_order(self.pp_ranks, order, tp, pp, dp)
-        self.node = self.grid.node_of(rank)
-        self.dp_intra_group, self.dp_intra_ranks = self._node_groups(self.grid.dp_intra)
-        self.dp_inter_group, self.dp_inter_ranks = self._node_groups(self.grid.dp_inter)
-        self._partitions: dict[int, tuple] = {}
-        self.ep_size, self.ep_rank = ep, self.dp_rank % ep
-        self.expert_dp_size, self.expert_dp_rank = dp // ep, self.dp_rank // ep
+        self.tp_group, tp_ranks = self._create(self.grid.tensor)
+        self.pp_group, pp_ranks = self._create(self.grid.pipeline)
+        self.dp_group, dp_ranks = self._create(self.grid.data)
+        mp_group, mp_ranks = self._create(self.grid.model)
+        emb_group, emb_ranks = self._create(self.grid.embedding, required=False)  # middle stages: None, []
+        pp_ranks = _in_stage_order(pp_ranks, order, tp, pp, dp)
+        self._partitions: dict[tuple[str, int], SubGroup] = {}
+        self._tp = TensorParallel(self.tp_group, tuple(tp_ranks), self.tp_rank, tp)
+        self._pipeline = PipelineLayout(self.pp_group, tuple(pp_ranks), self.pp_rank, pp,
+                                        SubGroup(emb_group, tuple(emb_ranks)) if emb_ranks else None, self.device)
+        self._replica = ModelReplica(mp_group, tuple(mp_ranks))
+        self._dp = self._data_view("data", self.dp_group, dp_ranks, self.dp_rank)
         if ep > 1:                # groups made only when used: a run without experts creates none
-            self.ep_group, self.ep_ranks = self._create(self.grid.expert)
-            self.expert_dp_group, self.expert_dp_ranks = self._create(self.grid.expert_data)
+            ep_group, ep_ranks = self._create(self.grid.expert)
+            edp_group, edp_ranks = self._create(self.grid.expert_data)
+            self._ep = ExpertParallel(ep_group, tuple(ep_ranks), self.ep_rank, ep)
+            self._expert_dp = self._data_view("expert_data", edp_group, edp_ranks, self.dp_rank // ep)
         else:
-            self.ep_group, self.ep_ranks = None, [rank]
-            self.expert_dp_group, self.expert_dp_ranks = self.dp_group, self.dp_ranks
+            self._ep, self._expert_dp = ExpertParallel(None, (rank,), 0, 1), self._dp
 
-    def _node_groups(self, groups: list[list[int]]):
-        """Create the groups only when they differ from the dp groups and are not single ranks (so a
-        one-node run makes exactly the groups it made before nodes existed)."""
+    # ------------------------------------------------------------------ views
+    def tensor_parallel(self) -> TensorParallel:
+        return self._tp
+
+    def pipeline(self) -> PipelineLayout:
+        return self._pipeline
+
+    def data_parallel(self) -> DataParallel:
+        """The data-parallel group: dense parameters are reduced and sharded over it."""
+        return self._dp
+
+    def expert_data_parallel(self) -> DataParallel:
+        """The ranks holding the same experts (dp / ep of them); gradients still averaged over dp. With
+        ep = 1 it is the data-parallel view itself."""
+        return self._expert_dp
+
+    def expert_parallel(self) -> ExpertParallel:
+        return self._ep
+
+    def model_replica(self) -> ModelReplica:
+        return self._replica
+
+    def model_groups(self, sequence_parallel: bool = False) -> ModelParallelGroups:
+        """What a model chunk's layers take: the tensor- and expert-parallel groups."""
+        return ModelParallelGroups(self._tp, self._ep, sequence_parallel and self.tp_size > 1)
+
+    def _data_view(self, kind: str, group, ranks: list[int], rank: int) -> DataParallel:
+        """A data-parallel view over the groups ``grid.<kind>`` ("data" or "expert_data"), with its node
+        pieces (ZeRO++)."""
+        prefix = "dp" if kind == "data" else kind
+        intra = self._node_group(getattr(self.grid, f"{prefix}_intra"), kind, group)
+        inter = self._node_group(getattr(self.grid, f"{prefix}_inter"), kind, group)
+        return DataParallel(group, tuple(ranks), rank, len(ranks), self.dp_size, self.ranks_per_node, self.device,
+                            intra, inter, partitions=lambda k: self._partition(kind, k))
+
+    def _node_group(self, groups: list[list[int]], kind: str, whole) -> SubGroup | None:
+        """This rank's piece of a node split of the ``kind`` groups: the group ``whole`` itself when the
+        pieces are the groups, no group for single ranks, else created here (so a one-node run makes
+        exactly the groups it made before nodes existed)."""
         if not groups:
-            return None, []
-        if groups == self.grid.data:
-            return self.dp_group, self.dp_ranks
+            return None
+        mine = tuple(next(g for g in groups if self.rank in g))
+        if groups == getattr(self.grid, kind):
+            return SubGroup(whole, mine)
         if all(len(g) == 1 for g in groups):
-            return None, [self.rank]
-        return self._create(groups)
+            return SubGroup(None, mine)
+        return SubGroup(*self._create_tuple(groups))
 
-    def dp_partition_group(self, k: int):
-        """(group, ranks) of this rank's block of ``k`` consecutive dp members (:func:`dp_partitions`);
-        created on first use, so every rank must call it with the same ``k`` at the same point."""
-        if k not in self._partitions:
-            blocks = dp_partitions(self.grid, k)
-            self._partitions[k] = ((self.dp_group, self.dp_ranks) if blocks == self.grid.data else
-                                   (None, [self.rank]) if k == 1 else self._create(blocks))
-        return self._partitions[k]
+    def _partition(self, kind: str, k: int) -> SubGroup:
+        """This rank's block of ``k`` consecutive members of its ``kind`` group (created on first use,
+        so every rank must call it with the same ``k`` at the same point)."""
+        if (kind, k) not in self._partitions:
+            blocks = dp_partitions(self.grid, k, kind)
+            self._partitions[kind, k] = SubGroup(*self._create_tuple(blocks))
+        return self._partitions[kind, k]
+
+    def _create_tuple(self, groups: list[list[int]]):
+        group, ranks = self._create(groups)
+        return group, tuple(ranks)
 
     def _create(self, groups: list[list[int]], required: bool = True):
         mine = (None, [])
@@ -364,16 +414,6 @@ class Topology:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
-
-    @property
-    def next_rank(self) -> int | None:
-        """Global rank of the next pipeline stage, or None on the last stage."""
-        return None if self.is_last_stage else self.pp_ranks[self.pp_rank + 1]
-
-    @property
-    def prev_rank(self) -> int | None:
-        """Global rank of the previous pipeline stage, or None on the first stage."""
-        return None if self.is_first_stage else self.pp_ranks[self.pp_rank - 1]
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "

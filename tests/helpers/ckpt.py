@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import JobConfig, ModelConfig, OptimizerConfig, ParallelConfig, ZeroConfig
-from megazero.models import activation_shape, build_model_chunks, masked_mean
+from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.params import split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.tensor import gather_full
@@ -56,7 +56,7 @@ def train_one_step(topo, chunks, engine, step):
     mine = batches(step)[topo.dp_rank * per:(topo.dp_rank + 1) * per]
     engine.zero_grad()
     shape = activation_shape(chunks[0].cfg, MB_SIZE, topo.tp_size, chunks[0].sequence_parallel)
-    out = run_schedule(chunks, mine, topo, loss_fn=masked_mean, tensor_shape=shape, loss_scale=engine.loss_scale,
+    out = run_schedule(chunks, mine, topo.pipeline(), loss_fn=masked_mean, tensor_shape=shape, loss_scale=engine.loss_scale,
                        grad_sync=engine)
     engine.finalize_grads()
     engine.step()

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import ModelConfig, OptimizerConfig
-from megazero.models import GPT, masked_mean
-from megazero.optim import weight_decay_groups
+from megazero.models.gpt import GPT, masked_mean
+from megazero.parallel.zero.adamw import weight_decay_groups
 from megazero.parallel.tensor import shard
 
 VOCAB, SEED, MICRO, MB_SIZE = 200, 4321, 4, 2

@@ -12,16 +12,13 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
+from megazero.parallel.groups import PipelineLayout
 from megazero.parallel.pipeline.runner import PipelineStats
 
 
-class _Topo:
-    def __init__(self, pp: int, r: int):
-        self.pp_size, self.pp_rank, self.tp_size = pp, r, 1
-        self.pp_ranks = list(range(pp))
-        self.is_first_stage, self.is_last_stage = r == 0, r == pp - 1
-        self.prev_rank = None if r == 0 else r - 1
-        self.next_rank = None if r == pp - 1 else r + 1
+def _layout(pp: int, r: int) -> PipelineLayout:
+    """Stage r of a pipeline of pp ranks 0..pp-1 (no process group: the network below carries the messages)."""
+    return PipelineLayout(None, tuple(range(pp)), r, pp)
 
 
 class Network:
@@ -61,10 +58,10 @@ class _Arrived:
 
 
 class FakeComm:
-    def __init__(self, net: Network, topo: _Topo, ring: bool):
-        self.net, self.me = net, topo.pp_rank
-        p, r = topo.pp_size, topo.pp_rank
-        self.prev, self.next = ((r - 1) % p, (r + 1) % p) if ring else (topo.prev_rank, topo.next_rank)
+    def __init__(self, net: Network, pipeline: PipelineLayout, ring: bool):
+        self.net, self.me = net, pipeline.rank
+        p, r = pipeline.size, pipeline.rank
+        self.prev, self.next = ((r - 1) % p, (r + 1) % p) if ring else (pipeline.prev_rank, pipeline.next_rank)
 
     def exchange(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False, wait=True):
         ops, want = [], []
@@ -103,27 +100,27 @@ class FakeComm:
 class FakeRunner:
     """Same interface as StageRunner; checks every input is the right (virtual stage, micro-batch)."""
 
-    def __init__(self, topo: _Topo, v: int, m: int, forward_only: bool = False):
-        self.topo, self.v, self.num_micro, self.forward_only = topo, v, m, forward_only
+    def __init__(self, pipeline: PipelineLayout, v: int, m: int, forward_only: bool = False):
+        self.pipeline, self.v, self.num_micro, self.forward_only = pipeline, v, m, forward_only
         self.stats = PipelineStats()
         self.next_micro, self.done = [0] * v, [0] * v
         self.held = [[] for _ in range(v)]
 
     def vs(self, c):
-        return c * self.topo.pp_size + self.topo.pp_rank
+        return c * self.pipeline.size + self.pipeline.rank
 
     def is_first(self, c):
         return self.vs(c) == 0
 
     def is_last(self, c):
-        return self.vs(c) == self.topo.pp_size * self.v - 1
+        return self.vs(c) == self.pipeline.size * self.v - 1
 
     def forward(self, c, x):
         i = self.next_micro[c]
         self.next_micro[c] += 1
         assert i < self.num_micro, f"chunk {c} ran too many forwards"
         expected = None if self.is_first(c) else ("act", self.vs(c) - 1, i)
-        assert x == expected, f"rank {self.topo.pp_rank} chunk {c} micro {i}: got {x}, expected {expected}"
+        assert x == expected, f"rank {self.pipeline.rank} chunk {c} micro {i}: got {x}, expected {expected}"
         self.stats.order.append(("F", c, i))
         if not self.forward_only:
             self.held[c].append(i)
@@ -136,7 +133,7 @@ class FakeRunner:
         assert i == self.done[c]
         self.done[c] += 1
         expected = None if self.is_last(c) else ("grad", self.vs(c) + 1, i)
-        assert dy == expected, f"rank {self.topo.pp_rank} chunk {c} micro {i}: got {dy}, expected {expected}"
+        assert dy == expected, f"rank {self.pipeline.rank} chunk {c} micro {i}: got {dy}, expected {expected}"
         self.stats.order.append(("B", c, i))
         self.stats.in_flight -= 1
         return None if self.is_first(c) else ("grad", self.vs(c), i)
@@ -146,12 +143,12 @@ def simulate(schedule, pp: int, m: int, v: int = 1, ring: bool = False, forward_
              timeout: float = 5.0) -> list[FakeRunner]:
     """Run ``schedule`` on pp threads; return each rank's runner (its stats hold the order)."""
     net = Network(timeout)
-    runners = [FakeRunner(_Topo(pp, r), v, m, forward_only) for r in range(pp)]
+    runners = [FakeRunner(_layout(pp, r), v, m, forward_only) for r in range(pp)]
     errors = [None] * pp
 
     def main(r):
         try:
-            schedule(runners[r], FakeComm(net, runners[r].topo, ring))
+            schedule(runners[r], FakeComm(net, runners[r].pipeline, ring))
         except BaseException as e:  # noqa: BLE001
             errors[r] = e
 

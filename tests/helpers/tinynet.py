@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.optim import weight_decay_groups
+from megazero.parallel.zero.adamw import weight_decay_groups
 from megazero.parallel.zero import build_optimizer, wrap_data_parallel
 
 VOCAB, HIDDEN, SEQ = 32, 16, 8

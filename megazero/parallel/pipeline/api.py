@@ -3,24 +3,27 @@ from __future__ import annotations
 
 import torch
 
+from megazero.parallel.groups import PipelineLayout
+
 from megazero.parallel.pipeline.interleaved import interleaved_one_f_one_b
 from megazero.parallel.pipeline.p2p import StageComm
 from megazero.parallel.pipeline.runner import PipelineStats, StageRunner
 from megazero.parallel.pipeline.schedules import default_schedule, get_schedule, no_pipelining, schedule_by_name
 
 
-def run_schedule(chunks, micro_batches, topo, *, loss_fn, forward_only: bool = False, loss_scale: float = 1.0,
+def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, forward_only: bool = False, loss_scale: float = 1.0,
                  grad_sync=None, schedule=None, tensor_shape=None,
                  stats: PipelineStats | None = None) -> list[torch.Tensor]:
     """Run forward (and backward unless ``forward_only``) of every micro-batch through this rank's chunks.
 
-    chunks: this rank's model chunks (the model's ``build_model_chunks``), chunk c = virtual stage
-        c*pp + pp_rank. The last virtual stage's chunk is called as ``chunk(x, labels)``, the
-        others as ``chunk(x)``.
+    chunks: this rank's model chunks (built for ``pipeline``'s placements), chunk c = virtual stage
+        c*pp + pp_rank. The last virtual stage's chunk is called as ``chunk(x, labels)``, the others
+        as ``chunk(x)``.
+    pipeline: this rank's pipeline layout (``topo.pipeline()``).
     micro_batches: list of dicts {"tokens": [b,s] int64, "labels": [b,s] int64, "loss_mask": [b,s]};
         the first stage reads tokens, the last labels and loss_mask; other entries may be None.
     loss_fn: ``loss_fn(last chunk's output, loss_mask) -> scalar``, the model's loss (e.g.
-        :func:`megazero.models.gpt.masked_mean` over the per-token losses).
+        the GPT family's masked mean over the per-token losses).
     loss_scale: each micro-batch loss is backpropagated as ``loss * loss_scale / len(micro_batches)``,
         so gradients are those of the mean loss (times the fp16 loss scale).
     grad_sync: optional object with ``before_backward(chunk_id, is_last_microbatch)``, called right
@@ -34,21 +37,21 @@ def run_schedule(chunks, micro_batches, topo, *, loss_fn, forward_only: bool = F
     Returns the detached per-micro-batch losses on the last pipeline stage (in micro-batch order;
     the trainer averages them), an empty list on other stages.
     """
-    fn = _resolve(schedule, topo.pp_size, len(chunks))
+    fn = _resolve(schedule, pipeline.size, len(chunks))
     stats = stats if stats is not None else PipelineStats()
     stats.reset(getattr(fn, "__name__", str(fn)))
-    runner = StageRunner(chunks, micro_batches, topo, forward_only=forward_only, loss_scale=loss_scale,
+    runner = StageRunner(chunks, micro_batches, pipeline, forward_only=forward_only, loss_scale=loss_scale,
                          grad_sync=grad_sync, stats=stats, loss_fn=loss_fn)
     comm = None
     if fn is not no_pipelining:
         if tensor_shape is None:
-            raise ValueError(f"run_schedule on pipeline rank {topo.pp_rank} of {topo.pp_size} needs tensor_shape: "
-                             f"the model's activation_shape(model_cfg, micro_batch_size, tp, sequence_parallel)")
-        comm = StageComm(topo, tensor_shape, _param_dtype(chunks), ring=fn is interleaved_one_f_one_b)
+            raise ValueError(f"run_schedule on pipeline rank {pipeline.rank} of {pipeline.size} needs tensor_shape: "
+                             f"the model spec's boundary_shape(model_cfg, micro_batch_size, model groups)")
+        comm = StageComm(pipeline, tensor_shape, _param_dtype(chunks), ring=fn is interleaved_one_f_one_b)
     fn(runner, comm)
     if comm is not None:
         comm.flush()
-    return runner.losses if topo.is_last_stage else []
+    return runner.losses if pipeline.is_last_stage else []
 
 
 def _resolve(schedule, pp: int, num_chunks: int):

@@ -90,7 +90,7 @@ class _Mailbox:
 
 def interleaved_one_f_one_b(runner: StageRunner, comm: StageComm) -> None:
     """Interleaved 1F1B over ``runner.v`` chunks; ``comm`` must be a ring (``StageComm(ring=True)``)."""
-    pp, r, v, m = runner.topo.pp_size, runner.topo.pp_rank, runner.v, runner.num_micro
+    pp, r, v, m = runner.pipeline.size, runner.pipeline.rank, runner.v, runner.num_micro
     if m % pp:
         raise ValueError(f"the interleaved schedule needs micro-batches ({m}) divisible by pp ({pp}): "
                          f"make --global-batch-size a multiple of pp * micro-batch * dp")

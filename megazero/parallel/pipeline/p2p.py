@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megazero.parallel.groups import PipelineLayout
+
 
 class Incoming:
     """A receive that has been posted: ``get()`` waits for it (once) and returns the tensor."""
@@ -57,14 +59,14 @@ class StageComm:
     ``num_batches`` / ``num_messages`` count what was exchanged (cheap instrumentation).
     """
 
-    def __init__(self, topo, shape, dtype: torch.dtype, *, ring: bool = False):
-        self.shape, self.dtype, self.device = tuple(shape), dtype, topo.device
-        self.group = topo.pp_group
-        p, r = topo.pp_size, topo.pp_rank
+    def __init__(self, pipeline: PipelineLayout, shape, dtype: torch.dtype, *, ring: bool = False):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, pipeline.device
+        self.group = pipeline.group
+        p, r = pipeline.size, pipeline.rank
         if ring and p > 1:
-            self.prev, self.next = topo.pp_ranks[(r - 1) % p], topo.pp_ranks[(r + 1) % p]
+            self.prev, self.next = pipeline.ranks[(r - 1) % p], pipeline.ranks[(r + 1) % p]
         else:
-            self.prev, self.next = topo.prev_rank, topo.next_rank
+            self.prev, self.next = pipeline.prev_rank, pipeline.next_rank
         self.num_batches = self.num_messages = 0
         self._sends: list = []       # (request, tensor) of sends not yet seen complete
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megazero.parallel.pipeline.stages import is_first_virtual_stage, is_last_virtual_stage
+from megazero.parallel.groups import PipelineLayout
+
+from megazero.parallel.pipeline.partition import is_first_virtual_stage, is_last_virtual_stage
 
 
 @dataclass
@@ -42,9 +44,9 @@ class StageRunner:
     schedules only decide *which chunk* runs next, never which micro-batch.
     """
 
-    def __init__(self, chunks, micro_batches, topo, *, loss_fn, forward_only: bool = False,
+    def __init__(self, chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, forward_only: bool = False,
                  loss_scale: float = 1.0, grad_sync=None, stats: PipelineStats | None = None):
-        self.chunks, self.micro_batches, self.topo = list(chunks), list(micro_batches), topo
+        self.chunks, self.micro_batches, self.pipeline = list(chunks), list(micro_batches), pipeline
         self.num_micro, self.v = len(self.micro_batches), len(self.chunks)
         if self.num_micro == 0:
             raise ValueError("run_schedule needs at least one micro-batch")
@@ -57,16 +59,16 @@ class StageRunner:
         self.held: list[deque] = [deque() for _ in range(self.v)]
 
     def is_first(self, c: int) -> bool:
-        return is_first_virtual_stage(self.topo.pp_rank, c)
+        return is_first_virtual_stage(self.pipeline.rank, c)
 
     def is_last(self, c: int) -> bool:
-        return is_last_virtual_stage(self.topo.pp_rank, self.topo.pp_size, c, self.v)
+        return is_last_virtual_stage(self.pipeline.rank, self.pipeline.size, c, self.v)
 
     def _batch(self, i: int, key: str) -> torch.Tensor:
         mb = self.micro_batches[i]
         if mb is None or mb.get(key) is None:
-            raise ValueError(f"micro-batch {i} has no {key!r}, which pipeline rank {self.topo.pp_rank} needs")
-        return mb[key].to(self.topo.device)
+            raise ValueError(f"micro-batch {i} has no {key!r}, which pipeline rank {self.pipeline.rank} needs")
+        return mb[key].to(self.pipeline.device)
 
     def forward(self, c: int, received: torch.Tensor | None) -> torch.Tensor | None:
         """Forward of chunk c on its next micro-batch. ``received`` is the activation from the

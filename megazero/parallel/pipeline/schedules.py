@@ -20,7 +20,7 @@ from megazero.parallel.pipeline.runner import StageRunner
 
 def no_pipelining(runner: StageRunner, comm: StageComm | None = None) -> None:
     """pp = 1: forward and backward of each micro-batch in turn (gradient accumulation)."""
-    if runner.v != 1 or runner.topo.pp_size != 1:
+    if runner.v != 1 or runner.pipeline.size != 1:
         raise ValueError("no_pipelining runs one chunk with pp=1; use gpipe, 1f1b or interleaved for pp > 1")
     for _ in range(runner.num_micro):
         runner.forward(0, None)
@@ -45,7 +45,7 @@ def one_f_one_b(runner: StageRunner, comm: StageComm) -> None:
     """1F1B (PipeDream-flush): ``pp - pp_rank - 1`` warmup forwards, then one forward and one backward
     alternately, then the remaining backwards. At most ``pp - pp_rank`` micro-batches held."""
     _one_chunk(runner, "1f1b")
-    m, pp, r = runner.num_micro, runner.topo.pp_size, runner.topo.pp_rank
+    m, pp, r = runner.num_micro, runner.pipeline.size, runner.pipeline.rank
     warmup = m if runner.forward_only else min(pp - r - 1, m)
     steady = m - warmup
 

@@ -2,17 +2,27 @@
 
     engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
     engine.zero_grad()
-    losses = run_schedule(chunks, micro_batches, topo, loss_fn=..., loss_scale=engine.loss_scale, grad_sync=engine)
+    losses = run_schedule(chunks, micro_batches, topo.pipeline(), loss_fn=..., loss_scale=engine.loss_scale,
+                          grad_sync=engine)
     engine.finalize_grads()
     grad_norm, skipped = engine.step()
 
-Files below this one, each importing only those above it in this list: ``buckets`` (flat layout),
-``offload`` (state kept in host memory or swap files), ``grad_sync`` (stages 0-2: gradient buckets and
-their reduction), ``units`` (the ZeRO-3 gather units a model declares), ``param_sync`` (stage 3:
-parameters sharded and gathered per unit), ``quantize`` and ``zeropp`` (ZeRO++: int8 collectives, hpZ's
-secondary shards, the hierarchical gradient reduce), ``optimizer`` (AdamW over the owned shard of every bucket),
-``stages`` (each stage's optimizer: owned range, norm group, publishing), ``experts`` (MoE experts over the
-expert-data-parallel group: two engines in one).
+One engine over *bucket groups*, one optimizer, one loss scaler, one global norm. A bucket group is a
+grad sync over some of the chunks' parameters with its own data-parallel view: without experts there is
+one, over every parameter and the dp group; with expert parallelism (ep > 1) the experts form a second
+group over the expert-data-parallel group (:func:`bucket_group_views`). Worked example, dp = 4, ep = 2,
+E = 4 experts, ZeRO-1: dp ranks 0-3 each hold the dense model and own 1/4 of every dense bucket; dp
+ranks 0 and 2 hold experts 0-1 and own halves of their buckets, ranks 1 and 3 experts 2-3. One step:
+both groups reduce-scatter their buckets (gradients averaged over all 4 dp ranks), the optimizer sums
+the norm over both (each element once), clips, steps every owned range, and each group all-gathers
+over its own ranks. A non-finite gradient is named whichever group holds it; fp16's overflow check,
+the checkpoint's step count and loss scale are the one optimizer's.
+
+The stage table (:data:`STAGES`) maps a ``--zero-stage`` to its grad sync class and its optimizer
+policy; the switches are components passed to them, not subclasses: the reducer of stages 2-3
+(:mod:`.reducers`, qgZ), reducing every micro-batch (stage 2), stage 3's gathering (:mod:`.zeropp`:
+qwZ, hpZ) and where its shards live (:mod:`.offload_params`), where the optimizer state lives
+(:mod:`.offload`), the overlapped parameter gather of stages 1-2 (:mod:`.publish`).
 
 With ``--offload-optimizer`` / ``--offload-params`` nvme the engine owns this rank's swap directory:
 ``engine.close()`` removes it (so does interpreter exit).
@@ -26,16 +36,36 @@ import torch
 from torch import nn
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.parallel.counted_comm import CommLog
+from megazero.parallel.groups import DataParallel
+from megazero.parallel.params import attribute
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import nbytes
-from megazero.parallel.zero.experts import (ExpertDataTopology, ExpertParallelEngine, dense_view, expert_view,
-                                            is_expert)
-from megazero.parallel.zero.grad_sync import BucketedGradSync, wrap_data_parallel
-from megazero.parallel.zero.swap import SwapDir
+from megazero.parallel.zero.grad_sync import AllReduceGradSync, BucketedGradSync, ReduceScatterGradSync
+from megazero.parallel.zero.offload_params import build_param_shards
 from megazero.parallel.zero.optimizer import BucketAdamW
-from megazero.parallel.zero.stages import ZeroStage3Optimizer, build_optimizer
-from megazero.parallel.zero.param_sync import ShardedParamSync
-from megazero.parallel.zero.zeropp import MicrobatchQuantizedGradSync, QuantizedGradSync, ZeroPlusPlusParamSync
+from megazero.parallel.zero.param_sync import DeviceShards, ShardedParamSync
+from megazero.parallel.zero.publish import AllGatherShards, Replicated, WriteShards
+from megazero.parallel.zero.reducers import build_reducer
+from megazero.parallel.zero.sharded_grads import ShardedGradSync
+from megazero.parallel.zero.swap import SwapDir
+from megazero.parallel.zero.units import ParamSubset
+from megazero.parallel.zero.zeropp import build_gathering
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What a ZeRO stage is made of: how each bucket group synchronises gradients (and, at stage 3,
+    parameters) over its data-parallel group, and the optimizer's policy (owned ranges, publishing)."""
+
+    grad_sync: type
+    publish: type
+
+
+STAGES = {0: Stage(AllReduceGradSync, Replicated),
+          1: Stage(ReduceScatterGradSync, AllGatherShards),
+          2: Stage(ShardedGradSync, AllGatherShards),
+          3: Stage(ShardedParamSync, WriteShards)}
 
 
 @dataclass
@@ -52,11 +82,32 @@ class StatePiece:
     tensors: dict[str, torch.Tensor]
 
 
+def is_expert(p) -> bool:
+    """Does ``p`` belong to the experts' bucket group (``expert_parallel``: ep ranks hold different ones)?"""
+    return bool(attribute(p, "expert_parallel"))
+
+
+def bucket_group_filters(ep: int, has_experts: bool) -> list[tuple[str, object]]:
+    """(name, parameter filter or None for all) of each bucket group (pure: the memory estimator lays out
+    the same groups). The experts are a group of their own only with ep > 1: their gradients differ
+    between the ep ranks of an expert group, so they cannot share buckets with the dense parameters."""
+    if ep > 1 and has_experts:
+        return [("dense", lambda p: not is_expert(p)), ("experts", is_expert)]
+    return [("all", None)]
+
+
+def bucket_group_views(topo: Topology, has_experts: bool) -> list[tuple[str, DataParallel, object]]:
+    """(name, data-parallel view, filter) of each bucket group: the experts over the expert-data-parallel
+    group, everything else over the data-parallel group."""
+    return [(name, topo.expert_data_parallel() if name == "experts" else topo.data_parallel(), keep)
+            for name, keep in bucket_group_filters(topo.ep_size, has_experts)]
+
+
 OFFLOADED_KEYS = {"host": ("params", "grads", "master_weights", "optimizer_state", "buffers"),
                   "nvme": ("params", "master_weights", "optimizer_state")}
 
 
-def model_state_bytes(grad_sync: BucketedGradSync, optimizer: BucketAdamW | None = None) -> dict[str, int]:
+def model_state_bytes(syncs, optimizer: BucketAdamW | None = None, shards=None) -> dict[str, int]:
     """Bytes this rank holds right now in model parameters, gradients, fp32 master weights (only
     those that are separate from the parameters) and optimizer state (Adam m and v), plus the total.
     Padding is included. Measure after ``step()``: that is the steady state between steps.
@@ -68,15 +119,17 @@ def model_state_bytes(grad_sync: BucketedGradSync, optimizer: BucketAdamW | None
     ``host_optimizer_state``, ``host_buffers`` (staging and swap buffers), ``host_total``, and
     ``nvme_params``, ``nvme_master_weights``, ``nvme_optimizer_state``, ``nvme_total`` (all 0 without
     offload; on a CPU run "device" and "host" are the same memory, counted apart all the same)."""
+    syncs = list(syncs) if isinstance(syncs, (list, tuple)) else [syncs]
     out = {
-        "params": sum(nbytes(b) for b in grad_sync.param_buffers),
-        "grads": sum(nbytes(t) for t in grad_sync.held_grad_tensors()),
+        "params": sum(nbytes(b) for s in syncs for b in s.param_buffers),
+        "grads": sum(nbytes(t) for s in syncs for t in s.held_grad_tensors()),
         "master_weights": optimizer.master_bytes() if optimizer is not None else 0,
         "optimizer_state": optimizer.state_bytes() if optimizer is not None else 0,
     }
     out["total"] = sum(out.values())
-    out["grads_peak"] = grad_sync.peak_grad_bytes
-    offloaded = {**grad_sync.offloaded_bytes(), **(optimizer.offloaded_bytes() if optimizer is not None else {})}
+    out["grads_peak"] = sum(s.peak_grad_bytes for s in syncs)
+    offloaded = {**(shards.offloaded_bytes() if shards is not None else {}),
+                 **(optimizer.offloaded_bytes() if optimizer is not None else {})}
     for where, keys in OFFLOADED_KEYS.items():
         for key in keys:
             out[f"{where}_{key}"] = offloaded.get(f"{where}_{key}", 0)
@@ -92,27 +145,33 @@ def zero_paper_bytes(psi: int, n: int, stage: int) -> float:
 
 
 class ZeroEngine:
-    """What the training loop drives each step: the gradient sync and the optimizer, together
-    (the protocol in the module docstring)."""
+    """What the training loop drives each step: the bucket groups' grad syncs and the one optimizer
+    (the protocol in the module docstring). ``bucket_groups``: the grad syncs, dense first."""
 
-    def __init__(self, grad_sync: BucketedGradSync, optimizer: BucketAdamW, swap: SwapDir | None = None):
-        self.grad_sync, self.optimizer = grad_sync, optimizer
-        self.comm_log = grad_sync.comm_log
-        self.swap = swap
+    def __init__(self, syncs: list[BucketedGradSync], optimizer: BucketAdamW, stage: int, *,
+                 swap: SwapDir | None = None, shards=None):
+        self.bucket_groups, self.optimizer, self.stage = list(syncs), optimizer, stage
+        self.comm_log = optimizer.comm_log
+        self.swap, self.shards = swap, shards
 
     def close(self) -> None:
         """Stop the offload I/O threads and remove the swap files (a no-op without offload). The engine
         is unusable afterwards."""
         self.optimizer.close()
-        self.grad_sync.close()
+        for sync in self.bucket_groups:
+            sync.close()
+        if self.shards is not None:
+            self.shards.close()
         if self.swap is not None:
             self.swap.close()
 
     def before_backward(self, chunk_id: int, is_last_microbatch: bool) -> None:
-        self.grad_sync.before_backward(chunk_id, is_last_microbatch)
+        for sync in self.bucket_groups:
+            sync.before_backward(chunk_id, is_last_microbatch)
 
     def finalize_grads(self) -> None:
-        self.grad_sync.finalize_grads()
+        for sync in self.bucket_groups:
+            sync.finalize_grads()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -128,7 +187,17 @@ class ZeroEngine:
         return self.optimizer.loss_scale
 
     def model_state_bytes(self) -> dict[str, int]:
-        return model_state_bytes(self.grad_sync, self.optimizer)
+        """:func:`model_state_bytes`, and at stage 3 the temporaries: ``gathered_params`` (now),
+        ``gathered_params_peak`` bytes and ``gathered_units_peak`` units gathered at once so far, and
+        ZeRO++ hpZ's ``hpz_secondary_params`` (within ``params``)."""
+        out = model_state_bytes(self.bucket_groups, self.optimizer, self.shards)
+        if self.stage == 3:
+            syncs = self.bucket_groups
+            out["gathered_params"] = sum(s.gathered_bytes for s in syncs)
+            out["gathered_params_peak"] = sum(s.gathered_bytes_peak for s in syncs)
+            out["gathered_units_peak"] = sum(s.live_units_peak for s in syncs)
+            out["hpz_secondary_params"] = sum(s.gathering.held_bytes() for s in syncs)
+        return out
 
     def state_dict(self) -> dict:
         self.optimizer.wait_params()
@@ -138,14 +207,14 @@ class ZeroEngine:
         self.optimizer.wait_params()
         self.optimizer.load_state_dict(state)
 
-    def _pieces(self, ranges, weights: bool, optimizer: bool) -> list[StatePiece]:
+    def _pieces(self, sync, ranges, weights: bool, optimizer: bool) -> list[StatePiece]:
         out = []
         for bucket, lo, hi in ranges:
             for slot in bucket.slots:
                 a, b = max(lo, slot.start), min(hi, slot.end)
                 if a >= b:
                     continue
-                tensors = {"model": self.grad_sync.param_values(bucket, a, b)} if weights else {}
+                tensors = {"model": sync.param_values(bucket, a, b)} if weights else {}
                 if optimizer:
                     tensors.update(self.optimizer.state_views(bucket, a, b))
                 out.append(StatePiece(slot.name, slot.param, slot.shape, a - slot.start, b - slot.start, tensors))
@@ -156,23 +225,28 @@ class ZeroEngine:
         elements, weights and optimizer state (at stage 0 too: replicated state is written once,
         split over the dp ranks, in parallel)."""
         self.optimizer.wait_params()
-        return self._pieces([(b, *self.grad_sync.shard_range(b)) for b in self.grad_sync.buckets], True, True)
+        return [p for sync in self.bucket_groups
+                for p in self._pieces(sync, [(b, *sync.shard_range(b)) for b in sync.buckets], True, True)]
 
     def loaded_pieces(self, weights_only: bool = False) -> list[StatePiece]:
         """What this rank fills from a checkpoint: the weights it holds (stages 0-2 whole tp-local
         parameters, stage 3 its shard) and, unless ``weights_only``, the optimizer state it owns."""
         self.optimizer.wait_params()
-        sync = self.grad_sync
-        weight_ranges = [(b, *(sync.shard_range(b) if isinstance(sync, ShardedParamSync) else (0, b.numel)))
-                         for b in sync.buckets]
-        pieces = self._pieces(weight_ranges, True, False)
+        pieces = []
+        for sync in self.bucket_groups:
+            weight_ranges = [(b, *(sync.shard_range(b) if self.stage == 3 else (0, b.numel))) for b in sync.buckets]
+            pieces += self._pieces(sync, weight_ranges, True, False)
         if not weights_only:
-            pieces += self._pieces([(r.bucket, r.lo, r.hi) for r in self.optimizer.ranges], False, True)
+            for sync in self.bucket_groups:
+                pieces += self._pieces(sync, [(r.bucket, r.lo, r.hi) for r in self.optimizer.ranges
+                                              if r.sync is sync], False, True)
         return pieces
 
     def loaded(self, step: int, loss_scaler: dict | None, weights_only: bool) -> None:
         """After the pieces were filled: the optimizer's step count and loss scaler, or (weights only)
-        fresh fp32 masters from the loaded weights."""
+        fresh fp32 masters from the loaded weights. Gathered copies of the old values (stage 3) go first."""
+        for sync in self.bucket_groups:
+            sync.release_all()
         if weights_only:
             self.optimizer.refresh_masters()
             return
@@ -183,122 +257,108 @@ class ZeroEngine:
 
     @contextlib.contextmanager
     def gathered_parameters(self, write_back: bool = False):
-        """Inside: every parameter of the chunks holds its full tp-local value (stages 0-2 always do).
-        With ``write_back``, on a normal exit the parameters become the truth: the fp32 masters are
-        refreshed from them (matters for bf16/fp16). Call on every rank (stage 3 gathers here)."""
+        """Inside: every parameter of the chunks holds its full tp-local value (stages 0-2 always do;
+        stage 3 gathers here, a collective over dp: call on every rank). ``write_back=True``: on a
+        normal exit the (possibly modified in place) values become the truth -- each rank copies its
+        slice into its shard and refreshes its fp32 masters."""
         self.optimizer.wait_params()
-        yield
-        if write_back:
-            self.optimizer.refresh_masters()
-
-
-class ZeroStage3Engine(ZeroEngine):
-    """The ZeroEngine protocol for stage 3; adds the gathered-parameter figures to the accounting
-    and :meth:`gathered_parameters` for code that reads or writes whole parameters."""
-
-    def model_state_bytes(self) -> dict[str, int]:
-        """As for stages 0-2 (``params`` = this rank's shards), plus the temporaries: ``gathered_params``
-        (now), ``gathered_params_peak`` bytes and ``gathered_units_peak`` units gathered at once so far."""
-        out = model_state_bytes(self.grad_sync, self.optimizer)
-        out["gathered_params"] = self.grad_sync.gathered_bytes
-        out["gathered_params_peak"] = self.grad_sync.gathered_bytes_peak
-        out["gathered_units_peak"] = self.grad_sync.live_units_peak
-        out["hpz_secondary_params"] = getattr(self.grad_sync, "secondary_bytes", int)()   # within params
-        return out
-
-    def loaded(self, step: int, loss_scaler: dict | None, weights_only: bool) -> None:
-        """As for stages 0-2; gathered copies of the old values (if any) are dropped first."""
-        self.grad_sync.release_all()
-        super().loaded(step, loss_scaler, weights_only)
-
-    @contextlib.contextmanager
-    def gathered_parameters(self, write_back: bool = False):
-        """Inside: every parameter holds its full tp-local value (a collective over dp: all ranks).
-        ``write_back=True``: on a normal exit the (possibly modified in place) values become the
-        truth -- each rank copies its slice into its shard and refreshes its fp32 masters."""
-        newly = self.grad_sync.gather_all()
+        newly = [(sync, sync.gather_all()) for sync in self.bucket_groups]
         ok = False
         try:
             yield
             ok = True
         finally:
             if ok and write_back:
-                self.grad_sync.write_back()
+                for sync in self.bucket_groups:
+                    sync.write_back()
                 self.optimizer.refresh_masters()
-            for u in newly:
-                self.grad_sync.release(u)
+            for sync, units in newly:
+                for u in units:
+                    sync.release(u)
 
 
-def _build_stage3_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: OptimizerConfig,
-                         precision: PrecisionConfig | None = None, swap: SwapDir | None = None) -> ZeroStage3Engine:
-    """Shard this rank's chunks over dp (parameters move into shards: build after the model,
-    before the first forward) and build the stage-3 optimizer."""
-    zeropp = zero_cfg.quantized_weights or zero_cfg.hpz_partition_size > 1 or zero_cfg.quantized_gradients
-    sync = (ZeroPlusPlusParamSync if zeropp else ShardedParamSync)(chunks, topo, zero_cfg, swap=swap)
-    optimizer = ZeroStage3Optimizer(sync, opt_cfg, precision, swap=swap)
-    sync.reset_peaks()
-    return ZeroStage3Engine(sync, optimizer, swap)
-
-
-def _swap_dir(zero_cfg: ZeroConfig, topo: Topology) -> SwapDir | None:
+def _swap_dir(zero_cfg: ZeroConfig, rank: int) -> SwapDir | None:
     """This rank's swap directory under --nvme-path when anything is offloaded to nvme."""
     if "nvme" not in (zero_cfg.offload_optimizer, zero_cfg.offload_params):
         return None
-    if not zero_cfg.nvme_path:
-        raise ValueError("offloading to nvme needs --nvme-path DIR")
-    return SwapDir(zero_cfg.nvme_path, topo.rank)
+    return SwapDir(zero_cfg.nvme_path, rank)
+
+
+def build_grad_sync(chunks, dp: DataParallel, topo: Topology, zero_cfg: ZeroConfig, comm_log: CommLog, *,
+                    grad_sync_cls: type | None = None, shards=None) -> BucketedGradSync:
+    """One bucket group's grad sync for ``zero_cfg.zero_stage`` over ``dp``, with the stage's components.
+    ``grad_sync_cls`` overrides the stage's class at stages 0-2; the one useful override is
+    ``AllReduceGradSync`` at stage 1 (the ZeRO-1 optimizer only reads its shard, so an all-reduce works
+    as well as a reduce-scatter, at 2Ψ(N-1)/N instead of Ψ(N-1)/N; bench/bench_zero.py measures both)."""
+    z = zero_cfg
+    stage = STAGES[z.zero_stage]
+    kw = dict(tp=topo.tensor_parallel(), pipeline=topo.pipeline(), comm_log=comm_log)
+    if grad_sync_cls is not None:
+        if z.zero_stage == 3:
+            raise ValueError("grad_sync_cls applies to ZeRO stages 0-2, not --zero-stage 3")
+        return grad_sync_cls(chunks, dp, z, **kw)
+    if z.zero_stage < 2:
+        return stage.grad_sync(chunks, dp, z, **kw)
+    reducer = build_reducer(dp, comm_log, z.quantized_gradients, z.quantization_block_size)
+    if z.zero_stage == 2:
+        return ShardedGradSync(chunks, dp, z, reducer=reducer, reduce_each_microbatch=z.reduce_each_microbatch, **kw)
+    gathering = build_gathering(z.quantized_weights, z.quantization_block_size, z.hpz_partition_size)
+    return ShardedParamSync(chunks, dp, z, reducer=reducer, shards=shards, gathering=gathering, **kw)
 
 
 def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: OptimizerConfig,
                  precision: PrecisionConfig | None = None, *, grad_sync_cls: type | None = None) -> ZeroEngine:
-    """Wrap this rank's model chunks for ``zero_cfg.zero_stage`` and build the matching optimizer.
-    Build it after the model and before the first forward: parameters move into the DP buffers.
-    ``grad_sync_cls``: see :func:`megazero.parallel.zero.grad_sync.wrap_data_parallel`.
-
-    With expert parallelism (``topo.ep_size > 1`` and MoE experts in the chunks) the result is an
-    :class:`~megazero.parallel.zero.experts.ExpertParallelEngine`: the same stage twice, the dense
-    parameters over dp and the experts over the expert-data-parallel group."""
+    """Wrap this rank's model chunks for ``zero_cfg.zero_stage`` and build the one optimizer over every
+    bucket group. Build it after the model and before the first forward: parameters move into the
+    engine's buffers. ``grad_sync_cls``: see :func:`build_grad_sync`."""
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-    if getattr(topo, "ep_size", 1) > 1 and any(is_expert(p) for c in chunks for p in c.parameters()):
-        if "nvme" in (zero_cfg.offload_optimizer, zero_cfg.offload_params):
-            raise ValueError("--offload-optimizer/--offload-params nvme with --expert-model-parallel-size > 1 "
-                             "is not supported: offload to cpu or drop expert parallelism")
-        dense = _build_one(dense_view(chunks), topo, zero_cfg, opt_cfg, precision, grad_sync_cls)
-        experts = _build_one(expert_view(chunks), ExpertDataTopology(topo), zero_cfg, opt_cfg,
-                             precision, grad_sync_cls)
-        for part in (experts.grad_sync, experts.optimizer, experts):   # one byte log for the step
-            part.comm_log = dense.comm_log
-        return ExpertParallelEngine(dense, experts, topo)
-    return _build_one(chunks, topo, zero_cfg, opt_cfg, precision, grad_sync_cls)
-
-
-def _build_one(chunks, topo, zero_cfg: ZeroConfig, opt_cfg: OptimizerConfig, precision: PrecisionConfig | None,
-               grad_sync_cls: type | None) -> ZeroEngine:
-    """One engine of ``zero_cfg.zero_stage`` over the chunks' parameters and ``topo``'s dp group."""
-    if zero_cfg.keep_params_gathered and zero_cfg.zero_stage != 3:
-        raise ValueError(f"--zero3-keep-params-gathered applies to --zero-stage 3 only (got stage "
-                         f"{zero_cfg.zero_stage}): drop the flag or use stage 3")
-    if zero_cfg.offload_optimizer != "none" and zero_cfg.zero_stage == 0:
-        raise ValueError("--offload-optimizer needs --zero-stage 1, 2 or 3")
-    if zero_cfg.offload_params != "none" and zero_cfg.zero_stage != 3:
-        raise ValueError("--offload-params applies to --zero-stage 3 only")
-    if (zero_cfg.quantized_weights or zero_cfg.hpz_partition_size > 1) and zero_cfg.zero_stage != 3:
-        raise ValueError("--zero-quantized-weights and --zero-hpz-partition-size apply to --zero-stage 3 only")
-    if zero_cfg.quantized_gradients and zero_cfg.zero_stage not in (2, 3):
-        raise ValueError("--zero-quantized-gradients applies to --zero-stage 2 or 3")
-    swap = _swap_dir(zero_cfg, topo)
+    z = zero_cfg
+    comm_log = CommLog(topo.ranks_per_node)
+    swap = _swap_dir(z, topo.rank)
+    shards = None
     try:
-        if zero_cfg.zero_stage == 3:
-            if grad_sync_cls is not None:
-                raise ValueError("grad_sync_cls applies to ZeRO stages 0-2, not --zero-stage 3")
-            return _build_stage3_engine(chunks, topo, zero_cfg, opt_cfg, precision, swap)
-        if zero_cfg.quantized_gradients and grad_sync_cls is None:       # ZeRO++ qgZ at stage 2
-            qgz = MicrobatchQuantizedGradSync if zero_cfg.reduce_each_microbatch else QuantizedGradSync
-            grad_sync = qgz(chunks, topo, zero_cfg)
-        else:
-            grad_sync = wrap_data_parallel(chunks, topo, zero_cfg, grad_sync_cls=grad_sync_cls)
-        return ZeroEngine(grad_sync, build_optimizer(grad_sync, opt_cfg, precision, swap=swap), swap)
+        if z.zero_stage == 3:
+            shards = (DeviceShards() if z.offload_params == "none" else
+                      build_param_shards(z.offload_params, topo.device, z.offload_pin_memory, swap))
+        has_experts = any(is_expert(p) for c in chunks for p in c.parameters())
+        syncs = []
+        for _, dp, keep in bucket_group_views(topo, has_experts):
+            members = chunks if keep is None else [ParamSubset(c, keep) for c in chunks]
+            syncs.append(build_grad_sync(members, dp, topo, z, comm_log, grad_sync_cls=grad_sync_cls, shards=shards))
+        publish_cls = STAGES[z.zero_stage].publish
+        publish = (publish_cls(syncs, overlap=z.overlap_param_gather) if publish_cls is AllGatherShards
+                   else publish_cls(syncs))
+        optimizer = BucketAdamW(syncs, opt_cfg, precision, publish=publish, replica=topo.model_replica(), swap=swap)
+        for sync in syncs:
+            sync.reset_peaks()
+        return ZeroEngine(syncs, optimizer, z.zero_stage, swap=swap, shards=shards if z.zero_stage == 3 and
+                          z.offload_params != "none" else None)
     except BaseException:
         if swap is not None:
             swap.close()
         raise
+
+
+def wrap_data_parallel(chunks, topo: Topology, zero_cfg: ZeroConfig, *, comm_log: CommLog | None = None,
+                       grad_sync_cls: type | None = None) -> BucketedGradSync:
+    """A single grad sync over all of ``chunks`` and ``topo``'s data-parallel group (stages 0-2): for
+    code that drives the sync without the engine (tests, benchmarks, a gradient finalisation at dp 1)."""
+    if zero_cfg.zero_stage == 3:
+        raise ValueError(f"--zero-stage {zero_cfg.zero_stage}: wrap_data_parallel builds stages 0, 1 and 2")
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    comm_log = comm_log if comm_log is not None else CommLog(topo.ranks_per_node)
+    return build_grad_sync(chunks, topo.data_parallel(), topo, zero_cfg, comm_log, grad_sync_cls=grad_sync_cls)
+
+
+def build_optimizer(syncs, opt_cfg: OptimizerConfig, precision: PrecisionConfig | None = None,
+                    stage: int | None = None, *, swap: SwapDir | None = None, replica=None) -> BucketAdamW:
+    """The optimizer over grad syncs built by :func:`wrap_data_parallel`, with the policy of ``stage``
+    (default: the syncs' ``zero_stage``); ``swap``: where ``--offload-optimizer nvme`` keeps its file."""
+    syncs = list(syncs) if isinstance(syncs, (list, tuple)) else [syncs]
+    stage = syncs[0].cfg.zero_stage if stage is None else stage
+    if stage not in STAGES:
+        raise ValueError(f"--zero-stage {stage}: only 0, 1, 2 and 3 are implemented")
+    publish_cls = STAGES[stage].publish
+    publish = (publish_cls(syncs, overlap=syncs[0].cfg.overlap_param_gather) if publish_cls is AllGatherShards
+               else publish_cls(syncs))
+    return BucketAdamW(syncs, opt_cfg, precision, publish=publish, replica=replica, swap=swap)

@@ -1,4 +1,5 @@
-"""Gradient synchronisation over the data-parallel group: one small class per ZeRO stage.
+"""Gradient synchronisation over a data-parallel group: the machinery every ZeRO stage shares, and
+stages 0 and 1 (stages 2 and 3: :mod:`.sharded_grads`, :mod:`.param_sync`).
 
 The pipeline schedule calls ``before_backward(chunk_id, is_last_microbatch)`` before every backward.
 A hook on each parameter counts down its bucket (:mod:`~megazero.parallel.zero.buckets`); when the
@@ -9,33 +10,16 @@ the reductions the countdown did not launch (parameters that got no gradient, or
 launched. ``finish_grad_sync()`` waits for everything; ``finalize_grads()`` adds the tensor- and
 pipeline-parallel sums.
 
-    class                      stage  reduces                 after the sync, this rank holds
-    AllReduceGradSync          0      last micro-batch        the full averaged gradients
-    ReduceScatterGradSync      1      last micro-batch        full-size buffer; only its shard is valid
-    ShardedGradSync            2      last micro-batch        only its 1/dp shard
-    MicrobatchShardedGradSync  2 (*)  every micro-batch       only its 1/dp shard
-    ShardedParamSync           3      every micro-batch (**)  only its 1/dp shard (param_sync.py)
+    class                 stage  reduces                     after the sync, this rank holds
+    AllReduceGradSync     0      last micro-batch            the full averaged gradients
+    ReduceScatterGradSync 1      last micro-batch            full-size buffer; only its shard is valid
+    ShardedGradSync       2      last (or every) micro-batch only its 1/dp shard (sharded_grads.py)
+    ShardedParamSync      3      every (or last) micro-batch only its 1/dp shard (param_sync.py)
 
-(*) ``--zero2-reduce-each-microbatch``, DeepSpeed's stage 2. (**) or the last only with
-``--zero3-keep-params-gathered``.
-
-Sharded gradients (stages 2 and 3) share one mechanism. A bucket's full-size storage is allocated by
-its first gradient and detached from the parameters as its reduce-scatter is launched (the next
-backward accumulates into fresh storage). The first reduction of a step lands in the bucket's
-gradient shard; a later one (reducing every micro-batch) lands in a scratch shard that is added once
-it completes. At most ``MAX_REDUCTIONS_IN_FLIGHT`` reductions stay in flight; older ones are waited
-on and their full storage released (on gloo at dp > 2, where each holds an inbox, before the next is
-launched, so no more than that many inboxes exist at once). Worked example, dp = 2, 2 micro-batches
-reduced each, one bucket of 6 elements: micro-batch 0 fills g0 (6), reduce-scatter(g0) -> shard (3),
-halved once it lands; micro-batch 1 fills g1 (6, new storage), reduce-scatter(g1) -> scratch (3),
-shard += scratch / 2 once it lands.
-
-Memory, honestly. Stage 2 reduces once per step, after the last micro-batch, so with gradient
-accumulation every bucket holds its full storage from the first micro-batch's backward to its
-reduction in the last one (a little more than stages 0/1 at the peak); what it saves is 2Ψ(N-1)/N
-bytes outside backward (the optimizer step holds only shards, the next forward none). Reducing every
-micro-batch bounds the gradient peak by the shards plus the buckets being filled or in flight, at m
-times the gradient traffic (m Ψ(N-1)/N instead of Ψ(N-1)/N).
+A grad sync works over one :class:`~megazero.parallel.groups.DataParallel` view: the ZeRO engine builds
+one per bucket group (dense parameters over dp, experts over the expert-data-parallel group), each over
+the parameters of its group. Stages 0 and 1 keep one persistent gradient buffer per chunk, as
+``param.grad`` views, so autograd accumulates micro-batches in place.
 """
 from __future__ import annotations
 
@@ -48,12 +32,10 @@ import torch.nn as nn
 from megazero.config import ZeroConfig
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.counted_comm import CommLog
+from megazero.parallel.groups import DataParallel, PipelineLayout, TensorParallel
 from megazero.parallel.params import attribute
-from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype, weak_grad_hook
 from megazero.parallel.zero.materialize import initial_value, is_meta, swap_in
-
-MAX_REDUCTIONS_IN_FLIGHT = 3   # stage 2's gradient reductions that may still run while the next buckets fill (stage 3: 1)
 
 
 class BucketedGradSync:
@@ -61,24 +43,27 @@ class BucketedGradSync:
 
     Subclasses say how a bucket is reduced (:meth:`_launch`), where its gradient storage lives
     (:meth:`_grad_storage`) and where the reduced gradient of a bucket range is read
-    (:meth:`reduced_grad`). Stages 0 and 1 keep one persistent gradient buffer per chunk, as
-    ``param.grad`` views, so autograd accumulates micro-batches in place.
+    (:meth:`reduced_grad`). ``dp``: the group to reduce over; ``tp`` and ``pipeline`` (default: one
+    rank) for :meth:`finalize_grads`' sums of sequence-parallel and tied-embedding gradients.
     """
 
     reduce_every_backward = False          # True: every backward reduces (not only the step's last)
     average_after = False                  # True: scale by 1/dp after the reduction, this rank's range only
 
-    def __init__(self, chunks: nn.Module | list[nn.Module], topo: Topology, zero_cfg: ZeroConfig | None = None,
-                 *, comm_log: CommLog | None = None):
+    def __init__(self, chunks: nn.Module | list[nn.Module], dp: DataParallel, zero_cfg: ZeroConfig | None = None,
+                 *, tp: TensorParallel | None = None, pipeline: PipelineLayout | None = None,
+                 comm_log: CommLog | None = None):
         self.chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-        self.topo = topo
+        self.dp = dp
+        self.tp = tp or TensorParallel.single()
+        self.pipeline = pipeline or PipelineLayout.single(dp.device)
         self.cfg = zero_cfg or ZeroConfig()
         self.comm_log = comm_log if comm_log is not None else CommLog()
-        self.comm_log.ranks_per_node = self.comm_log.ranks_per_node or getattr(topo, "ranks_per_node", None)
-        self.dp_group, self.dp_size, self.dp_rank = topo.dp_group, topo.dp_size, topo.dp_rank
+        self.comm_log.ranks_per_node = self.comm_log.ranks_per_node or dp.ranks_per_node
+        self.dp_group, self.dp_size, self.dp_rank = dp.group, dp.size, dp.rank
         # Gradients are averaged over this many ranks: dp, also for experts reduced over the smaller
-        # expert-data-parallel group (each expert saw the tokens of all ep ranks: zero/experts.py).
-        self.average_over = getattr(topo, "gradient_average_size", self.dp_size)
+        # expert-data-parallel group (each expert saw the tokens of all ep ranks: megazero.parallel.groups).
+        self.average_over = dp.average_over
         self.buckets: list[Bucket] = []
         self.slots: list[ParamSlot] = []
         self._slot_of: dict[int, ParamSlot] = {}
@@ -127,7 +112,7 @@ class BucketedGradSync:
 
     def device_of(self, p: nn.Parameter) -> torch.device:
         """Where a parameter's storage goes: its own device, or this rank's for a meta parameter."""
-        return self.topo.device if is_meta(p) else p.device
+        return self.dp.device if is_meta(p) else p.device
 
     def _add_slot(self, slot: ParamSlot) -> None:
         slot.bucket.slots.append(slot)
@@ -285,13 +270,13 @@ class BucketedGradSync:
         bucket of its own), so the shards line up and the sums commute with the DP average.
         """
         self.finish_grad_sync()
-        if self.topo.tp_size > 1:
+        if self.tp.size > 1:
             self._sum_segments([s for s in self.slots if attribute(s.param, "sequence_parallel_grad")],
-                               self.topo.tp_group, "tp")
-        if self.topo.pp_size > 1:
+                               self.tp.group, "tp")
+        if self.pipeline.size > 1:
             shared = [s for s in self.slots if attribute(s.param, "shared_embedding")]
             if shared:
-                self._sum_segments(shared, self.topo.embedding_group, "emb")
+                self._sum_segments(shared, self.pipeline.embedding.group, "emb")
 
     def _sum_segments(self, slots: list[ParamSlot], group, tag: str) -> None:
         segments = [seg for s in slots for seg in self.local_grad_segments(s)]
@@ -331,19 +316,32 @@ class BucketedGradSync:
         """Most gradient bytes held at once (stages 0/1: the persistent buffers)."""
         return sum(nbytes(t) for t in self.held_grad_tensors())
 
-    def offloaded_bytes(self) -> dict[str, int]:
-        """Model state kept off the device (stage 3's offloaded parameter shards: ``param_sync``)."""
-        return {}
-
     def close(self) -> None:
-        """Release what outlives the object's memory (swap files: ``param_sync``)."""
+        """Release what outlives the object's memory (hooks: ``param_sync``)."""
+
+    # Stage 3 gathers parameters (param_sync.py); at stages 0-2 every parameter is always whole.
+    def gather_all(self) -> list:
+        """Gather every parameter now; returns what :meth:`release` should free afterwards."""
+        return []
+
+    def release(self, unit) -> None:
+        pass
+
+    def release_all(self, chunk_id: int | None = None) -> None:
+        pass
+
+    def write_back(self) -> None:
+        """Make the whole parameters' current values the truth (stage 3 copies them into its shards)."""
+
+    def reset_peaks(self) -> None:
+        """Restart the peak counts from now (stage 3)."""
 
 
 class AllReduceGradSync(BucketedGradSync):
     """Stage 0, plain data parallelism: every bucket is all-reduced (averaged) over dp."""
 
     def _launch(self, bucket: Bucket, grad_data: torch.Tensor):
-        return comm.all_reduce(grad_data, self.dp_group, self.comm_log, "dp", async_op=True)
+        return comm.all_reduce(grad_data, self.dp_group, self.comm_log, self.dp.tag, async_op=True)
 
 
 class ReduceScatterGradSync(BucketedGradSync):
@@ -353,224 +351,8 @@ class ReduceScatterGradSync(BucketedGradSync):
 
     def _launch(self, bucket: Bucket, grad_data: torch.Tensor):
         lo, hi = self.shard_range(bucket)
-        return comm.reduce_scatter(grad_data[lo:hi], grad_data, self.dp_group, self.comm_log, "dp",
+        return comm.reduce_scatter(grad_data[lo:hi], grad_data, self.dp_group, self.comm_log, self.dp.tag,
                                    async_op=True, input_is_scratch=True)
 
     def grad_range(self, bucket: Bucket) -> tuple[int, int]:
         return self.shard_range(bucket)
-
-
-class ShardedGradSync(BucketedGradSync):
-    """Stage 2: each rank keeps only its 1/dp shard of the reduced gradients (see the module doc).
-
-    Lifetimes, per bucket: the full-size storage from the bucket's first gradient until its
-    reduce-scatter is retired; the gradient shard from the step's first reduction until
-    ``zero_grad``. So the optimizer step holds only shards, the next forward holds no gradients at
-    all, and backward holds the full storage of buckets not yet reduced. A retired storage is kept
-    for the next bucket of its size until the backward's reductions are finished (fresh memory costs
-    a page fault at every first touch): at most ``MAX_REDUCTIONS_IN_FLIGHT`` + 1 are kept, and they
-    are freed before a storage of another size is allocated, so they never raise the peak.
-    ``peak_grad_bytes`` records the most held at once.
-    """
-
-    average_after = True
-
-    def __init__(self, *args, **kwargs):
-        self._in_flight: deque = deque()       # (bucket, handle, full storage, scratch shard or None)
-        self._held = self._peak = 0
-        self._spare: list[torch.Tensor] = []     # retired full-size storage for the next buckets of this backward
-        super().__init__(*args, **kwargs)
-        self._max_in_flight = MAX_REDUCTIONS_IN_FLIGHT if self.cfg.overlap_grad_reduce else 0
-
-    def _make_grad_buffer(self, total: int, dtype, device) -> None:
-        return None
-
-    def _attach_grads(self, bucket: Bucket) -> None:
-        pass                                     # nothing persistent: see the class docstring
-
-    def _track(self, nbytes_delta: int) -> None:
-        self._held += nbytes_delta
-        self._peak = max(self._peak, self._held)
-
-    def _grad_storage(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's full-size storage, made by its first gradient of a backward and not zeroed:
-        each parameter's first gradient is copied in (its ``.grad`` stays unset until then, so
-        autograd hands it over instead of adding it to garbage), later ones added in place;
-        the padding is zeroed here, parameters that got no gradient as the reduction is launched."""
-        if bucket.grad_data is None:
-            bucket.grad_data = storage = self._fresh_storage(bucket)
-            self._track(nbytes(storage))
-            covered = 0
-            for s in sorted(bucket.slots, key=lambda s: s.start):
-                storage[covered:s.start].zero_()
-                covered = s.end
-            storage[covered:].zero_()
-            for s in bucket.slots:
-                s.filled = False
-                if s.param.grad is not None:          # a gradient autograd made before we saw it
-                    self._fold(s, storage, s.param.grad)
-                    self._point_grad(s, storage)
-        return bucket.grad_data
-
-    def _fill_unwritten(self, bucket: Bucket) -> None:
-        """Zeros for the parameters of ``bucket`` that got no gradient since its storage was made."""
-        for s in bucket.slots:
-            if not s.filled:
-                bucket.grad_data[s.start:s.end].zero_()
-                s.filled = True
-
-    def _fresh_storage(self, bucket: Bucket) -> torch.Tensor:
-        """Full-size gradient storage for ``bucket``, contents undefined: a retired bucket's storage of
-        the same size when one is spare (the allocator would hand back fresh pages to fault in), else new."""
-        dtype, device = self.grad_dtype(bucket.param_data.dtype), bucket.param_data.device
-        # A generator, not a for loop: no loop variable is left holding a spare past the allocation below.
-        fit = next((i for i, t in enumerate(self._spare)
-                    if t.numel() == bucket.numel and t.dtype == dtype and t.device == device), None)
-        if fit is not None:
-            self._held -= nbytes(self._spare[fit])   # counted again by the caller, as a bucket's storage
-            return self._spare.pop(fit)
-        self._drop_spares()                      # of other sizes: freed before anything new is allocated
-        return torch.empty(bucket.numel, dtype=dtype, device=device)
-
-    def _drop_spares(self) -> None:
-        self._held -= sum(nbytes(t) for t in self._spare)
-        self._spare.clear()
-
-    def _holds_grads(self, bucket: Bucket) -> bool:
-        return bucket.grad_data is not None
-
-    def before_backward(self, chunk_id: int, is_last_microbatch: bool) -> None:
-        """The previous backward's reductions have had a forward to complete: retire them here."""
-        super().before_backward(chunk_id, is_last_microbatch)
-        self._retire(keep=0)
-
-    def _start(self, bucket: Bucket) -> None:
-        """Reduce-scatter the bucket into its gradient shard (or a scratch shard added on arrival),
-        detach its storage from the parameters, keep the number in flight bounded."""
-        grad_data = self._grad_storage(bucket)
-        if self._max_in_flight and not grad_data.is_cuda and self.dp_size > 2:
-            self._retire(keep=self._max_in_flight - 1)   # gloo: each takes an inbox; at most _max_in_flight at once
-        self._fill_unwritten(bucket)
-        if self.average_over > 1 and not self._averages_after(grad_data):
-            grad_data.mul_(1.0 / self.average_over)
-        scratch = None
-        if bucket.grad_shard is None:            # the step's first reduction of this bucket
-            bucket.grad_shard = target = torch.empty(bucket.shard_size, dtype=grad_data.dtype,
-                                                     device=grad_data.device)
-            self._track(nbytes(target))
-        else:
-            target = scratch = torch.empty_like(bucket.grad_shard)
-            self._track(nbytes(scratch))
-        handle = self.reduce_scatter_grads(target, grad_data)
-        for s in bucket.slots:                   # the next backward accumulates into fresh storage
-            s.param.grad = None
-        bucket.grad_data, bucket.launched = None, True
-        self._in_flight.append((bucket, handle, grad_data, scratch))
-        self._retire(keep=self._max_in_flight)
-
-    def reduce_scatter_grads(self, target: torch.Tensor, grad_data: torch.Tensor):
-        """Sum ``grad_data`` over dp into ``target``, this rank's shard (ZeRO++'s qgZ: :mod:`.zeropp`).
-        On gloo at dp > 2 each takes an inbox of (N-2)/N of the bucket, so :meth:`_start` lets at most
-        ``_max_in_flight`` run at once there (elsewhere one more, briefly: the new one beside the others)."""
-        return comm.reduce_scatter(target, grad_data, self.dp_group, self.comm_log, "dp", async_op=True,
-                                   input_is_scratch=True, inbox=True)
-
-    def _retire(self, keep: int) -> None:
-        """Finish reductions in launch order (add scratch shards, release full-size storage): every
-        one seen complete, and the oldest ones until at most ``keep`` are in flight. (gloo's
-        reduce-scatter never reports completion before it is waited on: there the bound decides.)"""
-        while self._in_flight:
-            bucket, handle, full, scratch = self._in_flight[0]
-            if handle is not None:
-                if len(self._in_flight) <= keep and not handle.is_completed():
-                    return
-                handle.wait()
-            if self.average_over > 1 and self._averages_after(full):
-                (bucket.grad_shard if scratch is None else scratch).mul_(1.0 / self.average_over)
-            if scratch is not None:
-                bucket.grad_shard.add_(scratch)
-                self._held -= nbytes(scratch)
-            if len(self._spare) <= self._max_in_flight:
-                self._spare.append(full)             # still held: counted until reused or dropped
-            else:
-                self._held -= nbytes(full)
-            self._in_flight.popleft()
-            self._reduced(bucket, *self.shard_range(bucket))
-
-    def finish_grad_sync(self) -> None:
-        """Reduce what is left (gradients not yet reduced; buckets that got none this step reduce
-        zeros, so every rank holds a shard and every rank makes the same collectives), wait."""
-        for bucket in self.buckets:
-            if bucket.grad_data is not None or bucket.grad_shard is None:
-                self._start(bucket)
-        self._retire(keep=0)
-        self._drop_spares()
-        self._reset_countdown()
-        self._synced = True
-
-    def grad_range(self, bucket: Bucket) -> tuple[int, int]:
-        return self.shard_range(bucket)
-
-    def reduced_grad(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
-        base = self.dp_rank * bucket.shard_size
-        if lo < base or hi > base + bucket.shard_size:
-            raise IndexError(f"rank {self.dp_rank} holds the gradients of bucket elements [{base}, "
-                             f"{base + bucket.shard_size}), asked for [{lo}, {hi})")
-        return bucket.grad_shard[lo - base:hi - base]
-
-    def zero_grad(self) -> None:
-        self._retire(keep=0)
-        self._drop_spares()
-        for bucket in self.buckets:
-            if bucket.grad_data is not None:     # normally released when its reduction is launched
-                self._held -= nbytes(bucket.grad_data)
-                bucket.grad_data = None
-                for s in bucket.slots:
-                    s.param.grad = None
-            if bucket.grad_shard is not None:
-                self._held -= nbytes(bucket.grad_shard)
-                bucket.grad_shard = None
-        self._synced = False
-
-    def held_grad_tensors(self) -> list[torch.Tensor]:
-        shards = [b.grad_shard for b in self.buckets if b.grad_shard is not None]
-        full = [b.grad_data for b in self.buckets if b.grad_data is not None]
-        return shards + full + self._spare + [f[2] for f in self._in_flight] + [f[3] for f in self._in_flight
-                                                                   if f[3] is not None]
-
-    @property
-    def peak_grad_bytes(self) -> int:
-        return self._peak
-
-
-class MicrobatchShardedGradSync(ShardedGradSync):
-    """Stage 2, DeepSpeed's way (``--zero2-reduce-each-microbatch``): every micro-batch's gradients are
-    reduce-scattered into the 1/dp shard as soon as a bucket is complete, and the bucket's full-size
-    storage released. Peak gradient memory: the shards plus the buckets of one backward being
-    filled or in flight, independent of the number of micro-batches m, at m times the traffic."""
-
-    reduce_every_backward = True
-
-
-GRAD_SYNC_BY_STAGE = {0: AllReduceGradSync, 1: ReduceScatterGradSync, 2: ShardedGradSync}
-
-
-def wrap_data_parallel(chunks, topo: Topology, zero_cfg: ZeroConfig, *, comm_log: CommLog | None = None,
-                       grad_sync_cls: type | None = None) -> BucketedGradSync:
-    """The gradient synchroniser for ``zero_cfg.zero_stage`` (0, 1 or 2) over ``topo``'s DP group.
-
-    ``grad_sync_cls`` overrides the stage's default class; the one useful override is
-    ``AllReduceGradSync`` for stage 1: the ZeRO-1 optimizer only reads its shard, so an all-reduce
-    works as well as a reduce-scatter. It sends 2Ψ(N-1)/N instead of Ψ(N-1)/N for the gradients
-    (3Ψ(N-1)/N per step with the parameter all-gather, vs 2Ψ(N-1)/N); bench/bench_zero.py measures
-    both.
-    """
-    cls = grad_sync_cls or GRAD_SYNC_BY_STAGE.get(zero_cfg.zero_stage)
-    if zero_cfg.reduce_each_microbatch:
-        if zero_cfg.zero_stage != 2 or grad_sync_cls is not None:
-            raise ValueError(f"--zero2-reduce-each-microbatch applies to --zero-stage 2 only (got stage "
-                             f"{zero_cfg.zero_stage}): drop the flag or use stage 2")
-        cls = MicrobatchShardedGradSync
-    if cls is None:
-        raise ValueError(f"--zero-stage {zero_cfg.zero_stage}: wrap_data_parallel builds stages 0, 1 and 2")
-    return cls(chunks, topo, zero_cfg, comm_log=comm_log)

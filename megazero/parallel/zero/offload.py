@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megazero.optim import adamw_update
+from megazero.parallel.zero.adamw import adamw_update
 from megazero.parallel.zero.swap import SwapDir, io_thread, round_up
 
 ALIGN = 64                   # elements: sub-groups are cut at multiples of this from every range's start

@@ -1,30 +1,34 @@
-"""Optimizers over the bucketed gradients of :mod:`.grad_sync`: AdamW with fp32 master weights,
-ZeRO sharding over the data-parallel group, global-norm clipping, fp16 loss scaling.
+"""The ZeRO optimizer: AdamW with fp32 master weights over every bucket group of the engine, with
+global-norm clipping and fp16 loss scaling; one optimizer, one loss scaler and one global norm for the
+dense parameters and the experts alike.
 
-Who holds what (dp = N ranks, one bucket of 2N elements, rank r owns elements [2r, 2r + 2))::
+Who holds what (dp = N ranks, one bucket of 2N elements, rank r owns elements [2r, 2r + 2)); the stage's
+policy object (:mod:`.publish`) says which::
 
-    class                   grads after the sync      fp32 master + Adam m, v     after step
-    DataParallelOptimizer   all N: full bucket        all N: full bucket           copy master -> params
-    ZeroStage1Optimizer     full buffer, shard valid  rank r: its shard only       copy shard, all-gather
-    ZeroStage2Optimizer     rank r: its shard only    rank r: its shard only       copy shard, all-gather
-    ZeroStage3Optimizer     rank r: its shard only    rank r: its shard only       copy into the param shard
+    stage   grads after the sync      fp32 master + Adam m, v     after step
+    0       all N: full bucket        all N: full bucket           copy master -> params
+    1       full buffer, shard valid  rank r: its shard only       copy shard, all-gather
+    2       rank r: its shard only    rank r: its shard only       copy shard, all-gather
+    3       rank r: its shard only    rank r: its shard only       copy into the param shard
 
-The four classes live in :mod:`.stages`; all share :class:`BucketAdamW` (here), which steps one (bucket, owned range) at a time:
-unscale (fp16) -> inf/nan check over all ranks (skip + shrink the scale on overflow) -> global
-gradient norm -> clip -> AdamW on the flat fp32 range -> publish the new weights to the model.
-With fp32 parameters the "master" of a range *is* the model's parameter buffer (a view: no copy,
-no extra memory); with bf16/fp16 it is a separate fp32 tensor.
+:class:`BucketAdamW` steps one (bucket, owned range) at a time: unscale (fp16) -> inf/nan check over all
+ranks (skip + shrink the scale on overflow) -> global gradient norm -> clip -> AdamW on the flat fp32
+range -> publish the new weights to the model. Each range belongs to one grad sync (a bucket group with
+its own data-parallel group: dense parameters over dp, experts over the expert-data-parallel group).
+With fp32 parameters the "master" of a range *is* the model's parameter buffer (a view: no copy, no
+extra memory); with bf16/fp16 it is a separate fp32 tensor.
 
 Where the fp32 state lives is the job of a state object: :class:`ResidentState` keeps it on the
 device beside the parameters; ``--offload-optimizer cpu / nvme`` keeps it in host memory or in a swap
 file and runs the update there (:mod:`megazero.parallel.zero.offload`). The step's logic above is the
 same for both.
 
-Global norm: every element of the full model is counted exactly once across the world --
-dp: sharded optimizers count their own shard (sum over all ranks); the unsharded one counts the
-full gradient and sums over the model-parallel group only, since dp replicas are identical;
-tp and pp: :func:`megazero.parallel.params.counts_once` (a tp shard on every tp rank, a replicated
-parameter on tp rank 0, a ``tied_copy`` nowhere).
+Global norm: every element of the full model is counted exactly once across the world. Each rank sums
+the squares of the gradient elements it holds that :func:`megazero.parallel.params.counts_once` picks (a
+tp shard on every tp rank, a replicated parameter on tp rank 0, a ``tied_copy`` nowhere), per bucket
+group, divides each group's sum by the ranks holding the same elements (stage 0: its dp size; sharded
+stages: 1) and the sum over the world is the square of the norm. With a single bucket group at stage 0
+the replicas are skipped instead: the sum runs over the model-parallel group only (tp x pp).
 """
 from __future__ import annotations
 
@@ -36,12 +40,14 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import OptimizerConfig, PrecisionConfig
-from megazero.optim import adamw_update, decays, merge_ranges
 from megazero.parallel import counted_comm as comm
+from megazero.parallel.groups import ModelReplica
 from megazero.parallel.params import counts_once
+from megazero.parallel.zero.adamw import adamw_update, decays, merge_ranges
 from megazero.parallel.zero.buckets import Bucket
 from megazero.parallel.zero.grad_sync import BucketedGradSync
 from megazero.parallel.zero.offload import OffloadedOptimizerState, build_optimizer_state
+from megazero.parallel.zero.publish import Replicated
 from megazero.parallel.zero.swap import SwapDir
 from megazero.precision import DynamicLossScaler
 
@@ -50,13 +56,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RangeState:
-    """Optimizer state of elements [lo, hi) of one bucket (ranges below are relative to lo).
+    """Optimizer state of elements [lo, hi) of one bucket of grad sync ``sync`` (ranges below are
+    relative to lo).
 
     ``master``, ``exp_avg``, ``exp_avg_sq``: the fp32 tensors where they are in memory (on the device, or
     on the host with ``--offload-optimizer cpu``); None when they live in a swap file. ``param_fp32``: the
     parameters are fp32, so the masters equal them bitwise and are not stored in checkpoints;
     ``master_is_param``: moreover the master *is* the parameter memory."""
 
+    sync: BucketedGradSync
     bucket: Bucket
     lo: int
     hi: int
@@ -80,12 +88,13 @@ class ResidentState:
     def __init__(self, opt: BucketAdamW):
         self.opt = opt
         for k, r in enumerate(opt.ranges):
-            params = opt._range_params(r.bucket, r.lo, r.hi)
-            r.master_is_param = r.param_fp32 and opt._params_on_device()
+            params = opt.range_params(r)
+            on_device = opt.publish.params_on_device(r.sync)
+            r.master_is_param = r.param_fp32 and on_device
             if r.master_is_param:
                 r.master = params
             else:
-                device = params.device if opt._params_on_device() else opt.topo.device
+                device = params.device if on_device else opt.device
                 r.master = torch.empty(r.hi - r.lo, dtype=torch.float32, device=device)
                 r.master.copy_(params)
             r.exp_avg, r.exp_avg_sq = torch.zeros_like(r.master), torch.zeros_like(r.master)
@@ -123,44 +132,52 @@ class ResidentState:
 
 
 class BucketAdamW:
-    """Shared step logic; subclasses choose the owned range, the norm group and how to publish."""
+    """AdamW over the owned ranges of every bucket of ``syncs`` (the engine's bucket groups).
 
-    def __init__(self, grad_sync: BucketedGradSync, opt_cfg: OptimizerConfig | None = None,
-                 precision: PrecisionConfig | None = None, *, swap: SwapDir | None = None):
-        self._check_grad_sync(grad_sync)
-        self.grad_sync, self.topo = grad_sync, grad_sync.topo
+    ``publish``: the stage's policy (:mod:`.publish`; default stage 0's). ``replica``: the
+    model-parallel group the unsharded optimizer of a single bucket group sums its norm over.
+    ``swap``: where ``--offload-optimizer nvme`` keeps its file."""
+
+    def __init__(self, syncs: BucketedGradSync | list[BucketedGradSync], opt_cfg: OptimizerConfig | None = None,
+                 precision: PrecisionConfig | None = None, *, publish=None, replica: ModelReplica | None = None,
+                 swap: SwapDir | None = None):
+        self.syncs = list(syncs) if isinstance(syncs, (list, tuple)) else [syncs]
+        first = self.syncs[0]
+        self.device, self.comm_log = first.dp.device, first.comm_log
+        self.tp_rank = first.tp.rank
+        self.publish = publish if publish is not None else Replicated(self.syncs)
+        self.replica = replica
         self.cfg = opt_cfg or OptimizerConfig()
         self.lr = self.cfg.lr
-        self.comm_log = grad_sync.comm_log
         precision = precision or PrecisionConfig()
         self.scaler = DynamicLossScaler.from_config(precision) if precision.fp16 else None
         self.step_count = 0
-        self.ranges = [self._make_range(b) for b in grad_sync.buckets]
-        self._range_of = {id(r.bucket): r for r in self.ranges}
+        self.ranges = [self._make_range(sync, b) for sync in self.syncs for b in sync.buckets]
         self._index_of = {id(r.bucket): k for k, r in enumerate(self.ranges)}
-        self.states = self._build_states(grad_sync.cfg, swap)
+        self.states = self._build_states(first.cfg, swap)
 
     def _build_states(self, zero_cfg, swap: SwapDir | None):
         """Where the fp32 state lives: on the device, or (``--offload-optimizer``) on the host / NVMe,
         with the reduced gradients copied there as they land."""
-        where = getattr(zero_cfg, "offload_optimizer", "none")
+        where = zero_cfg.offload_optimizer
         if where == "none":
             return ResidentState(self)
-        dtype = self.grad_sync.buckets[0].param_data.dtype if self.grad_sync.buckets else torch.float32
-        grad_dtype = self.grad_sync.grad_dtype(dtype)
-        on_host = self.topo.device.type == "cpu" and grad_dtype == torch.float32
-        states = build_optimizer_state(where, [r.hi - r.lo for r in self.ranges], self.topo.device, dtype,
+        dtype = self.ranges[0].bucket.param_data.dtype if self.ranges else torch.float32
+        grad_dtype = self.syncs[0].grad_dtype(dtype)
+        on_host = self.device.type == "cpu" and grad_dtype == torch.float32
+        states = build_optimizer_state(where, [r.hi - r.lo for r in self.ranges], self.device, dtype,
                                        zero_cfg.offload_sub_group_size, zero_cfg.offload_pin_memory, swap,
                                        device_grads=self.reduced_grads if on_host else None)
         for k, r in enumerate(self.ranges):
-            states.set_masters(k, self._range_params(r.bucket, r.lo, r.hi))
+            states.set_masters(k, self.range_params(r))
             r.master, r.exp_avg, r.exp_avg_sq = states.host_views(k)
-        self.grad_sync.on_reduced = self._grad_landed
+        for sync in self.syncs:
+            sync.on_reduced = self._grad_landed
         return states
 
     def reduced_grads(self) -> list[torch.Tensor]:
         """The reduced gradient of every owned range, as views of the gradient buffers."""
-        return [self.grad_sync.reduced_grad(r.bucket, r.lo, r.hi) for r in self.ranges]
+        return [r.sync.reduced_grad(r.bucket, r.lo, r.hi) for r in self.ranges]
 
     def _grad_landed(self, bucket: Bucket, lo: int, hi: int) -> None:
         """The reduced gradient of bucket elements [lo, hi) changed: copy the owned part to the host."""
@@ -170,54 +187,35 @@ class BucketAdamW:
         r = self.ranges[k]
         a, b = max(lo, r.lo), min(hi, r.hi)
         if a < b:
-            self.states.copy_grad(k, a - r.lo, b - r.lo, self.grad_sync.reduced_grad(bucket, a, b))
+            self.states.copy_grad(k, a - r.lo, b - r.lo, r.sync.reduced_grad(bucket, a, b))
 
     @property
     def offloaded(self) -> bool:
         return isinstance(self.states, OffloadedOptimizerState)
 
-    def _check_grad_sync(self, grad_sync) -> None:
-        pass
-
-    def _owned_range(self, bucket: Bucket) -> tuple[int, int]:
-        raise NotImplementedError
-
-    def _norm_group(self):
-        raise NotImplementedError
-
-    def _range_params(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
-        """The model's values of bucket elements [lo, hi) (stage 3: the rank's persistent shard)."""
-        return bucket.param_data[lo:hi]
-
-    def _params_on_device(self) -> bool:
-        """The parameters of the owned ranges are device memory (stage 3 offloads them otherwise)."""
-        return True
+    def range_params(self, r: RangeState) -> torch.Tensor:
+        """The model's values of range ``r``'s elements (stage 3: the rank's persistent shard)."""
+        return self.publish.range_params(r.sync, r.bucket, r.lo, r.hi)
 
     def _write_params(self, k: int, a: int, b: int, values: torch.Tensor) -> None:
         """Store ``values`` as the parameters of range k's elements [a, b) (relative to the range)."""
-        r = self.ranges[k]
-        r.bucket.param_data[r.lo + a:r.lo + b].copy_(values, non_blocking=True)
-
-    def _before_write(self) -> None:
-        """Called before new parameter values are stored (stage 3: drop stale gathered copies)."""
-
-    def _share(self) -> None:
-        """Make the stored parameter values the model's everywhere (stages 1-2: all-gather over dp)."""
+        self.publish.write(self.ranges[k], a, b, values)
 
     def wait_params(self) -> None:
         """Return once the parameters hold the last step's values (stages 1-2 with
         ``--overlap-param-gather`` may still be gathering them)."""
+        self.publish.wait()
 
     def _publish(self) -> None:
         """Parameters from the masters, then shared (after a state was loaded)."""
-        self._before_write()
+        self.publish.before_write()
         self.states.write_params(self._write_params)
-        self._share()
+        self.publish.share(self.ranges)
 
     # ------------------------------------------------------------------ setup
-    def _make_range(self, bucket: Bucket) -> RangeState:
+    def _make_range(self, sync: BucketedGradSync, bucket: Bucket) -> RangeState:
         """The range's bookkeeping; its tensors come from the state object (``_build_states``)."""
-        lo, hi = self._owned_range(bucket)
+        lo, hi = self.publish.owned_range(sync, bucket)
         is_fp32 = bucket.param_data.dtype == torch.float32
         decay, norm = [], []
         for slot in bucket.slots:
@@ -226,9 +224,10 @@ class BucketAdamW:
                 continue
             if decays(slot.shape):
                 decay.append((a, b))
-            if counts_once(slot.param, self.topo.tp_rank):
+            if counts_once(slot.param, self.tp_rank):
                 norm.append((a, b))
-        return RangeState(bucket, lo, hi, None, None, None, merge_ranges(decay), merge_ranges(norm), False, is_fp32)
+        return RangeState(sync, bucket, lo, hi, None, None, None, merge_ranges(decay), merge_ranges(norm), False,
+                          is_fp32)
 
     # ------------------------------------------------------------------- step
     @property
@@ -240,7 +239,8 @@ class BucketAdamW:
         self.lr = lr
 
     def zero_grad(self) -> None:
-        self.grad_sync.zero_grad()
+        for sync in self.syncs:
+            sync.zero_grad()
 
     @torch.no_grad()
     def step(self) -> tuple[float, bool]:
@@ -259,7 +259,8 @@ class BucketAdamW:
     def begin_step(self) -> tuple[list[torch.Tensor], tuple[float, bool] | None]:
         """First half of :meth:`step`: the fp32 unscaled gradients of the owned ranges, and (inf, True)
         when an fp16 overflow skips the step (the loss scale is lowered), else None."""
-        self.grad_sync.check_synced()
+        for sync in self.syncs:
+            sync.check_synced()
         grads = self._main_grads()
         if self.scaler is not None and self._found_inf(grads):
             old = self.scaler.scale
@@ -280,12 +281,12 @@ class BucketAdamW:
             for g in grads:
                 g.mul_(coef)
         self.step_count += 1
-        self._before_write()
+        self.publish.before_write()
         self.states.update(grads, [r.decay_ranges for r in self.ranges], write=self._write_params,
                            step=self.step_count, lr=self.lr,
                            beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps,
                            weight_decay=self.cfg.weight_decay)
-        self._share()
+        self.publish.share(self.ranges)
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
         return norm, False
@@ -299,13 +300,13 @@ class BucketAdamW:
         return grads
 
     def _grads_device(self, grads: list[torch.Tensor]) -> torch.device:
-        return grads[0].device if grads else self.topo.device
+        return grads[0].device if grads else self.device
 
     def _found_inf(self, grads: list[torch.Tensor]) -> bool:
         flag = torch.zeros(1, dtype=torch.float32, device=self._grads_device(grads))
         for g in grads:                      # no host sync per tensor: one .item() at the end
             flag += (~torch.isfinite(g)).any()
-        flag = flag.to(self.topo.device)
+        flag = flag.to(self.device)
         comm.all_reduce(flag, dist.group.WORLD, self.comm_log, "world", op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -313,26 +314,32 @@ class BucketAdamW:
         """L2 norm of the whole model's gradient, each element counted once (see module doc)."""
         if grads is None:
             grads = self._main_grads()
-        sq = self.local_norm_sq(grads)
-        group, tag = self._norm_group()
-        comm.all_reduce(sq, group, self.comm_log, tag)
+        if not self.publish.sharded and len(self.syncs) == 1:       # replicated over dp: sum over tp x pp
+            sq = self.local_norm_sq(grads, self.syncs[0])
+            comm.all_reduce(sq, self.replica.group if self.replica else None, self.comm_log, "mp")
+            return math.sqrt(sq.item())
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for sync in self.syncs:
+            sq += self.local_norm_sq(grads, sync) / self.publish.replicas(sync)
+        comm.all_reduce(sq, dist.group.WORLD, self.comm_log, "world")
         return math.sqrt(sq.item())
 
-    def local_norm_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Squared L2 norm (float64, [1], on this rank's device) of the owned ranges' gradients that
-        count once (see the module doc), before any sum over ranks."""
+    def local_norm_sq(self, grads: list[torch.Tensor], sync: BucketedGradSync) -> torch.Tensor:
+        """Squared L2 norm (float64, [1], on this rank's device) of the gradients of ``sync``'s owned
+        ranges that count once (see the module doc), before any sum over ranks."""
         sq = torch.zeros(1, dtype=torch.float64, device=self._grads_device(grads))
         for r, g in zip(self.ranges, grads):
-            for a, b in r.norm_ranges:
-                sq += torch.linalg.vector_norm(g[a:b]).double() ** 2
-        return sq.to(self.topo.device)
+            if r.sync is sync:
+                for a, b in r.norm_ranges:
+                    sq += torch.linalg.vector_norm(g[a:b]).double() ** 2
+        return sq.to(self.device)
 
     def nonfinite_parameters(self, limit: int = 3) -> list[str]:
         """Names of (at most ``limit``) parameters whose reduced gradient held on this rank is not
         finite: what a stopped run names. Cheap: one pass over the rank's shards."""
         names = []
         for slot, r, a, b in self._pieces():
-            g = self.grad_sync.reduced_grad(r.bucket, a, b)
+            g = r.sync.reduced_grad(r.bucket, a, b)
             if not bool(torch.isfinite(g).all()) and slot.name not in names:
                 names.append(slot.name)
                 if len(names) == limit:
@@ -414,10 +421,11 @@ class BucketAdamW:
         ``fp32_only``: only where the parameters are fp32 (a checkpoint holds no masters for them)."""
         for k, r in enumerate(self.ranges):
             if not r.master_is_param and (r.param_fp32 or not fp32_only):
-                self.states.set_masters(k, self._range_params(r.bucket, r.lo, r.hi))
+                self.states.set_masters(k, self.range_params(r))
 
     def close(self) -> None:
-        """Stop the offload I/O threads (the swap files belong to the engine)."""
+        """Stop the offload I/O threads and the overlapped gathers (the swap files belong to the engine)."""
+        self.publish.close()
         self.states.close()
 
     # ------------------------------------------------------------- accounting

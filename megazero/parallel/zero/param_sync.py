@@ -26,10 +26,11 @@ a multiple of 64 N elements). Temporary buffers on top of it, per rank:
   computing and the ones prefetched), e.g. 2 transformer layers with the default
   ``prefetch_layers=1`` (``gathered_units_peak``, ``gathered_params_peak``).
 * gradients: the full-size gradient of a unit from its first gradient in a backward until its
-  reduce-scatter is retired (at most ``REDUCTIONS_IN_FLIGHT`` = 1 reduction in flight; the
+  reduce-scatter is retired (at most ``reductions_in_flight(3)`` = 1 reduction in flight; the
   unit being computed holds its own), plus a 1/N scratch shard when the shard already holds
-  earlier micro-batches (``grads_peak``; the mechanism is stage 2's, :mod:`.grad_sync`). The tied word embedding on a pp = 1 chunk holds its full gradient from the
-  head's backward to the embedding's, since both add to it.
+  earlier micro-batches (``grads_peak``; the mechanism is stage 2's, :mod:`.sharded_grads`). The tied
+  word embedding on a pp = 1 chunk holds its full gradient from the head's backward to the
+  embedding's, since both add to it.
 
 Communication per rank per step (bytes of the parameter dtype, ring accounting of
 :mod:`megazero.parallel.counted_comm`, M micro-batches on this rank's chunk):
@@ -70,8 +71,11 @@ A forward without autograd (evaluation) releases every unit after use in both mo
 Outside forward/backward a released parameter is an empty tensor (``p.numel() == 0``): read or
 write parameter values inside ``engine.gathered_parameters()``.
 
-Each bucket's gather goes through ``launch_gather`` / ``finish_gather``: a plain all-gather here;
-ZeRO++ (:mod:`.zeropp`) sends int8 or gathers a node-local secondary shard instead.
+Components (passed in, so the variants compose instead of multiplying classes): ``gathering`` fills a
+unit's buckets from the shards (:class:`AllGather`: a plain all-gather; ZeRO++'s qwZ/hpZ,
+:mod:`.zeropp`, sends int8 or gathers a node-local secondary shard instead), ``shards`` says where the
+shards live (:class:`DeviceShards`, or host memory / swap files, :mod:`.offload_params`), and
+``reducer`` reduces the gradients (:mod:`.reducers`).
 """
 from __future__ import annotations
 
@@ -85,13 +89,10 @@ import torch.nn as nn
 
 from megazero.config import ZeroConfig
 from megazero.parallel import counted_comm as comm
-from megazero.parallel.counted_comm import CommLog
-from megazero.parallel.topology import Topology
+from megazero.parallel.groups import DataParallel
 from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype
-from megazero.parallel.zero.grad_sync import ShardedGradSync
 from megazero.parallel.zero.materialize import initial_value, swap_in
-from megazero.parallel.zero.offload_params import build_param_shards
-from megazero.parallel.zero.swap import SwapDir
+from megazero.parallel.zero.sharded_grads import ShardedGradSync
 from megazero.parallel.zero.units import plan_of
 
 
@@ -175,36 +176,63 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-# Gradient reductions in flight at stage 3 (stage 2 allows grad_sync.MAX_REDUCTIONS_IN_FLIGHT): a unit's
-# gradient storage is a whole layer, and holding fewer is the point of the stage.
-REDUCTIONS_IN_FLIGHT = 1
+class AllGather:
+    """How a unit's bucket is filled from every rank's shard: a plain all-gather over dp (the default
+    gathering; ZeRO++'s is in :mod:`.zeropp`). ``launch`` starts it, ``finish`` completes it."""
+
+    def attach(self, sync: "ShardedParamSync") -> None:
+        self.sync = sync
+
+    def launch(self, bucket: Bucket, source: torch.Tensor, exact: bool):
+        sync = self.sync
+        return comm.all_gather(bucket.param_data, source, sync.dp_group, sync.comm_log, sync.dp.tag, async_op=True)
+
+    def finish(self, bucket: Bucket, pending) -> None:
+        if pending is not None:
+            pending.wait()
+
+    def invalidate(self) -> None:
+        """New shard values were written (nothing cached here)."""
+
+    def held_bytes(self) -> int:
+        """Device bytes this gathering keeps beside the shards (hpZ's secondaries; none here)."""
+        return 0
+
+
+def gathered_unit_bytes(unit_sizes: list[list[int]], elem_bytes: int, prefetch_layers: int, keep: bool) -> int:
+    """Most bytes of gathered parameters held at once: per chunk, the largest ``1 + prefetch_layers``
+    consecutive units (the one computing and the ones prefetched); with ``keep`` (parameters kept
+    gathered), every unit of every chunk. ``unit_sizes[c]``: chunk c's padded unit sizes in use order."""
+    if keep:
+        return elem_bytes * sum(x for cu in unit_sizes for x in cu)
+    window = 1 + prefetch_layers
+    return elem_bytes * max((sum(cu[i:i + window]) for cu in unit_sizes for i in range(len(cu))), default=0)
 
 
 class ShardedParamSync(ShardedGradSync):
-    """Stage 3 parameter and gradient sharding over ``topo.dp_group`` (see the module docstring).
+    """Stage 3 parameter and gradient sharding over the ``dp`` view (see the module docstring).
 
     Gradients are stage 2's (:class:`ShardedGradSync`), reduced every micro-batch by default (only
     on the last one with ``keep_params_gathered``); parameters live as shards too, gathered per
     unit around its forward and its backward.
     """
 
-    def __init__(self, chunks, topo: Topology, zero_cfg: ZeroConfig | None = None, *,
-                 comm_log: CommLog | None = None, swap: SwapDir | None = None):
+    stage = 3
+
+    def __init__(self, chunks, dp: DataParallel, zero_cfg: ZeroConfig | None = None, *, shards=None,
+                 gathering=None, **kwargs):
         cfg = zero_cfg or ZeroConfig(zero_stage=3)
-        self.shards = (DeviceShards() if cfg.offload_params == "none" else
-                       build_param_shards(cfg.offload_params, topo.device, cfg.offload_pin_memory, swap))
-        if cfg.prefetch_layers < 0:
-            raise ValueError(f"--zero3-prefetch-layers must be >= 0, got {cfg.prefetch_layers}")
+        self.shards = shards if shards is not None else DeviceShards()
+        self.gathering = gathering if gathering is not None else AllGather()
         self.keep = bool(cfg.keep_params_gathered)
-        self.reduce_every_backward = not self.keep
         self.units: list[Unit] = []
         self.triggers: list[list[Trigger]] = []
         self.live_units = self.live_units_peak = 0
         self.gathered_bytes = self.gathered_bytes_peak = 0
         self._hooks = []                   # forward hook handles (remove() to unwrap)
         self._trigger_modules: list[list[tuple[nn.Module, nn.Module]]] = []
-        super().__init__(chunks, topo, cfg, comm_log=comm_log)
-        self._max_in_flight = min(self._max_in_flight, REDUCTIONS_IN_FLIGHT)
+        super().__init__(chunks, dp, cfg, reduce_each_microbatch=not self.keep, **kwargs)
+        self.gathering.attach(self)
         for chunk_id in range(len(self.chunks)):
             self._install_hooks(chunk_id)
 
@@ -261,7 +289,7 @@ class ShardedParamSync(ShardedGradSync):
         for b in unit.buckets:
             b.param_data.untyped_storage().resize_(b.numel * b.param_data.element_size())
             source = self.shards.source(b)     # the shard on the device (a staging copy when offloaded)
-            unit.handles.append((b, self.launch_gather(b, source, exact)))
+            unit.handles.append((b, self.gathering.launch(b, source, exact)))
             if source is not b.shard:
                 unit.staging.append(source)
             self.gathered_bytes += nbytes(b.param_data)
@@ -276,20 +304,12 @@ class ShardedParamSync(ShardedGradSync):
         if unit.state != "gathering":
             return
         for b, pending in unit.handles:
-            self.finish_gather(b, pending)
+            self.gathering.finish(b, pending)
         unit.handles, unit.staging = [], []
         for b in unit.buckets:
             for s in b.slots:
                 s.param.data = b.param_data[s.start:s.end].view(s.shape)
         unit.state = "gathered"
-
-    def launch_gather(self, bucket: Bucket, source: torch.Tensor, exact: bool):
-        """Start filling ``bucket.param_data`` from every rank's shard; :meth:`finish_gather` completes."""
-        return comm.all_gather(bucket.param_data, source, self.dp_group, self.comm_log, "dp", async_op=True)
-
-    def finish_gather(self, bucket: Bucket, pending) -> None:
-        if pending is not None:
-            pending.wait()
 
     def release(self, unit: Unit, count: bool = True) -> None:
         """Free the unit's full buffers. Views saved by autograd keep pointing at the same storage,
@@ -327,13 +347,9 @@ class ShardedParamSync(ShardedGradSync):
         self.shards.write(bucket, lo - base, hi - base, values)
 
     def flush_params(self) -> None:
+        """The optimizer published new shards: finish the writes; cached copies (hpZ) are stale."""
         self.shards.flush()
-
-    def offloaded_bytes(self) -> dict[str, int]:
-        return self.shards.offloaded_bytes()
-
-    def close(self) -> None:
-        self.shards.close()
+        self.gathering.invalidate()
 
     def gather_all(self) -> list[Unit]:
         """Gather every unit now (blocking); returns the ones that were released before."""
@@ -364,6 +380,7 @@ class ShardedParamSync(ShardedGradSync):
                     lo, hi = self.shard_range(b)
                     self.shards.write(b, 0, hi - lo, b.param_data[lo:hi])
         self.shards.flush()
+        self.gathering.invalidate()
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self, chunk_id: int) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 
@@ -65,3 +66,42 @@ def plan_of(chunk: nn.Module) -> Zero3Plan:
         raise ValueError(f"ZeRO-3 does not know when parameters {missing} are used: the model's "
                          f"zero3_plan() must put every trainable parameter in a unit (--zero-stage 3)")
     return plan
+
+
+class ParamSubset:
+    """A model chunk seen through a filter: only the parameters for which ``keep(p)`` holds, and only
+    the ZeRO-3 units made of them. Everything else (``initial_value``, ``get_submodule``) is the chunk's,
+    so a grad sync builds its buckets over the subset as over a whole chunk: what one bucket group of
+    the ZeRO engine holds (dense parameters, or experts)."""
+
+    def __init__(self, chunk, keep):
+        self.chunk, self.keep = chunk, keep
+
+    def named_parameters(self):
+        return [(n, p) for n, p in self.chunk.named_parameters() if self.keep(p)]
+
+    def modules(self):
+        return self.chunk.modules()
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def initial_value(self, name: str) -> torch.Tensor:
+        return self.chunk.initial_value(name)
+
+    def get_submodule(self, name: str):
+        return self.chunk.get_submodule(name)
+
+    def zero3_plan(self):
+        plan = plan_of(self.chunk)
+        for name, members in list(plan.units.items()):
+            kept = [m for m in members if self.keep(m[1])]
+            if kept and len(kept) != len(members):
+                raise ValueError(f"ZeRO-3 unit {name!r} mixes expert and dense parameters: the model's "
+                                 f"zero3_plan() must put experts in units of their own")
+            if not kept:
+                del plan.units[name]
+        for use in plan.uses:
+            use.units = [u for u in use.units if u in plan.units]
+        plan.uses = [use for use in plan.uses if use.units]
+        return plan

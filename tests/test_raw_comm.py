@@ -1,10 +1,10 @@
-"""megazero.parallel.comm: the flat collectives of the data-parallel path on gloo (broadcast-based
+"""megazero.parallel.raw_comm: the flat collectives of the data-parallel path on gloo (broadcast-based
 all-gather, point-to-point reduce-scatter) give what the backend's own collectives give."""
 import torch
 import torch.distributed as dist
 from helpers import run_on_ranks
 
-from megazero.parallel.comm import all_gather_into, reduce_scatter_into
+from megazero.parallel.raw_comm import all_gather_into, reduce_scatter_into
 
 
 def _body(rank, world_size):

@@ -1,20 +1,18 @@
-"""AdamW on flat fp32 tensors, which parameters get weight decay, and the learning-rate schedule.
+"""AdamW's arithmetic on flat fp32 tensors, and which parameters get weight decay.
 
-The ZeRO optimizer keeps master weights and moments as flat fp32 tensors (one per bucket shard),
-so the update is written here once on flat tensors, through torch's fused AdamW kernel: the same
-arithmetic as ``torch.optim.AdamW``, so results agree to float rounding.
+The ZeRO optimizer (:mod:`.optimizer`) keeps master weights and moments as flat fp32 tensors (one per
+owned bucket range), wherever they live (on the device, or on the host: :mod:`.offload`), so the update
+is written here once on flat tensors, through torch's fused AdamW kernel: the same arithmetic as
+``torch.optim.AdamW``, so results agree to float rounding.
 
 Weight decay (GPT-2 / Megatron practice): matrices and embeddings decay, biases and norm weights
 (every 1-D parameter) do not. Inside a flat shard that is a list of element ranges.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
-from megazero.config import OptimizerConfig
 
 
 def decays(shape: torch.Size | tuple[int, ...]) -> bool:
@@ -72,21 +70,3 @@ def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
     torch._fused_adamw_([params[i] for i in live], [grads[i] for i in live], [exp_avgs[i] for i in live],
                         [exp_avg_sqs[i] for i in live], [], steps, lr=lr, beta1=beta1, beta2=beta2,
                         weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
-
-
-def learning_rate(iteration: int, cfg: OptimizerConfig) -> float:
-    """LR for a 0-based iteration: linear warmup to ``lr``, then decay to ``min_lr`` (Megatron's rule).
-
-    Warmup: lr * (it + 1) / warmup_iters for it < warmup_iters. Decay over
-    [warmup_iters, lr_decay_iters]: constant, linear or cosine from lr to min_lr; min_lr after that.
-    """
-    if cfg.lr_warmup_iters and iteration < cfg.lr_warmup_iters:
-        return cfg.lr * (iteration + 1) / cfg.lr_warmup_iters
-    if cfg.lr_decay_style == "constant":
-        return cfg.lr
-    decay_iters = cfg.lr_decay_iters - cfg.lr_warmup_iters
-    if decay_iters <= 0 or iteration >= cfg.lr_decay_iters:
-        return cfg.min_lr
-    ratio = (iteration - cfg.lr_warmup_iters) / decay_iters
-    coeff = 1.0 - ratio if cfg.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)

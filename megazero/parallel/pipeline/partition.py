@@ -1,6 +1,5 @@
 """Which pipeline rank holds which layers: the stage split, pure arithmetic (no model, no groups).
-
-Which rank holds which layers. ``pp`` ranks, each with ``v`` model chunks (``v = 1`` without the
+ ``pp`` ranks, each with ``v`` model chunks (``v = 1`` without the
 interleaved schedule), split ``L`` layers into ``pp * v`` *virtual stages* of ``L / (pp * v)`` layers.
 Chunk ``c`` of pipeline rank ``r`` is virtual stage ``c * pp + r`` (Narayanan et al. 2021): the
 activations visit rank 0, 1, ..., pp-1, then rank 0 again with its next chunk. Worked example,
@@ -11,12 +10,41 @@ activations visit rank 0, 1, ..., pp-1, then rank 0 again with its next chunk. W
              rank 0 chunk 1 -> layers 4-5                 rank 1 chunk 1 -> layers 6-7 (+ final norm, ...)
 
 The first virtual stage owns the input side of the model (``pre_process``: the embedding), the
-last the output side and the loss (``post_process``). What a model builds for each chunk is the
-model's business (:func:`megazero.models.gpt.build_model_chunks`); with tied embeddings the last
-stage holds a copy of the word embedding whose gradient the ZeRO engine sums with the first
-stage's over ``topo.embedding_group`` (:meth:`megazero.parallel.zero.BucketedGradSync.finalize_grads`).
+last the output side and the loss (``post_process``). A :class:`StagePlacement` says all of that for
+one chunk; what a model builds for it is the model spec's business (``ModelSpec.build_chunk``). With
+tied embeddings the last stage holds a copy of the word embedding whose gradient the ZeRO engine sums
+with the first stage's over the pipeline's embedding group (``PipelineLayout.embedding``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """The part of the model one chunk holds: its global layer indices, and whether it is the first
+    virtual stage (``pre_process``: the input side) and/or the last (``post_process``: the output side
+    and the loss). ``whole(L)`` is a single process's model."""
+
+    layer_ids: tuple[int, ...]
+    pre_process: bool = True
+    post_process: bool = True
+
+    @classmethod
+    def whole(cls, num_layers: int) -> "StagePlacement":
+        return cls(tuple(range(num_layers)))
+
+
+def placements(num_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1) -> list[StagePlacement]:
+    """The placements of pipeline rank ``pp_rank``'s ``virtual_stages`` chunks (chunk c is virtual stage
+    ``c * pp + pp_rank``).
+
+    >>> [p.layer_ids for p in placements(8, pp=2, pp_rank=1, virtual_stages=2)]
+    [(2, 3), (6, 7)]
+    """
+    return [StagePlacement(tuple(stage_layer_ids(num_layers, pp, pp_rank, virtual_stages, c)),
+                           is_first_virtual_stage(pp_rank, c), is_last_virtual_stage(pp_rank, pp, c, virtual_stages))
+            for c in range(virtual_stages)]
 
 
 def stage_layer_ids(num_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1,

@@ -1,4 +1,9 @@
-"""Small wrappers over torch.distributed collectives used by the parallel layers.
+"""The raw torch.distributed calls, uncounted: version shims and gloo-friendly variants.
+
+Which comm module to call: the tensor-parallel layers' autograd functions call these directly (their
+traffic is part of every layer's compute); everything that moves model state between data-parallel or
+expert-parallel ranks (ZeRO's reductions and gathers, MoE's all-to-all) goes through
+:mod:`megazero.parallel.counted_comm`, which wraps these and records the bytes.
 
 Every helper treats ``group=None`` or a group of one rank as "no communication" and returns its
 input unchanged (or a plain copy where a new tensor is needed), so tp=1 code paths never touch
@@ -88,6 +93,13 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group, async_
     chunk = input.chunk(dist.get_world_size(group))[dist.get_rank(group)]
     then = None if chunk.data_ptr() == output.data_ptr() else (lambda: output.copy_(chunk))
     return _finish([dist.all_reduce(input, group=group, async_op=async_op)], then, async_op)
+
+
+def reduce_scatter_inbox_bytes(input_bytes: int, n: int, on_cuda: bool) -> int:
+    """Bytes of the temporary inbox :func:`reduce_scatter_into` holds with ``input_is_scratch`` and
+    ``inbox`` while the reduction of ``input_bytes`` over ``n`` ranks is in flight: N-2 chunks on a CPU
+    (the first peer's chunk lands straight in the output), none on CUDA (the backend's reduce-scatter)."""
+    return 0 if on_cuda or n <= 2 else input_bytes * (n - 2) // n
 
 
 def _direct_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group):

@@ -25,7 +25,7 @@ import torch
 
 from megazero.checkpoint.format import CheckpointError
 from megazero.config import ModelConfig
-from megazero.models.gpt import qkv_blocks_to_interleaved, qkv_interleaved_to_blocks
+from megazero.models.transformer import qkv_blocks_to_interleaved, qkv_interleaved_to_blocks
 
 _ACT_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 _ACT_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}

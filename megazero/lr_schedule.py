@@ -1,0 +1,30 @@
+"""The learning-rate schedule: a pure function of the iteration (Megatron's warmup and decay rule).
+
+    learning_rate(it, OptimizerConfig(lr=6e-4, min_lr=6e-5, lr_warmup_iters=500, lr_decay_iters=10000))
+
+Warmup 0.0012 x (it + 1) / 500 ... reaches 6e-4 at it = 499, then cosine to 6e-5 at it = 10000. Being
+a function of the iteration alone, the schedule's position in a checkpoint is just the iteration.
+"""
+from __future__ import annotations
+
+import math
+
+from megazero.config import OptimizerConfig
+
+
+def learning_rate(iteration: int, cfg: OptimizerConfig) -> float:
+    """LR for a 0-based iteration: linear warmup to ``lr``, then decay to ``min_lr`` (Megatron's rule).
+
+    Warmup: lr * (it + 1) / warmup_iters for it < warmup_iters. Decay over
+    [warmup_iters, lr_decay_iters]: constant, linear or cosine from lr to min_lr; min_lr after that.
+    """
+    if cfg.lr_warmup_iters and iteration < cfg.lr_warmup_iters:
+        return cfg.lr * (iteration + 1) / cfg.lr_warmup_iters
+    if cfg.lr_decay_style == "constant":
+        return cfg.lr
+    decay_iters = cfg.lr_decay_iters - cfg.lr_warmup_iters
+    if decay_iters <= 0 or iteration >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    ratio = (iteration - cfg.lr_warmup_iters) / decay_iters
+    coeff = 1.0 - ratio if cfg.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)

@@ -1,0 +1,114 @@
+"""The GPT family's model spec (``--model-family gpt``, the default): GPT-2 and, by Megatron's flags,
+the Llama family and Mixture of Experts (:mod:`megazero.models.spec` lists what a spec supplies).
+
+    chunks      :class:`megazero.models.gpt.GPT`, one per pipeline placement
+    boundary    [s, b, h], or [s / tp, b, h] under sequence parallelism
+    loss        the masked mean of the per-token losses
+    FLOPs       :func:`flops_per_token` (6N per token plus attention, Megatron/PaLM's convention)
+    hooks       MoE: the auxiliary losses' gradient scale before each step, the routing figures at each log line
+    HF          GPT-2 (learned positions) <-> ``GPT2LMHeadModel``; RoPE <-> ``LlamaForCausalLM`` / Qwen2
+                (:mod:`.hf_gpt2`, :mod:`.hf_llama`)
+    activations the per-implementation accounting of :mod:`.gpt_memory`
+"""
+from __future__ import annotations
+
+from megazero.config import ModelConfig
+from megazero.models import hf_gpt2, hf_llama
+from megazero.models.gpt import GPT, activation_shape, masked_mean
+from megazero.models.gpt_memory import GPTActivations
+from megazero.models.moe import collect_moe_metrics, describe_moe_metrics, set_aux_loss_scale
+from megazero.models.spec import HFAdapter, ModelSpec, StepHooks, register_model_spec
+
+# The ModelConfig fields a checkpoint of this family must match (shapes and meaning of its tensors).
+CHECKPOINT_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                     "max_position_embeddings", "untie_embeddings_and_output_weights", "activation",
+                     "layernorm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent",
+                     "use_rope_scaling", "rope_scaling_factor", "normalization", "swiglu", "group_query_attention",
+                     "num_query_groups", "add_bias_linear", "add_qkv_bias", "num_experts", "moe_layer_freq")
+
+
+def build_chunk(model_cfg: ModelConfig, placement, groups, *, seed: int = 1234, dtype=None, device=None,
+                home_device=None) -> GPT:
+    """One GPT chunk: the placement's layers, the embedding on the first stage, the head on the last."""
+    import torch
+
+    return GPT(model_cfg, groups, layer_ids=placement.layer_ids, pre_process=placement.pre_process,
+               post_process=placement.post_process, seed=seed, dtype=dtype or torch.float32, device=device,
+               home_device=home_device)
+
+
+def boundary_shape(model_cfg: ModelConfig, micro_batch_size: int, groups) -> tuple[int, int, int]:
+    return activation_shape(model_cfg, micro_batch_size, groups.tp.size, groups.sequence_parallel)
+
+
+def flops_per_token(cfg: ModelConfig, vocab: int, recompute: bool = False) -> float:
+    """Training FLOPs per token: 6 * (matmul parameters) + the attention score/value term.
+
+    Matmul parameters per layer: queries and output projection h^2 each, keys and values h*G*d each
+    (G key/value heads of d features: h^2 each without grouped-query attention), MLP 2*h*ffn (3*h*ffn
+    with SwiGLU's gate); plus the output layer h*V. Attention scores and values: 2 * 2 * s * h per
+    layer forward (counted in full, as Megatron and PaLM do). Backward is twice forward; full-layer
+    recomputation adds one more layer forward. An MoE layer (``--num-experts``) counts the MLP of the
+    ``--moe-router-topk`` experts a token passes through, plus the router's h*E.
+    """
+    h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
+    kv = cfg.kv_heads * cfg.head_dim
+    mlp = (3 if cfg.swiglu else 2) * h * cfg.ffn_hidden_size
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(L))
+    total_matmul = L * (2 * h * h + 2 * h * kv + mlp)
+    if moe_layers:
+        total_matmul += moe_layers * ((cfg.moe_router_topk - 1) * mlp + h * cfg.num_experts)
+    passes = 4 if recompute else 3
+    return passes * (2 * total_matmul + L * 4 * s * h) + 3 * 2 * h * vocab
+
+
+def describe(m: ModelConfig) -> str:
+    """The Llama-family and MoE options in use, for the log line ('' for a GPT-2 shaped model)."""
+    parts = [name for name, on in (
+        (f"RoPE (base {m.rotary_base:g})", m.position_embedding_type == "rope"),
+        ("RMSNorm", m.normalization == "RMSNorm"), (f"SwiGLU (ffn {m.ffn_hidden_size})", m.swiglu),
+        (f"GQA ({m.kv_heads} KV heads)", m.group_query_attention), ("no biases", not m.add_bias_linear),
+        ("QKV bias", m.add_qkv_bias and not m.add_bias_linear),
+        ("untied output", m.untie_embeddings_and_output_weights),
+        (f"MoE ({m.num_experts} experts, top-{m.moe_router_topk}, every {m.moe_layer_freq} layer(s)"
+         + (f", capacity factor {m.moe_expert_capacity_factor:g})" if m.moe_expert_capacity_factor else ", dropless)"),
+         bool(m.num_experts))) if on]
+    return ", " + ", ".join(parts) if parts else ""
+
+
+def moe_metrics(chunks, job, tp_rank: int, steps: int, device) -> dict:
+    """The MoE routing figures of the last ``steps`` steps (a collective; MoE runs only)."""
+    m = job.model
+    if not m.num_experts:
+        return {}
+    return collect_moe_metrics(chunks, m.num_layers, m.num_experts, tp_rank, job.parallel.sequence_parallel,
+                               steps, device)
+
+
+def _format_of(cfg: ModelConfig):
+    """The HF format a GPT-family model exports to: Llama's with rotary embeddings, else GPT-2's."""
+    return hf_llama if cfg.position_embedding_type == "rope" else hf_gpt2
+
+
+def _config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig:
+    fmt = hf_llama if hf.get("model_type", "gpt2") in hf_llama.MODEL_TYPES else hf_gpt2
+    return fmt.model_config_from_hf(hf, seq_length)
+
+
+def _hf_config(cfg: ModelConfig, eos_token_id: int | None = None) -> dict:
+    if _format_of(cfg) is hf_llama:
+        config = hf_llama.hf_config(cfg)
+        config["eos_token_id"] = eos_token_id
+        return config
+    return hf_gpt2.hf_config(cfg)
+
+
+HF = HFAdapter(model_types=("gpt2",) + hf_llama.MODEL_TYPES, config_from_hf=_config_from_hf, hf_config=_hf_config,
+               to_hf_state=lambda tensors, cfg: _format_of(cfg).to_hf_state(tensors, cfg),
+               from_hf_state=lambda state, cfg: _format_of(cfg).from_hf_state(state, cfg))
+
+GPT_SPEC = register_model_spec(ModelSpec(
+    name="gpt", build_chunk=build_chunk, boundary_shape=boundary_shape, loss=masked_mean,
+    flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
+    hooks=StepHooks(before_step=set_aux_loss_scale, metrics=moe_metrics, describe_metrics=describe_moe_metrics),
+    hf=HF, activation_bytes=GPTActivations()))
