@@ -114,7 +114,7 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     skipped_in_a_row, save_due = 0, False
     while state.iteration < t.train_iters:
         engine.set_lr(learning_rate(state.iteration, opt))
-        result = train_step(chunks, next(batches), topo, engine, job, spec)
+        result = train_step(chunks, next(batches), topo, engine, job)
         skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
         stop = stop_reason(job, engine, result, state.iteration + 1, skipped_in_a_row)
         state.iteration += 1
@@ -151,8 +151,8 @@ def stop_reason(job: JobConfig, engine, r: StepResult, iteration: int, skipped_i
     pr = job.precision
     bad = not pr.fp16 and (not math.isfinite(r.loss) or r.skipped)     # fp16: its loss scaler's business
     if bad and job.train.check_for_nan_in_loss_and_grad:
-        names = engine.optimizer.nonfinite_parameters()
-        where = f" (first non-finite gradients on this rank: {', '.join(names)})" if names else ""
+        names = engine.optimizer.nonfinite_parameters(everywhere=True)      # a collective: every rank is here
+        where = f" (first non-finite gradients: {', '.join(names)})" if names else ""
         return (f"iteration {iteration}: loss {r.loss:g}, gradient norm {r.grad_norm:g}{where}: not finite, the "
                 f"step was not applied and the run stops without saving this state (the last checkpoint stays the "
                 f"latest). Lower --lr, check the data, or use --no-check-for-nan-in-loss-and-grad to skip such steps")

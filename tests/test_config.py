@@ -92,8 +92,6 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
      r"--moe-expert-capacity-factor must be > 0"),
     (1, dict(model=ModelConfig(num_experts=4, moe_aux_loss_coeff=-1.0)), r"--moe-aux-loss-coeff must be >= 0"),
     (1, dict(model=ModelConfig(num_experts=4, moe_layer_freq=0)), r"--moe-layer-freq must be a positive integer"),
-    (2, dict(model=ModelConfig(num_experts=4), parallel=ParallelConfig(expert_model_parallel_size=2),
-             precision=PrecisionConfig(fp16=True)), r"--fp16 with --expert-model-parallel-size > 1"),
 ])
 def test_invalid_configs_name_the_flag(world, sections, pattern):
     if pattern is None:  # a valid odd-sized layout: padded vocab stays divisible by tp

@@ -4,6 +4,7 @@ no module (library or test) reaches for another module's underscore name."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,55 @@ def test_test_modules_import_helpers_not_each_other():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0].startswith("test_")]
     assert not bad, bad
+
+
+# Modules of megazero/models/ that make up the model-spec contract; every other module there is a
+# concrete model family (or part of one), which only models/ itself may import.
+MODEL_CONTRACT = {"megazero.models", "megazero.models.spec", "megazero.models.kv_cache"}
+
+
+def _concrete_model_imports(paths) -> list[str]:
+    modules = _modules()
+    bad = []
+    for path in paths:
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+        for target, _, _ in _imports(path, modules):
+            if target.startswith("megazero.models") and target not in MODEL_CONTRACT:
+                bad.append(f"{where}: {target}")
+    return bad
+
+
+def test_nothing_outside_models_imports_a_concrete_model():
+    """The trainer, checkpoints, memory, data, tools and the entry point reach a model through its spec
+    (``megazero.models.spec``: found by ``--model-family``), never by importing the model."""
+    paths = [p for p in sorted(PACKAGE.rglob("*.py")) if not p.is_relative_to(PACKAGE / "models")]
+    paths += sorted((ROOT / "tools").rglob("*.py")) + sorted(ROOT.glob("*.py"))
+    assert not _concrete_model_imports(paths)
+
+
+DUCK_TYPED_TOPOLOGY = re.compile(r"getattr\(\s*(self\.)?_?topo\b")
+
+
+def test_no_component_reads_the_topology_by_duck_typing():
+    """Components take typed group views (megazero.parallel.groups): no ``getattr(topo, ...)``
+    fallbacks (and so no proxy standing in for the topology)."""
+    paths = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "tools").rglob("*.py")) + sorted(ROOT.glob("*.py"))
+    bad = [str(p.relative_to(ROOT)) for p in paths if DUCK_TYPED_TOPOLOGY.search(p.read_text())]
+    assert not bad, bad
+
+
+def test_every_package_module_is_under_500_lines():
+    long = {str(p.relative_to(ROOT)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"split these modules (one idea each, under ~500 lines): {long}"
+
+
+def test_the_new_rules_can_fail(tmp_path):
+    """A synthetic concrete-model import and a synthetic duck-typed topology read are caught; the
+    contract's imports are not."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from megazero.models.gpt import GPT\nfrom megazero.models.spec import get_model_spec\n")
+    assert _concrete_model_imports([bad]) == ["bad.py: megazero.models.gpt"]
+    assert DUCK_TYPED_TOPOLOGY.search('ep = getattr(topo, "ep_size", 1)')
+    assert DUCK_TYPED_TOPOLOGY.search("self.average_over = getattr(self.topo, 'gradient_average_size', 1)")
+    assert not DUCK_TYPED_TOPOLOGY.search("topology = getattr(module, 'topology_name', None)")

@@ -1,7 +1,7 @@
-"""Mixture of Experts (megazero/models/moe.py, megazero/parallel/zero/experts.py): routing, capacity and
-losses against hand-computed cases, and 5 training steps of a top-2, 4-expert, dropless GPT at expert
-parallelism 1, 2 and 4 (dp 4), with tp 2 and with pp 2, under ZeRO 0-3, each equal to the
-single-process run (fp32, 1e-5 relative)."""
+"""Mixture of Experts (megazero/models/moe.py; the experts' bucket group: megazero/parallel/zero/engine.py):
+routing, capacity and losses against hand-computed cases, and 5 training steps of a top-2, 4-expert,
+dropless GPT at expert parallelism 1, 2 and 4 (dp 4), with tp 2 and with pp 2, under ZeRO 0-3, each
+equal to the single-process run (fp32, 1e-5 relative); fp16 and nvme offload through the one engine."""
 import functools
 import math
 
@@ -241,6 +241,110 @@ def test_llama_experts_match_serial():
                                       normalization="RMSNorm", position_embedding_type="rope",
                                       untie_embeddings_and_output_weights=True, moe_layer_freq=2))]
     _check(run_on_ranks(4, _parity_body, cases, timeout=600), cases)
+
+
+# --------------------------------------------------------------------------- one engine for dense and experts
+
+def _global_steps(chunks, topo, engine, job, steps: int, per_step: int, before=None, after=None):
+    """``steps`` trainer steps on this dp rank's share of ``per_step`` micro-batches of
+    :func:`gpt_batches` a step (the same global batch at any dp); ``before(i)`` runs first at step i,
+    ``after(i, result)`` right after it."""
+    results = []
+    per = per_step // topo.dp_size
+    for i, batches in enumerate(gpt_batches(steps, per_step)):
+        if before is not None:
+            before(i)
+        results.append(train_step(chunks, batches[topo.dp_rank * per:(topo.dp_rank + 1) * per], topo, engine, job))
+        if after is not None:
+            after(i, results[-1])
+    return results
+
+
+def _engine_body(rank, world_size, runs, nvme_root=None):
+    """Each run (name, ZeRO stage, ZeroConfig extras, PrecisionConfig extras, expert to poison, step) on
+    these ranks at ep = min(2, world): losses, norms, loss scales and skips per step, every (tp-local)
+    parameter, and, when a gradient was poisoned, every rank's stop message."""
+    from megazero.config import PrecisionConfig
+    from megazero.training import stop_reason
+
+    out = {}
+    for name, stage, zero_kw, precision_kw, poison, poison_step in runs:
+        ep = min(2, world_size)
+        topo = Topology(ep=ep)
+        cfg = _cfg()
+        par = ParallelConfig(dp=topo.dp_size, expert_model_parallel_size=ep)
+        precision = PrecisionConfig(**precision_kw)
+        dtype = torch.float16 if precision.fp16 else torch.float32
+        if zero_kw.get("nvme_path") == "":
+            zero_kw = {**zero_kw, "nvme_path": nvme_root}
+        zero = ZeroConfig(zero_stage=stage, **zero_kw)
+        chunks = build_model_chunks(cfg, par, topo, seed=SEED, dtype=dtype, device="meta")
+        engine = build_engine(chunks, topo, zero, GPT_OPT, precision)
+        job = JobConfig(model=cfg, parallel=par, zero=zero, precision=precision, optimizer=GPT_OPT,
+                        train=TrainConfig(micro_batch_size=MB_SIZE))
+        hooks = []
+        params = dict(n_p for c in chunks for n_p in c.named_parameters())
+
+        def before(i, poison=poison, poison_step=poison_step, params=params):
+            for h in hooks:
+                h.remove()
+            hooks.clear()
+            if poison in params and i == poison_step:         # only the ranks holding that expert
+                hooks.append(params[poison].register_hook(lambda g: g * float("nan" if not precision.fp16 else "inf")))
+
+        stops = []
+
+        def after(i, result, job=job, engine=engine, poison=poison, poison_step=poison_step):
+            if poison and i == poison_step:                   # as the trainer asks, right after the step
+                stops.append(stop_reason(job, engine, result, i + 1, 0))
+
+        results = _global_steps(chunks, topo, engine, job, STEPS, 4 * MICRO, before, after)
+        stop = stops[0] if stops else None
+        with engine.gathered_parameters():
+            weights = {n: p.detach().float().clone() for c in chunks for n, p in c.named_parameters()}
+        engine.close()
+        out[name] = ([r.loss for r in results], [r.grad_norm for r in results], [r.loss_scale for r in results],
+                     [r.skipped for r in results], weights, stop)
+    return out
+
+
+EXPERT = "layers.1.mlp.experts.3.fc1.weight"             # held by ep rank 1 only (dp ranks 1 and 3)
+
+
+def test_one_engine_offloads_experts_to_nvme_like_resident(tmp_path):
+    """ep 2 at dp 4: the experts' optimizer state (and at ZeRO-3 their parameter shards) in the same
+    swap files as the dense parameters', bitwise the resident run (fp32; losses, norms, parameters)."""
+    runs = [("resident1", 1, {}, {}, None, 0), ("nvme1", 1, dict(offload_optimizer="nvme", nvme_path=""), {}, None, 0),
+            ("resident3", 3, {}, {}, None, 0),
+            ("nvme3", 3, dict(offload_optimizer="nvme", offload_params="nvme", nvme_path=""), {}, None, 0)]
+    for out in run_on_ranks(4, _engine_body, runs, str(tmp_path), timeout=600):
+        for resident, offloaded in (("resident1", "nvme1"), ("resident3", "nvme3")):
+            assert out[offloaded][:4] == out[resident][:4], offloaded
+            for name, value in out[resident][4].items():
+                assert torch.equal(out[offloaded][4][name], value), (offloaded, name)
+    assert not list(tmp_path.iterdir()), "the swap files are removed when the engine closes"
+
+
+def test_one_engine_fp16_with_experts_one_loss_scaler_and_a_named_nonfinite_expert():
+    """fp16 at ep 2, dp 4, ZeRO-1 and 3, against the single-process fp16 run of the same global batch: the
+    same losses to fp16's precision, one loss scale. An overflow in one expert's gradient on the two ranks
+    holding it skips the step on every rank and lowers the one scale. In fp32 a NaN there stops the run
+    with a message naming that expert on every rank (rank 0 holds other experts)."""
+    fp16 = dict(fp16=True, initial_loss_scale=1024.0, hysteresis=1)
+    runs = [("fp16-1", 1, {}, fp16, None, 0), ("fp16-3", 3, {}, fp16, None, 0),
+            ("overflow", 1, {}, fp16, EXPERT, 2), ("nan", 1, {}, {}, EXPERT, 1)]
+    serial = run_on_ranks(1, _engine_body, runs[:1], timeout=600)[0]["fp16-1"]
+    for rank, out in enumerate(run_on_ranks(4, _engine_body, runs, timeout=600)):
+        for name in ("fp16-1", "fp16-3"):
+            losses, norms, scales, skipped, _, _ = out[name]
+            assert not any(skipped) and scales == serial[2] == [1024.0] * STEPS
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(serial[0]), rtol=2e-3, atol=0, msg=name)
+            torch.testing.assert_close(torch.tensor(norms), torch.tensor(serial[1]), rtol=2e-2, atol=0, msg=name)
+        losses, norms, scales, skipped, _, _ = out["overflow"]
+        assert skipped == [False, False, True, False, False] and scales[2] == 512.0, (skipped, scales)
+        assert losses[:2] == out["fp16-1"][0][:2]                  # the same run until the overflow
+        stop = out["nan"][5]
+        assert out["nan"][3][1] and "iteration 2" in stop and EXPERT in stop, (rank, stop)
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -43,7 +43,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     job.parallel.check(world_size)
     job.model.check(job.parallel)
     job.train.check(job.parallel)
-    job.precision.check(job.parallel)
+    job.precision.check()
     job.zero.check(job.parallel, world_size)
     job.optimizer.check(job.train)
     fill_zero_defaults(job)

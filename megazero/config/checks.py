@@ -254,13 +254,10 @@ def check_train(t: TrainConfig, par: ParallelConfig) -> None:
         _fail(f"{FLAG.eval_iters} must be >= 0, got {t.eval_iters}")
 
 
-def check_precision(pr: PrecisionConfig, par: ParallelConfig) -> None:
+def check_precision(pr: PrecisionConfig) -> None:
     """One of bf16 / fp16 / fp32, and fp16's loss scaling."""
     if pr.bf16 and pr.fp16:
         _fail(f"{FLAG.bf16} and {FLAG.fp16} are exclusive: pick one")
-    if pr.fp16 and par.expert_model_parallel_size > 1:
-        _fail(f"{FLAG.fp16} with {FLAG.expert_model_parallel_size} > 1 is not supported (one loss scaler over two "
-              f"optimizers): use {FLAG.bf16} or fp32")
     for name in ("initial_loss_scale", "min_loss_scale"):
         _positive_float(getattr(pr, name), name)
     if pr.min_loss_scale > pr.initial_loss_scale:
@@ -327,6 +324,11 @@ def _check_zeropp(z: ZeroConfig, par: ParallelConfig, world: int) -> None:
         if par.dp is not None and par.dp % z.hpz_partition_size:
             _fail(f"{hpz} {z.hpz_partition_size} must divide the data-parallel size {par.dp}: "
                   f"use the number of dp ranks per node")
+        ep = par.expert_model_parallel_size
+        if par.dp is not None and ep > 1 and (par.dp // ep) % z.hpz_partition_size:
+            _fail(f"{hpz} {z.hpz_partition_size} must divide the expert-data-parallel size {par.dp // ep} (dp "
+                  f"{par.dp} / {FLAG.expert_model_parallel_size} {ep}): the experts' secondary shards are cut "
+                  f"from it; use a divisor of {par.dp // ep}")
     if z.quantized_gradients and z.zero_stage not in (2, 3):
         _fail(f"{FLAG.quantized_gradients} replaces the gradient reduce-scatter of {FLAG.zero_stage} 2 or 3 "
               f"(got {z.zero_stage}; DeepSpeed applies it to stage 3): use {FLAG.zero_stage} 2 or 3 or drop the flag")

@@ -272,8 +272,8 @@ class PrecisionConfig:
         20, "--max-consecutive-skipped-steps", type=int, group="mixed precision",
         help="stop after this many skipped (overflowed) steps in a row (default 20)")
 
-    def check(self, parallel: ParallelConfig) -> None:
-        checks.check_precision(self, parallel)
+    def check(self) -> None:
+        checks.check_precision(self)
 
     @property
     def dtype_name(self) -> str:

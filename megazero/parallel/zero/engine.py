@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.config import OptimizerConfig, ParallelConfig, PrecisionConfig, ZeroConfig
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import DataParallel
 from megazero.parallel.params import attribute
@@ -313,6 +313,8 @@ def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: Optimize
     engine's buffers. ``grad_sync_cls``: see :func:`build_grad_sync`."""
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     z = zero_cfg
+    z.check(ParallelConfig(tp=topo.tp_size, pp=topo.pp_size, dp=topo.dp_size, expert_model_parallel_size=topo.ep_size),
+            topo.world_size)                     # validate()'s rules for the stage and its switches
     comm_log = CommLog(topo.ranks_per_node)
     swap = _swap_dir(z, topo.rank)
     shards = None
@@ -331,8 +333,7 @@ def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: Optimize
         optimizer = BucketAdamW(syncs, opt_cfg, precision, publish=publish, replica=topo.model_replica(), swap=swap)
         for sync in syncs:
             sync.reset_peaks()
-        return ZeroEngine(syncs, optimizer, z.zero_stage, swap=swap, shards=shards if z.zero_stage == 3 and
-                          z.offload_params != "none" else None)
+        return ZeroEngine(syncs, optimizer, z.zero_stage, swap=swap, shards=shards)
     except BaseException:
         if swap is not None:
             swap.close()

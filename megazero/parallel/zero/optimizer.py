@@ -244,21 +244,14 @@ class BucketAdamW:
 
     @torch.no_grad()
     def step(self) -> tuple[float, bool]:
-        """Clip and apply one AdamW step; returns (global grad norm before clipping, skipped).
+        """Clip and apply one AdamW step over every bucket group; returns (global grad norm before
+        clipping, skipped).
 
         A step whose gradients are not finite is never applied: under fp16 the loss scale is lowered
-        (the usual overflow), in bf16 and fp32 the step is reported skipped with its norm (inf or nan)
-        and the trainer decides whether the run stops (``--check-for-nan-in-loss-and-grad``). Every
-        rank takes the same decision: the norm and the overflow flag are global."""
-        grads, early = self.begin_step()
-        if early is not None:
-            return early
-        return self.finish_step(grads, self.global_grad_norm(grads))
-
-    @torch.no_grad()
-    def begin_step(self) -> tuple[list[torch.Tensor], tuple[float, bool] | None]:
-        """First half of :meth:`step`: the fp32 unscaled gradients of the owned ranges, and (inf, True)
-        when an fp16 overflow skips the step (the loss scale is lowered), else None."""
+        (the usual overflow, found in any bucket group on any rank), in bf16 and fp32 the step is
+        reported skipped with its norm (inf or nan) and the trainer decides whether the run stops
+        (``--check-for-nan-in-loss-and-grad``). Every rank takes the same decision: the norm and the
+        overflow flag are global."""
         for sync in self.syncs:
             sync.check_synced()
         grads = self._main_grads()
@@ -267,12 +260,8 @@ class BucketAdamW:
             self.scaler.update(found_inf=True)
             log.warning("fp16: inf/nan in gradients, skipping step %d; loss scale %g -> %g",
                         self.step_count + 1, old, self.scaler.scale)
-            return grads, (float("inf"), True)
-        return grads, None
-
-    @torch.no_grad()
-    def finish_step(self, grads: list[torch.Tensor], norm: float) -> tuple[float, bool]:
-        """Second half of :meth:`step`: clip ``grads`` by the global ``norm`` and apply AdamW."""
+            return float("inf"), True
+        norm = self.global_grad_norm(grads)
         if not math.isfinite(norm):
             log.warning("non-finite gradient norm %s: step %d not applied", norm, self.step_count + 1)
             return norm, True
@@ -334,9 +323,11 @@ class BucketAdamW:
                     sq += torch.linalg.vector_norm(g[a:b]).double() ** 2
         return sq.to(self.device)
 
-    def nonfinite_parameters(self, limit: int = 3) -> list[str]:
+    def nonfinite_parameters(self, limit: int = 3, everywhere: bool = False) -> list[str]:
         """Names of (at most ``limit``) parameters whose reduced gradient held on this rank is not
-        finite: what a stopped run names. Cheap: one pass over the rank's shards."""
+        finite: what a stopped run names, dense or expert alike. Cheap: one pass over the rank's shards.
+        ``everywhere``: the first ``limit`` over all ranks, in rank order (a collective: every rank calls
+        it), so rank 0 can name a gradient only another rank holds (an expert, or another shard)."""
         names = []
         for slot, r, a, b in self._pieces():
             g = r.sync.reduced_grad(r.bucket, a, b)
@@ -344,7 +335,14 @@ class BucketAdamW:
                 names.append(slot.name)
                 if len(names) == limit:
                     break
-        return names
+        if not everywhere or not dist.is_initialized():
+            return names
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, names)
+        merged = []
+        for rank_names in per_rank:
+            merged += [n for n in rank_names if n not in merged]
+        return merged[:limit]
 
     # ------------------------------------------------------------- checkpoint
     _STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")

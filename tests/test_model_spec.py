@@ -1,0 +1,216 @@
+"""A model family megazero has never seen, defined entirely here: a tiny post-norm transformer
+(``x = LN(x + Attn(x))``, ``x = LN(x + MLP(x))``, untied head) with its own spec, registered by name.
+
+Through the real trainer (``pretrain_gpt.main --model-family postnorm``) it trains at tp 2 x pp 2 x dp 2
+under ZeRO 1 and 3 exactly as its serial run (losses, gradient norms and the saved weights), resumes
+under another layout (tp 1 x pp 2 x dp 4, ZeRO 3) from a tp 2 x pp 2 x dp 2 checkpoint as the
+uninterrupted serial run, and gets a memory estimate whose model states are the engine's. No line of
+``megazero/`` names this model.
+"""
+import hashlib
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import run_on_ranks
+from helpers.trainer import ROOT, assert_same_losses, main_body, read_metrics
+from torch import nn
+
+from megazero.checkpoint.offline import read_model
+from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.memory.estimate import estimate_memory
+from megazero.models.spec import ModelSpec, build_model_chunks, get_model_spec, register_model_spec
+from megazero.parallel.params import set_tp_attributes
+from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mask_padded_vocab,
+                                      shard, vocab_parallel_cross_entropy)
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero import build_engine
+
+FAMILY = "postnorm"
+
+
+class PostNormBlock(nn.Module):
+    """One post-norm layer at tensor parallelism: heads and the MLP's width split over tp (column- then
+    row-parallel linears), the norms replicated. Activations [s, b, h]."""
+
+    def __init__(self, cfg: ModelConfig, tp_group, tp: int, dtype, device):
+        super().__init__()
+        h, kw = cfg.hidden_size, dict(dtype=dtype, device=device)
+        self.heads, self.head_dim = cfg.num_attention_heads // tp, h // cfg.num_attention_heads
+        self.qkv = ColumnParallelLinear(h, 3 * h, tp_group, **kw)          # per local head: [q; k; v] rows
+        self.proj = RowParallelLinear(h, h, tp_group, **kw)
+        self.fc1 = ColumnParallelLinear(h, cfg.ffn_hidden_size, tp_group, **kw)
+        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, h, tp_group, **kw)
+        self.norm1, self.norm2 = nn.LayerNorm(h, **kw), nn.LayerNorm(h, **kw)
+        for norm in (self.norm1, self.norm2):
+            for p in norm.parameters():
+                set_tp_attributes(p, False)
+
+    def forward(self, x):
+        s, b, _ = x.shape
+        q, k, v = self.qkv(x).view(s, b, self.heads, 3, self.head_dim).permute(3, 1, 2, 0, 4)  # each [b, n, s, d]
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, -1)
+        x = self.norm1(x + self.proj(a))
+        return self.norm2(x + self.fc2(F.gelu(self.fc1(x))))
+
+
+class PostNorm(nn.Module):
+    """A pipeline chunk: its layers (by global index), the embeddings on the first stage, the untied
+    head and the per-token loss on the last."""
+
+    def __init__(self, cfg: ModelConfig, placement, groups, *, seed=1234, dtype=torch.float32, device=None,
+                 home_device=None):
+        super().__init__()
+        tp = groups.tp.size
+        tp_group = groups.tp.group if tp > 1 else None
+        kw = dict(dtype=dtype or torch.float32, device=device)
+        self.cfg, self.seed, self.tp, self.tp_rank, self.tp_group = cfg, seed, tp, groups.tp.rank, tp_group
+        self.placement, padded = placement, cfg.padded_vocab_size(tp)
+        if placement.pre_process:
+            self.word = VocabParallelEmbedding(padded, cfg.hidden_size, tp_group, **kw)
+            self.word.weight.vocab_padded = True
+            self.position = set_tp_attributes(nn.Parameter(torch.empty(cfg.max_position_embeddings,
+                                                                       cfg.hidden_size, **kw)), False)
+        self.layers = nn.ModuleDict({str(i): PostNormBlock(cfg, tp_group, tp, kw["dtype"], device)
+                                     for i in placement.layer_ids})
+        if placement.post_process:
+            self.head = ColumnParallelLinear(cfg.hidden_size, padded, tp_group, bias=False, **kw)
+            self.head.weight.vocab_padded = True
+        if torch.device(device or "cpu").type != "meta":
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    p.copy_(self.initial_value(name))
+
+    def initial_value(self, name: str) -> torch.Tensor:
+        """This tp rank's slice of the parameter's whole value, drawn from a generator seeded by
+        (seed, name): the same model at every layout."""
+        p = self.get_parameter(name)
+        full = list(p.shape)
+        if p.tensor_parallel:
+            full[p.partition_dim] *= self.tp
+        if name.endswith("bias"):
+            value = torch.zeros(full)
+        elif ".norm" in name:
+            value = torch.ones(full)
+        else:
+            seed = int.from_bytes(hashlib.blake2b(f"{self.seed}/{name}".encode(), digest_size=8).digest(), "little")
+            value = torch.empty(full).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed >> 1))
+            if getattr(p, "vocab_padded", False):
+                value[self.cfg.vocab_size:] = 0.0
+        return shard(value, p.partition_dim, self.tp_rank, self.tp)
+
+    def forward(self, x, labels=None):
+        if self.placement.pre_process:                    # token ids [b, s] -> [s, b, h]
+            x = self.word(x).transpose(0, 1) + self.position[:x.shape[1]].unsqueeze(1)
+        for layer in self.layers.values():
+            x = layer(x)
+        if not self.placement.post_process:
+            return x
+        logits = mask_padded_vocab(self.head(x), self.cfg.vocab_size, self.tp_rank * self.head.weight.shape[0])
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group).t()
+
+
+def masked_mean(per_token, mask):
+    mask = mask.to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def check(cfg: ModelConfig, parallel: ParallelConfig) -> None:
+    if parallel.sequence_parallel:
+        raise ConfigError(f"--model-family {FAMILY} has no sequence-parallel layers: drop --sequence-parallel")
+
+
+SPEC = register_model_spec(ModelSpec(
+    name=FAMILY, build_chunk=PostNorm, loss=masked_mean, check=check,
+    boundary_shape=lambda cfg, micro_batch, groups: (cfg.seq_length, micro_batch, cfg.hidden_size),
+    flops_per_token=lambda cfg, vocab, recompute: 6.0 * (12 * cfg.num_layers * cfg.hidden_size ** 2 + vocab * cfg.hidden_size)))
+
+TINY = ["--model-family", FAMILY, "--mock-data", "--vocab-size", "90", "--make-vocab-size-divisible-by", "8",
+        "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "2e-3", "--adam-eps", "1e-6",
+        "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--log-interval", "1", "--eval-interval", "100",
+        "--eval-iters", "0", "--seed", "3"]
+
+
+def _main(rank, world_size, argv):
+    """The trainer's main on a worker process, which imports this module (and so registers the model)."""
+    return main_body(rank, world_size, argv)
+
+
+def _run(tmp: Path, name: str, world: int, flags: list[str]):
+    metrics = tmp / f"{name}.jsonl"
+    assert run_on_ranks(world, _main, TINY + flags + ["--metrics-file", str(metrics)], timeout=300) == [0] * world
+    return read_metrics(metrics)[0]
+
+
+def _assert_same_weights(path_a: Path, path_b: Path) -> None:
+    """Every saved tensor at 1e-5 relative, 1e-5 absolute: an element whose true gradient is ~0 moves by
+    Adam-normalised fp32 rounding noise, up to ~1% of an lr step (as in helpers/gpt_parity.py)."""
+    _, a, _ = read_model(path_a)
+    _, b, _ = read_model(path_b)
+    assert set(a) == set(b) and len(a) == 4 * 12 + 3           # 12 tensors a layer, embeddings, head
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_an_unseen_model_trains_resumes_and_is_estimated_through_the_trainer(tmp_path):
+    serial = _run(tmp_path, "serial", 1, ["--train-iters", "6", "--save", str(tmp_path / "serial")])
+    assert len(serial) == 6 and all(math.isfinite(r["loss"]) for r in serial)
+    layout = ["--tp", "2", "--pp", "2"]
+    zero3 = _run(tmp_path, "zero3", 8, layout + ["--zero-stage", "3", "--train-iters", "6",
+                                                 "--save", str(tmp_path / "zero3")])
+    assert_same_losses(zero3, serial, "loss")
+    assert_same_losses(zero3, serial, "grad_norm")
+    _assert_same_weights(tmp_path / "serial", tmp_path / "zero3")
+    # ZeRO-1 at tp2 pp2 dp2 for 3 steps, saved; resumed at tp1 pp2 dp4 under ZeRO-3 for steps 4-6.
+    first = _run(tmp_path, "zero1", 8, layout + ["--zero-stage", "1", "--train-iters", "3",
+                                                 "--save", str(tmp_path / "half")])
+    rest = _run(tmp_path, "resumed", 8, ["--pp", "2", "--zero-stage", "3", "--train-iters", "6",
+                                         "--load", str(tmp_path / "half"), "--save", str(tmp_path / "resumed")])
+    assert_same_losses(first + rest, serial, "loss")
+    assert_same_losses(first + rest, serial, "grad_norm")
+    _assert_same_weights(tmp_path / "serial", tmp_path / "resumed")
+
+
+def _estimate_body(rank, world_size):
+    """The engine's model states at tp2 pp2 dp2 (ZeRO 1 and 3) beside the estimate for the same job."""
+    out = []
+    for stage in (1, 3):
+        job = validate(JobConfig(model=ModelConfig(model_family=FAMILY, num_layers=4, hidden_size=32,
+                                                   num_attention_heads=4, seq_length=16, vocab_size=90,
+                                                   make_vocab_size_divisible_by=8),
+                                 parallel=ParallelConfig(tp=2, pp=2), zero=ZeroConfig(zero_stage=stage),
+                                 train=TrainConfig(micro_batch_size=2, global_batch_size=16)), world_size)
+        topo = Topology(tp=2, pp=2)
+        chunks = build_model_chunks(get_model_spec(FAMILY), job, topo, device="meta")
+        engine = build_engine(chunks, topo, job.zero, job.optimizer)
+        est = estimate_memory(job)[topo.pp_rank]
+        measured = engine.model_state_bytes()
+        out.append({k: (est.parts[k], measured[k]) for k in ("params", "grads", "master_weights", "optimizer_state")}
+                   | {"total": est.total, "activations": est.activations})
+    return out
+
+
+def test_an_unseen_model_gets_a_memory_estimate_equal_to_the_engine_in_model_states():
+    for per_stage in run_on_ranks(8, _estimate_body, timeout=300):
+        for parts in per_stage:
+            assert parts.pop("total") > 0 and parts.pop("activations") > 0
+            for key, (estimated, measured) in parts.items():
+                if key != "grads":                          # gradients are allocated in backward at ZeRO 2-3
+                    assert estimated == measured, (key, estimated, measured)
+
+
+def test_the_unseen_model_is_known_only_here():
+    """Registered by name from this file: the trainer finds it, its own rule refuses what it cannot do,
+    and nothing in the package names it."""
+    assert get_model_spec(FAMILY) is SPEC
+    job = JobConfig(model=ModelConfig(model_family=FAMILY), parallel=ParallelConfig(tp=2, sequence_parallel=True))
+    with pytest.raises(ConfigError, match="no sequence-parallel layers"):
+        SPEC.check(job.model, validate(job, 2).parallel)
+    with pytest.raises(ConfigError, match="--model-family 'nope' is not a registered model: use one of gpt"):
+        get_model_spec("nope")
+    named = [str(p.relative_to(ROOT)) for p in (ROOT / "megazero").rglob("*.py") if FAMILY in p.read_text().lower()]
+    assert not named, named
+    assert math.isfinite(SPEC.flops_per_token(job.model, 96, False))
