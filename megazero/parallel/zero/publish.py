@@ -27,6 +27,7 @@ class Replicated:
 
     def __init__(self, syncs):
         self.syncs = syncs
+        self.overlap = None                   # the overlapped parameter gather (stages 1-2 only)
 
     def owned_range(self, sync, bucket: Bucket) -> tuple[int, int]:
         return 0, bucket.numel
@@ -183,7 +184,6 @@ class WriteShards(AllGatherShards):
 
     def __init__(self, syncs):
         Replicated.__init__(self, syncs)
-        self.overlap = None
 
     def range_params(self, sync, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
         return sync.shard_values(bucket)
