@@ -1,6 +1,8 @@
-"""The package's import structure, read from the source (ast): no import circle inside ``megazero/``,
-``megazero/parallel`` never imports ``megazero/models``, the ZeRO package imports only downward, and
-no module (library or test) reaches for another module's underscore name."""
+"""The package's structure, read from the source (ast): no import circle inside ``megazero/``,
+``megazero/parallel`` never imports ``megazero/models``, nothing outside ``megazero/models/`` imports a
+concrete model (only its spec), the ZeRO package imports only downward, no module (library, tests,
+tools, bench) reaches for another module's underscore name, no component reads the topology by duck
+typing, and no package module is over 500 lines."""
 from __future__ import annotations
 
 import ast
