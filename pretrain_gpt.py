@@ -20,10 +20,12 @@ import torch.distributed as dist
 
 from megazero.arguments import parse_job
 from megazero.checkpoint import CheckpointError, checkpoint_saver, resume
+from megazero.compile import CompileLog, compile_model
 from megazero.config import JobConfig
 from megazero.data.gpt_dataset import DataError
 from megazero.data.samplers import build_data_iterators
 from megazero.data.tokenizers import Tokenizer, TokenizerError, tokenizer_from_config
+from megazero.kernels import describe_kernels
 from megazero.memory import return_freed_memory
 from megazero.memory.estimate import describe as describe_estimate
 from megazero.memory.estimate import estimate_memory
@@ -83,9 +85,11 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     spec = get_model_spec(job.model.model_family)
     chunks = build_model_chunks(spec, job, topo, dtype=param_dtype(job),
                                 device="meta" if job.zero.sharded_init else None)   # the engine materialises
+    regions = compile_model(chunks, spec.compile_regions, job.compilation)    # --compile: lazily, at first use
     header = describe_run(job, topo, chunks)           # counts parameters before ZeRO moves them
     engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
-    log.print(header + model_state_line(engine, topo) + "\n" + describe_estimate(estimate_memory(job, topo.device.type)))
+    log.print(header + model_state_line(engine, topo) + "\n" + describe_estimate(estimate_memory(job, topo.device.type))
+              + "\n" + describe_kernels(topo.device, job.compilation.compile))
     state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
 
     t = job.train
@@ -105,7 +109,8 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     valid_steps = _steps(valid_data, topo.device) if valid_data is not None else None
     try:
         state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
-                      log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print))
+                      log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print),
+                      compile_log=CompileLog(len(regions)) if regions else None)
         if show_sample:                                  # show what the tiny GPT learnt
             model = gather_full_model(chunks, topo, job, engine)
             if model is not None:

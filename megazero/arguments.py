@@ -217,7 +217,7 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
         flags = {k: v for k, v in vars(args).items() if "." in k}
         values.update(_merge(foreign, flags, "the command line"))
         job = validate(job_from_values(values), world_size)
-        check_family(job.model, job.parallel)          # the model family is registered; its own rules
+        check_family(job.model, job.parallel, job.compilation)   # the model family is registered; its own rules
         return job
     except (ConfigError, TypeError) as e:
         # One line from the launcher, not one per rank: rank 0 prints and exits at once, and the launcher

@@ -41,8 +41,10 @@ scheduler WarmupCosineLR                       + cosine decay to cos_min_ratio x
 Accelerate (``deepspeed_config`` section): ``zero_stage``, ``gradient_accumulation_steps``,
 ``gradient_clipping``, ``zero3_init_flag`` (--sharded-init), ``offload_optimizer_device`` and
 ``offload_param_device`` (--offload-optimizer / --offload-params), ``offload_optimizer_nvme_path`` and
-``offload_param_nvme_path`` (--nvme-path), ``deepspeed_config_file`` (read as above); and the top-level
-``mixed_precision`` (no / fp16 / bf16).
+``offload_param_nvme_path`` (--nvme-path), ``deepspeed_config_file`` (read as above); the top-level
+``mixed_precision`` (no / fp16 / bf16); ``dynamo_config`` (``dynamo_backend`` INDUCTOR: --compile, NO: off;
+``dynamo_mode``: --compile-mode; ``dynamo_use_fullgraph`` / ``dynamo_use_dynamic`` false only:
+megazero compiles each layer with static shapes and reports graph breaks instead).
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ AUTO = "auto"
 _ACCELERATE_IGNORED = {"compute_environment", "debug", "distributed_type", "downcast_bf16", "enable_cpu_affinity",
                        "gpu_ids", "machine_rank", "main_process_ip", "main_process_port", "main_training_function",
                        "num_machines", "num_processes", "rdzv_backend", "same_network", "tpu_env", "tpu_use_cluster",
-                       "tpu_use_sudo", "use_cpu", "dynamo_config"}
+                       "tpu_use_sudo", "use_cpu"}
 
 
 class _Reader:
@@ -250,6 +252,24 @@ def _scheduler(r: _Reader) -> None:
         r.set("optimizer.min_lr_ratio", ratio)
 
 
+def _dynamo(r: _Reader) -> None:
+    """Accelerate's ``dynamo_config`` onto --compile / --compile-mode."""
+    d = "dynamo_config"
+    r.only(d, {"dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic"})
+    backend = r.get(f"{d}.dynamo_backend")
+    if backend is not None and str(backend).upper() not in ("NO", "INDUCTOR"):
+        r.fail(f"{d}.dynamo_backend", f"must be NO or INDUCTOR (megazero compiles with inductor), got {backend!r}")
+    if backend is not None:
+        r.set("compilation.compile", str(backend).upper() == "INDUCTOR")
+    mode = r.get(f"{d}.dynamo_mode")
+    if mode is not None:
+        r.set("compilation.compile_mode", mode)
+    for key in ("dynamo_use_fullgraph", "dynamo_use_dynamic"):
+        if r.get(f"{d}.{key}", bool):
+            r.fail(f"{d}.{key}", "is not supported: megazero compiles each transformer layer with static shapes "
+                                 "and reports graph breaks at start; set it to false")
+
+
 def from_accelerate(path: str | Path) -> dict:
     """The settings of an Accelerate ``default_config.yaml`` (see the module docstring)."""
     import yaml
@@ -262,7 +282,8 @@ def from_accelerate(path: str | Path) -> dict:
     except yaml.YAMLError as e:
         raise ConfigError(f"--accelerate-config {path}: not valid YAML: {e}".splitlines()[0]) from None
     r = _Reader(f"--accelerate-config {path}", data)
-    r.only("", _ACCELERATE_IGNORED | {"deepspeed_config", "mixed_precision"})
+    r.only("", _ACCELERATE_IGNORED | {"deepspeed_config", "mixed_precision", "dynamo_config"})
+    _dynamo(r)
     mp = r.get("mixed_precision")
     if mp not in (None, "no", "fp16", "bf16"):
         r.fail("mixed_precision", f"must be no, fp16 or bf16, got {mp!r}")

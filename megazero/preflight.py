@@ -1,7 +1,7 @@
 """Checks of everything a run will read or write, before any process group, model or dataset exists.
 
 ``validate()`` (megazero/config/) checks the flags against each other; this module checks them
-against the machine: the backend against the hardware, the output paths are writable, ``--save``
+against the machine: the backend against the hardware, ``--compile`` against this torch, the output paths are writable, ``--save``
 holds no other run's checkpoints (and is locked for this run), ``--load`` holds a checkpoint of this
 model, every data prefix has agreeing ``.idx``/``.bin`` files whose token ids the tokenizer's
 vocabulary covers, ``--nvme-path`` is a writable directory with room for every local rank's swap files.
@@ -32,6 +32,7 @@ def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> Save
     if backend == "nccl" and not torch.cuda.is_available():
         raise PreflightError("--backend nccl needs CUDA, and this machine has no usable GPU: use --backend gloo "
                              "(or leave --backend out)")
+    _compile(job, backend)
     _writable_file(job.logging.metrics_file, "--metrics-file")
     _writable_dir(job.logging.tensorboard_dir, "--tensorboard-dir")
     _writable_dir(job.data.data_cache_path, "--data-cache-path")
@@ -50,6 +51,18 @@ def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> Save
     for line in recover(job.checkpoint.save):
         say(f" --save {job.checkpoint.save}: {line}")
     return lock
+
+
+def _compile(job: JobConfig, backend: str | None) -> None:
+    """``--compile`` needs a torch that compiles on this machine (on a CPU, inductor needs a C++ compiler)."""
+    if not job.compilation.compile:
+        return
+    from megazero.compile import compile_unavailable
+
+    cuda = backend != "gloo" and torch.cuda.is_available()
+    why = compile_unavailable("cuda" if cuda else "cpu")
+    if why:
+        raise PreflightError(f"--compile: {why}: drop --compile (the run is the same, uncompiled)")
 
 
 def _nearest_existing(path: Path) -> Path:

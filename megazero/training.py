@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megazero.compile import CompileLog, describe_recompiles
 from megazero.config import JobConfig
 from megazero.lr_schedule import learning_rate
 from megazero.metrics import MetricsLog, device_peak_tflops, peak_memory_bytes
@@ -93,14 +94,15 @@ def evaluate(chunks, batches: Iterator[list[dict]], topo: Topology, job: JobConf
 
 def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callable[[int], Iterator[list[dict]]],
           valid_batches: Callable[[], Iterator[list[dict]]] | None, log: MetricsLog, state: TrainState,
-          save: Callable[[TrainState], None] | None = None) -> TrainState:
+          save: Callable[[TrainState], None] | None = None, compile_log: CompileLog | None = None) -> TrainState:
     """Run from ``state.iteration`` to ``train_iters``; evaluate and save at their intervals.
 
     ``train_batches(consumed_samples)`` yields, per step, this data-parallel rank's micro-batches of the
     global batch, starting at the given sample so a resumed run continues exactly. With ``save``, the
     last iteration is always saved too. A save that falls on a skipped step (an fp16 overflow) waits
     for the next applied one: a run that then stops for too many skipped steps keeps its last good
-    checkpoint as the latest.
+    checkpoint as the latest. ``compile_log`` (``--compile``): what compiling took is printed after the
+    first step, the graphs compiled since the last line on every log line.
     """
     t, opt = job.train, job.optimizer
     spec = get_model_spec(job.model.model_family)
@@ -112,6 +114,7 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     window_start, window_iters = time.perf_counter(), 0
     saved_at = state.iteration                    # a resumed run starts from a saved iteration
     skipped_in_a_row, save_due = 0, False
+    first_iteration = state.iteration
     while state.iteration < t.train_iters:
         engine.set_lr(learning_rate(state.iteration, opt))
         result = train_step(chunks, next(batches), topo, engine, job)
@@ -121,11 +124,16 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
         state.consumed_samples += t.global_batch_size
         state.skipped_iterations += int(result.skipped)
         window_iters += 1
+        if compile_log is not None and state.iteration == first_iteration + 1:
+            log.print(compile_log.describe_first(compile_log.metrics()))
         if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters or stop:
             step_time = (time.perf_counter() - window_start) / window_iters
             extra = spec.hooks.metrics(chunks, job, topo.tp_rank, window_iters, topo.device)   # a collective
-            _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, extra,
-                      spec.hooks.describe_metrics(extra))
+            text = spec.hooks.describe_metrics(extra)
+            if compile_log is not None:
+                extra = {**extra, **compile_log.metrics()}
+                text += describe_recompiles(extra)
+            _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, extra, text)
             window_start, window_iters = time.perf_counter(), 0
         if stop:                               # logged, never saved
             raise TrainingStopped(stop)

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 from megazero.config.fields import ConfigError, choices, flag, setting
 
 if TYPE_CHECKING:
-    from megazero.config.sections import (CheckpointConfig, DataConfig, JobConfig, LoggingConfig, ModelConfig,
-                                          OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig)
+    from megazero.config.sections import (CheckpointConfig, CompileConfig, DataConfig, JobConfig, LoggingConfig,
+                                          ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig,
+                                          ZeroConfig)
 
 
 class _Flags:
@@ -419,3 +420,12 @@ def check_checkpoint(ck: CheckpointConfig) -> None:
 def check_logging(lg: LoggingConfig) -> None:
     """No rule between the logging settings; whether their paths can be written is the preflight's
     (:mod:`megazero.preflight`), which looks at the file system."""
+
+
+def check_compile(c: CompileConfig) -> None:
+    """A compile mode only with compilation on (whether torch can compile on this machine is the
+    pre-launch check's: megazero/preflight.py)."""
+    _one_of(c, "compile_mode")
+    if c.compile_mode != "default" and not c.compile:
+        _fail(f"{FLAG.compile_mode} {c.compile_mode} applies with {FLAG.compile}: add {FLAG.compile} or drop "
+              f"{FLAG.compile_mode}")

@@ -389,6 +389,24 @@ class LoggingConfig:
         checks.check_logging(self)
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass
+class CompileConfig:
+    """torch.compile, applied region by region: each transformer layer its own compiled function, so
+    compile time does not grow with depth and repeated layers share one graph (megazero/compile.py)."""
+
+    compile: bool = flag_field(False, "--compile", action="store_true", group="compile",
+                               help="compile each transformer layer with torch.compile (regional compilation)")
+    compile_mode: str = flag_field("default", "--compile-mode", choices=COMPILE_MODES, group="compile",
+                                   help="torch.compile's mode (default, reduce-overhead, max-autotune, "
+                                        "max-autotune-no-cudagraphs)")
+
+    def check(self) -> None:
+        checks.check_compile(self)
+
+
 @register_job
 @dataclass
 class JobConfig:
@@ -403,6 +421,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    compilation: CompileConfig = field(default_factory=CompileConfig)
 
     @property
     def num_micro_batches(self) -> int:

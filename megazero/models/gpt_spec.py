@@ -9,10 +9,12 @@ the Llama family and Mixture of Experts (:mod:`megazero.models.spec` lists what 
     HF          GPT-2 (learned positions) <-> ``GPT2LMHeadModel``; RoPE <-> ``LlamaForCausalLM`` / Qwen2
                 (:mod:`.hf_gpt2`, :mod:`.hf_llama`)
     activations the per-implementation accounting of :mod:`.gpt_memory`
+    compile     every transformer layer a region (an MoE layer: its attention), see :mod:`megazero.compile`
 """
 from __future__ import annotations
 
 from megazero.config import ModelConfig
+from megazero.kernels import use_apex_norms
 from megazero.models import hf_gpt2, hf_llama
 from megazero.models.gpt import GPT, activation_shape, masked_mean
 from megazero.models.gpt_memory import GPTActivations
@@ -85,6 +87,26 @@ def moe_metrics(chunks, job, tp_rank: int, steps: int, device) -> dict:
                                steps, device)
 
 
+def compile_regions(chunk: GPT) -> list:
+    """The modules ``--compile`` compiles in a GPT chunk: each dense transformer layer whole, and the
+    attention of an MoE layer (the router's top-k and the experts' all-to-all have data-dependent shapes,
+    so they run eagerly between compiled regions). RoPE's cos/sin table is built first, for the sequence
+    length, so that no compiled layer finds it missing and recompiles."""
+    rotary = chunk.ctx.rotary
+    if rotary is not None:
+        rotary.table(chunk.rng.device, chunk.ctx.dtype, chunk.cfg.max_position_embeddings)
+    if use_apex_norms(chunk.rng.device):          # torch's norms compile into the layer; apex's would break it
+        for layer in chunk.layers.values():
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                fused = getattr(layer, name)
+                plain = chunk.ctx.norm(fused=False)
+                plain.weight = fused.weight
+                if getattr(fused, "bias", None) is not None:
+                    plain.bias = fused.bias
+                setattr(layer, name, plain)
+    return [layer.attention if layer.mlp_is_moe else layer for layer in chunk.layers.values()]
+
+
 def _format_of(cfg: ModelConfig):
     """The HF format a GPT-family model exports to: Llama's with rotary embeddings, else GPT-2's."""
     return hf_llama if cfg.position_embedding_type == "rope" else hf_gpt2
@@ -111,4 +133,4 @@ GPT_SPEC = register_model_spec(ModelSpec(
     name="gpt", build_chunk=build_chunk, boundary_shape=boundary_shape, loss=masked_mean,
     flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
     hooks=StepHooks(before_step=set_aux_loss_scale, metrics=moe_metrics, describe_metrics=describe_moe_metrics),
-    hf=HF, activation_bytes=GPTActivations()))
+    hf=HF, activation_bytes=GPTActivations(), compile_regions=compile_regions))

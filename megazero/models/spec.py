@@ -30,6 +30,8 @@ field                  what                                                     
 ``hf``                 HuggingFace conversion (:class:`HFAdapter`), or None         tools/convert, export
 ``activation_bytes``   bytes one micro-batch leaves held in a chunk, or None for    the estimator
                        the generic transformer formula
+``compile_regions``    the modules of a chunk ``--compile`` compiles one by one     megazero/compile.py
+                       (regional compilation), or None: the family cannot compile
 =====================  ===========================================================  ======================
 
 A new model family is a module in ``megazero/models/`` (or anywhere: a test file registers its own)
@@ -96,6 +98,7 @@ class ModelSpec:
     hooks: StepHooks = field(default_factory=StepHooks)
     hf: HFAdapter | None = None
     activation_bytes: Callable[..., int] | None = None
+    compile_regions: Callable[[nn.Module], list[nn.Module]] | None = None
 
     def build_full(self, model_cfg: ModelConfig, *, seed: int = 1234, dtype: torch.dtype = torch.float32,
                    device=None) -> nn.Module:
@@ -163,6 +166,11 @@ def build_model_chunks(spec: ModelSpec, job: JobConfig, topo, *, dtype: torch.dt
             for placement in placements(job.model.num_layers, topo.pp_size, topo.pp_rank, par.virtual_stages)]
 
 
-def check_family(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> None:
-    """``validate()``'s model rules: the family is registered, and its spec's ``check`` passes."""
-    get_model_spec(model_cfg.model_family).check(model_cfg, parallel_cfg)
+def check_family(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, compile_cfg=None) -> None:
+    """The model rules beside ``validate()``'s: the family is registered, its spec's ``check`` passes, and
+    it names compile regions when ``--compile`` asks for them."""
+    spec = get_model_spec(model_cfg.model_family)
+    spec.check(model_cfg, parallel_cfg)
+    if compile_cfg is not None and compile_cfg.compile and spec.compile_regions is None:
+        raise ConfigError(f"--model-family {spec.name} names no regions to compile (ModelSpec.compile_regions): "
+                          f"drop --compile")

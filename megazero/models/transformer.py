@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig
+from megazero.kernels import apex_norm, use_apex_norms
 from megazero.models.kv_cache import LayerKVCache
 from megazero.models.moe import MoELayer
 from megazero.models.rotary import RotaryEmbedding
@@ -142,10 +143,14 @@ class LayerContext:
         with self.rng.fork(region):
             return F.dropout(x, p, training=True)
 
-    def norm(self) -> nn.Module:
-        """The configured normalisation over h (replicated; its gradient is partial under SP)."""
+    def norm(self, fused: bool | None = None) -> nn.Module:
+        """The configured normalisation over h (replicated; its gradient is partial under SP): apex's
+        fused kernel on CUDA when the real apex is installed (``fused``; default: whenever it can,
+        :mod:`megazero.kernels`), else torch's. Either has the parameters ``weight`` (and ``bias``)."""
         cfg, kw = self.cfg, dict(dtype=self.dtype, device=self.device)
-        if cfg.normalization == "RMSNorm":
+        if fused if fused is not None else use_apex_norms(self.rng.device):
+            norm = apex_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon, **kw)
+        elif cfg.normalization == "RMSNorm":
             norm = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, **kw)
         else:
             norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, **kw)
@@ -382,7 +387,8 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = ctx.norm()
         self.attention = GroupedQueryAttention(ctx) if ctx.cfg.group_query_attention else SelfAttention(ctx)
         self.post_attention_layernorm = ctx.norm()
-        self.mlp = MoELayer(ctx) if ctx.cfg.is_moe_layer(layer_id) else MLP(ctx)
+        self.mlp_is_moe = ctx.cfg.is_moe_layer(layer_id)
+        self.mlp = MoELayer(ctx) if self.mlp_is_moe else MLP(ctx)
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         ctx, p = self.ctx, self.ctx.cfg.hidden_dropout

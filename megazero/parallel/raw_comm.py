@@ -164,9 +164,14 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along dim 0, in group-rank order: [n, ...] -> [size * n, ...]."""
+    """Concatenate every rank's ``x`` along dim 0, in group-rank order: [n, ...] -> [size * n, ...].
+    Inside a compiled region (``--compile``) the backend's own all-gather, which torch.compile traces
+    into the graph; elsewhere :func:`all_gather_into` (broadcasts on gloo). The result is the same."""
     size = group_size(group)
-    return x if size == 1 else _flat_dim0(all_gather_into, x, size * x.shape[0], group)
+    if size == 1:
+        return x
+    gather = all_gather_flat if torch.compiler.is_compiling() else all_gather_into
+    return _flat_dim0(gather, x, size * x.shape[0], group)
 
 
 def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from megazero.compile import in_compiled_region, parent_map
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.zero.buckets import Bucket
 from megazero.parallel.zero.units import ParamSubset
@@ -120,6 +121,9 @@ class OverlappedParamGather:
     it writes new values, the engine before saving, loading, ``gathered_parameters`` and
     ``state_dict``.
 
+    Under ``--compile`` the modules inside a compiled region get no hook of their own (a hook would run
+    inside the compiled graph): the region's hook waits for its whole subtree.
+
     Example, dp = 2, buckets filled in backward order: b0 = [output head, layer 1], b1 = [layer 0,
     embedding]. ``step()`` returns with both gathers queued, b1's first; the next forward's embedding
     waits for b1 alone and layer 0 runs while b0's gather goes on; layer 1 then waits for b0.
@@ -133,7 +137,10 @@ class OverlappedParamGather:
         bucket_of = {id(s.param): self.number[id(b)] for sync in syncs for b in sync.buckets for s in b.slots}
         self._hooks = []
         for chunk in _distinct_chunks(syncs):
+            parents = parent_map(chunk)
             for module in chunk.modules():
+                if in_compiled_region(module, parents):     # the region's own hook waits for its subtree
+                    continue
                 if module is chunk:
                     params = [*chunk.parameters(recurse=False),
                               *(p for p in chunk.parameters() if getattr(p, "tied_copy", False))]
