@@ -99,11 +99,13 @@ def test_compiled_serial_run_equals_the_eager_reference():
 @pytest.mark.slow
 def test_compiled_layouts_equal_the_eager_reference():
     """4 ranks: tp 2 + SP at dp 2 (ZeRO-1), pp 2 1F1B at dp 2 (ZeRO-3), pp 2 interleaved with full
-    recompute at dp 2 (ZeRO-1); 2 ranks: dp 2 (ZeRO-3, and ZeRO-1 with --overlap-param-gather, whose
-    waits move from the modules inside a compiled layer to the layer), Llama layers at tp 2 + SP."""
+    recompute at dp 2 (ZeRO-1); 2 ranks: dp 2 (ZeRO-3; ZeRO-1 with --overlap-param-gather, whose waits
+    move from the modules inside a compiled layer to the layer; ZeRO-3 with optimizer and parameters
+    offloaded to the CPU), Llama layers at tp 2 + SP."""
     four = [(2, 1, 1, True, 1, {}), (1, 2, 1, False, 3, {}), (1, 2, 2, False, 1, dict(recompute_activations=True))]
     _check(run_on_ranks(4, _parity_body, four, timeout=900), four, 2)
-    two = [(1, 1, 1, False, 3, {}), (1, 1, 1, False, 1, {}, dict(overlap_param_gather=True))]
+    two = [(1, 1, 1, False, 3, {}), (1, 1, 1, False, 1, {}, dict(overlap_param_gather=True)),
+           (1, 1, 1, False, 3, {}, dict(offload_optimizer="cpu", offload_params="cpu"))]
     _check(run_on_ranks(2, _parity_body, two, timeout=900), two, 2)
     llama = [(2, 1, 1, True, 0, LLAMA_KW)]
     _check(run_on_ranks(2, _parity_body, llama, timeout=900), llama, 1)
