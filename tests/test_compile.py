@@ -19,10 +19,17 @@ COMPILE = CompileConfig(compile=True)
 STEPS = 5
 
 
-def test_flags_the_accelerate_key_and_refusals(tmp_path):
+def test_flags_the_accelerate_key_and_refusals(tmp_path, monkeypatch):
+    from megazero import compile as compile_module
     from megazero.foreign_config import from_accelerate
+    from megazero.preflight import PreflightError, preflight
 
     assert compile_unavailable("cpu") is None                      # this machine compiles (a C++ compiler)
+    monkeypatch.setattr(compile_module.shutil, "which", lambda name: None)
+    assert "C++ compiler" in compile_unavailable("cpu")
+    with pytest.raises(PreflightError, match="^--compile: inductor compiles CPU kernels with a C\\+\\+ compiler"):
+        preflight(validate(JobConfig(compilation=COMPILE), 1), "gloo", 0)
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match="--compile-mode max-autotune applies with --compile"):
         validate(JobConfig(compilation=CompileConfig(compile_mode="max-autotune")), 1)
     yaml = tmp_path / "accelerate.yaml"
