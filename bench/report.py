@@ -239,6 +239,111 @@ def offload_section(spec, res: dict) -> list[str]:
                       "figure to add when a GPU machine is at hand.", ""]
 
 
+def _compile_cost(name: str, r: dict, eager_first: float) -> tuple[str, str, str]:
+    """A variant's (compile seconds, inductor cache, graphs / breaks / recompiles) cells; '-' if eager."""
+    if not name.endswith("-compiled"):
+        return "-", "-", "-"
+    f = r["first"]
+    hits, misses = f["cache_hits"], f["cache_misses"]
+    cache = ("cold" if misses and not hits else "warm" if hits and not misses else "mixed" if hits else
+             "none: dynamo's graph from ours, same process")      # the same layer code, already compiled
+    seconds = f"{f['seconds'] - eager_first:.1f}" if f["graphs"] else "-"      # nothing compiled: no cost to show
+    return (f"{seconds} ({f['compile_seconds']:.1f})",
+            f"{cache} ({hits:.0f} hits, {misses:.0f} misses)" if hits or misses else cache,
+            f"{f['graphs']:.0f}, {f['breaks']:.0f}, {r['recompiles']:.0f}")
+
+
+def _compile_row(group, compiled: str, other: str, res: dict, psi: int, met: list) -> list[str]:
+    """One pair of the compile section: compiled vs the eager step or the compiled peer."""
+    from rows_compile import EARLY_LOSS_TOL, FINAL_LOSS_TOL, TARGETS
+
+    s = group.spec
+    label = [f"{s.layers}x{s.hidden}", group.layout(), f"{compiled} vs {other}"]
+    a, b = res[compiled], res[other]
+    if "unavailable" in a or "unavailable" in b:
+        return label + ["-"] * 10 + [a.get("unavailable") or b.get("unavailable")]
+    ratio = ratio_of_medians_per_round(a["times"], b["times"])
+    early = max(abs(x - y) for xs, ys in zip(a["rank_early_losses"], b["rank_early_losses"]) for x, y in zip(xs, ys))
+    final = max(abs(x - y) for x, y in zip(a["rank_final_losses"], b["rank_final_losses"]))
+    same = early <= EARLY_LOSS_TOL and final <= FINAL_LOSS_TOL
+    target = "-"
+    if (compiled, other) in TARGETS:
+        op, bound, min_params = TARGETS[(compiled, other)]
+        if psi < min_params:
+            target = f"{op} {bound}x: n/a (below {min_params / 1e6:.0f}M)"
+        elif not same:
+            target = f"{op} {bound}x: void (losses differ)"
+        else:
+            ok = ratio < bound if op == "<" else ratio <= bound
+            met.append(ok)
+            target = f"{op} {bound}x: {'met' if ok else 'MISSED'}"
+    eager_first = res[group.eager]["first"]["seconds"]
+    ca, cb = _compile_cost(compiled, a, eager_first), _compile_cost(other, b, eager_first)
+    both = [x if y == "-" else f"{x} / {y}" for x, y in zip(ca, cb)]      # "ours / peer" when both compile
+    rounds = [x / y for x, y in zip(a["times"], b["times"]) if y > 0]
+    spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if rounds else ""
+    return label + [f"{1e3 * median(a['times']):.0f}", f"{1e3 * median(b['times']):.0f}", f"{ratio:.3f}x{spread}",
+                    target,
+                    f"{a['peak_live_mib']:.0f} / {b['peak_live_mib']:.0f}",
+                    f"{a['peak_rss_mib']:.0f} / {b['peak_rss_mib']:.0f}", *both, f"{early:.1e}", f"{final:.1e}"]
+
+
+def compile_section(results: list) -> list[str]:
+    """BENCHMARKS.md lines from ``rows_compile.run_compile(...)``: ``[(group, results), ...]``."""
+    from common import WARMUP_STEPS, num_params
+    from rows_compile import EARLY_LOSS_TOL, EARLY_STEPS, FINAL_LOSS_TOL, PEER, TARGETS
+
+    out = ["## Compile: regional torch.compile vs eager, and vs FSDP2 + torch.compile", ""]
+    shapes = {(g.spec.layers, g.spec.hidden): g.spec for g, _ in results}
+    psis = {k: num_params(s.model_cfg()) for k, s in shapes.items()}
+    for (layers, hidden), s in shapes.items():
+        out.append(f"- {layers}x{hidden}: {s.describe()}, {psis[layers, hidden] / 1e6:.1f}M parameters, "
+                   f"{s.micro_batches} micro-batch(es) per rank and step (the pp row: its own count), "
+                   f"{WARMUP_STEPS} untimed steps per variant, then {s.rounds - WARMUP_STEPS} timed rounds of 1 step.")
+    tp_pp = [g.spec for g, _ in results if g.tp > 1 or g.pp > 1]
+    if tp_pp:
+        out.append(f"- The tp and pp rows run at one shape only ({tp_pp[0].layers}x{tp_pp[0].hidden}), "
+                   "without data parallelism (ZeRO-0).")
+    met: list[bool] = []
+    rows = []
+    for g, res in results:
+        psi = psis[g.spec.layers, g.spec.hidden]
+        rows += [_compile_row(g, c, o, res, psi, met) for c, o in g.pairs() if c in res and o in res]
+    wanted = "; ".join(f"{c} / {o} step time {op} {bound}x" + (f" at {m / 1e6:.0f}M+ parameters" if m else "")
+                       for (c, o), (op, bound, m) in TARGETS.items())
+    out += ["", f"Targets: {wanted}. Only pairs that trained alike count. "
+                f"**Met on {sum(met)} of {len(met)} counted rows.**", "",
+            "Both sides of a row run in the same processes, one step each per round in a rotated order; "
+            "ms = median step (slowest rank), ratio = median of per-round ratios (in brackets their smallest "
+            "and largest: the round-to-round noise a difference must exceed). Ours is the trainer's own "
+            "path: `parse_job` with or without `--compile`, `build_model_chunks`, `compile_model` (every "
+            "transformer layer's forward replaced by its `torch.compile`), `build_engine`, `train_step`. "
+            f"`{PEER}`: our GPT with each layer `torch.compile(layer, fullgraph=True)` then `fully_shard` per "
+            "layer and on the root (torchtitan's order), torch AdamW with the same settings. Same training: "
+            f"losses (the mean over ranks, both sides) agree to {EARLY_LOSS_TOL:g} over the first {EARLY_STEPS} "
+            f"steps and to {FINAL_LOSS_TOL:g} at the end (compiled fp32 differs from eager in rounding, which "
+            "AdamW amplifies; the scale section's rule), else the speed target is void. Peak live MiB: the "
+            "largest rank's peak of live tensor bytes in its second warm-up step, as in the scale section.", "",
+            "Compile s: the variant's first step (where dynamo traces and inductor compiles each region's "
+            "forward and backward; slowest rank) less the eager variant's first step in the same processes, "
+            "and in brackets dynamo's own compile seconds (`CompileStats`). The section's run starts from an "
+            "empty inductor cache (a fresh `TORCHINDUCTOR_CACHE_DIR`, shared by its processes): the first "
+            "compiled variant of each layer shape compiles cold (FX-graph cache misses only), later groups "
+            "load what it stored (hits only: what a restarted run pays); ZeRO-3's group runs first at each "
+            f"shape, so its row compiles cold. `{PEER}` runs after ours in the same processes, and its layers "
+            "are the same `TransformerLayer` code: dynamo finds the graph compiled for ours in its cache (the "
+            "guards pass) and compiles nothing of its own, so both sides run the very same kernels and the "
+            "row compares what surrounds them (its own compile time, not measured here, would be about ours' cold "
+            "one). Graphs: "
+            "graphs compiled in the first step, graph breaks, graphs compiled in any later step (recompiles). "
+            "Two figures in a cell: ours / the peer's.",
+            ""]
+    out += _table("| shape | layout | pair | compiled ms | other ms | compiled/other (per-round range) | speed target "
+                  "| peak live MiB compiled / other | peak RSS MiB compiled / other | compile s (dynamo s) "
+                  "| inductor cache | graphs, breaks, recompiles | loss diff, first 3 steps | final loss diff |", rows)
+    return out + [""]
+
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")   # generated plots and reports
 GPU_REPORT = os.path.join(RESULTS, "BENCHMARKS_GPU.md")   # the GPU section's own file, from a machine with CUDA
 
@@ -463,4 +568,4 @@ def plots(memory: dict, step_time: dict, psi: int, outdir: str) -> dict:
 
 
 __all__ = ["dp_section", "tp_section", "pp_section", "scaling_section", "gpu_section", "capacity_section",
-           "targets_section", "offload_section", "plots", "capacity_plot", "deviation", "update_sections", "split_sections"]
+           "targets_section", "offload_section", "compile_section", "plots", "capacity_plot", "deviation", "update_sections", "split_sections"]

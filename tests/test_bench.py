@@ -46,6 +46,31 @@ def test_scale_section_splits_our_step_into_phases(tmp_path):
         assert ms[0] > 0 and ms[1] > 0 and ms[2] > 0 and sum(ms[1:]) <= 1.2 * ms[0] + 2, phases
 
 
+@pytest.mark.timeout(240)
+def test_compile_section_times_compiled_against_eager_and_fsdp2(tmp_path):
+    """The compile section (tiny shape, ZeRO-3 at dp 2 and the pp 2 row): compiled vs eager and compiled
+    ZeRO-3 vs FSDP2 + torch.compile trained alike, each compiled variant compiled one graph without
+    graph breaks or recompiles, and the first compile of a shape is reported cold, a later one warm."""
+    out = tmp_path / "BENCHMARKS.md"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--sections", "compile",
+                           "--variants", "ours-zero3,ours-pp2", "--out", str(out)],
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=230)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = out.read_text().splitlines()
+    assert "## Compile: regional torch.compile vs eager, and vs FSDP2 + torch.compile" in lines
+    rows = {pair: next(line for line in lines if f"| {pair} |" in line)
+            for pair in ("ours-zero3-compiled vs ours-zero3", "ours-zero3-compiled vs torch-fsdp2-compiled",
+                         "ours-pp2-compiled vs ours-pp2")}
+    for row in rows.values():
+        cells = [c.strip() for c in row.split("|")]
+        assert float(cells[-3]) <= 1e-5 and float(cells[-2]) <= 1e-2, row    # same first steps, same final loss
+        assert float(cells[4]) > 0 and float(cells[5]) > 0 and "void" not in row, row
+        assert cells[12].startswith("1, 0, 0"), row                          # one graph, no break, no recompile
+    assert "cold (" in rows["ours-zero3-compiled vs ours-zero3"].split("|")[11]
+    assert "warm (" in rows["ours-pp2-compiled vs ours-pp2"].split("|")[11]
+
+
 def test_theory_formulas():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from common import dp_comm_bytes, flag, tp_layer_comm_bytes, zero_fp32_bytes
