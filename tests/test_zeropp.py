@@ -337,3 +337,36 @@ def test_training_with_tp2_and_pp2_tracks_zero3():
     switches end within 2% of plain ZeRO-3's loss."""
     _check_training(run_on_ranks(8, _training_body, [(2, 1), (1, 2)], 4, 100,
                                  {"plain": {}, "all": ALL_THREE}, timeout=900), ["all"])
+
+
+# --------------------------------------------------------------------------- with expert parallelism
+
+def _experts_body(rank, world_size, steps):
+    """ep 2 at dp 4 on 2 nodes of 2, ZeRO-3, MoE every layer: plain, hpZ over 2 ranks (the experts'
+    secondary shards over their own expert-data-parallel block, not the dense one), and qgZ (the
+    experts' reduction over their group cut by node)."""
+    out = {}
+    for name, kw in (("plain", {}), ("hpZ", dict(hpz_partition_size=2)), ("qgZ", dict(quantized_gradients=True))):
+        topo = Topology(ranks_per_node=2, ep=2)
+        cfg = ModelConfig(**{**GPT_CFG, "num_experts": 4, "moe_router_topk": 2})
+        par = ParallelConfig(dp=topo.dp_size, expert_model_parallel_size=2)
+        job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
+        chunks = build_model_chunks(cfg, par, topo, seed=SEED)
+        engine = build_engine(chunks, topo, ZeroConfig(zero_stage=3, quantization_block_size=32, **kw), GPT_OPT)
+        experts = engine.bucket_groups[1]
+        groups = (experts.gathering.hpz_group, experts.dp.partition(2).ranks) if name == "hpZ" else None
+        losses = [train_step(chunks, batches[2 * topo.dp_rank:2 * topo.dp_rank + 2], topo, engine, job).loss
+                  for batches in _learnable_batches(steps, topo.dp_size * 2)]
+        out[name] = (losses, groups and list(groups[1]), list(experts.dp.ranks))
+    return out
+
+
+def test_zeropp_switches_with_expert_parallelism():
+    """hpZ alone moves no value, so with experts it equals plain ZeRO-3 exactly, its experts' blocks being
+    their expert-data-parallel ranks; qgZ tracks plain within its rounding."""
+    for rank, out in enumerate(run_on_ranks(4, _experts_body, 20, timeout=600)):
+        plain, hpz, qgz = out["plain"][0], out["hpZ"][0], out["qgZ"][0]
+        assert hpz == plain, rank
+        assert out["hpZ"][1] == out["hpZ"][2]                    # the secondary block: the experts' own group
+        assert qgz != plain and qgz[-1] == pytest.approx(plain[-1], rel=0.02)
+        assert plain[-1] < 0.9 * plain[0]                       # it learns
