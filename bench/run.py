@@ -16,7 +16,7 @@ Sections (see each module's docstring for the method):
     zeropp   rows_zeropp.py   ZeRO-3 vs ZeRO++ qwZ / hpZ / qgZ at dp 8 on 2 simulated nodes: step time, bytes
     capacity rows_capacity.py largest GPT (layers) within a fixed memory budget per rank at dp = 4:
                               ZeRO 0/1/2/3 vs FSDP2, DeepSpeed ZeRO-3, beside tools/estimate_memory.py
-    scale    rows_scale.py    ZeRO 0/1/2/3 at 63M and 46M parameters vs DDP, DDP + ZeroRedundancyOptimizer,
+    scale    rows_scale.py    ZeRO 0/1/2/3 at 69M and 46M parameters vs DDP, DDP + ZeroRedundancyOptimizer,
                               FSDP2 (reshard or not), DeepSpeed 1/2/3, dp = 2 and 4, with our step's phases
     compile  rows_compile.py  --compile (regional torch.compile) vs eager: ZeRO 0/1/3 at the scale shapes, dp = 2
                               and 4, one tp 2 and one pp 2 row; compiled ZeRO-3 vs FSDP2 + torch.compile; compile time
