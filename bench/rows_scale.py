@@ -40,7 +40,8 @@ from megazero.config import ZeroConfig
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 
-# The shape of the measurement that opened the question (69M parameters: 8 x 768 with an untied output layer) and a deeper, narrower one (46M).
+# The shape of the measurement that opened the question (69M parameters: 8 x 768, untied output layer) and a
+# deeper, narrower one (46M).
 SCALE_SHAPES = (Spec(layers=8, hidden=768, heads=12, seq=64, vocab=8192, micro_batch=1, micro_batches=1, rounds=7,
                      untied=True),
                 Spec(layers=12, hidden=512, heads=8, seq=64, vocab=8192, micro_batch=1, micro_batches=1, rounds=7,
