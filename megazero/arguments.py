@@ -2,7 +2,8 @@
 
 Imported by the entry point ``pretrain_gpt.py`` and by ``tools/estimate_memory.py``, which takes the
 trainer's flags; the other tools have their own small parsers. Besides :func:`megazero.config.validate`,
-parsing checks that ``--model-family`` names a registered model spec and runs its rules. Every flag is one dataclass field (``section.field``) and is declared there, in the field's
+parsing checks that ``--model-family`` names a registered model spec and runs its rules. Every flag is
+one dataclass field (``section.field``) and is declared there, in the field's
 metadata (``megazero/config/sections.py``): its spellings, help, group and default. This module turns
 that into the parser, the config-file keys and the flag reference ``docs/flags.md``
 (``python -m megazero.arguments --markdown > docs/flags.md``).

@@ -92,7 +92,7 @@ class CompileStats:
         from torch._dynamo.utils import compilation_time_metrics, counters
 
         breaks = counters["graph_break"]
-        seconds = sum(sum(times) for name, times in compilation_time_metrics.items() if name == "_compile.compile_inner")
+        seconds = sum(compilation_time_metrics.get("_compile.compile_inner", []))
         return cls(int(counters["stats"].get("unique_graphs", 0)), int(sum(breaks.values())), float(seconds),
                    [reason.splitlines()[0] for reason in breaks])
 

@@ -1,10 +1,11 @@
 """Checks of everything a run will read or write, before any process group, model or dataset exists.
 
 ``validate()`` (megazero/config/) checks the flags against each other; this module checks them
-against the machine: the backend against the hardware, ``--compile`` against this torch, the output paths are writable, ``--save``
-holds no other run's checkpoints (and is locked for this run), ``--load`` holds a checkpoint of this
-model, every data prefix has agreeing ``.idx``/``.bin`` files whose token ids the tokenizer's
-vocabulary covers, ``--nvme-path`` is a writable directory with room for every local rank's swap files.
+against the machine: the backend against the hardware, ``--compile`` against this torch, the output
+paths are writable, ``--save`` holds no other run's checkpoints (and is locked for this run), ``--load``
+holds a checkpoint of this model, every data prefix has agreeing ``.idx``/``.bin`` files whose token ids
+the tokenizer's vocabulary covers, ``--nvme-path`` is a writable directory with room for every local
+rank's swap files.
 A failure is one line naming the flag, the file and the fix.
 """
 from __future__ import annotations

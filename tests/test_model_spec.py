@@ -23,8 +23,8 @@ from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig,
 from megazero.memory.estimate import estimate_memory
 from megazero.models.spec import ModelSpec, build_model_chunks, get_model_spec, register_model_spec
 from megazero.parallel.params import set_tp_attributes
-from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mask_padded_vocab,
-                                      shard, vocab_parallel_cross_entropy)
+from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                      mask_padded_vocab, shard, vocab_parallel_cross_entropy)
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 
@@ -125,7 +125,8 @@ def check(cfg: ModelConfig, parallel: ParallelConfig) -> None:
 SPEC = register_model_spec(ModelSpec(
     name=FAMILY, build_chunk=PostNorm, loss=masked_mean, check=check,
     boundary_shape=lambda cfg, micro_batch, groups: (cfg.seq_length, micro_batch, cfg.hidden_size),
-    flops_per_token=lambda cfg, vocab, recompute: 6.0 * (12 * cfg.num_layers * cfg.hidden_size ** 2 + vocab * cfg.hidden_size)))
+    flops_per_token=lambda cfg, vocab, recompute: 6.0 * cfg.hidden_size * (12 * cfg.num_layers * cfg.hidden_size
+                                                                            + vocab)))
 
 TINY = ["--model-family", FAMILY, "--mock-data", "--vocab-size", "90", "--make-vocab-size-divisible-by", "8",
         "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

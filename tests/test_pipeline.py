@@ -301,8 +301,8 @@ def _eval_and_hook_body(rank, world, pp, schedule, v, m):
     no_grads = all(p.grad is None for c in chunks for p in c.parameters())
     eval_peak = stats.peak_in_flight
     hook = _HookRecorder(stats)
-    train_losses = run_schedule(chunks, mbs, topo.pipeline(), loss_fn=masked_mean, schedule=schedule, tensor_shape=shape,
-                                stats=stats, grad_sync=hook)
+    train_losses = run_schedule(chunks, mbs, topo.pipeline(), loss_fn=masked_mean, schedule=schedule,
+                                tensor_shape=shape, stats=stats, grad_sync=hook)
     return {"pp_rank": topo.pp_rank, "eval": [x.item() for x in eval_losses],
             "train": [x.item() for x in train_losses], "no_grads": no_grads, "eval_peak": eval_peak,
             "calls": hook.calls}

@@ -196,8 +196,9 @@ def _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, overlap_pa
     for batches in gpt_batches(steps, topo.dp_size * MICRO):
         mine = batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
         engine.zero_grad()
-        out = run_schedule(chunks, mine, topo.pipeline(), loss_fn=masked_mean, loss_scale=engine.loss_scale, grad_sync=engine,
-                           tensor_shape=activation_shape(chunks[0].cfg, MB_SIZE, tp, sequence_parallel))
+        shape = activation_shape(chunks[0].cfg, MB_SIZE, tp, sequence_parallel)
+        out = run_schedule(chunks, mine, topo.pipeline(), loss_fn=masked_mean, loss_scale=engine.loss_scale,
+                           grad_sync=engine, tensor_shape=shape)
         engine.finalize_grads()
         norm, skipped = engine.step()
         assert not skipped

@@ -58,8 +58,8 @@ def _step(chunks, engine, micro_batches, topo, loss_fn=None):
     """train_step's sequence with a custom loss function; returns (losses, norm, skipped)."""
     engine.zero_grad()
     shape = activation_shape(chunks[0].cfg, MB_SIZE, topo.tp_size, chunks[0].sequence_parallel)
-    out = run_schedule(chunks, micro_batches, topo.pipeline(), loss_fn=loss_fn or masked_mean, loss_scale=engine.loss_scale,
-                       grad_sync=engine, tensor_shape=shape)
+    out = run_schedule(chunks, micro_batches, topo.pipeline(), loss_fn=loss_fn or masked_mean,
+                       loss_scale=engine.loss_scale, grad_sync=engine, tensor_shape=shape)
     engine.finalize_grads()
     norm, skipped = engine.step()
     return out, norm, skipped

@@ -17,13 +17,14 @@ import dataclasses
 
 from megazero.config.checks import check_finite, check_model, fill_zero_defaults
 from megazero.config.fields import ConfigError, flag, flag_field, flag_fields, setting
-from megazero.config.sections import (ACTIVATIONS, BACKENDS, COMPILE_MODES, DECAY_STYLES, NORMALIZATIONS, OFFLOAD_DEVICES,
-                                      POSITION_EMBEDDING_TYPES, SCHEDULES, TOKENIZERS, ZERO_STAGES, CheckpointConfig,
-                                      CompileConfig,
-                                      DataConfig, JobConfig, LoggingConfig, ModelConfig, OptimizerConfig,
-                                      ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig)
+from megazero.config.sections import (ACTIVATIONS, BACKENDS, COMPILE_MODES, DECAY_STYLES, NORMALIZATIONS,
+                                      OFFLOAD_DEVICES, POSITION_EMBEDDING_TYPES, SCHEDULES, TOKENIZERS, ZERO_STAGES,
+                                      CheckpointConfig, CompileConfig, DataConfig, JobConfig, LoggingConfig,
+                                      ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig,
+                                      ZeroConfig)
 
-__all__ = ["ACTIVATIONS", "BACKENDS", "COMPILE_MODES", "CompileConfig", "DECAY_STYLES", "NORMALIZATIONS", "OFFLOAD_DEVICES", "POSITION_EMBEDDING_TYPES",
+__all__ = ["ACTIVATIONS", "BACKENDS", "COMPILE_MODES", "CompileConfig", "DECAY_STYLES", "NORMALIZATIONS",
+           "OFFLOAD_DEVICES", "POSITION_EMBEDDING_TYPES",
            "SCHEDULES", "TOKENIZERS", "ZERO_STAGES", "CheckpointConfig", "ConfigError", "DataConfig", "JobConfig",
            "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "TrainConfig",
            "ZeroConfig", "check_model", "flag", "flag_field", "flag_fields", "setting", "validate"]

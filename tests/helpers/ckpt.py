@@ -56,8 +56,8 @@ def train_one_step(topo, chunks, engine, step):
     mine = batches(step)[topo.dp_rank * per:(topo.dp_rank + 1) * per]
     engine.zero_grad()
     shape = activation_shape(chunks[0].cfg, MB_SIZE, topo.tp_size, chunks[0].sequence_parallel)
-    out = run_schedule(chunks, mine, topo.pipeline(), loss_fn=masked_mean, tensor_shape=shape, loss_scale=engine.loss_scale,
-                       grad_sync=engine)
+    out = run_schedule(chunks, mine, topo.pipeline(), loss_fn=masked_mean, tensor_shape=shape,
+                       loss_scale=engine.loss_scale, grad_sync=engine)
     engine.finalize_grads()
     engine.step()
     return global_loss(out, topo)

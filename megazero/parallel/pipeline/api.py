@@ -11,8 +11,8 @@ from megazero.parallel.pipeline.runner import PipelineStats, StageRunner
 from megazero.parallel.pipeline.schedules import default_schedule, get_schedule, no_pipelining, schedule_by_name
 
 
-def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, forward_only: bool = False, loss_scale: float = 1.0,
-                 grad_sync=None, schedule=None, tensor_shape=None,
+def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, forward_only: bool = False,
+                 loss_scale: float = 1.0, grad_sync=None, schedule=None, tensor_shape=None,
                  stats: PipelineStats | None = None) -> list[torch.Tensor]:
     """Run forward (and backward unless ``forward_only``) of every micro-batch through this rank's chunks.
 

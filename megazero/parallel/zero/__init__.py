@@ -20,8 +20,9 @@
 Each file imports only the ones listed above it.
 """
 from megazero.parallel.zero.buckets import PAD_MULTIPLE, Bucket, ParamSlot, plan_buckets
-from megazero.parallel.zero.engine import (STAGES, StatePiece, ZeroEngine, bucket_group_filters, bucket_group_views, build_engine,
-                                           build_grad_sync, build_optimizer, model_state_bytes, wrap_data_parallel,
+from megazero.parallel.zero.engine import (STAGES, StatePiece, ZeroEngine, bucket_group_filters, bucket_group_views,
+                                           build_engine, build_grad_sync, build_optimizer, model_state_bytes,
+                                           wrap_data_parallel,
                                            zero_paper_bytes)
 from megazero.parallel.zero.grad_sync import AllReduceGradSync, BucketedGradSync, ReduceScatterGradSync
 from megazero.parallel.zero.offload import OffloadStats

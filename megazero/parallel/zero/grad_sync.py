@@ -23,7 +23,6 @@ the parameters of its group. Stages 0 and 1 keep one persistent gradient buffer 
 """
 from __future__ import annotations
 
-from collections import deque
 from functools import partial
 
 import torch
