@@ -429,3 +429,42 @@ def check_compile(c: CompileConfig) -> None:
     if c.compile_mode != "default" and not c.compile:
         _fail(f"{FLAG.compile_mode} {c.compile_mode} applies with {FLAG.compile}: add {FLAG.compile} or drop "
               f"{FLAG.compile_mode}")
+
+
+def check_activation_memory(m: ModelConfig) -> None:
+    """The recompute and activation-offload flags (Megatron-core's rules, which ``ModelConfig`` has
+    already applied to ``--recompute-activations`` and to selective's default modules)."""
+    g = m.recompute_granularity
+    if m.recompute_activations and g != "full":
+        _fail(f"{FLAG.recompute_activations} is full recompute; with {FLAG.recompute_granularity} {g} drop it")
+    if g is None and (m.recompute_method or m.recompute_num_layers is not None or m.recompute_modules):
+        _fail(f"{FLAG.recompute_method}, {FLAG.recompute_num_layers} and {FLAG.recompute_modules} apply with "
+              f"{FLAG.recompute_granularity}: add it (full or selective) or drop them")
+    if g is not None:
+        _one_of(m, "recompute_granularity")
+    if g == "full":
+        if m.recompute_method is None or m.recompute_num_layers is None:
+            _fail(f"{FLAG.recompute_granularity} full needs {FLAG.recompute_method} (uniform or block) and "
+                  f"{FLAG.recompute_num_layers} N (or use {FLAG.recompute_activations} for every layer)")
+        _one_of(m, "recompute_method")
+        if not isinstance(m.recompute_num_layers, int) or not 1 <= m.recompute_num_layers <= m.num_layers:
+            _fail(f"{FLAG.recompute_num_layers} must be between 1 and {FLAG.num_layers} {m.num_layers}, got "
+                  f"{m.recompute_num_layers}")
+        if m.recompute_modules:
+            _fail(f"{FLAG.recompute_modules} applies with {FLAG.recompute_granularity} selective; full recompute "
+                  f"recomputes every module of the chosen layers")
+    if g == "selective":
+        if m.recompute_method is not None or m.recompute_num_layers is not None:
+            _fail(f"{FLAG.recompute_method} and {FLAG.recompute_num_layers} apply with {FLAG.recompute_granularity} "
+                  f"full; selective recompute chooses modules ({FLAG.recompute_modules})")
+        allowed = choices("recompute_modules")
+        if not m.recompute_modules or any(x not in allowed for x in m.recompute_modules):
+            _fail(f"{FLAG.recompute_modules} takes some of {', '.join(allowed)}, got "
+                  f"{' '.join(map(str, m.recompute_modules)) or 'none'}")
+        if "moe_act" in m.recompute_modules and not m.num_experts:
+            _fail(f"{FLAG.recompute_modules} moe_act recomputes the experts' activation: it needs {FLAG.num_experts}")
+    if m.cpu_offloading_num_layers is not None:
+        if not m.cpu_offloading:
+            _fail(f"{FLAG.cpu_offloading_num_layers} applies with {FLAG.cpu_offloading}: add it or drop the count")
+        if not isinstance(m.cpu_offloading_num_layers, int) or m.cpu_offloading_num_layers < 1:
+            _fail(f"{FLAG.cpu_offloading_num_layers} must be a positive integer, got {m.cpu_offloading_num_layers}")
