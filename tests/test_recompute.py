@@ -8,7 +8,7 @@ import torch
 from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_CFG, GPT_OPT, LLAMA_KW, SEED, check_against_reference, trainer_steps
 
-from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.config import CompileConfig, ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
 from megazero.models.gpt import GPT
 from megazero.models.recompute import full_recompute_groups
 from megazero.models.spec import build_model_chunks, get_model_spec
@@ -117,10 +117,13 @@ def test_groups_follow_megatrons_methods():
     (dict(recompute_activations=True, recompute_granularity="selective"), "--recompute-activations is full"),
     (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), "it needs --num-experts"),
     (dict(cpu_offloading_num_layers=1), "applies with --cpu-offloading"),
+    (dict(cpu_offloading=True, compile=True), "--compile compiles whole layers"),
+    (dict(recompute_granularity="selective", compile=True), "--compile compiles whole layers"),
 ])
 def test_contradictory_choices_are_refused(kw, message):
+    compiled = CompileConfig(compile=kw.pop("compile", False))
     with pytest.raises(ConfigError, match=message):
-        validate(JobConfig(model=ModelConfig(**{**GPT_CFG, **kw})), 1)
+        validate(JobConfig(model=ModelConfig(**{**GPT_CFG, **kw}), compilation=compiled), 1)
 
 
 def test_offloaded_bytes_are_what_the_layers_save():
@@ -151,3 +154,21 @@ def test_offloaded_bytes_are_what_the_layers_save():
     assert model.activation_offload.bytes_reloaded == sum(saved)
     for (name, p), q in zip(plain.named_parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_the_flops_count_what_the_backward_runs_again():
+    """The share of the layers' forward recomputed: every layer (uniform), the first of each of pp 2's
+    chunks (block 1: half of 4 layers), the attention core and MLP matmuls (selective), none."""
+    from megazero.models.gpt_spec import flops_per_token, recomputed_share
+
+    par = ParallelConfig(pp=2)
+    cfg = ModelConfig(**GPT_CFG)
+    h, s, f = cfg.hidden_size, cfg.seq_length, cfg.ffn_hidden_size
+    layer = 2 * (4 * h * h + 2 * h * f) + 4 * s * h
+    assert recomputed_share(ModelConfig(**GPT_CFG, recompute_activations=True), par) == 1.0
+    block = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+    assert recomputed_share(ModelConfig(**GPT_CFG, **block), par) == 0.5
+    selective = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    assert recomputed_share(ModelConfig(**GPT_CFG, **selective), par) == pytest.approx((4 * s * h + 4 * h * f) / layer)
+    assert recomputed_share(cfg, par) == 0.0
+    assert flops_per_token(cfg, 256, 1.0) - flops_per_token(cfg, 256) == cfg.num_layers * layer

@@ -436,8 +436,8 @@ class CompileConfig:
                                    help="torch.compile's mode (default, reduce-overhead, max-autotune, "
                                         "max-autotune-no-cudagraphs)")
 
-    def check(self) -> None:
-        checks.check_compile(self)
+    def check(self, model: ModelConfig | None = None) -> None:
+        checks.check_compile(self, model)
 
 
 @register_job
