@@ -117,6 +117,7 @@ def test_groups_follow_megatrons_methods():
     (dict(recompute_activations=True, recompute_granularity="selective"), "--recompute-activations is full"),
     (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), "it needs --num-experts"),
     (dict(cpu_offloading_num_layers=1), "applies with --cpu-offloading"),
+    (dict(cpu_offloading=True, recompute_activations=True), "nothing to offload; choose one"),
     (dict(cpu_offloading=True, compile=True), "--compile compiles whole layers"),
     (dict(recompute_granularity="selective", compile=True), "--compile compiles whole layers"),
 ])

@@ -469,6 +469,9 @@ def check_activation_memory(m: ModelConfig) -> None:
                   f"{' '.join(map(str, m.recompute_modules)) or 'none'}")
         if "moe_act" in m.recompute_modules and not m.num_experts:
             _fail(f"{FLAG.recompute_modules} moe_act recomputes the experts' activation: it needs {FLAG.num_experts}")
+    if m.cpu_offloading and g == "full":
+        _fail(f"{FLAG.cpu_offloading} with {FLAG.recompute_granularity} full: a recomputed layer keeps only its "
+              f"input, so there is nothing to offload; choose one (or selective recompute with offload)")
     if m.cpu_offloading_num_layers is not None:
         if not m.cpu_offloading:
             _fail(f"{FLAG.cpu_offloading_num_layers} applies with {FLAG.cpu_offloading}: add it or drop the count")

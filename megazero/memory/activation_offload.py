@@ -37,6 +37,7 @@ class _LayerStash:
     def __init__(self, owner: ActivationOffload, module: nn.Module, previous: _LayerStash | None):
         self.owner, self.module, self.previous = owner, module, previous
         self.items: list[_Offloaded] = []
+        self.seen: dict[tuple, _Offloaded] = {}
         self.param_storages: set[int] | None = None
         self.prefetched = False
 
@@ -45,6 +46,10 @@ class _LayerStash:
             self.param_storages = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
         if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self.param_storages:
             return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+               t._version)
+        if key in self.seen:                     # saved twice (an input both projections keep): sent once
+            return self.seen[key]
         owner = self.owner
         host = torch.empty_like(t, device="cpu", pin_memory=owner.stream is not None)     # t's strides
         sent = None
@@ -60,6 +65,7 @@ class _LayerStash:
         owner.bytes_offloaded += host.numel() * host.element_size()
         item = _Offloaded(self, host, sent)
         self.items.append(item)
+        self.seen[key] = item
         return item
 
     def unpack(self, item):

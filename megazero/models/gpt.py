@@ -280,8 +280,10 @@ class GPT(nn.Module):
                 return x
             return layers_forward
 
+        cfg = self.cfg
+        rng = self.rng if self.training and (cfg.attention_dropout > 0 or cfg.hidden_dropout > 0) else None
         for indices, recomputed in self.recompute_groups:
-            h = checkpointed(run(indices), self.rng, h) if recomputed else run(indices)(h)
+            h = checkpointed(run(indices), rng, h) if recomputed else run(indices)(h)
         return h
 
     masked_mean = staticmethod(masked_mean)

@@ -106,7 +106,7 @@ class ExpertMLP(nn.Module):
             inner = (F.linear(x, w, b),)
         if not self.ctx.recomputes("moe_act"):
             return F.linear(self._act(*inner), self.fc2.weight, self.fc2.bias)
-        y = checkpointed(self._act, self.ctx.rng, *inner) if self.swiglu else self._act(*inner)
+        y = checkpointed(self._act, None, *inner) if self.swiglu else self._act(*inner)
         out = F.linear(y, self.fc2.weight, self.fc2.bias)
         free_until_backward(y, out, lambda: self._act(*inner))
         return out

@@ -66,10 +66,13 @@ def selective_modules(cfg) -> frozenset[str]:
     return frozenset(cfg.recompute_modules or ()) if cfg.recompute_granularity == "selective" else frozenset()
 
 
-def checkpointed(fn: Callable, rng: TensorParallelRNG, *args):
+def checkpointed(fn: Callable, rng: TensorParallelRNG | None, *args):
     """``fn(*args)`` keeping only ``args`` for the backward, which runs ``fn`` again with the same dropout
     masks (torch's global generator by checkpoint's ``preserve_rng_state``, the tensor-parallel streams
-    of ``rng`` by replaying their states). The forward's streams end where an uncheckpointed run's would."""
+    of ``rng`` by replaying their states). The forward's streams end where an uncheckpointed run's would.
+    ``rng=None``: ``fn`` draws no random numbers, and no generator state is kept (about 5 KB each on a CPU)."""
+    if rng is None:
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
     saved = rng.get_states()
     calls = []
 

@@ -241,7 +241,8 @@ def core_attention(ctx: LayerContext, q, k, v, cache: LayerKVCache | None, train
     backward under ``--recompute-modules core_attn``."""
     if not ctx.recomputes("core_attn", cache):
         return attend(ctx, q, k, v, cache, training)
-    return checkpointed(lambda q_, k_, v_: attend(ctx, q_, k_, v_, None, training), ctx.rng, q, k, v)
+    rng = ctx.rng if training and ctx.cfg.attention_dropout > 0 else None
+    return checkpointed(lambda q_, k_, v_: attend(ctx, q_, k_, v_, None, training), rng, q, k, v)
 
 
 class SelfAttention(nn.Module):
@@ -424,5 +425,5 @@ class TransformerLayer(nn.Module):
     def _mlp(self, x: torch.Tensor, cache: LayerKVCache | None) -> torch.Tensor:
         """The MLP (or MoE layer); a dense MLP keeps only its input under ``--recompute-modules mlp``."""
         if self.ctx.recomputes("mlp", cache) and not self.mlp_is_moe:
-            return checkpointed(self.mlp, self.ctx.rng, x)
+            return checkpointed(self.mlp, None, x)                   # no dropout inside the MLP
         return self.mlp(x)
