@@ -4,7 +4,8 @@ memory between its forward and its backward.
 Per layer (:meth:`ActivationOffload.layer` around the layer's forward), every tensor autograd saves,
 except the layer's own parameters (their storage stays where ZeRO keeps it), is copied to host memory
 when it is saved and copied back when the backward reads it. On CUDA the copies out run on a side
-stream into pinned memory, overlapping the forward; the backward of layer k starts the copy back of
+stream into pinned memory, overlapping the forward (a tensor saved twice, e.g. the input both
+projections keep, is sent once; the device tensors are released when the layer's forward ends); the backward of layer k starts the copy back of
 layer k-1's tensors (the previous layer of the same forward) on that stream, so it overlaps layer k's
 backward. On a CPU the same code runs with plain copies: the device is the host, so it saves nothing
 there (the memory planner never picks it on a CPU), but the tests prove the mechanism.
@@ -15,6 +16,8 @@ runs its backward before layer 0) and reading them starts the copy of layer 0's.
 theirs on the device. :attr:`ActivationOffload.bytes_offloaded` counts the bytes sent to the host.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -37,7 +40,7 @@ class _LayerStash:
     def __init__(self, owner: ActivationOffload, module: nn.Module, previous: _LayerStash | None):
         self.owner, self.module, self.previous = owner, module, previous
         self.items: list[_Offloaded] = []
-        self.seen: dict[tuple, _Offloaded] = {}
+        self.seen: dict[tuple, tuple[torch.Tensor, _Offloaded]] = {}
         self.param_storages: set[int] | None = None
         self.prefetched = False
 
@@ -49,7 +52,7 @@ class _LayerStash:
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
                t._version)
         if key in self.seen:                     # saved twice (an input both projections keep): sent once
-            return self.seen[key]
+            return self.seen[key][1]
         owner = self.owner
         host = torch.empty_like(t, device="cpu", pin_memory=owner.stream is not None)     # t's strides
         sent = None
@@ -65,7 +68,7 @@ class _LayerStash:
         owner.bytes_offloaded += host.numel() * host.element_size()
         item = _Offloaded(self, host, sent)
         self.items.append(item)
-        self.seen[key] = item
+        self.seen[key] = (t, item)               # t kept until the layer's forward ends: no address reuse
         return item
 
     def unpack(self, item):
@@ -120,7 +123,12 @@ class ActivationOffload:
     def new_forward(self) -> None:
         self._previous = None
 
+    @contextmanager
     def layer(self, module: nn.Module):
         stash = _LayerStash(self, module, self._previous)
         self._previous = stash
-        return torch.autograd.graph.saved_tensors_hooks(stash.pack, stash.unpack)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(stash.pack, stash.unpack):
+                yield
+        finally:
+            stash.seen.clear()                   # the device tensors may go now
