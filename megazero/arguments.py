@@ -219,6 +219,13 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
         values.update(_merge(foreign, flags, "the command line"))
         job = validate(job_from_values(values), world_size)
         check_family(job.model, job.parallel, job.compilation)   # the model family is registered; its own rules
+        if job.train.memory_budget_gib is not None:              # the memory planner picks recompute / offload
+            import torch
+
+            from megazero.memory.planner import plan_for_budget
+            job, plan = plan_for_budget(job, world_size, "cuda" if torch.cuda.is_available() else "cpu")
+            if os.environ.get("RANK", "0") == "0":
+                print(plan, flush=True)
         return job
     except (ConfigError, TypeError) as e:
         # One line from the launcher, not one per rank: rank 0 prints and exits at once, and the launcher

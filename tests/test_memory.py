@@ -172,8 +172,10 @@ SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules"]
 ACTIVATION_CHOICES = {
     "none": [],
     "full-uniform-1": ["--recompute-activations"],
-    "full-uniform-3": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"],
-    "full-block-2": ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
+    "full-uniform-3": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                       "--recompute-num-layers", "3"],
+    "full-block-2": ["--recompute-granularity", "full", "--recompute-method", "block",
+                     "--recompute-num-layers", "2"],
     "core_attn": SELECTIVE + ["core_attn"],
     "mlp": SELECTIVE + ["mlp"],
     "layernorm": SELECTIVE + ["layernorm"],

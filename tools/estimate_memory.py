@@ -6,8 +6,9 @@
     python tools/estimate_memory.py --world-size 8 --tp 2 --pp 2 --zero-stage 3 --json   # machine-readable
 
 Takes the trainer's own flags (the same parser, so a flag means the same thing in both; ``--config``
-files too) plus ``--world-size``, ``--device`` and ``--json``. Prints, per pipeline stage, the model
-states (parameters, gradients, fp32 masters, Adam moments, as the ZeRO stage shards them), the
+files too) plus ``--world-size``, ``--device``, ``--json`` and ``--fit-gib X`` (the memory planner: the
+cheapest recompute / offload plan that fits X GiB per rank, or the layout change that would). Prints,
+per pipeline stage, the model states (parameters, gradients, fp32 masters, Adam moments, as the ZeRO stage shards them), the
 activations the schedule holds at its peak and the transient buffers on top, and beside them the ZeRO
 paper's model-state figures for the same parameter count. With ``--offload-optimizer`` /
 ``--offload-params`` the device figures drop what is offloaded, and host and NVMe bytes are printed apart. The accounting is in
@@ -35,8 +36,20 @@ def parse(argv=None):
     tool.add_argument("--device", choices=["cpu", "cuda"], default="cuda",
                       help="where the run trains (dropout keeps 1-byte masks on CUDA, full ones on a CPU)")
     tool.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    tool.add_argument("--fit-gib", type=float, default=None, metavar="X",
+                      help="pick the cheapest recompute / offload plan whose peak per rank fits X GiB "
+                           "(megazero/memory/planner.py), print it with the plans it rejected, and estimate it")
     args = parser.parse_args(argv)
     return job_from_args(parser, args, args.world_size), args
+
+
+def recompute_words(m) -> str:
+    """The recompute and offload choice, in a few words."""
+    words = {None: "no recompute", "selective": f"selective recompute ({' '.join(m.recompute_modules or [])})",
+             "full": f"full recompute ({m.recompute_method} {m.recompute_num_layers})"}[m.recompute_granularity]
+    if m.cpu_offloading:
+        words += f", offload {m.cpu_offloading_num_layers or 'all'} layers per chunk"
+    return words
 
 
 def report(job, device: str) -> dict:
@@ -52,8 +65,31 @@ def report(job, device: str) -> dict:
                                               for k in range(4)}}
 
 
+def plan(job, args) -> object:
+    """``--fit-gib``: the job with the chosen plan, after printing the plans tried; None when none fits."""
+    from megazero.memory.planner import GIB, NoPlanFits, describe, fit, with_plan
+
+    if not args.fit_gib or args.fit_gib <= 0:
+        print(f"tools/estimate_memory.py: error: --fit-gib must be > 0, got {args.fit_gib}", file=sys.stderr)
+        return None
+    try:
+        chosen, rejected = fit(job, args.fit_gib * GIB, args.world_size, args.device)
+    except NoPlanFits as e:
+        print(f"tools/estimate_memory.py: error: {e}", file=sys.stderr)
+        return None
+    for p in rejected:
+        print(f"rejected: {p.name}: {p.peak / MIB:,.1f} MiB > {args.fit_gib * GIB / MIB:,.1f} MiB")
+    print(describe(chosen, args.fit_gib * GIB))
+    print(f"chosen flags: {chosen.flags}")
+    return with_plan(job, chosen, args.world_size)
+
+
 def main(argv=None) -> int:
     job, args = parse(argv)
+    if args.fit_gib is not None:
+        job = plan(job, args)
+        if job is None:
+            return 2
     out = report(job, args.device)
     if args.json:
         print(json.dumps(out, indent=1))
@@ -61,7 +97,7 @@ def main(argv=None) -> int:
     par = job.parallel
     print(f"world {out['world_size']} = tp {par.tp} x pp {par.pp} x dp {par.dp} | zero stage {job.zero.zero_stage} | "
           f"{job.precision.dtype_name} | {args.device} | micro-batch {job.train.micro_batch_size} x "
-          f"{job.num_micro_batches} micro-batches | recompute {job.model.recompute_activations}")
+          f"{job.num_micro_batches} micro-batches | {recompute_words(job.model)}")
     offload = any(s["host_bytes"] or s["nvme_bytes"] for s in out["stages"])
     extra = f" {'host':>10} {'nvme':>10}" if offload else ""
     print(f"{'stage':>5} {'params/rank':>14} {'model states':>13} {'activations':>12} {'buffers':>10} {'total':>10}"

@@ -223,6 +223,8 @@ def check_pipeline(m: ModelConfig, par: ParallelConfig) -> None:
 def check_train(t: TrainConfig, par: ParallelConfig) -> None:
     """Batch sizes against the layout (``par.dp`` resolved); fills ``global_batch_size``."""
     _positive(t.micro_batch_size, "micro_batch_size")
+    if t.memory_budget_gib is not None:
+        _positive_float(t.memory_budget_gib, "memory_budget_gib")
     steps = t.gradient_accumulation_steps              # no flag: a DeepSpeed or Accelerate config sets it
     if steps is not None:
         if steps < 1:

@@ -384,6 +384,10 @@ class TrainConfig:
                                  help="batches per evaluation (0: none)")
     log_interval: int = flag_field(10, "--log-interval", type=int, group="training",
                                    help="iterations between log lines")
+    memory_budget_gib: float | None = flag_field(
+        None, "--memory-budget-gib", type=float, group=_ACT,
+        help="let the memory planner pick the cheapest recompute / offload plan whose estimated peak per rank fits "
+             "this many GiB (megazero/memory/planner.py); not with the recompute and offload flags")
     check_for_nan_in_loss_and_grad: bool = flag_field(
         True, "--check-for-nan-in-loss-and-grad", action=BooleanOptionalAction, group="training",
         help="stop the run on a non-finite loss or gradient (default on; off: such steps are skipped)")

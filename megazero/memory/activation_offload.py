@@ -5,8 +5,8 @@ Per layer (:meth:`ActivationOffload.layer` around the layer's forward), every te
 except the layer's own parameters (their storage stays where ZeRO keeps it), is copied to host memory
 when it is saved and copied back when the backward reads it. On CUDA the copies out run on a side
 stream into pinned memory, overlapping the forward (a tensor saved twice, e.g. the input both
-projections keep, is sent once; the device tensors are released when the layer's forward ends); the backward of layer k starts the copy back of
-layer k-1's tensors (the previous layer of the same forward) on that stream, so it overlaps layer k's
+projections keep, is sent once; the device tensors are released when the layer's forward ends); the
+backward of layer k starts the copy back of layer k-1's tensors (the previous layer of the same forward) on that stream, so it overlaps layer k's
 backward. On a CPU the same code runs with plain copies: the device is the host, so it saves nothing
 there (the memory planner never picks it on a CPU), but the tests prove the mechanism.
 
@@ -26,7 +26,7 @@ from torch import nn
 class _Offloaded:
     """One saved tensor in host memory, and its way back."""
 
-    __slots__ = ("stash", "host", "sent", "back", "ready")
+    __slots__ = ("back", "host", "ready", "sent", "stash")
 
     def __init__(self, stash: _LayerStash, host: torch.Tensor, sent):
         self.stash, self.host, self.sent = stash, host, sent

@@ -203,8 +203,8 @@ class GPTActivations(TransformerActivations):
     def working(self, job, placements, e: int, mask: int, device: str = "cpu") -> int:
         """A backward's transient: the gradients passing between layers (two hidden-sized tensors and
         the MLP's inner one); what recompute brings back at once (a recomputed group's activations, or
-        what a layer's recomputed modules drop: measured, they overlap within its backward); an offloaded layer and the one prefetched
-        behind it, copied back (on CUDA; on a CPU the host copy is the tensor); on the last chunk, the
+        what a layer's recomputed modules drop: measured, they overlap within its backward); an
+        offloaded layer and the one prefetched behind it, copied back (on CUDA; on a CPU the host copy is the tensor); on the last chunk, the
         head's held activations are gone first."""
         cfg, par = job.model, job.parallel
         s, b, t = cfg.seq_length, job.train.micro_batch_size, par.tp
