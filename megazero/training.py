@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megazero.compile import CompileLog, describe_recompiles
 from megazero.config import JobConfig
 from megazero.lr_schedule import learning_rate
+from megazero.memory.activation_offload import take_offloaded_bytes
 from megazero.metrics import MetricsLog, device_peak_tflops, peak_memory_bytes
 from megazero.models.spec import ModelSpec, get_model_spec
 from megazero.parallel.params import attribute, counts_once, split_dim
@@ -133,6 +134,9 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
             if compile_log is not None:
                 extra = {**extra, **compile_log.metrics()}
                 text += describe_recompiles(extra)
+            if job.model.cpu_offloading:                     # --cpu-offloading: bytes sent to the host
+                extra["activation_offload_bytes"] = take_offloaded_bytes(chunks) // window_iters
+                text += f" | activations offloaded {extra['activation_offload_bytes'] / 2**20:.1f} MiB/iter"
             _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, extra, text)
             window_start, window_iters = time.perf_counter(), 0
         if stop:                               # logged, never saved

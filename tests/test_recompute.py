@@ -1,6 +1,7 @@
 """Activation recompute and offload (megazero/models/recompute.py, megazero/memory/activation_offload.py):
-every choice trains exactly as the run that keeps everything, at tp 2 + SP, pp 2 (1F1B and
-interleaved), dp 2 under ZeRO 1 and 3 and ep 2, with dropout on (the backward's recomputation replays
+every choice trains exactly as the run that keeps everything, at tp 2 + SP, pp 2 (1F1B, interleaved,
+GPipe), dp 2 under ZeRO 1, 2 (optimizer offloaded) and 3, dp 4 under ZeRO++ (hpZ, qwZ) and ep 2,
+with dropout on (the backward's recomputation replays
 the forward's masks); the no-recompute run itself equals the single process; the groups and the
 offloaded bytes are what the docs say."""
 import pytest
@@ -36,18 +37,20 @@ CHOICES = {                                            # name: model keywords
 def _choices_body(rank, world_size, layout, base_kw, names):
     """Every choice of ``names`` at ``layout`` (tp, pp, v, sp, ZeRO stage, ep), STEPS trainer steps each:
     {name: (tp rank, tp, losses, norms, params, offloaded bytes)}."""
-    tp, pp, v, sp, stage, ep = layout
+    tp, pp, v, sp, stage, ep, *more = layout
+    more = more[0] if more else {}                       # "schedule", "zero" (ZeroConfig keywords), "ranks_per_node"
     out = {}
     for name in names:
-        topo = Topology(tp=tp, pp=pp, ep=ep)
+        topo = Topology(tp=tp, pp=pp, ep=ep, ranks_per_node=more.get("ranks_per_node"))
         cfg = ModelConfig(**{**GPT_CFG, **base_kw, **CHOICES[name]})
         layers_per_chunk = cfg.num_layers // (pp * v) if v > 1 else None
         par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, expert_model_parallel_size=ep,
-                             num_layers_per_virtual_pipeline_stage=layers_per_chunk)
+                             num_layers_per_virtual_pipeline_stage=layers_per_chunk,
+                             pipeline_schedule=more.get("schedule", "interleaved" if v > 1 else "1f1b"))
         job = validate(JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=2, seed=SEED)),
                        world_size)
         chunks = build_model_chunks(get_model_spec("gpt"), job, topo, device="meta")
-        engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
+        engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, **more.get("zero", {})), GPT_OPT)
         losses, norms, params = trainer_steps(chunks, topo, engine, job, STEPS)
         offloaded = sum(c.activation_offload.bytes_offloaded for c in chunks if c.activation_offload is not None)
         out[name] = (topo.tp_rank, tp, losses, norms, params, offloaded)
@@ -67,10 +70,14 @@ def _check_choices(results, names):
             assert (offloaded > 0) == ("offload" in name), (name, offloaded)
 
 
-LAYOUTS = {   # (tp, pp, v, sp, ZeRO stage, ep) on 4 ranks
+LAYOUTS = {   # (tp, pp, v, sp, ZeRO stage, ep[, more]) on 4 ranks
     "tp2-sp-dp2-zero1": (2, 1, 1, True, 1, 1),
     "pp2-1f1b-dp2-zero3": (1, 2, 1, False, 3, 1),
     "pp2-interleaved-dp2-zero1": (1, 2, 2, False, 1, 1),
+    "pp2-gpipe-dp2-zero2-offload-optimizer": (1, 2, 1, False, 2, 1, dict(schedule="gpipe",
+                                                                         zero=dict(offload_optimizer="cpu"))),
+    "dp4-zero3-hpz2-qwz": (1, 1, 1, False, 3, 1, dict(ranks_per_node=2, zero=dict(
+        hpz_partition_size=2, quantized_weights=True, quantization_block_size=32))),
 }
 
 
@@ -174,3 +181,32 @@ def test_the_flops_count_what_the_backward_runs_again():
     assert recomputed_share(ModelConfig(**GPT_CFG, **selective), par) == pytest.approx((4 * s * h + 4 * h * f) / layer)
     assert recomputed_share(cfg, par) == 0.0
     assert flops_per_token(cfg, 256, 1.0) - flops_per_token(cfg, 256) == cfg.num_layers * layer
+
+
+def _main(rank, world_size, argv):
+    from helpers.trainer import main_body
+
+    return main_body(rank, world_size, argv)
+
+
+def test_the_trainer_logs_the_bytes_it_offloads(tmp_path):
+    """pretrain_gpt.py --cpu-offloading at dp 2: the same losses as without, and the bytes sent to the host
+    per iteration are the estimator's host activations per micro-batch times the micro-batches (10%)."""
+    from helpers.trainer import TINY, assert_same_losses, read_metrics
+
+    from megazero.arguments import parse_job
+    from megazero.models.gpt_memory import chunk_offloaded_bytes
+    from megazero.parallel.pipeline.partition import placements
+
+    runs = {}
+    for name, flags in (("kept", []), ("offloaded", ["--cpu-offloading", "--cpu-offloading-num-layers", "3"])):
+        path = tmp_path / f"{name}.jsonl"
+        argv = TINY + ["--train-iters", "4", "--metrics-file", str(path)] + flags
+        assert run_on_ranks(2, _main, argv) == [0, 0]
+        runs[name] = read_metrics(path)[0]
+    assert_same_losses(runs["offloaded"], runs["kept"], "loss")
+    job, _ = parse_job(argv, 2)
+    [place] = placements(job.model.num_layers, 1, 0)
+    want = chunk_offloaded_bytes(job, place, 4, 4) * job.num_micro_batches
+    assert [r["activation_offload_bytes"] for r in runs["offloaded"]] == pytest.approx([want] * 4, rel=0.10)
+    assert "activation_offload_bytes" not in runs["kept"][0]

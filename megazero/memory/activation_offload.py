@@ -132,3 +132,14 @@ class ActivationOffload:
                 yield
         finally:
             stash.seen.clear()                   # the device tensors may go now
+
+
+def take_offloaded_bytes(chunks) -> int:
+    """Bytes this rank's chunks sent to the host since the last call (the counters start over)."""
+    total = 0
+    for chunk in chunks:
+        offload = getattr(chunk, "activation_offload", None)
+        if offload is not None:
+            total += offload.bytes_offloaded
+            offload.bytes_offloaded = offload.bytes_reloaded = 0
+    return total
