@@ -9,7 +9,7 @@ from helpers import run_on_ranks
 
 from megazero.arguments import parse_job
 from megazero.config import ModelConfig, OptimizerConfig, ParallelConfig, ZeroConfig
-from megazero.memory import LiveTensorBytes
+from megazero.memory import LiveTensorBytes, reachable_tensor_bytes
 from megazero.memory.estimate import estimate_memory, paper_model_states
 
 # RoPE, RMSNorm, SwiGLU, 2 key/value groups, no biases, untied output
@@ -86,9 +86,14 @@ def _measure_body(rank, world_size, argv):
         engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
     with LiveTensorBytes(alive=build.end) as step:      # one step: see LiveTensorBytes on tp > 1
         train_step(chunks, micro, topo, engine, job)
-    return topo.pp_rank, step.peak
+    inputs = sum(t.untyped_storage().nbytes() for mb in micro for t in mb.values())
+    return topo.pp_rank, step.peak, reachable_tensor_bytes() - inputs   # after the step: the model states
 
 
+# The capacity benchmark's shape (BENCHMARKS.md, 4 layers): model states dominate, the estimate's
+# transients (the embedding's gradient at the backward's end) decide the peak.
+CAPACITY = ["--vocab-size", "4096", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+            "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4"]
 LAYOUTS = [  # (world size, flags): tp, pp, dp, ZeRO 0-3, sequence parallel, recompute, precision, dropout, Llama
     (1, ["--zero-stage", "0"]),
     (2, ["--zero-stage", "1"]),
@@ -104,6 +109,11 @@ LAYOUTS = [  # (world size, flags): tp, pp, dp, ZeRO 0-3, sequence parallel, rec
     (2, LLAMA + ["--tp", "2", "--sequence-parallel", "--zero-stage", "0"]),
     (2, LLAMA + ["--pp", "2", "--zero-stage", "0", "--global-batch-size", "8", "--recompute-activations"]),
     (2, LLAMA + ["--zero-stage", "3", "--num-query-groups", "4"]),
+    (2, ["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--zero-stage", "0", "--global-batch-size", "16"]),
+    (2, LLAMA + ["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--zero-stage", "0",
+                 "--global-batch-size", "16"]),
+    (4, CAPACITY + ["--zero-stage", "1"]),
+    (4, CAPACITY + ["--zero-stage", "2"]),
 ]
 QUICK = {0, 3, 5, 6, 11}
 
@@ -114,17 +124,26 @@ QUICK = {0, 3, 5, 6, 11}
                               .replace("--", "") for _, f in LAYOUTS])
 def test_estimate_is_within_10_percent_of_measured(world, flags):
     """The estimator's per-rank peak (every pipeline stage) against live tensor bytes measured over
-    construction and a training step. Activations and buffers are at least 40% of every peak here,
-    so the exact model-state accounting alone could not pass."""
+    construction and a training step, and each of its terms: the model states against the bytes alive
+    after the step, the activations and buffers against the rest of the peak (errors as a share of the
+    measured peak, printed). Activations and buffers are at least 40% of every peak here but at the
+    capacity shape, so the exact model-state accounting alone could not pass."""
     argv = BASE + flags
     job, _ = parse_job(argv, world)
     estimates = {e.pp_rank: e for e in estimate_memory(job, "cpu")}
-    measured = {}
-    for pp_rank, peak in run_on_ranks(world, _measure_body, argv):
+    measured, states = {}, {}
+    for pp_rank, peak, end in run_on_ranks(world, _measure_body, argv):
         measured[pp_rank] = max(measured.get(pp_rank, 0), peak)
+        states[pp_rank] = max(states.get(pp_rank, 0), end)
     for pp_rank, est in estimates.items():
-        assert est.activations + est.buffers >= 0.4 * est.total
-        assert est.total == pytest.approx(measured[pp_rank], rel=0.10), (pp_rank, est.as_dict(), measured[pp_rank])
+        if flags[:len(CAPACITY)] != CAPACITY:        # elsewhere the transients are a large part of the peak
+            assert est.activations + est.buffers >= 0.4 * est.total
+        errors = {"total": est.total / measured[pp_rank] - 1,       # each term's error, of the measured peak
+                  "model states": (est.model_states - states[pp_rank]) / measured[pp_rank],
+                  "activations + buffers": (est.activations + est.buffers - (measured[pp_rank] - states[pp_rank]))
+                  / measured[pp_rank]}
+        print(f"stage {pp_rank}:", {k: f"{v:+.1%}" for k, v in errors.items()})
+        assert all(abs(v) <= 0.10 for v in errors.values()), (pp_rank, errors, est.as_dict(), measured[pp_rank])
 
 
 # --------------------------------------------------------------------------- sharded construction

@@ -11,6 +11,7 @@ A model spec's ``activation_bytes`` is an object with three methods (bytes, for 
                                            (net of what the last chunk's held bytes already counted)
     offloaded(job, placement, e, mask)     what one micro-batch leaves in host memory (--cpu-offloading)
     logits(job, e)                         the current micro-batch's logits (and their fp32 copy)
+    head_backward(job, e)                  the head's backward transient (the logits' gradient)
 
 :class:`TransformerActivations` is the default, for a model that brings none: Korthikanti et al. 2022's
 per-layer count for a standard transformer layer (no knowledge of an implementation), in units of
@@ -84,6 +85,13 @@ class TransformerActivations:
         groups = [len(g) for pl in placements for g, on in full_recompute_groups(cfg, len(pl.layer_ids)) if on]
         out += max(groups, default=0) * layer
         return out + (2 * layer if cfg.cpu_offloading and device == "cuda" else 0)
+
+    def head_backward(self, job, e: int) -> int:
+        """The head's backward transient on top of the held activations: one more logits-sized tensor (the
+        loss's backward turns the held softmax into the logits' gradient; the padded vocabulary's in-place
+        -inf fill then allocates a second one)."""
+        cfg, s, b, t = job.model, job.model.seq_length, job.train.micro_batch_size, job.parallel.tp
+        return e * s * b * cfg.padded_vocab_size(t) // t
 
     def logits(self, job, e: int) -> int:
         cfg, s, b, t = job.model, job.model.seq_length, job.train.micro_batch_size, job.parallel.tp

@@ -23,7 +23,9 @@ parts, each per pipeline stage (the binding rank is the largest):
 * **buffers**: the transients on top -- gradients in flight
   (:func:`megazero.parallel.zero.sharded_grads.backward_grad_bytes`), stage 3's gathered units
   (:func:`megazero.parallel.zero.param_sync.gathered_unit_bytes`), the logits of the current
-  micro-batch, and the fp32 copy of the gradients the optimizer step makes in bf16/fp16.
+  micro-batch, the fp32 copy of the gradients the optimizer step makes in bf16/fp16, and at the
+  backward's end the word embedding's dense gradient (three copies when the head is tied on the same
+  rank: the head's, the lookup's and their sum) before it goes into its bucket.
 
 * **offloaded** (``--offload-optimizer``, ``--offload-params``): what leaves the device, counted on the
   host and on NVMe instead (:func:`offloaded_parts`; ``megazero/parallel/zero/offload.py`` has the table).
@@ -222,6 +224,9 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     accumulating = job.num_micro_batches > 1 and (z.zero_stage == 2 and not z.reduce_each_microbatch
                                                   or z.zero_stage == 3 and z.keep_params_gathered)
     forward_end = parts.get("logits", 0) + gathered + (grads if accumulating else 0)
+    if places[-1].post_process:                        # the head's backward: all activations still held
+        parts["logits_grad"] = activation_model.head_backward(job, e)
+        forward_end = max(forward_end, parts["logits_grad"] + gathered + (grads if accumulating else 0))
     backward = max(working, 0) + gathered + grads
     step = 0
     if ge < 4 and z.offload_optimizer == "none":       # the optimizer step's fp32 copy of the gradients,
@@ -230,6 +235,15 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
         parts["offload_staging"] = gathered // n
         forward_end, backward = forward_end + gathered // n, backward + gathered // n
     est.buffers = max(forward_end, backward, step - est.activations)
+    if places[0].pre_process:          # the backward's end: the word embedding's dense gradient (and, tied
+        # on this rank, the head's and their sum) before it is copied into its bucket; this micro-batch's
+        # activations are gone, the gradients in flight are not
+        cfg = job.model
+        copies = 3 if (places[-1].post_process and not cfg.untie_embeddings_and_output_weights) else 1
+        parts["embedding_grad"] = copies * e * cfg.padded_vocab_size(par.tp) // par.tp * cfg.hidden_size
+        first = activation_model.held(job, places[0], e, mask)
+        in_flight = grads if z.zero_stage < 3 else 0       # ZeRO-3 keeps one reduction in flight, done by then
+        est.buffers = max(est.buffers, parts["embedding_grad"] + in_flight + gathered - first)
     parts.update(offloaded)
     est.host = sum(v for k, v in offloaded.items() if k.startswith("host_"))
     est.nvme = sum(v for k, v in offloaded.items() if k.startswith("nvme_"))

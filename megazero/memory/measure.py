@@ -100,3 +100,28 @@ class LiveTensorBytes:
             live += e.nbytes()
             peak = max(peak, live)
         self.peak, self.end = peak, live
+
+
+def reachable_tensor_bytes() -> int:
+    """Bytes of the distinct CPU storages of every tensor Python can reach, with the gradients of leaf
+    tensors (autograd keeps ``.grad`` in C++: reading it makes it reachable) and the local shards of
+    DTensors. Exact at a quiescent point (no autograd graph, no collective in flight), where
+    :class:`LiveTensorBytes` may still count a buffer a collective's thread freed."""
+    import gc
+
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):
+            continue
+        for t in (obj, obj.grad if obj.is_leaf and obj.requires_grad else None):
+            if t is not None and hasattr(t, "to_local"):
+                t = t.to_local()
+            if t is None or t.device.type != "cpu":
+                continue
+            try:
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):      # a wrapper without storage of its own
+                continue
+    return sum(storages.values())
