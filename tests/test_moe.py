@@ -463,6 +463,11 @@ def test_estimate_counts_experts_per_ep_rank():
     # ZeRO-1's sharded state is the same: E/ep experts over dp/ep ranks is E experts over dp
     assert one.parts["optimizer_state"] == est.parts["optimizer_state"]
     assert moe_alltoall_bytes_per_step(job) == 4 * moe_alltoall_bytes(16 * MB_SIZE, 2, 32, 4, 2, 4, 4, 1)
+    per_layer = moe_alltoall_bytes(16 * MB_SIZE, 2, 32, 4, 2, 4, 1, 4)       # a recomputed layer: its forward again
+    block = _cfg(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+    assert moe_alltoall_bytes_per_step(JobConfig(**{**vars(job), "model": block})) == 4 * per_layer + per_layer // 2
+    every = _cfg(recompute_activations=True)
+    assert moe_alltoall_bytes_per_step(JobConfig(**{**vars(job), "model": every})) == 4 * per_layer * 3 // 2
 
 
 def test_flops_per_token_count_the_active_experts():

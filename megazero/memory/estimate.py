@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from megazero.config import JobConfig
 from megazero.memory.activations import TransformerActivations
+from megazero.models.recompute import full_recompute_groups
 from megazero.models.spec import get_model_spec
 from megazero.parallel.groups import ExpertParallel, ModelParallelGroups
 from megazero.parallel.params import attribute, split_dim
@@ -311,14 +312,18 @@ def moe_alltoall_bytes(tokens: int, topk: int, hidden: int, num_experts: int, ep
 
 def moe_alltoall_bytes_per_step(job: JobConfig, pp_rank: int = 0) -> int:
     """:func:`moe_alltoall_bytes` for one step of ``job`` on a rank of pipeline stage ``pp_rank``
-    (balanced routing; full recompute repeats the forward's half)."""
+    (balanced routing; a layer full recompute runs again repeats its forward's half)."""
     cfg, par = job.model, job.parallel
     if not cfg.num_experts:
         return 0
     tokens = cfg.seq_length * job.train.micro_batch_size // (par.tp if par.sequence_parallel else 1)
-    layers = [i for c in range(par.virtual_stages)
-              for i in stage_layer_ids(cfg.num_layers, par.pp, pp_rank, par.virtual_stages, c) if cfg.is_moe_layer(i)]
+    layers = again = 0                  # MoE layers of the rank's chunks; those a full recompute runs again
+    for c in range(par.virtual_stages):
+        ids = stage_layer_ids(cfg.num_layers, par.pp, pp_rank, par.virtual_stages, c)
+        layers += sum(cfg.is_moe_layer(i) for i in ids)
+        again += sum(cfg.is_moe_layer(ids[i]) for group, on in full_recompute_groups(cfg, len(ids)) if on
+                     for i in group)
     e = 2 if (job.precision.bf16 or job.precision.fp16) else 4
-    per = moe_alltoall_bytes(tokens, cfg.moe_router_topk, cfg.hidden_size, cfg.num_experts,
-                             par.expert_model_parallel_size, e, len(layers), job.num_micro_batches)
-    return per * 3 // 2 if cfg.recompute_granularity == "full" else per
+    per_layer = moe_alltoall_bytes(tokens, cfg.moe_router_topk, cfg.hidden_size, cfg.num_experts,
+                                   par.expert_model_parallel_size, e, 1, job.num_micro_batches)
+    return layers * per_layer + again * per_layer // 2       # a recomputed layer's forward half again
