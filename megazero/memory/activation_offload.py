@@ -47,7 +47,8 @@ class _LayerStash:
     def pack(self, t: torch.Tensor):
         if self.param_storages is None:          # gathered now (ZeRO-3 gathers in the forward pre-hook)
             self.param_storages = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
-        if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self.param_storages:
+        if (isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self.param_storages
+                or t.device.type != self.owner.device.type):      # a parameter, or already on the host
             return t
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
                t._version)
