@@ -210,3 +210,28 @@ def test_the_trainer_logs_the_bytes_it_offloads(tmp_path):
     want = chunk_offloaded_bytes(job, place, 4, 4) * job.num_micro_batches
     assert [r["activation_offload_bytes"] for r in runs["offloaded"]] == pytest.approx([want] * 4, rel=0.10)
     assert "activation_offload_bytes" not in runs["kept"][0]
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_moves_the_saved_tensors_to_pinned_host_memory_and_back():
+    """On a GPU: the side stream's copies give the gradients of keeping everything, bitwise, and the
+    offloaded bytes leave the device between forward and backward."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = ModelConfig(**GPT_CFG, cpu_offloading=True)
+    model, plain = GPT(cfg, seed=SEED, device="cuda"), GPT(ModelConfig(**GPT_CFG), seed=SEED, device="cuda")
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    loss = model(tokens, tokens).mean()
+    held_offloaded = torch.cuda.memory_allocated() - before
+    loss.backward()
+    del loss
+    before = torch.cuda.memory_allocated()
+    loss = plain(tokens, tokens).mean()
+    held_plain = torch.cuda.memory_allocated() - before
+    loss.backward()
+    assert model.activation_offload.bytes_offloaded > 0
+    assert held_offloaded < held_plain - model.activation_offload.bytes_offloaded // 2
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
