@@ -3,11 +3,13 @@ memory between its forward and its backward.
 
 Per layer (:meth:`ActivationOffload.layer` around the layer's forward), every tensor autograd saves,
 except the layer's own parameters (their storage stays where ZeRO keeps it), is copied to host memory
-when it is saved and copied back when the backward reads it. On CUDA the copies out run on a side
-stream into pinned memory, overlapping the forward (a tensor saved twice, e.g. the input both
-projections keep, is sent once; the device tensors are released when the layer's forward ends); the
-backward of layer k starts the copy back of layer k-1's tensors (the previous layer of the same forward) on that stream, so it overlaps layer k's
-backward. On a CPU the same code runs with plain copies: the device is the host, so it saves nothing
+when it is saved and copied back when the backward reads it, storage by storage: views of one
+storage (the input both projections keep; attention's output and the reshape the next layer reads)
+go once and come back as views of one copy. On CUDA the copies out run on a side stream into pinned
+memory, overlapping the forward (the device tensors are released when the layer's forward ends); the
+backward of layer k starts the copy back of layer k-1's storages (the previous layer of the same
+forward) on that stream, so it overlaps layer k's backward. The host copies live as long as the
+graph holds the saved tensors, no longer. On a CPU the same code runs with plain copies: the device is the host, so it saves nothing
 there (the memory planner never picks it on a CPU), but the tests prove the mechanism.
 
 Worked example, a chunk of 4 layers, ``--cpu-offloading-num-layers 2``: layers 0 and 1 send their
@@ -17,94 +19,108 @@ theirs on the device. :attr:`ActivationOffload.bytes_offloaded` counts the bytes
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 
+class _HostStorage:
+    """One device storage's bytes in host memory, and its way back. Held by the saved tensors that view
+    it (:class:`_Offloaded`), so it lives exactly as long as the graph needs one of them."""
+
+    def __init__(self, host: torch.Tensor, sent):
+        self.host, self.sent = host, sent        # uint8 [nbytes]; the copy's CUDA event (None on a CPU)
+        self.back = self.ready = None            # the device copy and its event, once copied back
+
+
 class _Offloaded:
-    """One saved tensor in host memory, and its way back."""
+    """A saved tensor: a view (dtype, shape, strides, offset) of an offloaded storage."""
 
-    __slots__ = ("back", "host", "ready", "sent", "stash")
+    __slots__ = ("dtype", "offset", "shape", "storage", "stride")
 
-    def __init__(self, stash: _LayerStash, host: torch.Tensor, sent):
-        self.stash, self.host, self.sent = stash, host, sent
-        self.back = self.ready = None
+    def __init__(self, storage: _HostStorage, t: torch.Tensor):
+        self.storage, self.dtype, self.shape = storage, t.dtype, t.shape
+        self.stride, self.offset = t.stride(), t.storage_offset()
 
 
 class _LayerStash:
-    """The offloaded tensors of one layer's forward; ``previous``: the layer that ran before it in the
-    same forward (its tensors are prefetched when this layer's backward starts reading)."""
+    """The offloaded storages of one layer's forward; ``previous``: the layer that ran before it in the
+    same forward (its storages are prefetched when this layer's backward starts reading). Holds its
+    storages weakly: once the graph has used them they go, whatever keeps the stash."""
 
     def __init__(self, owner: ActivationOffload, module: nn.Module, previous: _LayerStash | None):
         self.owner, self.module, self.previous = owner, module, previous
-        self.items: list[_Offloaded] = []
-        self.seen: dict[tuple, tuple[torch.Tensor, _Offloaded]] = {}
-        self.param_storages: set[int] | None = None
+        self.storages: list[weakref.ref] = []
+        self.seen: dict[int, tuple[torch.Tensor, _HostStorage, int]] = {}   # by device address: (tensor,
+        # its copy, the storage's version then: a view written since is sent again)
         self.prefetched = False
 
     def pack(self, t: torch.Tensor):
-        if self.param_storages is None:          # gathered now (ZeRO-3 gathers in the forward pre-hook)
-            self.param_storages = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
-        if (isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self.param_storages
+        # where the parameters are now: ZeRO-3 gathers a layer's units as their modules are called
+        params = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        address = t.untyped_storage().data_ptr()
+        if (isinstance(t, nn.Parameter) or address in params
                 or t.device.type != self.owner.device.type):      # a parameter, or already on the host
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
-               t._version)
-        if key in self.seen:                     # saved twice (an input both projections keep): sent once
-            return self.seen[key][1]
+        kept = self.seen.get(address)
+        if kept is not None and kept[0]._version == kept[2]:    # another view of a storage already sent
+            return _Offloaded(kept[1], t)       # (unwritten since): the input both projections keep, ...
         owner = self.owner
-        host = torch.empty_like(t, device="cpu", pin_memory=owner.stream is not None)     # t's strides
+        device_bytes = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        host = torch.empty(device_bytes.shape, dtype=torch.uint8, pin_memory=owner.stream is not None)
         sent = None
         if owner.stream is not None:
             owner.stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(owner.stream):
-                host.copy_(t, non_blocking=True)
+                host.copy_(device_bytes, non_blocking=True)
                 sent = torch.cuda.Event()
                 sent.record(owner.stream)
-            t.record_stream(owner.stream)
+            device_bytes.record_stream(owner.stream)
         else:
-            host.copy_(t)
-        owner.bytes_offloaded += host.numel() * host.element_size()
-        item = _Offloaded(self, host, sent)
-        self.items.append(item)
-        self.seen[key] = (t, item)               # t kept until the layer's forward ends: no address reuse
-        return item
+            host.copy_(device_bytes)
+        owner.bytes_offloaded += host.numel()
+        storage = _HostStorage(host, sent)
+        self.storages.append(weakref.ref(storage))
+        self.seen[address] = (t, storage, t._version)   # t kept until the layer's forward ends: no reuse
+        return _Offloaded(storage, t)
 
     def unpack(self, item):
         if not isinstance(item, _Offloaded):
             return item
-        owner = self.owner
         if self.previous is not None and not self.previous.prefetched:
             self.previous.prefetch()
-        if item.back is None:
-            item.stash._copy_back(item)
-        if item.ready is not None:
-            current = torch.cuda.current_stream(owner.device)
-            current.wait_event(item.ready)
-            item.back.record_stream(current)
-            item.ready = None
-        return item.back                         # freed with the graph node that saved it
+        storage = item.storage
+        if storage.back is None:
+            self._copy_back(storage)
+        if storage.ready is not None:
+            current = torch.cuda.current_stream(self.owner.device)
+            current.wait_event(storage.ready)
+            storage.back.record_stream(current)
+            storage.ready = None
+        return torch.empty(0, dtype=item.dtype, device=storage.back.device).set_(
+            storage.back.untyped_storage(), item.offset, item.shape, item.stride)
 
     def prefetch(self) -> None:
-        """Start copying every offloaded tensor of this layer back to the device."""
+        """Start copying every offloaded storage of this layer still needed back to the device."""
         self.prefetched = True
-        for item in self.items:
-            if item.back is None:
-                self._copy_back(item)
+        for ref in self.storages:
+            storage = ref()
+            if storage is not None and storage.back is None:
+                self._copy_back(storage)
 
-    def _copy_back(self, item: _Offloaded) -> None:
+    def _copy_back(self, storage: _HostStorage) -> None:
         owner = self.owner
         if owner.stream is None:                 # on a CPU the host copy is the tensor
-            item.back = item.host.to(owner.device)
+            storage.back = storage.host
         else:
-            owner.stream.wait_event(item.sent)
+            owner.stream.wait_event(storage.sent)
             with torch.cuda.stream(owner.stream):
-                item.back = item.host.to(owner.device, non_blocking=True)
-                item.ready = torch.cuda.Event()
-                item.ready.record(owner.stream)
-        owner.bytes_reloaded += item.host.numel() * item.host.element_size()
+                storage.back = storage.host.to(owner.device, non_blocking=True)
+                storage.ready = torch.cuda.Event()
+                storage.ready.record(owner.stream)
+        owner.bytes_reloaded += storage.host.numel()
 
 
 class ActivationOffload:
