@@ -44,7 +44,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.config import ModelConfig, OptimizerConfig  # noqa: E402
-from megazero.memory.measure import LiveTensorBytes  # noqa: E402
+from megazero.memory.measure import LiveTensorBytes, reachable_tensor_bytes  # noqa: E402
 from megazero.models.gpt import GPT, masked_mean  # noqa: E402
 from megazero.parallel.zero.adamw import weight_decay_groups  # noqa: E402
 
@@ -271,28 +271,6 @@ def reset_peak_rss() -> None:
 
 def peak_rss_mib() -> float:
     return _status_kib("VmHWM") / 1024
-
-
-def reachable_tensor_bytes() -> int:
-    """Bytes of the distinct CPU storages of every tensor Python can reach, with the gradients of
-    leaf tensors (autograd keeps ``.grad`` in C++: reading it makes it reachable) and the local
-    shards of DTensors. Exact at a quiescent point (no autograd graph, no collective in flight)."""
-    gc.collect()
-    storages: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.Tensor):
-            continue
-        for t in (obj, obj.grad if obj.is_leaf and obj.requires_grad else None):
-            if t is not None and hasattr(t, "to_local"):
-                t = t.to_local()
-            if t is None or t.device.type != "cpu":
-                continue
-            try:
-                storage = t.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-            except (RuntimeError, NotImplementedError):      # a wrapper without storage of its own
-                continue
-    return sum(storages.values())
 
 
 # ---------------------------------------------------------------------------------------- launch
