@@ -32,7 +32,7 @@ from megazero.memory.estimate import estimate_memory
 from megazero.metrics import MetricsLog
 from megazero.models.spec import build_model_chunks, get_model_spec
 from megazero.parallel.topology import Topology, init_distributed
-from megazero.preflight import PreflightError, preflight
+from megazero.preflight import NothingToDo, PreflightError, preflight
 from megazero.parallel.zero import build_engine
 from megazero.training import TrainingStopped, describe_run, gather_full_model, greedy_continuation, train
 
@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     try:                                               # ... and every file, still before any process group
         job, tokenizer = resolve_data(job)
         lock = preflight(job, args.backend, rank)      # noqa: F841 - held until the run ends
+    except NothingToDo as e:                           # a finished run resumed: say so, succeed
+        if rank == 0:
+            print(f" {e}", flush=True)
+        return 0
     except (PreflightError, TokenizerError, DataError, OSError) as e:
         stop(f"{e}", 2, rank)                          # bad input: status 2, as for a bad flag
     try:

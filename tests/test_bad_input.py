@@ -75,6 +75,10 @@ CASES = [
     ("timeout-zero", mock("--distributed-timeout-minutes", "0"), 2, "--distributed-timeout-minutes must be > 0"),
     ("timeout-nan", mock("--distributed-timeout-minutes", "nan"), 2, "--distributed-timeout-minutes must be a finite"),
     ("not-a-number", mock("--lr", "fast"), 2, "argument --lr: invalid float value: 'fast'"),
+    ("seed-negative", mock("--seed=-1"), 2, "--seed must be in [0, 2**32), got -1"),
+    ("lr-decay-iters-zero", mock("--lr-decay-iters", "0"), 2, "--lr-decay-iters must be a positive integer, got 0"),
+    ("quantization-block-zero", mock("--zero-quantization-block-size", "0"), 2,
+     "--zero-quantization-block-size must be >= 1, got 0"),
     # layout, model shape, batches, schedule
     ("tp-not-dividing-world", mock("--tp", "3"), 2, "world size 1 is not divisible by tp*pp"),
     ("dp-not-matching-world", mock("--dp", "2"), 2, "does not equal the world size 1"),
@@ -93,6 +97,13 @@ CASES = [
      "--num-layers-per-virtual-pipeline-stage needs"),
     ("bad-parallel-order", mock("--parallel-order", "tp-tp-dp"), 2, "--parallel-order 'tp-tp-dp' must name"),
     ("bf16-and-fp16", mock("--bf16", "--fp16"), 2, "--bf16 and --fp16 are exclusive"),
+    ("sequence-parallel-tp1", mock("--sequence-parallel"), 2,
+     "--sequence-parallel splits activations over the tensor-parallel ranks and does nothing at "
+     "--tensor-model-parallel-size/--tp 1"),
+    ("moe-flag-without-experts", mock("--moe-router-topk", "1"), 2,
+     "--moe-router-topk 1 applies to Mixture-of-Experts layers and this model has none: add --num-experts N"),
+    ("moe-capacity-without-experts", mock("--moe-expert-capacity-factor", "1.5"), 2,
+     "--moe-expert-capacity-factor 1.5 applies to Mixture-of-Experts layers"),
     # offloading
     ("offload-optimizer-zero0", mock("--offload-optimizer", "cpu"), 2, "use --zero-stage 1, 2 or 3"),
     ("offload-params-zero2", mock("--zero-stage", "2", "--offload-params", "cpu"), 2,
@@ -140,6 +151,8 @@ CASES = [
     ("blend-odd-count", real("--data-path", "1", "{W}/gpt2_text_document", "1"), 2, "takes weight-prefix pairs"),
     ("split-no-training", real("--data-path", "{W}/gpt2_text_document", "--split", "0,1,0"), 2,
      "--split '0,1,0' must be up to three non-negative weights"),
+    ("split-train-too-small", real("--data-path", "{W}/gpt2_text_document", "--split", "1,1000,0"), 2,
+     "the training split of --split '1,1000,0' (documents 0..0) holds 0 tokens, too few for one sample"),
     ("split-words", mock("--split", "a,b"), 2, "--split 'a,b'"),
     ("split-four-parts", mock("--split", "1,2,3,4"), 2, "--split '1,2,3,4'"),
     # output paths
@@ -162,6 +175,8 @@ CASES = [
     ("load-other-model", mock("--load", "{W}/run", "--hidden-size", "64"), 2,
      "{W}/run was saved with --hidden-size 32, this run has 64"),
     ("load-index-garbage", mock("--load", "{W}/run_bad_index"), 2, "{W}/run_bad_index"),
+    ("load-finished-run", mock("--load", "{W}/run"), 0,                  # exit 0, said on stdout
+     "--load {W}/run holds a checkpoint at iteration 2, and --train-iters is 2: nothing is left to train"),
     ("save-interval-without-save", mock("--save-interval", "1"), 2, "--save-interval needs --save"),
     ("finetune-without-load", mock("--finetune"), 2, "--finetune needs --load"),
     # config files
@@ -202,6 +217,8 @@ CASES = [
     ("estimate-bad-layout", tool("estimate_memory", *TINY, "--world-size", "3", "--tp", "2"), 2,
      "world size 3 is not divisible by tp*pp"),
     ("inspect-corrupt-tracker", tool("inspect_checkpoint", "{W}/run_bad_tracker"), 1, TRACKER),
+    ("generate-negative-tokens", tool("generate", "--load", "{W}/run", "--prompt-ids", "1", "--max-new-tokens",
+                                      "-3"), 2, "--max-new-tokens must be a positive integer, got -3"),
     ("generate-missing-checkpoint", tool("generate", "--load", "{W}/no_such_run", "--prompt-ids", "1"), 1,
      "{W}/no_such_run"),
 ]
@@ -296,10 +313,29 @@ def test_bad_input_is_refused(case, workspace, capsys, monkeypatch):
         code = main(argv)
     except SystemExit as e:
         code = e.code
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
+    out, err = capsys.readouterr()
+    lines = (err if status else out).strip().splitlines()      # exit 0: what there is to say is on stdout
     assert code == status, f"exit {code}, stderr: {err}"
     assert "Traceback" not in err
     assert lines and message.replace("{W}", w) in lines[-1], err       # the message is the last line, whole
     assert _hashes(workspace) == before                                 # no input changed
     assert not dist.is_initialized()
+
+
+def test_an_empty_validation_split_is_said_at_start(workspace, capsys, monkeypatch):
+    """A --split whose validation part holds no document: the run says at start that validation will
+    not run (before any process group), instead of silently never evaluating."""
+    class Started(Exception):
+        pass
+
+    def started(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(dist, "init_process_group", started)
+    import pretrain_gpt
+
+    with pytest.raises(Started):
+        pretrain_gpt.main([*NO_DATA, *GPT2, "--data-path", f"{workspace}/gpt2_text_document", "--split", "1000,1,0"])
+    out = capsys.readouterr().out
+    assert "the validation split of --split '1000,1,0' holds none of the 20 documents" in out
+    assert "validation will not run" in out

@@ -88,6 +88,9 @@ def check_parallel(par: ParallelConfig, world: int) -> None:
         _fail(f"{FLAG.distributed_timeout_minutes} must be > 0, got {par.distributed_timeout_minutes}")
     if sorted(par.order.split("-")) != ["dp", "pp", "tp"]:
         _fail(f"{FLAG.order} {par.order!r} must name tp, dp and pp once each, e.g. 'tp-dp-pp'")
+    if par.sequence_parallel and par.tp < 2:
+        _fail(f"{FLAG.sequence_parallel} splits activations over the tensor-parallel ranks and does nothing at "
+              f"{FLAG.tp} {par.tp}: drop it, or use {FLAG.tp} 2 or more")
 
 
 def check_train(t: TrainConfig, par: ParallelConfig) -> None:
@@ -119,6 +122,9 @@ def check_train(t: TrainConfig, par: ParallelConfig) -> None:
         _fail(f"the interleaved schedule needs micro-batches ({m}) divisible by {FLAG.pp} {par.pp}: "
               f"make {FLAG.global_batch_size} a multiple of {par.pp * per_step}")
     _positive(t.train_iters, "train_iters")
+    if not 0 <= t.seed < 2 ** 32:
+        _fail(f"{FLAG.seed} must be in [0, 2**32), got {t.seed}: the data order and the initial weights are "
+              f"drawn from it; pick a non-negative seed")
     for name in ("eval_interval", "log_interval"):
         _positive(getattr(t, name), name)
     if t.eval_iters < 0:
@@ -203,8 +209,26 @@ def _check_zeropp(z: ZeroConfig, par: ParallelConfig, world: int) -> None:
     if z.quantized_gradients and z.zero_stage not in (2, 3):
         _fail(f"{FLAG.quantized_gradients} replaces the gradient reduce-scatter of {FLAG.zero_stage} 2 or 3 "
               f"(got {z.zero_stage}; DeepSpeed applies it to stage 3): use {FLAG.zero_stage} 2 or 3 or drop the flag")
-    if (z.quantized_weights or z.quantized_gradients) and z.quantization_block_size < 1:
+    if z.quantization_block_size < 1:
         _fail(f"{FLAG.quantization_block_size} must be >= 1, got {z.quantization_block_size}")
+    if z.hpz_partition_size > 1 and par.dp is not None and not par.dp % z.hpz_partition_size:
+        _check_hpz_nodes(z, par, world)
+
+
+def _check_hpz_nodes(z: ZeroConfig, par: ParallelConfig, world: int) -> None:
+    """hpZ's secondary partitions (K consecutive dp ranks) each lie on one node: that is what makes its
+    backward gathers cheap. Nodes are blocks of --ranks-per-node (default torchrun's LOCAL_WORLD_SIZE)."""
+    from megazero.parallel.topology import dp_partitions, local_world_size, rank_grid
+
+    rpn = par.ranks_per_node or local_world_size() or world
+    if world % rpn:
+        return                                  # the topology refuses this layout, naming the ranks per node
+    grid = rank_grid(world, par.tp, par.pp, par.dp, par.order, rpn, par.expert_model_parallel_size)
+    for part in dp_partitions(grid, z.hpz_partition_size):
+        if len({r // rpn for r in part}) > 1:
+            _fail(f"{FLAG.hpz_partition_size} {z.hpz_partition_size} puts ranks {part} of nodes of {rpn} ranks in "
+                  f"one secondary partition, which spans nodes: use the number of dp ranks per node "
+                  f"(or fewer), or drop the flag")
 
 
 def fill_zero_defaults(job: JobConfig) -> None:
@@ -230,6 +254,9 @@ def check_optimizer(opt: OptimizerConfig, t: TrainConfig) -> None:
         _fail(f"need 0 <= {FLAG.min_lr} ({opt.min_lr}) <= {FLAG.lr} ({opt.lr}) and {FLAG.lr} > 0")
     if opt.lr_decay_iters is None:
         opt.lr_decay_iters = t.train_iters
+    if opt.lr_decay_iters < 1:
+        _fail(f"{FLAG.lr_decay_iters} must be a positive integer, got {opt.lr_decay_iters}: leave it out to decay "
+              f"over the training iterations ({FLAG.lr_decay_style} constant for no decay)")
     if opt.lr_warmup_iters < 0 or opt.lr_warmup_iters > opt.lr_decay_iters:
         _fail(f"{FLAG.lr_warmup_iters} {opt.lr_warmup_iters} must be between 0 and {FLAG.lr_decay_iters} "
               f"{opt.lr_decay_iters}")

@@ -5,6 +5,7 @@ conventions are :mod:`megazero.config.checks`'s.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from megazero.config.checks import FLAG, _fail, _one_of, _positive, _positive_float
@@ -60,6 +61,12 @@ def _check_moe(m: ModelConfig, par: ParallelConfig) -> None:
             _fail(f"{FLAG.num_experts} must be a positive integer, got {m.num_experts}: leave it unset for dense MLPs")
         if ep > 1:
             _fail(f"{FLAG.expert_model_parallel_size} {ep} needs {FLAG.num_experts}: there are no experts to split")
+        defaults = {f.name: f.default for f in dataclasses.fields(m)}
+        for name in ("moe_router_topk", "moe_layer_freq", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                     "moe_expert_capacity_factor"):
+            if getattr(m, name) != defaults[name]:
+                _fail(f"{flag(name)} {getattr(m, name)} applies to Mixture-of-Experts layers and this model has "
+                      f"none: add {FLAG.num_experts} N, or drop {flag(name)}")
         return
     _positive(m.moe_router_topk, "moe_router_topk")
     _positive(m.moe_layer_freq, "moe_layer_freq")
