@@ -201,6 +201,25 @@ CASES = [
     ("accelerate-offload-device", mock("--accelerate-config", "{W}/acc_offload.yaml"), 2,
      "deepspeed_config.offload_optimizer_device: must be none, cpu or nvme, got 'gpu'"),
     ("accelerate-fp8", mock("--accelerate-config", "{W}/acc_fp8.yaml"), 2, "mixed_precision"),
+    ("config-contradicts-deepspeed", mock("--config", "{W}/stage1.toml", "--deepspeed-config", "{W}/stage2.json"), 2,
+     "--zero-stage is 1 in --config {W}/stage1.toml but 2 in --deepspeed-config {W}/stage2.json: set it in one place"),
+    ("deepspeed-contradicts-accelerate", mock("--deepspeed-config", "{W}/ds_clip.json", "--accelerate-config",
+                                              "{W}/acc_clip.yaml"), 2,
+     "--clip-grad is 1.0 in --deepspeed-config {W}/ds_clip.json but 0.5 in --accelerate-config {W}/acc_clip.yaml"),
+    ("deepspeed-duplicate-key", mock("--deepspeed-config", "{W}/ds_duplicate.json"), 2,
+     "--deepspeed-config {W}/ds_duplicate.json: key 'gradient_clipping' is given twice in one object: keep one"),
+    ("accelerate-duplicate-key", mock("--accelerate-config", "{W}/acc_duplicate.yaml"), 2,
+     "--accelerate-config {W}/acc_duplicate.yaml: key 'zero_stage' is given twice: keep one"),
+    ("accelerate-unknown-distributed-type", mock("--accelerate-config", "{W}/acc_foobar.yaml"), 2,
+     "distributed_type: must be one of NO, MULTI_CPU"),
+    ("accelerate-fsdp", mock("--accelerate-config", "{W}/acc_fsdp.yaml"), 2,
+     "distributed_type: FSDP is not supported: megazero shards with ZeRO"),
+    ("accelerate-num-processes", mock("--accelerate-config", "{W}/acc_processes.yaml"), 2,
+     "num_processes: is 8 but this launch has 1 processes (WORLD_SIZE)"),
+    ("accelerate-num-machines", mock("--accelerate-config", "{W}/acc_machines.yaml"), 2,
+     "num_machines: is 2 but this launch has 1 nodes"),
+    ("accelerate-machine-rank", mock("--accelerate-config", "{W}/acc_machine_rank.yaml"), 2,
+     "machine_rank: is 1 but this launch has 0 as this node's rank"),
     # tools
     ("convert-existing-output", tool("convert_checkpoint", "--input", "{W}/run/iter_0000002", "--output",
                                      "{W}/run_bad_index", "--to", "megazero"), 1, "--overwrite"),
@@ -272,6 +291,16 @@ def workspace(tmp_path_factory):
     _write(w / "acc_offload.yaml", "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: gpu\n")
     _write(w / "acc_fp8.yaml", "distributed_type: DEEPSPEED\nmixed_precision: fp8\ndeepspeed_config:\n"
                                "  zero_stage: 1\n")
+    _write(w / "stage1.toml", "zero-stage = 1\n")
+    _write(w / "stage2.json", json.dumps({"zero_optimization": {"stage": 2}}))
+    _write(w / "acc_clip.yaml", "deepspeed_config:\n  gradient_clipping: 0.5\n")
+    _write(w / "ds_duplicate.json", '{"gradient_clipping": 1.0, "gradient_clipping": 0.5}')
+    _write(w / "acc_duplicate.yaml", "deepspeed_config:\n  zero_stage: 1\n  zero_stage: 2\n")
+    _write(w / "acc_foobar.yaml", "distributed_type: FOOBAR\n")
+    _write(w / "acc_fsdp.yaml", "distributed_type: FSDP\n")
+    _write(w / "acc_processes.yaml", "distributed_type: MULTI_CPU\nnum_processes: 8\n")
+    _write(w / "acc_machines.yaml", "distributed_type: MULTI_CPU\nnum_machines: 2\n")
+    _write(w / "acc_machine_rank.yaml", "distributed_type: MULTI_CPU\nmachine_rank: 1\n")
     yield w
     lock.release()
 
