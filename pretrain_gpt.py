@@ -12,8 +12,10 @@ them), the gradient/optimizer engine and the data iterators, then run the loop i
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,6 +39,7 @@ from megazero.parallel.zero import build_engine
 from megazero.training import TrainingStopped, describe_run, gather_full_model, greedy_continuation, train
 
 SAMPLE_PROMPT = "A hacker is"
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")   # gloo, when a rank left
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainingStopped, CheckpointError) as e:
         stop(f"{e}", 1, rank)
     except RuntimeError as e:                          # gloo and NCCL say "timed out" / "Timeout"
+        if any(text in str(e) for text in PEER_GONE):  # another rank stopped first, with its own line
+            stop(f"rank {rank}: lost the connection to another rank, which stopped first: its error is the line "
+                 f"above (and torchrun's root cause) ({str(e).splitlines()[0][:200]})", 1, rank, every_rank=True,
+                 secondhand=True)
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
         # Only the ranks waiting on the stuck one time out, and the launcher stops the rest as soon as
@@ -67,11 +74,22 @@ def main(argv: list[str] | None = None) -> int:
              f"{str(e).splitlines()[0][:300]}", 1, rank, every_rank=True)
 
 
-def stop(message: str, status: int, rank: int, every_rank: bool = False) -> None:
+def stop(message: str, status: int, rank: int, every_rank: bool = False, secondhand: bool = False) -> None:
     """End the run with one line on stderr and ``status``: from rank 0 only (not one line per rank for
-    what every rank sees alike), or ``every_rank`` for what only some ranks see."""
+    what every rank sees alike: the checkpoint code gives every rank the failing rank's line), or
+    ``every_rank`` for what only some ranks see. Under torchrun the line is also this worker's error
+    file, so the launcher's failure report shows it instead of "To enable traceback see ...";
+    ``secondhand`` (this rank stopped only because another did) dates it a second later, so the
+    report's root cause is the rank that failed first."""
     if rank == 0 or every_rank:
         print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": message, "timestamp": int(time.time()) + int(secondhand)}, f)
+        except OSError:
+            pass                                       # the line above is the report then
     raise SystemExit(status)
 
 
