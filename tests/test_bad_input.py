@@ -236,6 +236,31 @@ CASES = [
     ("estimate-bad-layout", tool("estimate_memory", *TINY, "--world-size", "3", "--tp", "2"), 2,
      "world size 3 is not divisible by tp*pp"),
     ("inspect-corrupt-tracker", tool("inspect_checkpoint", "{W}/run_bad_tracker"), 1, TRACKER),
+    ("import-config-disagrees-with-weights", tool("convert_checkpoint", "--input", "{W}/hf_wide", "--output",
+                                                  "{W}/out/wide", "--to", "megazero"), 1,
+     "{W}/hf_wide against its config.json: layers.0.attention.qkv.bias is [96] but the config (hidden_size 64"),
+    ("import-truncated-safetensors", tool("convert_checkpoint", "--input", "{W}/hf_truncated", "--output",
+                                          "{W}/out/truncated", "--to", "megazero"), 1,
+     "{W}/hf_truncated/model.safetensors cannot be read as safetensors"),
+    ("import-config-not-json", tool("convert_checkpoint", "--input", "{W}/hf_config_garbage", "--output",
+                                    "{W}/out/garbage", "--to", "megazero"), 1,
+     "{W}/hf_config_garbage/config.json is not valid JSON"),
+    ("import-pickled-bin", tool("convert_checkpoint", "--input", "{W}/hf_pickle", "--output", "{W}/out/pickle",
+                                "--to", "megazero"), 1,
+     "{W}/hf_pickle/pytorch_model.bin cannot be read as plain tensors (it holds pickled Python objects besides "
+     "tensors): megazero does not unpickle Python objects"),
+    ("inspect-index-disagrees-with-config", tool("inspect_checkpoint", "{W}/run_wide_config"), 1,
+     "{W}/run_wide_config/iter_0000002/index.json: embedding.position_embeddings.weight is [16, 32] but the config "
+     "(hidden_size 64"),
+    ("inspect-index-disagrees-with-file", tool("inspect_checkpoint", "{W}/run_wrong_shard"), 1,
+     "stores 32 elements under 'model/final_norm.bias', the index says 33 (tensor 'model/final_norm.bias' of shape [33])"),
+    ("inspect-manifest-garbage", tool("inspect_checkpoint", "{W}/run_bad_manifest"), 1,
+     "{W}/run_bad_manifest/iter_0000002/manifest.json is not valid JSON"),
+    ("inspect-index-garbage", tool("inspect_checkpoint", "{W}/run_bad_index"), 1,
+     "{W}/run_bad_index/iter_0000002/index.json has 10 bytes, the manifest says"),
+    ("tokenizer-vocabulary-below-characters", tool("train_tokenizer", "--input", "{W}/many_chars.txt",
+                                                   "--model-prefix", "{W}/out/sp", "--vocab-size", "300"), 1,
+     "--vocab-size 300 is below the 667 pieces the input's distinct characters"),
     ("generate-negative-tokens", tool("generate", "--load", "{W}/run", "--prompt-ids", "1", "--max-new-tokens",
                                       "-3"), 2, "--max-new-tokens must be a positive integer, got -3"),
     ("generate-missing-checkpoint", tool("generate", "--load", "{W}/no_such_run", "--prompt-ids", "1"), 1,
@@ -291,6 +316,7 @@ def workspace(tmp_path_factory):
     _write(w / "acc_offload.yaml", "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: gpu\n")
     _write(w / "acc_fp8.yaml", "distributed_type: DEEPSPEED\nmixed_precision: fp8\ndeepspeed_config:\n"
                                "  zero_stage: 1\n")
+    _broken_copies(w)
     _write(w / "stage1.toml", "zero-stage = 1\n")
     _write(w / "stage2.json", json.dumps({"zero_optimization": {"stage": 2}}))
     _write(w / "acc_clip.yaml", "deepspeed_config:\n  gradient_clipping: 0.5\n")
@@ -303,6 +329,53 @@ def workspace(tmp_path_factory):
     _write(w / "acc_machine_rank.yaml", "distributed_type: MULTI_CPU\nmachine_rank: 1\n")
     yield w
     lock.release()
+
+
+def _rewrite_index(iteration_dir: Path, change) -> None:
+    """Edit a checkpoint's index.json with ``change(index)`` and record the new file in the manifest,
+    so the checksums pass and only what the change says is wrong."""
+    from megazero.checkpoint.format import INDEX, MANIFEST, file_record
+
+    index = json.loads((iteration_dir / INDEX).read_text())
+    change(index)
+    (iteration_dir / INDEX).write_text(json.dumps(index))
+    manifest = json.loads((iteration_dir / MANIFEST).read_text())
+    manifest["files"][INDEX] = file_record(iteration_dir / INDEX)
+    (iteration_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _broken_copies(w: Path) -> None:
+    """HF directories and checkpoints that disagree with themselves, from the two-iteration ``run``."""
+    import torch
+
+    from megazero.checkpoint.hf import save_hf
+    from megazero.checkpoint.offline import read_model
+
+    cfg, tensors, _ = read_model(w / "run")
+    save_hf(w / "hf", tensors, cfg)
+    for name in ("hf_wide", "hf_truncated", "hf_config_garbage"):
+        shutil.copytree(w / "hf", w / name)
+    config = json.loads((w / "hf" / "config.json").read_text())
+    (w / "hf_wide" / "config.json").write_text(json.dumps({**config, "n_embd": 64, "n_inner": 256}))
+    (w / "hf_truncated" / "model.safetensors").write_bytes((w / "hf" / "model.safetensors").read_bytes()[:3000])
+    (w / "hf_config_garbage" / "config.json").write_text("{ not json")
+    (w / "hf_pickle").mkdir()
+    shutil.copy(w / "hf" / "config.json", w / "hf_pickle")
+    torch.save({"weights": Path("an object that is not a tensor")}, w / "hf_pickle" / "pytorch_model.bin")
+    for name in ("run_wide_config", "run_wrong_shard", "run_bad_manifest"):
+        shutil.copytree(w / "run", w / name)
+    _rewrite_index(w / "run_wide_config" / "iter_0000002",
+                   lambda index: index["job"]["model"].update(hidden_size=64, ffn_hidden_size=256))
+
+    def one_more_element(index):
+        shard = index["tensors"]["model/final_norm.bias"]["shards"][0]
+        shard["flat"][1] += 1
+        shard["slice"][0][1] += 1
+        index["tensors"]["model/final_norm.bias"]["shape"][0] += 1
+
+    _rewrite_index(w / "run_wrong_shard" / "iter_0000002", one_more_element)
+    (w / "run_bad_manifest" / "iter_0000002" / "manifest.json").write_text("{ not json")
+    (w / "many_chars.txt").write_text("".join(chr(0x4E00 + i) for i in range(400)) + "\n" + "hello world\n" * 10)
 
 
 def _hashes(root: Path) -> dict[str, str]:
@@ -368,3 +441,36 @@ def test_an_empty_validation_split_is_said_at_start(workspace, capsys, monkeypat
     out = capsys.readouterr().out
     assert "the validation split of --split '1000,1,0' holds none of the 20 documents" in out
     assert "validation will not run" in out
+
+
+@pytest.mark.parametrize("name", ["run_bad_manifest", "run_bad_index"])
+def test_a_damaged_checkpoint_is_one_line_in_a_real_interpreter(name, workspace):
+    """In a real interpreter, where a failing destructor would print "Exception ignored in:
+    CheckpointReader.__del__" and its traceback after the message: the message is all of stderr."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "inspect_checkpoint.py"), str(workspace / name)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert run.stderr.startswith(f"error: checkpoint file {workspace / name}"), run.stderr
+
+
+def test_a_full_disk_during_a_conversion_is_one_line_and_leaves_no_tmp(workspace, tmp_path, capsys, monkeypatch):
+    """convert_checkpoint.py on a disk that fills while it writes (a write raising ENOSPC): one line,
+    status 1, and no half-written .iter_*.tmp left in --output."""
+    import errno
+
+    import megazero.checkpoint.offline as offline
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(offline, "write_pieces", full)
+    out = tmp_path / "converted"
+    code = _entry_point("convert_checkpoint")(["--input", str(workspace / "hf"), "--output", str(out), "--to",
+                                               "megazero"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"writing {out / 'iter_0000000'} failed: No space left on device (free space there" in err
+    assert not list(out.glob(".iter_*"))
