@@ -199,8 +199,11 @@ def test_a_rank_that_fails_alone_is_the_one_line_and_the_root_cause(tmp_path):
 
 
 def _save_fills_the_disk(rank, world, argv):
-    """The trainer, with every checkpoint write on rank ``world - 1`` failing as a full disk would."""
+    """The trainer, with every checkpoint write on rank ``world - 1`` failing as a full disk would:
+    (exit status, what the rank wrote to stderr)."""
+    import contextlib
     import errno
+    import io
 
     import pretrain_gpt
 
@@ -209,16 +212,20 @@ def _save_fills_the_disk(rank, world, argv):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    real, err = distributed.write_pieces, io.StringIO()
     if rank == world - 1:
         distributed.write_pieces = full
     try:
-        return pretrain_gpt.main(argv)
+        with contextlib.redirect_stderr(err):
+            return pretrain_gpt.main(argv), err.getvalue()
     except SystemExit as e:
-        return e.code
+        return e.code, err.getvalue()
+    finally:
+        distributed.write_pieces = real                  # the worker serves later tests
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_tmp(world, tmp_path, capfd):
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_tmp(world, tmp_path):
     """``No space left on device`` while writing a checkpoint: status 1, one line naming the checkpoint
     and the fix, the half-written ``.iter_*.tmp`` removed, the previous checkpoint still the latest."""
     from helpers import run_on_ranks
@@ -226,8 +233,9 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_tmp(world, tmp_path
     save = tmp_path / "run"
     argv = [*TINY, "--global-batch-size", "4", "--eval-iters", "0", "--train-iters", "2", "--save", str(save),
             "--save-interval", "1"]
-    assert run_on_ranks(world, _save_fills_the_disk, argv, timeout=300) == [1] * world
-    err = capfd.readouterr().err
+    results = run_on_ranks(world, _save_fills_the_disk, argv, timeout=300)
+    assert [code for code, _ in results] == [1] * world
+    err = "".join(text for _, text in results)
     assert "Traceback" not in err
     last = [s for s in err.splitlines() if s.startswith("pretrain_gpt.py: error:")]
     prefix = f"rank {world - 1}: " if world > 1 else ""
