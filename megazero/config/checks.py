@@ -223,7 +223,10 @@ def _check_hpz_nodes(z: ZeroConfig, par: ParallelConfig, world: int) -> None:
     rpn = par.ranks_per_node or local_world_size() or world
     if world % rpn:
         return                                  # the topology refuses this layout, naming the ranks per node
-    grid = rank_grid(world, par.tp, par.pp, par.dp, par.order, rpn, par.expert_model_parallel_size)
+    try:
+        grid = rank_grid(world, par.tp, par.pp, par.dp, par.order, rpn, par.expert_model_parallel_size)
+    except ValueError:
+        return                                  # a layout the parallel checks refuse, naming their flag
     for part in dp_partitions(grid, z.hpz_partition_size):
         if len({r // rpn for r in part}) > 1:
             _fail(f"{FLAG.hpz_partition_size} {z.hpz_partition_size} puts ranks {part} of nodes of {rpn} ranks in "
