@@ -53,7 +53,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from megazero.config import ConfigError
+from megazero.config import ConfigError, setting
 
 AUTO = "auto"
 _ACCELERATE_IGNORED = {"compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity",
@@ -377,7 +377,8 @@ def from_accelerate(path: str | Path, launch: Launch | None = None) -> dict:
     r.set("zero.sharded_init", r.get(f"{d}.zero3_init_flag", bool))
     for dest, value in r.out.items():
         if dest in out and out[dest] != value:
-            r.fail(f"{d}", f"{dest} is {value!r} here and {out[dest]!r} in {file}: set one")
+            raise ConfigError(f"{setting(dest.partition('.')[2])} is {value!r} in {source} but {out[dest]!r} in its "
+                              f"deepspeed_config_file {Path(path).parent / file}: set it in one place")
     return {**out, **r.out}
 
 

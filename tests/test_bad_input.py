@@ -206,6 +206,9 @@ CASES = [
     ("deepspeed-contradicts-accelerate", mock("--deepspeed-config", "{W}/ds_clip.json", "--accelerate-config",
                                               "{W}/acc_clip.yaml"), 2,
      "--clip-grad is 1.0 in --deepspeed-config {W}/ds_clip.json but 0.5 in --accelerate-config {W}/acc_clip.yaml"),
+    ("accelerate-contradicts-its-deepspeed-file", mock("--accelerate-config", "{W}/acc_stage2.yaml"), 2,
+     "--zero-stage is 2 in --accelerate-config {W}/acc_stage2.yaml but 3 in its deepspeed_config_file "
+     "{W}/ds_stage3.json: set it in one place"),
     ("deepspeed-duplicate-key", mock("--deepspeed-config", "{W}/ds_duplicate.json"), 2,
      "--deepspeed-config {W}/ds_duplicate.json: key 'gradient_clipping' is given twice in one object: keep one"),
     ("accelerate-duplicate-key", mock("--accelerate-config", "{W}/acc_duplicate.yaml"), 2,
@@ -319,6 +322,8 @@ def workspace(tmp_path_factory):
     _broken_copies(w)
     _write(w / "stage1.toml", "zero-stage = 1\n")
     _write(w / "stage2.json", json.dumps({"zero_optimization": {"stage": 2}}))
+    _write(w / "ds_stage3.json", json.dumps({"zero_optimization": {"stage": 3}}))
+    _write(w / "acc_stage2.yaml", "deepspeed_config:\n  zero_stage: 2\n  deepspeed_config_file: ds_stage3.json\n")
     _write(w / "acc_clip.yaml", "deepspeed_config:\n  gradient_clipping: 0.5\n")
     _write(w / "ds_duplicate.json", '{"gradient_clipping": 1.0, "gradient_clipping": 0.5}')
     _write(w / "acc_duplicate.yaml", "deepspeed_config:\n  zero_stage: 1\n  zero_stage: 2\n")
