@@ -108,7 +108,7 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     spec = get_model_spec(job.model.model_family)
     tokens_per_step = t.global_batch_size * job.model.seq_length
     flops_per_step = spec.flops_per_token(job.model, job.model.padded_vocab_size(job.parallel.tp),
-                                          job.model.recompute_activations) * tokens_per_step
+                                          spec.recomputed_share(job.model, job.parallel)) * tokens_per_step
     peak = device_peak_tflops(topo.device, job.precision.dtype_name)
     batches = train_batches(state.consumed_samples)
     window_start, window_iters = time.perf_counter(), 0

@@ -164,9 +164,90 @@ def test_sharded_construction_holds_the_shards_plus_one_unit(stage):
         assert all(torch.equal(params[n], reference[n]) for n in params)
 
 
+# --------------------------------------------------------------------------- recompute and offload terms
+
+SHAPE = ["--mock-data", "--vocab-size", "500", "--num-layers", "3", "--hidden-size", "64", "--num-attention-heads",
+         "4", "--seq-length", "256", "--micro-batch-size", "2", "--zero-stage", "0"]
+SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules"]
+ACTIVATION_CHOICES = {
+    "none": [],
+    "full-uniform-1": ["--recompute-activations"],
+    "full-uniform-3": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"],
+    "full-block-2": ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
+    "core_attn": SELECTIVE + ["core_attn"],
+    "mlp": SELECTIVE + ["mlp"],
+    "layernorm": SELECTIVE + ["layernorm"],
+    "all-modules": SELECTIVE + ["core_attn", "mlp", "layernorm"],
+    "offload-2": ["--cpu-offloading", "--cpu-offloading-num-layers", "2"],
+}
+
+
+def _held_body(rank, world_size, argv):
+    """Live tensor bytes one micro-batch's forward leaves held (the loss and its inputs' graph), and the
+    peak over its backward above what was alive before the forward (gradients are then in place)."""
+    from megazero.models.gpt import build_model_chunks
+    from megazero.parallel.topology import Topology
+
+    job, _ = parse_job(argv, world_size)
+    topo = Topology(job.parallel.tp, 1, job.parallel.dp)
+    [chunk] = build_model_chunks(job.model, job.parallel, topo, seed=1)
+    b, s, v = job.train.micro_batch_size, job.model.seq_length, job.model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, v, (b, s), generator=g) for _ in range(2))
+    chunk(tokens, labels).mean().backward()                 # gradients allocated: the second pass adds none
+    gc.collect()
+    with LiveTensorBytes() as forward:
+        loss = chunk(tokens, labels).mean()
+    with LiveTensorBytes(alive=forward.end) as backward:
+        loss.backward()
+    del loss
+    return forward.end, backward.peak              # the backward's peak, counting what the forward held
+
+
+@pytest.mark.parametrize("llama", [False, True], ids=["gpt2-attention-dropout", "llama"])
+def test_each_activation_choice_holds_and_saves_what_the_estimate_says(llama):
+    """For every recompute choice and for offload, on one process: the bytes one forward leaves held
+    against the estimator's activation term (device + host: on a CPU the host copies are live tensors
+    too), what each choice saves against keeping everything, and the peak over the backward (held plus
+    the larger of the logits' gradient and the estimator's working set), each within 10%; the errors
+    are printed. GPT-2 with attention dropout: core_attn then drops the s x s probabilities (without
+    dropout or RoPE it saves only the softmax statistics)."""
+    from megazero.memory.estimate import estimate_memory
+    from megazero.models.gpt_memory import GPTActivations
+    from megazero.parallel.pipeline.partition import placements
+
+    model = GPTActivations()
+    measured, estimated, working = {}, {}, {}
+    for name, flags in ACTIVATION_CHOICES.items():
+        argv = SHAPE + (LLAMA if llama else ["--attention-dropout", "0.1"]) + flags
+        job, _ = parse_job(argv, 1)
+        [place] = placements(job.model.num_layers, 1, 0)
+        estimated[name] = model.held(job, place, 4, 4) + model.offloaded(job, place, 4, 4)
+        [(measured[name], peak)] = run_on_ranks(1, _held_body, argv)
+        working[name] = (peak, estimated[name] + max(model.logits(job, 4), model.working(job, [place], 4, 4, "cpu")))
+        [est] = estimate_memory(job, "cpu")
+        assert est.parts.get("host_activations", 0) == model.offloaded(job, place, 4, 4) * ("offload" in name)
+    errors = {n: estimated[n] / measured[n] - 1 for n in measured}
+    savings = {n: ((measured["none"] - measured[n]), (estimated["none"] - estimated[n])) for n in measured}
+    print("held error by choice:", {n: f"{e:+.1%}" for n, e in errors.items()})
+    print("saved (measured, estimated) bytes:", savings)
+    peak_errors = {n: want / got - 1 for n, (got, want) in working.items()}
+    print("backward peak error by choice:", {n: f"{e:+.1%}" for n, e in peak_errors.items()})
+    assert all(abs(e) <= 0.10 for e in errors.values()), errors
+    assert all(abs(e) <= 0.10 for e in peak_errors.values()), peak_errors
+    for name, (got, want) in savings.items():
+        if name not in ("none", "offload-2"):
+            assert got > 0 and want == pytest.approx(got, rel=0.10), (name, got, want)
+
+
 @pytest.mark.parametrize("flags", [["--zero-stage", "1"], ["--zero-stage", "3", "--bf16"],
                                    ["--zero-stage", "2", "--num-experts", "4", "--moe-layer-freq", "2",
-                                    "--expert-model-parallel-size", "2"]], ids=["zero1", "zero3-bf16", "moe"])
+                                    "--expert-model-parallel-size", "2"],
+                                   ["--zero-stage", "1", "--recompute-granularity", "full", "--recompute-method",
+                                    "uniform", "--recompute-num-layers", "3"],
+                                   ["--zero-stage", "1", "--recompute-granularity", "selective", "--cpu-offloading",
+                                    "--cpu-offloading-num-layers", "20"]],
+                         ids=["zero1", "zero3-bf16", "moe", "recompute-uniform-3", "offload-20-layers"])
 def test_a_deep_model_is_estimated_in_bounded_time(flags, monkeypatch):
     """Past EXACT_LAYERS_PER_STAGE layers per stage the estimate is extrapolated from two small depths:
     it matches the layer-by-layer estimate up to bucket padding, and a million layers take seconds."""

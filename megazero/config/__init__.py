@@ -54,5 +54,5 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     job.data.check()
     job.checkpoint.check()
     job.logging.check()
-    job.compilation.check()
+    job.compilation.check(job.model)
     return job

@@ -22,7 +22,8 @@ from megazero.config.fields import ConfigError, choices, flag, setting
 
 if TYPE_CHECKING:
     from megazero.config.sections import (CheckpointConfig, CompileConfig, DataConfig, JobConfig, LoggingConfig,
-                                          OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig)
+                                          ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig,
+                                          ZeroConfig)
 
 
 class _Flags:
@@ -322,10 +323,16 @@ def check_logging(lg: LoggingConfig) -> None:
     (:mod:`megazero.preflight`), which looks at the file system."""
 
 
-def check_compile(c: CompileConfig) -> None:
+def check_compile(c: CompileConfig, m: ModelConfig | None = None) -> None:
     """A compile mode only with compilation on (whether torch can compile on this machine is the
-    pre-launch check's: megazero/preflight.py)."""
+    pre-launch check's: megazero/preflight.py); with the model, the activation-memory choices a compiled
+    layer can hold (full recompute wraps the compiled layers; selective recompute and offload hook into
+    the layer's inside, which dynamo would break into pieces)."""
     one_of(c, "compile_mode")
     if c.compile_mode != "default" and not c.compile:
         fail(f"{FLAG.compile_mode} {c.compile_mode} applies with {FLAG.compile}: add {FLAG.compile} or drop "
               f"{FLAG.compile_mode}")
+    if c.compile and m is not None and (m.recompute_granularity == "selective" or m.cpu_offloading):
+        fail(f"{FLAG.compile} compiles whole layers, which {FLAG.recompute_granularity} selective and "
+              f"{FLAG.cpu_offloading} reach inside: use full recompute ({FLAG.recompute_granularity} full) with "
+              f"{FLAG.compile}, or drop {FLAG.compile}")

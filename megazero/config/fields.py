@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 # The help groups of the command line, in the order ``--help`` and docs/flags.md list them.
 GROUPS = ("parallelism", "model", "mixture of experts", "training", "optimizer", "mixed precision", "data",
-          "checkpointing", "logging", "offload", "compile")
+          "checkpointing", "logging", "offload", "compile", "activation memory")
 _BOOLEAN_ACTIONS = ("store_true", "store_false", argparse.BooleanOptionalAction)
 
 

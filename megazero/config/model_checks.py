@@ -1,5 +1,6 @@
 """The rules of the model section: its shape against the tensor-parallel layout, RoPE, grouped-query
-attention, Mixture of Experts, and its layers over the pipeline stages. Called by
+attention, Mixture of Experts, its layers over the pipeline stages, and the activation-memory
+(recompute, offload) flags. Called by
 ``ModelConfig.check`` (and by tools that reshard, :func:`check_model`); the helpers and the
 conventions are :mod:`megazero.config.checks`'s.
 """
@@ -9,7 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from megazero.config.checks import FLAG, fail, one_of, positive, positive_float
-from megazero.config.fields import flag
+from megazero.config.fields import choices, flag
 
 if TYPE_CHECKING:
     from megazero.config.sections import ModelConfig, ParallelConfig
@@ -149,3 +150,45 @@ def check_pipeline(m: ModelConfig, par: ParallelConfig) -> None:
     if m.num_layers % par.pp:
         fail(f"{FLAG.num_layers} {m.num_layers} is not divisible by {FLAG.pp} {par.pp}: "
               f"each pipeline stage needs the same number of layers")
+
+
+def check_activation_memory(m: ModelConfig) -> None:
+    """The recompute and activation-offload flags (Megatron-core's rules, which ``ModelConfig`` has
+    already applied to ``--recompute-activations`` and to selective's default modules)."""
+    g = m.recompute_granularity
+    if m.recompute_activations and g != "full":
+        fail(f"{FLAG.recompute_activations} is full recompute; with {FLAG.recompute_granularity} {g} drop it")
+    if g is None and (m.recompute_method or m.recompute_num_layers is not None or m.recompute_modules):
+        fail(f"{FLAG.recompute_method}, {FLAG.recompute_num_layers} and {FLAG.recompute_modules} apply with "
+              f"{FLAG.recompute_granularity}: add it (full or selective) or drop them")
+    if g is not None:
+        one_of(m, "recompute_granularity")
+    if g == "full":
+        if m.recompute_method is None or m.recompute_num_layers is None:
+            fail(f"{FLAG.recompute_granularity} full needs {FLAG.recompute_method} (uniform or block) and "
+                  f"{FLAG.recompute_num_layers} N (or use {FLAG.recompute_activations} for every layer)")
+        one_of(m, "recompute_method")
+        if not isinstance(m.recompute_num_layers, int) or not 1 <= m.recompute_num_layers <= m.num_layers:
+            fail(f"{FLAG.recompute_num_layers} must be between 1 and {FLAG.num_layers} {m.num_layers}, got "
+                  f"{m.recompute_num_layers}")
+        if m.recompute_modules:
+            fail(f"{FLAG.recompute_modules} applies with {FLAG.recompute_granularity} selective; full recompute "
+                  f"recomputes every module of the chosen layers")
+    if g == "selective":
+        if m.recompute_method is not None or m.recompute_num_layers is not None:
+            fail(f"{FLAG.recompute_method} and {FLAG.recompute_num_layers} apply with {FLAG.recompute_granularity} "
+                  f"full; selective recompute chooses modules ({FLAG.recompute_modules})")
+        allowed = choices("recompute_modules")
+        if not m.recompute_modules or any(x not in allowed for x in m.recompute_modules):
+            fail(f"{FLAG.recompute_modules} takes some of {', '.join(allowed)}, got "
+                  f"{' '.join(map(str, m.recompute_modules)) or 'none'}")
+        if "moe_act" in m.recompute_modules and not m.num_experts:
+            fail(f"{FLAG.recompute_modules} moe_act recomputes the experts' activation: it needs {FLAG.num_experts}")
+    if m.cpu_offloading and g == "full":
+        fail(f"{FLAG.cpu_offloading} with {FLAG.recompute_granularity} full: a recomputed layer keeps only its "
+              f"input, so there is nothing to offload; choose one (or selective recompute with offload)")
+    if m.cpu_offloading_num_layers is not None:
+        if not m.cpu_offloading:
+            fail(f"{FLAG.cpu_offloading_num_layers} applies with {FLAG.cpu_offloading}: add it or drop the count")
+        if not isinstance(m.cpu_offloading_num_layers, int) or m.cpu_offloading_num_layers < 1:
+            fail(f"{FLAG.cpu_offloading_num_layers} must be a positive integer, got {m.cpu_offloading_num_layers}")

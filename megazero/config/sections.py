@@ -26,8 +26,12 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 BACKENDS = ("gloo", "nccl")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe_act", "layernorm")   # megazero/models/recompute.py says what each keeps
 
 _MODEL, _MOE, _PAR, _OFFLOAD = "model", "mixture of experts", "parallelism", "offload"
+_ACT = "activation memory"
 
 
 @dataclass
@@ -71,8 +75,30 @@ class ModelConfig:
                                           help="epsilon of the LayerNorm or RMSNorm")
     activation: str = flag_field("gelu_tanh", "--activation", choices=ACTIVATIONS, group=_MODEL,
                                  help="MLP activation: gelu_tanh (GPT-2/HF) or gelu (exact erf); not with swiglu")
-    recompute_activations: bool = flag_field(False, "--recompute-activations", action="store_true", group=_MODEL,
-                                             help="keep only each layer's input; the backward recomputes the rest")
+    # Activation memory (Megatron-core's flag names and meanings; megazero/models/recompute.py, docs/memory.md).
+    recompute_activations: bool = flag_field(
+        False, "--recompute-activations", action="store_true", group=_ACT,
+        help="full recompute of every layer: the same as --recompute-granularity full --recompute-method uniform "
+             "--recompute-num-layers 1")
+    recompute_granularity: str | None = flag_field(
+        None, "--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, group=_ACT,
+        help="full: layers keep only their input (with --recompute-method and --recompute-num-layers); "
+             "selective: the --recompute-modules are recomputed")
+    recompute_method: str | None = flag_field(
+        None, "--recompute-method", choices=RECOMPUTE_METHODS, group=_ACT,
+        help="full recompute: uniform (each chunk's layers in groups of --recompute-num-layers, a group keeping "
+             "its input) or block (the first --recompute-num-layers layers of each chunk, the rest not)")
+    recompute_num_layers: int | None = flag_field(None, "--recompute-num-layers", type=int, group=_ACT,
+                                                  help="the group size (uniform) or layer count (block)")
+    recompute_modules: list[str] | None = flag_field(
+        None, "--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, group=_ACT,
+        help="selective recompute: core_attn (default), mlp, moe_act, layernorm")
+    cpu_offloading: bool = flag_field(False, "--cpu-offloading", "--offload-activations", action="store_true",
+                                      group=_ACT, help="keep the saved activations of layers in host memory "
+                                                       "between their forward and their backward")
+    cpu_offloading_num_layers: int | None = flag_field(
+        None, "--cpu-offloading-num-layers", type=int, group=_ACT,
+        help="with --cpu-offloading: the first N layers of each model chunk (default: all of them)")
     # Llama family (Megatron's flag names); the defaults keep GPT-2.
     position_embedding_type: str = flag_field("learned_absolute", "--position-embedding-type",
                                               choices=POSITION_EMBEDDING_TYPES, group=_MODEL,
@@ -122,6 +148,12 @@ class ModelConfig:
             self.max_position_embeddings = self.seq_length
         if self.group_query_attention and self.num_query_groups is None:
             self.num_query_groups = 1
+        if self.recompute_activations and self.recompute_granularity is None:    # Megatron's full recompute
+            self.recompute_granularity = "full"
+            self.recompute_method = self.recompute_method or "uniform"
+            self.recompute_num_layers = self.recompute_num_layers or 1
+        if self.recompute_granularity == "selective" and self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]                                # Megatron's default
 
     def check(self, parallel: ParallelConfig) -> None:
         """The model against the layout: its shape over the tensor-parallel ranks (:func:`check_model`),
@@ -129,6 +161,7 @@ class ModelConfig:
         the interleaved schedule)."""
         model_checks.check_model(self, parallel)
         model_checks.check_pipeline(self, parallel)
+        model_checks.check_activation_memory(self)
 
     @property
     def head_dim(self) -> int:
@@ -403,8 +436,8 @@ class CompileConfig:
                                    help="torch.compile's mode (default, reduce-overhead, max-autotune, "
                                         "max-autotune-no-cudagraphs)")
 
-    def check(self) -> None:
-        checks.check_compile(self)
+    def check(self, model: ModelConfig | None = None) -> None:
+        checks.check_compile(self, model)
 
 
 @register_job

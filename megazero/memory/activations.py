@@ -5,9 +5,11 @@ A model spec's ``activation_bytes`` is an object with three methods (bytes, for 
 ``e`` on a CPU, whose dropout keeps its noise tensor):
 
     held(job, placement, e, mask)          what one micro-batch leaves held in a chunk after its forward
-    working(job, placements, e, mask)      the transient of a backward: gradients passing between layers,
-                                           a recomputed layer (net of what the last chunk's held bytes
-                                           already counted)
+    working(job, placements, e, mask, device)
+                                           the transient of a backward: gradients passing between layers,
+                                           what recompute brings back, offloaded layers copied back
+                                           (net of what the last chunk's held bytes already counted)
+    offloaded(job, placement, e, mask)     what one micro-batch leaves in host memory (--cpu-offloading)
     logits(job, e)                         the current micro-batch's logits (and their fp32 copy)
 
 :class:`TransformerActivations` is the default, for a model that brings none: Korthikanti et al. 2022's
@@ -22,24 +24,48 @@ exactly (:mod:`megazero.models.gpt_memory`).
 """
 from __future__ import annotations
 
+from megazero.models.recompute import full_recompute_groups, selective_modules
+
 
 class TransformerActivations:
-    """The default activation model (see the module docstring)."""
+    """The default activation model (see the module docstring). Recompute: a fully recomputed group
+    keeps its input; selective core_attn drops the s^2 term (Korthikanti et al.'s selective recompute);
+    the other modules are not modelled. Offloaded layers keep nothing on the device."""
 
     def layer(self, job, e: int, mask: int) -> tuple[int, int]:
         """(bytes one layer keeps for backward, bytes of its input) per micro-batch."""
         cfg, par = job.model, job.parallel
         s, b, h, t, a = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp, cfg.num_attention_heads
         sp = par.sequence_parallel and t > 1
-        per = s * b * h * (34 / t if sp else 10 + 24 / t) + 5 * a * s * s * b / t
+        core = 0 if "core_attn" in selective_modules(cfg) else 5 * a * s * s * b / t
+        per = s * b * h * (34 / t if sp else 10 + 24 / t) + core
         rows = s * b // t if sp else s * b
         return int(per * e / 2), e * rows * h
+
+    def _layers(self, job, placement, e: int, mask: int) -> tuple[int, int]:
+        """(device bytes, host bytes) the chunk's layers keep per micro-batch."""
+        layer, layer_input = self.layer(job, e, mask)
+        cfg, n = job.model, len(placement.layer_ids)
+        offloaded = min(cfg.cpu_offloading_num_layers or n, n) if cfg.cpu_offloading else 0
+        device = host = position = 0
+        for indices, recomputed in full_recompute_groups(cfg, n):
+            if recomputed:
+                device += layer_input
+            elif position >= offloaded:
+                device += layer
+            else:
+                host += layer
+            position += len(indices)
+        return device, host
+
+    def offloaded(self, job, placement, e: int, mask: int) -> int:
+        """Bytes one micro-batch leaves in host memory (``--cpu-offloading``)."""
+        return self._layers(job, placement, e, mask)[1]
 
     def held(self, job, placement, e: int, mask: int) -> int:
         cfg, par = job.model, job.parallel
         s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
-        layer, layer_input = self.layer(job, e, mask)
-        out = len(placement.layer_ids) * (layer_input if cfg.recompute_activations else layer)
+        out = self._layers(job, placement, e, mask)[0]
         rows = s * b // t if par.sequence_parallel and t > 1 else s * b
         if placement.pre_process:
             out += 2 * 8 * s * b                                       # token and position ids
@@ -49,13 +75,15 @@ class TransformerActivations:
             out += e * rows * h                                        # the output, held for backward
         return out
 
-    def working(self, job, placements, e: int, mask: int) -> int:
+    def working(self, job, placements, e: int, mask: int, device: str = "cpu") -> int:
         cfg, par = job.model, job.parallel
         s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
         rows = s * b // t if par.sequence_parallel and t > 1 else s * b
         layer, _ = self.layer(job, e, mask)
         out = e * (2 * rows * h + s * b * cfg.ffn_hidden_size // t)
-        return out + (layer if cfg.recompute_activations else 0)
+        groups = [len(g) for pl in placements for g, on in full_recompute_groups(cfg, len(pl.layer_ids)) if on]
+        out += max(groups, default=0) * layer
+        return out + (2 * layer if cfg.cpu_offloading and device == "cuda" else 0)
 
     def logits(self, job, e: int) -> int:
         cfg, s, b, t = job.model, job.model.seq_length, job.train.micro_batch_size, job.parallel.tp

@@ -201,6 +201,9 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     est.model_states = sum(parts.values())
 
     est.activations = _held_peak(job, pp_rank, [activation_model.held(job, pl, e, mask) for pl in places])
+    host_activations = _held_peak(job, pp_rank, [activation_model.offloaded(job, pl, e, mask) for pl in places])
+    if host_activations:                               # --cpu-offloading: the offloaded layers' activations
+        offloaded["host_activations"] = host_activations
 
     if z.zero_stage >= 2:                    # the bucket being filled, those reducing, scratch shards, inboxes
         accumulates_full = (z.zero_stage == 2 and not z.reduce_each_microbatch
@@ -217,7 +220,7 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     # and gradient storage already filled by earlier micro-batches (reduced once per step, m > 1). A
     # backward: the head's activations are gone first; the gradients passing between layers, the
     # gradients in flight and, recomputing, one layer's activations back.
-    working = activation_model.working(job, places, e, mask)
+    working = activation_model.working(job, places, e, mask, device)
     grads, gathered = parts.get("grads_in_backward", 0), parts.get("gathered_units", 0)
     accumulating = job.num_micro_batches > 1 and (z.zero_stage == 2 and not z.reduce_each_microbatch
                                                   or z.zero_stage == 3 and z.keep_params_gathered)
@@ -289,9 +292,18 @@ def _extrapolation_depths(job: JobConfig) -> tuple[int, int] | None:
     par, cfg = job.parallel, job.model
     if par.virtual_stages != 1 or cfg.num_layers // par.pp <= EXACT_LAYERS_PER_STAGE:
         return None
-    period = cfg.moe_layer_freq if cfg.num_experts else 1
-    base = max(1, 16 // period) * period
-    return base, 2 * base
+    import math
+
+    period = cfg.moe_layer_freq if cfg.num_experts else 1          # the layers' pattern repeats every period
+    fixed = 16                                                     # and layer counts that do not grow with depth
+    method, n = getattr(cfg, "recompute_method", None), getattr(cfg, "recompute_num_layers", None)
+    if method == "uniform" and n:
+        period = math.lcm(period, n)
+    elif method == "block" and n:
+        fixed = max(fixed, n)
+    fixed = max(fixed, getattr(cfg, "cpu_offloading_num_layers", None) or 0)
+    base = -(-fixed // period) * period
+    return (base, 2 * base) if 2 * base < cfg.num_layers // par.pp else None
 
 
 def _with_layers(job: JobConfig, layers: int) -> JobConfig:
@@ -346,7 +358,7 @@ def moe_alltoall_bytes(tokens: int, topk: int, hidden: int, num_experts: int, ep
 
 def moe_alltoall_bytes_per_step(job: JobConfig, pp_rank: int = 0) -> int:
     """:func:`moe_alltoall_bytes` for one step of ``job`` on a rank of pipeline stage ``pp_rank``
-    (balanced routing; ``--recompute-activations`` repeats the forward's half)."""
+    (balanced routing; full recompute repeats the forward's half)."""
     cfg, par = job.model, job.parallel
     if not cfg.num_experts:
         return 0
@@ -356,4 +368,4 @@ def moe_alltoall_bytes_per_step(job: JobConfig, pp_rank: int = 0) -> int:
     e = 2 if (job.precision.bf16 or job.precision.fp16) else 4
     per = moe_alltoall_bytes(tokens, cfg.moe_router_topk, cfg.hidden_size, cfg.num_experts,
                              par.expert_model_parallel_size, e, len(layers), job.num_micro_batches)
-    return per * 3 // 2 if cfg.recompute_activations else per
+    return per * 3 // 2 if cfg.recompute_granularity == "full" else per

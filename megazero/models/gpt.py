@@ -53,10 +53,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megazero.config import ModelConfig, ParallelConfig, check_model
+from megazero.memory.activation_offload import ActivationOffload
 from megazero.models.kv_cache import KVCache
+from megazero.models.recompute import checkpointed, full_recompute_groups
 from megazero.models.transformer import (NORM_TYPES, Embedding, LayerContext, TransformerLayer,
                                          qkv_blocks_to_interleaved, qkv_interleaved_to_blocks)
 from megazero.parallel.groups import ModelParallelGroups
@@ -141,6 +142,12 @@ class GPT(nn.Module):
                 set_tp_attributes(p, False)
         self.seed = seed
         self._norm_modules = {n for n, m in self.named_modules() if isinstance(m, NORM_TYPES)}
+        self.recompute_groups = full_recompute_groups(cfg, len(layer_ids))
+        self.activation_offload = None                # --cpu-offloading: the first offloaded_layers layers
+        self.offloaded_layers = 0
+        if cfg.cpu_offloading:
+            self.activation_offload = ActivationOffload(device if device.type != "meta" else home_device)
+            self.offloaded_layers = min(cfg.cpu_offloading_num_layers or len(layer_ids), len(layer_ids))
         if device.type != "meta":          # on the meta device the ZeRO engine materialises them
             self.reset_parameters(seed)
 
@@ -227,12 +234,11 @@ class GPT(nn.Module):
         ``x`` (their count is the position of ``x``'s first token); this chunk's layers append to it."""
         offset = kv_cache.length if kv_cache is not None else 0
         h = self.embedding(x, offset) if self.pre_process else x
-        recompute = self.cfg.recompute_activations and torch.is_grad_enabled() and kv_cache is None
-        for key, layer in self.layers.items():
-            if recompute:
-                h = self._checkpointed(layer, h)
-            else:
+        if kv_cache is not None or not torch.is_grad_enabled():
+            for key, layer in self.layers.items():
                 h = layer(h, kv_cache.layer(int(key)) if kv_cache is not None else None)
+        else:
+            h = self._train_layers(h)
         if kv_cache is not None:
             kv_cache.advance(x.shape[1] if self.pre_process else h.shape[0])
         if not self.post_process:
@@ -254,24 +260,31 @@ class GPT(nn.Module):
             logits = self.output_layer(h)
         return mask_padded_vocab(logits, self.cfg.vocab_size, self.ctx.tp_rank * logits.shape[-1], inplace=True)
 
-    def _checkpointed(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        """Run ``layer`` without keeping its activations; backward recomputes it with the same dropout
-        masks (the global RNG via checkpoint's preserve_rng_state, our streams via saved states)."""
-        saved = self.rng.get_states()
-        calls = []
+    def _train_layers(self, h: torch.Tensor) -> torch.Tensor:
+        """The layers' forward when autograd records: full recompute by groups (``--recompute-method``,
+        :func:`megazero.models.recompute.full_recompute_groups`), the first ``--cpu-offloading-num-layers``
+        layers' saved tensors in host memory (:mod:`megazero.memory.activation_offload`)."""
+        layers = list(self.layers.values())
+        offload = self.activation_offload
+        if offload is not None:
+            offload.new_forward()
 
-        def run(inp):
-            if not calls:                      # the real forward
-                calls.append(1)
-                return layer(inp)
-            after = self.rng.get_states()      # the recomputation in backward: replay the streams
-            self.rng.set_states(saved)
-            try:
-                return layer(inp)
-            finally:
-                self.rng.set_states(after)
+        def run(indices):
+            def layers_forward(x):
+                for i in indices:
+                    if offload is not None and i < self.offloaded_layers:
+                        with offload.layer(layers[i]):
+                            x = layers[i](x)
+                    else:
+                        x = layers[i](x)
+                return x
+            return layers_forward
 
-        return checkpoint(run, h, use_reentrant=False, preserve_rng_state=True)
+        cfg = self.cfg
+        rng = self.rng if self.training and (cfg.attention_dropout > 0 or cfg.hidden_dropout > 0) else None
+        for indices, recomputed in self.recompute_groups:
+            h = checkpointed(run(indices), rng, h) if recomputed else run(indices)(h)
+        return h
 
     masked_mean = staticmethod(masked_mean)
 

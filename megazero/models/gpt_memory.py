@@ -1,8 +1,8 @@
 """The GPT family's activation memory, counted for this implementation (what the memory estimator uses
 for ``--model-family gpt``; the generic formula and the protocol: :mod:`megazero.memory.activations`).
 
-Per layer and micro-batch, the tensors autograd keeps, in units of sbh elements of e bytes (s sequence,
-b micro-batch, h hidden, f ffn, t tp, a heads)::
+Per layer and micro-batch, the tensors autograd keeps (:func:`layer_parts`), in units of sbh elements
+of e bytes (s sequence, b micro-batch, h hidden, f ffn, t tp, a heads)::
 
     without sequence parallel   4 sbh + (4 sbh + 2 sbf) / t        (x, LN outputs, x after attention,
     with sequence parallel      2 sbh + (6 sbh + 2 sbf) / t         qkv, attention out, MLP in/out; SP
@@ -14,24 +14,43 @@ queries and keys, grouped-query attention 2h/t + 2Gd/t (+ Gd/t rotated keys) ins
 4f/t instead of 2f/t) and RMSNorm keeps one statistic per row instead of two; plus the layer norms'
 statistics (fp32), the attention's log-sum-exp (fp32; the fused kernel keeps no s x s scores, except
 with attention dropout, where the unfused path keeps the probabilities and the mask), dropout masks and
-the head's softmax (fp32, sbV/t). With ``--recompute-activations`` a layer keeps only its input, and one
-layer's activations exist again during its backward. An MoE layer is counted as one dense MLP (router,
-top-k copies and all-to-all buffers left out).
+the head's softmax (fp32, sbV/t). An MoE layer is counted as one dense MLP (router, top-k copies and
+all-to-all buffers left out).
+
+The recompute and offload choices (:mod:`megazero.models.recompute`) change what a layer keeps
+(:func:`selective_savings` says what each ``--recompute-modules`` entry drops) and what a chunk holds:
+a fully recomputed group keeps its input only, and its backward brings the group's activations back
+(the working set); an offloaded layer's bytes wait in host memory (:func:`chunk_offloaded_bytes`).
 """
 from __future__ import annotations
 
 from megazero.memory.activations import TransformerActivations
+from megazero.models.recompute import full_recompute_groups, selective_modules
 
 
 def attention_elements(cfg, t: int) -> int:
     """Elements per token one tp rank's attention keeps: the fused QKV output (its value part is a view
     SDPA saves), or the query and the key/value projection outputs (G >= t groups split, one group per
     rank when replicated); RoPE's rotated queries and keys instead of the projections' views; the output."""
-    h, d, rope = cfg.hidden_size, cfg.head_dim, cfg.position_embedding_type == "rope"
+    return _attention_projection_elements(cfg, t) + _rope_elements(cfg, t)
+
+
+def _attention_projection_elements(cfg, t: int) -> int:
+    """What the attention keeps with its core recomputed: the projections' outputs (the core's inputs)
+    and the core's output (the dense layer's input)."""
+    h, d = cfg.hidden_size, cfg.head_dim
     if not cfg.group_query_attention:
-        return (4 * h + (2 * h if rope else 0)) // t
-    groups = max(cfg.num_query_groups // t, 1)
-    return 2 * h // t + 2 * groups * d + (groups * d if rope else 0)
+        return 4 * h // t
+    return 2 * h // t + 2 * max(cfg.num_query_groups // t, 1) * d
+
+
+def _rope_elements(cfg, t: int) -> int:
+    """RoPE's rotated queries and keys, net of the projection outputs they replace (per token)."""
+    if cfg.position_embedding_type != "rope":
+        return 0
+    if not cfg.group_query_attention:
+        return 2 * cfg.hidden_size // t
+    return max(cfg.num_query_groups // t, 1) * cfg.head_dim
 
 
 def mlp_elements(cfg, t: int) -> int:
@@ -40,35 +59,111 @@ def mlp_elements(cfg, t: int) -> int:
     return (4 if cfg.swiglu else 2) * cfg.ffn_hidden_size // t
 
 
-def layer_activation_bytes(job, e: int, mask: int) -> tuple[int, int]:
-    """(bytes one layer keeps for backward, bytes of its input) per micro-batch; ``mask``: bytes per
-    element of a dropout mask (1 for CUDA's fused dropout, the activation's e bytes on a CPU)."""
+def layer_parts(job, e: int, mask: int) -> dict[str, int]:
+    """Bytes one layer keeps for backward per micro-batch, by what keeps them (recomputing nothing).
+    ``mask``: bytes per element of a dropout mask (1 for CUDA's fused dropout, e on a CPU)."""
     cfg, par = job.model, job.parallel
     s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
     a = cfg.num_attention_heads
     sp = par.sequence_parallel and t > 1
-    sbh = s * b * h
-    inner = s * b * (attention_elements(cfg, t) + mlp_elements(cfg, t))
-    elems = (2 * sbh + 2 * sbh // t + inner) if sp else (4 * sbh + inner)
     rows = s * b // t if sp else s * b                    # the rows a layer norm (and dropout) sees
     stats = 2 if cfg.normalization == "LayerNorm" else 1  # LayerNorm: mean and rstd; RMSNorm: rstd
-    out = e * elems + 2 * stats * 4 * rows               # two norms' statistics, fp32
-    if cfg.attention_dropout > 0:
-        out += b * (a // t) * s * s * (2 * e + mask)       # unfused attention: probabilities, dropped, mask
-    else:
-        out += 4 * b * (a // t) * s                        # fused attention's log-sum-exp
-    if cfg.hidden_dropout > 0:
-        out += 2 * rows * h * mask                         # two dropout masks
-    return out, e * rows * h
+    parts = {
+        "norm_inputs": e * 2 * rows * h,                  # x and x after attention (the norms keep them)
+        "linear_inputs": e * 2 * s * b * h,               # the norms' outputs, or (SP) their gathered copies
+        "norm_stats": 2 * stats * 4 * rows,
+        "attention_projections": e * s * b * _attention_projection_elements(cfg, t),
+        "attention_rope": e * s * b * _rope_elements(cfg, t),
+        "attention_core": (b * (a // t) * s * s * (2 * e + mask) if cfg.attention_dropout > 0
+                           else 4 * b * (a // t) * s),    # unfused probabilities, dropped, mask; or the lse
+        "mlp_inner": e * s * b * mlp_elements(cfg, t),
+        "dropout_masks": 2 * rows * h * mask if cfg.hidden_dropout > 0 else 0,
+    }
+    return parts
+
+
+def selective_savings(job, parts: dict[str, int]) -> dict[str, int]:
+    """Bytes per layer and micro-batch each ``--recompute-modules`` entry in use stops keeping:
+    core_attn the rotated queries/keys and the core's statistics (or dropout probabilities); mlp the
+    inner activations (and under SP fc1's gathered input, keeping the sbh/t chunk instead); layernorm
+    the norms' outputs (not under SP, where nothing keeps them); moe_act an MoE layer's activation
+    output (GELU's, or SwiGLU's silu(gate) and product: counted on the dense-MLP model above)."""
+    cfg, par = job.model, job.parallel
+    modules = selective_modules(cfg)
+    sp = par.sequence_parallel and par.tp > 1
+    sbh = parts["linear_inputs"] // 2
+    out = {}
+    if "core_attn" in modules:
+        out["core_attn"] = parts["attention_rope"] + parts["attention_core"]
+    if "layernorm" in modules and not sp:
+        out["layernorm"] = parts["linear_inputs"]
+    if "mlp" in modules:
+        out["mlp"] = parts["mlp_inner"] + ((sbh - sbh // par.tp) if sp else 0)
+    if "moe_act" in modules:
+        out["moe_act"] = parts["mlp_inner"] // 2
+    return out
+
+
+def layer_activation_bytes(job, e: int, mask: int, layer_id: int | None = None) -> tuple[int, int]:
+    """(bytes one layer keeps for backward, bytes of its input) per micro-batch, after the selective
+    recompute in use (moe_act only on MoE layers, mlp only on dense ones, when ``layer_id`` is given)."""
+    cfg, par = job.model, job.parallel
+    parts = layer_parts(job, e, mask)
+    savings = selective_savings(job, parts)
+    if layer_id is not None:
+        moe = cfg.is_moe_layer(layer_id)
+        savings.pop("mlp" if moe else "moe_act", None)
+    rows = cfg.seq_length * job.train.micro_batch_size // (par.tp if par.sequence_parallel and par.tp > 1 else 1)
+    return sum(parts.values()) - sum(savings.values()), e * rows * cfg.hidden_size
+
+
+def _layers(job, placement, e: int, mask: int) -> list[tuple[list[int], bool, int, int]]:
+    """The chunk's recompute groups with their bytes: (layer ids, recomputed, kept bytes, input bytes)."""
+    ids = placement.layer_ids
+    out = []
+    for indices, recomputed in full_recompute_groups(job.model, len(ids)):
+        kept = [layer_activation_bytes(job, e, mask, ids[i]) for i in indices]
+        out.append(([ids[i] for i in indices], recomputed, sum(k for k, _ in kept), kept[0][1]))
+    return out
+
+
+def _offloaded_count(job, placement) -> int:
+    cfg = job.model
+    return min(cfg.cpu_offloading_num_layers or len(placement.layer_ids), len(placement.layer_ids)) \
+        if cfg.cpu_offloading else 0
+
+
+def chunk_layer_bytes(job, placement, e: int, mask: int) -> int:
+    """Bytes the chunk's layers leave on the device per micro-batch: a recomputed group its input, a
+    kept layer what it keeps, an offloaded layer nothing."""
+    offloaded = _offloaded_count(job, placement)
+    out = position = 0
+    for ids, recomputed, kept, layer_input in _layers(job, placement, e, mask):
+        if recomputed:
+            out += layer_input
+        elif position >= offloaded:
+            out += kept
+        position += len(ids)
+    return out
+
+
+def chunk_offloaded_bytes(job, placement, e: int, mask: int) -> int:
+    """Bytes one micro-batch leaves in host memory: what the offloaded layers keep."""
+    offloaded = _offloaded_count(job, placement)
+    return sum(layer_activation_bytes(job, e, mask, i)[0] for i in placement.layer_ids[:offloaded])
 
 
 def chunk_activation_bytes(job, placement, e: int, mask: int) -> int:
-    """Bytes one micro-batch leaves held in the chunk of ``placement`` after its forward."""
+    """Bytes one micro-batch leaves held in the chunk of ``placement`` after its forward (on the device)."""
     cfg, par = job.model, job.parallel
     s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
-    layer, layer_input = layer_activation_bytes(job, e, mask)
-    n = len(placement.layer_ids)
-    out = n * (layer_input if cfg.recompute_activations else layer)
+    return chunk_layer_bytes(job, placement, e, mask) + _chunk_ends(job, placement, e, mask, s, b, h, t)
+
+
+def _chunk_ends(job, placement, e, mask, s, b, h, t) -> int:
+    """What the embedding, the head and the chunk's boundary keep."""
+    cfg, par = job.model, job.parallel
+    out = 0
     if placement.pre_process:
         out += 2 * 8 * s * b                               # token and position ids
         out += s * b * h * mask if cfg.hidden_dropout > 0 else 0     # the embedding's dropout mask
@@ -82,6 +177,17 @@ def chunk_activation_bytes(job, placement, e: int, mask: int) -> int:
     return out
 
 
+def _recompute_extra(job, placement, e: int, mask: int) -> int:
+    """The most a recomputed group of the chunk brings back at once: its layers' activations, less
+    what the kept layers after it (their backward ran first) have already freed."""
+    groups = _layers(job, placement, e, mask)
+    extra = 0
+    for k, (_, recomputed, kept, _) in enumerate(groups):
+        if recomputed:
+            extra = max(extra, kept - sum(b for _, again, b, _ in groups[k + 1:] if not again))
+    return extra
+
+
 class GPTActivations(TransformerActivations):
     """The GPT family's activation model (the protocol of :mod:`megazero.memory.activations`)."""
 
@@ -91,20 +197,26 @@ class GPTActivations(TransformerActivations):
     def held(self, job, placement, e: int, mask: int) -> int:
         return chunk_activation_bytes(job, placement, e, mask)
 
-    def working(self, job, placements, e: int, mask: int) -> int:
+    def offloaded(self, job, placement, e: int, mask: int) -> int:
+        return chunk_offloaded_bytes(job, placement, e, mask)
+
+    def working(self, job, placements, e: int, mask: int, device: str = "cpu") -> int:
         """A backward's transient: the gradients passing between layers (two hidden-sized tensors and
-        the MLP's inner one), a recomputed layer's activations; on the last chunk, the head's held
-        activations are gone first."""
+        the MLP's inner one); what recompute brings back at once (a recomputed group's activations, or
+        what a layer's recomputed modules drop: measured, they overlap within its backward); an offloaded layer and the one prefetched
+        behind it, copied back (on CUDA; on a CPU the host copy is the tensor); on the last chunk, the
+        head's held activations are gone first."""
         cfg, par = job.model, job.parallel
         s, b, t = cfg.seq_length, job.train.micro_batch_size, par.tp
-        layer, layer_input = self.layer(job, e, mask)
+        layer, _ = self.layer(job, e, mask)
         rows = s * b // t if par.sequence_parallel and t > 1 else s * b
         mlp_width = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
         working = e * (2 * rows * cfg.hidden_size + s * b * mlp_width // t)
-        if cfg.recompute_activations:
-            working += layer
+        working += max((_recompute_extra(job, pl, e, mask) for pl in placements), default=0)
+        working += sum(selective_savings(job, layer_parts(job, e, mask)).values())
+        if cfg.cpu_offloading and device == "cuda":
+            working += 2 * layer
         last = placements[-1]
         if last.post_process:
-            inputs = len(last.layer_ids) * (layer_input if cfg.recompute_activations else layer)
-            working -= self.held(job, last, e, mask) - inputs
+            working -= self.held(job, last, e, mask) - chunk_layer_bytes(job, last, e, mask)
         return working

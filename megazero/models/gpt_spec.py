@@ -43,25 +43,55 @@ def boundary_shape(model_cfg: ModelConfig, micro_batch_size: int, groups) -> tup
     return activation_shape(model_cfg, micro_batch_size, groups.tp.size, groups.sequence_parallel)
 
 
-def flops_per_token(cfg: ModelConfig, vocab: int, recompute: bool = False) -> float:
+def flops_per_token(cfg: ModelConfig, vocab: int, recompute: float = 0.0) -> float:
     """Training FLOPs per token: 6 * (matmul parameters) + the attention score/value term.
 
     Matmul parameters per layer: queries and output projection h^2 each, keys and values h*G*d each
     (G key/value heads of d features: h^2 each without grouped-query attention), MLP 2*h*ffn (3*h*ffn
     with SwiGLU's gate); plus the output layer h*V. Attention scores and values: 2 * 2 * s * h per
-    layer forward (counted in full, as Megatron and PaLM do). Backward is twice forward; full-layer
-    recomputation adds one more layer forward. An MoE layer (``--num-experts``) counts the MLP of the
-    ``--moe-router-topk`` experts a token passes through, plus the router's h*E.
+    layer forward (counted in full, as Megatron and PaLM do). Backward is twice forward; recompute adds
+    ``recompute`` times the layers' forward (:func:`recomputed_share`: 1 = every layer again; True
+    counts as 1). An MoE layer (``--num-experts``) counts the MLP of the ``--moe-router-topk`` experts a
+    token passes through, plus the router's h*E.
     """
     h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
-    kv = cfg.kv_heads * cfg.head_dim
+    total_matmul = sum(_layer_matmul(cfg, i) for i in range(L))
+    return (3 + float(recompute)) * (2 * total_matmul + L * 4 * s * h) + 3 * 2 * h * vocab
+
+
+def _layer_matmul(cfg: ModelConfig, layer: int, part: str = "layer") -> int:
+    """Matmul parameters a token meets in global layer ``layer``: the whole layer, or its "mlp" part."""
+    h = cfg.hidden_size
     mlp = (3 if cfg.swiglu else 2) * h * cfg.ffn_hidden_size
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(L))
-    total_matmul = L * (2 * h * h + 2 * h * kv + mlp)
-    if moe_layers:
-        total_matmul += moe_layers * ((cfg.moe_router_topk - 1) * mlp + h * cfg.num_experts)
-    passes = 4 if recompute else 3
-    return passes * (2 * total_matmul + L * 4 * s * h) + 3 * 2 * h * vocab
+    if cfg.is_moe_layer(layer):
+        mlp = cfg.moe_router_topk * mlp + h * cfg.num_experts
+    return mlp if part == "mlp" else 2 * h * h + 2 * h * cfg.kv_heads * cfg.head_dim + mlp
+
+
+def recomputed_share(cfg: ModelConfig, par) -> float:
+    """The forward FLOPs of all layers that the backward runs again, as a share of one forward of all
+    layers (for :func:`flops_per_token`): full recompute, the recomputed layers of every chunk (block:
+    the first ``--recompute-num-layers`` of each of the pp x v chunks); selective, the attention
+    score/value term (core_attn) and the dense MLPs (mlp); norms and activations are not matmuls."""
+    from megazero.models.recompute import full_recompute_groups
+    from megazero.parallel.pipeline.partition import placements
+
+    h, s, L = cfg.hidden_size, cfg.seq_length, cfg.num_layers
+    per_layer = [2 * _layer_matmul(cfg, i) + 4 * s * h for i in range(L)]
+    if cfg.recompute_granularity == "full":
+        again = 0
+        for rank in range(par.pp):
+            for chunk in placements(L, par.pp, rank, par.virtual_stages):
+                groups = full_recompute_groups(cfg, len(chunk.layer_ids))
+                again += sum(per_layer[chunk.layer_ids[i]] for indices, on in groups if on for i in indices)
+        return again / sum(per_layer)
+    if cfg.recompute_granularity == "selective":
+        modules = cfg.recompute_modules
+        again = L * 4 * s * h if "core_attn" in modules else 0
+        if "mlp" in modules:
+            again += sum(2 * _layer_matmul(cfg, i, "mlp") for i in range(L) if not cfg.is_moe_layer(i))
+        return again / sum(per_layer)
+    return 0.0
 
 
 def describe(m: ModelConfig) -> str:
@@ -133,4 +163,4 @@ GPT_SPEC = register_model_spec(ModelSpec(
     name="gpt", build_chunk=build_chunk, boundary_shape=boundary_shape, loss=masked_mean,
     flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
     hooks=StepHooks(before_step=set_aux_loss_scale, metrics=moe_metrics, describe_metrics=describe_moe_metrics),
-    hf=HF, activation_bytes=GPTActivations(), compile_regions=compile_regions))
+    hf=HF, activation_bytes=GPTActivations(), compile_regions=compile_regions, recomputed_share=recomputed_share))

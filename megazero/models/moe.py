@@ -59,6 +59,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.models.recompute import checkpointed, free_until_backward
 from megazero.parallel import counted_comm
 from megazero.parallel.tensor import new_parameter, reduce_from_tp_region
 
@@ -81,7 +82,7 @@ class ExpertMLP(nn.Module):
     def __init__(self, ctx):
         super().__init__()
         cfg = ctx.cfg
-        self.swiglu = cfg.swiglu
+        self.ctx, self.swiglu = ctx, cfg.swiglu
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
         f, h = cfg.ffn_hidden_size, cfg.hidden_size
         kw = dict(tensor_parallel=False, sequence_parallel_grad=ctx.sp, dtype=ctx.dtype, device=ctx.device)
@@ -95,13 +96,23 @@ class ExpertMLP(nn.Module):
             p.expert_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """fc2(act(fc1(x))); under ``--recompute-modules moe_act`` the activation's output is freed once
+        fc2 has saved it and recomputed before fc2's backward (:func:`free_until_backward`)."""
         w, b = self.fc1.weight, self.fc1.bias
         if self.swiglu:
-            y = F.silu(F.linear(x, w[0::2], b[0::2] if b is not None else None)) * \
-                F.linear(x, w[1::2], b[1::2] if b is not None else None)
+            inner = (F.linear(x, w[0::2], b[0::2] if b is not None else None),
+                     F.linear(x, w[1::2], b[1::2] if b is not None else None))
         else:
-            y = F.gelu(F.linear(x, w, b), approximate=self.approximate)
-        return F.linear(y, self.fc2.weight, self.fc2.bias)
+            inner = (F.linear(x, w, b),)
+        if not self.ctx.recomputes("moe_act"):
+            return F.linear(self._act(*inner), self.fc2.weight, self.fc2.bias)
+        y = checkpointed(self._act, None, *inner) if self.swiglu else self._act(*inner)
+        out = F.linear(y, self.fc2.weight, self.fc2.bias)
+        free_until_backward(y, out, lambda: self._act(*inner))
+        return out
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        return F.silu(gate) * up if self.swiglu else F.gelu(gate, approximate=self.approximate)
 
 
 class LocalExperts(nn.ModuleDict):

@@ -22,7 +22,10 @@ field                  what                                                     
                        :mod:`megazero.parallel.zero.materialize`)
 ``boundary_shape``     the activation passed between stages                         the pipeline
 ``loss``               (last chunk's output, loss mask) -> scalar                   the pipeline
-``flops_per_token``    training FLOPs per token (MFU, TFLOP/s)                      the log line
+``flops_per_token``    training FLOPs per token (MFU, TFLOP/s), given the share of  the log line
+                       the layers' forward that recompute runs again
+``recomputed_share``   that share for the job's recompute flags (default: 1 with    the log line
+                       full recompute, else 0)
 ``checkpoint_fields``  ModelConfig fields a checkpoint must match to be loaded      --load, preflight
 ``check``              model-specific rules (raise ConfigError naming the flag)     validate()
 ``describe``           the architecture in a few words, for the first log line      the trainer
@@ -90,7 +93,7 @@ class ModelSpec:
     build_chunk: Callable[..., nn.Module]
     boundary_shape: Callable[[ModelConfig, int, ModelParallelGroups], tuple[int, ...]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    flops_per_token: Callable[[ModelConfig, int, bool], float]
+    flops_per_token: Callable[[ModelConfig, int, float], float]
     checkpoint_fields: tuple[str, ...] = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                                           "vocab_size", "max_position_embeddings")
     check: Callable[[ModelConfig, ParallelConfig], None] = lambda model_cfg, parallel_cfg: None
@@ -99,6 +102,8 @@ class ModelSpec:
     hf: HFAdapter | None = None
     activation_bytes: Callable[..., int] | None = None
     compile_regions: Callable[[nn.Module], list[nn.Module]] | None = None
+    recomputed_share: Callable[[ModelConfig, ParallelConfig], float] = (
+        lambda model_cfg, parallel_cfg: float(model_cfg.recompute_granularity == "full"))
 
     def build_full(self, model_cfg: ModelConfig, *, seed: int = 1234, dtype: torch.dtype = torch.float32,
                    device=None) -> nn.Module:

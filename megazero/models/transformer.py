@@ -29,6 +29,7 @@ from megazero.config import ModelConfig
 from megazero.kernels import apex_norm, use_apex_norms
 from megazero.models.kv_cache import LayerKVCache
 from megazero.models.moe import MoELayer
+from megazero.models.recompute import checkpointed, free_until_backward, selective_modules
 from megazero.models.rotary import RotaryEmbedding
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import ModelParallelGroups
@@ -136,6 +137,12 @@ class LayerContext:
         ep = groups.ep
         self.ep_group, self.ep_size, self.ep_rank = (ep.group, ep.size, ep.rank) if ep.size > 1 else (None, 1, 0)
         self.comm_log = CommLog()
+        self.recompute_modules = selective_modules(cfg)        # --recompute-modules (selective), or none
+
+    def recomputes(self, module: str, cache: LayerKVCache | None = None) -> bool:
+        """Is ``module`` (a ``--recompute-modules`` name) recomputed in this forward? Only when autograd
+        records one (not in evaluation or generation)."""
+        return module in self.recompute_modules and cache is None and torch.is_grad_enabled()
 
     def dropout(self, x, p: float, training: bool, region: str):
         if not training or p == 0.0:
@@ -229,6 +236,15 @@ def attend(ctx: LayerContext, q, k, v, cache: LayerKVCache | None, training: boo
     return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
 
+def core_attention(ctx: LayerContext, q, k, v, cache: LayerKVCache | None, training: bool) -> torch.Tensor:
+    """:func:`attend`, keeping only ``q``, ``k``, ``v`` (views of the projections' outputs) for the
+    backward under ``--recompute-modules core_attn``."""
+    if not ctx.recomputes("core_attn", cache):
+        return attend(ctx, q, k, v, cache, training)
+    rng = ctx.rng if training and ctx.cfg.attention_dropout > 0 else None
+    return checkpointed(lambda q_, k_, v_: attend(ctx, q_, k_, v_, None, training), rng, q, k, v)
+
+
 class SelfAttention(nn.Module):
     """Causal multi-head self-attention with heads split across tp ranks (GPT-2, and Llama without GQA).
 
@@ -265,7 +281,7 @@ class SelfAttention(nn.Module):
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim)
         q, k, v = (qkv[:, :, :, i] for i in range(3))                  # [s, b, heads_local, d]
-        return self.dense(attend(self.ctx, q, k, v, cache, self.training))
+        return self.dense(core_attention(self.ctx, q, k, v, cache, self.training))
 
 
 class ReplicatedLinear(nn.Module):
@@ -340,7 +356,7 @@ class GroupedQueryAttention(nn.Module):
         s, b = q.shape[:2]
         q = q.view(s, b, self.heads_local, self.head_dim)
         kv = kv.view(s, b, self.groups_local, 2, self.head_dim)
-        return self.dense(attend(ctx, q, kv[:, :, :, 0], kv[:, :, :, 1], cache, self.training))
+        return self.dense(core_attention(ctx, q, kv[:, :, :, 0], kv[:, :, :, 1], cache, self.training))
 
 
 class MLP(nn.Module):
@@ -392,5 +408,22 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         ctx, p = self.ctx, self.ctx.cfg.hidden_dropout
-        x = x + ctx.dropout(self.attention(self.input_layernorm(x), cache), p, self.training, ctx.hidden_region)
-        return x + ctx.dropout(self.mlp(self.post_attention_layernorm(x)), p, self.training, ctx.hidden_region)
+        x = x + ctx.dropout(self._normed(self.input_layernorm, self.attention, x, cache), p, self.training,
+                            ctx.hidden_region)
+        return x + ctx.dropout(self._normed(self.post_attention_layernorm, self._mlp, x, cache), p, self.training,
+                               ctx.hidden_region)
+
+    def _normed(self, norm: nn.Module, block, x: torch.Tensor, cache: LayerKVCache | None) -> torch.Tensor:
+        """``block(norm(x))``; under ``--recompute-modules layernorm`` the norm's output is not kept."""
+        if not self.ctx.recomputes("layernorm", cache):
+            return block(norm(x), cache)
+        y = norm(x)
+        out = block(y, cache)
+        free_until_backward(y, out, lambda: norm(x))
+        return out
+
+    def _mlp(self, x: torch.Tensor, cache: LayerKVCache | None) -> torch.Tensor:
+        """The MLP (or MoE layer); a dense MLP keeps only its input under ``--recompute-modules mlp``."""
+        if self.ctx.recomputes("mlp", cache) and not self.mlp_is_moe:
+            return checkpointed(self.mlp, None, x)                   # no dropout inside the MLP
+        return self.mlp(x)

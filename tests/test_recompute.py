@@ -1,0 +1,175 @@
+"""Activation recompute and offload (megazero/models/recompute.py, megazero/memory/activation_offload.py):
+every choice trains exactly as the run that keeps everything, at tp 2 + SP, pp 2 (1F1B and
+interleaved), dp 2 under ZeRO 1 and 3 and ep 2, with dropout on (the backward's recomputation replays
+the forward's masks); the no-recompute run itself equals the single process; the groups and the
+offloaded bytes are what the docs say."""
+import pytest
+import torch
+from helpers import run_on_ranks
+from helpers.gpt_parity import GPT_CFG, GPT_OPT, LLAMA_KW, SEED, check_against_reference, trainer_steps
+
+from megazero.config import CompileConfig, ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.models.gpt import GPT
+from megazero.models.recompute import full_recompute_groups
+from megazero.models.spec import build_model_chunks, get_model_spec
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero import build_engine
+
+STEPS = 5
+DROPOUT = dict(attention_dropout=0.1, hidden_dropout=0.1)
+FULL = dict(recompute_granularity="full")
+CHOICES = {                                            # name: model keywords
+    "none": {},
+    "full-uniform-1": dict(recompute_activations=True),
+    "full-uniform-2": dict(FULL, recompute_method="uniform", recompute_num_layers=2),
+    "full-block-1": dict(FULL, recompute_method="block", recompute_num_layers=1),
+    "core_attn": dict(recompute_granularity="selective"),
+    "mlp+layernorm": dict(recompute_granularity="selective", recompute_modules=["mlp", "layernorm"]),
+    "all-modules": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"]),
+    "offload": dict(cpu_offloading=True),
+    "offload-1+core_attn": dict(cpu_offloading=True, cpu_offloading_num_layers=1, recompute_granularity="selective"),
+    "moe_act": dict(recompute_granularity="selective", recompute_modules=["moe_act", "core_attn"]),   # MoE only
+}
+
+
+def _choices_body(rank, world_size, layout, base_kw, names):
+    """Every choice of ``names`` at ``layout`` (tp, pp, v, sp, ZeRO stage, ep), STEPS trainer steps each:
+    {name: (tp rank, tp, losses, norms, params, offloaded bytes)}."""
+    tp, pp, v, sp, stage, ep = layout
+    out = {}
+    for name in names:
+        topo = Topology(tp=tp, pp=pp, ep=ep)
+        cfg = ModelConfig(**{**GPT_CFG, **base_kw, **CHOICES[name]})
+        layers_per_chunk = cfg.num_layers // (pp * v) if v > 1 else None
+        par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, expert_model_parallel_size=ep,
+                             num_layers_per_virtual_pipeline_stage=layers_per_chunk)
+        job = validate(JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=2, seed=SEED)),
+                       world_size)
+        chunks = build_model_chunks(get_model_spec("gpt"), job, topo, device="meta")
+        engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
+        losses, norms, params = trainer_steps(chunks, topo, engine, job, STEPS)
+        offloaded = sum(c.activation_offload.bytes_offloaded for c in chunks if c.activation_offload is not None)
+        out[name] = (topo.tp_rank, tp, losses, norms, params, offloaded)
+    return out
+
+
+def _check_choices(results, names):
+    """Each choice's losses, norms and parameters equal the run that keeps everything (1e-6 relative)."""
+    for out in results:
+        _, _, losses, norms, params, _ = out["none"]
+        for name in names:
+            _, _, c_losses, c_norms, c_params, offloaded = out[name]
+            torch.testing.assert_close(torch.tensor(c_losses), torch.tensor(losses), rtol=1e-6, atol=0, msg=name)
+            torch.testing.assert_close(torch.tensor(c_norms), torch.tensor(norms), rtol=1e-6, atol=0, msg=name)
+            for p, (value, _) in params.items():
+                torch.testing.assert_close(c_params[p][0], value, rtol=1e-6, atol=1e-8, msg=f"{name} {p}")
+            assert (offloaded > 0) == ("offload" in name), (name, offloaded)
+
+
+LAYOUTS = {   # (tp, pp, v, sp, ZeRO stage, ep) on 4 ranks
+    "tp2-sp-dp2-zero1": (2, 1, 1, True, 1, 1),
+    "pp2-1f1b-dp2-zero3": (1, 2, 1, False, 3, 1),
+    "pp2-interleaved-dp2-zero1": (1, 2, 2, False, 1, 1),
+}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(v, id=k, marks=() if k.startswith("tp2") else pytest.mark.slow)
+                                    for k, v in LAYOUTS.items()])
+def test_every_choice_trains_as_keeping_everything(layout):
+    """With dropout: each choice against keeping everything at the same layout."""
+    names = [name for name in CHOICES if name != "moe_act"]
+    _check_choices(run_on_ranks(4, _choices_body, layout, DROPOUT, names, timeout=900), names)
+
+
+@pytest.mark.slow
+def test_llama_and_experts_choices_train_as_keeping_everything():
+    """Llama layers (RoPE inside the recomputed core attention, RMSNorm, SwiGLU) at tp 2 + SP, pp 2;
+    MoE at ep 2, dp 2 under ZeRO-3, with the experts' activation recomputed."""
+    names = ["none", "full-uniform-2", "all-modules", "offload"]
+    _check_choices(run_on_ranks(4, _choices_body, (2, 2, 1, True, 1, 1), LLAMA_KW, names, timeout=900), names)
+    names = ["none", "moe_act", "full-block-1", "offload"]
+    moe = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
+    _check_choices(run_on_ranks(2, _choices_body, (1, 1, 1, False, 3, 2), moe, names, timeout=900), names)
+
+
+def test_keeping_everything_and_recomputing_equal_the_single_process():
+    """Without dropout the layouts equal the single process (1e-5), recomputing or not: dp 2 under ZeRO-1."""
+    names = ["none", "full-uniform-2", "all-modules", "offload-1+core_attn"]
+    for name, result in run_on_ranks(2, _choices_body, (1, 1, 1, False, 1, 1), {}, names)[0].items():
+        check_against_reference([result[:5]], STEPS, 2)
+
+
+def test_groups_follow_megatrons_methods():
+    cfg = ModelConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    assert full_recompute_groups(cfg, 5) == [([0, 1], True), ([2, 3], True), ([4], True)]
+    cfg = ModelConfig(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    assert full_recompute_groups(cfg, 5) == [([0], True), ([1], True), ([2], False), ([3], False), ([4], False)]
+    assert full_recompute_groups(ModelConfig(recompute_activations=True), 2) == [([0], True), ([1], True)]
+    assert full_recompute_groups(ModelConfig(), 2) == [([0], False), ([1], False)]
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(recompute_granularity="full"), "--recompute-granularity full needs --recompute-method"),
+    (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=9),
+     "--recompute-num-layers must be between 1 and --num-layers 4"),
+    (dict(recompute_granularity="selective", recompute_num_layers=1), "apply with --recompute-granularity full"),
+    (dict(recompute_modules=["mlp"]), "apply with --recompute-granularity: add it"),
+    (dict(recompute_activations=True, recompute_granularity="selective"), "--recompute-activations is full"),
+    (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), "it needs --num-experts"),
+    (dict(cpu_offloading_num_layers=1), "applies with --cpu-offloading"),
+    (dict(cpu_offloading=True, recompute_activations=True), "nothing to offload; choose one"),
+    (dict(cpu_offloading=True, compile=True), "--compile compiles whole layers"),
+    (dict(recompute_granularity="selective", compile=True), "--compile compiles whole layers"),
+])
+def test_contradictory_choices_are_refused(kw, message):
+    compiled = CompileConfig(compile=kw.pop("compile", False))
+    with pytest.raises(ConfigError, match=message):
+        validate(JobConfig(model=ModelConfig(**{**GPT_CFG, **kw}), compilation=compiled), 1)
+
+
+def test_offloaded_bytes_are_what_the_layers_save():
+    """One process, no dropout: the bytes sent to the host are every tensor the offloaded layers save
+    (counted here with torch's own saved-tensor hooks, parameters left out), and the gradients equal
+    keeping everything bitwise."""
+    cfg = ModelConfig(**GPT_CFG, cpu_offloading=True, cpu_offloading_num_layers=2)
+    model, plain = GPT(cfg, seed=SEED), GPT(ModelConfig(**GPT_CFG), seed=SEED)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
+    params = {p.untyped_storage().data_ptr() for p in plain.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    h = plain.embedding(tokens)
+    for i, layer in enumerate(plain.layers.values()):
+        if i < 2:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                h = layer(h)
+        else:
+            h = layer(h)
+    model(tokens, tokens).mean().backward()
+    plain(tokens, tokens).mean().backward()
+    assert model.activation_offload.bytes_offloaded == sum(saved) > 0
+    assert model.activation_offload.bytes_reloaded == sum(saved)
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_the_flops_count_what_the_backward_runs_again():
+    """The share of the layers' forward recomputed: every layer (uniform), the first of each of pp 2's
+    chunks (block 1: half of 4 layers), the attention core and MLP matmuls (selective), none."""
+    from megazero.models.gpt_spec import flops_per_token, recomputed_share
+
+    par = ParallelConfig(pp=2)
+    cfg = ModelConfig(**GPT_CFG)
+    h, s, f = cfg.hidden_size, cfg.seq_length, cfg.ffn_hidden_size
+    layer = 2 * (4 * h * h + 2 * h * f) + 4 * s * h
+    assert recomputed_share(ModelConfig(**GPT_CFG, recompute_activations=True), par) == 1.0
+    block = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+    assert recomputed_share(ModelConfig(**GPT_CFG, **block), par) == 0.5
+    selective = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    assert recomputed_share(ModelConfig(**GPT_CFG, **selective), par) == pytest.approx((4 * s * h + 4 * h * f) / layer)
+    assert recomputed_share(cfg, par) == 0.0
+    assert flops_per_token(cfg, 256, 1.0) - flops_per_token(cfg, 256) == cfg.num_layers * layer
