@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole context for every token")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
-        p.error(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+        p.exit(2, f"{p.prog}: error: --max-new-tokens must be a positive integer, got {args.max_new_tokens}\n")
     return args
 
 
