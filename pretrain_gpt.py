@@ -58,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         stop(f"{e}", 2, rank)                          # bad input: status 2, as for a bad flag
     try:
         return run(job, args.backend, tokenizer, show_sample=embedded_default)
-    except (TrainingStopped, CheckpointError) as e:
+    except (TrainingStopped, CheckpointError) as e:   # the same line on every rank: rank 0 says it
         stop(f"{e}", 1, rank)
+    except (DataError, OSError) as e:                  # found by some ranks only (an index cache, a disk)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        stop(f"rank {rank}: {e}" if world > 1 else f"{e}", 1, rank, every_rank=True)
     except RuntimeError as e:                          # gloo and NCCL say "timed out" / "Timeout"
         if any(text in str(e) for text in PEER_GONE):  # another rank stopped first, with its own line
             stop(f"rank {rank}: lost the connection to another rank, which stopped first: its error is the line "
