@@ -238,6 +238,10 @@ CASES = [
                                       "{W}/out/x", *GPT2), 2, "{W}/no.jsonl"),
     ("estimate-bad-layout", tool("estimate_memory", *TINY, "--world-size", "3", "--tp", "2"), 2,
      "world size 3 is not divisible by tp*pp"),
+    ("hpz-spans-nodes", tool("estimate_memory", *TINY, "--world-size", "8", "--global-batch-size", "16",
+                             "--zero-stage", "3", "--zero-hpz-partition-size", "4", "--ranks-per-node", "2"), 2,
+     "--zero-hpz-partition-size 4 puts ranks [0, 1, 2, 3] of nodes of 2 ranks in one secondary partition, which "
+     "spans nodes"),
     ("inspect-corrupt-tracker", tool("inspect_checkpoint", "{W}/run_bad_tracker"), 1, TRACKER),
     ("import-config-disagrees-with-weights", tool("convert_checkpoint", "--input", "{W}/hf_wide", "--output",
                                                   "{W}/out/wide", "--to", "megazero"), 1,
@@ -256,7 +260,8 @@ CASES = [
      "{W}/run_wide_config/iter_0000002/index.json: embedding.position_embeddings.weight is [16, 32] but the config "
      "(hidden_size 64"),
     ("inspect-index-disagrees-with-file", tool("inspect_checkpoint", "{W}/run_wrong_shard"), 1,
-     "stores 32 elements under 'model/final_norm.bias', the index says 33 (tensor 'model/final_norm.bias' of shape [33])"),
+     "stores 32 elements under 'model/final_norm.bias', the index says 33 (tensor 'model/final_norm.bias' of "
+     "shape [33])"),
     ("inspect-manifest-garbage", tool("inspect_checkpoint", "{W}/run_bad_manifest"), 1,
      "{W}/run_bad_manifest/iter_0000002/manifest.json is not valid JSON"),
     ("inspect-index-garbage", tool("inspect_checkpoint", "{W}/run_bad_index"), 1,
