@@ -166,9 +166,7 @@ def load_hf(path: str | os.PathLike, seq_length: int | None = None) -> tuple[Mod
     hf = _read_json(config_path, "--input must hold an HF model's config.json")
     try:
         cfg = model_config_from_hf(hf, seq_length)
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, CheckpointError):
-            raise
+    except (KeyError, TypeError, ValueError) as e:        # a config.json missing or mistyping a field
         raise CheckpointError(f"{config_path} is not a usable model config ({type(e).__name__}: {e}): "
                               f"fix config.json") from None
     weights = read_weights(path)
