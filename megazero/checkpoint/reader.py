@@ -143,6 +143,9 @@ class CheckpointReader:
         try:
             if "flat" in shard:
                 a, b = shard["flat"]
+                if not 0 <= a <= b <= numel(shard["slice"]):
+                    raise CheckpointError(f"{self.dir / INDEX}: a shard of {name!r} holds elements [{a}, {b}) of a "
+                                          f"region of {numel(shard['slice'])}: the index is corrupted")
                 entry = self._file(shard["file"]).header[shard["key"]]
                 stored = int(np.prod(entry["shape"], dtype=np.int64))
                 if _DTYPES[entry["dtype"]] != getattr(torch, self.tensors[name]["dtype"]):
@@ -157,7 +160,7 @@ class CheckpointReader:
                                   f"{name!r} ({e}): the index does not describe the file") from None
 
     def read_json_file(self, file_name: str) -> dict:
-        return json.loads(self._whole_file_checked(file_name).read_text())
+        return read_json(self._whole_file_checked(file_name))
 
     def _handle(self, file_name: str):
         """Version 1 files: opened through safetensors after their sha256 check."""
