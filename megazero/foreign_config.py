@@ -4,7 +4,8 @@
     pretrain_gpt.py --accelerate-config default_config.yaml ... # `accelerate config`'s file
 
 Both give ``{"section.field": value}`` (the trainer's flag destinations) and are read like a
-``--config`` file: flags on the command line may repeat a value but not contradict it. A key megazero
+``--config`` file: flags on the command line, a ``--config`` file and the other foreign file may
+repeat a value but not contradict it. A key megazero
 does not support is refused with its path (``zero_optimization.offload_optimizer.ratio``), never
 ignored; ``"auto"`` means "from the flags". The mapping, one key at a time:
 
@@ -44,7 +45,13 @@ Accelerate (``deepspeed_config`` section): ``zero_stage``, ``gradient_accumulati
 ``offload_param_nvme_path`` (--nvme-path), ``deepspeed_config_file`` (read as above); the top-level
 ``mixed_precision`` (no / fp16 / bf16); ``dynamo_config`` (``dynamo_backend`` INDUCTOR: --compile, NO: off;
 ``dynamo_mode``: --compile-mode; ``dynamo_use_fullgraph`` / ``dynamo_use_dynamic`` false only:
-megazero compiles each layer with static shapes and reports graph breaks instead).
+megazero compiles each layer with static shapes and reports graph breaks instead). The launch keys are
+checked, not mapped: ``distributed_type`` must be one megazero runs as (FSDP, MEGATRON_LM, XLA, TPU and
+unknown values are refused), and ``num_processes``, ``num_machines``, ``machine_rank`` must describe
+the launch (:class:`Launch`: torchrun's WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK).
+
+A key given twice in one JSON object or YAML mapping is refused (both readers keep the last one
+silently). How these files combine with ``--config`` and the flags is :func:`megazero.arguments._combine`.
 """
 from __future__ import annotations
 
