@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f" {e}", flush=True)
         return 0
     except (PreflightError, TokenizerError, DataError, OSError) as e:
-        stop(f"{e}", 2, rank)                          # bad input: status 2, as for a bad flag
+        stop(f"{e}", 2, rank, after_rank0=True)        # bad input: status 2, as for a bad flag
     try:
         return run(job, args.backend, tokenizer, show_sample=embedded_default)
     except (TrainingStopped, CheckpointError) as e:   # the same line on every rank: rank 0 says it
@@ -77,20 +77,29 @@ def main(argv: list[str] | None = None) -> int:
              f"{str(e).splitlines()[0][:300]}", 1, rank, every_rank=True)
 
 
-def stop(message: str, status: int, rank: int, every_rank: bool = False, secondhand: bool = False) -> None:
+def stop(message: str, status: int, rank: int, every_rank: bool = False, secondhand: bool = False,
+         after_rank0: bool = False) -> None:
     """End the run with one line on stderr and ``status``: from rank 0 only (not one line per rank for
     what every rank sees alike: the checkpoint code gives every rank the failing rank's line), or
     ``every_rank`` for what only some ranks see. Under torchrun the line is also this worker's error
     file, so the launcher's failure report shows it instead of "To enable traceback see ...";
     ``secondhand`` (this rank stopped only because another did) dates it a second later, so the
-    report's root cause is the rank that failed first."""
+    report's root cause is the rank that failed first. ``after_rank0`` (before any process group, where
+    ranks cannot agree): rank 0 says it at once; another rank waits for the launcher to stop it (when
+    rank 0 failed too, as for a file every rank reads) and otherwise says its own line, which only it
+    found (a file on its node)."""
+    if after_rank0 and rank != 0:
+        time.sleep(5.0)
+        every_rank, message = True, f"rank {rank}: {message}"
     if rank == 0 or every_rank:
         print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         try:
             with open(error_file, "w") as f:
-                json.dump({"message": message, "timestamp": int(time.time()) + int(secondhand)}, f)
+                when = str(int(time.time()) + int(secondhand))      # torchelastic's record() format
+                json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                         "timestamp": when}}}, f)
         except OSError:
             pass                                       # the line above is the report then
     raise SystemExit(status)
