@@ -43,15 +43,25 @@ def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> Save
     _writable_dir(job.logging.tensorboard_dir, "--tensorboard-dir")
     _writable_dir(job.data.data_cache_path, "--data-cache-path")
     _nvme_path(job)
-    _checkpoints(job)
-    _data(job, scan=rank == 0, say=say if rank == 0 else (lambda line: None))
+    try:
+        _checkpoints(job)
+        finished = None
+    except NothingToDo as e:                  # said after the lock: a run still writing there comes first
+        finished = e
+    if finished is None:
+        _data(job, scan=rank == 0, say=say if rank == 0 else (lambda line: None))
     if rank != 0 or not job.checkpoint.save:
+        if finished is not None:
+            raise finished
         return None
     _writable_dir(job.checkpoint.save, "--save")
     try:
         lock = SaveLock.acquire(job.checkpoint.save)
     except (CheckpointError, OSError) as e:
         raise PreflightError(str(e)) from None
+    if finished is not None:
+        lock.release()
+        raise finished
     if lock.previous:
         say(f" took over the lock of --save {job.checkpoint.save} left by a run that has ended ({lock.previous})")
     for line in recover(job.checkpoint.save):
