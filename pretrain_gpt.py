@@ -102,6 +102,8 @@ def stop(message: str, status: int, rank: int, every_rank: bool = False, secondh
                                                                          "timestamp": when}}}, f)
         except OSError:
             pass                                       # the line above is the report then
+    if rank != 0 and not every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(5.0)            # rank 0 says the line: leaving first could have the launcher stop it unsaid
     raise SystemExit(status)
 
 
