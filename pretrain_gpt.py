@@ -12,8 +12,10 @@ them), the gradient/optimizer engine and the data iterators, then run the loop i
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -32,11 +34,12 @@ from megazero.memory.estimate import estimate_memory
 from megazero.metrics import MetricsLog
 from megazero.models.spec import build_model_chunks, get_model_spec
 from megazero.parallel.topology import Topology, init_distributed
-from megazero.preflight import PreflightError, preflight
+from megazero.preflight import NothingToDo, PreflightError, preflight
 from megazero.parallel.zero import build_engine
 from megazero.training import TrainingStopped, describe_run, gather_full_model, greedy_continuation, train
 
 SAMPLE_PROMPT = "A hacker is"
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")   # gloo, when a rank left
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,13 +50,24 @@ def main(argv: list[str] | None = None) -> int:
     try:                                               # ... and every file, still before any process group
         job, tokenizer = resolve_data(job)
         lock = preflight(job, args.backend, rank)      # noqa: F841 - held until the run ends
+    except NothingToDo as e:                           # a finished run resumed: say so, succeed
+        if rank == 0:
+            print(f" {e}", flush=True)
+        return 0
     except (PreflightError, TokenizerError, DataError, OSError) as e:
-        stop(f"{e}", 2, rank)                          # bad input: status 2, as for a bad flag
+        stop(f"{e}", 2, rank, after_rank0=True)        # bad input: status 2, as for a bad flag
     try:
         return run(job, args.backend, tokenizer, show_sample=embedded_default)
-    except (TrainingStopped, CheckpointError) as e:
+    except (TrainingStopped, CheckpointError) as e:   # the same line on every rank: rank 0 says it
         stop(f"{e}", 1, rank)
+    except (DataError, OSError) as e:                  # found by some ranks only (an index cache, a disk)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        stop(f"rank {rank}: {e}" if world > 1 else f"{e}", 1, rank, every_rank=True)
     except RuntimeError as e:                          # gloo and NCCL say "timed out" / "Timeout"
+        if any(text in str(e) for text in PEER_GONE):  # another rank stopped first, with its own line
+            stop(f"rank {rank}: lost the connection to another rank, which stopped first: its error is the line "
+                 f"above (and torchrun's root cause) ({str(e).splitlines()[0][:200]})", 1, rank, every_rank=True,
+                 secondhand=True)
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
         # Only the ranks waiting on the stuck one time out, and the launcher stops the rest as soon as
@@ -63,11 +77,33 @@ def main(argv: list[str] | None = None) -> int:
              f"{str(e).splitlines()[0][:300]}", 1, rank, every_rank=True)
 
 
-def stop(message: str, status: int, rank: int, every_rank: bool = False) -> None:
+def stop(message: str, status: int, rank: int, every_rank: bool = False, secondhand: bool = False,
+         after_rank0: bool = False) -> None:
     """End the run with one line on stderr and ``status``: from rank 0 only (not one line per rank for
-    what every rank sees alike), or ``every_rank`` for what only some ranks see."""
+    what every rank sees alike: the checkpoint code gives every rank the failing rank's line), or
+    ``every_rank`` for what only some ranks see. Under torchrun the line is also this worker's error
+    file, so the launcher's failure report shows it instead of "To enable traceback see ...";
+    ``secondhand`` (this rank stopped only because another did) dates it a second later, so the
+    report's root cause is the rank that failed first. ``after_rank0`` (before any process group, where
+    ranks cannot agree): rank 0 says it at once; another rank waits for the launcher to stop it (when
+    rank 0 failed too, as for a file every rank reads) and otherwise says its own line, which only it
+    found (a file on its node)."""
+    if after_rank0 and rank != 0:
+        time.sleep(5.0)
+        every_rank, message = True, f"rank {rank}: {message}"
     if rank == 0 or every_rank:
         print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w") as f:
+                when = str(int(time.time()) + int(secondhand))      # torchelastic's record() format
+                json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                         "timestamp": when}}}, f)
+        except OSError:
+            pass                                       # the line above is the report then
+    if rank != 0 and not every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(5.0)            # rank 0 says the line: leaving first could have the launcher stop it unsaid
     raise SystemExit(status)
 
 

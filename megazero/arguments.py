@@ -9,7 +9,9 @@ that into the parser, the config-file keys and the flag reference ``docs/flags.m
 (``python -m megazero.arguments --markdown > docs/flags.md``).
 
 A config file (``--config run.toml`` or ``.yaml``) uses the same names as keys (dashes or underscores,
-short aliases allowed, optionally grouped in tables); flags given on the command line override it::
+short aliases allowed, optionally grouped in tables); flags given on the command line override it, and
+any other disagreement between two sources (``--config``, ``--deepspeed-config``, ``--accelerate-config``)
+is refused naming both (:func:`_combine`; docs/foreign-configs.md)::
 
     # run.toml
     tp = 2
@@ -28,7 +30,7 @@ from pathlib import Path
 
 from megazero.config import BACKENDS, ConfigError, JobConfig, flag, flag_fields, setting, validate
 from megazero.config.fields import GROUPS
-from megazero.foreign_config import from_accelerate, from_deepspeed
+from megazero.foreign_config import Launch, from_accelerate, from_deepspeed, load_yaml
 from megazero.models.spec import check_family
 
 
@@ -111,39 +113,36 @@ def load_config_file(path: str) -> dict[str, object]:
     return out
 
 
-def _merge(base: dict, more: dict, where: str) -> dict:
-    """``base`` and ``more`` together; a setting they give different values is an error."""
-    for dest, value in more.items():
-        if dest in base and base[dest] != value:
-            name = dest.partition(".")[2]
-            raise ConfigError(f"{where} sets {setting(name)} {value!r}, the DeepSpeed/Accelerate config "
-                              f"{base[dest]!r}: set it in one place")
-    return {**base, **more}
+def _combine(sources: list[tuple[str, dict]], overridable: set[str] = frozenset()) -> dict:
+    """The settings of every source (``[(its name, {dest: value})]``, highest precedence first) in one
+    dict: the one precedence rule (docs/foreign-configs.md). A setting two sources give different
+    values is refused naming both, unless the lower one is in ``overridable`` (the ``--config`` file,
+    which the command line overrides)."""
+    out: dict[str, object] = {}
+    given_by: dict[str, str] = {}
+    for name, values in sources:
+        for dest, value in values.items():
+            if dest not in out:
+                out[dest], given_by[dest] = value, name
+            elif out[dest] != value and not (name in overridable and given_by[dest] == "the command line"):
+                what = setting(dest.partition(".")[2])
+                raise ConfigError(f"{what} is {out[dest]!r} {_where(given_by[dest])} but {value!r} {_where(name)}: "
+                                  f"set it in one place")
+    return out
+
+
+def _where(source: str) -> str:
+    return f"on {source}" if source == "the command line" else f"in {source}"
 
 
 def _parse_config_text(p: Path):
     text = p.read_text()
     if p.suffix in (".yaml", ".yml"):
         try:
-            import yaml
+            import yaml  # noqa: F401
         except ImportError as e:
             raise ConfigError(f"--config {p}: YAML needs PyYAML (pip install pyyaml), or use TOML") from e
-
-        class UniqueKeys(yaml.SafeLoader):
-            """YAML that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
-
-        def mapping(loader, node):
-            keys = [loader.construct_object(k) for k, _ in node.value]
-            twice = sorted({k for k in keys if keys.count(k) > 1}, key=str)
-            if twice:
-                raise ConfigError(f"--config {p}: key {twice[0]!r} is given twice: keep one")
-            return loader.construct_mapping(node)
-
-        UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-        try:
-            return yaml.load(text, Loader=UniqueKeys) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config {p}: not valid YAML: {e}".splitlines()[0]) from e
+        return load_yaml(text, f"--config {p}") or {}
     import tomllib
 
     try:
@@ -209,14 +208,15 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
     """The validated JobConfig of parsed flags (and their ``--config`` file). An invalid one exits with
     status 2 and a one-line message naming the flag (printed by rank 0 only under a launcher)."""
     try:
-        values = load_config_file(args.config) if args.config else {}
-        foreign = {}
+        sources = [("the command line", {k: v for k, v in vars(args).items() if "." in k})]
+        if args.config:
+            sources.append((f"--config {args.config}", load_config_file(args.config)))
         if args.deepspeed_config:
-            foreign.update(from_deepspeed(args.deepspeed_config))
+            sources.append((f"--deepspeed-config {args.deepspeed_config}", from_deepspeed(args.deepspeed_config)))
         if args.accelerate_config:
-            foreign = _merge(foreign, from_accelerate(args.accelerate_config), "--accelerate-config")
-        flags = {k: v for k, v in vars(args).items() if "." in k}
-        values.update(_merge(foreign, flags, "the command line"))
+            sources.append((f"--accelerate-config {args.accelerate_config}",
+                            from_accelerate(args.accelerate_config, Launch.from_env(world_size))))
+        values = _combine(sources, overridable={f"--config {args.config}"})
         job = validate(job_from_values(values), world_size)
         check_family(job.model, job.parallel, job.compilation)   # the model family is registered; its own rules
         if job.train.memory_budget_gib is not None:              # the memory planner picks recompute / offload

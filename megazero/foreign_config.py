@@ -4,7 +4,8 @@
     pretrain_gpt.py --accelerate-config default_config.yaml ... # `accelerate config`'s file
 
 Both give ``{"section.field": value}`` (the trainer's flag destinations) and are read like a
-``--config`` file: flags on the command line may repeat a value but not contradict it. A key megazero
+``--config`` file: flags on the command line, a ``--config`` file and the other foreign file may
+repeat a value but not contradict it. A key megazero
 does not support is refused with its path (``zero_optimization.offload_optimizer.ratio``), never
 ignored; ``"auto"`` means "from the flags". The mapping, one key at a time:
 
@@ -44,20 +45,89 @@ Accelerate (``deepspeed_config`` section): ``zero_stage``, ``gradient_accumulati
 ``offload_param_nvme_path`` (--nvme-path), ``deepspeed_config_file`` (read as above); the top-level
 ``mixed_precision`` (no / fp16 / bf16); ``dynamo_config`` (``dynamo_backend`` INDUCTOR: --compile, NO: off;
 ``dynamo_mode``: --compile-mode; ``dynamo_use_fullgraph`` / ``dynamo_use_dynamic`` false only:
-megazero compiles each layer with static shapes and reports graph breaks instead).
+megazero compiles each layer with static shapes and reports graph breaks instead). The launch keys are
+checked, not mapped: ``distributed_type`` must be one megazero runs as (FSDP, MEGATRON_LM, XLA, TPU and
+unknown values are refused), and ``num_processes``, ``num_machines``, ``machine_rank`` must describe
+the launch (:class:`Launch`: torchrun's WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK).
+
+A key given twice in one JSON object or YAML mapping is refused (both readers keep the last one
+silently). How these files combine with ``--config`` and the flags is :func:`megazero.arguments._combine`.
 """
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from megazero.config import ConfigError
+from megazero.config import ConfigError, setting
 
 AUTO = "auto"
-_ACCELERATE_IGNORED = {"compute_environment", "debug", "distributed_type", "downcast_bf16", "enable_cpu_affinity",
-                       "gpu_ids", "machine_rank", "main_process_ip", "main_process_port", "main_training_function",
-                       "num_machines", "num_processes", "rdzv_backend", "same_network", "tpu_env", "tpu_use_cluster",
-                       "tpu_use_sudo", "use_cpu"}
+_ACCELERATE_IGNORED = {"compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity",
+                       "gpu_ids", "main_process_ip", "main_process_port", "main_training_function",
+                       "rdzv_backend", "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu"}
+# Accelerate's distributed_type values megazero runs as its own data/ZeRO parallelism, and those it refuses.
+_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU",
+                      "DEEPSPEED")
+_OTHER_ENGINES = {"FSDP": "megazero shards with ZeRO: use DEEPSPEED with a zero_stage (3 shards the parameters)",
+                  "MEGATRON_LM": "megazero is the parallelism: use DEEPSPEED and give --tp / --pp as flags",
+                  "XLA": "megazero runs on CPUs and CUDA GPUs", "TPU": "megazero runs on CPUs and CUDA GPUs"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher started, to check an Accelerate config's ``num_processes``, ``num_machines``
+    and ``machine_rank`` against: the world size, and (when known) the nodes and this node's rank."""
+
+    world_size: int
+    nodes: int | None = None
+    node_rank: int | None = None
+
+    @classmethod
+    def from_env(cls, world_size: int, env=os.environ) -> Launch:
+        """torchrun's ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` (SLURM-style ``NODE_RANK`` too); one node,
+        rank 0, for a single process without a launcher."""
+        local, node = env.get("LOCAL_WORLD_SIZE"), env.get("GROUP_RANK", env.get("NODE_RANK"))
+        if local and int(local) > 0:
+            nodes = max(1, world_size // int(local))
+        else:
+            nodes = 1 if world_size == 1 else None
+        node_rank = int(node) if node not in (None, "") else (0 if nodes == 1 else None)
+        return cls(world_size, nodes, node_rank)
+
+
+def load_yaml(text: str, source: str):
+    """YAML whose mappings may not repeat a key (PyYAML keeps the last silently): ``source`` leads the
+    message (``--config run.yaml``)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node):
+        keys = [loader.construct_object(k) for k, _ in node.value]
+        twice = sorted({k for k in keys if keys.count(k) > 1}, key=str)
+        if twice:
+            raise ConfigError(f"{source}: key {twice[0]!r} is given twice: keep one")
+        return loader.construct_mapping(node)
+
+    UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    try:
+        return yaml.load(text, Loader=UniqueKeys)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}".splitlines()[0]) from None
+
+
+def _unique_json_keys(source: str):
+    """A ``json.loads`` object hook that refuses a key given twice in one object (json keeps the last)."""
+    def hook(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ConfigError(f"{source}: key {key!r} is given twice in one object: keep one")
+            seen.add(key)
+        return dict(pairs)
+    return hook
 
 
 class _Reader:
@@ -109,13 +179,18 @@ class _Reader:
 def from_deepspeed(path: str | Path) -> dict:
     """The settings a DeepSpeed JSON config asks for (see the module docstring)."""
     path = Path(path)
+    source = f"--deepspeed-config {path}"
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), object_pairs_hook=_unique_json_keys(source))
     except FileNotFoundError:
-        raise ConfigError(f"--deepspeed-config {path}: no such file") from None
+        raise ConfigError(f"{source}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{source}: cannot be read ({e})") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--deepspeed-config {path}: not valid JSON: {e}") from None
-    return _deepspeed(_Reader(f"--deepspeed-config {path}", data))
+        raise ConfigError(f"{source}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object at the top, got {type(data).__name__}")
+    return _deepspeed(_Reader(source, data))
 
 
 def _deepspeed(r: _Reader) -> dict:
@@ -270,19 +345,23 @@ def _dynamo(r: _Reader) -> None:
                                  "and reports graph breaks at start; set it to false")
 
 
-def from_accelerate(path: str | Path) -> dict:
-    """The settings of an Accelerate ``default_config.yaml`` (see the module docstring)."""
-    import yaml
-
+def from_accelerate(path: str | Path, launch: Launch | None = None) -> dict:
+    """The settings of an Accelerate ``default_config.yaml`` (see the module docstring). With ``launch``,
+    its ``num_processes``, ``num_machines`` and ``machine_rank`` must describe this launch."""
     path = Path(path)
+    source = f"--accelerate-config {path}"
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text(), source) or {}
     except FileNotFoundError:
-        raise ConfigError(f"--accelerate-config {path}: no such file") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--accelerate-config {path}: not valid YAML: {e}".splitlines()[0]) from None
-    r = _Reader(f"--accelerate-config {path}", data)
-    r.only("", _ACCELERATE_IGNORED | {"deepspeed_config", "mixed_precision", "dynamo_config"})
+        raise ConfigError(f"{source}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{source}: cannot be read ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected keys and values (a mapping) at the top, got {type(data).__name__}")
+    r = _Reader(source, data)
+    r.only("", _ACCELERATE_IGNORED | {"deepspeed_config", "mixed_precision", "dynamo_config", "distributed_type",
+                                      "num_processes", "num_machines", "machine_rank"})
+    _launch(r, launch)
     _dynamo(r)
     mp = r.get("mixed_precision")
     if mp not in (None, "no", "fp16", "bf16"):
@@ -305,5 +384,31 @@ def from_accelerate(path: str | Path) -> dict:
     r.set("zero.sharded_init", r.get(f"{d}.zero3_init_flag", bool))
     for dest, value in r.out.items():
         if dest in out and out[dest] != value:
-            r.fail(f"{d}", f"{dest} is {value!r} here and {out[dest]!r} in {file}: set one")
+            raise ConfigError(f"{setting(dest.partition('.')[2])} is {value!r} in {source} but {out[dest]!r} in its "
+                              f"deepspeed_config_file {Path(path).parent / file}: set it in one place")
     return {**out, **r.out}
+
+
+def _launch(r: _Reader, launch: Launch | None) -> None:
+    """``distributed_type`` is one megazero runs as (unknown values refused); ``num_processes``,
+    ``num_machines`` and ``machine_rank`` agree with the launch (torchrun's, not Accelerate's, starts it)."""
+    kind = r.get("distributed_type")
+    if kind is not None:
+        if str(kind).upper() in _OTHER_ENGINES:
+            r.fail("distributed_type", f"{kind} is not supported: {_OTHER_ENGINES[str(kind).upper()]}")
+        if str(kind).upper() not in _DISTRIBUTED_TYPES:
+            r.fail("distributed_type", f"must be one of {', '.join(_DISTRIBUTED_TYPES)}, got {kind!r}")
+    counts = {key: r.get(key, int) for key in ("num_processes", "num_machines", "machine_rank")}
+    for key, value in counts.items():
+        if value is not None and value < (0 if key == "machine_rank" else 1):
+            r.fail(key, f"must be {'>= 0' if key == 'machine_rank' else 'a positive integer'}, got {value}")
+    if launch is None:
+        return
+    here = {"num_processes": (launch.world_size, "processes (WORLD_SIZE)"),
+            "num_machines": (launch.nodes, "nodes (WORLD_SIZE / LOCAL_WORLD_SIZE)"),
+            "machine_rank": (launch.node_rank, "as this node's rank (GROUP_RANK)")}
+    for key, value in counts.items():
+        actual, what = here[key]
+        if value is not None and actual is not None and value != actual:
+            r.fail(key, f"is {value} but this launch has {actual} {what}: launch what the config says "
+                        f"(e.g. torchrun --nnodes / --nproc-per-node / --node-rank), or set {key}: {actual}")

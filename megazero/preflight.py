@@ -27,6 +27,11 @@ class PreflightError(ValueError):
     """An input the run cannot use; the message names the flag and the fix."""
 
 
+class NothingToDo(PreflightError):
+    """The checkpoint to resume has already reached ``--train-iters``: the run has nothing left to train
+    (the message says so; the trainer exits with status 0)."""
+
+
 def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> SaveLock | None:
     """Run every check (see the module docstring). Rank 0 takes ``--save``'s lock and tidies the
     directory after a crash; keep the returned lock alive for the whole run."""
@@ -38,15 +43,25 @@ def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> Save
     _writable_dir(job.logging.tensorboard_dir, "--tensorboard-dir")
     _writable_dir(job.data.data_cache_path, "--data-cache-path")
     _nvme_path(job)
-    _checkpoints(job)
-    _data(job, scan=rank == 0)
+    try:
+        _checkpoints(job)
+        finished = None
+    except NothingToDo as e:                  # said after the lock: a run still writing there comes first
+        finished = e
+    if finished is None:
+        _data(job, scan=rank == 0, say=say if rank == 0 else (lambda line: None))
     if rank != 0 or not job.checkpoint.save:
+        if finished is not None:
+            raise finished
         return None
     _writable_dir(job.checkpoint.save, "--save")
     try:
         lock = SaveLock.acquire(job.checkpoint.save)
     except (CheckpointError, OSError) as e:
         raise PreflightError(str(e)) from None
+    if finished is not None:
+        lock.release()
+        raise finished
     if lock.previous:
         say(f" took over the lock of --save {job.checkpoint.save} left by a run that has ended ({lock.previous})")
     for line in recover(job.checkpoint.save):
@@ -159,11 +174,17 @@ def _checkpoints(job: JobConfig) -> None:
             name, saved, mine = differs
             raise PreflightError(f"{path} was saved with {flag(name)} {saved}, this run has {mine}: use the "
                                  f"checkpoint's model settings or another directory")
+    resumed = (saved if same else loaded) if ck.load else None
+    if resumed is not None and not ck.finetune and resumed >= job.train.train_iters:
+        raise NothingToDo(f"--load {ck.load} holds a checkpoint at iteration {resumed}, and {flag('train_iters')} is "
+                          f"{job.train.train_iters}: nothing is left to train (raise {flag('train_iters')} to train "
+                          f"further, or add {flag('finetune')} to start a new run from its weights)")
 
 
-def _data(job: JobConfig, scan: bool) -> None:
-    """Every prefix opens (its .idx and .bin agree); with ``scan``, its token ids lie in
-    [0, vocabulary size) (one pass over the .bin, memory-mapped)."""
+def _data(job: JobConfig, scan: bool, say=print) -> None:
+    """Every prefix opens (its .idx and .bin agree) and each split it gives samples to holds at least one
+    sample; with ``scan``, its token ids lie in [0, vocabulary size) (one pass over the .bin,
+    memory-mapped). An empty validation split is said (validation will not run), not refused."""
     paths = job.data.data_path
     prefixes = paths if len(paths) == 1 else paths[1::2]
     for prefix in prefixes:
@@ -171,6 +192,7 @@ def _data(job: JobConfig, scan: bool) -> None:
             ds = IndexedDataset(prefix)
         except (OSError, ValueError) as e:
             raise PreflightError(f"--data-path {prefix}: {e}") from None
+        _splits(job, prefix, ds, say)
         if not scan or ds.num_tokens == 0:
             continue
         low, high = ds.token_range()
@@ -178,3 +200,31 @@ def _data(job: JobConfig, scan: bool) -> None:
             raise PreflightError(f"--data-path {prefix}: token ids span [{low}, {high}] but the tokenizer's vocabulary "
                                  f"has {job.model.vocab_size} entries: the data was made with another tokenizer; "
                                  f"preprocess it with this one (tools/preprocess_data.py)")
+
+
+def _splits(job: JobConfig, prefix: str, ds: IndexedDataset, say) -> None:
+    """Each split of ``--split`` that the run draws samples from holds more than ``--seq-length`` tokens
+    (one sample); an empty validation split is said, since no evaluation will run."""
+    import numpy as np
+
+    from megazero.data.gpt_dataset import split_ranges
+
+    d, seq = job.data, job.model.seq_length
+    wanted = {"training": True, "validation": job.train.eval_iters > 0, "test": job.train.eval_iters > 0}
+    sizes = np.asarray(ds.sequence_lengths)
+    for (begin, end), (name, used) in zip(split_ranges(d.split, ds.num_documents), wanted.items()):
+        if not used:
+            continue
+        if begin == end and name != "training":
+            if name == "validation":
+                say(f" note: the validation split of --split {d.split!r} holds none of the {ds.num_documents} "
+                    f"documents of --data-path {prefix}: validation will not run (give --split a larger "
+                    f"validation weight, or --eval-iters 0)")
+            continue
+        first, last = int(ds.document_indices[begin]), int(ds.document_indices[end])
+        tokens = int(sizes[first:last].sum(dtype=np.int64))
+        if tokens <= seq:
+            raise PreflightError(f"--data-path {prefix}: the {name} split of --split {d.split!r} (documents "
+                                 f"{begin}..{end}) holds {tokens} tokens, too few for one sample of --seq-length "
+                                 f"{seq} + 1: give that split a larger weight in --split, use more data, or lower "
+                                 f"--seq-length")

@@ -75,6 +75,10 @@ CASES = [
     ("timeout-zero", mock("--distributed-timeout-minutes", "0"), 2, "--distributed-timeout-minutes must be > 0"),
     ("timeout-nan", mock("--distributed-timeout-minutes", "nan"), 2, "--distributed-timeout-minutes must be a finite"),
     ("not-a-number", mock("--lr", "fast"), 2, "argument --lr: invalid float value: 'fast'"),
+    ("seed-negative", mock("--seed=-1"), 2, "--seed must be in [0, 2**32), got -1"),
+    ("lr-decay-iters-zero", mock("--lr-decay-iters", "0"), 2, "--lr-decay-iters must be a positive integer, got 0"),
+    ("quantization-block-zero", mock("--zero-quantization-block-size", "0"), 2,
+     "--zero-quantization-block-size must be >= 1, got 0"),
     # layout, model shape, batches, schedule
     ("tp-not-dividing-world", mock("--tp", "3"), 2, "world size 1 is not divisible by tp*pp"),
     ("dp-not-matching-world", mock("--dp", "2"), 2, "does not equal the world size 1"),
@@ -93,6 +97,13 @@ CASES = [
      "--num-layers-per-virtual-pipeline-stage needs"),
     ("bad-parallel-order", mock("--parallel-order", "tp-tp-dp"), 2, "--parallel-order 'tp-tp-dp' must name"),
     ("bf16-and-fp16", mock("--bf16", "--fp16"), 2, "--bf16 and --fp16 are exclusive"),
+    ("sequence-parallel-tp1", mock("--sequence-parallel"), 2,
+     "--sequence-parallel splits activations over the tensor-parallel ranks and does nothing at "
+     "--tensor-model-parallel-size/--tp 1"),
+    ("moe-flag-without-experts", mock("--moe-router-topk", "1"), 2,
+     "--moe-router-topk 1 applies to Mixture-of-Experts layers and this model has none: add --num-experts N"),
+    ("moe-capacity-without-experts", mock("--moe-expert-capacity-factor", "1.5"), 2,
+     "--moe-expert-capacity-factor 1.5 applies to Mixture-of-Experts layers"),
     # offloading
     ("offload-optimizer-zero0", mock("--offload-optimizer", "cpu"), 2, "use --zero-stage 1, 2 or 3"),
     ("offload-params-zero2", mock("--zero-stage", "2", "--offload-params", "cpu"), 2,
@@ -140,6 +151,8 @@ CASES = [
     ("blend-odd-count", real("--data-path", "1", "{W}/gpt2_text_document", "1"), 2, "takes weight-prefix pairs"),
     ("split-no-training", real("--data-path", "{W}/gpt2_text_document", "--split", "0,1,0"), 2,
      "--split '0,1,0' must be up to three non-negative weights"),
+    ("split-train-too-small", real("--data-path", "{W}/gpt2_text_document", "--split", "1,1000,0"), 2,
+     "the training split of --split '1,1000,0' (documents 0..0) holds 0 tokens, too few for one sample"),
     ("split-words", mock("--split", "a,b"), 2, "--split 'a,b'"),
     ("split-four-parts", mock("--split", "1,2,3,4"), 2, "--split '1,2,3,4'"),
     # output paths
@@ -162,6 +175,8 @@ CASES = [
     ("load-other-model", mock("--load", "{W}/run", "--hidden-size", "64"), 2,
      "{W}/run was saved with --hidden-size 32, this run has 64"),
     ("load-index-garbage", mock("--load", "{W}/run_bad_index"), 2, "{W}/run_bad_index"),
+    ("load-finished-run", mock("--load", "{W}/run"), 0,                  # exit 0, said on stdout
+     "--load {W}/run holds a checkpoint at iteration 2, and --train-iters is 2: nothing is left to train"),
     ("save-interval-without-save", mock("--save-interval", "1"), 2, "--save-interval needs --save"),
     ("finetune-without-load", mock("--finetune"), 2, "--finetune needs --load"),
     # config files
@@ -186,6 +201,28 @@ CASES = [
     ("accelerate-offload-device", mock("--accelerate-config", "{W}/acc_offload.yaml"), 2,
      "deepspeed_config.offload_optimizer_device: must be none, cpu or nvme, got 'gpu'"),
     ("accelerate-fp8", mock("--accelerate-config", "{W}/acc_fp8.yaml"), 2, "mixed_precision"),
+    ("config-contradicts-deepspeed", mock("--config", "{W}/stage1.toml", "--deepspeed-config", "{W}/stage2.json"), 2,
+     "--zero-stage is 1 in --config {W}/stage1.toml but 2 in --deepspeed-config {W}/stage2.json: set it in one place"),
+    ("deepspeed-contradicts-accelerate", mock("--deepspeed-config", "{W}/ds_clip.json", "--accelerate-config",
+                                              "{W}/acc_clip.yaml"), 2,
+     "--clip-grad is 1.0 in --deepspeed-config {W}/ds_clip.json but 0.5 in --accelerate-config {W}/acc_clip.yaml"),
+    ("accelerate-contradicts-its-deepspeed-file", mock("--accelerate-config", "{W}/acc_stage2.yaml"), 2,
+     "--zero-stage is 2 in --accelerate-config {W}/acc_stage2.yaml but 3 in its deepspeed_config_file "
+     "{W}/ds_stage3.json: set it in one place"),
+    ("deepspeed-duplicate-key", mock("--deepspeed-config", "{W}/ds_duplicate.json"), 2,
+     "--deepspeed-config {W}/ds_duplicate.json: key 'gradient_clipping' is given twice in one object: keep one"),
+    ("accelerate-duplicate-key", mock("--accelerate-config", "{W}/acc_duplicate.yaml"), 2,
+     "--accelerate-config {W}/acc_duplicate.yaml: key 'zero_stage' is given twice: keep one"),
+    ("accelerate-unknown-distributed-type", mock("--accelerate-config", "{W}/acc_foobar.yaml"), 2,
+     "distributed_type: must be one of NO, MULTI_CPU"),
+    ("accelerate-fsdp", mock("--accelerate-config", "{W}/acc_fsdp.yaml"), 2,
+     "distributed_type: FSDP is not supported: megazero shards with ZeRO"),
+    ("accelerate-num-processes", mock("--accelerate-config", "{W}/acc_processes.yaml"), 2,
+     "num_processes: is 8 but this launch has 1 processes (WORLD_SIZE)"),
+    ("accelerate-num-machines", mock("--accelerate-config", "{W}/acc_machines.yaml"), 2,
+     "num_machines: is 2 but this launch has 1 nodes"),
+    ("accelerate-machine-rank", mock("--accelerate-config", "{W}/acc_machine_rank.yaml"), 2,
+     "machine_rank: is 1 but this launch has 0 as this node's rank"),
     # tools
     ("convert-existing-output", tool("convert_checkpoint", "--input", "{W}/run/iter_0000002", "--output",
                                      "{W}/run_bad_index", "--to", "megazero"), 1, "--overwrite"),
@@ -201,7 +238,39 @@ CASES = [
                                       "{W}/out/x", *GPT2), 2, "{W}/no.jsonl"),
     ("estimate-bad-layout", tool("estimate_memory", *TINY, "--world-size", "3", "--tp", "2"), 2,
      "world size 3 is not divisible by tp*pp"),
+    ("hpz-spans-nodes", tool("estimate_memory", *TINY, "--world-size", "8", "--global-batch-size", "16",
+                             "--zero-stage", "3", "--zero-hpz-partition-size", "4", "--ranks-per-node", "2"), 2,
+     "--zero-hpz-partition-size 4 puts ranks [0, 1, 2, 3] of nodes of 2 ranks in one secondary partition, which "
+     "spans nodes"),
     ("inspect-corrupt-tracker", tool("inspect_checkpoint", "{W}/run_bad_tracker"), 1, TRACKER),
+    ("import-config-disagrees-with-weights", tool("convert_checkpoint", "--input", "{W}/hf_wide", "--output",
+                                                  "{W}/out/wide", "--to", "megazero"), 1,
+     "{W}/hf_wide against its config.json: layers.0.attention.qkv.bias is [96] but the config (hidden_size 64"),
+    ("import-truncated-safetensors", tool("convert_checkpoint", "--input", "{W}/hf_truncated", "--output",
+                                          "{W}/out/truncated", "--to", "megazero"), 1,
+     "{W}/hf_truncated/model.safetensors cannot be read as safetensors"),
+    ("import-config-not-json", tool("convert_checkpoint", "--input", "{W}/hf_config_garbage", "--output",
+                                    "{W}/out/garbage", "--to", "megazero"), 1,
+     "{W}/hf_config_garbage/config.json is not valid JSON"),
+    ("import-pickled-bin", tool("convert_checkpoint", "--input", "{W}/hf_pickle", "--output", "{W}/out/pickle",
+                                "--to", "megazero"), 1,
+     "{W}/hf_pickle/pytorch_model.bin cannot be read as plain tensors (it holds pickled Python objects besides "
+     "tensors): megazero does not unpickle Python objects"),
+    ("inspect-index-disagrees-with-config", tool("inspect_checkpoint", "{W}/run_wide_config"), 1,
+     "{W}/run_wide_config/iter_0000002/index.json: embedding.position_embeddings.weight is [16, 32] but the config "
+     "(hidden_size 64"),
+    ("inspect-index-disagrees-with-file", tool("inspect_checkpoint", "{W}/run_wrong_shard"), 1,
+     "stores 32 elements under 'model/final_norm.bias', the index says 33 (tensor 'model/final_norm.bias' of "
+     "shape [33])"),
+    ("inspect-manifest-garbage", tool("inspect_checkpoint", "{W}/run_bad_manifest"), 1,
+     "{W}/run_bad_manifest/iter_0000002/manifest.json is not valid JSON"),
+    ("inspect-index-garbage", tool("inspect_checkpoint", "{W}/run_bad_index"), 1,
+     "{W}/run_bad_index/iter_0000002/index.json has 10 bytes, the manifest says"),
+    ("tokenizer-vocabulary-below-characters", tool("train_tokenizer", "--input", "{W}/many_chars.txt",
+                                                   "--model-prefix", "{W}/out/sp", "--vocab-size", "300"), 1,
+     "--vocab-size 300 is below the 667 pieces the input's distinct characters"),
+    ("generate-negative-tokens", tool("generate", "--load", "{W}/run", "--prompt-ids", "1", "--max-new-tokens",
+                                      "-3"), 2, "--max-new-tokens must be a positive integer, got -3"),
     ("generate-missing-checkpoint", tool("generate", "--load", "{W}/no_such_run", "--prompt-ids", "1"), 1,
      "{W}/no_such_run"),
 ]
@@ -255,8 +324,68 @@ def workspace(tmp_path_factory):
     _write(w / "acc_offload.yaml", "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: gpu\n")
     _write(w / "acc_fp8.yaml", "distributed_type: DEEPSPEED\nmixed_precision: fp8\ndeepspeed_config:\n"
                                "  zero_stage: 1\n")
+    _broken_copies(w)
+    _write(w / "stage1.toml", "zero-stage = 1\n")
+    _write(w / "stage2.json", json.dumps({"zero_optimization": {"stage": 2}}))
+    _write(w / "ds_stage3.json", json.dumps({"zero_optimization": {"stage": 3}}))
+    _write(w / "acc_stage2.yaml", "deepspeed_config:\n  zero_stage: 2\n  deepspeed_config_file: ds_stage3.json\n")
+    _write(w / "acc_clip.yaml", "deepspeed_config:\n  gradient_clipping: 0.5\n")
+    _write(w / "ds_duplicate.json", '{"gradient_clipping": 1.0, "gradient_clipping": 0.5}')
+    _write(w / "acc_duplicate.yaml", "deepspeed_config:\n  zero_stage: 1\n  zero_stage: 2\n")
+    _write(w / "acc_foobar.yaml", "distributed_type: FOOBAR\n")
+    _write(w / "acc_fsdp.yaml", "distributed_type: FSDP\n")
+    _write(w / "acc_processes.yaml", "distributed_type: MULTI_CPU\nnum_processes: 8\n")
+    _write(w / "acc_machines.yaml", "distributed_type: MULTI_CPU\nnum_machines: 2\n")
+    _write(w / "acc_machine_rank.yaml", "distributed_type: MULTI_CPU\nmachine_rank: 1\n")
     yield w
     lock.release()
+
+
+def _rewrite_index(iteration_dir: Path, change) -> None:
+    """Edit a checkpoint's index.json with ``change(index)`` and record the new file in the manifest,
+    so the checksums pass and only what the change says is wrong."""
+    from megazero.checkpoint.format import INDEX, MANIFEST, file_record
+
+    index = json.loads((iteration_dir / INDEX).read_text())
+    change(index)
+    (iteration_dir / INDEX).write_text(json.dumps(index))
+    manifest = json.loads((iteration_dir / MANIFEST).read_text())
+    manifest["files"][INDEX] = file_record(iteration_dir / INDEX)
+    (iteration_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _broken_copies(w: Path) -> None:
+    """HF directories and checkpoints that disagree with themselves, from the two-iteration ``run``."""
+    import torch
+
+    from megazero.checkpoint.hf import save_hf
+    from megazero.checkpoint.offline import read_model
+
+    cfg, tensors, _ = read_model(w / "run")
+    save_hf(w / "hf", tensors, cfg)
+    for name in ("hf_wide", "hf_truncated", "hf_config_garbage"):
+        shutil.copytree(w / "hf", w / name)
+    config = json.loads((w / "hf" / "config.json").read_text())
+    (w / "hf_wide" / "config.json").write_text(json.dumps({**config, "n_embd": 64, "n_inner": 256}))
+    (w / "hf_truncated" / "model.safetensors").write_bytes((w / "hf" / "model.safetensors").read_bytes()[:3000])
+    (w / "hf_config_garbage" / "config.json").write_text("{ not json")
+    (w / "hf_pickle").mkdir()
+    shutil.copy(w / "hf" / "config.json", w / "hf_pickle")
+    torch.save({"weights": Path("an object that is not a tensor")}, w / "hf_pickle" / "pytorch_model.bin")
+    for name in ("run_wide_config", "run_wrong_shard", "run_bad_manifest"):
+        shutil.copytree(w / "run", w / name)
+    _rewrite_index(w / "run_wide_config" / "iter_0000002",
+                   lambda index: index["job"]["model"].update(hidden_size=64, ffn_hidden_size=256))
+
+    def one_more_element(index):
+        shard = index["tensors"]["model/final_norm.bias"]["shards"][0]
+        shard["flat"][1] += 1
+        shard["slice"][0][1] += 1
+        index["tensors"]["model/final_norm.bias"]["shape"][0] += 1
+
+    _rewrite_index(w / "run_wrong_shard" / "iter_0000002", one_more_element)
+    (w / "run_bad_manifest" / "iter_0000002" / "manifest.json").write_text("{ not json")
+    (w / "many_chars.txt").write_text("".join(chr(0x4E00 + i) for i in range(400)) + "\n" + "hello world\n" * 10)
 
 
 def _hashes(root: Path) -> dict[str, str]:
@@ -296,10 +425,62 @@ def test_bad_input_is_refused(case, workspace, capsys, monkeypatch):
         code = main(argv)
     except SystemExit as e:
         code = e.code
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
+    out, err = capsys.readouterr()
+    lines = (err if status else out).strip().splitlines()      # exit 0: what there is to say is on stdout
     assert code == status, f"exit {code}, stderr: {err}"
     assert "Traceback" not in err
     assert lines and message.replace("{W}", w) in lines[-1], err       # the message is the last line, whole
     assert _hashes(workspace) == before                                 # no input changed
     assert not dist.is_initialized()
+
+
+def test_an_empty_validation_split_is_said_at_start(workspace, capsys, monkeypatch):
+    """A --split whose validation part holds no document: the run says at start that validation will
+    not run (before any process group), instead of silently never evaluating."""
+    class Started(Exception):
+        pass
+
+    def started(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(dist, "init_process_group", started)
+    import pretrain_gpt
+
+    with pytest.raises(Started):
+        pretrain_gpt.main([*NO_DATA, *GPT2, "--data-path", f"{workspace}/gpt2_text_document", "--split", "1000,1,0"])
+    out = capsys.readouterr().out
+    assert "the validation split of --split '1000,1,0' holds none of the 20 documents" in out
+    assert "validation will not run" in out
+
+
+@pytest.mark.parametrize("name", ["run_bad_manifest", "run_bad_index"])
+def test_a_damaged_checkpoint_is_one_line_in_a_real_interpreter(name, workspace):
+    """In a real interpreter, where a failing destructor would print "Exception ignored in:
+    CheckpointReader.__del__" and its traceback after the message: the message is all of stderr."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "inspect_checkpoint.py"), str(workspace / name)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert run.stderr.startswith(f"error: checkpoint file {workspace / name}"), run.stderr
+
+
+def test_a_full_disk_during_a_conversion_is_one_line_and_leaves_no_tmp(workspace, tmp_path, capsys, monkeypatch):
+    """convert_checkpoint.py on a disk that fills while it writes (a write raising ENOSPC): one line,
+    status 1, and no half-written .iter_*.tmp left in --output."""
+    import errno
+
+    import megazero.checkpoint.offline as offline
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(offline, "write_pieces", full)
+    out = tmp_path / "converted"
+    code = _entry_point("convert_checkpoint")(["--input", str(workspace / "hf"), "--output", str(out), "--to",
+                                               "megazero"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"writing {out / 'iter_0000000'} failed: No space left on device (free space there" in err
+    assert not list(out.glob(".iter_*"))

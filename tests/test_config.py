@@ -153,3 +153,20 @@ def test_a_section_checks_itself():
         ZeroConfig(zero_stage=3, hpz_partition_size=3).check(ParallelConfig(dp=4), world_size=4)
     with pytest.raises(ConfigError, match=r"--zero3-keep-params-gathered applies to --zero-stage 3 only"):
         ZeroConfig(zero_stage=2, keep_params_gathered=True).check(ParallelConfig(dp=2), world_size=2)
+
+
+def test_an_hpz_partition_stays_inside_a_node(monkeypatch):
+    """hpZ's secondary partitions are K consecutive dp ranks; one that spans nodes is refused (its
+    backward gathers would cross the slow link), whatever tells the node size (--ranks-per-node or
+    torchrun's LOCAL_WORLD_SIZE)."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    z = ZeroConfig(zero_stage=3, hpz_partition_size=4)
+    z.check(ParallelConfig(dp=8, ranks_per_node=4), world_size=8)                   # nodes of 4 dp ranks
+    with pytest.raises(ConfigError, match=r"--zero-hpz-partition-size 4 puts ranks \[0, 1, 2, 3\] of nodes of 2 "
+                                          r"ranks in one secondary partition, which spans nodes"):
+        z.check(ParallelConfig(dp=8, ranks_per_node=2), world_size=8)
+    with pytest.raises(ConfigError, match="spans nodes"):                           # tp 2: dp ranks 2 apart
+        z.check(ParallelConfig(tp=2, dp=4, ranks_per_node=4), world_size=8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="of nodes of 2 ranks"):
+        z.check(ParallelConfig(dp=8), world_size=8)

@@ -171,3 +171,74 @@ def test_killing_the_launcher_ends_the_workers_and_frees_the_save_lock(tmp_path)
     assert "took over the lock" in third.stdout and "left by a run that has ended" in third.stdout
     assert [r["iteration"] for r in read_metrics(tmp_path / "third.jsonl")[0]] == [done + 1]
     assert json.loads((save / f"iter_{done + 1:07d}" / "index.json").read_text())["iteration"] == done + 1
+
+
+def test_a_rank_that_fails_alone_is_the_one_line_and_the_root_cause(tmp_path):
+    """Resuming at dp 2 from a checkpoint whose rng/rank00001.json is damaged: only rank 1 reads that
+    file. Its line, naming the file, is what the job prints (by rank 0, which agrees on the error
+    instead of losing its peer mid-collective) and torchrun's failure report shows as the cause; no
+    rank prints a traceback or dies by an uncaught C++ exception."""
+    small = [*TINY, "--global-batch-size", "4", "--eval-iters", "0"]
+    save = tmp_path / "run"
+    first = _launch(2, *small, "--train-iters", "2", "--save", str(save), cwd=tmp_path)
+    out, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, out[-3000:]
+    damaged = save / "iter_0000002" / "rng" / "rank00001.json"
+    damaged.write_text("{ damaged")
+    second = _launch(2, *small, "--train-iters", "4", "--load", str(save), "--save", str(save), cwd=tmp_path)
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode != 0, out[-3000:]
+    line = f"rank 1: checkpoint file {damaged} has 9 bytes, the manifest says"
+    ours = [s for s in out.splitlines() if s.startswith("pretrain_gpt.py: error:")]
+    assert len(ours) == 1 and line in ours[0], out[-3000:]
+    report = out[out.index("Root Cause"):]
+    assert f"traceback : {line}" in report, out[-3000:]
+    assert "terminate called" not in out and "Connection closed by peer" not in out, out[-3000:]
+    assert out.count("Traceback") == 1 and "ChildFailedError" in out, out[-3000:]   # torchrun's, about the workers
+    assert int((save / TRACKER).read_text()) == 2                        # nothing was saved over it
+
+
+def _save_fills_the_disk(rank, world, argv):
+    """The trainer, with every checkpoint write on rank ``world - 1`` failing as a full disk would:
+    (exit status, what the rank wrote to stderr)."""
+    import contextlib
+    import errno
+    import io
+
+    import pretrain_gpt
+
+    import megazero.checkpoint.distributed as distributed
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real, err = distributed.write_pieces, io.StringIO()
+    if rank == world - 1:
+        distributed.write_pieces = full
+    try:
+        with contextlib.redirect_stderr(err):
+            return pretrain_gpt.main(argv), err.getvalue()
+    except SystemExit as e:
+        return e.code, err.getvalue()
+    finally:
+        distributed.write_pieces = real                  # the worker serves later tests
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_tmp(world, tmp_path):
+    """``No space left on device`` while writing a checkpoint: status 1, one line naming the checkpoint
+    and the fix, the half-written ``.iter_*.tmp`` removed, the previous checkpoint still the latest."""
+    from helpers import run_on_ranks
+
+    save = tmp_path / "run"
+    argv = [*TINY, "--global-batch-size", "4", "--eval-iters", "0", "--train-iters", "2", "--save", str(save),
+            "--save-interval", "1"]
+    results = run_on_ranks(world, _save_fills_the_disk, argv, timeout=300)
+    assert [code for code, _ in results] == [1] * world
+    err = "".join(text for _, text in results)
+    assert "Traceback" not in err
+    last = [s for s in err.splitlines() if s.startswith("pretrain_gpt.py: error:")]
+    prefix = f"rank {world - 1}: " if world > 1 else ""
+    assert len(last) == 1 and f"{prefix}writing {save / 'iter_0000001'} failed: No space left on device (free space" \
+        in last[0], err
+    assert not list(save.glob(".iter_*")) and not (save / TRACKER).exists()

@@ -196,3 +196,22 @@ def test_zeropp_keys_land_on_their_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_job([*BASE, "--deepspeed-config", str(ds)], 4)
     assert "--zero-hpz-partition-size 3 must divide the data-parallel size 4" in capsys.readouterr().err
+
+
+def test_accelerate_launch_keys_are_checked_against_torchrun(tmp_path):
+    """num_processes / num_machines / machine_rank describe the launch or are refused (torchrun starts the
+    run, not accelerate launch); without a launcher's numbers there is nothing to check them against."""
+    from megazero.foreign_config import Launch
+
+    launch = Launch.from_env(8, {"LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"})
+    assert launch == Launch(8, 2, 1)
+    assert Launch.from_env(1, {}) == Launch(1, 1, 0) and Launch.from_env(4, {}) == Launch(4, None, None)
+    f = tmp_path / "default_config.yaml"
+    f.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\nnum_machines: 2\nmachine_rank: 1\n")
+    assert from_accelerate(f, launch) == {} and from_accelerate(f, Launch(8)) == {}
+    for env, key in [({"LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "0"}, "num_machines"),
+                     ({"LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"}, "machine_rank")]:
+        with pytest.raises(ConfigError, match=rf"--accelerate-config {f}: {key}: is \d but this launch has"):
+            from_accelerate(f, Launch.from_env(8, env))
+    with pytest.raises(ConfigError, match=r"num_processes: is 8 but this launch has 4 processes"):
+        from_accelerate(f, Launch(4))

@@ -259,3 +259,34 @@ def test_each_activation_choice_holds_and_saves_what_the_estimate_says(llama):
     for name, (got, want) in savings.items():
         if name not in ("none", "offload-2"):
             assert got > 0 and want == pytest.approx(got, rel=0.10), (name, got, want)
+
+
+@pytest.mark.parametrize("flags", [["--zero-stage", "1"], ["--zero-stage", "3", "--bf16"],
+                                   ["--zero-stage", "2", "--num-experts", "4", "--moe-layer-freq", "2",
+                                    "--expert-model-parallel-size", "2"],
+                                   ["--zero-stage", "1", "--recompute-granularity", "full", "--recompute-method",
+                                    "uniform", "--recompute-num-layers", "3"],
+                                   ["--zero-stage", "1", "--recompute-granularity", "selective", "--cpu-offloading",
+                                    "--cpu-offloading-num-layers", "20"]],
+                         ids=["zero1", "zero3-bf16", "moe", "recompute-uniform-3", "offload-20-layers"])
+def test_a_deep_model_is_estimated_in_bounded_time(flags, monkeypatch):
+    """Past EXACT_LAYERS_PER_STAGE layers per stage the estimate is extrapolated from two small depths:
+    it matches the layer-by-layer estimate up to bucket padding, and a million layers take seconds."""
+    import time
+
+    import megazero.memory.estimate as estimate
+
+    job, _ = parse_job(["--tp", "2", "--pp", "2", "--num-layers", "600", "--hidden-size", "128",
+                        "--num-attention-heads", "8", *flags], 8)
+    fast = estimate_memory(job)
+    assert all(e.extrapolated_from for e in fast)
+    monkeypatch.setattr(estimate, "EXACT_LAYERS_PER_STAGE", 10 ** 9)
+    exact = estimate_memory(job)
+    for f, x in zip(fast, exact):
+        assert f.params == x.params and f.activations == x.activations and f.buffers == x.buffers
+        assert abs(f.model_states - x.model_states) <= 1e-5 * x.model_states
+    monkeypatch.undo()
+    deep, _ = parse_job(["--tp", "2", "--pp", "2", "--num-layers", "1000000", *flags], 8)
+    t0 = time.monotonic()
+    stages = estimate_memory(deep)
+    assert time.monotonic() - t0 < 60 and stages[0].params > 10 ** 10      # default hidden 128, tp 2

@@ -41,7 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--merge-file")
     p.add_argument("--tokenizer-model", help="SentencePiece .model, or a tokenizer.json (or its directory)")
     p.add_argument("--no-kv-cache", action="store_true", help="re-run the whole context for every token")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.exit(2, f"{p.prog}: error: --max-new-tokens must be a positive integer, got {args.max_new_tokens}\n")
+    return args
 
 
 def _tokenizer(args, data_cfg):

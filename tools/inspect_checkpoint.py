@@ -4,7 +4,10 @@
     python tools/inspect_checkpoint.py ckpt/iter_0000100 --no-verify
 
 Prints the layout it was saved with, the iteration and train state, the model config, then every
-tensor with its global shape, dtype and number of shards; exits 1 if a file is missing or corrupted.
+tensor with its global shape, dtype and number of shards; then checks every file against its manifest
+checksum, every shard against the tensor its file stores, and every model tensor's shape against the
+saved model config. Exits 1 with one line if a file is missing or corrupted, or the index disagrees
+with the files or the config.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megazero.checkpoint import CheckpointError, CheckpointReader  # noqa: E402
-from megazero.checkpoint.offline import resolve  # noqa: E402
+from megazero.checkpoint.offline import check_index_shapes, resolve  # noqa: E402
 
 
 def describe(path: str, verify: bool = True) -> list[str]:
@@ -49,6 +52,10 @@ def describe(path: str, verify: bool = True) -> list[str]:
     if verify:
         files = reader.verify_all()
         lines.append(f"  checksums OK: {len(files)} files")
+        shards = reader.verify_shapes()
+        models = check_index_shapes(reader)
+        lines.append(f"  shapes OK: {shards} shards match their files, {models} model tensors match the model config")
+    reader.close()
     return lines
 
 
@@ -62,6 +69,10 @@ def main(argv=None) -> int:
         print("\n".join(describe(args.path, verify=not args.no_verify)))
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (KeyError, TypeError) as e:         # an index that lacks what every checkpoint records
+        print(f"error: {args.path}: the checkpoint's index.json lacks {e} ({type(e).__name__}): it is corrupted",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -27,14 +27,36 @@ def train(inputs: list[str], model_prefix: str, vocab_size: int, model_type: str
             raise SystemExit(f"--input {path!r} is empty")
     out_dir = os.path.dirname(os.path.abspath(model_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    spm.SentencePieceTrainer.train(
-        input=inputs, model_prefix=model_prefix, vocab_size=vocab_size, model_type=model_type,
-        normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, split_digits=True, byte_fallback=True,
-        character_coverage=0.9999, max_sentence_length=max_sentence_length,
-        input_sentence_size=input_sentence_size, shuffle_input_sentence=False,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
+    try:
+        spm.SentencePieceTrainer.train(
+            input=inputs, model_prefix=model_prefix, vocab_size=vocab_size, model_type=model_type,
+            normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True, split_digits=True, byte_fallback=True,
+            character_coverage=0.9999, max_sentence_length=max_sentence_length,
+            input_sentence_size=input_sentence_size, shuffle_input_sentence=False,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
+    except RuntimeError as e:                    # SentencePiece's C++ checks: one line, never a traceback
+        raise SystemExit(_training_error(str(e), vocab_size)) from None
     return model_prefix + ".model"
+
+
+def _training_error(text: str, vocab_size: int) -> str:
+    """SentencePiece's message (``INTERNAL: src/trainer_interface.cc(638) [...] Vocabulary size is smaller
+    than required_chars. 300 vs 667. ...``) as one line naming the flag and the fix."""
+    import re
+
+    chars = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", text)
+    if chars:
+        need = int(chars.group(2))
+        return (f"--vocab-size {vocab_size} is below the {need} pieces the input's distinct characters (and the "
+                f"special pieces) need: use --vocab-size {need} or more")
+    too_big = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", text)
+    if too_big:
+        return (f"--vocab-size {vocab_size} is more than the input can fill (at most {too_big.group(2)}): use a "
+                f"smaller --vocab-size or more text")
+    first = text.strip().splitlines()[0] if text.strip() else "training failed"
+    first = re.sub(r"^INTERNAL: \S+ \[.*?\] ", "", first)
+    return f"SentencePiece could not train on --input: {first}"
 
 
 def main(argv=None) -> None:
@@ -47,8 +69,13 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.vocab_size < 262:
         raise SystemExit(f"--vocab-size {args.vocab_size} is too small: 3 special + 256 byte pieces need >= 262")
-    path = train(args.input, args.model_prefix, args.vocab_size, args.model_type,
-                 input_sentence_size=args.input_sentence_size)
+    try:
+        path = train(args.input, args.model_prefix, args.vocab_size, args.model_type,
+                     input_sentence_size=args.input_sentence_size)
+    except SystemExit as e:                      # train()'s one-line refusals
+        if isinstance(e.code, str):
+            p.exit(1, f"{p.prog}: error: {e.code}\n")
+        raise
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import format as fmt
+from megazero.checkpoint.agree import raise_first_error
 from megazero.checkpoint.format import CheckpointError
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.regions import numel
@@ -224,15 +225,19 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
         owned = _read_rank(reader, chunks, engine, topo, job, weights_only)
         if stats is not None:
             stats.update(bytes_read=reader.bytes_read, bytes_owned=owned)
-    except Exception as e:  # noqa: BLE001 - re-raised by _agree after every rank has reported
+    except Exception as e:  # noqa: BLE001 - raised on every rank, the failing rank's message, by the next line
         error = e
-    _agree(error is None, f"loading {directory}", error, topo.device)
+    raise_first_error(error)
     if engine is not None:
         meta = reader.index.get("optimizer") or {}
         engine.loaded(meta.get("step", 0), meta.get("loss_scaler"), weights_only)
     if weights_only:
         return TrainState()
-    _restore_rng(reader, chunks, topo, job, extra_rng, directory)
+    try:                                     # each rank reads its own random state: a damaged one is named
+        _restore_rng(reader, chunks, topo, job, extra_rng, directory)
+    except Exception as e:  # noqa: BLE001 - as above
+        error = e
+    raise_first_error(error)
     return TrainState(**reader.index["train_state"])
 
 

@@ -40,6 +40,7 @@ Nothing is pickled: tensors go through safetensors, everything else through JSON
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -132,6 +133,16 @@ def merge_entries(into: dict, entries: dict) -> None:
             into[name]["shards"].extend(e["shards"])
         else:
             into[name] = {"shape": e["shape"], "dtype": e["dtype"], "shards": list(e["shards"])}
+
+
+def write_failed(error: OSError, tmp: Path, final: Path) -> CheckpointError:
+    """The one-line error of a save that the file system refused (``No space left on device``, ...),
+    after removing the half-written ``tmp``: the previous checkpoint stays the latest."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    why = error.strerror or str(error)
+    fix = "free space there or save elsewhere" if error.errno == errno.ENOSPC else "fix that and run again"
+    return CheckpointError(f"writing {final} failed: {why} ({fix}); the half-written {tmp.name} was removed and the "
+                           f"previous checkpoint, if any, stays the latest")
 
 
 def commit(save_dir: Path, tmp: Path, final: Path, index: dict, files: dict) -> None:

@@ -95,43 +95,95 @@ def write_safetensors(out: Path, state: dict[str, torch.Tensor], max_shard_bytes
     return files + [INDEX]
 
 
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type: a truncated or damaged file
+        raise CheckpointError(f"{file} cannot be read as safetensors ({str(e).splitlines()[0]}): the file is "
+                              f"truncated or corrupted; download or write it again") from None
+
+
+def _load_torch_file(file: Path) -> dict[str, torch.Tensor]:
+    """A ``pytorch_model.bin`` of plain tensors (``weights_only``: no Python object is ever built);
+    one that holds anything else is refused, not unpickled."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, a zip or EOF error: never a traceback
+        import pickle
+
+        text = str(e).strip()
+        why = ("it holds pickled Python objects besides tensors" if isinstance(e, pickle.UnpicklingError)
+               or "Weights only load failed" in text else (text.splitlines() or [type(e).__name__])[0][:200])
+        raise CheckpointError(f"{file} cannot be read as plain tensors ({why}): megazero does not unpickle "
+                              f"Python objects; save the model as safetensors (save_pretrained(..., "
+                              f"safe_serialization=True)) and convert that") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{file} holds {type(state).__name__}, not a state dict of tensors: save the model "
+                              f"as safetensors and convert that")
+    return state
+
+
+def _read_json(file: Path, what: str) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e}): {what}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} holds {type(data).__name__}, not a JSON object: {what}")
+    return data
+
+
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF directory: ``model.safetensors``, sharded safetensors (``INDEX``), or
     ``pytorch_model.bin`` (single or sharded), the latter read with ``torch.load(weights_only=True)``."""
-    for index_name, load in ((INDEX, lambda f: load_file(str(f))),
-                             ("pytorch_model.bin.index.json",
-                              lambda f: torch.load(f, map_location="cpu", weights_only=True))):
+    for index_name, load in ((INDEX, _load_safetensors), ("pytorch_model.bin.index.json", _load_torch_file)):
         if (path / index_name).is_file():
-            files = sorted(set(json.loads((path / index_name).read_text())["weight_map"].values()))
+            weight_map = _read_json(path / index_name, "write the index again").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{path / index_name} has no weight_map: write the index again")
             state = {}
-            for file in files:
+            for file in sorted(set(map(str, weight_map.values()))):
                 if not (path / file).is_file():
                     raise CheckpointError(f"{path / index_name} names {file}, which is missing")
                 state.update(load(path / file))
             return state
     if (path / "model.safetensors").is_file():
-        return load_file(str(path / "model.safetensors"))
+        return _load_safetensors(path / "model.safetensors")
     if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return _load_torch_file(path / "pytorch_model.bin")
     raise CheckpointError(f"{path} has no model.safetensors, {INDEX} or pytorch_model.bin")
 
 
 def load_hf(path: str | os.PathLike, seq_length: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(ModelConfig, megazero whole tensors) of an HF directory a registered family reads (GPT-2,
     Llama, Mistral, Qwen2 for the GPT family); every tensor of the model must be there and nothing else."""
-    from megazero.checkpoint.offline import declarations
+    from megazero.checkpoint.offline import check_shapes, declarations
 
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path} is missing: --input must be an HF model directory")
-    cfg = model_config_from_hf(json.loads(config_path.read_text()), seq_length)
-    tensors = adapter_of(cfg).from_hf_state(read_weights(path), cfg)
-    expected = set(declarations(cfg))
-    if set(tensors) != expected:
-        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    hf = _read_json(config_path, "--input must hold an HF model's config.json")
+    try:
+        cfg = model_config_from_hf(hf, seq_length)
+    except (KeyError, TypeError, ValueError) as e:        # a config.json missing or mistyping a field
+        raise CheckpointError(f"{config_path} is not a usable model config ({type(e).__name__}: {e}): "
+                              f"fix config.json") from None
+    weights = read_weights(path)
+    try:
+        tensors = adapter_of(cfg).from_hf_state(weights, cfg)
+    except (KeyError, RuntimeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}: the weights do not fit {config_path} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}): the config does not describe "
+                              f"these weights") from None
+    decls = declarations(cfg)
+    if set(tensors) != set(decls):
+        missing, extra = sorted(set(decls) - set(tensors)), sorted(set(tensors) - set(decls))
         raise CheckpointError(f"{path}: tensors missing {missing[:5]} / unexpected {extra[:5]} for this "
                               f"{cfg.num_layers}-layer model")
+    check_shapes(tensors, cfg, decls, source=f"{path} against its config.json")
     return cfg, tensors
 
 

@@ -33,6 +33,7 @@ class ParamDecl:
     partition_dim: int          # the tensor-parallel split dim, -1: replicated
     vocab_padded: bool          # dim 0 is the padded vocabulary
     stages: tuple[int, ...]     # the pipeline ranks (v = 1) whose file holds it
+    shape: tuple[int, ...] = ()  # the whole tensor's shape (vocab_size rows where vocab_padded)
 
 
 def declarations(cfg: ModelConfig, pp: int = 1) -> dict[str, ParamDecl]:
@@ -47,8 +48,25 @@ def declarations(cfg: ModelConfig, pp: int = 1) -> dict[str, ParamDecl]:
                 continue                               # a tied copy: its original is saved
             decl = out.get(name)
             stages = (decl.stages if decl else ()) + (r,)
-            out[name] = ParamDecl(split_dim(p), bool(attribute(p, "vocab_padded")), stages)
+            padded = bool(attribute(p, "vocab_padded"))
+            shape = ((cfg.vocab_size,) + tuple(p.shape[1:])) if padded else tuple(p.shape)
+            out[name] = ParamDecl(split_dim(p), padded, stages, shape)
     return out
+
+
+def check_shapes(tensors: dict[str, torch.Tensor], cfg: ModelConfig, decls: dict[str, ParamDecl] | None = None,
+                 source: str = "the weights") -> None:
+    """Every tensor has the whole shape the model config declares for it, or :class:`CheckpointError`
+    naming the first that does not (a config that disagrees with its weights is refused before
+    anything is written)."""
+    decls = decls if decls is not None else declarations(cfg)
+    for name, tensor in tensors.items():
+        want = decls[name].shape if name in decls else None
+        if want and tuple(tensor.shape) != want:
+            raise CheckpointError(f"{source}: {name} is {list(tensor.shape)} but the config (hidden_size "
+                                  f"{cfg.hidden_size}, ffn_hidden_size {cfg.ffn_hidden_size}, vocab_size "
+                                  f"{cfg.vocab_size}, {cfg.num_layers} layers) needs {list(want)}: the config "
+                                  f"does not describe these weights")
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -76,6 +94,21 @@ def read_model(path: str | os.PathLike, verify: bool = True) -> tuple[ModelConfi
     return job.model, tensors, reader.index
 
 
+def check_index_shapes(reader: CheckpointReader) -> int:
+    """Every model tensor the index lists has the whole shape the checkpoint's own model config
+    declares (and every declared parameter is there). Returns the tensors checked."""
+    cfg = saved_job(reader.index).model
+    decls = declarations(cfg)
+    names = reader.names(fmt.MODEL)
+    missing = sorted(set(decls) - set(names))
+    if missing:
+        raise CheckpointError(f"{reader.dir / fmt.INDEX} lacks {missing[:5]} of its model config's parameters: "
+                              f"the index does not describe this model")
+    shapes = {name: torch.empty(reader.shape(fmt.tensor_key(fmt.MODEL, name)), device="meta") for name in names}
+    check_shapes(shapes, cfg, decls, source=f"{reader.dir / fmt.INDEX}")
+    return len(names)
+
+
 def build_full_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device=None):
     """(a single-process (tp=1, all layers) model of the checkpoint's family holding its weights, in eval
     mode; the checkpoint's job)."""
@@ -98,20 +131,31 @@ def write_weights_checkpoint(save_dir: str | os.PathLike, tensors: dict[str, tor
     save_dir = Path(save_dir)
     final = save_dir / fmt.iter_dir_name(iteration)
     tmp = save_dir / f".{final.name}.tmp"
-    save_dir.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    decls = declarations(cfg, pp)
+    unknown = sorted(set(tensors) - set(decls))
+    if unknown:
+        raise CheckpointError(f"tensors {unknown[:5]} are not parameters of a {cfg.num_layers}-layer "
+                              f"{cfg.model_family} model")
+    check_shapes(tensors, cfg, decls)                 # before anything is written
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        return _write_weights(save_dir, tmp, final, tensors, job, decls, tp, pp, iteration)
+    except OSError as e:                          # a full disk, a vanished mount: one line, no .tmp left
+        raise fmt.write_failed(e, tmp, final) from None
+
+
+def _write_weights(save_dir: Path, tmp: Path, final: Path, tensors: dict[str, torch.Tensor], job: JobConfig,
+                   decls: dict[str, ParamDecl], tp: int, pp: int, iteration: int) -> Path:
+    cfg = job.model
     index = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "iteration": iteration,
              "train_state": {"iteration": iteration, "consumed_samples": 0, "skipped_iterations": 0},
              "optimizer": None, "scheduler": None, "job": job.to_dict(), "tensors": {},
              "layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "virtual_stages": 1,
                         "order": job.parallel.order, "zero_stage": None, "sequence_parallel": False,
                         "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch.")}}
-    files, decls = {}, declarations(cfg, pp)
-    unknown = sorted(set(tensors) - set(decls))
-    if unknown:
-        raise CheckpointError(f"tensors {unknown[:5]} are not parameters of a {cfg.num_layers}-layer "
-                              f"{cfg.model_family} model")
+    files = {}
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             pieces = []

@@ -63,22 +63,26 @@ class CheckpointReader:
     """Reads tensors, or any piece of them, from one checkpoint directory."""
 
     def __init__(self, directory: str | os.PathLike, verify: bool = True):
+        self._handles: dict = {}
+        self._files: dict[str, _TensorFile] = {}
         self.dir = Path(directory)
         if not self.dir.is_dir():
             raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
         self.manifest = read_json(self.dir / MANIFEST)
+        if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("files"), dict):
+            raise CheckpointError(f"{self.dir / MANIFEST} lists no files: it is corrupted")
         self.verify = verify
         self._checked_size: set[str] = set()
         self._checked_sha: set[str] = set()
-        self.index = json.loads(self._whole_file_checked(INDEX).read_text())
-        if self.index.get("format") != FORMAT_NAME:
+        self.index = read_json(self._whole_file_checked(INDEX))
+        if not isinstance(self.index, dict) or self.index.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{self.dir / INDEX} is not a {FORMAT_NAME} index")
         if self.index.get("version", 0) > FORMAT_VERSION:
             raise CheckpointError(f"{self.dir} has format version {self.index['version']}; this megazero "
                                   f"reads up to {FORMAT_VERSION}: upgrade megazero")
-        self.tensors: dict = self.index["tensors"]
-        self._handles: dict = {}
-        self._files: dict[str, _TensorFile] = {}
+        self.tensors: dict = self.index.get("tensors")
+        if not isinstance(self.tensors, dict):
+            raise CheckpointError(f"{self.dir / INDEX} lists no tensors: it is corrupted")
         self.bytes_read = 0
 
     # ------------------------------------------------------------------ files
@@ -114,8 +118,49 @@ class CheckpointReader:
             self._whole_file_checked(name)
         return names
 
+    def verify_shapes(self) -> int:
+        """Check every shard the index lists against the file that stores it: its region lies inside the
+        tensor's shape, and the stored tensor has as many elements (and the dtype) the index says.
+        Returns the number of shards checked; :class:`CheckpointError` names the first that differs."""
+        count = 0
+        for name, entry in self.tensors.items():
+            shape = entry["shape"]
+            for shard in entry["shards"]:
+                box = shard["slice"]
+                if len(box) != len(shape) or any(not 0 <= lo <= hi <= n for (lo, hi), n in zip(box, shape)):
+                    raise CheckpointError(f"{self.dir / INDEX}: a shard of {name!r} covers {box}, outside its shape "
+                                          f"{shape}: the index is corrupted")
+                want, stored = self._stored_size(name, shard)
+                if stored != want:
+                    raise CheckpointError(f"{self.dir / shard['file']} stores {stored} elements under "
+                                          f"{shard['key']!r}, the index says {want} (tensor {name!r} of shape "
+                                          f"{shape}): the index does not describe the file")
+                count += 1
+        return count
+
+    def _stored_size(self, name: str, shard: dict) -> tuple[int, int]:
+        """(elements the index says a shard holds, elements its file stores under its key)."""
+        try:
+            if "flat" in shard:
+                a, b = shard["flat"]
+                if not 0 <= a <= b <= numel(shard["slice"]):
+                    raise CheckpointError(f"{self.dir / INDEX}: a shard of {name!r} holds elements [{a}, {b}) of a "
+                                          f"region of {numel(shard['slice'])}: the index is corrupted")
+                entry = self._file(shard["file"]).header[shard["key"]]
+                stored = int(np.prod(entry["shape"], dtype=np.int64))
+                if _DTYPES[entry["dtype"]] != getattr(torch, self.tensors[name]["dtype"]):
+                    raise CheckpointError(f"{self.dir / shard['file']} stores {shard['key']!r} as "
+                                          f"{entry['dtype']}, the index says {self.tensors[name]['dtype']}: the "
+                                          f"index does not describe the file")
+                return b - a, stored
+            stored = int(np.prod(self._handle(shard["file"]).get_slice(shard["key"]).get_shape(), dtype=np.int64))
+            return numel(shard["slice"]), stored
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{self.dir / shard['file']} has no usable tensor {shard.get('key')!r} for "
+                                  f"{name!r} ({e}): the index does not describe the file") from None
+
     def read_json_file(self, file_name: str) -> dict:
-        return json.loads(self._whole_file_checked(file_name).read_text())
+        return read_json(self._whole_file_checked(file_name))
 
     def _handle(self, file_name: str):
         """Version 1 files: opened through safetensors after their sha256 check."""
@@ -138,13 +183,16 @@ class CheckpointReader:
         return self._files[file_name]
 
     def close(self) -> None:
-        for f in self._files.values():
+        for f in getattr(self, "_files", {}).values():
             f.close()
-        self._files.clear()
-        self._handles.clear()
+        getattr(self, "_files", {}).clear()
+        getattr(self, "_handles", {}).clear()
 
     def __del__(self) -> None:
-        self.close()
+        try:                                  # also after an __init__ that refused the directory
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to report from a destructor
+            pass
 
     # ---------------------------------------------------------------- tensors
     def has(self, name: str) -> bool:

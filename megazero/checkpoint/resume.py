@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
+from megazero.checkpoint.agree import raise_first_error
 from megazero.checkpoint.distributed import latest_iteration, load_checkpoint, save_checkpoint
-from megazero.checkpoint.format import CheckpointError
+from megazero.checkpoint.format import CheckpointError, iter_dir_name, write_failed
 from megazero.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -68,8 +70,23 @@ def checkpoint_saver(job, chunks, engine, topo, extra_rng: dict | None = None,
     say = say or (lambda msg: log.info(msg) if topo.rank == 0 else None)
 
     def save(state) -> None:
-        path = save_checkpoint(job.checkpoint.save, state, chunks=chunks, engine=engine, topo=topo, job=job,
-                               extra_rng=extra_rng)
+        try:
+            path = save_checkpoint(job.checkpoint.save, state, chunks=chunks, engine=engine, topo=topo, job=job,
+                                   extra_rng=extra_rng)
+        except Exception as e:  # noqa: BLE001 - every rank is here (the save agrees before raising)
+            _save_failed(e, Path(job.checkpoint.save), state.iteration, topo.rank)
         say(f" saved checkpoint {path}")
 
     return save
+
+
+def _save_failed(error: BaseException, save_dir: Path, iteration: int, rank: int) -> None:
+    """A save that failed on some rank (a full disk, ...): the half-written directory is removed (by rank
+    0, once every rank has stopped writing) and every rank raises the failing rank's one line."""
+    final = save_dir / iter_dir_name(iteration)
+    tmp = save_dir / f".{final.name}.tmp"
+    if isinstance(error, OSError):
+        error = write_failed(error, tmp, final)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise_first_error(error)

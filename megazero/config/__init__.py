@@ -3,7 +3,8 @@ combinations before any process group, model or dataset exists.
 
 * :mod:`~megazero.config.sections`: the dataclasses; each flag's spellings, help and help group live in
   its field's metadata, and the command line (:mod:`megazero.arguments`) is generated from them.
-* :mod:`~megazero.config.checks`: each section's rules, run by its ``check`` method.
+* :mod:`~megazero.config.checks`: each section's rules, run by its ``check`` method (the model's in
+  :mod:`~megazero.config.model_checks`).
 * :mod:`~megazero.config.fields`: the metadata helper, :func:`flag` and :class:`ConfigError`.
 
 Library components take their own section; only entry points parse command lines::
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megazero.config.checks import check_finite, check_model, fill_zero_defaults
+from megazero.config.checks import check_finite, fill_zero_defaults
+from megazero.config.model_checks import check_model
 from megazero.config.fields import ConfigError, flag, flag_field, flag_fields, setting
 from megazero.config.sections import (ACTIVATIONS, BACKENDS, COMPILE_MODES, DECAY_STYLES, NORMALIZATIONS,
                                       OFFLOAD_DEVICES, POSITION_EMBEDDING_TYPES, SCHEDULES, TOKENIZERS, ZERO_STAGES,

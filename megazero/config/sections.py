@@ -13,7 +13,7 @@ import math
 from argparse import BooleanOptionalAction
 from dataclasses import dataclass, field
 
-from megazero.config import checks
+from megazero.config import checks, model_checks
 from megazero.config.fields import ConfigError, flag_field, register_job
 
 # The allowed values of the choice flags: one source for the command line and the checks.
@@ -159,9 +159,9 @@ class ModelConfig:
         """The model against the layout: its shape over the tensor-parallel ranks (:func:`check_model`),
         its layers over the pipeline stages and virtual chunks (fills ``parallel.virtual_stages`` and
         the interleaved schedule)."""
-        checks.check_model(self, parallel)
-        checks.check_pipeline(self, parallel)
-        checks.check_activation_memory(self)
+        model_checks.check_model(self, parallel)
+        model_checks.check_pipeline(self, parallel)
+        model_checks.check_activation_memory(self)
 
     @property
     def head_dim(self) -> int:

@@ -78,6 +78,7 @@ class StageEstimate:
     parts: dict = field(default_factory=dict)
     host: int = 0                               # offloaded to host memory (not in total)
     nvme: int = 0                               # offloaded to swap files (not in total)
+    extrapolated_from: tuple[int, int] | None = None   # layers per stage of the two exact estimates, if any
 
     @property
     def total(self) -> int:
@@ -86,7 +87,9 @@ class StageEstimate:
     def as_dict(self) -> dict:
         return {"pp_rank": self.pp_rank, "parameters": self.params, "model_states_bytes": self.model_states,
                 "activations_bytes": self.activations, "buffers_bytes": self.buffers, "total_bytes": self.total,
-                "host_bytes": self.host, "nvme_bytes": self.nvme, "parts": dict(self.parts)}
+                "host_bytes": self.host, "nvme_bytes": self.nvme, "parts": dict(self.parts),
+                **({"extrapolated_from_layers_per_stage": list(self.extrapolated_from)}
+                   if self.extrapolated_from else {})}
 
 
 def _chunks(job: JobConfig, pp_rank: int) -> list:
@@ -277,9 +280,67 @@ def offloaded_parts(job: JobConfig, groups, e: int, parts: dict, ge: int = 4, de
     return out
 
 
+# Above this many layers per pipeline stage the estimate is extrapolated (see :func:`estimate_memory`).
+EXACT_LAYERS_PER_STAGE = 256
+
+
 def estimate_memory(job: JobConfig, device: str = "cpu") -> list[StageEstimate]:
-    """Every pipeline stage's estimate for a validated job (``megazero.config.validate``)."""
-    return [estimate_stage(job, r, device) for r in range(job.parallel.pp)]
+    """Every pipeline stage's estimate for a validated job (``megazero.config.validate``).
+
+    Bounded time for any depth: a stage of more than :data:`EXACT_LAYERS_PER_STAGE` layers (one chunk
+    per rank) is estimated at two depths whose layers repeat the model's pattern (a multiple of
+    ``--moe-layer-freq`` layers per stage) and the rest extrapolated along the line through them:
+    every part is an affine function of the layers per stage (parameters, model states, activations
+    held, gradient buckets; the per-layer transients do not grow), exact up to bucket padding, and
+    each estimate records the depths in ``extrapolated_from``."""
+    depths = _extrapolation_depths(job)
+    if depths is None:
+        return [estimate_stage(job, r, device) for r in range(job.parallel.pp)]
+    pp, n = job.parallel.pp, job.model.num_layers // job.parallel.pp
+    low, high = ([estimate_stage(_with_layers(job, d * pp), r, device) for r in range(pp)] for d in depths)
+    return [_along_line(a, b, depths, n) for a, b in zip(low, high)]
+
+
+def _extrapolation_depths(job: JobConfig) -> tuple[int, int] | None:
+    """Two small layers-per-stage counts to extrapolate from, or None when the job is estimated as it is
+    (few layers per stage, or interleaved chunks, whose schedule depends on their count)."""
+    par, cfg = job.parallel, job.model
+    if par.virtual_stages != 1 or cfg.num_layers // par.pp <= EXACT_LAYERS_PER_STAGE:
+        return None
+    import math
+
+    period = cfg.moe_layer_freq if cfg.num_experts else 1          # the layers' pattern repeats every period
+    fixed = 16                                                     # and layer counts that do not grow with depth
+    method, n = getattr(cfg, "recompute_method", None), getattr(cfg, "recompute_num_layers", None)
+    if method == "uniform" and n:
+        period = math.lcm(period, n)
+    elif method == "block" and n:
+        fixed = max(fixed, n)
+    fixed = max(fixed, getattr(cfg, "cpu_offloading_num_layers", None) or 0)
+    base = -(-fixed // period) * period
+    return (base, 2 * base) if 2 * base < cfg.num_layers // par.pp else None
+
+
+def _with_layers(job: JobConfig, layers: int) -> JobConfig:
+    import dataclasses
+
+    return dataclasses.replace(job, model=dataclasses.replace(job.model, num_layers=layers))
+
+
+def _along_line(a: StageEstimate, b: StageEstimate, depths: tuple[int, int], n: int) -> StageEstimate:
+    """The estimate at ``n`` layers per stage on the line through ``a`` (``depths[0]`` layers) and ``b``."""
+    def at(x, y):
+        if not isinstance(x, (int, float)) or isinstance(x, bool):
+            return y
+        return max(0, round(x + (y - x) * (n - depths[0]) / (depths[1] - depths[0])))
+
+    fields = ("params", "psi", "model_states", "activations", "buffers", "host", "nvme")
+    out = StageEstimate(a.pp_rank, **{f: at(getattr(a, f), getattr(b, f)) for f in fields[:2]})
+    for f in fields[2:]:
+        setattr(out, f, at(getattr(a, f), getattr(b, f)))
+    out.parts = {k: at(a.parts.get(k, 0), v) for k, v in b.parts.items()}
+    out.extrapolated_from = depths
+    return out
 
 
 def describe(estimates: list[StageEstimate]) -> str:
