@@ -6,17 +6,12 @@ import gc
 import pytest
 import torch
 from helpers import run_on_ranks
+from helpers.memory import BASE, LLAMA, measure_body
 
 from megazero.arguments import parse_job
 from megazero.config import ModelConfig, OptimizerConfig, ParallelConfig, ZeroConfig
-from megazero.memory import LiveTensorBytes, reachable_tensor_bytes
+from megazero.memory import LiveTensorBytes
 from megazero.memory.estimate import estimate_memory, paper_model_states
-
-# RoPE, RMSNorm, SwiGLU, 2 key/value groups, no biases, untied output
-LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
-         "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
-BASE = ["--mock-data", "--vocab-size", "500", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "128", "--micro-batch-size", "4"]
 
 
 def test_live_tensor_bytes_follows_allocations():
@@ -66,30 +61,6 @@ def test_estimated_model_states_are_the_zero_accounting():
 
 # --------------------------------------------------------------------------- estimate vs measurement
 
-def _measure_body(rank, world_size, argv):
-    """Peak live tensor bytes of construction + one training step on this rank."""
-    from megazero.models.gpt import build_model_chunks
-    from megazero.parallel.topology import Topology
-    from megazero.parallel.zero import build_engine
-    from megazero.training import train_step
-
-    gc.collect()
-    job, _ = parse_job(argv, world_size)
-    topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp)
-    dtype = torch.bfloat16 if job.precision.bf16 else torch.float32
-    b, s, v = job.train.micro_batch_size, job.model.seq_length, job.model.vocab_size
-    g = torch.Generator().manual_seed(0)
-    micro = [{"tokens": torch.randint(0, v, (b, s), generator=g), "labels": torch.randint(0, v, (b, s), generator=g),
-              "loss_mask": torch.ones(b, s)} for _ in range(job.num_micro_batches)]
-    with LiveTensorBytes() as build:
-        chunks = build_model_chunks(job.model, job.parallel, topo, seed=1, dtype=dtype, device="meta")
-        engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
-    with LiveTensorBytes(alive=build.end) as step:      # one step: see LiveTensorBytes on tp > 1
-        train_step(chunks, micro, topo, engine, job)
-    inputs = sum(t.untyped_storage().nbytes() for mb in micro for t in mb.values())
-    return topo.pp_rank, step.peak, reachable_tensor_bytes() - inputs   # after the step: the model states
-
-
 # The capacity benchmark's shape (BENCHMARKS.md, 4 layers): model states dominate, the estimate's
 # transients (the embedding's gradient at the backward's end) decide the peak.
 CAPACITY = ["--vocab-size", "4096", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
@@ -132,7 +103,7 @@ def test_estimate_is_within_10_percent_of_measured(world, flags):
     job, _ = parse_job(argv, world)
     estimates = {e.pp_rank: e for e in estimate_memory(job, "cpu")}
     measured, states = {}, {}
-    for pp_rank, peak, end in run_on_ranks(world, _measure_body, argv):
+    for pp_rank, peak, end in run_on_ranks(world, measure_body, argv):
         measured[pp_rank] = max(measured.get(pp_rank, 0), peak)
         states[pp_rank] = max(states.get(pp_rank, 0), end)
     for pp_rank, est in estimates.items():

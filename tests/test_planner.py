@@ -3,7 +3,7 @@ for real peaks within the budget while the cheaper plan it rejected is measured 
 nothing meets names the layout change that would, and the trainer's --memory-budget-gib."""
 import pytest
 from helpers import run_on_ranks
-from test_memory import BASE, LLAMA, _measure_body
+from helpers.memory import BASE, LLAMA, measure_body
 
 from megazero.arguments import parse_job
 from megazero.memory.planner import (
@@ -54,7 +54,7 @@ def test_the_chosen_plan_fits_when_run_and_the_rejected_one_does_not(world, flag
         planned = with_plan(job, plan, world)
         plan_argv = argv + plan.flags.split() if plan.fields else argv
         assert parse_job(plan_argv, world)[0].model == planned.model
-        peaks[plan.name] = max(peak for _, peak, _ in run_on_ranks(world, _measure_body, plan_argv))
+        peaks[plan.name] = max(peak for _, peak, _ in run_on_ranks(world, measure_body, plan_argv))
     print(f"budget {budget / 2**20:.2f} MiB:", {n: f"{p / 2**20:.2f} MiB" for n, p in peaks.items()})
     assert peaks[chosen.name] <= budget
     assert peaks[rejected[-1].name] > budget

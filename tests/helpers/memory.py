@@ -1,0 +1,37 @@
+"""The memory tests' model flags and measurement, shared by the estimator's and the planner's tests."""
+import gc
+
+import torch
+
+from megazero.arguments import parse_job
+from megazero.memory import LiveTensorBytes, reachable_tensor_bytes
+
+# RoPE, RMSNorm, SwiGLU, 2 key/value groups, no biases, untied output
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
+         "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+BASE = ["--mock-data", "--vocab-size", "500", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "128", "--micro-batch-size", "4"]
+
+
+def measure_body(rank, world_size, argv):
+    """Peak live tensor bytes of construction + one training step on this rank."""
+    from megazero.models.gpt import build_model_chunks
+    from megazero.parallel.topology import Topology
+    from megazero.parallel.zero import build_engine
+    from megazero.training import train_step
+
+    gc.collect()
+    job, _ = parse_job(argv, world_size)
+    topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp)
+    dtype = torch.bfloat16 if job.precision.bf16 else torch.float32
+    b, s, v = job.train.micro_batch_size, job.model.seq_length, job.model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    micro = [{"tokens": torch.randint(0, v, (b, s), generator=g), "labels": torch.randint(0, v, (b, s), generator=g),
+              "loss_mask": torch.ones(b, s)} for _ in range(job.num_micro_batches)]
+    with LiveTensorBytes() as build:
+        chunks = build_model_chunks(job.model, job.parallel, topo, seed=1, dtype=dtype, device="meta")
+        engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    with LiveTensorBytes(alive=build.end) as step:      # one step: see LiveTensorBytes on tp > 1
+        train_step(chunks, micro, topo, engine, job)
+    inputs = sum(t.untyped_storage().nbytes() for mb in micro for t in mb.values())
+    return topo.pp_rank, step.peak, reachable_tensor_bytes() - inputs   # after the step: the model states
