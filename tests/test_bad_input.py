@@ -163,6 +163,7 @@ CASES = [
      "{W}/run was saved with --hidden-size 32, this run has 64"),
     ("load-index-garbage", mock("--load", "{W}/run_bad_index"), 2, "{W}/run_bad_index"),
     ("save-interval-without-save", mock("--save-interval", "1"), 2, "--save-interval needs --save"),
+    ("async-save-without-save", mock("--async-save"), 2, "--async-save needs --save"),
     ("finetune-without-load", mock("--finetune"), 2, "--finetune needs --load"),
     # config files
     ("config-missing", mock("--config", "{W}/no.toml"), 2, "--config {W}/no.toml: no such file"),
