@@ -15,7 +15,8 @@ gloo group of their own, created once by :class:`AsyncCheckpointWriter`, so they
 with the training's collectives. A crash while the thread writes leaves the previous checkpoint the
 latest, as a crash during a synchronous save does.
 
-The price: host memory for one copy of the rank's checkpoint shard until it is written.
+The price: host memory for one copy of the rank's checkpoint shard, kept between saves: the next
+snapshot is copied into it (fresh memory costs first-touch page faults: 0.15 vs 0.02 s for 376 MB).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class AsyncCheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._plan: SavePlan | None = None
+        self.buffers: list[torch.Tensor] | None = None     # the last written snapshot, for the next one
 
     @property
     def busy(self) -> bool:
@@ -71,6 +73,7 @@ class AsyncCheckpointWriter:
         self._thread.join()
         plan, error = self._plan, self._error
         self._thread, self._plan, self._error = None, None, None
+        self.buffers = plan.snapshot_tensors
         if error is not None:
             if isinstance(error, CheckpointError):
                 raise CheckpointError(f"the background save of {plan.final} failed: {error}") from error

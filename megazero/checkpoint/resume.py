@@ -83,7 +83,7 @@ class CheckpointSaver:
             self.say(f" saved checkpoint {path} (training blocked {blocked:.3f} s)")
             return blocked
         self.writer.wait()                 # the previous one first: its failure stops the run here
-        plan = plan_save(self.job.checkpoint.save, state, snapshot=True, **kw)
+        plan = plan_save(self.job.checkpoint.save, state, snapshot=True, buffers=self.writer.buffers, **kw)
         self.writer.start(plan, lambda p, s: self.say(f" saved checkpoint {p.final} (written in the background "
                                                        f"in {s:.3f} s)"))
         blocked = time.perf_counter() - t0

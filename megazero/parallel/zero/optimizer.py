@@ -296,9 +296,9 @@ class BucketAdamW:
         if not ranges:
             return False
         bad = torch.zeros((), dtype=torch.int32, device=self.device)
-        for r in ranges:
-            bad += (~torch.isfinite(self.range_params(r))).any().to(bad.device)
-        return bool(bad.item())
+        for r in ranges:            # a non-finite value makes the (fp32) sum non-finite: ~10x a full isfinite
+            bad += (~torch.isfinite(self.range_params(r).sum(dtype=torch.float32))).to(bad.device)
+        return bool(bad.item()) and any(not bool(torch.isfinite(self.range_params(r)).all()) for r in ranges)
 
     def _main_grads(self) -> list[torch.Tensor]:
         """fp32, unscaled gradient of every owned range (where the state lives: the device or the host)."""
