@@ -16,6 +16,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megazero.checkpoint import format as fmt
+from megazero.checkpoint.distributed import rank_pieces
+from megazero.checkpoint.finite import first_nonfinite, first_over_ranks
 from megazero.compile import CompileLog, describe_recompiles
 from megazero.config import JobConfig
 from megazero.lr_schedule import learning_rate
@@ -40,6 +43,7 @@ class StepResult:
     grad_norm: float
     skipped: bool
     loss_scale: float
+    params_overflowed: bool = False     # an applied step left a non-finite fp16/bf16 parameter (any rank)
 
 
 def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
@@ -48,13 +52,19 @@ def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
     Only last-stage ranks with tp_rank 0 contribute (tp ranks hold identical losses), so a single
     all-reduce over the world of (sum, count) gives the same number everywhere, rank 0 included.
     """
+    return _global_figures(losses, topo, False)[0]
+
+
+def _global_figures(losses: list[torch.Tensor], topo: Topology, flag: bool) -> tuple[float, bool]:
+    """(:func:`global_mean_loss`, whether ``flag`` is set on any rank), in one all-reduce."""
     contributes = topo.is_last_stage and topo.tp_rank == 0 and losses
-    total = torch.zeros(2, device=topo.device)
+    total = torch.zeros(3, device=topo.device)
     if contributes:
         total[0] = torch.stack(losses).sum().float()
         total[1] = len(losses)
+    total[2] = float(flag)
     dist.all_reduce(total)
-    return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+    return ((total[0] / total[1]).item() if total[1] > 0 else float("nan")), bool(total[2].item())
 
 
 def _boundary_shape(spec: ModelSpec, job: JobConfig, topo: Topology) -> tuple[int, ...]:
@@ -63,17 +73,21 @@ def _boundary_shape(spec: ModelSpec, job: JobConfig, topo: Topology) -> tuple[in
 
 
 def train_step(chunks, micro_batches: list[dict], topo: Topology, engine, job: JobConfig,
-               spec: ModelSpec | None = None) -> StepResult:
+               spec: ModelSpec | None = None, iteration: int | None = None) -> StepResult:
     """Forward and backward over every micro-batch, reduce gradients, clip, and step the optimizer.
-    ``spec``: the model's (default: the one ``job.model.model_family`` names)."""
+    ``spec``: the model's (default: the one ``job.model.model_family`` names); ``iteration``: this
+    step's, for the optimizer's messages. With fp16/bf16 parameters, whether an applied step left one
+    non-finite (its fp32 master beyond the type's range) travels in the loss's all-reduce."""
     spec = spec or get_model_spec(job.model.model_family)
     engine.zero_grad()
     spec.hooks.before_step(chunks, engine.loss_scale / len(micro_batches))   # e.g. MoE losses, as the main loss's
     losses = run_schedule(chunks, micro_batches, topo.pipeline(), loss_fn=spec.loss, schedule=job.parallel,
                           tensor_shape=_boundary_shape(spec, job, topo), loss_scale=engine.loss_scale, grad_sync=engine)
     engine.finalize_grads()
-    grad_norm, skipped = engine.step()
-    return StepResult(global_mean_loss(losses, topo), grad_norm, skipped, engine.loss_scale)
+    grad_norm, skipped = engine.step(iteration)
+    overflowed = not skipped and bool(getattr(engine.optimizer, "params_overflowed", False))
+    loss, overflowed = _global_figures(losses, topo, overflowed)
+    return StepResult(loss, grad_norm, skipped, engine.loss_scale, overflowed)
 
 
 @torch.no_grad()
@@ -102,9 +116,26 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     global batch, starting at the given sample so a resumed run continues exactly. With ``save``, the
     last iteration is always saved too. A save that falls on a skipped step (an fp16 overflow) waits
     for the next applied one: a run that then stops for too many skipped steps keeps its last good
-    checkpoint as the latest. ``compile_log`` (``--compile``): what compiling took is printed after the
+    checkpoint as the latest. ``save(state)`` may return the seconds it blocked the loop (recorded as
+    ``save_blocked_seconds``) and have a ``finish()`` (waiting for a background save), called at the end
+    and when the run stops. ``compile_log`` (``--compile``): what compiling took is printed after the
     first step, the graphs compiled since the last line on every log line.
     """
+    finish = getattr(save, "finish", None) or (lambda: None)
+    try:
+        state = _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save, compile_log)
+    except TrainingStopped as stopped:
+        try:                                  # a background save of a good state still becomes the latest
+            finish()
+        except Exception as e:  # noqa: BLE001 - both are said, in one line
+            raise TrainingStopped(f"{stopped}; besides, {e}") from e
+        raise
+    finish()
+    return state
+
+
+def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save, compile_log):
+    """:func:`train`'s loop, up to the last save (started, if it runs in the background)."""
     t, opt = job.train, job.optimizer
     spec = get_model_spec(job.model.model_family)
     tokens_per_step = t.global_batch_size * job.model.seq_length
@@ -118,9 +149,9 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     first_iteration = state.iteration
     while state.iteration < t.train_iters:
         engine.set_lr(learning_rate(state.iteration, opt))
-        result = train_step(chunks, next(batches), topo, engine, job)
+        result = train_step(chunks, next(batches), topo, engine, job, iteration=state.iteration + 1)
         skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
-        stop = stop_reason(job, engine, result, state.iteration + 1, skipped_in_a_row)
+        stop = stop_reason(job, engine, result, state.iteration + 1, skipped_in_a_row, topo)
         state.iteration += 1
         state.consumed_samples += t.global_batch_size
         state.skipped_iterations += int(result.skipped)
@@ -148,19 +179,38 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
         if save and job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0:
             save_due = True
         if save_due and not result.skipped:   # a skipped step changed no weights: save after one that did
-            save(state)
+            _save(save, state, log)
             save_due, saved_at, window_start = False, state.iteration, time.perf_counter()
     if save and saved_at != state.iteration:
-        save(state)
+        _save(save, state, log)
     return state
 
 
-def stop_reason(job: JobConfig, engine, r: StepResult, iteration: int, skipped_in_a_row: int) -> str | None:
+def _save(save: Callable, state: TrainState, log: MetricsLog) -> None:
+    """Save, and record how long the training loop was blocked (``save_blocked_seconds``)."""
+    blocked = save(state)
+    if isinstance(blocked, float):
+        log.record({"iteration": state.iteration, "save_blocked_seconds": blocked}, state.iteration)
+
+
+def stop_reason(job: JobConfig, engine, r: StepResult, iteration: int, skipped_in_a_row: int,
+                topo: Topology | None = None) -> str | None:
     """Why the run must stop after this step, or None. The same on every rank (the figures are
-    global): a non-finite loss or gradient in bf16/fp32 (``--check-for-nan-in-loss-and-grad``), an fp16
-    overflow at the minimum loss scale, ``--max-consecutive-skipped-steps`` skipped steps in a row
-    (fp16 overflows, or non-finite steps skipped with the check off)."""
+    global): fp16/bf16 parameters left non-finite by an applied step (their fp32 masters beyond the
+    type's range: every later step would overflow), a non-finite loss or gradient in bf16/fp32
+    (``--check-for-nan-in-loss-and-grad``), an fp16 overflow at the minimum loss scale,
+    ``--max-consecutive-skipped-steps`` skipped steps in a row (fp16 overflows, or non-finite steps
+    skipped with the check off). ``topo`` (a collective then) names the first overflowed parameter."""
     pr = job.precision
+    if r.params_overflowed:
+        what = None
+        if topo is not None:
+            weights = [p for p in rank_pieces(None, engine, topo, job) if p[0].startswith(fmt.MODEL + "/")]
+            what = first_over_ranks(first_nonfinite(weights), topo.device)
+        return (f"iteration {iteration}: {what or f'a {pr.dtype_name} parameter'} is not finite after the step was "
+                f"applied (its fp32 master weights are beyond what {pr.dtype_name} holds): the run stops without "
+                f"saving this state (the last checkpoint stays the latest). Lower --lr"
+                + (" or use --bf16" if pr.fp16 else ""))
     bad = not pr.fp16 and (not math.isfinite(r.loss) or r.skipped)     # fp16: its loss scaler's business
     if bad and job.train.check_for_nan_in_loss_and_grad:
         names = engine.optimizer.nonfinite_parameters(everywhere=True)      # a collective: every rank is here

@@ -178,6 +178,7 @@ CASES = [
     ("load-finished-run", mock("--load", "{W}/run"), 0,                  # exit 0, said on stdout
      "--load {W}/run holds a checkpoint at iteration 2, and --train-iters is 2: nothing is left to train"),
     ("save-interval-without-save", mock("--save-interval", "1"), 2, "--save-interval needs --save"),
+    ("async-save-without-save", mock("--async-save"), 2, "--async-save needs --save"),
     ("finetune-without-load", mock("--finetune"), 2, "--finetune needs --load"),
     # config files
     ("config-missing", mock("--config", "{W}/no.toml"), 2, "--config {W}/no.toml: no such file"),

@@ -2,6 +2,7 @@
 crash safety (SIGKILL during a save); corrupted files refused by name; the offline reader and tools."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -388,3 +389,49 @@ def test_a_crash_in_any_window_of_a_save_leaves_a_readable_latest(saved_tp2pp2dp
     assert checkpoint_dir(replaced, 2).name == "iter_0000002"
     assert recover(replaced) == ["removed .iter_0000002.old (replaced by iter_0000002)"]
     assert recover(replaced) == []
+
+
+def _poisoned_save_body(rank, world_size, save_dir):
+    """fp16 dp2 ZeRO-1 after one step: a finite save at iteration 1, then saves at iteration 2 after
+    making one kind of state non-finite on one rank at a time; returns what each refusal said."""
+    from megazero.checkpoint.distributed import NonFiniteState
+    from megazero.config import PrecisionConfig
+
+    topo = Topology(dp=world_size)
+    job = make_job(1, 1, world_size, 1)
+    job.precision = PrecisionConfig(fp16=True)
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, dtype=torch.float16)
+    engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    train_one_step(topo, chunks, engine, 0)
+    save_checkpoint(save_dir, TrainState(1, 16, 0), chunks=chunks, engine=engine, topo=topo, job=job)
+    views, said = engine.optimizer.states.views(0), []
+    for who, poison in [(1, lambda: views["exp_avg_sq"].fill_(float("inf"))),
+                        (0, lambda: views["master"].fill_(float("nan"))),      # rank 0 comes first
+                        (0, lambda: next(chunks[0].parameters()).data.fill_(float("inf")))]:
+        if rank == who:
+            poison()
+        try:
+            save_checkpoint(save_dir, TrainState(2, 32, 0), chunks=chunks, engine=engine, topo=topo, job=job)
+            said.append(None)
+        except NonFiniteState as e:
+            said.append(str(e))
+        if rank == who and who == 0 and len(said) == 2:
+            views["master"].zero_()
+    return said
+
+
+def test_a_save_of_non_finite_state_is_refused_and_the_latest_stays(tmp_path):
+    """Any non-finite value in what a save would write -- an Adam moment on rank 1, an fp32 master, an
+    fp16 weight -- stops the save on every rank before anything is written, naming the parameter, its
+    precision and kind, the rank and the iteration; the previous checkpoint stays the latest, whole."""
+    results = run_on_ranks(2, _poisoned_save_body, str(tmp_path))
+    assert results[0] == results[1]
+    kinds = [r"fp32 Adam exp_avg_sq, rank 1", r"fp32 master weights, rank 0", r"fp16 weights, rank 0"]
+    for message, kind in zip(results[0], kinds):
+        assert message is not None and re.fullmatch(
+            rf"iteration 2: \S+ \({kind}\) is not finite: checkpoint iter_0000002 is not written \(iter_0000001 "
+            rf"stays the latest\) and the run stops\. Lower --lr or check the data", message), message
+    assert latest_iteration(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    reader = CheckpointReader(tmp_path / "iter_0000001")
+    assert all(bool(reader.read_full(k).isfinite().all()) for k in reader.tensors)

@@ -80,42 +80,71 @@ def _end(proc: subprocess.Popen, pids=()) -> None:
 # Which of the two goes non-finite first depends on the CPU's kernels (a loss of 4e12 beside a nan
 # gradient norm on one machine, both nan on another): either stops the run.
 NONFINITE = r"loss (?P<loss>[-+.\w]+), gradient norm (?P<norm>[-+.\w]+)"
+# fp16: step 1 (lr 5e5 in warmup) is finite and applied, and its fp32 masters no longer fit in fp16
+OVERFLOWED = r"(?P<param>\S+) \(fp16 weights, rank 0\) is not finite after the step was applied"
+
+
+def _assert_latest_is_finite(save: Path, want: int | None) -> None:
+    """The latest checkpoint under ``save`` is ``want`` (None: there is none), reads back whole (every
+    block's checksum) and holds only finite tensors, whatever their kind and precision."""
+    if want is None:
+        assert not (save / TRACKER).exists() and not any(p.name.startswith("iter_") for p in save.iterdir())
+        return
+    assert int((save / TRACKER).read_text()) == want
+    assert max(p.name for p in save.iterdir() if p.name.startswith("iter_")) == f"iter_{want:07d}"
+    reader = CheckpointReader(save / f"iter_{want:07d}")
+    assert reader.tensors
+    for key in reader.tensors:
+        assert bool(reader.read_full(key).isfinite().all()), key
 
 
 @pytest.mark.parametrize("precision,reason", [
     ([], NONFINITE + r" \(first non-finite gradients: \S+"),
     pytest.param(["--bf16"], NONFINITE, marks=pytest.mark.slow),
-    pytest.param(["--fp16", "--max-consecutive-skipped-steps", "3"], "3 steps skipped in a row",
-                 marks=pytest.mark.slow),
+    (["--fp16"], OVERFLOWED),
 ], ids=["fp32", "bf16", "fp16"])
-def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(precision, reason, tmp_path):
-    """lr 1e6: the first steps (lr 5e5 in warmup) wreck the weights until a loss or gradient is not
-    finite (fp16: every step overflows from then on). The run stops at that iteration N, logs it,
-    and N - 1 stays the latest checkpoint, with finite weights."""
+def test_a_diverging_run_stops_and_keeps_only_finite_checkpoints(precision, reason, tmp_path):
+    """lr 1e6: the first steps (lr 5e5 in warmup) wreck the weights. fp32/bf16: at iteration N a loss or
+    gradient is not finite; the step is not applied. fp16: the first step's fp16 weights overflow
+    while its masters are finite, found right after the step. The run stops nonzero at that iteration
+    with one line, logs it, saves nothing of it: with --save-interval 1 the latest checkpoint is N - 1,
+    finite in every tensor; with only the end-of-run save there is none."""
+    for interval in (["--save-interval", "1"], []):
+        save, metrics = tmp_path / f"run{len(interval)}", tmp_path / f"m{len(interval)}.jsonl"
+        run = _pretrain(*TINY, *precision, "--lr", "1e6", "--save", str(save), *interval,
+                        "--metrics-file", str(metrics), cwd=tmp_path)
+        last = run.stderr.strip().splitlines()[-1]
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+        found = re.fullmatch(rf"pretrain_gpt.py: error: iteration (\d+): .*{reason}.*", last)
+        assert found, last
+        stopped = int(found.group(1))
+        train = read_metrics(metrics)[0]
+        assert train[-1]["iteration"] == stopped                # the fatal step is in the record
+        if "--fp16" in precision:
+            assert stopped == 1 and math.isfinite(train[-1]["loss"]) and not train[-1]["skipped"]
+            assert "use --bf16" in last
+        else:                                               # JSON has no nan: a non-finite figure is null
+            assert {found["loss"], found["norm"]} & {"nan", "inf", "-inf"}, last
+            assert 1 < stopped < 10
+            assert not all(math.isfinite(train[-1][k] or math.nan) for k in ("loss", "grad_norm"))
+        _assert_latest_is_finite(save, stopped - 1 if interval and stopped > 1 else None)
+
+
+def test_fp16_skipped_steps_are_named_by_iteration_and_stop_the_run(tmp_path):
+    """A loss scale of 1e30 overflows every fp16 gradient: each skip names its own iteration and the
+    precision, --max-consecutive-skipped-steps 3 stops the run at iteration 3, and no save lands on a
+    skipped step (the weights are those of the start: nothing to save)."""
     save, metrics = tmp_path / "run", tmp_path / "m.jsonl"
-    run = _pretrain(*TINY, *precision, "--lr", "1e6", "--save", str(save), "--save-interval", "1",
+    run = _pretrain(*TINY, "--fp16", "--initial-loss-scale", "1e30", "--hysteresis", "1",
+                    "--max-consecutive-skipped-steps", "3", "--save", str(save), "--save-interval", "1",
                     "--metrics-file", str(metrics), cwd=tmp_path)
-    last = run.stderr.strip().splitlines()[-1]
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
-    found = re.fullmatch(rf"pretrain_gpt.py: error: iteration (\d+): .*{reason}.*", last)
-    assert found, last
-    stopped = int(found.group(1))
-    if "--fp16" not in precision:
-        assert {found["loss"], found["norm"]} & {"nan", "inf", "-inf"}, last
-    assert 1 < stopped < 10
-    train = read_metrics(metrics)[0]
-    assert train[-1]["iteration"] == stopped                # the fatal step is in the record
-    if "--fp16" in precision:
-        assert [r["skipped"] for r in train[-3:]] == [True] * 3 and not train[-4]["skipped"]
-    else:                                               # JSON has no nan: a non-finite figure is null
-        assert not all(math.isfinite(train[-1][k] or math.nan) for k in ("loss", "grad_norm"))
-    good = stopped - 3 if "--fp16" in precision else stopped - 1   # no save lands on a skipped step
-    assert int((save / TRACKER).read_text()) == good
-    assert max(p.name for p in save.iterdir() if p.name.startswith("iter_")) == f"iter_{good:07d}"
-    reader = CheckpointReader(save / f"iter_{good:07d}")
-    kind = "optim.master/" if precision else "model/"       # fp32 masters are the state of truth
-    weights = [k for k in reader.tensors if k.startswith(kind)]
-    assert weights and all(bool(reader.read_full(k).isfinite().all()) for k in weights)
+    assert re.fullmatch(r"pretrain_gpt.py: error: iteration 3: 3 steps skipped in a row .*",
+                        run.stderr.strip().splitlines()[-1])
+    for i in (1, 2, 3):
+        assert f"iteration {i}: fp16 gradients overflowed (inf/nan): step skipped" in run.stderr, run.stderr
+    assert [r["skipped"] for r in read_metrics(metrics)[0]] == [True] * 3
+    _assert_latest_is_finite(save, None)
 
 
 @pytest.mark.slow

@@ -75,7 +75,8 @@ def _overflow_body(rank, world_size, stage):
                           for a, b in zip((r.master, r.exp_avg, r.exp_avg_sq), old))
     result = dict(skipped=skipped, scale_before=scale, scale_after=opt.loss_scale, unchanged=unchanged,
                   state_unchanged=state_unchanged, count_same=opt.step_count == count,
-                  logged=any("skipping step" in m for m in records.messages))
+                  logged=any(m.startswith("optimizer step 2: fp16 gradients overflowed (inf/nan): step skipped")
+                             for m in records.messages))
     _, skipped_again = step(False)
     result["next_step_ok"] = not skipped_again
     result["moved_after"] = not all(torch.equal(p, before[n]) for n, p in model.named_parameters())

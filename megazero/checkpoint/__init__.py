@@ -5,8 +5,10 @@
         -> TrainState | None                                                            (collective)
     latest_iteration(save_dir) -> int | None
     resume(job, chunks, engine, topo) -> TrainState          (--load / --finetune / auto-resume rules)
-    checkpoint_saver(job, chunks, engine, topo) -> save(state) | None
+    checkpoint_saver(job, chunks, engine, topo) -> save(state) | None   (--async-save: in a background thread)
 
+A save writes only finite state (:mod:`megazero.checkpoint.finite`); ``--async-save`` writes from a
+host snapshot while training goes on (:mod:`megazero.checkpoint.async_save`).
 The on-disk format is described in :mod:`megazero.checkpoint.format`; single-process tools read
 and write it through :mod:`megazero.checkpoint.offline` (whole tensors by stable name).
 """

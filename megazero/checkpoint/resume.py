@@ -18,11 +18,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
 from megazero.checkpoint.agree import raise_first_error
-from megazero.checkpoint.distributed import latest_iteration, load_checkpoint, save_checkpoint
+from megazero.checkpoint.async_save import AsyncCheckpointWriter
+from megazero.checkpoint.distributed import latest_iteration, load_checkpoint, plan_save, save_checkpoint
 from megazero.checkpoint.format import CheckpointError, iter_dir_name, write_failed
 from megazero.state import TrainState
 
@@ -62,22 +64,49 @@ def resume(job, chunks, engine, topo, extra_rng: dict | None = None, say: Callab
     return state
 
 
+class CheckpointSaver:
+    """``save(state)`` for the training loop: writes ``state``'s checkpoint into ``--save`` and returns the
+    seconds the caller was blocked. With ``--async-save`` the write and commit run in a background
+    thread (:mod:`megazero.checkpoint.async_save`); ``finish()`` waits for it (the end of a run, or a
+    stop) and raises its failure. Construct on every rank (collective with ``--async-save``)."""
+
+    def __init__(self, job, chunks, engine, topo, extra_rng: dict | None = None,
+                 say: Callable[[str], None] | None = None):
+        self.job, self.chunks, self.engine, self.topo, self.extra_rng = job, chunks, engine, topo, extra_rng
+        self.say = say or (lambda msg: log.info(msg) if topo.rank == 0 else None)
+        self.writer = AsyncCheckpointWriter(topo.timeout) if job.checkpoint.async_save else None
+
+    def __call__(self, state) -> float:
+        t0 = time.perf_counter()
+        kw = dict(chunks=self.chunks, engine=self.engine, topo=self.topo, job=self.job, extra_rng=self.extra_rng)
+        if self.writer is None:
+            try:
+                path = save_checkpoint(self.job.checkpoint.save, state, **kw)
+            except Exception as e:  # noqa: BLE001 - every rank is here (the save agrees before raising)
+                _save_failed(e, Path(self.job.checkpoint.save), state.iteration, self.topo.rank)
+            blocked = time.perf_counter() - t0
+            self.say(f" saved checkpoint {path} (training blocked {blocked:.3f} s)")
+            return blocked
+        self.writer.wait()                 # the previous one first: its failure stops the run here
+        plan = plan_save(self.job.checkpoint.save, state, snapshot=True, buffers=self.writer.buffers, **kw)
+        self.writer.start(plan, lambda p, s: self.say(f" saved checkpoint {p.final} (written in the background "
+                                                       f"in {s:.3f} s)"))
+        blocked = time.perf_counter() - t0
+        self.say(f" saving checkpoint {plan.final} in the background (training blocked {blocked:.3f} s)")
+        return blocked
+
+    def finish(self) -> None:
+        """Wait for the background save, if any (a no-op for synchronous saves)."""
+        if self.writer is not None:
+            self.writer.wait()
+
+
 def checkpoint_saver(job, chunks, engine, topo, extra_rng: dict | None = None,
-                     say: Callable[[str], None] | None = None) -> Callable | None:
-    """``save(state)`` for the training loop (None without ``--save``)."""
+                     say: Callable[[str], None] | None = None) -> CheckpointSaver | None:
+    """The :class:`CheckpointSaver` for the training loop (None without ``--save``)."""
     if not job.checkpoint.save:
         return None
-    say = say or (lambda msg: log.info(msg) if topo.rank == 0 else None)
-
-    def save(state) -> None:
-        try:
-            path = save_checkpoint(job.checkpoint.save, state, chunks=chunks, engine=engine, topo=topo, job=job,
-                                   extra_rng=extra_rng)
-        except Exception as e:  # noqa: BLE001 - every rank is here (the save agrees before raising)
-            _save_failed(e, Path(job.checkpoint.save), state.iteration, topo.rank)
-        say(f" saved checkpoint {path}")
-
-    return save
+    return CheckpointSaver(job, chunks, engine, topo, extra_rng, say)
 
 
 def _save_failed(error: BaseException, save_dir: Path, iteration: int, rank: int) -> None:

@@ -316,6 +316,8 @@ def check_checkpoint(ck: CheckpointConfig) -> None:
         fail(f"{FLAG.save_interval} must be a positive integer, got {ck.save_interval}")
     if ck.save_interval and not ck.save:
         fail(f"{FLAG.save_interval} needs {FLAG.save} DIR (where to write the checkpoints)")
+    if ck.async_save and not ck.save:
+        fail(f"{FLAG.async_save} needs {FLAG.save} DIR (where to write the checkpoints)")
     if ck.finetune and not ck.load:
         fail(f"{FLAG.finetune} needs {FLAG.load} DIR (the checkpoint whose weights to start from)")
 

@@ -408,6 +408,9 @@ class CheckpointConfig:
                                            help="iterations between checkpoints")
     finetune: bool = flag_field(False, "--finetune", action="store_true", group="checkpointing",
                                 help="load weights only: no optimizer, iteration 0")
+    async_save: bool = flag_field(False, "--async-save", action="store_true", group="checkpointing",
+                                  help="write and commit checkpoints in a background thread from a host copy "
+                                       "while training goes on (one extra copy of the rank's shard in host memory)")
 
     def check(self) -> None:
         checks.check_checkpoint(self)

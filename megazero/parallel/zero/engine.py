@@ -176,8 +176,9 @@ class ZeroEngine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
-    def step(self) -> tuple[float, bool]:
-        return self.optimizer.step()
+    def step(self, iteration: int | None = None) -> tuple[float, bool]:
+        """(global grad norm, skipped) of one optimizer step; ``iteration`` names it in messages."""
+        return self.optimizer.step(iteration)
 
     def set_lr(self, lr: float) -> None:
         self.optimizer.set_lr(lr)

@@ -151,7 +151,9 @@ class BucketAdamW:
         self.lr = self.cfg.lr
         precision = precision or PrecisionConfig()
         self.scaler = DynamicLossScaler.from_config(precision) if precision.fp16 else None
+        self.precision_name = precision.dtype_name
         self.step_count = 0
+        self.params_overflowed = False      # the last applied step's cast gave a non-finite fp16/bf16 value here
         self.ranges = [self._make_range(sync, b) for sync in self.syncs for b in sync.buckets]
         self._index_of = {id(r.bucket): k for k, r in enumerate(self.ranges)}
         self.states = self._build_states(first.cfg, swap)
@@ -243,27 +245,33 @@ class BucketAdamW:
             sync.zero_grad()
 
     @torch.no_grad()
-    def step(self) -> tuple[float, bool]:
+    def step(self, iteration: int | None = None) -> tuple[float, bool]:
         """Clip and apply one AdamW step over every bucket group; returns (global grad norm before
-        clipping, skipped).
+        clipping, skipped). ``iteration``: the training iteration, for the messages (default: the
+        optimizer's own count of applied steps + 1).
 
         A step whose gradients are not finite is never applied: under fp16 the loss scale is lowered
         (the usual overflow, found in any bucket group on any rank), in bf16 and fp32 the step is
         reported skipped with its norm (inf or nan) and the trainer decides whether the run stops
         (``--check-for-nan-in-loss-and-grad``). Every rank takes the same decision: the norm and the
-        overflow flag are global."""
+        overflow flag are global.
+
+        After an applied step with fp16/bf16 parameters, :attr:`params_overflowed` says whether a
+        parameter this rank wrote is not finite (its fp32 master is beyond what the type holds): a
+        local flag the trainer combines over the ranks."""
         for sync in self.syncs:
             sync.check_synced()
+        where = f"iteration {iteration}" if iteration is not None else f"optimizer step {self.step_count + 1}"
         grads = self._main_grads()
         if self.scaler is not None and self._found_inf(grads):
             old = self.scaler.scale
             self.scaler.update(found_inf=True)
-            log.warning("fp16: inf/nan in gradients, skipping step %d; loss scale %g -> %g",
-                        self.step_count + 1, old, self.scaler.scale)
+            log.warning("%s: %s gradients overflowed (inf/nan): step skipped; loss scale %g -> %g",
+                        where, self.precision_name, old, self.scaler.scale)
             return float("inf"), True
         norm = self.global_grad_norm(grads)
         if not math.isfinite(norm):
-            log.warning("non-finite gradient norm %s: step %d not applied", norm, self.step_count + 1)
+            log.warning("%s: %s gradient norm %s is not finite: step not applied", where, self.precision_name, norm)
             return norm, True
         if self.cfg.clip_grad > 0:
             coef = min(self.cfg.clip_grad / (norm + 1e-6), 1.0)
@@ -278,7 +286,19 @@ class BucketAdamW:
         self.publish.share(self.ranges)
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
+        self.params_overflowed = self._local_params_overflowed()
         return norm, False
+
+    def _local_params_overflowed(self) -> bool:
+        """Whether an fp16/bf16 parameter value this rank owns (and has just written) is not finite.
+        Parameters kept off the device (ZeRO-3 ``--offload-params``) are left to the checkpoint's check."""
+        ranges = [r for r in self.ranges if not r.param_fp32 and self.publish.params_on_device(r.sync)]
+        if not ranges:
+            return False
+        bad = torch.zeros((), dtype=torch.int32, device=self.device)
+        for r in ranges:            # a non-finite value makes the (fp32) sum non-finite: ~10x a full isfinite
+            bad += (~torch.isfinite(self.range_params(r).sum(dtype=torch.float32))).to(bad.device)
+        return bool(bad.item()) and any(not bool(torch.isfinite(self.range_params(r)).all()) for r in ranges)
 
     def _main_grads(self) -> list[torch.Tensor]:
         """fp32, unscaled gradient of every owned range (where the state lives: the device or the host)."""
