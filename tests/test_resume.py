@@ -128,8 +128,8 @@ _CRASH_ONCE = textwrap.dedent("""
     import pretrain_gpt
 
     real_step, calls = training.train_step, []
-    def train_step(chunks, micro_batches, topo, engine, job):
-        out = real_step(chunks, micro_batches, topo, engine, job)
+    def train_step(chunks, micro_batches, topo, engine, job, **kw):
+        out = real_step(chunks, micro_batches, topo, engine, job, **kw)
         calls.append(1)
         if topo.rank == 1 and len(calls) == 7 and not os.path.exists({marker!r}):
             open({marker!r}, "w").close()
