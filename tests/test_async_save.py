@@ -187,3 +187,31 @@ def test_a_failed_background_write_stops_the_run_with_one_line(tmp_path):
                     f"[Errno 28] No space left on device (a test)"), last
     assert "saving checkpoint" in out and " iteration      3/6" in out      # training went on meanwhile
     assert latest_iteration(save) is None
+
+
+@pytest.mark.slow
+def test_ten_sigkills_at_random_moments_of_background_saves_always_leave_a_loadable_latest(tmp_path):
+    """Saves every iteration in the background, at a model whose files take a while to write; the process
+    is SIGKILLed at a random moment (seeded) after its first background save committed, ten times: each time
+    the latest checkpoint reads back whole (every checksum) at an iteration the run reached, and the
+    directory holds nothing a restart cannot tidy."""
+    import random
+
+    wide = ["--hidden-size", "256", "--num-layers", "4", "--vocab-size", "4096"]
+    pick = random.Random(1234)
+    for kill in range(10):
+        save = tmp_path / f"run{kill}"
+        proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *TINY, *wide, "--train-iters", "1000",
+                                 "--save", str(save), "--save-interval", "1", "--async-save"],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        try:
+            _read_until(proc, "written in the background")   # the first background save committed
+            time.sleep(pick.uniform(0.0, 1.5))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+        latest = latest_iteration(save)
+        _, tensors, index = read_model(save)        # complete, every file's checksum verified
+        assert index["iteration"] == latest and tensors, kill
+        recover(save)
+        assert not list(save.glob(".*.tmp")), kill
