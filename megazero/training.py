@@ -247,7 +247,15 @@ def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult,
               f"skipped {state.skipped_iterations} | tokens/s {tokens_per_step / step_time:,.0f} | "
               f"TFLOP/s/rank {tflops:.3f}{mfu} | peak mem {record['peak_memory_bytes'] / 2**20:.0f} MiB"
               + extra_text
-              + (" | step skipped: fp16 overflow, loss scale lowered" if r.skipped else ""))
+              + (_skip_words(job) if r.skipped else ""))
+
+
+def _skip_words(job: JobConfig) -> str:
+    """Why a step was skipped: fp16's loss scaler found an overflow, or (the non-finite check off) the
+    gradients were not finite."""
+    if job.precision.fp16:
+        return " | step skipped: fp16 overflow, loss scale lowered"
+    return f" | step skipped: non-finite gradients ({job.precision.dtype_name})"
 
 
 def _log_eval(log: MetricsLog, state: TrainState, valid_loss: float) -> None:

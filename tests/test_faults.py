@@ -147,6 +147,16 @@ def test_fp16_skipped_steps_are_named_by_iteration_and_stop_the_run(tmp_path):
     _assert_latest_is_finite(save, None)
 
 
+def test_an_fp32_skipped_step_says_its_gradients_were_not_finite(tmp_path):
+    """With the non-finite check off, an fp32 run skips the steps whose gradients are not finite and
+    says so in those words (not fp16's loss-scale message), until --max-consecutive-skipped-steps."""
+    run = _pretrain(*TINY, "--lr", "1e6", "--no-check-for-nan-in-loss-and-grad", "--max-consecutive-skipped-steps",
+                    "2", cwd=tmp_path)
+    assert run.returncode == 1 and "steps skipped in a row" in run.stderr, run.stderr[-3000:]
+    assert "step skipped: non-finite gradients (fp32)" in run.stdout, run.stdout[-3000:]
+    assert "fp16" not in run.stdout
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     """A 4-rank tp2 job, one rank frozen with SIGSTOP: its tensor-parallel partner's collective times
