@@ -141,6 +141,7 @@ def _read_until(proc: subprocess.Popen, text: str) -> None:
     assert text in line, f"no {text!r} in the output; stderr: {proc.stderr.read()[-3000:]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pause-shard", "pause-tracker"])
 def test_sigkill_during_a_background_write_keeps_the_previous_latest(mode, tmp_path):
     """Saves every 2 iterations, in the background; the second one's thread is held (twice per window,

@@ -46,6 +46,7 @@ def test_scale_section_splits_our_step_into_phases(tmp_path):
         assert ms[0] > 0 and ms[1] > 0 and ms[2] > 0 and sum(ms[1:]) <= 1.2 * ms[0] + 2, phases
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_compile_section_times_compiled_against_eager_and_fsdp2(tmp_path):
     """The compile section (tiny shape, ZeRO-3 at dp 2 and the pp 2 row): compiled vs eager and compiled

@@ -212,6 +212,7 @@ def test_killing_the_launcher_ends_the_workers_and_frees_the_save_lock(tmp_path)
     assert json.loads((save / f"iter_{done + 1:07d}" / "index.json").read_text())["iteration"] == done + 1
 
 
+@pytest.mark.slow
 def test_a_rank_that_fails_alone_is_the_one_line_and_the_root_cause(tmp_path):
     """Resuming at dp 2 from a checkpoint whose rng/rank00001.json is damaged: only rank 1 reads that
     file. Its line, naming the file, is what the job prints (by rank 0, which agrees on the error
@@ -263,7 +264,7 @@ def _save_fills_the_disk(rank, world, argv):
         distributed.write_pieces = real                  # the worker serves later tests
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_tmp(world, tmp_path):
     """``No space left on device`` while writing a checkpoint: status 1, one line naming the checkpoint
     and the fix, the half-written ``.iter_*.tmp`` removed, the previous checkpoint still the latest."""

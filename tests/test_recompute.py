@@ -81,7 +81,7 @@ LAYOUTS = {   # (tp, pp, v, sp, ZeRO stage, ep[, more]) on 4 ranks
 }
 
 
-@pytest.mark.parametrize("layout", [pytest.param(v, id=k, marks=() if k.startswith("tp2") else pytest.mark.slow)
+@pytest.mark.parametrize("layout", [pytest.param(v, id=k, marks=pytest.mark.slow)
                                     for k, v in LAYOUTS.items()])
 def test_every_choice_trains_as_keeping_everything(layout):
     """With dropout: each choice against keeping everything at the same layout."""

@@ -361,6 +361,7 @@ def _experts_body(rank, world_size, steps):
     return out
 
 
+@pytest.mark.slow
 def test_zeropp_switches_with_expert_parallelism():
     """hpZ alone moves no value, so with experts it equals plain ZeRO-3 exactly, its experts' blocks being
     their expert-data-parallel ranks; qgZ tracks plain within its rounding."""
