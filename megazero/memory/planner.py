@@ -56,6 +56,11 @@ def selective_plans(job: JobConfig) -> list[Plan]:
                  f"--recompute-granularity selective --recompute-modules {' '.join(s)}") for s in sets]
 
 
+def full_recompute() -> Plan:
+    """The last resort: every layer keeps only its input."""
+    return Plan("full recompute", dict(recompute_activations=True), "--recompute-activations")
+
+
 def candidate_plans(job: JobConfig, device: str) -> list[Plan]:
     """Every plan, cheapest first (see the module docstring)."""
     layers = _most_layers_per_chunk(job)
@@ -69,7 +74,7 @@ def candidate_plans(job: JobConfig, device: str) -> list[Plan]:
         plans += [Plan(f"offload {n} layers + {base.name}", dict(base.fields, cpu_offloading=True,
                                                                   cpu_offloading_num_layers=n),
                        f"{base.flags} --cpu-offloading --cpu-offloading-num-layers {n}") for n in range(1, layers + 1)]
-    plans.append(Plan("full recompute", dict(recompute_activations=True), "--recompute-activations"))
+    plans.append(full_recompute())
     return plans
 
 
@@ -81,8 +86,7 @@ def _most_layers_per_chunk(job: JobConfig) -> int:
 def with_plan(job: JobConfig, plan: Plan, world_size: int) -> JobConfig:
     """``job`` with the plan's recompute / offload fields (the others cleared), validated."""
     cleared = {f.name: f.default for f in dataclasses.fields(job.model) if f.name in CHOICE_FIELDS}
-    model = dataclasses.replace(job.model, **{**cleared, **plan.fields})
-    model.__post_init__()
+    model = dataclasses.replace(job.model, **{**cleared, **plan.fields})   # __post_init__ derives the rest
     return validate(dataclasses.replace(job, model=model), world_size)
 
 
@@ -120,12 +124,12 @@ def _nothing_fits(job: JobConfig, budget: float, world_size: int, device: str, l
     for flag, change in changes:
         try:
             other = validate(dataclasses.replace(job, **change), world_size)
-            plan = evaluate(other, Plan("full recompute", dict(recompute_activations=True), ""), world_size, device)
+            plan = evaluate(other, full_recompute(), world_size, device)
         except ConfigError:
             continue
         if plan.peak <= budget:
             fits.append(f"{flag} ({plan.peak / GIB:.2f} GiB with full recompute)")
-    where = (f"tp {par.tp} x pp {par.pp} x dp {par.dp}, ZeRO-{zero.zero_stage}")
+    where = f"tp {par.tp} x pp {par.pp} x dp {par.dp}, ZeRO-{zero.zero_stage}"
     hint = ("; these fit: " + ", ".join(fits)) if fits else "; no single change of ZeRO stage, tp or pp fits either"
     return (f"no recompute or offload plan fits {budget / GIB:.2f} GiB per rank at {where}: the least, "
             f"{least.name}, needs {least.peak / GIB:.2f} GiB{hint}")
