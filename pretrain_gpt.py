@@ -12,10 +12,13 @@ them), the gradient/optimizer engine and the data iterators, then run the loop i
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import logging
 import os
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -214,13 +217,45 @@ def _steps(iterator, device):
         yield [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in step]
 
 
+def exit_process(code: int) -> None:
+    """End the process with ``code`` once its process groups are gone, without the interpreter's teardown.
+
+    A run that stopped with an error still holds its model, engine and process groups through the
+    error's traceback. Left to the interpreter's teardown, a gloo group's worker thread may then free a
+    tensor while Python is being torn down, and the process aborts ("terminate called without an active
+    exception", status -6) after the run's one-line error. So they are freed here, while the interpreter
+    is whole; the groups are destroyed (after a barrier on success: gloo aborts a rank whose peer hangs
+    up while it still reads), the output is flushed and the process ends at once.
+    """
+    gc.collect()
+    if dist.is_initialized():
+        if code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_status(stop: SystemExit) -> int:
+    """The status a ``SystemExit`` asks for (argparse's 2, :func:`stop`'s), its message said as Python would."""
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
 if __name__ == "__main__":
-    code = 1
     try:
-        code = main()
-    finally:                # also on errors: recent torch aborts at exit while a process group is alive
-        if dist.is_initialized():
-            if code == 0:   # every rank done before any closes its connections (gloo aborts a rank whose
-                dist.barrier()      # peer hangs up while it still reads)
-            dist.destroy_process_group()
-    sys.exit(code)
+        status = main()
+    except SystemExit as stopped:
+        status = exit_status(stopped)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        status = 130
+    except BaseException:  # noqa: BLE001 - an unforeseen error keeps its traceback
+        traceback.print_exc()
+        status = 1
+    exit_process(status)
