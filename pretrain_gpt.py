@@ -31,7 +31,7 @@ from megazero.data.gpt_dataset import DataError
 from megazero.data.samplers import build_data_iterators
 from megazero.data.tokenizers import Tokenizer, TokenizerError, tokenizer_from_config
 from megazero.kernels import describe_kernels
-from megazero.memory import return_freed_memory
+from megazero.memory import describe_cpu_memory, return_freed_memory
 from megazero.memory.estimate import describe as describe_estimate
 from megazero.memory.estimate import estimate_memory
 from megazero.metrics import MetricsLog
@@ -116,7 +116,7 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, order=job.parallel.order,
                     device=init_distributed(backend, timeout_s), timeout_s=timeout_s,
                     ranks_per_node=job.parallel.ranks_per_node, ep=job.parallel.expert_model_parallel_size)
-    if topo.device.type == "cpu":                      # freed tensors leave the resident set: honest peaks
+    if topo.device.type == "cpu" and job.logging.return_freed_memory:    # honest resident peaks, slower
         return_freed_memory()
     log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0)
     torch.manual_seed(job.train.seed)
@@ -128,7 +128,8 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     header = describe_run(job, topo, chunks)           # counts parameters before ZeRO moves them
     engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
     log.print(header + model_state_line(engine, topo) + "\n" + describe_estimate(estimate_memory(job, topo.device.type))
-              + "\n" + describe_kernels(topo.device, job.compilation.compile))
+              + "\n" + describe_kernels(topo.device, job.compilation.compile)
+              + "\n" + describe_cpu_memory(job.logging.return_freed_memory, topo.device))
     state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
 
     t = job.train

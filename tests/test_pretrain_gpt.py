@@ -199,3 +199,15 @@ def test_huggingface_tokenizer_data_to_generated_text(tmp_path):
                          timeout=300)
     assert gen.returncode == 0, gen.stderr
     assert "text: <s>A hacker is" in gen.stdout and "prompt ids: 0," in gen.stdout    # <s> (id 0) first
+
+
+def test_cpu_memory_line_says_what_peak_mem_measures(tmp_path):
+    """By default glibc keeps freed memory for reuse (the trainer's speed) and the start line says the
+    logged peak is the resident set; --return-freed-memory makes it follow the live tensors, and says so."""
+    flags = [*TINY, "--train-iters", "2", "--eval-iters", "0"]
+    for extra, words in (([], "kept by glibc for reuse"), (["--return-freed-memory"], "returned to the system")):
+        run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *flags, *extra], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert run.returncode == 0, run.stderr[-2000:]
+        line = next(x for x in run.stdout.splitlines() if x.startswith(" CPU memory:"))
+        assert words in line, line
