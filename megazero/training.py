@@ -146,6 +146,7 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     window_start, window_iters = time.perf_counter(), 0
     saved_at = state.iteration                    # a resumed run starts from a saved iteration
     skipped_in_a_row, save_due = 0, False
+    comm_seen = sum(engine.comm_log.bytes().values())
     first_iteration = state.iteration
     while state.iteration < t.train_iters:
         engine.set_lr(learning_rate(state.iteration, opt))
@@ -165,6 +166,9 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
             if compile_log is not None:
                 extra = {**extra, **compile_log.metrics()}
                 text += describe_recompiles(extra)
+            sent = sum(engine.comm_log.bytes().values())     # the engine's collectives, counted per rank
+            extra["dp_comm_bytes"] = (sent - comm_seen) / window_iters
+            comm_seen = sent
             if job.model.cpu_offloading:                     # --cpu-offloading: bytes sent to the host
                 extra["activation_offload_bytes"] = take_offloaded_bytes(chunks) // window_iters
                 text += f" | activations offloaded {extra['activation_offload_bytes'] / 2**20:.1f} MiB/iter"
@@ -176,6 +180,7 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
                                                or state.iteration == t.train_iters):
             _log_eval(log, state, evaluate(chunks, valid_batches(), topo, job, t.eval_iters, spec))
             window_start = time.perf_counter()
+            comm_seen = sum(engine.comm_log.bytes().values())     # the evaluation's gathers are not a step's
         if save and job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0:
             save_due = True
         if save_due and not result.skipped:   # a skipped step changed no weights: save after one that did

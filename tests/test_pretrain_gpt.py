@@ -44,6 +44,10 @@ def serial_metrics(tmp_path_factory):
     return read_metrics(path)
 
 
+# TINY's parameters: embeddings 112 x 32 (vocab 100 padded to 16s) + 16 x 32, four layers of 12,624, final norm 64.
+TINY_PARAMS = 112 * 32 + 16 * 32 + 4 * 12_624 + 64
+
+
 def test_serial_run_logs_every_iteration(serial_metrics):
     train, valid = serial_metrics
     assert len(train) == 10 and len(valid) == 2
@@ -52,6 +56,7 @@ def test_serial_run_logs_every_iteration(serial_metrics):
     assert len({r["loss"] for r in train}) == 10                       # the weights do change
     for key in ("iteration", "loss", "lr", "grad_norm", "loss_scale", "skipped", "step_time_s", "tokens_per_sec"):
         assert key in train[0]
+    assert all(r["dp_comm_bytes"] == 0 for r in train)                # one process sends nothing
     assert valid[-1]["valid_ppl"] == pytest.approx(math.exp(valid[-1]["valid_loss"]), rel=1e-6)
 
 
@@ -66,6 +71,10 @@ def test_layout_matches_serial(world, flags, serial_metrics, tmp_path):
     train, valid = read_metrics(path)
     assert_same_losses(train, serial_metrics[0], "loss")
     assert_same_losses(valid, serial_metrics[1], "valid_loss")
+    if flags == ["--dp", "2", "--zero-stage", "3"]:   # per micro-batch (2 per rank): gather for forward and
+        zero3 = 2 * 3 * TINY_PARAMS * 4 / 2           # backward, reduce-scatter; half of the fp32 bytes each
+        assert all(1.0 <= r["dp_comm_bytes"] / zero3 < 1.07 for r in train), [r["dp_comm_bytes"] / zero3 for r in train]
+    assert all((r["dp_comm_bytes"] > 0) == ("--dp" in flags) for r in train)
 
 
 # (id, world size, layout flags) run in bf16 and fp16 against the serial run in the same precision.
