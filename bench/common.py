@@ -203,6 +203,8 @@ class PlainGPT(nn.Module):
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, **kw)
         self.blocks = nn.ModuleList(_PlainBlock(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, **kw)
+        self.lm_head = (nn.Linear(cfg.hidden_size, cfg.padded_vocab_size(1), bias=False, **kw)
+                        if cfg.untie_embeddings_and_output_weights else None)
         self.pos_offset = 0          # sequence parallel: first position of this rank's chunk
 
     _NAMES = {"attention.qkv": "qkv", "attention.dense": "dense", "mlp.dense_h_to_4h": "fc1",
@@ -220,7 +222,8 @@ class PlainGPT(nn.Module):
             else:
                 key = {"wte.weight": "embedding.word_embeddings.weight",
                        "wpe.weight": "embedding.position_embeddings.weight",
-                       "ln_f.weight": "final_norm.weight", "ln_f.bias": "final_norm.bias"}[name]
+                       "ln_f.weight": "final_norm.weight", "ln_f.bias": "final_norm.bias",
+                       "lm_head.weight": "output_layer.weight"}[name]
             p.copy_(src[key])
         return self
 
@@ -233,7 +236,8 @@ class PlainGPT(nn.Module):
         return self.ln_f(x)
 
     def forward(self, ids, labels):
-        logits = F.linear(self.hidden(ids), self.wte.weight)     # tied output layer
+        head = self.wte.weight if self.lm_head is None else self.lm_head.weight   # tied unless untied
+        logits = F.linear(self.hidden(ids), head)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 

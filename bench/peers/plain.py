@@ -1,0 +1,91 @@
+"""What the peer scripts share, kept out of them so each reads like the script its users write: the
+shape flags, the model, the data, and the timed loop that prints one JSON line.
+
+The model is ``PlainGPT`` (bench/common.py): GPT-2 written plainly in PyTorch (``nn.Linear`` layers,
+``[b, s, h]``), with the weights megazero's GPT gets from the same seed, so every side trains the same
+numbers. The data: each step's global batch drawn from one seeded generator, each rank keeping its
+share (``common.step_batches``). Timing: a barrier, the step, the slowest rank's seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))                 # bench/ (common.py)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from common import GPT, PlainGPT, Spec, step_batches  # noqa: E402
+
+
+def parse(description: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=description)
+    for name, default in (("layers", 8), ("hidden", 768), ("heads", 12), ("seq", 64), ("vocab", 8192),
+                          ("micro-batch", 1), ("micro-batches", 1), ("steps", 7), ("warmup", 2)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--clip-grad", type=float, default=1.0)
+    ap.add_argument("--out", default=None, help="append the JSON line here too")
+    return ap.parse_args()
+
+
+def spec_of(a: argparse.Namespace) -> Spec:
+    return Spec(layers=a.layers, hidden=a.hidden, heads=a.heads, seq=a.seq, vocab=a.vocab,
+                micro_batch=a.micro_batch, micro_batches=a.micro_batches, untied=True, lr=a.lr)
+
+
+def init() -> tuple[int, int]:
+    """The process group from torchrun's environment: (rank, world)."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def plain_model(a: argparse.Namespace) -> PlainGPT:
+    """The plain GPT with the weights of megazero's ``GPT(cfg, seed=1234)``."""
+    cfg = spec_of(a).model_cfg()
+    return PlainGPT(cfg).load_from(GPT(cfg, seed=1234))
+
+
+def batches(a: argparse.Namespace, rank: int, world: int) -> list[list[tuple]]:
+    """Per step, this rank's (tokens, labels, loss_mask) micro-batches."""
+    return step_batches(spec_of(a), a.steps, world, rank)
+
+
+def timed_loop(a: argparse.Namespace, name: str, step, num_params: int) -> None:
+    """Run ``step(micro_batches) -> loss`` for ``a.steps`` steps; rank 0 prints (and appends to
+    ``--out``) {"name", "params", "step_s": slowest rank's seconds of each timed step, "losses",
+    "peak_rss_mib"}. The first ``a.warmup`` steps are not timed."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    times, losses = [], []
+    for i, micro in enumerate(batches(a, rank, world)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(float(step(micro)))
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if i >= a.warmup:
+            times.append(t.item())
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        line = json.dumps({"name": name, "params": num_params, "step_s": times, "losses": losses,
+                           "peak_rss_mib": rss.item()})
+        print(line, flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(line + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def masked_mean_loss(model, micro: tuple) -> torch.Tensor:
+    tokens, labels, _mask = micro                         # every position counts: the mask is all ones
+    return model(tokens, labels)
