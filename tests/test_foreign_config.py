@@ -24,7 +24,7 @@ DEEPSPEED = {
     "zero_optimization": {"stage": 2, "reduce_bucket_size": 5000, "overlap_comm": True, "contiguous_gradients": True},
     "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "eps": 1e-7, "weight_decay": 0.05}},
     "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 4,
-                                                       "cos_min_ratio": 0.5}},
+                                                       "cos_min_ratio": 0.5, "warmup_type": "linear"}},
 }
 # The same run in flags (dp 2 from the world size: 8 = 2 x 2 micro-batches x dp 2)
 FLAGS = ["--global-batch-size", "8", "--micro-batch-size", "2", "--clip-grad", "0.5", "--bf16", "--zero-stage", "2",
@@ -77,7 +77,7 @@ def test_deepspeed_keys_land_on_their_flags(configs):
         "zero.overlap_grad_reduce": True, "optimizer.lr": 2e-3, "optimizer.adam_beta1": 0.9,
         "optimizer.adam_beta2": 0.95, "optimizer.adam_eps": 1e-7, "optimizer.weight_decay": 0.05,
         "optimizer.lr_warmup_iters": 2, "optimizer.lr_decay_style": "cosine", "optimizer.lr_decay_iters": 4,
-        "optimizer.min_lr_ratio": 0.5}
+        "optimizer.min_lr_ratio": 0.5, "optimizer.lr_warmup_style": "linear"}
     from_ds = parse_job([*BASE, "--deepspeed-config", str(ds)], 2)[0]
     from_flags = parse_job([*BASE, *FLAGS], 2)[0]
     assert _settings(from_ds) == _settings(from_flags)
@@ -124,8 +124,8 @@ def test_auto_defers_to_the_flags_and_flags_may_repeat_but_not_contradict(tmp_pa
 
 
 @pytest.mark.parametrize("config,path", [
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 5}}},
-     "zero_optimization.offload_param.buffer_count"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+     "zero_optimization.offload_optimizer.ratio"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}},
      "zero_optimization.offload_optimizer.device"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "nvme_path": "/nvme"}}},
@@ -133,13 +133,19 @@ def test_auto_defers_to_the_flags_and_flags_may_repeat_but_not_contradict(tmp_pa
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
                             "offload_param": {"device": "nvme", "nvme_path": "/b"}}},
      "zero_optimization.offload_param.nvme_path"),
-    ({"zero_optimization": {"contiguous_gradients": False}}, "zero_optimization.contiguous_gradients"),
+    ({"zero_optimization": {"stage": 2, "mics_shard_size": 8}}, "zero_optimization.mics_shard_size"),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
     ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale"),
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "optimizer.type"),
     ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False}}}, "optimizer.params.adam_w_mode"),
     ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}, "optimizer.params.betas"),
     ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}, "scheduler.params.warmup_type"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "exp"}}}, "scheduler.params.warmup_type"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 99}}},
+     "scheduler.params.last_batch_iteration"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, "scheduler": {"type": "WarmupLR", "params": {}}},
+     "scheduler.params.warmup_max_lr"),
+    ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled"),
     ({"train_batch_size": "eight"}, "train_batch_size"),
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
 ])
@@ -211,7 +217,7 @@ def test_accelerate_launch_keys_are_checked_against_torchrun(tmp_path):
     assert from_accelerate(f, launch) == {} and from_accelerate(f, Launch(8)) == {}
     for env, key in [({"LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "0"}, "num_machines"),
                      ({"LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"}, "machine_rank")]:
-        with pytest.raises(ConfigError, match=rf"--accelerate-config {f}: {key}: is \d but this launch has"):
+        with pytest.raises(ConfigError, match=rf"^--accelerate-config {f}: .*{key}: is \d but this launch has"):
             from_accelerate(f, Launch.from_env(8, env))
-    with pytest.raises(ConfigError, match=r"num_processes: is 8 but this launch has 4 processes"):
+    with pytest.raises(ConfigError, match=r"num_processes: is 8 but this launch has 4 process\(es\) \(WORLD_SIZE\)"):
         from_accelerate(f, Launch(4))
