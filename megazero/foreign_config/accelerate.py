@@ -187,11 +187,13 @@ def _launch(r: Reader, launch: Launch | None) -> None:
             counts[key] = None
     if launch is None:
         return
-    here = {"num_processes": (launch.world_size, "process(es) (WORLD_SIZE)", "--nnodes x --nproc-per-node"),
-            "num_machines": (launch.nodes, "node(s) (WORLD_SIZE / LOCAL_WORLD_SIZE)", "--nnodes"),
-            "machine_rank": (launch.node_rank, "as this node's rank (GROUP_RANK)", "--node-rank")}
+    here = {"num_processes": (launch.world_size, "process", "(WORLD_SIZE)", "--nnodes x --nproc-per-node"),
+            "num_machines": (launch.nodes, "node", "(WORLD_SIZE / LOCAL_WORLD_SIZE)", "--nnodes"),
+            "machine_rank": (launch.node_rank, "", "as this node's rank (GROUP_RANK)", "--node-rank")}
     for key, value in counts.items():
-        actual, what, flag = here[key]
+        actual, noun, what, flag = here[key]
+        if noun:
+            what = f"{noun}{'' if actual == 1 else 'es' if noun.endswith('s') else 's'} {what}"
         if value is not None and actual is not None and value != actual:
             r.fail(key, f"is {value} but this launch has {actual} {what}: start torchrun with {flag} as the "
                         f"file says, or set {key}: {actual}")
