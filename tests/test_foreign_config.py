@@ -147,6 +147,7 @@ def test_auto_defers_to_the_flags_and_flags_may_repeat_but_not_contradict(tmp_pa
     ({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, "scheduler": {"type": "WarmupLR", "params": {}}},
      "scheduler.params.warmup_max_lr"),
     ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled"),
+    ({"optimizer": {"params": {"lr": 1e-3}}}, "optimizer.type"),
     ({"train_batch_size": "eight"}, "train_batch_size"),
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
 ])

@@ -194,6 +194,8 @@ def _optimizer(r: Reader) -> None:
     r.only("optimizer", {"type", "params"})
     kind = r.get("optimizer.type")
     if kind is None:
+        if r.raw("optimizer.params"):
+            r.fail("optimizer.type", "is missing, so DeepSpeed would not read optimizer.params: give \"AdamW\"")
         return
     if str(kind).lower() not in ("adam", "adamw"):
         return r.fail("optimizer.type", f"{kind!r} is not supported: megazero trains with AdamW")
@@ -221,6 +223,9 @@ def _scheduler(r: Reader) -> None:
     r.only("scheduler", {"type", "params"})
     kind = r.get("scheduler.type")
     if kind is None:
+        if r.raw("scheduler.params"):
+            r.fail("scheduler.type", f"is missing, so DeepSpeed would not read scheduler.params: give one of "
+                                     f"{', '.join(_SCHEDULERS)}")
         return
     if kind not in _SCHEDULERS:
         return r.fail("scheduler.type", f"{kind!r} is not supported: use one of {', '.join(_SCHEDULERS)}")
