@@ -26,11 +26,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 from megazero.config import BACKENDS, ConfigError, JobConfig, flag, flag_fields, setting, validate
 from megazero.config.fields import GROUPS
-from megazero.foreign_config import Launch, from_accelerate, from_deepspeed, load_yaml
+from megazero.foreign_config import Launch, from_accelerate, from_deepspeed, load_yaml, unused_warning
 from megazero.models.spec import check_family
 
 
@@ -209,13 +210,15 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
     status 2 and a one-line message naming the flag (printed by rank 0 only under a launcher)."""
     try:
         sources = [("the command line", {k: v for k, v in vars(args).items() if "." in k})]
+        unused: list[tuple[str, str]] = []     # foreign keys accepted but not used: one warning line
         if args.config:
             sources.append((f"--config {args.config}", load_config_file(args.config)))
         if args.deepspeed_config:
-            sources.append((f"--deepspeed-config {args.deepspeed_config}", from_deepspeed(args.deepspeed_config)))
+            sources.append((f"--deepspeed-config {args.deepspeed_config}",
+                            from_deepspeed(args.deepspeed_config, unused)))
         if args.accelerate_config:
             sources.append((f"--accelerate-config {args.accelerate_config}",
-                            from_accelerate(args.accelerate_config, Launch.from_env(world_size))))
+                            from_accelerate(args.accelerate_config, Launch.from_env(world_size), unused)))
         values = _combine(sources, overridable={f"--config {args.config}"})
         job = validate(job_from_values(values), world_size)
         check_family(job.model, job.parallel, job.compilation)   # the model family is registered; its own rules
@@ -226,6 +229,8 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
             job, plan = plan_for_budget(job, world_size, "cuda" if torch.cuda.is_available() else "cpu")
             if os.environ.get("RANK", "0") == "0":
                 print(plan, flush=True)
+        if unused and os.environ.get("RANK", "0") == "0":
+            print(f"{parser.prog}: warning: {unused_warning(unused)}", file=sys.stderr, flush=True)
         return job
     except (ConfigError, TypeError) as e:
         # One line from the launcher, not one per rank: rank 0 prints and exits at once, and the launcher

@@ -15,10 +15,13 @@ from megazero.config import OptimizerConfig
 def learning_rate(iteration: int, cfg: OptimizerConfig) -> float:
     """LR for a 0-based iteration: linear warmup to ``lr``, then decay to ``min_lr`` (Megatron's rule).
 
-    Warmup: lr * (it + 1) / warmup_iters for it < warmup_iters. Decay over
+    Warmup: lr * (it + 1) / warmup_iters for it < warmup_iters (``lr_warmup_style`` "log", DeepSpeed's
+    default warmup_type: lr * min(1, log(it + 2) / log(warmup_iters)), the same step indexing). Decay over
     [warmup_iters, lr_decay_iters]: constant, linear or cosine from lr to min_lr; min_lr after that.
     """
     if cfg.lr_warmup_iters and iteration < cfg.lr_warmup_iters:
+        if cfg.lr_warmup_style == "log":        # DeepSpeed's log(step + 1) / log(W) at its step it + 1
+            return cfg.lr * min(1.0, math.log(iteration + 2) / math.log(max(2, cfg.lr_warmup_iters)))
         return cfg.lr * (iteration + 1) / cfg.lr_warmup_iters
     if cfg.lr_decay_style == "constant":
         return cfg.lr

@@ -191,14 +191,14 @@ CASES = [
     ("config-bad-choice", mock("--config", "{W}/bad_choice.toml"), 2, "'zero-stage' must be one of 0, 1, 2, 3"),
     ("deepspeed-not-json", mock("--deepspeed-config", "{W}/broken.json"), 2, "not valid JSON"),
     ("deepspeed-unsupported-key", mock("--deepspeed-config", "{W}/ds_unsupported.json"), 2,
-     "zero_optimization.round_robin_gradients"),
+     "progressive_layer_drop.enabled: DeepSpeed's progressive_layer_drop is not in megazero"),
     ("deepspeed-optimizer-sgd", mock("--deepspeed-config", "{W}/ds_sgd.json"), 2, "optimizer.type"),
     ("deepspeed-batch-disagrees", mock("--deepspeed-config", "{W}/ds_batch.json"), 2,
      "--global-batch-size 8 is not micro-batch 2 x gradient accumulation steps 3"),
     ("deepspeed-disagrees-with-flag", mock("--deepspeed-config", "{W}/ds_clip.json", "--clip-grad", "0.5"), 2,
      "set it in one place"),
     ("accelerate-unsupported-key", mock("--accelerate-config", "{W}/acc_unsupported.yaml"), 2,
-     "deepspeed_config.deepspeed_hostfile"),
+     "deepspeed_config.enable_msamp: not supported by megazero"),
     ("accelerate-offload-device", mock("--accelerate-config", "{W}/acc_offload.yaml"), 2,
      "deepspeed_config.offload_optimizer_device: must be none, cpu or nvme, got 'gpu'"),
     ("accelerate-fp8", mock("--accelerate-config", "{W}/acc_fp8.yaml"), 2, "mixed_precision"),
@@ -208,8 +208,8 @@ CASES = [
                                               "{W}/acc_clip.yaml"), 2,
      "--clip-grad is 1.0 in --deepspeed-config {W}/ds_clip.json but 0.5 in --accelerate-config {W}/acc_clip.yaml"),
     ("accelerate-contradicts-its-deepspeed-file", mock("--accelerate-config", "{W}/acc_stage2.yaml"), 2,
-     "--zero-stage is 2 in --accelerate-config {W}/acc_stage2.yaml but 3 in its deepspeed_config_file "
-     "{W}/ds_stage3.json: set it in one place"),
+     "--accelerate-config {W}/acc_stage2.yaml: deepspeed_config.deepspeed_config_file: --zero-stage is 2 in this "
+     "file but 3 in {W}/ds_stage3.json: set it in one place"),
     ("deepspeed-duplicate-key", mock("--deepspeed-config", "{W}/ds_duplicate.json"), 2,
      "--deepspeed-config {W}/ds_duplicate.json: key 'gradient_clipping' is given twice in one object: keep one"),
     ("accelerate-duplicate-key", mock("--accelerate-config", "{W}/acc_duplicate.yaml"), 2,
@@ -219,9 +219,9 @@ CASES = [
     ("accelerate-fsdp", mock("--accelerate-config", "{W}/acc_fsdp.yaml"), 2,
      "distributed_type: FSDP is not supported: megazero shards with ZeRO"),
     ("accelerate-num-processes", mock("--accelerate-config", "{W}/acc_processes.yaml"), 2,
-     "num_processes: is 8 but this launch has 1 processes (WORLD_SIZE)"),
+     "num_processes: is 8 but this launch has 1 process (WORLD_SIZE)"),
     ("accelerate-num-machines", mock("--accelerate-config", "{W}/acc_machines.yaml"), 2,
-     "num_machines: is 2 but this launch has 1 nodes"),
+     "num_machines: is 2 but this launch has 1 node"),
     ("accelerate-machine-rank", mock("--accelerate-config", "{W}/acc_machine_rank.yaml"), 2,
      "machine_rank: is 1 but this launch has 0 as this node's rank"),
     # tools
@@ -316,12 +316,13 @@ def workspace(tmp_path_factory):
     _write(w / "broken.toml", "tp = = 2\n")
     _write(w / "bad_choice.toml", "zero-stage = 5\n")
     _write(w / "broken.json", '{"train_batch_size": 8,')
-    _write(w / "ds_unsupported.json", json.dumps({"zero_optimization": {"stage": 1, "round_robin_gradients": True}}))
+    _write(w / "ds_unsupported.json", json.dumps({"zero_optimization": {"stage": 1},
+                                                        "progressive_layer_drop": {"enabled": True, "theta": 0.5}}))
     _write(w / "ds_sgd.json", json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
     _write(w / "ds_batch.json", json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}))
     _write(w / "ds_clip.json", json.dumps({"gradient_clipping": 1.0}))
     _write(w / "acc_unsupported.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 1\n"
-                                       "  deepspeed_hostfile: /job/hostfile\n")
+                                       "  enable_msamp: true\n")
     _write(w / "acc_offload.yaml", "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: gpu\n")
     _write(w / "acc_fp8.yaml", "distributed_type: DEEPSPEED\nmixed_precision: fp8\ndeepspeed_config:\n"
                                "  zero_stage: 1\n")

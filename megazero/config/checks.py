@@ -239,13 +239,16 @@ def _check_hpz_nodes(z: ZeroConfig, par: ParallelConfig, world: int) -> None:
 
 def fill_zero_defaults(job: JobConfig) -> None:
     """ZeRO settings whose defaults come from other sections: fp32 gradient buckets on with bf16
-    (Megatron's main grads), and DeepSpeed's prefetch bucket (elements) as whole layers."""
+    (Megatron's main grads), and DeepSpeed's prefetch bucket and live-parameter cap (elements) as whole
+    layers."""
     z, m = job.zero, job.model
     if z.accumulate_allreduce_grads_in_fp32 is None:
         z.accumulate_allreduce_grads_in_fp32 = job.precision.bf16
+    per_layer = max(1, (4 * m.hidden_size ** 2 + 2 * m.hidden_size * m.ffn_hidden_size) // job.parallel.tp)
     if z.prefetch_bucket_elements is not None:
-        per_layer = (4 * m.hidden_size ** 2 + 2 * m.hidden_size * m.ffn_hidden_size) // job.parallel.tp
-        z.prefetch_layers = max(1, z.prefetch_bucket_elements // max(per_layer, 1))
+        z.prefetch_layers = max(1, z.prefetch_bucket_elements // per_layer)
+    if z.max_live_elements is not None:          # gathered at once: the layer computing and the prefetched ones
+        z.prefetch_layers = min(z.prefetch_layers, max(0, z.max_live_elements // per_layer - 1))
 
 
 def check_optimizer(opt: OptimizerConfig, t: TrainConfig) -> None:

@@ -243,6 +243,7 @@ class ZeroConfig:
     prefetch_layers: int = flag_field(1, "--zero3-prefetch-layers", type=int, group=_PAR,
                                       help="ZeRO-3: layers gathered ahead of compute (default 1; 0: none)")
     prefetch_bucket_elements: int | None = None  # DeepSpeed's stage3_prefetch_bucket_size -> prefetch_layers
+    max_live_elements: int | None = None         # DeepSpeed's stage3_max_live_parameters: caps prefetch_layers
     keep_params_gathered: bool = flag_field(
         False, "--zero3-keep-params-gathered", action="store_true", group=_PAR,
         help="ZeRO-3: gather each layer once per step and keep it until its backward in the last micro-batch")
@@ -328,6 +329,7 @@ class OptimizerConfig:
     lr_decay_style: str = flag_field("cosine", "--lr-decay-style", choices=DECAY_STYLES, group="optimizer",
                                      help="the decay after the warmup")
     min_lr_ratio: float | None = None           # (DeepSpeed's cos_min_ratio) min_lr = this * lr
+    lr_warmup_style: str = "linear"             # or "log" (DeepSpeed's default warmup_type): megazero.lr_schedule
     weight_decay: float = flag_field(0.01, "--weight-decay", type=float, group="optimizer",
                                      help="AdamW's decoupled weight decay")
     adam_beta1: float = flag_field(0.9, "--adam-beta1", type=float, group="optimizer", help="AdamW's beta1")
