@@ -1,4 +1,5 @@
 """The configuration sections: one dataclass per component, each field's flag declared on the field.
+(The logging section, ``LoggingConfig``, lives in :mod:`megazero.config.logging_config`.)
 
 Library components take their own section (``ModelConfig``, ``ZeroConfig``, ...); only entry points
 parse command lines. A field that is a flag carries its spellings, help, help group and argparse kind
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 from megazero.config import checks, model_checks
 from megazero.config.fields import ConfigError, flag_field, register_job
+from megazero.config.logging_config import LoggingConfig
 
 # The allowed values of the choice flags: one source for the command line and the checks.
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -414,47 +416,6 @@ class CheckpointConfig:
 
     def check(self) -> None:
         checks.check_checkpoint(self)
-
-
-@dataclass
-class LoggingConfig:
-    """Where metrics go besides the log lines."""
-
-    tensorboard_dir: str | None = flag_field(None, "--tensorboard-dir", group="logging",
-                                             help="TensorBoard event files (needs the tensorboard extra)")
-    metrics_file: str | None = flag_field(None, "--metrics-file", group="logging",
-                                          help="JSON lines, one per logged iteration")
-    peak_tflops: float | None = flag_field(
-        None, "--peak-tflops", type=float, group="logging",
-        help="the device's peak TFLOP/s for this precision, for MFU (default: known GPUs only; a CPU has none)")
-    # The torch profiler (Megatron's flag names; megazero/profiling.py).
-    profile: bool = flag_field(False, "--profile", action="store_true", group="logging",
-                               help="write a torch profiler trace (chrome trace JSON) of the steps "
-                                    "--profile-step-start to --profile-step-end")
-    profile_step_start: int | None = flag_field(
-        None, "--profile-step-start", type=int, group="logging",
-        help="with --profile: profiling starts after this iteration (default 10: iteration 11 is the first profiled)")
-    profile_step_end: int | None = flag_field(
-        None, "--profile-step-end", type=int, group="logging",
-        help="with --profile: the last iteration profiled (default 12)")
-    profile_ranks: list[int] | None = flag_field(None, "--profile-ranks", type=int, nargs="+", group="logging",
-                                                 help="with --profile: the global ranks profiled (default 0)")
-    profile_dir: str | None = flag_field(
-        None, "--profile-dir", group="logging",
-        help="with --profile: where the traces go (default: --tensorboard-dir, else SAVE/profile, else ./profile)")
-    # Weights & Biases (Megatron's flag names): rank 0 logs what the metrics file gets.
-    wandb_project: str | None = flag_field(None, "--wandb-project", group="logging",
-                                           help="log the metrics to this W&B project (needs: pip install wandb)")
-    wandb_exp_name: str | None = flag_field(None, "--wandb-exp-name", group="logging",
-                                            help="with --wandb-project: the W&B run's name")
-    wandb_save_dir: str | None = flag_field(
-        None, "--wandb-save-dir", group="logging",
-        help="with --wandb-project: W&B's local files (default: SAVE/wandb, else wandb's own ./wandb)")
-
-    def check(self, train: TrainConfig | None = None, world_size: int | None = None) -> None:
-        """The profiler and W&B settings need their switch; the profiled steps and ranks exist; fills the
-        profiler's defaults (Megatron's: steps 10 to 12 on rank 0)."""
-        checks.check_logging(self, train, world_size)
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
