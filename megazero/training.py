@@ -126,6 +126,9 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     finish = getattr(save, "finish", None) or (lambda: None)
     profiler = StepProfiler(job.logging, job.checkpoint.save, topo.rank, topo.device,
                             say=lambda line: print(line, flush=True))
+    if job.logging.profile and state.iteration >= job.logging.profile_step_end:
+        log.print(f" profiler: this run resumes at iteration {state.iteration}, past the profiled iterations "
+                  f"(up to {job.logging.profile_step_end}): nothing is profiled")
     try:
         state = _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save, compile_log,
                             profiler)

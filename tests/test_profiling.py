@@ -1,11 +1,18 @@
 """--profile: a torch profiler trace of the chosen steps on the chosen ranks (megazero/profiling.py)."""
+import contextlib
+import io
 import json
+from types import SimpleNamespace
 
+import torch
 from helpers import run_on_ranks
 from helpers.trainer import TINY, main_body
 
-from megazero.config import LoggingConfig
+from megazero.config import JobConfig, LoggingConfig, validate
+from megazero.metrics import MetricsLog
 from megazero.profiling import trace_dir
+from megazero.state import TrainState
+from megazero.training import train
 
 
 def _iterations_in(trace_file) -> set[str]:
@@ -40,3 +47,15 @@ def test_the_trace_directory_follows_megatron_then_save():
     assert trace_dir(LoggingConfig(tensorboard_dir="tb"), "ckpt") == "tb"          # Megatron-LM's choice
     assert trace_dir(LoggingConfig(), "ckpt") == "ckpt/profile"
     assert trace_dir(LoggingConfig(), None) == "./profile"
+
+
+def test_a_run_resumed_past_the_window_says_nothing_is_profiled():
+    """A resumed run whose first iteration is past --profile-step-end profiles nothing, and says so."""
+    job = validate(JobConfig.from_dict({"logging": {"profile": True, "profile_step_start": 1,
+                                                    "profile_step_end": 2}, "train": {"train_iters": 4}}), 1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train(job, SimpleNamespace(rank=0, device=torch.device("cpu")), [], None, lambda consumed: iter(()), None,
+              MetricsLog(None, None, True), TrainState(iteration=4))
+    assert (" profiler: this run resumes at iteration 4, past the profiled iterations (up to 2): nothing is "
+            "profiled") in out.getvalue().splitlines()
