@@ -34,10 +34,11 @@ from megazero.kernels import describe_kernels
 from megazero.memory import describe_cpu_memory, return_freed_memory
 from megazero.memory.estimate import describe as describe_estimate
 from megazero.memory.estimate import estimate_memory
-from megazero.metrics import MetricsLog
+from megazero.metrics import MetricsLog, wandb_settings
 from megazero.models.spec import build_model_chunks, get_model_spec
 from megazero.parallel.topology import Topology, init_distributed
 from megazero.preflight import NothingToDo, PreflightError, preflight
+from megazero.profiling import describe as describe_profiling
 from megazero.parallel.zero import build_engine
 from megazero.training import TrainingStopped, describe_run, gather_full_model, greedy_continuation, train
 
@@ -118,7 +119,8 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
                     ranks_per_node=job.parallel.ranks_per_node, ep=job.parallel.expert_model_parallel_size)
     if topo.device.type == "cpu" and job.logging.return_freed_memory:    # honest resident peaks, slower
         return_freed_memory()
-    log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0)
+    log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0,
+                     wandb=wandb_settings(job.logging, job.checkpoint.save, job.to_dict()))
     torch.manual_seed(job.train.seed)
 
     spec = get_model_spec(job.model.model_family)
@@ -129,7 +131,8 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
     log.print(header + model_state_line(engine, topo) + "\n" + describe_estimate(estimate_memory(job, topo.device.type))
               + "\n" + describe_kernels(topo.device, job.compilation.compile)
-              + "\n" + describe_cpu_memory(job.logging.return_freed_memory, topo.device))
+              + "\n" + describe_cpu_memory(job.logging.return_freed_memory, topo.device)
+              + ("\n" + describe_profiling(job.logging, job.checkpoint.save) if job.logging.profile else ""))
     state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
 
     t = job.train

@@ -162,6 +162,9 @@ def _typed(path: str, key: str, value, spec: dict):
     action, kind = spec.get("action"), spec.get("type")
     if action in ("store_true", "store_false", argparse.BooleanOptionalAction):
         ok, want = isinstance(value, bool), "true or false"
+    elif spec.get("nargs") == "+" and kind is int:        # `profile-ranks = [0, 1]`
+        ok, want = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value), \
+            "a list of integers"
     elif kind is int:
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
     elif kind is float:

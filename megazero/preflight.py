@@ -1,8 +1,8 @@
 """Checks of everything a run will read or write, before any process group, model or dataset exists.
 
 ``validate()`` (megazero/config/) checks the flags against each other; this module checks them
-against the machine: the backend against the hardware, ``--compile`` against this torch, the output
-paths are writable, ``--save`` holds no other run's checkpoints (and is locked for this run), ``--load``
+against the machine: the backend against the hardware, ``--compile`` against this torch,
+``--wandb-project`` against the installed packages, the output paths are writable, ``--save`` holds no other run's checkpoints (and is locked for this run), ``--load``
 holds a checkpoint of this model, every data prefix has agreeing ``.idx``/``.bin`` files whose token ids
 the tokenizer's vocabulary covers, ``--nvme-path`` is a writable directory with room for every local
 rank's swap files.
@@ -10,6 +10,7 @@ A failure is one line naming the flag, the file and the fix.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -22,6 +23,8 @@ from megazero.checkpoint.distributed import model_mismatch
 from megazero.checkpoint.lock import SaveLock
 from megazero.config import JobConfig, flag
 from megazero.data.indexed_dataset import IndexedDataset
+from megazero.metrics import WANDB_MISSING
+from megazero.profiling import trace_dir
 
 class PreflightError(ValueError):
     """An input the run cannot use; the message names the flag and the fix."""
@@ -41,6 +44,7 @@ def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> Save
     _compile(job, backend)
     _writable_file(job.logging.metrics_file, "--metrics-file")
     _writable_dir(job.logging.tensorboard_dir, "--tensorboard-dir")
+    _watching(job)
     _writable_dir(job.data.data_cache_path, "--data-cache-path")
     _nvme_path(job)
     try:
@@ -67,6 +71,16 @@ def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> Save
     for line in recover(job.checkpoint.save):
         say(f" --save {job.checkpoint.save}: {line}")
     return lock
+
+
+def _watching(job: JobConfig) -> None:
+    """``--wandb-project`` needs wandb installed; the profiler's and W&B's directories can be written."""
+    lg = job.logging
+    if lg.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise PreflightError(WANDB_MISSING)
+    if lg.profile:
+        _writable_dir(trace_dir(lg, job.checkpoint.save), "--profile-dir")    # the default's fix is this flag
+    _writable_dir(lg.wandb_save_dir, "--wandb-save-dir")
 
 
 def _compile(job: JobConfig, backend: str | None) -> None:

@@ -20,15 +20,16 @@ from megazero.checkpoint import format as fmt
 from megazero.checkpoint.distributed import rank_pieces
 from megazero.checkpoint.finite import first_nonfinite, first_over_ranks
 from megazero.compile import CompileLog, describe_recompiles
-from megazero.config import JobConfig
+from megazero.config import JobConfig, flag
 from megazero.lr_schedule import learning_rate
 from megazero.memory.activation_offload import take_offloaded_bytes
-from megazero.metrics import MetricsLog, device_peak_tflops, peak_memory_bytes
+from megazero.metrics import MetricsLog, device_peak_tflops, duration, peak_memory_bytes, timestamp
 from megazero.models.spec import ModelSpec, get_model_spec
 from megazero.parallel.params import attribute, counts_once, split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
+from megazero.profiling import StepProfiler
 from megazero.state import TrainState
 
 
@@ -119,38 +120,52 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     checkpoint as the latest. ``save(state)`` may return the seconds it blocked the loop (recorded as
     ``save_blocked_seconds``) and have a ``finish()`` (waiting for a background save), called at the end
     and when the run stops. ``compile_log`` (``--compile``): what compiling took is printed after the
-    first step, the graphs compiled since the last line on every log line.
+    first step, the graphs compiled since the last line on every log line. ``--profile``: the steps of
+    its window are profiled on its ranks (:class:`megazero.profiling.StepProfiler`).
     """
     finish = getattr(save, "finish", None) or (lambda: None)
+    profiler = StepProfiler(job.logging, job.checkpoint.save, topo.rank, topo.device,
+                            say=lambda line: print(line, flush=True))
+    if job.logging.profile and state.iteration >= job.logging.profile_step_end:
+        log.print(f" profiler: this run resumes at iteration {state.iteration}, past the profiled iterations "
+                  f"(up to {job.logging.profile_step_end}): nothing is profiled")
     try:
-        state = _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save, compile_log)
+        state = _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save, compile_log,
+                            profiler)
     except TrainingStopped as stopped:
         try:                                  # a background save of a good state still becomes the latest
             finish()
         except Exception as e:  # noqa: BLE001 - both are said, in one line
             raise TrainingStopped(f"{stopped}; besides, {e}") from e
         raise
+    finally:
+        profiler.close()                      # a run that ended inside the profiled window writes it
     finish()
     return state
 
 
-def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save, compile_log):
+def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save, compile_log, profiler):
     """:func:`train`'s loop, up to the last save (started, if it runs in the background)."""
     t, opt = job.train, job.optimizer
     spec = get_model_spec(job.model.model_family)
     tokens_per_step = t.global_batch_size * job.model.seq_length
     flops_per_step = spec.flops_per_token(job.model, job.model.padded_vocab_size(job.parallel.tp),
                                           spec.recomputed_share(job.model, job.parallel)) * tokens_per_step
-    peak = device_peak_tflops(topo.device, job.precision.dtype_name)
+    peak = device_peak_tflops(topo.device, job.precision.dtype_name, job.logging.peak_tflops)
+    if peak is None:
+        log.print(f" MFU: not shown, the peak FLOP/s of this {topo.device.type.upper()} is not known: give "
+                  f"{flag('peak_tflops')} to show it")
     batches = train_batches(state.consumed_samples)
-    window_start, window_iters = time.perf_counter(), 0
+    loop_start = window_start = time.perf_counter()
+    window_iters = 0
     saved_at = state.iteration                    # a resumed run starts from a saved iteration
     skipped_in_a_row, save_due = 0, False
     comm_seen = sum(engine.comm_log.bytes().values())
     first_iteration = state.iteration
     while state.iteration < t.train_iters:
         engine.set_lr(learning_rate(state.iteration, opt))
-        result = train_step(chunks, next(batches), topo, engine, job, iteration=state.iteration + 1)
+        with profiler.step(state.iteration):
+            result = train_step(chunks, next(batches), topo, engine, job, iteration=state.iteration + 1)
         skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
         stop = stop_reason(job, engine, result, state.iteration + 1, skipped_in_a_row, topo)
         state.iteration += 1
@@ -172,7 +187,8 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
             if job.model.cpu_offloading:                     # --cpu-offloading: bytes sent to the host
                 extra["activation_offload_bytes"] = take_offloaded_bytes(chunks) // window_iters
                 text += f" | activations offloaded {extra['activation_offload_bytes'] / 2**20:.1f} MiB/iter"
-            _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, extra, text)
+            _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, extra, text,
+                      elapsed=time.perf_counter() - loop_start)
             window_start, window_iters = time.perf_counter(), 0
         if stop:                               # logged, never saved
             raise TrainingStopped(stop)
@@ -234,10 +250,16 @@ def stop_reason(job: JobConfig, engine, r: StepResult, iteration: int, skipped_i
 
 def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, step_time: float,
               tokens_per_step: int, flops_per_step: float, peak_tflops: float | None, topo: Topology,
-              extra: dict, extra_text: str) -> None:
+              extra: dict, extra_text: str, elapsed: float) -> None:
+    """The log line and metrics record of an iteration: ``step_time`` is the mean over the window since
+    the last line, ``elapsed`` the seconds since this process's training loop started; the ETA is the
+    window's step time times the iterations left (evaluations and saves not counted)."""
     lr = learning_rate(state.iteration - 1, job.optimizer)
     tflops = flops_per_step / step_time / 1e12 / topo.world_size
-    record = {"iteration": state.iteration, "consumed_samples": state.consumed_samples, "loss": r.loss,
+    eta = step_time * (job.train.train_iters - state.iteration)
+    when = timestamp()
+    record = {"iteration": state.iteration, "timestamp": when, "elapsed_s": elapsed, "eta_s": eta,
+              "consumed_samples": state.consumed_samples, "loss": r.loss,
               "lr": lr, "grad_norm": r.grad_norm, "loss_scale": r.loss_scale, "skipped": r.skipped,
               "skipped_iterations": state.skipped_iterations, "step_time_s": step_time,
               "tokens_per_sec": tokens_per_step / step_time, "tflops_per_rank": tflops,
@@ -246,8 +268,9 @@ def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult,
         record["mfu"] = tflops / peak_tflops
     log.record(record, state.iteration)
     mfu = f" | MFU {100 * record['mfu']:.1f}%" if peak_tflops else ""
-    log.print(f" iteration {state.iteration:>6}/{job.train.train_iters} | consumed samples "
-              f"{state.consumed_samples:>8} | ms/iter {1000 * step_time:8.1f} | lr {lr:.3e} | "
+    log.print(f" [{when[:19].replace('T', ' ')}] iteration {state.iteration:>6}/{job.train.train_iters} | consumed "
+              f"samples {state.consumed_samples:>8} | elapsed {duration(elapsed)} | ETA {duration(eta)} | "
+              f"ms/iter {1000 * step_time:8.1f} | lr {lr:.3e} | "
               f"loss {r.loss:.4f} | grad norm {r.grad_norm:.3f} | loss scale {r.loss_scale:g} | "
               f"skipped {state.skipped_iterations} | tokens/s {tokens_per_step / step_time:,.0f} | "
               f"TFLOP/s/rank {tflops:.3f}{mfu} | peak mem {record['peak_memory_bytes'] / 2**20:.0f} MiB"

@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,21 @@ CASES = [
     ("cache-is-file", real("--data-path", "{W}/gpt2_text_document", "--data-cache-path", "{W}/a_file"), 2,
      "--data-cache-path {W}/a_file is a file"),
     ("tensorboard-is-file", mock("--tensorboard-dir", "{W}/a_file"), 2, "--tensorboard-dir {W}/a_file is a file"),
+    # watching a run: the profiler, W&B, MFU
+    ("profile-start-without-profile", mock("--profile-step-start", "1"), 2,
+     "--profile-step-start applies with --profile: add --profile or drop --profile-step-start"),
+    ("profile-dir-without-profile", mock("--profile-dir", "{W}/traces"), 2, "--profile-dir applies with --profile"),
+    ("profile-end-not-after-start", mock("--profile", "--profile-step-start", "1", "--profile-step-end", "1"), 2,
+     "--profile-step-end 1 must be above --profile-step-start 1"),
+    ("profile-after-the-run", mock("--profile"), 2,
+     "--profile-step-start 10 is not below --train-iters 2: nothing would be profiled"),
+    ("profile-rank-outside-world", mock("--profile", "--profile-step-start", "0", "--profile-ranks", "0", "3"), 2,
+     "--profile-ranks 0 3: rank(s) 3 not in this world of 1 (ranks 0-0)"),
+    ("profile-dir-is-file", mock("--profile", "--profile-step-start", "0", "--profile-dir", "{W}/a_file"), 2,
+     "--profile-dir {W}/a_file is a file"),
+    ("wandb-name-without-project", mock("--wandb-exp-name", "tiny"), 2,
+     "--wandb-exp-name applies with --wandb-project: add --wandb-project NAME"),
+    ("peak-tflops-zero", mock("--peak-tflops", "0"), 2, "--peak-tflops must be > 0, got 0.0"),
     # checkpoints
     ("save-holds-another-run", mock("--save", "{W}/run"), 2, "--save {W}/run already holds another run's"),
     ("save-locked", mock("--save", "{W}/locked", "--load", "{W}/locked"), 2,
@@ -434,6 +450,24 @@ def test_bad_input_is_refused(case, workspace, capsys, monkeypatch):
     assert lines and message.replace("{W}", w) in lines[-1], err       # the message is the last line, whole
     assert _hashes(workspace) == before                                 # no input changed
     assert not dist.is_initialized()
+
+
+def test_wandb_project_without_wandb_is_one_line_before_any_process_group(capsys, monkeypatch):
+    """Whether or not wandb is installed here, the run sees it missing: one line naming the install."""
+    monkeypatch.setitem(sys.modules, "wandb", None)            # import wandb -> ImportError, find_spec -> None
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("a process group was created before the input was refused")
+
+    monkeypatch.setattr(dist, "init_process_group", tripwire)
+    import pretrain_gpt
+
+    with pytest.raises(SystemExit) as stopped:
+        pretrain_gpt.main([*TINY, "--train-iters", "2", "--wandb-project", "tiny"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == ["pretrain_gpt.py: error: --wandb-project needs the wandb package, which is "
+                                        "not installed: pip install wandb"]
 
 
 def test_an_empty_validation_split_is_said_at_start(workspace, capsys, monkeypatch):

@@ -1,10 +1,16 @@
+import contextlib
+import datetime
+import io
 import json
 import math
+import sys
 
 import pytest
+from helpers import run_on_ranks
+from helpers.trainer import TINY, main_body, read_metrics
 
 from megazero.config import ModelConfig, OptimizerConfig
-from megazero.metrics import MetricsLog
+from megazero.metrics import MetricsLog, duration, timestamp
 from megazero.models.gpt_spec import flops_per_token as model_flops_per_token
 from megazero.lr_schedule import learning_rate
 
@@ -52,6 +58,110 @@ def test_metrics_file_is_json_lines(tmp_path):
     log.record({"iteration": 2, "loss": math.inf}, 2)
     log.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert rows == [{"iteration": 1, "loss": 2.5}, {"iteration": 2, "loss": None}]
+    assert [{k: v for k, v in r.items() if k != "timestamp"} for r in rows] == [{"iteration": 1, "loss": 2.5},
+                                                                               {"iteration": 2, "loss": None}]
+    for r in rows:                              # every record is stamped with the time of day
+        assert abs(datetime.datetime.fromisoformat(r["timestamp"]) - datetime.datetime.now().astimezone()) \
+            < datetime.timedelta(minutes=1)
     MetricsLog(str(tmp_path / "other.jsonl"), None, enabled=False).record({"a": 1}, 0)
     assert not (tmp_path / "other.jsonl").exists()
+
+
+def test_timestamp_and_duration_formats():
+    assert datetime.datetime.fromisoformat(timestamp()).utcoffset() is not None     # ISO 8601 with the offset
+    assert [duration(s) for s in (0, 59.6, 3725, 90061)] == ["0:00:00", "0:01:00", "1:02:05", "1 day, 1:01:01"]
+
+
+STUB_WANDB = """
+import json, os
+_CALLS = {calls!r}
+
+def _note(call, **kw):
+    with open(_CALLS, "a") as f:
+        f.write(json.dumps({{"call": call, "rank": int(os.environ["RANK"]), **kw}}) + "\\n")
+
+class _Run:
+    def log(self, data, step=None):
+        _note("log", data=data, step=step)
+
+    def finish(self):
+        _note("finish")
+
+def init(**kwargs):
+    _note("init", kwargs=kwargs)
+    return _Run()
+"""
+
+
+def _run_printing(rank, world, argv, stub_dir=None):
+    """pretrain_gpt.main on this rank (``stub_dir`` first on sys.path), and what it printed."""
+    if stub_dir:
+        sys.path.insert(0, stub_dir)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            code = main_body(rank, world, argv)
+    finally:
+        if stub_dir:
+            sys.path.remove(stub_dir)
+            sys.modules.pop("wandb", None)
+    return code, out.getvalue()
+
+
+def _iteration_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "] iteration " in line]
+
+
+def test_a_serial_run_logs_elapsed_time_eta_and_no_mfu_without_a_peak(tmp_path):
+    """On a CPU with no --peak-tflops the MFU is not a number the run can know: no column, no record,
+    one line saying how to get it. Every iteration line starts with its time and gives the elapsed
+    time and the ETA (the window's step time x the iterations left); the metrics file has them too."""
+    path = tmp_path / "m.jsonl"
+    [(code, out)] = run_on_ranks(1, _run_printing, TINY + ["--train-iters", "6", "--metrics-file", str(path)],
+                                 timeout=120)
+    assert code == 0
+    train, valid = read_metrics(path)
+    assert [r["iteration"] for r in train] == list(range(1, 7))
+    assert all("mfu" not in r for r in train)
+    assert " MFU: not shown, the peak FLOP/s of this CPU is not known: give --peak-tflops to show it" in out
+    lines = _iteration_lines(out)
+    assert len(lines) == 6 and not any("MFU" in line for line in lines)
+    for r, line in zip(train, lines):
+        assert r["eta_s"] == pytest.approx(r["step_time_s"] * (6 - r["iteration"]))
+        assert line.startswith(f" [{r['timestamp'][:10]} ") and f"iteration      {r['iteration']}/6" in line
+        assert f"| elapsed {duration(r['elapsed_s'])} | ETA {duration(r['eta_s'])} |" in line
+    elapsed = [r["elapsed_s"] for r in train]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0 and train[-1]["eta_s"] == 0
+    assert all("timestamp" in r for r in valid)
+
+
+def test_wandb_logs_rank_0s_metrics_and_mfu_follows_the_given_peak(tmp_path):
+    """--wandb-project on two ranks with a stand-in wandb module that records its calls: rank 0 alone
+    starts a run (project, name, directory, the job as its config), logs what the metrics file gets at
+    each iteration, and finishes it. --peak-tflops gives a CPU an MFU, in the file and on the line."""
+    stub, calls, path = tmp_path / "stub", tmp_path / "calls.jsonl", tmp_path / "m.jsonl"
+    stub.mkdir()
+    (stub / "wandb.py").write_text(STUB_WANDB.format(calls=str(calls)))
+    argv = TINY + ["--train-iters", "4", "--eval-interval", "2", "--metrics-file", str(path), "--peak-tflops", "0.5",
+                   "--wandb-project", "proj", "--wandb-exp-name", "tiny", "--wandb-save-dir", str(tmp_path / "wb")]
+    results = run_on_ranks(2, _run_printing, argv, str(stub), timeout=180)
+    assert [code for code, _ in results] == [0, 0]
+    recorded = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert {c["rank"] for c in recorded} == {0}
+    init, *logs, finish = recorded
+    assert init["call"] == "init" and finish["call"] == "finish" and {c["call"] for c in logs} == {"log"}
+    kwargs = init["kwargs"]
+    assert (kwargs["project"], kwargs["name"], kwargs["dir"]) == ("proj", "tiny", str(tmp_path / "wb"))
+    assert kwargs["config"]["model"]["hidden_size"] == 32 and (tmp_path / "wb").is_dir()
+    train, valid = read_metrics(path)
+    by_step = {}
+    for c in logs:
+        by_step.setdefault(c["step"], {}).update(c["data"])
+    assert sorted(by_step) == [1, 2, 3, 4]
+    for r in train:
+        assert by_step[r["iteration"]]["loss"] == r["loss"] and "timestamp" not in by_step[r["iteration"]]
+        assert r["mfu"] == pytest.approx(r["tflops_per_rank"] / 0.5)
+    assert [by_step[r["iteration"]]["valid_loss"] for r in valid] == [r["valid_loss"] for r in valid]
+    lines = _iteration_lines(results[0][1])
+    assert len(lines) == 4 and f"| MFU {100 * train[-1]['mfu']:.1f}% |" in lines[-1]
+    assert results[1][1] == ""                  # rank 1 prints nothing

@@ -40,7 +40,8 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     broken rule is the one reported). Derived values: ``parallel.dp`` (when None), the pipeline
     schedule and ``parallel.virtual_stages`` (interleaved with virtual pipeline stages),
     ``train.global_batch_size`` (when None), ``optimizer.lr_decay_iters`` and ``min_lr`` (from
-    ``min_lr_ratio``), and the ZeRO defaults that follow other sections (:func:`fill_zero_defaults`).
+    ``min_lr_ratio``), the ZeRO defaults that follow other sections (:func:`fill_zero_defaults`) and,
+    with ``--profile``, the profiled steps and ranks.
     """
     job = JobConfig(**{f.name: dataclasses.replace(getattr(job, f.name)) for f in dataclasses.fields(job)})
     check_finite(job)
@@ -53,6 +54,6 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     fill_zero_defaults(job)
     job.data.check()
     job.checkpoint.check()
-    job.logging.check()
+    job.logging.check(job.train, world_size)
     job.compilation.check(job.model)
     return job

@@ -325,9 +325,41 @@ def check_checkpoint(ck: CheckpointConfig) -> None:
         fail(f"{FLAG.finetune} needs {FLAG.load} DIR (the checkpoint whose weights to start from)")
 
 
-def check_logging(lg: LoggingConfig) -> None:
-    """No rule between the logging settings; whether their paths can be written is the preflight's
-    (:mod:`megazero.preflight`), which looks at the file system."""
+PROFILE_DEFAULTS = {"profile_step_start": 10, "profile_step_end": 12, "profile_ranks": [0]}   # Megatron's
+
+
+def check_logging(lg: LoggingConfig, train: TrainConfig | None = None, world_size: int | None = None) -> None:
+    """The profiler's settings apply with ``--profile`` and W&B's with ``--wandb-project``; with
+    ``--profile``, fills Megatron's defaults (steps 10 to 12, rank 0) and checks that a step of the
+    window is trained (against ``train``) and that the ranks exist (against ``world_size``). Whether the
+    paths can be written and wandb is installed is the preflight's (:mod:`megazero.preflight`)."""
+    if lg.peak_tflops is not None:
+        positive_float(lg.peak_tflops, "peak_tflops")
+    for name in ("wandb_exp_name", "wandb_save_dir"):
+        if getattr(lg, name) and not lg.wandb_project:
+            fail(f"{flag(name)} applies with {FLAG.wandb_project}: add {FLAG.wandb_project} NAME or drop {flag(name)}")
+    if not lg.profile:
+        for name in (*PROFILE_DEFAULTS, "profile_dir"):
+            if getattr(lg, name) is not None:
+                fail(f"{flag(name)} applies with {FLAG.profile}: add {FLAG.profile} or drop {flag(name)}")
+        return
+    for name, default in PROFILE_DEFAULTS.items():
+        if getattr(lg, name) is None:
+            setattr(lg, name, list(default) if isinstance(default, list) else default)
+    start, end = lg.profile_step_start, lg.profile_step_end
+    if start < 0:
+        fail(f"{FLAG.profile_step_start} must be >= 0, got {start}")
+    if end <= start:
+        fail(f"{FLAG.profile_step_end} {end} must be above {FLAG.profile_step_start} {start}: the steps after "
+             f"iteration {start} up to iteration {end} are profiled")
+    if train is not None and start >= train.train_iters:
+        fail(f"{FLAG.profile_step_start} {start} is not below {FLAG.train_iters} {train.train_iters}: nothing would "
+             f"be profiled; choose a smaller {FLAG.profile_step_start} (and {FLAG.profile_step_end})")
+    if world_size is not None:
+        outside = [r for r in lg.profile_ranks if not 0 <= r < world_size]
+        if outside:
+            fail(f"{FLAG.profile_ranks} {' '.join(map(str, lg.profile_ranks))}: rank(s) {', '.join(map(str, outside))} "
+                 f"not in this world of {world_size} (ranks 0-{world_size - 1})")
 
 
 def check_compile(c: CompileConfig, m: ModelConfig | None = None) -> None:

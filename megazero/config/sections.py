@@ -1,4 +1,5 @@
 """The configuration sections: one dataclass per component, each field's flag declared on the field.
+(The logging section, ``LoggingConfig``, lives in :mod:`megazero.config.logging_config`.)
 
 Library components take their own section (``ModelConfig``, ``ZeroConfig``, ...); only entry points
 parse command lines. A field that is a flag carries its spellings, help, help group and argparse kind
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 from megazero.config import checks, model_checks
 from megazero.config.fields import ConfigError, flag_field, register_job
+from megazero.config.logging_config import LoggingConfig
 
 # The allowed values of the choice flags: one source for the command line and the checks.
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -416,24 +418,6 @@ class CheckpointConfig:
 
     def check(self) -> None:
         checks.check_checkpoint(self)
-
-
-@dataclass
-class LoggingConfig:
-    """Where metrics go besides the log lines."""
-
-    tensorboard_dir: str | None = flag_field(None, "--tensorboard-dir", group="logging",
-                                             help="TensorBoard event files (needs the tensorboard extra)")
-    metrics_file: str | None = flag_field(None, "--metrics-file", group="logging",
-                                          help="JSON lines, one per logged iteration")
-    return_freed_memory: bool = flag_field(
-        False, "--return-freed-memory", action="store_true", group="logging",
-        help="CPU runs: hand freed tensors' memory back to the system at once (glibc's mmap threshold at "
-             "1 MiB), so the logged peak resident memory follows the live tensors; every large allocation "
-             "then pays fresh page faults (ZeRO-3 steps up to ~1.7x slower). Off: glibc reuses freed memory")
-
-    def check(self) -> None:
-        checks.check_logging(self)
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
