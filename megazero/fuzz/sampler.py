@@ -183,18 +183,19 @@ class Draw:
     resume_axes: dict = field(default_factory=dict)
     resume_world: int = 1
     resume_layout_args: list[str] = field(default_factory=list)
+    common: list[str] = field(default_factory=lambda: list(COMMON))     # flags before the model's
 
     @property
     def args(self) -> list[str]:
-        return COMMON + self.model_args + self.layout_args
+        return self.common + self.model_args + self.layout_args
 
     @property
     def resume_args(self) -> list[str]:
-        return COMMON + self.model_args + self.resume_layout_args
+        return self.common + self.model_args + self.resume_layout_args
 
     @property
     def serial_args(self) -> list[str]:
-        return COMMON + self.model_args
+        return self.common + self.model_args
 
     @property
     def lossy(self) -> bool:
