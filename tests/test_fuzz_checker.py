@@ -1,0 +1,50 @@
+"""megazero/fuzz/checker.py: fixed-seed draws equal their serial twin (trained, saved, resumed under a second
+layout), and the comparisons name the first iteration and value that differ."""
+import pytest
+from helpers.trainer import pooled_launcher
+
+from megazero.fuzz.checker import TOLERANCES, Difference, Report, check, compare_records
+from megazero.fuzz.sampler import draw
+
+QUICK_SEEDS = [9, 38]            # dp2 ZeRO-2 -> tp2; Llama MoE + aux loss, tp2 SP -> interleaved pp2
+FULL_SEEDS = [0, 3, 4, 12, 19, 26, 31, 46, 50]   # gpipe, offload, EP, bf16/fp16, interleaved, recompute, 1 -> 4 ranks
+
+
+@pytest.fixture(scope="module")
+def serial_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("serial-twins")
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s) for s in QUICK_SEEDS]
+                         + [pytest.param(s, marks=pytest.mark.slow) for s in FULL_SEEDS])
+def test_fixed_seed_draw_equals_its_serial_twin(seed, tmp_path, serial_cache):
+    report = check(draw(seed), tmp_path, launch=pooled_launcher(), cache=serial_cache)
+    assert report.ok, report.summary() + "\n" + report.step_table()
+    assert [r[0] for r in report.rows] == [1, 2, 3, 4] and report.tensors_compared >= 4 * 3 * 20
+    assert not (tmp_path / f"draw-{seed}").exists()                 # a passing draw leaves nothing
+
+
+def _records(losses, norms):
+    return {i + 1: {"iteration": i + 1, "loss": x, "grad_norm": n, "skipped": False}
+            for i, (x, n) in enumerate(zip(losses, norms))}
+
+
+def test_records_out_of_tolerance_name_their_iteration():
+    want = _records([4.0, 3.9, 3.8], [1.0, 0.9, 0.8])
+    got = _records([4.0, 3.9, 3.8 * (1 + 3e-5)], [1.0, 0.9 * (1 + 2e-6), 0.8])
+    report = Report(draw(9), TOLERANCES["fp32"])
+    compare_records(got, want, range(1, 4), TOLERANCES["fp32"], "first", report)
+    assert [(d.iteration, d.what) for d in report.differences] == [(3, "loss")]
+    assert report.first_difference.iteration == 3 and "rel 3.0e-05 > 1e-05" in str(report.first_difference)
+    loose = Report(draw(9), TOLERANCES["bf16"])
+    compare_records(got, want, range(1, 4), TOLERANCES["bf16"], "first", loose)
+    assert loose.ok
+
+
+def test_the_summary_of_a_failure_gives_the_seed_and_a_reproducing_line():
+    report = Report(draw(12), TOLERANCES["fp32"], reproduce="python tools/fuzz_layouts.py --seed 12 --draws 1")
+    report.differences = [Difference(3, "tensor model/final_norm.weight[5]", 1.0, 1.1), Difference(2, "loss", 4.0, 4.1)]
+    text = report.summary()
+    assert text.startswith("draw 12: NOT EQUAL") and "first difference: iteration 2: loss" in text
+    assert "first tensor that differs: iteration 3: tensor model/final_norm.weight[5]" in text
+    assert "reproduce: python tools/fuzz_layouts.py --seed 12 --draws 1" in text

@@ -1,0 +1,28 @@
+"""megazero/fuzz/coverage.py: axis values and pairs of them exercised, against the pairs the rules allow."""
+from megazero.fuzz.coverage import Coverage, allowed_pairs, pairs_of
+from megazero.fuzz.sampler import AXES, draw
+
+
+def test_pairs_of_one_layout():
+    pairs = pairs_of(draw(0).axes)
+    assert len(pairs) == len(AXES) * (len(AXES) - 1) // 2
+    assert (("family", draw(0).axes["family"]), ("tp", draw(0).axes["tp"])) in pairs
+
+
+def test_coverage_counts_both_layouts_and_lists_what_is_missing():
+    cov = Coverage()
+    for s in range(6):
+        cov.add(draw(s))
+    assert cov.layouts == 12 and sum(cov.values["tp"].values()) == 12
+    allowed = allowed_pairs(samples=60, seed=1)
+    text = cov.describe(allowed)
+    covered = len(allowed & set(cov.pairs))
+    assert f"pairs of axis values covered: {covered} of {len(allowed)} allowed" in text
+    assert "not covered:" in text and covered < len(allowed)
+
+
+def test_allowed_pairs_hold_no_pair_the_rules_refuse():
+    allowed = allowed_pairs(samples=150, seed=2)
+    assert (("tp", 1), ("sp", True)) not in allowed                 # sequence parallel needs tp >= 2
+    assert (("zero", 0), ("offload_optimizer", True)) not in allowed
+    assert (("tp", 2), ("sp", True)) in allowed and (("zero", 3), ("keep_gathered", True)) in allowed

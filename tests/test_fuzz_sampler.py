@@ -1,0 +1,67 @@
+"""megazero/fuzz/sampler.py: seeded draws, valid by the trainer's own rules only, as one-line commands."""
+import shlex
+
+import pytest
+
+import megazero.config
+from megazero.config import ConfigError
+from megazero.fuzz.sampler import AXES, COMMON, MAX_WORLD, NOT_APPLICABLE, draw, parse_and_validate
+
+LAYOUT_FLAGS = ("--tp", "--pp", "--dp", "--zero-stage", "--sequence-parallel", "--expert-model-parallel-size",
+                "--recompute-granularity", "--cpu-offloading", "--offload-optimizer")
+
+
+def test_the_same_seed_gives_the_same_draw_and_seeds_differ():
+    assert draw(5) == draw(5)
+    assert len({tuple(draw(s).args) for s in range(12)}) == 12
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 3))
+def test_every_layout_of_a_draw_is_accepted_at_its_world_size(seed):
+    d = draw(seed)
+    for args, world, axes in ((d.args, d.world, d.axes), (d.resume_args, d.resume_world, d.resume_axes)):
+        job = parse_and_validate(args, world)
+        assert world <= MAX_WORLD and (job.parallel.tp, job.parallel.pp, job.parallel.dp) == \
+            (axes["tp"], axes["pp"], axes["dp"])
+        assert job.zero.zero_stage == axes["zero"] and job.parallel.sequence_parallel == axes["sp"]
+        if axes["schedule"] == "interleaved":
+            assert job.parallel.virtual_stages == axes["virtual"] > 1
+    assert parse_and_validate(d.serial_args, 1).parallel.dp == 1
+    assert not set(LAYOUT_FLAGS) & set(d.serial_args)
+    assert d.axes["precision"] == d.resume_axes["precision"] and d.model_args == d.model_args
+
+
+def test_validity_comes_from_validate_alone(monkeypatch):
+    """A rule added to validate() (here: no ZeRO-3, no tp 2) narrows the draws with no change to the sampler."""
+    real = megazero.config.validate
+
+    def stricter(job, world_size):
+        job = real(job, world_size)
+        if job.zero.zero_stage == 3 or job.parallel.tp == 2:
+            raise ConfigError("refused by the test")
+        return job
+
+    monkeypatch.setattr(megazero.config, "validate", stricter)
+    draws = [draw(s) for s in range(15)]
+    assert all(a["zero"] != 3 and a["tp"] != 2 for d in draws for a in (d.axes, d.resume_axes))
+    with pytest.raises(ConfigError):
+        parse_and_validate(["--zero-stage", "3", "--dp", "2"], 2)
+
+
+def test_the_command_is_one_line_that_parses_back_to_the_same_job():
+    d = draw(11)
+    line = d.command()
+    assert "\n" not in line and line.startswith(f"torchrun --standalone --nproc-per-node {d.world} pretrain_gpt.py")
+    argv = shlex.split(line)[5:]
+    assert parse_and_validate(argv, d.world) == parse_and_validate(d.args, d.world)
+    assert d.command("serial").startswith("python pretrain_gpt.py " + " ".join(COMMON[:2]))
+
+
+def test_axes_without_meaning_read_not_applicable():
+    draws = [draw(s) for s in range(40)]
+    for a in (x for d in draws for x in (d.axes, d.resume_axes)):
+        assert set(a) == set(AXES)
+        assert (a["schedule"] == NOT_APPLICABLE) == (a["pp"] == 1)
+        assert (a["topk"] == NOT_APPLICABLE) == (not a["experts"])
+        assert (a["recompute_modules"] == NOT_APPLICABLE) == (a["recompute"] != "selective")
+    assert any(d.world != d.resume_world for d in draws)           # resumes cross world sizes

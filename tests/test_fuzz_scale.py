@@ -1,0 +1,69 @@
+"""megazero/fuzz/scale.py and tools/check_layout.py: a planned run scaled down keeps every axis > 1, and a
+broken reduction in the scaled copy is reported as not equal, naming the first iteration and tensor."""
+import sys
+
+import pytest
+from helpers.trainer import ROOT, pooled_launcher
+
+from megazero.config import ConfigError
+from megazero.fuzz.scale import scale_down
+
+sys.path.insert(0, str(ROOT / "tools"))
+import check_layout  # noqa: E402
+
+# A Llama-3-8B run on 32 GPUs as a Megatron user writes it (docs/fuzzing.md).
+LLAMA3_8B_32GPU = (
+    "--tp 8 --pp 2 --dp 2 --sequence-parallel --num-layers-per-virtual-pipeline-stage 4 --zero-stage 1 "
+    "--overlap-param-gather --bf16 --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 "
+    "--num-attention-heads 32 --group-query-attention --num-query-groups 8 --seq-length 8192 "
+    "--max-position-embeddings 8192 --position-embedding-type rope --rotary-base 500000 --normalization RMSNorm "
+    "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 1 "
+    "--global-batch-size 512 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2000 --train-iters 100000 --weight-decay 0.1 "
+    "--data-path /data/llama3_text_document --tokenizer-type HuggingFaceTokenizer "
+    "--tokenizer-model /models/Meta-Llama-3-8B --save /ckpt/llama3-8b --save-interval 1000 --recompute-activations"
+).split()
+
+
+def test_the_llama3_plan_keeps_every_axis_and_switch_on_eight_ranks():
+    d, notes = scale_down(LLAMA3_8B_32GPU)
+    a = d.axes
+    assert d.world == 8 and (a["tp"], a["pp"], a["dp"], a["virtual"]) == (2, 2, 2, 2)
+    assert a["sp"] and a["zero"] == 1 and a["overlap_param_gather"] and a["precision"] == "bf16"
+    assert a["family"] == "llama" and a["recompute"] == "full-uniform" and a["schedule"] == "interleaved"
+    assert "--data-path" not in d.args and "--save" not in d.args and "--mock-data" in d.serial_args
+    assert not {"--tensor-model-parallel-size", "--sequence-parallel", "--zero-stage"} & set(d.serial_args)
+    assert any("32 ranks" in n for n in notes) and any("data_path" in n for n in notes)
+
+
+def test_a_plan_the_rules_refuse_is_refused():
+    with pytest.raises(ConfigError, match="--num-attention-heads"):
+        scale_down(["--tp", "3", "--dp", "1"])
+
+
+def skip_tp_sum_of_sequence_parallel_grads():
+    """The deliberately broken reduction: sequence-parallel norm weights' gradients are not summed over tp."""
+    from megazero.parallel.zero.grad_sync import BucketedGradSync
+
+    real = BucketedGradSync._sum_segments
+
+    def broken(self, slots, group, tag):
+        if tag != "tp":
+            real(self, slots, group, tag)
+    BucketedGradSync._sum_segments = broken
+    return lambda: setattr(BucketedGradSync, "_sum_segments", real)
+
+
+PLAN = ["--tp", "4", "--dp", "1", "--sequence-parallel", "--num-layers", "12", "--hidden-size", "768", "--num-attention-heads",
+        "12", "--seq-length", "1024", "--micro-batch-size", "4", "--global-batch-size", "64", "--train-iters", "1000"]
+
+
+def test_check_layout_reports_equal_and_a_broken_reduction_as_not_equal(tmp_path, capsys):
+    assert check_layout.main(["--workdir", str(tmp_path / "ok"), "--", *PLAN], launch=pooled_launcher()) == 0
+    out = capsys.readouterr().out
+    assert "layout check: equal" in out and "scaled: 2 ranks (tp 2, pp 1, dp 1)" in out
+    broken = pooled_launcher(patch=skip_tp_sum_of_sequence_parallel_grads)
+    assert check_layout.main(["--workdir", str(tmp_path / "broken"), "--", *PLAN], launch=broken) == 1
+    out = capsys.readouterr().out
+    assert "layout check: NOT EQUAL" in out
+    assert "first difference: iteration 1: grad_norm" in out
+    assert "first tensor that differs: iteration 1: tensor model/" in out     # a sequence-parallel tensor

@@ -1,0 +1,57 @@
+"""Check a planned run's layout before spending GPU hours: a scaled-down copy on CPU processes against its
+serial twin.
+
+    python tools/check_layout.py -- --tp 8 --pp 2 --dp 2 --sequence-parallel --num-layers 32 ...   # the plan's flags
+    python tools/check_layout.py --world-size 32 -- --tp 8 --pp 2 ...                             # dp from the world
+
+Every axis above 1 in the plan stays above 1 (sized 2), every switch is kept, and the model shrinks to
+a few layers of tiny width (megazero/fuzz/scale.py says exactly what changes). The copy trains two
+iterations, saves, resumes under the same layout for two more; each iteration's loss, gradient norm and
+every parameter and optimizer tensor are compared with the serial run of the same model, data and
+initialisation. Prints "equal" or "NOT EQUAL" with the per-iteration differences and the first
+iteration and tensor that differ; exit status 0, 1 (not equal or a run failed) or 2 (the plan's flags
+are refused). docs/fuzzing.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megazero.config import ConfigError  # noqa: E402
+from megazero.fuzz.checker import check  # noqa: E402
+from megazero.fuzz.scale import scale_down  # noqa: E402
+
+
+def main(argv: list[str] | None = None, launch=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, plan = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
+    p = argparse.ArgumentParser(prog="check_layout.py", usage="check_layout.py [--world-size N] -- PLAN FLAGS...",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", type=int, help="the plan's number of processes, when its flags give no --dp")
+    p.add_argument("--workdir", help="where the runs go (default: a temporary directory)")
+    args = p.parse_args(own)
+    try:
+        d, notes = scale_down(plan, args.world_size)
+    except ConfigError as e:
+        print(f"check_layout.py: error: the plan is refused: {e}", file=sys.stderr)
+        return 2
+    for line in notes:
+        print(line)
+    print("scaled command: " + d.command())
+    start = time.monotonic()
+    kwargs = {"launch": launch} if launch else {}
+    report = check(d, Path(args.workdir or tempfile.mkdtemp(prefix="megazero-check-")), reproduce=(
+        "python tools/check_layout.py " + " ".join(own) + " -- " + " ".join(plan)), **kwargs)
+    print(report.summary().replace("draw 0: ", "layout check: ", 1))
+    print(report.step_table())
+    print(f"({time.monotonic() - start:.0f} s)")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
