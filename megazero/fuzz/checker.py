@@ -87,8 +87,12 @@ def torchrun_launcher(world: int, argv: list, cwd: Path, timeout: float = 900) -
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     if run.returncode != 0:
-        tail = [line for line in (run.stderr + run.stdout).splitlines() if line.strip()][-12:]
-        raise RunFailed(f"exit status {run.returncode}: " + "\n".join(tail))
+        lines = [line for line in (run.stderr + run.stdout).splitlines() if line.strip()]
+        # The workers' own lines first (the trainer's one-line errors, a traceback's last line): under
+        # torchrun they sit above the launcher's report, which the tail alone would show.
+        own = [line for line in lines if "pretrain_gpt.py: error" in line or line.startswith(("Traceback", "  File"))
+               or (line[:1].isalpha() and ("Error:" in line or "Exception:" in line))]
+        raise RunFailed(f"exit status {run.returncode}: " + "\n".join(own[-12:] + ["..."] + lines[-6:]))
 
 
 @dataclass(frozen=True)
