@@ -67,10 +67,13 @@ class TrainerArgumentParser(argparse.ArgumentParser):
     parse error is its one line. Under a launcher rank 0 says them (:func:`stop_with`)."""
 
     def parse_args(self, args=None, namespace=None):
-        parsed, extras = self.parse_known_args(args, namespace)
-        if extras:
-            known = sorted(s for s in self._option_string_actions if s.startswith("--"))
-            stop_with(self, megatron.refusal_lines(extras, known) or [f"unexpected value {extras[0]!r}"])
+        argv = list(sys.argv[1:] if args is None else args)
+        parsed, extras = self.parse_known_args(argv, namespace)
+        given = {k.partition(":")[2]: v for k, v in vars(parsed).items() if k.startswith("megatron:")}
+        known = sorted(s for s in self._option_string_actions if s.startswith("--"))
+        lines = megatron.refusal_lines(argv, extras, given, known)
+        if lines or extras:
+            stop_with(self, lines or [f"unexpected value {extras[0]!r}"])
         return parsed
 
     def error(self, message: str):

@@ -215,12 +215,17 @@ def from_command_line(given: dict[str, object], cli: dict[str, object]) -> tuple
                 cli[key], set_by[key] = target, name
             continue
         impl = IMPLEMENTATION[name]
-        why = impl.why_refused(value)
-        if why:
-            raise ConfigError(f"{name} {value}: {why}")
+        if impl.why_refused(value):
+            raise ConfigError(value_refusals({name: value})[name])
         shown = "" if value is True else f" {value}"
         notes.append(f" {name}{shown}: {impl.note}")
     return notes, set_by
+
+
+def value_refusals(given: dict[str, object]) -> dict[str, str]:
+    """{flag: its one line} for the implementation flags ``given`` with a value that is refused here."""
+    return {name: f"{name} {value}: {IMPLEMENTATION[name].why_refused(value)}" for name, value in given.items()
+            if name in IMPLEMENTATION and IMPLEMENTATION[name].why_refused(value)}
 
 
 def check_requirements(given: dict[str, object], values: dict[str, object]) -> None:
@@ -233,10 +238,13 @@ def check_requirements(given: dict[str, object], values: dict[str, object]) -> N
 
 
 def canonical_tokenizer(values: dict[str, object]) -> list[str]:
-    """Replace a Megatron ``--tokenizer-type`` name that is not ours by our tokenizer (in place); returns the
-    line to say at start, if any. A Megatron tokenizer with no counterpart raises :class:`ConfigError`."""
+    """Replace a Megatron ``--tokenizer-type`` name that is not ours by our tokenizer (in place), or name
+    GPT2BPETokenizer for a vocab and merge file given alone; returns the line to say at start, if any. A Megatron tokenizer with no counterpart raises :class:`ConfigError`."""
     key = dest("tokenizer_type")
     name = values.get(key)
+    if name is None and values.get(dest("vocab_file")) and values.get(dest("merge_file")):
+        values[key] = "GPT2BPETokenizer"          # Megatron-LM's GPT-2 scripts name only the two files
+        return [f" {flag('vocab_file')} and {flag('merge_file')} without {flag('tokenizer_type')}: GPT2BPETokenizer"]
     if name not in MEGATRON_TOKENIZERS:
         return []
     ours, note = MEGATRON_TOKENIZERS[name]
@@ -246,15 +254,21 @@ def canonical_tokenizer(values: dict[str, object]) -> list[str]:
     return [f" {flag('tokenizer_type')} {name}: read as {ours} ({note})"]
 
 
-def refusal_lines(extras: list[str], known: list[str]) -> list[str]:
-    """One line for each flag among the unparsed tokens ``extras``: a Megatron flag with no meaning here says
-    why; any other unknown flag names the closest of the ``known`` spellings. Values are skipped."""
-    lines = []
-    for token in extras:
-        if not token.startswith("--"):
-            continue
+def refusal_lines(argv: list[str], extras: list[str], given: dict[str, object], known: list[str]) -> list[str]:
+    """One line for each flag of ``argv`` that stops the run, in its order: among the unparsed tokens ``extras``,
+    a Megatron flag with no meaning here says why and any other unknown flag names the closest of the ``known``
+    spellings; a parsed Megatron flag ``given`` ({flag: value}) with a refused value says why. Values are
+    skipped."""
+    lines, by_value = [], value_refusals(given)
+    unparsed = {token.split("=", 1)[0] for token in extras if token.startswith("--")}
+    for token in argv:
         name = token.split("=", 1)[0]
-        if name in REFUSED:
+        if not token.startswith("--") or name not in unparsed | set(by_value):
+            continue
+        unparsed.discard(name)
+        if name in by_value:
+            lines.append(by_value.pop(name))
+        elif name in REFUSED:
             lines.append(f"{name}: {REFUSED[name]}")
         elif name in PENDING:
             lines.append(f"{name}: {PENDING_REASON}")
