@@ -181,7 +181,7 @@ def resolve_data(job: JobConfig) -> tuple[JobConfig, Tokenizer | None]:
     if d.mock_data:
         return job, None
     if d.data_path:
-        tokenizer = tokenizer_from_config(d)
+        tokenizer = tokenizer_from_config(d, vocab_size=job.model.vocab_size)
     else:
         cache = d.data_cache_path or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
                                                   "megazero")

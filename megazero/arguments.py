@@ -27,9 +27,11 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 
-from megazero.config import BACKENDS, ConfigError, JobConfig, flag, flag_fields, setting, validate
+from megazero.config import BACKENDS, TOKENIZERS, ConfigError, JobConfig, flag, flag_fields, setting, validate
+from megazero.config import megatron_flags as megatron
 from megazero.config.fields import GROUPS
 from megazero.foreign_config import Launch, from_accelerate, from_deepspeed, load_yaml, unused_warning
 from megazero.models.spec import check_family
@@ -48,28 +50,78 @@ def _arguments() -> dict[str, list[tuple[tuple[str, ...], str, dict]]]:
 ARGUMENTS = _arguments()
 
 # The options that are not a JobConfig field: where settings come from, and the process group backend.
-OTHER_OPTIONS: list[tuple[str, dict]] = [
-    ("--config", dict(help="TOML or YAML file with flag names as keys; CLI overrides it")),
-    ("--deepspeed-config", dict(help="a DeepSpeed JSON config, mapped onto these flags "
-                                     "(README: DeepSpeed and Accelerate configs)")),
-    ("--accelerate-config", dict(help="an Accelerate default_config.yaml with a deepspeed_config")),
-    ("--backend", dict(choices=BACKENDS, help="default: nccl with CUDA, else gloo")),
+OTHER_OPTIONS: list[tuple[tuple[str, ...], dict]] = [
+    (("--config",), dict(metavar="PATH", help="TOML or YAML file with flag names as keys; CLI overrides it")),
+    (("--deepspeed-config",), dict(metavar="PATH", help="a DeepSpeed JSON config, mapped onto these flags "
+                                                        "(docs/foreign-configs.md)")),
+    (("--accelerate-config",), dict(metavar="PATH", help="an Accelerate default_config.yaml with a deepspeed_config "
+                                                         "(docs/foreign-configs.md)")),
+    (("--backend", *(a for a, ours in megatron.ALIASES.items() if ours == "--backend")),
+     dict(choices=BACKENDS, help="the process group backend (default: nccl with CUDA, else gloo)")),
 ]
+
+
+class TrainerArgumentParser(argparse.ArgumentParser):
+    """argparse whose refusals are one line each, with no usage block: a Megatron-LM flag that has no meaning
+    here says why (megazero/config/megatron_flags.py), an unknown flag names the closest flags, and every other
+    parse error is its one line. Under a launcher rank 0 says them (:func:`stop_with`)."""
+
+    def parse_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        parsed, extras = self.parse_known_args(argv, namespace)
+        given = {k.partition(":")[2]: v for k, v in vars(parsed).items() if k.startswith("megatron:")}
+        known = sorted(s for s in self._option_string_actions if s.startswith("--"))
+        lines = megatron.refusal_lines(argv, extras, given, known)
+        if lines or extras:
+            stop_with(self, lines or [f"unexpected value {extras[0]!r}"])
+        return parsed
+
+    def error(self, message: str):
+        stop_with(self, [f"{message} (see --help)"])
+
+
+def stop_with(parser: argparse.ArgumentParser, lines: list[str]) -> None:
+    """Exit with status 2 after one ``prog: error: ...`` line per item of ``lines``: printed by rank 0 only under
+    a launcher (the launcher stops the others while they wait; a rank still alive after the wait prints them)."""
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(5.0)
+    sys.stderr.write("".join(f"{parser.prog}: error: {line}\n" for line in lines))
+    parser.exit(2)
+
+
+def _help_with_default(kwargs: dict, default) -> dict:
+    """``kwargs`` with the default at the end of the help text (unless the help already says it), ``%``
+    escaped for argparse."""
+    text = kwargs["help"]
+    shown = _default_text(default, kwargs).strip("`")
+    if shown and shown != "see meaning" and "default" not in text:
+        text += f" (default: {shown})"
+    return dict(kwargs, help=text.replace("%", "%%"))
 
 
 def build_parser(prog: str = "pretrain_gpt.py", description: str | None = None) -> argparse.ArgumentParser:
     """The trainer's flags (and ``--config``); tools that take the same flags add their own to it."""
-    parser = argparse.ArgumentParser(
+    parser = TrainerArgumentParser(
         prog=prog, allow_abbrev=False,
         description=description or "Pretrain a GPT with tensor, pipeline and data parallelism and ZeRO. With no "
-                                   "data flags it trains a tiny GPT on the bundled sample corpus.")
-    for option, kwargs in OTHER_OPTIONS:
-        parser.add_argument(option, **kwargs)
+                                   "data flags it trains a tiny GPT on the bundled sample corpus. Flag reference: "
+                                   "docs/flags.md; Megatron-LM's flags here: docs/megatron-flags.md.")
+    for options, kwargs in OTHER_OPTIONS:
+        parser.add_argument(*options, **kwargs)
+    defaults = _defaults()
     for title, entries in ARGUMENTS.items():
         group = parser.add_argument_group(title)
         for flags, dest, kwargs in entries:
-            group.add_argument(*flags, dest=dest, default=argparse.SUPPRESS, **kwargs)
+            group.add_argument(*flags, dest=dest, default=argparse.SUPPRESS,
+                               **_help_with_default(kwargs, defaults[dest]))
+    megatron.add_arguments(parser)
     return parser
+
+
+def _defaults() -> dict[str, object]:
+    """{dest: the field's default} of every flag."""
+    return {f"{section}.{f.name}": (f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
+            for section, f, _ in flag_fields()}
 
 
 def _key_to_dest() -> dict[str, str]:
@@ -114,11 +166,13 @@ def load_config_file(path: str) -> dict[str, object]:
     return out
 
 
-def _combine(sources: list[tuple[str, dict]], overridable: set[str] = frozenset()) -> dict:
+def _combine(sources: list[tuple[str, dict]], overridable: set[str] = frozenset(),
+             set_by: dict[str, str] | None = None) -> dict:
     """The settings of every source (``[(its name, {dest: value})]``, highest precedence first) in one
     dict: the one precedence rule (docs/foreign-configs.md). A setting two sources give different
     values is refused naming both, unless the lower one is in ``overridable`` (the ``--config`` file,
-    which the command line overrides)."""
+    which the command line overrides). ``set_by``: {dest: the Megatron-LM flag that set it on the command
+    line}, named in the message."""
     out: dict[str, object] = {}
     given_by: dict[str, str] = {}
     for name, values in sources:
@@ -127,9 +181,37 @@ def _combine(sources: list[tuple[str, dict]], overridable: set[str] = frozenset(
                 out[dest], given_by[dest] = value, name
             elif out[dest] != value and not (name in overridable and given_by[dest] == "the command line"):
                 what = setting(dest.partition(".")[2])
+                what += f" (from {set_by[dest]})" if set_by and dest in set_by and given_by[dest] == "the command line" \
+                    else ""
                 raise ConfigError(f"{what} is {out[dest]!r} {_where(given_by[dest])} but {value!r} {_where(name)}: "
                                   f"set it in one place")
     return out
+
+
+def _checkpoint_args(sources: list[tuple[str, dict]]) -> tuple[str, dict] | None:
+    """With ``--use-checkpoint-args``: the model settings stored in the ``--load`` checkpoint, as one more
+    source of settings (the flags may repeat them, not contradict them); None when ``--load`` holds no
+    checkpoint yet (a first start that resumes after a restart: the flags' settings then, as in Megatron)."""
+    def given(dest: str):
+        return next((values[dest] for _, values in sources if dest in values), None)
+
+    if not given("checkpoint.use_checkpoint_args"):
+        return None
+    load = given("checkpoint.load")
+    if not load:
+        raise ConfigError(f"{flag('use_checkpoint_args')} needs {flag('load')} DIR (the checkpoint whose model "
+                          f"settings to take)")
+    from megazero.checkpoint.distributed import saved_model_settings
+    from megazero.checkpoint.format import CheckpointError
+
+    try:
+        saved = saved_model_settings(load)
+    except (CheckpointError, KeyError) as e:
+        raise ConfigError(f"{flag('use_checkpoint_args')}: cannot read the model settings of {load}: {e}") from None
+    if saved is None:
+        return None
+    return f"the checkpoint in {flag('load')} {load} ({flag('use_checkpoint_args')})", \
+        {f"model.{name}": value for name, value in saved.items()}
 
 
 def _where(source: str) -> str:
@@ -212,7 +294,10 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
     """The validated JobConfig of parsed flags (and their ``--config`` file). An invalid one exits with
     status 2 and a one-line message naming the flag (printed by rank 0 only under a launcher)."""
     try:
-        sources = [("the command line", {k: v for k, v in vars(args).items() if "." in k})]
+        cli = {k: v for k, v in vars(args).items() if "." in k}
+        given = {k.partition(":")[2]: v for k, v in vars(args).items() if k.startswith("megatron:")}
+        notes, set_by = megatron.from_command_line(given, cli)
+        sources = [("the command line", cli)]
         unused: list[tuple[str, str]] = []     # foreign keys accepted but not used: one warning line
         if args.config:
             sources.append((f"--config {args.config}", load_config_file(args.config)))
@@ -222,7 +307,12 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
         if args.accelerate_config:
             sources.append((f"--accelerate-config {args.accelerate_config}",
                             from_accelerate(args.accelerate_config, Launch.from_env(world_size), unused)))
-        values = _combine(sources, overridable={f"--config {args.config}"})
+        checkpoint_args = _checkpoint_args(sources)
+        if checkpoint_args:
+            sources.append(checkpoint_args)
+        values = _combine(sources, overridable={f"--config {args.config}"}, set_by=set_by)
+        megatron.check_requirements(given, values)
+        notes += megatron.canonical_tokenizer(values)
         job = validate(job_from_values(values), world_size)
         check_family(job.model, job.parallel, job.compilation)   # the model family is registered; its own rules
         if job.train.memory_budget_gib is not None:              # the memory planner picks recompute / offload
@@ -234,28 +324,25 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
                 print(plan, flush=True)
         if unused and os.environ.get("RANK", "0") == "0":
             print(f"{parser.prog}: warning: {unused_warning(unused)}", file=sys.stderr, flush=True)
+        if notes and os.environ.get("RANK", "0") == "0":         # what the Megatron-LM flags chose, once
+            print("\n".join(notes), flush=True)
         return job
     except (ConfigError, TypeError) as e:
-        # One line from the launcher, not one per rank: rank 0 prints and exits at once, and the launcher
-        # stops the others while they wait; a rank still alive after the wait prints the line itself.
-        if os.environ.get("RANK", "0") != "0":
-            import time
-            time.sleep(5.0)
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        stop_with(parser, [str(e)])
 
 
 def flag_reference_markdown() -> str:
     """docs/flags.md: one section per help group, a table of each flag's spellings, value, default and
     help, all read from the field metadata (regenerate with ``python -m megazero.arguments --markdown``)."""
-    defaults = {f"{section}.{f.name}": (f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
-                for section, f, _ in flag_fields()}
+    defaults = _defaults()
     lines = ["# Flags", "",
              "Every flag of `pretrain_gpt.py`, by group. Generated from the field metadata in",
              "`megazero/config/sections.py` by `python -m megazero.arguments --markdown > docs/flags.md`:",
              "edit the metadata, not this page. Spellings after the first are aliases; a config file",
              "(`--config`) takes any spelling as a key, without the dashes. A `--x` / `--no-x` pair turns a",
-             "setting on or off; any other switch is off unless given.", ""]
-    for title, entries in [*ARGUMENTS.items(), ("other", [((o,), None, kw) for o, kw in OTHER_OPTIONS])]:
+             "setting on or off; any other switch is off unless given. Megatron-LM's flags and what each",
+             "is here: [megatron-flags.md](megatron-flags.md).", ""]
+    for title, entries in [*ARGUMENTS.items(), ("other", [(o, None, kw) for o, kw in OTHER_OPTIONS])]:
         lines += [f"## {title}", "", "| flag | value | default | meaning |", "|---|---|---|---|"]
         for spellings, dest, kwargs in entries:
             if kwargs.get("action") is argparse.BooleanOptionalAction:
@@ -265,6 +352,50 @@ def flag_reference_markdown() -> str:
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def megatron_rows(parser: argparse.ArgumentParser | None = None) -> list[tuple[str, str, str]]:
+    """``(Megatron-LM flag, status, what it is here)`` for every flag of megazero/config/megatron_flags.py, the
+    status one of ``accepted as-is``, ``mapped``, ``implementation choice``, ``refused`` (a pending flag is
+    ``accepted as-is`` once the parser has it)."""
+    options = set(getattr(parser or build_parser(), "_option_string_actions"))
+    rows = [(name, "accepted as-is", "") for name in megatron.AS_IS]
+    rows += [(name, "mapped", f"`{ours}`") for name, ours in megatron.ALIASES.items()]
+    rows += [(name, "mapped", m.help) for name, m in megatron.MAPPED.items()]
+    for name, impl in megatron.IMPLEMENTATION.items():
+        values = f"{' / '.join(impl.choices)}: " if impl.choices else ""
+        refused = "; ".join(f"refused {'other values' if v == '*' else v}: {why}" for v, why in impl.refused.items())
+        rows.append((name, "implementation choice", values + impl.note + (f"; {refused}" if refused else "")))
+    rows += [(name, "refused", why) for name, why in megatron.REFUSED.items()]
+    rows += [(name, "accepted as-is", "") if name in options else (name, "refused", megatron.PENDING_REASON)
+             for name in megatron.PENDING]
+    return rows
+
+
+def megatron_reference_markdown() -> str:
+    """docs/megatron-flags.md: the Megatron-LM flags table and the tokenizer names, from
+    megazero/config/megatron_flags.py (regenerate with ``python -m megazero.arguments --megatron-markdown``)."""
+    lines = ["# Megatron-LM flags", "",
+             "What each Megatron-LM `pretrain_gpt.py` flag does here. Generated from",
+             "`megazero/config/megatron_flags.py` by `python -m megazero.arguments --megatron-markdown >",
+             "docs/megatron-flags.md` (edit the module, not this page); `tests/test_megatron_flags.py` checks every",
+             "row against the parser. Our own flags: [flags.md](flags.md).", "",
+             "* **accepted as-is**: the same flag and meaning here.",
+             "* **mapped**: accepted, and sets the setting named (a contradicting flag is refused in one line).",
+             "* **implementation choice**: accepted; it only picks among implementations Megatron-LM has several",
+             "  of, and the run says in one line at start what runs here.",
+             "* **refused**: the run stops before any work with one line per such flag, naming our equivalent or",
+             "  saying it does not exist here. A flag in no row is refused as unknown, with the closest names.", "",
+             "Sample-based runs (`--train-samples`, `--lr-decay-samples`, `--lr-warmup-samples`) become iterations",
+             "of `--global-batch-size` samples: `--train-samples` // the global batch, the schedule's lengths rounded",
+             "up; as in Megatron-LM a run is iteration- or sample-based, not both.", "",
+             "| Megatron-LM flag | status | here |", "|---|---|---|"]
+    lines += [f"| `{name}` | {status} | {detail.replace('|', '/')} |" for name, status, detail in megatron_rows()]
+    lines += ["", "## Tokenizer types", "", "| `--tokenizer-type` | here |", "|---|---|"]
+    lines += [f"| `{name}` | accepted as-is |" for name in TOKENIZERS]
+    lines += [f"| `{name}` | {f'read as `{ours}`: ' + note if ours else 'refused: ' + note} |"
+              for name, (ours, note) in megatron.MEGATRON_TOKENIZERS.items()]
+    return "\n".join(lines) + "\n"
 
 
 def _value_kind(kwargs: dict) -> str:
@@ -288,7 +419,11 @@ def _default_text(value, kwargs: dict) -> str:
 if __name__ == "__main__":
     _cli = argparse.ArgumentParser(prog="python -m megazero.arguments", description="The trainer's flag reference.")
     _cli.add_argument("--markdown", action="store_true", help="print docs/flags.md")
-    if _cli.parse_args().markdown:
+    _cli.add_argument("--megatron-markdown", action="store_true", help="print docs/megatron-flags.md")
+    _args = _cli.parse_args()
+    if _args.markdown:
         print(flag_reference_markdown(), end="")
+    elif _args.megatron_markdown:
+        print(megatron_reference_markdown(), end="")
     else:
         build_parser().print_help()

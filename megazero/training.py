@@ -160,7 +160,7 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     window_iters = 0
     saved_at = state.iteration                    # a resumed run starts from a saved iteration
     skipped_in_a_row, save_due = 0, False
-    comm_seen = sum(engine.comm_log.bytes().values())
+    comm_seen = _bytes_sent(engine)
     first_iteration = state.iteration
     while state.iteration < t.train_iters:
         engine.set_lr(learning_rate(state.iteration, opt))
@@ -181,7 +181,7 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
             if compile_log is not None:
                 extra = {**extra, **compile_log.metrics()}
                 text += describe_recompiles(extra)
-            sent = sum(engine.comm_log.bytes().values())     # the engine's collectives, counted per rank
+            sent = _bytes_sent(engine)
             extra["dp_comm_bytes"] = (sent - comm_seen) / window_iters
             comm_seen = sent
             if job.model.cpu_offloading:                     # --cpu-offloading: bytes sent to the host
@@ -196,7 +196,7 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
                                                or state.iteration == t.train_iters):
             _log_eval(log, state, evaluate(chunks, valid_batches(), topo, job, t.eval_iters, spec))
             window_start = time.perf_counter()
-            comm_seen = sum(engine.comm_log.bytes().values())     # the evaluation's gathers are not a step's
+            comm_seen = _bytes_sent(engine)     # the evaluation's gathers are not a step's
         if save and job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0:
             save_due = True
         if save_due and not result.skipped:   # a skipped step changed no weights: save after one that did
@@ -205,6 +205,12 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     if save and saved_at != state.iteration:
         _save(save, state, log)
     return state
+
+
+def _bytes_sent(engine) -> float:
+    """Bytes this rank has sent in the data-parallel engine's collectives so far (counted per rank)."""
+    comm_log = getattr(engine, "comm_log", None)
+    return sum(comm_log.bytes().values()) if comm_log is not None else 0.0
 
 
 def _save(save: Callable, state: TrainState, log: MetricsLog) -> None:

@@ -100,10 +100,33 @@ def test_unknown_config_key_is_an_error(tmp_path, capsys):
     assert "unknown key 'num-layerz'" in capsys.readouterr().err
 
 
-def test_unknown_flag_is_an_error(capsys):
+def test_unknown_flag_is_one_line_naming_the_closest_flags(capsys):
     with pytest.raises(SystemExit) as e:
-        parse_job(["--tensor-parallel", "2"], world_size=1)
-    assert e.value.code == 2 and "unrecognized arguments: --tensor-parallel" in capsys.readouterr().err
+        parse_job(["--tensor-parallel", "2", "--num-layer", "4"], world_size=1)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 2 and "usage:" not in err
+    assert "unrecognized argument --tensor-parallel: did you mean --tensor-model-parallel-size" in err
+    assert "unrecognized argument --num-layer: did you mean --num-layers" in err
+
+
+def test_a_bad_value_is_one_line_without_the_usage_block(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_job(["--zero-stage", "5"], world_size=1)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--zero-stage" in err and "invalid choice" in err
+
+
+def test_every_flag_has_help_text_a_readable_placeholder_and_its_default():
+    from megazero.arguments import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    actions = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert actions and all(a.help for a in actions), [a.option_strings for a in actions if not a.help]
+    assert "." not in "".join(str(a.metavar or "") for a in actions)       # N, LR, DIR, not MODEL.NUM_LAYERS
+    assert "MODEL." not in text and "OPTIMIZER." not in text
+    assert "--num-layers N" in text and "--lr LR" in text and "--save DIR" in text
+    assert "transformer layers (default: 4)" in " ".join(text.split())
 
 
 def test_invalid_combination_exits_with_one_line(capsys):

@@ -152,7 +152,7 @@ def test_embedded_default_learns_the_sample_corpus(tmp_path):
     (["--tp", "3"], "world size 1 is not divisible by tp*pp"),
     (["--num-layers", "3", "--pp", "2", "--dp", "1"], "--dp"),
     (["--data-path", "x"], "--data-path needs --tokenizer-type"),
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--no-such-flag"], "unrecognized argument --no-such-flag"),
 ])
 def test_bad_flags_fail_before_any_work(flags, message, tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *flags], cwd=tmp_path,

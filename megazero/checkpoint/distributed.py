@@ -256,6 +256,18 @@ def model_mismatch(saved_model: dict, model_cfg: ModelConfig) -> tuple[str, obje
     return None
 
 
+def saved_model_settings(load_dir) -> dict | None:
+    """The model settings a checkpoint must match (the family, then its spec's ``checkpoint_fields``) as the
+    latest checkpoint under ``load_dir`` stored them (``--use-checkpoint-args``); None when it holds none."""
+    iteration = latest_iteration(load_dir)
+    if iteration is None:
+        return None
+    saved = fmt.read_json(fmt.checkpoint_dir(load_dir, iteration) / fmt.INDEX)["job"]["model"]
+    family = saved.get("model_family", _FIELD_DEFAULTS["model_family"])
+    return {name: saved.get(name, _FIELD_DEFAULTS[name])
+            for name in ("model_family",) + get_model_spec(family).checkpoint_fields}
+
+
 def check_model_compatible(saved_model: dict, model_cfg, where) -> None:
     """Refuse a checkpoint whose model differs in a way that changes shapes or meaning."""
     differs = model_mismatch(saved_model, model_cfg)
@@ -285,12 +297,16 @@ def _read_rank(reader: CheckpointReader, chunks, engine, topo, job, weights_only
 
 
 def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool = False,
-                    iteration: int | None = None, extra_rng: dict | None = None, stats: dict | None = None):
+                    iteration: int | None = None, extra_rng: dict | None = None, stats: dict | None = None,
+                    load_optim: bool = True, load_rng: bool = True):
     """Load the latest (or ``iteration``'s) checkpoint under ``load_dir`` into this layout. Collective.
 
     Returns the :class:`megazero.state.TrainState` to continue from (a fresh one with
     ``weights_only``: weights only, no optimizer state, iteration 0), or None when ``load_dir`` holds
-    no checkpoint (no tracker file) -- the caller decides whether that is an error. ``stats``, when
+    no checkpoint (no tracker file) -- the caller decides whether that is an error. ``load_optim=False``
+    (``--no-load-optim``): the optimizer starts fresh (fp32 masters from the loaded weights) while the
+    iteration, samples and random states resume; ``load_rng=False`` (``--no-load-rng``): the random states
+    stay as the seed made them. ``stats``, when
     given, receives this rank's ``bytes_read`` (tensor bytes and checksums read from files) and
     ``bytes_owned`` (the bytes of state it filled).
     """
@@ -303,10 +319,10 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
     try:
         reader = CheckpointReader(directory)
         check_model_compatible(reader.index["job"]["model"], job.model, directory)
-        if not weights_only and reader.index.get("optimizer") is None:
+        if not weights_only and load_optim and reader.index.get("optimizer") is None:
             raise CheckpointError(f"{directory} holds weights only (no optimizer state): load it with "
                                   f"--finetune (weights only, iteration 0)")
-        owned = _read_rank(reader, chunks, engine, topo, job, weights_only)
+        owned = _read_rank(reader, chunks, engine, topo, job, weights_only or not load_optim)
         if stats is not None:
             stats.update(bytes_read=reader.bytes_read, bytes_owned=owned)
     except Exception as e:  # noqa: BLE001 - raised on every rank, the failing rank's message, by the next line
@@ -314,9 +330,11 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
     raise_first_error(error)
     if engine is not None:
         meta = reader.index.get("optimizer") or {}
-        engine.loaded(meta.get("step", 0), meta.get("loss_scaler"), weights_only)
+        engine.loaded(meta.get("step", 0), meta.get("loss_scaler"), weights_only or not load_optim)
     if weights_only:
         return TrainState()
+    if not load_rng:
+        return TrainState(**reader.index["train_state"])
     try:                                     # each rank reads its own random state: a damaged one is named
         _restore_rng(reader, chunks, topo, job, extra_rng, directory)
     except Exception as e:  # noqa: BLE001 - as above

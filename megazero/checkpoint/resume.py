@@ -8,6 +8,8 @@
     samples), whatever layout wrote it. No checkpoint there is an error naming DIR -- except in
     auto-resume mode, ``--load`` equal to ``--save`` (the usual restart pattern: the same command
     line starts a run and resumes it after a failure), where the run starts fresh and says so.
+``--no-load-optim`` / ``--no-load-rng``:
+    resume as above, but with a fresh optimizer (masters from the loaded weights) / the seed's random states.
 ``--finetune``:
     loads weights only (no optimizer state, iteration 0, fresh RNG). If ``--save`` (a different
     directory) already holds a checkpoint of this finetuning run, that one is resumed fully instead,
@@ -55,12 +57,14 @@ def resume(job, chunks, engine, topo, extra_rng: dict | None = None, say: Callab
         what = "does not exist" if not os.path.isdir(ck.load) else "holds no checkpoint (no latest_checkpointed_iteration.txt)"
         raise CheckpointError(f"--load {ck.load} {what}: point --load at a --save directory of an earlier run, "
                               f"or set --load equal to --save to start fresh and resume automatically after a restart")
-    state = load_checkpoint(ck.load, weights_only=ck.finetune, **kw)
+    state = load_checkpoint(ck.load, weights_only=ck.finetune, load_optim=not ck.no_load_optim,
+                            load_rng=not ck.no_load_rng, **kw)
     if ck.finetune:
         say(f" loaded weights only from {ck.load} (--finetune): iteration 0, fresh optimizer")
     else:
-        say(f" resumed from {ck.load} at iteration {state.iteration} "
-            f"({state.consumed_samples} samples consumed)")
+        fresh = [what for what, on in (("optimizer", ck.no_load_optim), ("random states", ck.no_load_rng)) if on]
+        say(f" resumed from {ck.load} at iteration {state.iteration} ({state.consumed_samples} samples consumed)"
+            + (f"; fresh {' and '.join(fresh)} (--no-load-optim / --no-load-rng)" if fresh else ""))
     return state
 
 

@@ -124,7 +124,7 @@ def check_train(t: TrainConfig, par: ParallelConfig) -> None:
     if par.pipeline_schedule == "interleaved" and m % par.pp:
         fail(f"the interleaved schedule needs micro-batches ({m}) divisible by {FLAG.pp} {par.pp}: "
               f"make {FLAG.global_batch_size} a multiple of {par.pp * per_step}")
-    positive(t.train_iters, "train_iters")
+    _fill_train_iters(t)
     if not 0 <= t.seed < 2 ** 32:
         fail(f"{FLAG.seed} must be in [0, 2**32), got {t.seed}: the data order and the initial weights are "
               f"drawn from it; pick a non-negative seed")
@@ -132,6 +132,28 @@ def check_train(t: TrainConfig, par: ParallelConfig) -> None:
         positive(getattr(t, name), name)
     if t.eval_iters < 0:
         fail(f"{FLAG.eval_iters} must be >= 0, got {t.eval_iters}")
+
+
+def _fill_train_iters(t: TrainConfig) -> None:
+    """The training length: ``--train-iters`` (default 400), or ``--train-samples`` // the global batch (a
+    sample-based run, as Megatron counts it); not both."""
+    if t.train_samples is None:
+        t.train_iters = 400 if t.train_iters is None else t.train_iters
+        positive(t.train_iters, "train_iters")
+        return
+    if t.train_iters is not None:
+        fail(f"{FLAG.train_iters} and {FLAG.train_samples} are exclusive (iteration- or sample-based): keep one")
+    positive(t.train_samples, "train_samples")
+    t.train_iters = t.train_samples // t.global_batch_size
+    if t.train_iters < 1:
+        fail(f"{FLAG.train_samples} {t.train_samples} is less than one {FLAG.global_batch_size} "
+             f"({t.global_batch_size}): no iteration to train")
+
+
+def iterations_of(samples: float, global_batch_size: int) -> int:
+    """The iterations ``samples`` samples last at ``global_batch_size`` a step, rounded up: the iteration at
+    which Megatron's sample-counting schedule reaches that point (a float's last bit never adds one)."""
+    return math.ceil(round(samples / global_batch_size, 9))
 
 
 def check_precision(pr: PrecisionConfig) -> None:
@@ -261,8 +283,13 @@ def check_optimizer(opt: OptimizerConfig, t: TrainConfig) -> None:
     one_of(opt, "lr_decay_style")
     if opt.lr <= 0 or opt.min_lr < 0 or opt.min_lr > opt.lr:
         fail(f"need 0 <= {FLAG.min_lr} ({opt.min_lr}) <= {FLAG.lr} ({opt.lr}) and {FLAG.lr} > 0")
+    if opt.lr_warmup_fraction is not None and not 0 <= opt.lr_warmup_fraction <= 1:
+        fail(f"{FLAG.lr_warmup_fraction} must be in [0, 1], got {opt.lr_warmup_fraction}")
+    _samples_to_iterations(opt, t)
     if opt.lr_decay_iters is None:
         opt.lr_decay_iters = t.train_iters
+    if opt.lr_warmup_fraction is not None and t.train_samples is None:    # the warmup's share of the decay
+        opt.lr_warmup_iters = math.ceil(round(opt.lr_warmup_fraction * opt.lr_decay_iters, 9))
     if opt.lr_decay_iters < 1:
         fail(f"{FLAG.lr_decay_iters} must be a positive integer, got {opt.lr_decay_iters}: leave it out to decay "
               f"over the training iterations ({FLAG.lr_decay_style} constant for no decay)")
@@ -274,6 +301,31 @@ def check_optimizer(opt: OptimizerConfig, t: TrainConfig) -> None:
     if opt.clip_grad < 0 or opt.weight_decay < 0:
         fail(f"{FLAG.clip_grad} and {FLAG.weight_decay} must be >= 0")
     positive_float(opt.adam_eps, "adam_eps")
+
+
+def _samples_to_iterations(opt: OptimizerConfig, t: TrainConfig) -> None:
+    """Megatron's rules for the schedule's units: a sample-based run (``--train-samples``) gives its decay and
+    warmup in samples, an iteration-based one in iterations, and a warmup fraction excludes a warmup length.
+    Samples become iterations of the global batch (:func:`iterations_of`)."""
+    if opt.lr_warmup_fraction is not None and (opt.lr_warmup_iters or opt.lr_warmup_samples):
+        given = FLAG.lr_warmup_iters if opt.lr_warmup_iters else FLAG.lr_warmup_samples
+        fail(f"{FLAG.lr_warmup_fraction} and {given} both set the warmup: keep one")
+    if t.train_samples is None:
+        for name, instead in (("lr_decay_samples", "lr_decay_iters"), ("lr_warmup_samples", "lr_warmup_iters")):
+            if getattr(opt, name) is not None:
+                fail(f"{flag(name)} belongs to a sample-based run ({FLAG.train_samples}); with iterations "
+                     f"({FLAG.train_iters}) use {flag(instead)}")
+        return
+    for name, instead in (("lr_decay_iters", "lr_decay_samples"), ("lr_warmup_iters", "lr_warmup_samples")):
+        if getattr(opt, name):
+            fail(f"{flag(name)} belongs to an iteration-based run; with {FLAG.train_samples} use {flag(instead)}")
+    for name in ("lr_decay_samples", "lr_warmup_samples"):
+        if getattr(opt, name) is not None and getattr(opt, name) < 0:
+            fail(f"{flag(name)} must be >= 0, got {getattr(opt, name)}")
+    decay = opt.lr_decay_samples if opt.lr_decay_samples is not None else t.train_samples
+    opt.lr_decay_iters = iterations_of(decay, t.global_batch_size)
+    warmup = decay * opt.lr_warmup_fraction if opt.lr_warmup_fraction is not None else opt.lr_warmup_samples or 0
+    opt.lr_warmup_iters = iterations_of(warmup, t.global_batch_size)
 
 
 def check_data(d: DataConfig) -> None:

@@ -46,6 +46,7 @@ class Flag:
     choices: tuple | None = None
     action: Any = None
     nargs: str | None = None
+    metavar: str | None = None
 
     @property
     def display(self) -> str:
@@ -56,24 +57,38 @@ class Flag:
         canonical = self.spellings[0]
         return "/".join([canonical, *(s for s in self.spellings[1:] if len(s) < len(canonical))])
 
+    @property
+    def placeholder(self) -> str | None:
+        """The value's name in ``--help`` (``--num-layers N``, ``--lr LR``, ``--save DIR``): the declared
+        ``metavar``, else N for an integer, X for a number, TEXT otherwise; None for a switch or a choice
+        without one (argparse lists the choices)."""
+        if self.metavar or self.action is not None or self.choices is not None:
+            return self.metavar
+        return {int: "N", float: "X"}.get(self.type, "TEXT")
+
     def argparse_kwargs(self) -> dict:
         """The keyword arguments of ``parser.add_argument`` (besides the spellings, dest and default)."""
-        kwargs = dict(type=self.type, choices=self.choices, action=self.action, nargs=self.nargs, help=self.help)
+        kwargs = dict(type=self.type, choices=self.choices, action=self.action, nargs=self.nargs, help=self.help,
+                      metavar=self.placeholder)
         return {k: v for k, v in kwargs.items() if v is not None}
 
 
 def flag_field(default, *spellings: str, group: str, help: str | None = None, type: Any = None,
-               choices: tuple | None = None, action: Any = None, nargs: str | None = None):
+               choices: tuple | None = None, action: Any = None, nargs: str | None = None,
+               metavar: str | None = None):
     """A dataclass field that is a command-line flag (see the module docstring for an example).
 
-    A list default is copied for each instance (``flag_field([], "--data-path", nargs="+", ...)``)."""
+    A list default is copied for each instance (``flag_field([], "--data-path", nargs="+", ...)``);
+    ``metavar`` names the value in ``--help`` where N / X / TEXT would say too little (``DIR``, ``LR``)."""
     if not spellings or not all(s.startswith("--") for s in spellings):
         raise ValueError(f"flag spellings must start with --, got {spellings}")
     if group not in GROUPS:
         raise ValueError(f"{spellings[0]}: group {group!r} is not one of {GROUPS}")
     if action is not None and action not in _BOOLEAN_ACTIONS:
         raise ValueError(f"{spellings[0]}: action {action!r} is not one of {_BOOLEAN_ACTIONS}")
-    meta = {"flag": Flag(tuple(spellings), group, help, type, choices, action, nargs)}
+    if not help:
+        raise ValueError(f"{spellings[0]}: every flag needs help text (--help and docs/flags.md show it)")
+    meta = {"flag": Flag(tuple(spellings), group, help, type, choices, action, nargs, metavar)}
     if isinstance(default, list):
         return dataclasses.field(default_factory=functools.partial(list, default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -124,6 +139,13 @@ def flag(name: str) -> str:
         why = "is not a config field" if f is None else f"({section}) has no command-line flag: use setting()"
         raise KeyError(f"{name!r} {why}")
     return f.metadata["flag"].display
+
+
+def dest(name: str) -> str:
+    """The ``"section.field"`` key of config field ``name`` (the parser's dest, a config file's place)."""
+    if name not in _fields_by_name():
+        raise KeyError(f"{name!r} is not a config field")
+    return f"{_fields_by_name()[name][0]}.{name}"
 
 
 def setting(name: str) -> str:

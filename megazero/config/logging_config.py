@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 class LoggingConfig:
     """Where metrics go besides the log lines, and how a run is watched: MFU's peak, the profiler, W&B."""
 
-    tensorboard_dir: str | None = flag_field(None, "--tensorboard-dir", group="logging",
+    tensorboard_dir: str | None = flag_field(None, "--tensorboard-dir", group="logging", metavar="DIR",
                                              help="TensorBoard event files (needs the tensorboard extra)")
-    metrics_file: str | None = flag_field(None, "--metrics-file", group="logging",
+    metrics_file: str | None = flag_field(None, "--metrics-file", group="logging", metavar="PATH",
                                           help="JSON lines, one per logged iteration")
     return_freed_memory: bool = flag_field(
         False, "--return-freed-memory", action="store_true", group="logging",

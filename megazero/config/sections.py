@@ -15,13 +15,15 @@ from argparse import BooleanOptionalAction
 from dataclasses import dataclass, field
 
 from megazero.config import checks, model_checks
+from megazero.config.compile_section import COMPILE_MODES, CompileConfig  # noqa: F401 - a section of JobConfig
 from megazero.config.fields import ConfigError, flag_field, register_job
 from megazero.config.logging_config import LoggingConfig
+from megazero.config.megatron_flags import MEGATRON_TOKENIZERS
 
 # The allowed values of the choice flags: one source for the command line and the checks.
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 DECAY_STYLES = ("constant", "linear", "cosine")
-TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
+TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 ACTIVATIONS = ("gelu_tanh", "gelu")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -139,7 +141,7 @@ class ModelConfig:
     moe_expert_capacity_factor: float | None = flag_field(
         None, "--moe-expert-capacity-factor", type=float, group=_MOE,
         help="drop tokens beyond this x the even share (default: dropless)")
-    model_family: str = flag_field("gpt", "--model-family", group=_MODEL, help=(
+    model_family: str = flag_field("gpt", "--model-family", group=_MODEL, metavar="NAME", help=(
         "the model family to build, by name (a registered model spec; default gpt: GPT-2 and the Llama family)"))
 
     def __post_init__(self) -> None:
@@ -202,8 +204,8 @@ class ParallelConfig:
     pp: int = flag_field(1, "--pipeline-model-parallel-size", "--pp", type=int, group=_PAR,
                          help="pipeline-parallel size: stages the layers are split into")
     dp: int | None = flag_field(None, "--data-parallel-size", "--dp", type=int, group=_PAR,
-                                help="inferred when absent")
-    order: str = flag_field("tp-dp-pp", "--parallel-order", group=_PAR,
+                                help="default: the world / (tp x pp)")
+    order: str = flag_field("tp-dp-pp", "--parallel-order", group=_PAR, metavar="ORDER",
                             help="rank order, fastest first (default tp-dp-pp)")
     num_layers_per_virtual_pipeline_stage: int | None = flag_field(
         None, "--num-layers-per-virtual-pipeline-stage", type=int, group=_PAR,
@@ -265,7 +267,7 @@ class ZeroConfig:
     offload_params: str = flag_field(
         "none", "--offload-params", choices=OFFLOAD_DEVICES, group=_OFFLOAD,
         help="ZeRO-3: parameter shards on the host (cpu) or in swap files (nvme)")
-    nvme_path: str | None = flag_field(None, "--nvme-path", group=_OFFLOAD,
+    nvme_path: str | None = flag_field(None, "--nvme-path", group=_OFFLOAD, metavar="DIR",
                                        help="directory for the swap files of nvme offloading")
     offload_pin_memory: bool = flag_field(True, "--offload-pin-memory", action=BooleanOptionalAction,
                                           group=_OFFLOAD, help="page-locked host buffers on CUDA (default on)")
@@ -320,14 +322,23 @@ class PrecisionConfig:
 class OptimizerConfig:
     """AdamW and the learning-rate schedule."""
 
-    lr: float = flag_field(1.5e-3, "--lr", type=float, group="optimizer", help="the peak learning rate")
-    min_lr: float = flag_field(0.0, "--min-lr", type=float, group="optimizer",
+    lr: float = flag_field(1.5e-3, "--lr", type=float, group="optimizer", help="the peak learning rate", metavar="LR")
+    min_lr: float = flag_field(0.0, "--min-lr", type=float, group="optimizer", metavar="LR",
                                help="the learning rate at the end of the decay")
     lr_warmup_iters: int = flag_field(0, "--lr-warmup-iters", type=int, group="optimizer",
                                       help="iterations of linear warmup from 0")
+    lr_warmup_fraction: float | None = flag_field(
+        None, "--lr-warmup-fraction", type=float, group="optimizer", metavar="F",
+        help="warmup over this fraction of the decay iterations (or samples), rounded up to whole iterations")
+    lr_warmup_samples: int | None = flag_field(
+        None, "--lr-warmup-samples", type=int, group="optimizer",
+        help="with --train-samples: warmup samples, as iterations of --global-batch-size (rounded up)")
     lr_decay_iters: int | None = flag_field(
         None, "--lr-decay-iters", type=int, group="optimizer",
         help="iterations to the end of the decay (default: the training iterations)")
+    lr_decay_samples: int | None = flag_field(
+        None, "--lr-decay-samples", type=int, group="optimizer",
+        help="with --train-samples: samples to the end of the decay (default: all), as iterations (rounded up)")
     lr_decay_style: str = flag_field("cosine", "--lr-decay-style", choices=DECAY_STYLES, group="optimizer",
                                      help="the decay after the warmup")
     min_lr_ratio: float | None = None           # (DeepSpeed's cos_min_ratio) min_lr = this * lr
@@ -337,7 +348,7 @@ class OptimizerConfig:
     adam_beta1: float = flag_field(0.9, "--adam-beta1", type=float, group="optimizer", help="AdamW's beta1")
     adam_beta2: float = flag_field(0.999, "--adam-beta2", type=float, group="optimizer", help="AdamW's beta2")
     adam_eps: float = flag_field(1e-8, "--adam-eps", type=float, group="optimizer", help="AdamW's epsilon")
-    clip_grad: float = flag_field(1.0, "--clip-grad", type=float, group="optimizer", help="0 disables")
+    clip_grad: float = flag_field(1.0, "--clip-grad", type=float, group="optimizer", help="gradient norm clip (0: none)")
 
     def check(self, train: TrainConfig) -> None:
         """The schedule against the training length; fills ``lr_decay_iters`` and (from ``min_lr_ratio``)
@@ -349,20 +360,23 @@ class OptimizerConfig:
 class DataConfig:
     """The training data and its tokenizer."""
 
-    data_path: list[str] = flag_field([], "--data-path", nargs="+", group="data",
-                                      help="prefix, or weight prefix pairs")
-    split: str = flag_field("969,30,1", "--split", group="data",
+    data_path: list[str] = flag_field([], "--data-path", nargs="+", group="data", metavar="PREFIX",
+                                      help="the dataset's path prefix (PREFIX.bin, PREFIX.idx), or weight prefix pairs")
+    split: str = flag_field("969,30,1", "--split", group="data", metavar="T,V,T",
                             help="train, validation and test weights over the documents")
     mock_data: bool = flag_field(False, "--mock-data", action="store_true", group="data",
                                  help="synthetic tokens, no files")
-    tokenizer_type: str | None = flag_field(None, "--tokenizer-type", choices=TOKENIZERS, group="data",
-                                            help="the tokenizer (it sets the vocabulary size)")
-    vocab_file: str | None = flag_field(None, "--vocab-file", group="data", help="GPT2BPETokenizer's vocab.json")
-    merge_file: str | None = flag_field(None, "--merge-file", group="data", help="GPT2BPETokenizer's merges.txt")
+    tokenizer_type: str | None = flag_field(
+        None, "--tokenizer-type", choices=TOKENIZERS + tuple(MEGATRON_TOKENIZERS), group="data",
+        metavar="NAME", help=f"{', '.join(TOKENIZERS)} (more: docs/megatron-flags.md); sets the vocabulary size")
+    vocab_file: str | None = flag_field(None, "--vocab-file", group="data", help="GPT2BPETokenizer's vocab.json",
+                                        metavar="PATH")
+    merge_file: str | None = flag_field(None, "--merge-file", group="data", help="GPT2BPETokenizer's merges.txt",
+                                        metavar="PATH")
     tokenizer_model: str | None = flag_field(
-        None, "--tokenizer-model", group="data",
+        None, "--tokenizer-model", group="data", metavar="PATH",
         help="a SentencePiece model, or a tokenizer.json or the directory holding it")
-    data_cache_path: str | None = flag_field(None, "--data-cache-path", group="data",
+    data_cache_path: str | None = flag_field(None, "--data-cache-path", group="data", metavar="DIR",
                                              help="directory of the index caches (default: beside the data)")
     eod_mask_loss: bool = flag_field(False, "--eod-mask-loss", action="store_true", group="data",
                                      help="no loss on the end-of-document token")
@@ -378,9 +392,13 @@ class TrainConfig:
     micro_batch_size: int = flag_field(8, "--micro-batch-size", type=int, group="training",
                                        help="sequences per micro-batch on each rank")
     global_batch_size: int | None = flag_field(None, "--global-batch-size", type=int, group="training",
-                                               help="gradient accumulation derived")
+                                               help="sequences per step (default micro x dp x pp)")
     gradient_accumulation_steps: int | None = None   # (DeepSpeed / Accelerate configs) global = micro * this * dp
-    train_iters: int = flag_field(400, "--train-iters", type=int, group="training", help="training iterations")
+    train_iters: int | None = flag_field(None, "--train-iters", type=int, group="training",
+                                         help="training iterations (default 400, or from --train-samples)")
+    train_samples: int | None = flag_field(
+        None, "--train-samples", type=int, group="training",
+        help="train this many samples: that // --global-batch-size iterations (a sample-based run)")
     seed: int = flag_field(1234, "--seed", type=int, group="training", help="the random seed")
     eval_interval: int = flag_field(100, "--eval-interval", type=int, group="training",
                                     help="iterations between evaluations")
@@ -405,13 +423,20 @@ class TrainConfig:
 class CheckpointConfig:
     """Where checkpoints are written and read."""
 
-    save: str | None = flag_field(None, "--save", group="checkpointing", help="directory to write checkpoints to")
-    load: str | None = flag_field(None, "--load", group="checkpointing",
+    save: str | None = flag_field(None, "--save", group="checkpointing", metavar="DIR", help="where checkpoints go")
+    load: str | None = flag_field(None, "--load", group="checkpointing", metavar="DIR",
                                   help="checkpoint directory to resume (or, with --finetune, start) from")
     save_interval: int | None = flag_field(None, "--save-interval", type=int, group="checkpointing",
                                            help="iterations between checkpoints")
     finetune: bool = flag_field(False, "--finetune", action="store_true", group="checkpointing",
                                 help="load weights only: no optimizer, iteration 0")
+    no_load_optim: bool = flag_field(False, "--no-load-optim", action="store_true", group="checkpointing",
+                                     help="resume weights, iteration and RNG from --load, with a fresh optimizer")
+    no_load_rng: bool = flag_field(False, "--no-load-rng", action="store_true", group="checkpointing",
+                                   help="resume from --load with random states fresh from --seed")
+    use_checkpoint_args: bool = flag_field(
+        False, "--use-checkpoint-args", action="store_true", group="checkpointing",
+        help="take the model's shape (the settings a checkpoint must match) from the --load checkpoint")
     async_save: bool = flag_field(False, "--async-save", action="store_true", group="checkpointing",
                                   help="write and commit checkpoints in a background thread from a host copy "
                                        "while training goes on (one extra copy of the rank's shard in host memory)")
@@ -420,22 +445,6 @@ class CheckpointConfig:
         checks.check_checkpoint(self)
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-@dataclass
-class CompileConfig:
-    """torch.compile, applied region by region: each transformer layer its own compiled function, so
-    compile time does not grow with depth and repeated layers share one graph (megazero/compile.py)."""
-
-    compile: bool = flag_field(False, "--compile", action="store_true", group="compile",
-                               help="compile each transformer layer with torch.compile (regional compilation)")
-    compile_mode: str = flag_field("default", "--compile-mode", choices=COMPILE_MODES, group="compile",
-                                   help="torch.compile's mode (default, reduce-overhead, max-autotune, "
-                                        "max-autotune-no-cudagraphs)")
-
-    def check(self, model: ModelConfig | None = None) -> None:
-        checks.check_compile(self, model)
 
 
 @register_job

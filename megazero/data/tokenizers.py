@@ -1,6 +1,6 @@
 """Tokenizers behind one small interface: ``tokenize``, ``detokenize``, ``vocab_size``, ``eod``.
 
-Three kinds, named as Megatron names them (``--tokenizer-type``):
+Four kinds, named as Megatron names them (``--tokenizer-type``; its other names: docs/megatron-flags.md):
 
 * ``GPT2BPETokenizer``: GPT-2 byte-level BPE from ``--vocab-file`` (``vocab.json``/``encoder.json``)
   and ``--merge-file`` (``merges.txt``/``vocab.bpe``). Backed by ``tiktoken``, built from the local
@@ -20,6 +20,9 @@ Three kinds, named as Megatron names them (``--tokenizer-type``):
   token: ``eos_token`` of the directory's ``tokenizer_config.json``, else ``eos_token_id`` of its
   ``config.json``, else the first of ``</s>``, ``<|end_of_text|>``, ``<|endoftext|>``, ``<eos>`` the
   vocabulary has.
+
+* ``NullTokenizer``: no vocabulary file: ``--vocab-size`` ids and an end-of-document id after them, for data
+  already in ids (Megatron's, whose vocabulary is likewise ``--vocab-size`` + 1).
 
 Text in the end-of-text form ``<|endoftext|>`` is encoded as ordinary text, as the original GPT-2
 encoder (and Megatron's) does: only ``eod`` ids added by the preprocessing mark document ends.
@@ -242,6 +245,22 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+class NullTokenizer(Tokenizer):
+    """Megatron's NullTokenizer, for data already in token ids: ``--vocab-size N`` ids, plus an end-of-document
+    id N (so ``vocab_size`` is N + 1); text is the ids written in decimal, separated by spaces."""
+
+    name = "NullTokenizer"
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.eod = vocab_size + 1, vocab_size
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
 def _json_field(path: str, key: str):
     """``key`` of the JSON object in ``path``; None when the file or the key is missing."""
     try:
@@ -252,8 +271,14 @@ def _json_field(path: str, key: str):
 
 
 def build_tokenizer(tokenizer_type: str | None, *, vocab_file: str | None = None,
-                    merge_file: str | None = None, tokenizer_model: str | None = None) -> Tokenizer:
-    """The tokenizer named by ``--tokenizer-type`` with its files (flag names as in Megatron)."""
+                    merge_file: str | None = None, tokenizer_model: str | None = None,
+                    vocab_size: int | None = None) -> Tokenizer:
+    """The tokenizer named by ``--tokenizer-type`` with its files (flag names as in Megatron); NullTokenizer
+    takes ``vocab_size`` (``--vocab-size``) instead."""
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size N (the ids the data holds)")
+        return NullTokenizer(vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "SentencePieceTokenizer":
@@ -263,7 +288,8 @@ def build_tokenizer(tokenizer_type: str | None, *, vocab_file: str | None = None
     raise TokenizerError(f"--tokenizer-type must be one of {', '.join(TOKENIZERS)}, got {tokenizer_type!r}")
 
 
-def tokenizer_from_config(cfg) -> Tokenizer:
-    """Build from a :class:`megazero.config.DataConfig` (``tokenizer_type`` and its file fields)."""
+def tokenizer_from_config(cfg, vocab_size: int | None = None) -> Tokenizer:
+    """Build from a :class:`megazero.config.DataConfig` (``tokenizer_type`` and its file fields) and, for
+    NullTokenizer, the model's ``vocab_size``."""
     return build_tokenizer(cfg.tokenizer_type, vocab_file=cfg.vocab_file, merge_file=cfg.merge_file,
-                           tokenizer_model=cfg.tokenizer_model)
+                           tokenizer_model=cfg.tokenizer_model, vocab_size=vocab_size)

@@ -1,0 +1,280 @@
+"""Megatron-LM's flags and what each one is here: the one home of that table.
+
+A Megatron-LM launch script runs with ``pretrain_gpt.py`` unchanged apart from its launcher line, or stops
+with one line for each flag that has no meaning here. Every Megatron flag this module lists is one of:
+
+``as-is``           megazero has the flag under Megatron's name and meaning (declared on its config field in
+                    :mod:`megazero.config.sections`; :data:`AS_IS` lists them so the table is complete)
+``mapped``          the flag sets our settings under other names (:data:`MAPPED`:
+                    ``--use-distributed-optimizer`` is ``--zero-stage 1``)
+``implementation``  the flag only chooses among implementations Megatron has several of (:data:`IMPLEMENTATION`):
+                    accepted, and what runs here is said in one line at start
+``refused``         no meaning here (:data:`REFUSED`): one line naming our equivalent, or saying it does not exist
+
+plus :data:`PENDING`, flags of a part not in this version (a one-line refusal until their flags exist), and
+:data:`MEGATRON_TOKENIZERS`, Megatron's ``--tokenizer-type`` names that are not ours. The parser
+(:mod:`megazero.arguments`) and ``docs/megatron-flags.md`` (generated from here) both read these tables, and
+``tests/test_megatron_flags.py`` checks every row against what the parser does.
+"""
+from __future__ import annotations
+
+import difflib
+from argparse import SUPPRESS
+from dataclasses import dataclass, field
+
+from megazero.config.fields import ConfigError, dest, flag
+
+# Megatron-LM flags that are ours under the same name and meaning (each is a spelling of a config field).
+AS_IS = (
+    "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
+    "--max-position-embeddings", "--vocab-size", "--make-vocab-size-divisible-by",
+    "--untie-embeddings-and-output-weights", "--attention-dropout", "--hidden-dropout", "--init-method-std",
+    "--norm-epsilon", "--layernorm-epsilon", "--position-embedding-type", "--rotary-base", "--rotary-percent",
+    "--use-rope-scaling", "--rope-scaling-factor", "--normalization", "--swiglu", "--group-query-attention",
+    "--num-query-groups", "--disable-bias-linear", "--add-qkv-bias",
+    "--num-experts", "--moe-router-topk", "--moe-layer-freq", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
+    "--moe-expert-capacity-factor", "--expert-model-parallel-size",
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+    "--sequence-parallel", "--distributed-timeout-minutes", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--accumulate-allreduce-grads-in-fp32",
+    "--micro-batch-size", "--global-batch-size", "--train-iters", "--train-samples", "--seed", "--eval-interval",
+    "--eval-iters", "--log-interval", "--check-for-nan-in-loss-and-grad",
+    "--lr", "--min-lr", "--lr-warmup-iters", "--lr-warmup-fraction", "--lr-warmup-samples", "--lr-decay-iters",
+    "--lr-decay-samples", "--lr-decay-style", "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-eps",
+    "--clip-grad",
+    "--bf16", "--fp16", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
+    "--data-path", "--split", "--mock-data", "--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-model",
+    "--data-cache-path", "--eod-mask-loss",
+    "--save", "--load", "--save-interval", "--finetune", "--async-save", "--no-load-optim", "--no-load-rng",
+    "--use-checkpoint-args", "--tensorboard-dir",
+    "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--recompute-modules",
+)
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """A Megatron flag (a switch) that sets our settings ``sets`` ({config field: value}); ``hint`` ends the
+    refusal when the command line gives one of those settings another value."""
+
+    sets: dict
+    help: str
+    hint: str = "drop one"
+
+
+MAPPED: dict[str, Mapped] = {
+    "--use-distributed-optimizer": Mapped(
+        {"zero_stage": 1}, "Megatron's distributed optimizer (optimizer state sharded over the data-parallel ranks): "
+                           "--zero-stage 1", "for ZeRO stage 2 or 3 drop --use-distributed-optimizer"),
+    "--checkpoint-activations": Mapped(
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        "older Megatron's full recompute: --recompute-granularity full --recompute-method uniform "
+        "--recompute-num-layers 1"),
+    "--use-rotary-position-embeddings": Mapped({"position_embedding_type": "rope"},
+                                               "older Megatron's RoPE switch: --position-embedding-type rope"),
+}
+# Megatron spellings of options that are not config fields: {Megatron's: ours}.
+ALIASES = {"--distributed-backend": "--backend"}
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """A Megatron flag that only picks an implementation. ``note``: the line said at start (``{value}`` is the
+    value given); a switch when ``choices`` and ``type`` are None. ``refused``: values that are not an
+    implementation choice here ({value: why}), or with ``accepts`` every value but those (why: ``refused["*"]``);
+    ``requires``: {config field: value} it needs."""
+
+    note: str
+    choices: tuple | None = None
+    type: type | None = None
+    refused: dict = field(default_factory=dict)
+    accepts: tuple | None = None
+    requires: dict = field(default_factory=dict)
+
+    def why_refused(self, value) -> str | None:
+        """Why ``value`` is refused, or None when it is accepted."""
+        if self.accepts is not None and value not in self.accepts:
+            return self.refused["*"]
+        return self.refused.get(value)
+
+
+_SDPA = "attention runs through torch's scaled_dot_product_attention, which takes a flash kernel where the device " \
+        "and dtype allow"
+_OWN = "megazero's own model code is used (it has no Megatron-core / legacy choice)"
+IMPLEMENTATION: dict[str, Implementation] = {
+    "--use-mcore-models": Implementation(_OWN),
+    "--use-legacy-models": Implementation(_OWN),
+    "--transformer-impl": Implementation("megazero's own layers are used (no Transformer Engine)",
+                                         choices=("local", "transformer_engine")),
+    "--use-flash-attn": Implementation(_SDPA),
+    "--attention-backend": Implementation(_SDPA, choices=("auto", "flash", "fused", "unfused", "local")),
+    "--no-masked-softmax-fusion": Implementation("the attention softmax is scaled_dot_product_attention's "
+                                                 "(no Megatron softmax kernel to turn off)"),
+    "--no-bias-gelu-fusion": Implementation("bias and GELU are torch operations (no fused kernel to turn off)"),
+    "--no-bias-swiglu-fusion": Implementation("SwiGLU is torch operations (no fused kernel to turn off)"),
+    "--no-bias-dropout-fusion": Implementation("bias, dropout and residual are torch operations (no fused kernel "
+                                               "to turn off)"),
+    "--no-rope-fusion": Implementation("RoPE is torch operations (no fused kernel to turn off)"),
+    "--no-persist-layer-norm": Implementation("the norms are torch's or apex's (the kernels line below says which)"),
+    "--no-gradient-accumulation-fusion": Implementation("gradients accumulate into their buckets with torch "
+                                                        "operations (no fused weight-gradient kernel to turn off)"),
+    "--no-async-tensor-model-parallel-allreduce": Implementation("tensor-parallel all-reduces are megazero's own"),
+    "--cross-entropy-loss-fusion": Implementation("the vocab-parallel cross-entropy is megazero's own function"),
+    "--moe-grouped-gemm": Implementation("each rank runs its experts one after another (no grouped GEMM kernel)"),
+    "--use-cpu-initialization": Implementation("parameters are built on the meta device and given their values "
+                                               "where they live (--sharded-init)"),
+    "--use-contiguous-parameters-in-local-ddp": Implementation("gradients always live in contiguous buckets"),
+    "--empty-unused-memory-level": Implementation("torch's caching allocator is left alone", type=int),
+    "--num-workers": Implementation("data is read in the training process (no loader workers)", type=int),
+    "--log-throughput": Implementation("every log line shows throughput (tokens/s, TFLOP/s per rank)"),
+    "--use-pytorch-profiler": Implementation("--profile always records with the torch profiler"),
+    "--data-impl": Implementation("indexed datasets are read memory-mapped", choices=("mmap", "infer", "lazy", "cached")),
+    "--dataloader-type": Implementation(
+        "Megatron's single loader: each sample once, in the dataset's shuffled order", choices=("single", "cyclic",
+                                                                                              "external"),
+        refused={"cyclic": "megazero's loader is Megatron's 'single' (each sample once, in the dataset's shuffled "
+                           "order): drop --dataloader-type cyclic",
+                 "external": "an external loader does not exist here: drop --dataloader-type external"}),
+    "--optimizer": Implementation("AdamW with decoupled weight decay (Megatron's adam)", choices=("adam", "sgd"),
+                                  refused={"sgd": "SGD does not exist here (AdamW only): drop --optimizer sgd"}),
+    "--context-parallel-size": Implementation(
+        "context-parallel size 1: no context parallelism", type=int, accepts=(1,),
+        refused={"*": "context parallelism does not exist here: drop --context-parallel-size (or give 1)"}),
+    "--no-position-embedding": Implementation("RoPE uses no position-embedding table",
+                                              requires={"position_embedding_type": "rope"}),
+}
+
+_NO_TB_CHOICE = "TensorBoard (--tensorboard-dir) receives the log line's metrics; choosing them does not exist here"
+_FP8 = "fp8 training does not exist here: use --bf16"
+REFUSED: dict[str, str] = {
+    "--rampup-batch-size": "a batch-size ramp-up does not exist here: train at --global-batch-size",
+    "--fp8-format": _FP8, "--fp8-hybrid": _FP8, "--fp8-margin": _FP8, "--fp8-interval": _FP8,
+    "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8, "--fp8-recipe": _FP8,
+    "--use-torch-fsdp2": "use --zero-stage 3 (parameters, gradients and optimizer state sharded, as FSDP does)",
+    "--no-save-optim": "checkpoints here always hold the optimizer state (to load without it: --no-load-optim)",
+    "--no-save-rng": "checkpoints here always hold the random states (to load without them: --no-load-rng)",
+    "--ckpt-format": "megazero writes checkpoints in its own format (docs/checkpoints.md): drop it",
+    "--exit-on-missing-checkpoint": "--load without a checkpoint stops the run here already, except --load equal "
+                                    "to --save (a first start that resumes after a restart): drop it",
+    "--train-data-path": "separate training / validation / test data do not exist here: --data-path with --split",
+    "--valid-data-path": "separate training / validation / test data do not exist here: --data-path with --split",
+    "--test-data-path": "separate training / validation / test data do not exist here: --data-path with --split",
+    "--apply-layernorm-1p": "zero-centred norm weights do not exist here",
+    "--attention-softmax-in-fp32": "the softmax precision is scaled_dot_product_attention's: drop it",
+    "--apply-query-key-layer-scaling": "the attention scale is 1/sqrt(head size) with no per-layer factor: drop it",
+    "--distribute-saved-activations": "does not exist here (see --recompute-granularity and --cpu-offloading)",
+    "--log-timers-to-tensorboard": _NO_TB_CHOICE, "--log-validation-ppl-to-tensorboard": _NO_TB_CHOICE,
+    "--log-batch-size-to-tensorboard": _NO_TB_CHOICE, "--tensorboard-queue-size": _NO_TB_CHOICE,
+    "--tensorboard-log-interval": _NO_TB_CHOICE, "--timing-log-level": _NO_TB_CHOICE,
+    "--log-params-norm": "the log line shows the gradient norm only",
+    "--log-num-zeros-in-grad": "the log line shows the gradient norm only",
+}
+# Flags of the run-watching part (profiler, W&B); refused in one line where this version lacks them.
+PENDING = ("--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
+           "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")
+PENDING_REASON = "not in this version of megazero (docs/training.md: watching a run)"
+
+# Megatron's --tokenizer-type names that are not ours: {name: (our tokenizer or None: refused, the note or why)}.
+MEGATRON_TOKENIZERS: dict[str, tuple[str | None, str]] = {
+    "GPTSentencePieceTokenizer": ("SentencePieceTokenizer", "the same model file"),
+    "Llama2Tokenizer": ("SentencePieceTokenizer", "its vocabulary and end-of-document id (data preprocessed by "
+                                                  "Megatron-LM keeps its BOS ids)"),
+    "TikTokenizer": (None, "use HuggingFaceTokenizer with the model's tokenizer.json"),
+    "BertWordPieceLowerCase": (None, "a BERT vocabulary: megazero trains decoders"),
+    "BertWordPieceCase": (None, "a BERT vocabulary: megazero trains decoders"),
+    "MultimodalTokenizer": (None, "multimodal models do not exist here"),
+}
+
+
+def add_arguments(parser) -> None:
+    """The mapped and implementation flags, in a help group of their own; each stores under the dest
+    ``megatron:<flag>`` only when given (read back by :func:`from_command_line`)."""
+    group = parser.add_argument_group("Megatron-LM compatibility (docs/megatron-flags.md)")
+    for name, m in MAPPED.items():
+        group.add_argument(name, dest=f"megatron:{name}", action="store_true", default=SUPPRESS, help=m.help)
+    for name, impl in IMPLEMENTATION.items():
+        kwargs = dict(help=f"accepted: {impl.note}".replace("%", "%%"), dest=f"megatron:{name}", default=SUPPRESS)
+        if impl.choices is None and impl.type is None:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(choices=impl.choices, type=impl.type, metavar=None if impl.choices else "N")
+        group.add_argument(name, **kwargs)
+
+
+def from_command_line(given: dict[str, object], cli: dict[str, object]) -> tuple[list[str], dict[str, str]]:
+    """Apply the Megatron flags ``given`` ({flag: value}) to the command line's settings ``cli``
+    ({"section.field": value}, changed in place). Returns the lines to say at start (one per implementation
+    flag) and {dest: the Megatron flag that set it} for messages. A mapped flag whose setting the command
+    line also gives with another value, and a refused value, raise :class:`ConfigError`."""
+    notes, set_by = [], {}
+    for name, value in given.items():
+        if name in MAPPED:
+            for name_of_field, target in MAPPED[name].sets.items():
+                key = dest(name_of_field)
+                if key in cli and cli[key] != target and key not in set_by:
+                    raise ConfigError(f"{name} means {flag(name_of_field)} {target}, but {flag(name_of_field)} "
+                                      f"{cli[key]} is given: {MAPPED[name].hint}")
+                cli[key], set_by[key] = target, name
+            continue
+        impl = IMPLEMENTATION[name]
+        if impl.why_refused(value):
+            raise ConfigError(value_refusals({name: value})[name])
+        shown = "" if value is True else f" {value}"
+        notes.append(f" {name}{shown}: {impl.note}")
+    return notes, set_by
+
+
+def value_refusals(given: dict[str, object]) -> dict[str, str]:
+    """{flag: its one line} for the implementation flags ``given`` with a value that is refused here."""
+    return {name: f"{name} {value}: {IMPLEMENTATION[name].why_refused(value)}" for name, value in given.items()
+            if name in IMPLEMENTATION and IMPLEMENTATION[name].why_refused(value)}
+
+
+def check_requirements(given: dict[str, object], values: dict[str, object]) -> None:
+    """The settings an implementation flag needs, in the combined settings of every source."""
+    for name in given:
+        for name_of_field, want in getattr(IMPLEMENTATION.get(name), "requires", {}).items():
+            if values.get(dest(name_of_field)) != want:
+                raise ConfigError(f"{name} needs {flag(name_of_field)} {want} (a model with no positions does not "
+                                  f"exist here): add it or drop {name}")
+
+
+def canonical_tokenizer(values: dict[str, object]) -> list[str]:
+    """Replace a Megatron ``--tokenizer-type`` name that is not ours by our tokenizer (in place), or name
+    GPT2BPETokenizer for a vocab and merge file given alone; returns the line to say at start, if any. A Megatron tokenizer with no counterpart raises :class:`ConfigError`."""
+    key = dest("tokenizer_type")
+    name = values.get(key)
+    if name is None and values.get(dest("vocab_file")) and values.get(dest("merge_file")):
+        values[key] = "GPT2BPETokenizer"          # Megatron-LM's GPT-2 scripts name only the two files
+        return [f" {flag('vocab_file')} and {flag('merge_file')} without {flag('tokenizer_type')}: GPT2BPETokenizer"]
+    if name not in MEGATRON_TOKENIZERS:
+        return []
+    ours, note = MEGATRON_TOKENIZERS[name]
+    if ours is None:
+        raise ConfigError(f"{flag('tokenizer_type')} {name} does not exist here: {note}")
+    values[key] = ours
+    return [f" {flag('tokenizer_type')} {name}: read as {ours} ({note})"]
+
+
+def refusal_lines(argv: list[str], extras: list[str], given: dict[str, object], known: list[str]) -> list[str]:
+    """One line for each flag of ``argv`` that stops the run, in its order: among the unparsed tokens ``extras``,
+    a Megatron flag with no meaning here says why and any other unknown flag names the closest of the ``known``
+    spellings; a parsed Megatron flag ``given`` ({flag: value}) with a refused value says why. Values are
+    skipped."""
+    lines, by_value = [], value_refusals(given)
+    unparsed = {token.split("=", 1)[0] for token in extras if token.startswith("--")}
+    for token in argv:
+        name = token.split("=", 1)[0]
+        if not token.startswith("--") or name not in unparsed | set(by_value):
+            continue
+        unparsed.discard(name)
+        if name in by_value:
+            lines.append(by_value.pop(name))
+        elif name in REFUSED:
+            lines.append(f"{name}: {REFUSED[name]}")
+        elif name in PENDING:
+            lines.append(f"{name}: {PENDING_REASON}")
+        else:
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+            hint = f": did you mean {' or '.join(close)}?" if close else " (pretrain_gpt.py --help lists the flags)"
+            lines.append(f"unrecognized argument {name}{hint}")
+    return lines

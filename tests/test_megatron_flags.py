@@ -1,0 +1,241 @@
+"""Megatron-LM's flags (megazero/config/megatron_flags.py): every row of docs/megatron-flags.md is what the parser
+does; mapped flags and their conflicts; sample-based schedules; Megatron's tokenizer names; and two Megatron-LM
+launch scripts (GPT-2 345M, Llama-2-7B, tiny sizes on CPU) through pretrain_gpt.py."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megazero.arguments import build_parser, megatron_reference_markdown, megatron_rows, parse_job
+from megazero.config import megatron_flags as megatron
+
+ROOT = Path(__file__).resolve().parents[1]
+VALUES = {"--transformer-impl": "transformer_engine", "--attention-backend": "flash", "--data-impl": "mmap",
+          "--dataloader-type": "single", "--optimizer": "adam", "--distributed-backend": "gloo"}
+
+
+def _parse(argv, capsys):
+    """(job or None, exit status, stdout lines, stderr lines) of parsing ``argv`` on one rank."""
+    try:
+        job, status = parse_job(argv, world_size=1)[0], 0
+    except SystemExit as e:
+        job, status = None, e.code
+    out, err = capsys.readouterr()
+    return job, status, out.splitlines(), err.splitlines()
+
+
+def test_the_table_is_generated_from_the_module():
+    page = ROOT / "docs" / "megatron-flags.md"
+    assert page.read_text() == megatron_reference_markdown(), \
+        "docs/megatron-flags.md is stale: python -m megazero.arguments --megatron-markdown > docs/megatron-flags.md"
+    assert "megatron-flags.md" in (ROOT / "docs" / "flags.md").read_text()
+
+
+def test_every_row_is_what_the_parser_does(capsys):
+    parser = build_parser()
+    options = getattr(parser, "_option_string_actions")
+    for name, status, detail in megatron_rows(parser):
+        if status == "accepted as-is":
+            assert name in options and "." in options[name].dest, name           # a config field's own flag
+            continue
+        argv = [name] + ([VALUES.get(name, "1")] if options.get(name) and options[name].nargs != 0 else [])
+        if name == "--no-position-embedding":
+            argv += ["--position-embedding-type", "rope"]
+        job, code, out, err = _parse(argv, capsys)
+        if status == "refused":
+            assert code == 2 and err == [f"pretrain_gpt.py: error: {name}: {detail}"], (name, err)
+        elif status == "implementation choice":
+            assert code == 0 and any(line.startswith(f" {name}") for line in out), (name, out, err)
+        else:
+            assert status == "mapped" and code == 0, (name, err)
+            for field_name, value in getattr(megatron.MAPPED.get(name), "sets", {}).items():
+                section = next(s for s in ("model", "zero", "parallel") if hasattr(getattr(job, s), field_name))
+                assert getattr(getattr(job, section), field_name) == value, name
+
+
+def test_each_refused_flag_is_one_line_and_all_are_said_at_once(capsys):
+    _, code, _, err = _parse(["--fp8-format", "hybrid", "--num-layers", "2", "--no-save-optim",
+                              "--rampup-batch-size", "16", "16", "100", "--tensor-parallel", "2"], capsys)
+    assert code == 2 and len(err) == 4, err
+    assert [line.split(":")[2].strip().split()[0] for line in err] == \
+        ["--fp8-format", "--no-save-optim", "--rampup-batch-size", "unrecognized"]
+    assert "did you mean --tensor-model-parallel-size" in err[3]
+
+
+def test_distributed_optimizer_is_zero_stage_1_and_a_different_stage_is_refused(capsys, tmp_path):
+    job, code, _, _ = _parse(["--use-distributed-optimizer", "--zero-stage", "1"], capsys)
+    assert code == 0 and job.zero.zero_stage == 1
+    _, code, _, err = _parse(["--use-distributed-optimizer", "--zero-stage", "2"], capsys)
+    assert code == 2 and err == ["pretrain_gpt.py: error: --use-distributed-optimizer means --zero-stage 1, but "
+                                 "--zero-stage 2 is given: for ZeRO stage 2 or 3 drop --use-distributed-optimizer"]
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    _, code, _, err = _parse(["--use-distributed-optimizer", "--deepspeed-config", str(ds)], capsys)
+    assert code == 2 and len(err) == 1 and "--zero-stage (from --use-distributed-optimizer) is 1" in err[0]
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("zero-stage = 2\n")                  # the command line overrides a --config file
+    job, code, _, _ = _parse(["--use-distributed-optimizer", "--config", str(cfg)], capsys)
+    assert code == 0 and job.zero.zero_stage == 1
+
+
+def test_distributed_backend_is_backend(capsys):
+    assert parse_job(["--distributed-backend", "gloo"], world_size=1)[1].backend == "gloo"
+
+
+@pytest.mark.parametrize("argv,iters,decay,warmup", [
+    (["--train-samples", "100", "--global-batch-size", "8"], 12, 13, 0),      # decay ends at sample 100
+    (["--train-samples", "100", "--global-batch-size", "8", "--lr-decay-samples", "50", "--lr-warmup-samples", "9"],
+     12, 7, 2),
+    (["--train-samples", "160", "--global-batch-size", "8", "--lr-warmup-fraction", "0.1"], 20, 20, 2),
+    (["--train-iters", "30", "--lr-decay-iters", "25", "--lr-warmup-fraction", "0.1"], 30, 25, 3),
+    (["--train-iters", "30", "--lr-warmup-fraction", "0.01"], 30, 30, 1),
+])
+def test_sample_based_schedules_become_iterations(argv, iters, decay, warmup, capsys):
+    job, code, _, err = _parse(argv, capsys)
+    assert code == 0, err
+    assert (job.train.train_iters, job.optimizer.lr_decay_iters, job.optimizer.lr_warmup_iters) == \
+        (iters, decay, warmup)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--train-iters", "10", "--train-samples", "80"], "--train-iters and --train-samples are exclusive"),
+    (["--train-samples", "80", "--lr-decay-iters", "5"], "--lr-decay-iters belongs to an iteration-based run; "
+                                                         "with --train-samples use --lr-decay-samples"),
+    (["--lr-warmup-samples", "80"], "--lr-warmup-samples belongs to a sample-based run (--train-samples)"),
+    (["--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], "--lr-warmup-fraction and --lr-warmup-iters both"),
+    (["--train-samples", "4", "--global-batch-size", "8"], "--train-samples 4 is less than one --global-batch-size"),
+])
+def test_mixing_iterations_and_samples_is_refused_as_megatron_does(argv, message, capsys):
+    _, code, _, err = _parse(argv, capsys)
+    assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_megatron_tokenizer_names(capsys, tmp_path):
+    job, code, out, _ = _parse(["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "sp.model"], capsys)
+    assert code == 0 and job.data.tokenizer_type == "SentencePieceTokenizer"
+    assert any(line.startswith(" --tokenizer-type Llama2Tokenizer: read as SentencePieceTokenizer") for line in out)
+    _, code, _, err = _parse(["--tokenizer-type", "TikTokenizer"], capsys)
+    assert code == 2 and err == ["pretrain_gpt.py: error: --tokenizer-type TikTokenizer does not exist here: use "
+                                 "HuggingFaceTokenizer with the model's tokenizer.json"]
+    job, code, _, _ = _parse(["--vocab-file", "v.json", "--merge-file", "m.txt"], capsys)
+    assert code == 0 and job.data.tokenizer_type == "GPT2BPETokenizer"
+    from megazero.data.tokenizers import build_tokenizer
+
+    null = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert (null.vocab_size, null.eod, null.tokenize("3 5 99")) == (101, 100, [3, 5, 99])
+
+
+def test_no_position_embedding_needs_rope(capsys):
+    _, code, _, err = _parse(["--no-position-embedding"], capsys)
+    assert code == 2 and len(err) == 1 and "--no-position-embedding needs --position-embedding-type rope" in err[0]
+
+
+# ------------------------------------------------------------------------------ Megatron-LM launch scripts
+# The flags of Megatron-LM's examples/pretrain_gpt.sh (GPT-2 345M) and examples/llama/train_llama2.sh (Llama-2-7B,
+# with the Megatron-core flags of its variants), unchanged but for tiny sizes on CPU (the real value after #),
+# gloo for nccl, and the data swapped for mock data / the bundled sample corpus and its SentencePiece model.
+GPT2_345M = """
+--num-layers 2 --hidden-size 32 --num-attention-heads 4 --micro-batch-size 2 --global-batch-size 4
+--seq-length 32 --max-position-embeddings 32 --train-iters 2 --lr-decay-iters 2
+--save {ckpt} --load {ckpt} --mock-data --vocab-file {vocab} --merge-file {merges} --data-impl mmap
+--split 949,50,1 --distributed-backend gloo --lr 0.00015 --min-lr 1.0e-5 --lr-decay-style cosine
+--weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction .01 --checkpoint-activations --log-interval 1
+--save-interval 10000 --eval-interval 1000 --eval-iters 1 --fp16
+--use-mcore-models --transformer-impl local --use-distributed-optimizer --overlap-grad-reduce
+"""
+# 24 layers, 1024 wide, 16 heads, micro 4, global 8, seq 1024, 500000 iterations, decay 320000, eval 10, nccl
+LLAMA2_7B = """
+--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --context-parallel-size 1
+--num-layers 2 --hidden-size 64 --ffn-hidden-size 176 --num-attention-heads 4 --seq-length 32
+--max-position-embeddings 64 --untie-embeddings-and-output-weights --position-embedding-type rope
+--no-position-embedding --swiglu --disable-bias-linear --init-method-std 0.02 --attention-dropout 0.0
+--hidden-dropout 0.0 --normalization RMSNorm --micro-batch-size 1 --global-batch-size 2 --train-iters 2
+--no-async-tensor-model-parallel-allreduce --bf16 --no-masked-softmax-fusion
+--lr 1e-4 --min-lr 1e-5 --lr-decay-iters 320000 --lr-decay-style cosine --weight-decay 1.0e-1 --clip-grad 1.0
+--optimizer adam --adam-beta1 0.9 --adam-beta2 0.95
+--tokenizer-type Llama2Tokenizer --tokenizer-model {sp_model} --data-path {data} --data-cache-path {cache}
+--split 949,50,1 --dataloader-type cyclic --save-interval 200000 --log-interval 1 --eval-interval 320000
+--eval-iters 1 --num-workers 8 --log-throughput --no-save-optim --no-save-rng
+--group-query-attention --num-query-groups 4 --no-gradient-accumulation-fusion --distributed-backend gloo
+--distributed-timeout-minutes 120 --overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather
+--use-flash-attn --use-mcore-models --transformer-impl local --rotary-percent 1.0 --save {ckpt}
+"""
+# 32 layers, 4096 wide, ffn 11008, 32 heads (32 query groups), seq 4096, max positions 32000, global 8, 12
+# iterations, split 99990,8,2, eval 10, nccl
+LLAMA2_REFUSED = ["--dataloader-type", "--no-save-optim", "--no-save-rng"]
+
+
+def _run(flags: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *flags], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _without(flags: list[str], names: list[str]) -> list[str]:
+    out, skip = [], False
+    for token in flags:
+        if token in names:
+            skip = True
+            continue
+        if skip and not token.startswith("--"):
+            continue
+        skip = False
+        out.append(token)
+    return out
+
+
+def test_megatron_gpt2_345m_script_runs_unchanged(tmp_path):
+    flags = GPT2_345M.format(ckpt=tmp_path / "ckpt", vocab=ROOT / "tests/data/gpt2/vocab.json",
+                             merges=ROOT / "tests/data/gpt2/merges.txt").split()
+    run = _run(flags + ["--metrics-file", str(tmp_path / "m.jsonl")], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert " --transformer-impl local: megazero's own layers are used (no Transformer Engine)" in run.stdout
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "loss" in r] == [1, 2]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_megatron_llama2_7b_script_stops_one_line_per_refused_flag_then_runs(tmp_path):
+    from megazero.data.sample import default_sample, sample_tokenizer
+
+    cache = tmp_path / "cache"
+    flags = LLAMA2_7B.format(sp_model=sample_tokenizer().model_file, data=default_sample(cache), cache=cache,
+                             ckpt=tmp_path / "ckpt").split()
+    run = _run(flags, tmp_path)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert run.returncode == 2 and len(errors) == len(LLAMA2_REFUSED) == len(run.stderr.splitlines()), run.stderr
+    assert [e.split()[2].rstrip(":") for e in errors] == LLAMA2_REFUSED
+    run = _run(_without(flags, LLAMA2_REFUSED) + ["--metrics-file", str(tmp_path / "m.jsonl")], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for line in (" --use-flash-attn: attention runs through torch's scaled_dot_product_attention",
+                 " --tokenizer-type Llama2Tokenizer: read as SentencePieceTokenizer"):
+        assert line in run.stdout, run.stdout[:3000]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "loss" in r] == [1, 2]
+
+
+def test_no_load_optim_no_load_rng_and_checkpoint_args_when_resuming(tmp_path):
+    """--no-load-optim resumes the iteration with a fresh optimizer (the next loss differs from a full resume);
+    --use-checkpoint-args takes the model's shape from the checkpoint (no model flags given)."""
+    from helpers.trainer import TINY, read_metrics
+
+    shape = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"]
+    base = _without(TINY, ["--train-iters", "--num-layers", "--hidden-size", "--num-attention-heads"])
+    saved = _run(base + shape + ["--train-iters", "2", "--save", str(tmp_path / "a")], tmp_path)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    losses = {}
+    for name, extra in (("full", shape), ("fresh", ["--no-load-optim", "--no-load-rng", "--use-checkpoint-args"])):
+        run = _run(base + extra + ["--train-iters", "4", "--load", str(tmp_path / "a"),
+                                   "--metrics-file", str(tmp_path / f"{name}.jsonl")], tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        train, _ = read_metrics(tmp_path / f"{name}.jsonl")
+        assert [r["iteration"] for r in train] == [3, 4]
+        losses[name] = [r["loss"] for r in train]
+        if name == "fresh":
+            assert "at iteration 2" in run.stdout and "fresh optimizer and random states" in run.stdout
+    assert losses["full"][0] == losses["fresh"][0]          # the same weights went into iteration 3 ...
+    assert losses["full"][1] != losses["fresh"][1]          # ... whose update used fresh Adam moments
