@@ -49,7 +49,7 @@ def _refuse(why: str):
     raise CheckpointError(f"cannot export to a HF Llama-family model: {why}")
 
 
-def hf_config(cfg: ModelConfig, eos_id: int | None = None, bos_id: int | None = None) -> dict:
+def hf_config(cfg: ModelConfig) -> dict:
     """LlamaConfig (Qwen2Config with --add-qkv-bias alone) fields for a megazero model."""
     unlike = [what for what, differs in (
         ("--position-embedding-type learned_absolute", cfg.position_embedding_type != "rope"),
@@ -67,7 +67,7 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None, bos_id: int | None = 
            "rope_theta": cfg.rotary_base, "rope_scaling": _rope_scaling(cfg),
            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
            "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
-           "bos_token_id": bos_id, "eos_token_id": eos_id, "use_cache": True, "torch_dtype": "float32"}
+           "use_cache": True, "torch_dtype": "float32"}
     if qwen2:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
     else:
