@@ -361,3 +361,83 @@ def test_gpt2_export_writes_a_tokenizer_autotokenizer_reads_as_ours(tmp_path):
 def test_check_needs_an_hf_side(trained_tp2pp2, tmp_path):
     rc, out = _convert("--input", trained_tp2pp2, "--output", tmp_path / "o", "--to", "megazero", "--check")
     assert rc == 1 and "--check compares a conversion with HF" in out and not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------- Mixture of Experts (Mixtral)
+
+MOE = dict(num_experts=4, moe_router_topk=2, group_query_attention=True, num_query_groups=2)
+
+
+def test_moe_exports_as_mixtral_and_round_trips(tmp_path):
+    """A Llama-family MoE model exports as MixtralForCausalLM: transformers gives its logits (1e-5), and
+    importing the export gives back every tensor exactly, at tp2 pp2."""
+    cfg = ModelConfig(**{**MODEL, **LLAMA, **MOE})
+    ckpt = _perturbed_checkpoint(tmp_path / "mz", cfg)
+    rc, out = _convert("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf", "--check",
+                       "--check-tolerance", 1e-5)
+    assert rc == 0 and "check ok" in out, out
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 4
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, _our_logits(ckpt), rtol=0, atol=1e-5)
+    rc, out = _convert("--input", tmp_path / "hf", "--output", tmp_path / "back", "--to", "megazero",
+                       "--target-tp", 2, "--target-pp", 2)
+    assert rc == 0, out
+    (_, before, _), (back_cfg, after, _) = read_model(ckpt), read_model(tmp_path / "back")
+    assert set(before) == set(after) and all(torch.equal(before[n], after[n]) for n in before)
+    assert (back_cfg.num_experts, back_cfg.moe_router_topk) == (4, 2)
+
+
+@pytest.mark.slow
+def test_hf_mixtral_saved_by_transformers_imports(tmp_path):
+    """A MixtralForCausalLM made and saved by transformers imports with the same logits."""
+    hf_cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        expected = hf(TOKENS).logits
+    hf.save_pretrained(str(tmp_path / "hf"))
+    rc, out = _convert("--input", tmp_path / "hf", "--output", tmp_path / "mz", "--to", "megazero", "--seq-length", 16,
+                       "--check", "--check-tolerance", 1e-5)
+    assert rc == 0 and "check ok" in out, out
+    torch.testing.assert_close(_our_logits(tmp_path / "mz"), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False, add_bias_linear=True),
+     "--num-experts 4 has no GPT-2 equivalent: an MoE model exports as MixtralForCausalLM"),
+    (dict(moe_layer_freq=2), "--moe-layer-freq 2"),
+    (dict(moe_router_topk=1), "--moe-router-topk 1"),
+    (dict(add_qkv_bias=True), "biases")])
+def test_moe_export_refuses_what_mixtral_cannot_express(flags, match, tmp_path):
+    from megazero.checkpoint.hf import save_hf
+
+    with pytest.raises(CheckpointError, match=match):
+        save_hf(tmp_path / "out", {}, ModelConfig(**{**MODEL, **LLAMA, **MOE, **flags}))
+    assert not (tmp_path / "out").exists()
+
+
+def test_mixtral_fused_expert_layout_reads_as_the_published_one():
+    """transformers 5's in-memory layout (mlp.gate, experts.gate_up_proj [E, 2f, h], experts.down_proj
+    [E, h, f]) imports to the same tensors as the published per-expert w1/w2/w3 layout."""
+    from megazero.models import hf_llama
+
+    cfg = ModelConfig(**{**MODEL, **LLAMA, **MOE})
+    tensors = {n: p.detach()[:VOCAB] if p.vocab_padded else p.detach() for n, p in GPT(cfg, seed=4).named_parameters()}
+    published = hf_llama.to_hf_state(tensors, cfg)
+    fused = {k: v for k, v in published.items() if ".block_sparse_moe." not in k}
+    for i in range(cfg.num_layers):
+        old, new = f"model.layers.{i}.block_sparse_moe.", f"model.layers.{i}.mlp."
+        fused[new + "gate.weight"] = published[old + "gate.weight"]
+        fused[new + "experts.gate_up_proj"] = torch.stack([torch.cat([published[f"{old}experts.{e}.w1.weight"],
+                                                                      published[f"{old}experts.{e}.w3.weight"]])
+                                                           for e in range(cfg.num_experts)])
+        fused[new + "experts.down_proj"] = torch.stack([published[f"{old}experts.{e}.w2.weight"]
+                                                        for e in range(cfg.num_experts)])
+    a, b = hf_llama.from_hf_state(dict(published), cfg), hf_llama.from_hf_state(fused, cfg)
+    assert set(a) == set(b) == set(tensors) and all(torch.equal(a[n], b[n]) and torch.equal(a[n], tensors[n]) for n in a)
