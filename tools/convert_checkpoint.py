@@ -1,7 +1,7 @@
-"""Convert checkpoints: megazero (any layout) <-> HuggingFace (GPT-2, Llama, Qwen2; Mistral read), or re-split
-megazero files.
+"""Convert checkpoints: megazero (any layout) <-> HuggingFace (GPT-2, Llama, Qwen2, Mixtral; Mistral read), or
+re-split megazero files.
 
-    python tools/convert_checkpoint.py --input ckpt/ --output my-hf/ --to hf
+    python tools/convert_checkpoint.py --input ckpt/ --output my-hf/ --to hf --check
     python tools/convert_checkpoint.py --input Llama-3-8B/ --output ckpt-tp2pp2/ --to megazero --target-tp 2 --target-pp 2
 
 ``--input`` is a megazero save directory (its latest checkpoint), an ``iter_*`` directory, or (for
@@ -9,12 +9,14 @@ megazero files.
 safetensors (model.safetensors.index.json) or pytorch_model.bin. The HF format follows the model:
 learned position embeddings give ``GPT2LMHeadModel`` (Conv1D [in, out] weights, q/k/v as consecutive
 blocks, the GELU variant in ``activation_function``); RoPE gives ``LlamaForCausalLM`` (q/k/v and
-gate/up projections apart, ``num_key_value_heads`` the query groups), or ``Qwen2ForCausalLM`` with a
-QKV-only bias. Weights above ``--max-shard-size`` are sharded with model.safetensors.index.json; the
-run's tokenizer files are copied when known. megazero output is a weights-only checkpoint
-(iteration 0): train from it with ``--load DIR --finetune``; an HF tokenizer.json beside the input
-is recorded as its tokenizer (tools/generate.py uses it). Configurations the other side cannot
-express are refused.
+gate/up projections apart, ``num_key_value_heads`` the query groups), ``Qwen2ForCausalLM`` with a
+QKV-only bias, or ``MixtralForCausalLM`` with experts. Weights above ``--max-shard-size`` are sharded
+with model.safetensors.index.json; the run's tokenizer is written so that AutoTokenizer gives its ids
+(tokenizer_config.json, bos/eos ids in config.json). megazero output is a weights-only checkpoint
+(iteration 0): train from it with ``--load DIR --finetune``; the input's tokenizer (tokenizer.json,
+vocab.json + merges.txt, or tokenizer.model) is recorded as its tokenizer (tools/generate.py uses it).
+Configurations the other side cannot express are refused. ``--check`` runs transformers' model and
+megazero's on the written weights and compares their logits and tokenizers (docs/checkpoints.md).
 """
 from __future__ import annotations
 
