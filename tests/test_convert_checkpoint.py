@@ -240,3 +240,204 @@ def test_llama_refusals(tmp_path):
         from megazero.checkpoint.hf import save_hf
         save_hf(tmp_path / "out", {}, ModelConfig(**MODEL, position_embedding_type="rope"))
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- round trips with tokenizers
+
+ROUND_TRIP_TEXT = ("A hacker's  jargon, 2,345 entries:\n\tcafé <-> {} and </s> <|endoftext|> <s> stay text. "
+                   "Hello world!")
+
+
+def _gpt2_source(path):
+    """A GPT2LMHeadModel with GPT-2's BPE files (vocab.json, merges.txt, as megazero writes them)."""
+    from helpers.data import GPT2_MERGES, GPT2_VOCAB
+
+    from megazero.checkpoint.hf_tokenizer import write_tokenizer
+    from megazero.config import DataConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(GPT2_VOCAB),
+                               merge_file=str(GPT2_MERGES)), path)
+    return transformers.GPT2Config(vocab_size=50257, n_positions=32, n_embd=16, n_layer=2, n_head=2, n_inner=48,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), transformers.GPT2LMHeadModel
+
+
+def _llama_source(path):
+    """A LlamaForCausalLM (GQA, untied) with the sample corpus's SentencePiece model (tokenizer.model, as
+    megazero writes it)."""
+    from megazero.checkpoint.hf_tokenizer import write_tokenizer
+    from megazero.config import DataConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(DataConfig(), path)
+    return transformers.LlamaConfig(vocab_size=4000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2), \
+        transformers.LlamaForCausalLM
+
+
+def _qwen2_source(path):
+    """A Qwen2ForCausalLM (q/k/v biases, tied) with a Qwen2-style tokenizer.json and its
+    tokenizer_config.json (copied as they are on export)."""
+    from helpers.hf_tokenizers import qwen2_tokenizer_dir
+
+    from megazero.data.sample import CORPUS
+
+    qwen2_tokenizer_dir(path, Path(CORPUS).read_text()[:60000], vocab_size=600)
+    return transformers.Qwen2Config(vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                    tie_word_embeddings=True), transformers.Qwen2ForCausalLM
+
+
+SOURCES = {"gpt2": _gpt2_source, "llama": _llama_source, "qwen2": _qwen2_source}
+
+
+@pytest.mark.parametrize("family", [f if f == "gpt2" else pytest.param(f, marks=pytest.mark.slow) for f in SOURCES])
+def test_round_trip_through_hf_keeps_tokenizer_ids_and_logits(family, tmp_path):
+    """An HF model made by transformers with a tokenizer of each kind (GPT-2 BPE, SentencePiece,
+    tokenizer.json), imported and exported again: AutoTokenizer of the source and of the export, and
+    megazero's tokenizer of the import, all give the source tokenizer's ids; the imported model and
+    the exported one give the source's logits within 1e-5 (fp32); --check agrees both ways."""
+    from megazero.checkpoint.hf_tokenizer import run_tokenizer, tokenizer_of
+
+    hf_cfg, cls = SOURCES[family](tmp_path / "hf")
+    torch.manual_seed(0)
+    source = cls(hf_cfg).eval()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    source.save_pretrained(str(tmp_path / "hf"))
+    source_ids = run_tokenizer(tokenizer_of(tmp_path / "hf")).tokenize(ROUND_TRIP_TEXT)
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))(ROUND_TRIP_TEXT).input_ids == source_ids
+    tokens = torch.tensor([source_ids[:16]])
+    with torch.no_grad():
+        expected = source(tokens).logits
+
+    rc, out = _convert("--input", tmp_path / "hf", "--output", tmp_path / "mz", "--to", "megazero",
+                       "--seq-length", 16, "--check", "--check-tolerance", 1e-5)
+    assert rc == 0 and "AutoTokenizer gives megazero's ids" in out, out
+    model, job = build_full_model(tmp_path / "mz")
+    assert run_tokenizer(job.data).tokenize(ROUND_TRIP_TEXT) == source_ids
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens)[..., :hf_cfg.vocab_size], expected, rtol=0, atol=1e-5)
+
+    rc, out = _convert("--input", tmp_path / "mz", "--output", tmp_path / "back", "--to", "hf",
+                       "--check", "--check-tolerance", 1e-5)
+    assert rc == 0 and "AutoTokenizer gives megazero's ids" in out, out
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))(ROUND_TRIP_TEXT).input_ids == source_ids
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["model_type"] == family
+    assert (config["bos_token_id"], config["eos_token_id"]) == {"gpt2": (50256, 50256), "llama": (1, 2),
+                                                                  "qwen2": (None, 0)}[family]
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_gpt2_export_writes_a_tokenizer_autotokenizer_reads_as_ours(tmp_path):
+    """A GPT-2 shaped run on GPT-2's BPE files exports vocab.json, merges.txt and a tokenizer_config.json
+    naming GPT2Tokenizer and <|endoftext|>; AutoTokenizer then gives megazero's ids, <|endoftext|> in
+    the text included (ordinary text on both sides)."""
+    from helpers.data import GPT2_MERGES, GPT2_VOCAB
+
+    from megazero.config import DataConfig
+    from megazero.data.tokenizers import GPT2BPETokenizer
+
+    cfg = ModelConfig(**{**MODEL, "vocab_size": 50257, "hidden_size": 16, "num_layers": 2, "num_attention_heads": 2})
+    job = JobConfig(model=cfg, data=DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(GPT2_VOCAB),
+                                               merge_file=str(GPT2_MERGES), data_path=["unused"]))
+    tensors = {n: p.detach()[:cfg.vocab_size] if p.vocab_padded else p.detach() for n, p in GPT(cfg, seed=1).named_parameters()}
+    write_weights_checkpoint(tmp_path / "mz", tensors, job)
+    rc, out = _convert("--input", tmp_path / "mz", "--output", tmp_path / "hf", "--to", "hf", "--check")
+    assert rc == 0 and "check ok" in out, out
+    tok_config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert tok_config["tokenizer_class"] == "GPT2Tokenizer" and tok_config["eos_token"] == "<|endoftext|>"
+    ids = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))(ROUND_TRIP_TEXT).input_ids
+    assert ids == GPT2BPETokenizer(str(GPT2_VOCAB), str(GPT2_MERGES)).tokenize(ROUND_TRIP_TEXT)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["bos_token_id"] == config["eos_token_id"] == 50256
+
+
+def test_check_needs_an_hf_side(trained_tp2pp2, tmp_path):
+    rc, out = _convert("--input", trained_tp2pp2, "--output", tmp_path / "o", "--to", "megazero", "--check")
+    assert rc == 1 and "--check compares a conversion with HF" in out and not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------- Mixture of Experts (Mixtral)
+
+MOE = dict(num_experts=4, moe_router_topk=2, group_query_attention=True, num_query_groups=2)
+
+
+def test_moe_exports_as_mixtral_and_round_trips(tmp_path):
+    """A Llama-family MoE model exports as MixtralForCausalLM: transformers gives its logits (1e-5), and
+    importing the export gives back every tensor exactly, at tp2 pp2."""
+    cfg = ModelConfig(**{**MODEL, **LLAMA, **MOE})
+    ckpt = _perturbed_checkpoint(tmp_path / "mz", cfg)
+    rc, out = _convert("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf", "--check",
+                       "--check-tolerance", 1e-5)
+    assert rc == 0 and "check ok" in out, out
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 4
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, _our_logits(ckpt), rtol=0, atol=1e-5)
+    rc, out = _convert("--input", tmp_path / "hf", "--output", tmp_path / "back", "--to", "megazero",
+                       "--target-tp", 2, "--target-pp", 2)
+    assert rc == 0, out
+    (_, before, _), (back_cfg, after, _) = read_model(ckpt), read_model(tmp_path / "back")
+    assert set(before) == set(after) and all(torch.equal(before[n], after[n]) for n in before)
+    assert (back_cfg.num_experts, back_cfg.moe_router_topk) == (4, 2)
+
+
+@pytest.mark.slow
+def test_hf_mixtral_saved_by_transformers_imports(tmp_path):
+    """A MixtralForCausalLM made and saved by transformers imports with the same logits."""
+    hf_cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        expected = hf(TOKENS).logits
+    hf.save_pretrained(str(tmp_path / "hf"))
+    rc, out = _convert("--input", tmp_path / "hf", "--output", tmp_path / "mz", "--to", "megazero", "--seq-length", 16,
+                       "--check", "--check-tolerance", 1e-5)
+    assert rc == 0 and "check ok" in out, out
+    torch.testing.assert_close(_our_logits(tmp_path / "mz"), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False, add_bias_linear=True),
+     "--num-experts 4 has no GPT-2 equivalent: an MoE model exports as MixtralForCausalLM"),
+    (dict(moe_layer_freq=2), "--moe-layer-freq 2"),
+    (dict(moe_router_topk=1), "--moe-router-topk 1"),
+    (dict(add_qkv_bias=True), "biases")])
+def test_moe_export_refuses_what_mixtral_cannot_express(flags, match, tmp_path):
+    from megazero.checkpoint.hf import save_hf
+
+    with pytest.raises(CheckpointError, match=match):
+        save_hf(tmp_path / "out", {}, ModelConfig(**{**MODEL, **LLAMA, **MOE, **flags}))
+    assert not (tmp_path / "out").exists()
+
+
+def test_mixtral_fused_expert_layout_reads_as_the_published_one():
+    """transformers 5's in-memory layout (mlp.gate, experts.gate_up_proj [E, 2f, h], experts.down_proj
+    [E, h, f]) imports to the same tensors as the published per-expert w1/w2/w3 layout."""
+    from megazero.models import hf_llama
+
+    cfg = ModelConfig(**{**MODEL, **LLAMA, **MOE})
+    tensors = {n: p.detach()[:VOCAB] if p.vocab_padded else p.detach() for n, p in GPT(cfg, seed=4).named_parameters()}
+    published = hf_llama.to_hf_state(tensors, cfg)
+    fused = {k: v for k, v in published.items() if ".block_sparse_moe." not in k}
+    for i in range(cfg.num_layers):
+        old, new = f"model.layers.{i}.block_sparse_moe.", f"model.layers.{i}.mlp."
+        fused[new + "gate.weight"] = published[old + "gate.weight"]
+        fused[new + "experts.gate_up_proj"] = torch.stack([torch.cat([published[f"{old}experts.{e}.w1.weight"],
+                                                                      published[f"{old}experts.{e}.w3.weight"]])
+                                                           for e in range(cfg.num_experts)])
+        fused[new + "experts.down_proj"] = torch.stack([published[f"{old}experts.{e}.w2.weight"]
+                                                        for e in range(cfg.num_experts)])
+    a, b = hf_llama.from_hf_state(dict(published), cfg), hf_llama.from_hf_state(fused, cfg)
+    assert set(a) == set(b) == set(tensors) and all(torch.equal(a[n], b[n]) and torch.equal(a[n], tensors[n]) for n in a)

@@ -1,7 +1,7 @@
-"""Convert checkpoints: megazero (any layout) <-> HuggingFace (GPT-2, Llama, Qwen2; Mistral read), or re-split
-megazero files.
+"""Convert checkpoints: megazero (any layout) <-> HuggingFace (GPT-2, Llama, Qwen2, Mixtral; Mistral read), or
+re-split megazero files.
 
-    python tools/convert_checkpoint.py --input ckpt/ --output my-hf/ --to hf
+    python tools/convert_checkpoint.py --input ckpt/ --output my-hf/ --to hf --check
     python tools/convert_checkpoint.py --input Llama-3-8B/ --output ckpt-tp2pp2/ --to megazero --target-tp 2 --target-pp 2
 
 ``--input`` is a megazero save directory (its latest checkpoint), an ``iter_*`` directory, or (for
@@ -9,12 +9,14 @@ megazero files.
 safetensors (model.safetensors.index.json) or pytorch_model.bin. The HF format follows the model:
 learned position embeddings give ``GPT2LMHeadModel`` (Conv1D [in, out] weights, q/k/v as consecutive
 blocks, the GELU variant in ``activation_function``); RoPE gives ``LlamaForCausalLM`` (q/k/v and
-gate/up projections apart, ``num_key_value_heads`` the query groups), or ``Qwen2ForCausalLM`` with a
-QKV-only bias. Weights above ``--max-shard-size`` are sharded with model.safetensors.index.json; the
-run's tokenizer files are copied when known. megazero output is a weights-only checkpoint
-(iteration 0): train from it with ``--load DIR --finetune``; an HF tokenizer.json beside the input
-is recorded as its tokenizer (tools/generate.py uses it). Configurations the other side cannot
-express are refused.
+gate/up projections apart, ``num_key_value_heads`` the query groups), ``Qwen2ForCausalLM`` with a
+QKV-only bias, or ``MixtralForCausalLM`` with experts. Weights above ``--max-shard-size`` are sharded
+with model.safetensors.index.json; the run's tokenizer is written so that AutoTokenizer gives its ids
+(tokenizer_config.json, bos/eos ids in config.json). megazero output is a weights-only checkpoint
+(iteration 0): train from it with ``--load DIR --finetune``; the input's tokenizer (tokenizer.json,
+vocab.json + merges.txt, or tokenizer.model) is recorded as its tokenizer (tools/generate.py uses it).
+Configurations the other side cannot express are refused. ``--check`` runs transformers' model and
+megazero's on the written weights and compares their logits and tokenizers (docs/checkpoints.md).
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from megazero.checkpoint import CheckpointError  # noqa: E402
-from megazero.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, load_hf, save_hf, tokenizer_of  # noqa: E402
+from megazero.checkpoint.hf_compare import DEFAULT_TEXT, Comparison, compare_with_hf  # noqa: E402
+from megazero.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, load_hf, save_hf  # noqa: E402
+from megazero.checkpoint.hf_tokenizer import tokenizer_of  # noqa: E402
 from megazero.checkpoint.offline import read_model, saved_job, write_weights_checkpoint  # noqa: E402
 from megazero.config import ConfigError, JobConfig, ParallelConfig, check_model  # noqa: E402
 
@@ -59,12 +63,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, help="HF input: training sequence length to record "
                                                    "(default max_position_embeddings)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (refused otherwise)")
+    p.add_argument("--check", action="store_true",
+                   help="after converting, run transformers' model on the HF side and megazero's on the same "
+                        "written weights, on a test text: print the max logit difference and whether "
+                        "AutoTokenizer gives megazero's ids; exit 1 over --check-tolerance (needs transformers)")
+    p.add_argument("--check-tolerance", type=float, default=1e-4, metavar="ABS",
+                   help="largest max |logit difference| --check accepts (fp32 on both sides; default 1e-4)")
+    p.add_argument("--check-text", default=DEFAULT_TEXT, metavar="TEXT", help="the text --check runs")
     return p.parse_args(argv)
 
 
 def check_output(args: argparse.Namespace) -> None:
     """Refuse to write over anything: an existing HF model, a checkpoint or a training run's
-    directory (its tracker would move back) is kept unless --overwrite; bad target sizes are refused."""
+    directory (its tracker would move back) is kept unless --overwrite; bad target sizes, and a
+    --check with no HF side, are refused."""
     for name in ("target_tp", "target_pp"):
         if getattr(args, name) < 1:
             raise CheckpointError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -76,17 +88,23 @@ def check_output(args: argparse.Namespace) -> None:
                               f"--overwrite to replace what is there")
     if Path(args.input).resolve() == out.resolve():
         raise CheckpointError("--output is --input: write the conversion to another directory")
+    if args.check and args.to == "megazero" and not (Path(args.input) / "config.json").is_file():
+        raise CheckpointError("--check compares a conversion with HF: it needs --to hf, or an HF --input")
+    if args.check and args.check_tolerance < 0:
+        raise CheckpointError(f"--check-tolerance must be >= 0, got {args.check_tolerance}")
 
 
-def convert(args: argparse.Namespace) -> Path:
+def convert(args: argparse.Namespace) -> tuple[Path, Comparison | None]:
+    """Convert; with ``--check``, also compare the HF side with megazero's model on the written weights."""
     check_output(args)
     src, dtype = Path(args.input), DTYPES[args.dtype]
     if args.to == "hf":
         if (src / "config.json").is_file():
             raise CheckpointError(f"{src} is already an HF model directory")
         cfg, tensors, index = read_model(src)
-        return save_hf(args.output, tensors, cfg, dtype, max_shard_bytes=args.max_shard_size,
-                       data_cfg=saved_job(index).data)
+        data = saved_job(index).data
+        out = save_hf(args.output, tensors, cfg, dtype, max_shard_bytes=args.max_shard_size, data_cfg=data)
+        return out, _check(args, out, cfg, tensors, data)
     if (src / "config.json").is_file():
         cfg, tensors = load_hf(src, args.seq_length)
         job = JobConfig(model=cfg, data=tokenizer_of(src))
@@ -100,17 +118,30 @@ def convert(args: argparse.Namespace) -> Path:
     except ConfigError as e:
         raise CheckpointError(str(e).replace("--tensor-model-parallel-size/--tp", "--target-tp")) from None
     tensors = {k: v.to(dtype) for k, v in tensors.items()}
-    return write_weights_checkpoint(args.output, tensors, job, tp=args.target_tp, pp=args.target_pp)
+    out = write_weights_checkpoint(args.output, tensors, job, tp=args.target_tp, pp=args.target_pp)
+    hf_side = src if (src / "config.json").is_file() else None
+    return out, _check(args, hf_side, job.model, tensors, job.data)
+
+
+def _check(args, hf_dir: Path | None, cfg, tensors, data) -> Comparison | None:
+    """``--check``: the comparison of the HF directory with megazero's model on the written weights."""
+    if not args.check or hf_dir is None:
+        return None
+    written = {k: v.to(DTYPES[args.dtype]) for k, v in tensors.items()}
+    return compare_with_hf(hf_dir, cfg, written, data, args.check_text)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        out = convert(args)
+        out, comparison = convert(args)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
+    if comparison is not None:
+        print(comparison.describe(args.check_tolerance))
+        return 0 if comparison.passed(args.check_tolerance) else 1
     return 0
 
 

@@ -20,19 +20,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from megazero.checkpoint.format import CheckpointError
+from megazero.checkpoint.hf_tokenizer import SpecialTokens, write_tokenizer
 from megazero.config import ConfigError, DataConfig, ModelConfig
 from megazero.models.spec import ModelSpec, get_model_spec, spec_for_hf
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9       # save_pretrained's default "5GB"
 INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def adapter_of(cfg: ModelConfig):
@@ -57,13 +56,13 @@ def save_hf(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], cfg: M
             dtype: torch.dtype = torch.float32, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
             data_cfg: DataConfig | None = None) -> Path:
     """Write ``config.json`` + safetensors loadable by ``AutoModelForCausalLM.from_pretrained``, and the
-    run's tokenizer files when it is known (see :func:`copy_tokenizer`)."""
+    run's tokenizer files when it is known, loadable by ``AutoTokenizer`` with the same ids
+    (:func:`megazero.checkpoint.hf_tokenizer.write_tokenizer`; its bos/eos ids go into ``config.json``)."""
     out, adapter = Path(out_dir), adapter_of(cfg)
-    adapter.hf_config(cfg, None)                      # refuses what the format cannot express, before writing
+    config = adapter.hf_config(cfg)                   # refuses what the format cannot express, before writing
     out.mkdir(parents=True, exist_ok=True)
-    eos = copy_tokenizer(data_cfg, out) if data_cfg is not None else None
-    config = adapter.hf_config(cfg, eos)
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    special = write_tokenizer(data_cfg, out, cfg.max_position_embeddings) if data_cfg is not None else SpecialTokens()
+    config.update(bos_token_id=special.bos, eos_token_id=special.eos, torch_dtype=str(dtype).removeprefix("torch."))
     state = {k: v.to(dtype).contiguous() for k, v in adapter.to_hf_state(tensors, cfg).items()}
     write_safetensors(out, state, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -185,42 +184,3 @@ def load_hf(path: str | os.PathLike, seq_length: int | None = None) -> tuple[Mod
                               f"{cfg.num_layers}-layer model")
     check_shapes(tensors, cfg, decls, source=f"{path} against its config.json")
     return cfg, tensors
-
-
-def tokenizer_of(path: str | os.PathLike) -> DataConfig:
-    """The data config naming an HF directory's tokenizer (``tokenizer.json``), or an empty one."""
-    path = Path(path)
-    if (path / "tokenizer.json").is_file():
-        return DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(path.resolve()))
-    return DataConfig()
-
-
-def copy_tokenizer(data_cfg: DataConfig, out: Path) -> int | None:
-    """Copy the run's tokenizer files into ``out`` where HF expects them; returns its eos id (None when
-    the tokenizer is unknown: mock data, or files that are gone).
-
-    HuggingFaceTokenizer: ``tokenizer.json`` and the directory's ``tokenizer_config.json``,
-    ``special_tokens_map.json``; SentencePieceTokenizer (also the embedded
-    sample corpus's): ``tokenizer.model``; GPT2BPETokenizer: ``vocab.json`` and ``merges.txt``."""
-    from megazero.data.tokenizers import TokenizerError, build_tokenizer
-
-    kind, model = data_cfg.tokenizer_type, data_cfg.tokenizer_model
-    if kind is None and not data_cfg.data_path and not data_cfg.mock_data:      # the embedded default run
-        from megazero.data.sample import TOKENIZER_MODEL
-        kind, model = "SentencePieceTokenizer", str(TOKENIZER_MODEL)
-    try:
-        tok = build_tokenizer(kind, vocab_file=data_cfg.vocab_file, merge_file=data_cfg.merge_file,
-                              tokenizer_model=model)
-    except (TokenizerError, OSError):
-        return None
-    if kind == "HuggingFaceTokenizer":
-        shutil.copyfile(tok.model_file, out / "tokenizer.json")
-        for name in TOKENIZER_FILES[1:]:
-            if (Path(tok.directory) / name).is_file():
-                shutil.copyfile(Path(tok.directory) / name, out / name)
-    elif kind == "SentencePieceTokenizer":
-        shutil.copyfile(tok.model_file, out / "tokenizer.model")
-    else:
-        shutil.copyfile(tok.vocab_file, out / "vocab.json")
-        shutil.copyfile(tok.merge_file, out / "merges.txt")
-    return tok.eod

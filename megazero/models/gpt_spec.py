@@ -147,15 +147,8 @@ def _config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig:
     return fmt.model_config_from_hf(hf, seq_length)
 
 
-def _hf_config(cfg: ModelConfig, eos_token_id: int | None = None) -> dict:
-    if _format_of(cfg) is hf_llama:
-        config = hf_llama.hf_config(cfg)
-        config["eos_token_id"] = eos_token_id
-        return config
-    return hf_gpt2.hf_config(cfg)
-
-
-HF = HFAdapter(model_types=("gpt2",) + hf_llama.MODEL_TYPES, config_from_hf=_config_from_hf, hf_config=_hf_config,
+HF = HFAdapter(model_types=("gpt2",) + hf_llama.MODEL_TYPES, config_from_hf=_config_from_hf,
+               hf_config=lambda cfg: _format_of(cfg).hf_config(cfg),
                to_hf_state=lambda tensors, cfg: _format_of(cfg).to_hf_state(tensors, cfg),
                from_hf_state=lambda state, cfg: _format_of(cfg).from_hf_state(state, cfg))
 

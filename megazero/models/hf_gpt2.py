@@ -49,6 +49,10 @@ def hf_config(cfg: ModelConfig) -> dict:
     """GPT2Config fields for a megazero model; refuses anything GPT-2 cannot express."""
     if cfg.activation not in _ACT_TO_HF:
         raise CheckpointError(f"activation {cfg.activation!r} has no GPT-2 equivalent: cannot export to HF")
+    if cfg.num_experts:
+        raise CheckpointError(f"--num-experts {cfg.num_experts} has no GPT-2 equivalent: an MoE model exports as "
+                              f"MixtralForCausalLM, which needs --position-embedding-type rope --normalization "
+                              f"RMSNorm --swiglu --disable-bias-linear")
     unlike = [what for what, differs in (
         ("--normalization RMSNorm", cfg.normalization != "LayerNorm"), ("--swiglu", cfg.swiglu),
         ("--group-query-attention", cfg.group_query_attention), ("--disable-bias-linear", not cfg.add_bias_linear),

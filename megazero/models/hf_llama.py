@@ -1,5 +1,5 @@
-"""The HuggingFace Llama-family formats: ``LlamaForCausalLM`` (also read: ``MistralForCausalLM`` without a
-sliding window, ``Qwen2ForCausalLM``, whose only difference is the QKV bias). Config and key map, both
+"""The HuggingFace Llama-family formats: ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (the QKV bias) and, for
+Mixture of Experts, ``MixtralForCausalLM`` (also read: ``MistralForCausalLM`` without a sliding window). Config and key map, both
 directions, refusing what the other side cannot express (files and dispatch: :mod:`megazero.checkpoint.hf`).
 
 Key map (``i`` = layer; every weight is nn.Linear-shaped [out, in] on both sides)::
@@ -19,6 +19,18 @@ Key map (``i`` = layer; every weight is nn.Linear-shaped [out, in] on both sides
     final_norm.weight                                     model.norm.weight
     output_layer.weight (untied only)      [V, h]         lm_head.weight
 
+Mixture of Experts (``--num-experts``) is Mixtral's layout (written as published Mixtral checkpoints are;
+transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` [E, 2f, h] / [E, h, f] also read)::
+
+    layers.i.mlp.router.weight             [E, h]         model.layers.i.block_sparse_moe.gate.weight
+    layers.i.mlp.experts.e.fc1.weight      [2f, h]        ...block_sparse_moe.experts.e.{w1 (gate), w3 (up)}.weight
+        rows interleaved g0 u0 g1 u1 ...                   interleaved_to_gate_up / gate_up_to_interleaved
+    layers.i.mlp.experts.e.fc2.weight      [h, f]         ...block_sparse_moe.experts.e.w2.weight
+
+Mixtral routes as megazero does for top-k > 1 (softmax in fp32, top-k, gates renormalised); it has no
+biases, every layer is MoE and it never drops tokens, so ``--moe-layer-freq`` > 1, ``--moe-router-topk
+1`` and biases are refused, and a model trained with ``--moe-expert-capacity-factor`` runs dropless there.
+
 RoPE is the "rotate half" pairing on both sides (no q/k permutation); ``--rotary-base`` is
 ``rope_theta``, ``--use-rope-scaling --rope-scaling-factor F`` is ``rope_scaling`` of type ``llama3``
 with Llama 3.1's constants. Biases: ``--disable-bias-linear`` is ``attention_bias = mlp_bias = false``,
@@ -35,7 +47,7 @@ from megazero.models.transformer import (gate_up_to_interleaved, interleaved_to_
                                          kv_interleaved_to_blocks, qkv_blocks_to_interleaved,
                                          qkv_interleaved_to_blocks)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 _PLAIN = {"input_layernorm.weight": "input_layernorm.weight",
           "post_attention_layernorm.weight": "post_attention_layernorm.weight",
           "attention.dense.weight": "self_attn.o_proj.weight", "attention.dense.bias": "self_attn.o_proj.bias",
@@ -49,7 +61,7 @@ def _refuse(why: str):
     raise CheckpointError(f"cannot export to a HF Llama-family model: {why}")
 
 
-def hf_config(cfg: ModelConfig, eos_id: int | None = None, bos_id: int | None = None) -> dict:
+def hf_config(cfg: ModelConfig) -> dict:
     """LlamaConfig (Qwen2Config with --add-qkv-bias alone) fields for a megazero model."""
     unlike = [what for what, differs in (
         ("--position-embedding-type learned_absolute", cfg.position_embedding_type != "rope"),
@@ -57,6 +69,8 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None, bos_id: int | None = 
         (f"--rotary-percent {cfg.rotary_percent}", cfg.rotary_percent != 1.0)) if differs]
     if unlike:
         _refuse(f"{', '.join(unlike)} has no Llama equivalent")
+    if cfg.num_experts:
+        return _mixtral_config(cfg)
     qwen2 = cfg.add_qkv_bias and not cfg.add_bias_linear
     out = {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
            "model_type": "qwen2" if qwen2 else "llama", "vocab_size": cfg.vocab_size,
@@ -67,12 +81,34 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None, bos_id: int | None = 
            "rope_theta": cfg.rotary_base, "rope_scaling": _rope_scaling(cfg),
            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
            "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
-           "bos_token_id": bos_id, "eos_token_id": eos_id, "use_cache": True, "torch_dtype": "float32"}
+           "use_cache": True, "torch_dtype": "float32"}
     if qwen2:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
     else:
         out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear, pretraining_tp=1)
     return out
+
+
+def _mixtral_config(cfg: ModelConfig) -> dict:
+    """MixtralConfig fields of an MoE model; refuses what Mixtral cannot express (see the module docstring)."""
+    unlike = [what for what, differs in (
+        (f"--moe-layer-freq {cfg.moe_layer_freq} (Mixtral's every layer is MoE)", cfg.moe_layer_freq != 1),
+        ("--moe-router-topk 1 (Mixtral renormalises the top-k gates, so its top-1 gate is always 1; megazero's "
+         "keeps the softmax probability)", cfg.moe_router_topk == 1),
+        ("biases (drop --add-qkv-bias; use --disable-bias-linear)", cfg.add_bias_linear or cfg.add_qkv_bias)) if differs]
+    if unlike:
+        _refuse(f"an MoE model exports as MixtralForCausalLM, which has no {', '.join(unlike)}")
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.layernorm_epsilon,
+            "rope_theta": cfg.rotary_base, "rope_scaling": _rope_scaling(cfg), "sliding_window": None,
+            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+            "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
+            "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
+            "router_aux_loss_coef": cfg.moe_aux_loss_coeff, "router_jitter_noise": 0.0,
+            "output_router_logits": False, "use_cache": True, "torch_dtype": "float32"}
 
 
 def _rope_scaling(cfg: ModelConfig) -> dict | None:
@@ -97,11 +133,16 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig
     kv = hf.get("num_key_value_heads") or heads
     if hf.get("head_dim") not in (None, h // heads):
         refuse(f"head_dim {hf['head_dim']} differs from hidden_size / num_attention_heads = {h // heads}")
-    window = hf.get("sliding_window") if kind == "mistral" or hf.get("use_sliding_window") else None
+    window = hf.get("sliding_window") if kind in ("mistral", "mixtral") or hf.get("use_sliding_window") else None
     if window is not None and window < hf.get("max_position_embeddings", 0):
         refuse(f"sliding_window {window} (megazero attends over the whole sequence)")
     bias, qkv_bias = _biases(hf, kind, refuse)
     theta, scaling = _rope(hf, refuse)
+    experts, topk = (hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2)) if kind == "mixtral" else (None, 2)
+    if experts and topk == 1:
+        refuse("num_experts_per_tok 1 (Mixtral's top-1 gate is always 1; megazero's keeps the softmax probability)")
+    if experts and hf.get("router_jitter_noise"):
+        refuse(f"router_jitter_noise {hf['router_jitter_noise']} (megazero's router has no input jitter)")
     n_pos = hf.get("max_position_embeddings", 2048)
     return ModelConfig(num_layers=hf["num_hidden_layers"], hidden_size=h, num_attention_heads=heads,
                        ffn_hidden_size=hf["intermediate_size"], seq_length=seq_length or n_pos,
@@ -112,7 +153,9 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig
                        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), position_embedding_type="rope",
                        rotary_base=theta, use_rope_scaling=scaling is not None, rope_scaling_factor=scaling or 8.0,
                        normalization="RMSNorm", swiglu=True, group_query_attention=kv != heads,
-                       num_query_groups=kv if kv != heads else None, add_bias_linear=bias, add_qkv_bias=qkv_bias)
+                       num_query_groups=kv if kv != heads else None, add_bias_linear=bias, add_qkv_bias=qkv_bias,
+                       num_experts=experts, moe_router_topk=topk,
+                       moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)) if experts else 0.0)
 
 
 def _biases(hf: dict, kind: str, refuse) -> tuple[bool, bool]:
@@ -165,6 +208,15 @@ def to_hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
         elif rest.startswith("mlp.dense_h_to_4h."):
             gate, up = interleaved_to_gate_up(t)
             out.update({f"{prefix}mlp.gate_proj.{kind}": gate, f"{prefix}mlp.up_proj.{kind}": up})
+        elif rest == "mlp.router.weight":
+            out[f"{prefix}block_sparse_moe.gate.weight"] = t
+        elif rest.startswith("mlp.experts.") and rest.endswith((".fc1.weight", ".fc2.weight")):
+            expert = f"{prefix}block_sparse_moe.experts.{rest.split('.')[2]}."
+            if rest.endswith(".fc2.weight"):
+                out[expert + "w2.weight"] = t
+            else:
+                gate, up = interleaved_to_gate_up(t)
+                out.update({expert + "w1.weight": gate, expert + "w3.weight": up})
         else:
             raise CheckpointError(f"megazero tensor {name!r} has no Llama equivalent: cannot export to HF")
     return {k: v.contiguous() for k, v in out.items()}
@@ -204,6 +256,26 @@ def from_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
                 out[f"layers.{i}.attention.query.{kind}"] = q
             if gate is not None:
                 out[f"layers.{i}.mlp.dense_h_to_4h.{kind}"] = gate_up_to_interleaved(gate, up)
+        if cfg.num_experts:
+            out.update(_experts_from_hf(state, i, cfg.num_experts))
     if state:
         raise CheckpointError(f"HF tensors {sorted(state)[:5]} have no megazero equivalent: refusing to drop them")
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _experts_from_hf(state: dict[str, torch.Tensor], i: int, num_experts: int) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s router and experts, popped from a Mixtral state dict: the published per-expert
+    w1/w2/w3 layout or transformers 5's fused gate_up_proj/down_proj."""
+    legacy, fused = f"model.layers.{i}.block_sparse_moe.", f"model.layers.{i}.mlp."
+    prefix = legacy if legacy + "gate.weight" in state else fused
+    out = {f"layers.{i}.mlp.router.weight": state.pop(prefix + "gate.weight")}
+    if prefix == fused:
+        gate_up, down = state.pop(fused + "experts.gate_up_proj"), state.pop(fused + "experts.down_proj")
+    for e in range(num_experts):
+        if prefix == legacy:
+            w1, w3, w2 = (state.pop(f"{legacy}experts.{e}.{w}.weight") for w in ("w1", "w3", "w2"))
+        else:
+            (w1, w3), w2 = gate_up[e].chunk(2), down[e]
+        out[f"layers.{i}.mlp.experts.{e}.fc1.weight"] = gate_up_to_interleaved(w1, w3)
+        out[f"layers.{i}.mlp.experts.{e}.fc2.weight"] = w2
+    return out

@@ -75,12 +75,13 @@ class HFAdapter:
     """HuggingFace conversion of one model family (whole, layout-free tensors on both sides).
 
     ``model_types``: the HF ``model_type`` values it reads; ``config_from_hf(hf_config, seq_length)``
-    -> ModelConfig; ``hf_config(cfg, eos_token_id)`` -> the HF config dict (refusing what the format
-    cannot express); ``to_hf_state(tensors, cfg)`` / ``from_hf_state(state, cfg)`` map the tensors."""
+    -> ModelConfig; ``hf_config(cfg)`` -> the HF config dict (refusing what the format cannot express;
+    the tokenizer's ``bos_token_id`` / ``eos_token_id`` are added by the writer);
+    ``to_hf_state(tensors, cfg)`` / ``from_hf_state(state, cfg)`` map the tensors."""
 
     model_types: tuple[str, ...]
     config_from_hf: Callable[[dict, int | None], ModelConfig]
-    hf_config: Callable[[ModelConfig, int | None], dict]
+    hf_config: Callable[[ModelConfig], dict]
     to_hf_state: Callable[[dict, ModelConfig], dict]
     from_hf_state: Callable[[dict, ModelConfig], dict]
 

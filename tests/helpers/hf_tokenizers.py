@@ -35,3 +35,31 @@ def bos_tokenizer_dir(path: Path, text: str, vocab_size: int = 600) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     return path
+
+
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def qwen2_tokenizer_dir(path: Path, text: str, vocab_size: int = 600) -> Path:
+    """A Qwen2-style tokenizer.json trained on ``text`` (NFC, Qwen2's split pattern then byte-level,
+    ``<|endoftext|>``/``<|im_start|>``/``<|im_end|>`` special, no post-processor) with the
+    tokenizer_config.json Qwen2 models ship (transformers loads every qwen2 model's tokenizer as
+    Qwen2Tokenizer, which rebuilds this pipeline)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "unk_token": None, "add_prefix_space": False}))
+    return path
