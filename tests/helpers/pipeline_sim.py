@@ -18,7 +18,7 @@ from megazero.parallel.pipeline.executor import checked_schedule, execute
 from megazero.parallel.pipeline.runner import PipelineStats
 
 
-def _layout(pp: int, r: int) -> PipelineLayout:
+def layout(pp: int, r: int) -> PipelineLayout:
     """Stage r of a pipeline of pp ranks 0..pp-1 (no process group: the network below carries the messages)."""
     return PipelineLayout(None, tuple(range(pp)), r, pp)
 
@@ -125,7 +125,7 @@ def run_on_threads(generator, pp: int, m: int, v: int = 1, forward_only: bool = 
     as in ``run_schedule``); return each rank's runner (its stats hold the order)."""
     lists = checked_schedule(generator, pp, m, v, forward_only)
     net = Network(timeout)
-    runners = [FakeRunner(_layout(pp, r), v, m, forward_only) for r in range(pp)]
+    runners = [FakeRunner(layout(pp, r), v, m, forward_only) for r in range(pp)]
     errors = [None] * pp
 
     def main(r):

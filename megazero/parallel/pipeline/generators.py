@@ -6,14 +6,17 @@ rank's list; ``simulate.py`` checks a whole set of lists for deadlock and data d
 the first one runs, and draws them. Adding a schedule is one generator plus its test: put the
 function here (or in a module of its own, like ``interleaved.py``) and name it in ``GENERATORS``.
 
-Pictures for pp=4, m=8 (``simulate.render``; one time unit per forward and per backward)::
+1F1B for pp=4, m=8 (``simulate.render``: one time unit per forward and per backward, '.' idle)::
 
-    GPipe  rank 0: F0 F1 F2 F3 F4 F5 F6 F7 .. .. .. .. .. .. B0 B1 ...   holds m = 8 activation sets
-    1F1B   rank 0: F0 F1 F2 F3 .. .. .. B0 F4 .. B1 F5 ...               warmup pp-r-1 = 3, holds <= 4
-           rank 3: .. .. .. F0 B0 F1 B1 F2 B2 ...                        warmup 0, holds <= 1
+    rank 0: F0 F1 F2 F3 .. .. .. B0 F4 B1 F5 B2 F6 B3 F7 B4 .. B5 .. B6 .. B7
+    rank 1: .. F0 F1 F2 .. .. B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .. B6 .. B7 ..
+    rank 2: .. .. F0 F1 .. B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .. B7 .. ..
+    rank 3: .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .. .. ..
 
-The bubble (idle fraction) of both is (p-1)/(m+p-1) ~ (p-1)/m; 1F1B bounds the memory. Interleaved
-1F1B gives each rank v chunks and cuts the bubble to ~(p-1)/(v*m) for v times more p2p traffic.
+GPipe runs the same bubble with all m forwards first (holding m activation sets; 1F1B holds at
+most pp - r on rank r). The bubble (idle fraction) of both is (p-1)/(m+p-1) ~ (p-1)/m. Interleaved
+1F1B gives each rank v chunks and cuts it to (p-1)/(v*m+p-1) for v times more p2p traffic (the
+pictures of all three are in docs/parallelism.md).
 """
 from __future__ import annotations
 

@@ -240,6 +240,9 @@ class _Sim:
         raise ScheduleError("deadlock: " + "; ".join(lines), first.r, first.pc, first.actions[first.pc])
 
     def check_complete(self, rk: _Rank) -> None:
+        if rk.inbox:
+            t, c, i = sorted(rk.inbox)[0]
+            raise ScheduleError(f"rank {rk.r} receives the {t} of chunk {c} micro-batch {i} and never uses it", rk.r)
         kinds = [Kind.FORWARD] if self.fo else [Kind.FORWARD, Kind.BACKWARD]
         for k in kinds:
             for c in range(self.v):
@@ -247,9 +250,6 @@ class _Sim:
                     if (k, c, i) in rk.done or (k is Kind.BACKWARD and (Kind.BACKWARD_WEIGHT, c, i) in rk.done):
                         continue
                     raise ScheduleError(f"rank {rk.r} never runs {Compute(k, c, i)}", rk.r, None, Compute(k, c, i))
-        if rk.inbox:
-            t, c, i = sorted(rk.inbox)[0]
-            raise ScheduleError(f"rank {rk.r} receives the {t} of chunk {c} micro-batch {i} and never uses it", rk.r)
         if rk.outbox:
             t, c, i = sorted(rk.outbox)[0]
             raise ScheduleError(f"rank {rk.r} never sends the {t} of chunk {c} micro-batch {i}", rk.r)
