@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megazero.parallel.pipeline import (Compute, Exchange, Kind, Op, P2P, ScheduleError, gpipe,
-                                        interleaved_one_f_one_b, one_f_one_b, render, simulate)
+from megazero.parallel.pipeline import (Compute, Exchange, Kind, Op, P2P, ScheduleError, gpipe, one_f_one_b,
+                                        render, simulate)
 from megazero.parallel.pipeline.actions import B, F
 
 

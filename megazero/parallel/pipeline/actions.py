@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Union
 
 
 class Kind(enum.Enum):
@@ -116,7 +115,7 @@ class Exchange:
         return "exchange[" + ", ".join(str(p) for p in self.ops) + ("" if self.wait else "; wait when needed") + "]"
 
 
-Action = Union[Compute, Exchange]
+Action = Compute | Exchange
 
 
 def F(chunk: int, micro: int) -> Compute:

@@ -27,7 +27,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megazero.parallel.pipeline.actions import Action, Compute, Exchange, Kind, Op
+from megazero.parallel.pipeline.actions import Compute, Exchange, Kind
 
 
 class ScheduleError(ValueError):
@@ -215,7 +215,8 @@ class _Sim:
             moved = True
 
     def run(self) -> Timeline:
-        while any([self.advance(rk) for rk in self.ranks]):
+        # A list, not a generator: every rank moves in each round.
+        while any([self.advance(rk) for rk in self.ranks]):  # noqa: C419
             pass
         stuck = [rk for rk in self.ranks if not rk.finished]
         if stuck:
@@ -241,7 +242,7 @@ class _Sim:
 
     def check_complete(self, rk: _Rank) -> None:
         if rk.inbox:
-            t, c, i = sorted(rk.inbox)[0]
+            t, c, i = min(rk.inbox)
             raise ScheduleError(f"rank {rk.r} receives the {t} of chunk {c} micro-batch {i} and never uses it", rk.r)
         kinds = [Kind.FORWARD] if self.fo else [Kind.FORWARD, Kind.BACKWARD]
         for k in kinds:
@@ -251,7 +252,7 @@ class _Sim:
                         continue
                     raise ScheduleError(f"rank {rk.r} never runs {Compute(k, c, i)}", rk.r, None, Compute(k, c, i))
         if rk.outbox:
-            t, c, i = sorted(rk.outbox)[0]
+            t, c, i = min(rk.outbox)
             raise ScheduleError(f"rank {rk.r} never sends the {t} of chunk {c} micro-batch {i}", rk.r)
 
 
