@@ -33,8 +33,8 @@ def test_swapped_compute_breaks_a_data_dependency():
     lists = _mutable(one_f_one_b(4, 8))
     assert lists[3][1:3] == [F(0, 0), B(0, 0)]
     lists[3][1], lists[3][2] = lists[3][2], lists[3][1]
-    with pytest.raises(ScheduleError, match=r"rank 3 action 1 \(B\(chunk 0, micro-batch 0\)\) runs before its forward") \
-            as err:
+    expected = r"rank 3 action 1 \(B\(chunk 0, micro-batch 0\)\) runs before its forward"
+    with pytest.raises(ScheduleError, match=expected) as err:
         simulate(lists)
     assert (err.value.rank, err.value.index, err.value.action) == (3, 1, B(0, 0))
 

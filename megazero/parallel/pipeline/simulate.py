@@ -157,7 +157,8 @@ class _Sim:
             tensor = p.op.tensor
             peer_vs = vs + 1 if p.op.towards_next else vs - 1
             if not 0 <= peer_vs < self.pp * self.v:
-                self.fail(rk, f"has {p}, but virtual stage {vs} has no {'next' if p.op.towards_next else 'previous'} stage")
+                side = "next" if p.op.towards_next else "previous"
+                self.fail(rk, f"has {p}, but virtual stage {vs} has no {side} stage")
             peer, key = peer_vs % self.pp, (tensor, p.chunk, p.micro)
             if p.op.is_send:
                 if key not in rk.outbox:
