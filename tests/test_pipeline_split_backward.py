@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_on_ranks
 
 from megazero.parallel.pipeline.split_backward import WeightGradStore, split_linear
 
@@ -82,3 +83,44 @@ def test_frozen_weights_queue_nothing():
     with store.input_grad_only() as work:
         split_linear(x, w, b, store).sum().backward()
     assert len(work) == 0 and torch.equal(x.grad, torch.ones(2, 4) @ w)
+
+
+def _tp_mlp_body(rank, world, sp):
+    """A Megatron MLP on tp=2 (column-parallel, gelu, row-parallel; with sequence parallelism the
+    input is gathered and the output reduce-scattered along the sequence), its matmuls as
+    split_linear or as F.linear. Returns the gradients of both: the tp communication happens in I
+    (it carries input gradients), W is local."""
+    from megazero.parallel.tensor import (copy_to_tp_region, gather_from_sequence_parallel_region,
+                                          reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region)
+    from megazero.parallel.topology import Topology
+
+    group = Topology(tp=world).tp_group
+    w1, b1, w2, b2 = (p.detach() for p in _params(0))
+    shards = [w1.chunk(world, 0)[rank], b1.chunk(world, 0)[rank], w2.chunk(world, 1)[rank], b2]
+    x_full, dy_full = _inputs(1, shape=(6, 3, 16))
+    x0, dy = (x_full.chunk(world, 0)[rank], dy_full.chunk(world, 0)[rank]) if sp else (x_full.detach(), dy_full)
+    store, grads = WeightGradStore(), {}
+    for name, linear in (("full", F.linear), ("split", lambda a, w, b: split_linear(a, w, b, store))):
+        params = [s.clone().requires_grad_() for s in shards]
+        x = x0.detach().clone().requires_grad_()
+        h = gather_from_sequence_parallel_region(x, group) if sp else copy_to_tp_region(x, group)
+        y = linear(F.gelu(linear(h, params[0], params[1])), params[2], None)
+        y = reduce_scatter_to_sequence_parallel_region(y, group) if sp else reduce_from_tp_region(y, group)
+        y = y + params[3]
+        with store.input_grad_only() as w:
+            torch.autograd.backward(y, grad_tensors=dy)
+        input_grad_before_w, pending = x.grad.clone(), len(w)
+        held_back = [p.grad is None for p in params[:3]]
+        w.run()
+        grads[name] = [input_grad_before_w] + [p.grad for p in params]
+        grads[name + " deferred"] = (pending, held_back)
+    return grads
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_split_backward_through_column_and_row_parallel_layers(sp):
+    for grads in run_on_ranks(2, _tp_mlp_body, sp, timeout=120):
+        assert grads["full deferred"] == (0, [False] * 3)
+        assert grads["split deferred"] == (2, [True] * 3)      # both matmuls' weight (and bias) work waited for W
+        for full, split in zip(grads["full"], grads["split"]):
+            assert torch.equal(full, split)

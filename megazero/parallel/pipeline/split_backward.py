@@ -17,8 +17,12 @@ Outside ``input_grad_only()`` it is an ordinary linear layer (full backward). ``
 ``.grad`` as autograd would (set on the first gradient, summed after), with the same kernels as the
 full backward, so I + W gives the full backward's gradients bit for bit. Between I and W the layer's
 input and output gradient stay alive: that is the activation memory a zero-bubble schedule counts
-until W. Parameters' post-accumulate-grad hooks do not fire for gradients added by W (the ZeRO
-bucket hand-off for deferred gradients is still to come, as is the split for the other layer kinds).
+until W. In a tensor-parallel layer the communication of the tensor-parallel regions carries input
+gradients, so it all happens in I and W stays local (tests/test_pipeline_split_backward.py runs the
+column- and row-parallel MLP at tp=2, with and without sequence parallelism); the layers in
+``megazero/parallel/tensor.py`` take it by calling :func:`split_linear` where they call ``F.linear``.
+Still to come: parameters' post-accumulate-grad hooks do not fire for gradients added by W (the ZeRO
+bucket hand-off for deferred gradients), and the split of the other layer kinds.
 """
 from __future__ import annotations
 
