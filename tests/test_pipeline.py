@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import run_on_ranks
-from helpers.pipeline_sim import simulate
+from helpers.pipeline_sim import run_on_threads
 
 from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
 from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline import (PipelineStats, get_schedule, gpipe, interleaved_one_f_one_b,
-                                        interleaved_warmup, no_pipelining, one_f_one_b, run_schedule,
+                                        interleaved_warmup, no_pipelining, one_f_one_b, run_schedule, simulate,
                                         stage_layer_ids)
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
@@ -69,14 +69,15 @@ def test_activation_shape_with_sequence_parallel():
 
 
 # --------------------------------------------------------------------------------------------------
-# Schedules on the strict thread simulator (rendezvous p2p; every message checked)
+# The executor running each schedule on threads (rendezvous p2p; every tensor checked)
 # --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("pp,m", list(itertools.product([2, 3, 4, 8], [1, 2, 3, 4, 7, 16])))
 def test_1f1b_and_gpipe_simulated(pp, m):
     for fo in (False, True):
-        runs = simulate(one_f_one_b, pp, m, forward_only=fo)
+        runs = run_on_threads(one_f_one_b, pp, m, forward_only=fo)
+        predicted = simulate(one_f_one_b(pp, m, 1, fo), m, 1, fo).peak_in_flight
         for r, run in enumerate(runs):
             order = run.stats.order
             # Warmup is pp - r - 1 forwards, then strict alternation until the forwards run out.
@@ -84,7 +85,8 @@ def test_1f1b_and_gpipe_simulated(pp, m):
             assert [k for k, _, _ in order[:warm]] == ["F"] * warm
             if not fo:
                 assert run.stats.peak_in_flight == min(pp - r, m) <= pp - r
-        runs = simulate(gpipe, pp, m, forward_only=fo)
+            assert run.stats.peak_in_flight == predicted[r]
+        runs = run_on_threads(gpipe, pp, m, forward_only=fo)
         for run in runs:
             assert [k for k, _, _ in run.stats.order] == ["F"] * m + ([] if fo else ["B"] * m)
 
@@ -93,8 +95,10 @@ def test_1f1b_and_gpipe_simulated(pp, m):
 def test_interleaved_simulated(pp, v, mult):
     m = pp * mult
     for fo in (False, True):
-        runs = simulate(interleaved_one_f_one_b, pp, m, v=v, ring=True, forward_only=fo)
+        runs = run_on_threads(interleaved_one_f_one_b, pp, m, v=v, forward_only=fo)
+        predicted = simulate(interleaved_one_f_one_b(pp, m, v, fo), m, v, fo).peak_in_flight
         for r, run in enumerate(runs):
+            assert run.stats.peak_in_flight == predicted[r]
             order = run.stats.order
             warm = interleaved_warmup(m, pp, r, v, fo)
             assert [k for k, _, _ in order[:warm]] == ["F"] * warm

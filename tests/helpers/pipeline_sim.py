@@ -1,11 +1,12 @@
-"""A strict, thread-based stand-in for the pipeline's p2p and compute, to check schedules fast.
+"""A strict, thread-based stand-in for the pipeline's p2p and compute, to run the real executor fast.
 
-Each pipeline rank is a thread running the real schedule function with a fake runner and a fake
-comm. Tensors are replaced by labels ("act", virtual_stage, micro) / ("grad", virtual_stage, micro)
-so every received message is checked against what the receiving chunk expects. Exchanges have
-rendezvous semantics like NCCL and gloo: a batch returns only when every send in it has met its
-receive and vice versa, matched in order per (sender, receiver) pair; a schedule that would hang
-raises instead (after ``timeout`` seconds).
+Each pipeline rank is a thread running ``executor.execute`` on its action list (from
+``checked_schedule``, so the package's simulator has passed them first) with a fake runner and a
+fake comm. Tensors are replaced by labels ("act", virtual_stage, micro) / ("grad", virtual_stage,
+micro) so every tensor the executor hands to a chunk is checked against what that chunk expects.
+Exchanges have rendezvous semantics like NCCL and gloo: a batch returns only when every send in it
+has met its receive and vice versa, matched in order per (sender, receiver) pair; an executor that
+would hang raises instead (after ``timeout`` seconds).
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import threading
 from collections import defaultdict
 
 from megazero.parallel.groups import PipelineLayout
+from megazero.parallel.pipeline.executor import checked_schedule, execute
 from megazero.parallel.pipeline.runner import PipelineStats
 
 
-def _layout(pp: int, r: int) -> PipelineLayout:
+def layout(pp: int, r: int) -> PipelineLayout:
     """Stage r of a pipeline of pp ranks 0..pp-1 (no process group: the network below carries the messages)."""
     return PipelineLayout(None, tuple(range(pp)), r, pp)
 
@@ -78,24 +80,6 @@ class FakeComm:
             got = {k: _Arrived(v) for k, v in got.items()}
         return got.get("prev"), got.get("next")
 
-    def recv_forward(self):
-        return self.exchange(recv_prev=True)[0]
-
-    def send_forward(self, t):
-        self.exchange(send_next=t)
-
-    def recv_backward(self):
-        return self.exchange(recv_next=True)[1]
-
-    def send_backward(self, t):
-        self.exchange(send_prev=t)
-
-    def send_forward_recv_backward(self, t):
-        return self.exchange(send_next=t, recv_next=True)[1]
-
-    def send_backward_recv_forward(self, t):
-        return self.exchange(send_prev=t, recv_prev=True)[0]
-
 
 class FakeRunner:
     """Same interface as StageRunner; checks every input is the right (virtual stage, micro-batch)."""
@@ -103,8 +87,7 @@ class FakeRunner:
     def __init__(self, pipeline: PipelineLayout, v: int, m: int, forward_only: bool = False):
         self.pipeline, self.v, self.num_micro, self.forward_only = pipeline, v, m, forward_only
         self.stats = PipelineStats()
-        self.next_micro, self.done = [0] * v, [0] * v
-        self.held = [[] for _ in range(v)]
+        self.forwarded, self.backwarded = set(), set()
 
     def vs(self, c):
         return c * self.pipeline.size + self.pipeline.rank
@@ -115,23 +98,20 @@ class FakeRunner:
     def is_last(self, c):
         return self.vs(c) == self.pipeline.size * self.v - 1
 
-    def forward(self, c, x):
-        i = self.next_micro[c]
-        self.next_micro[c] += 1
-        assert i < self.num_micro, f"chunk {c} ran too many forwards"
+    def forward(self, c, i, x):
+        assert (c, i) not in self.forwarded and 0 <= i < self.num_micro, f"forward of chunk {c} micro {i} twice"
+        self.forwarded.add((c, i))
         expected = None if self.is_first(c) else ("act", self.vs(c) - 1, i)
         assert x == expected, f"rank {self.pipeline.rank} chunk {c} micro {i}: got {x}, expected {expected}"
         self.stats.order.append(("F", c, i))
         if not self.forward_only:
-            self.held[c].append(i)
             self.stats.in_flight += 1
             self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.stats.in_flight)
         return None if self.is_last(c) else ("act", self.vs(c), i)
 
-    def backward(self, c, dy):
-        i = self.held[c].pop(0)
-        assert i == self.done[c]
-        self.done[c] += 1
+    def backward(self, c, i, dy):
+        assert (c, i) in self.forwarded and (c, i) not in self.backwarded
+        self.backwarded.add((c, i))
         expected = None if self.is_last(c) else ("grad", self.vs(c) + 1, i)
         assert dy == expected, f"rank {self.pipeline.rank} chunk {c} micro {i}: got {dy}, expected {expected}"
         self.stats.order.append(("B", c, i))
@@ -139,16 +119,18 @@ class FakeRunner:
         return None if self.is_first(c) else ("grad", self.vs(c), i)
 
 
-def simulate(schedule, pp: int, m: int, v: int = 1, ring: bool = False, forward_only: bool = False,
-             timeout: float = 5.0) -> list[FakeRunner]:
-    """Run ``schedule`` on pp threads; return each rank's runner (its stats hold the order)."""
+def run_on_threads(generator, pp: int, m: int, v: int = 1, forward_only: bool = False,
+                   timeout: float = 5.0) -> list[FakeRunner]:
+    """Run ``generator``'s lists through the executor on pp threads (the p2p is a ring when v > 1,
+    as in ``run_schedule``); return each rank's runner (its stats hold the order)."""
+    lists = checked_schedule(generator, pp, m, v, forward_only)
     net = Network(timeout)
-    runners = [FakeRunner(_layout(pp, r), v, m, forward_only) for r in range(pp)]
+    runners = [FakeRunner(layout(pp, r), v, m, forward_only) for r in range(pp)]
     errors = [None] * pp
 
     def main(r):
         try:
-            schedule(runners[r], FakeComm(net, runners[r].pipeline, ring))
+            execute(lists[r], runners[r], FakeComm(net, runners[r].pipeline, ring=v > 1))
         except BaseException as e:  # noqa: BLE001
             errors[r] = e
 
@@ -160,12 +142,11 @@ def simulate(schedule, pp: int, m: int, v: int = 1, ring: bool = False, forward_
     for r, e in enumerate(errors):
         if e is not None:
             raise AssertionError(f"rank {r}: {e!r}") from e
+    everything = {(c, i) for c in range(v) for i in range(m)}
     for r, run in enumerate(runners):
-        assert run.next_micro == [m] * v, f"rank {r} forwards {run.next_micro}"
-        if not forward_only:
-            assert run.done == [m] * v, f"rank {r} backwards {run.done}"
-        # all sent messages were received
-    with net.cv:
+        assert run.forwarded == everything, f"rank {r} forwards {sorted(run.forwarded)}"
+        assert run.backwarded == (set() if forward_only else everything), f"rank {r} backwards {sorted(run.backwarded)}"
+    with net.cv:                          # every message sent was received, and nothing more
         for key, sent in net.sends.items():
             assert net.recv_posted[key] == len(sent), f"unreceived messages on {key}"
         for key, n in net.recv_posted.items():

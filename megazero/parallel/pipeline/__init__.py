@@ -1,4 +1,4 @@
-"""Pipeline parallelism: stage split, point-to-point exchange, schedules, tied embeddings.
+"""Pipeline parallelism: stage split, point-to-point exchange, schedules as data, tied embeddings.
 
 Typical use, on every rank of a tp x pp (x dp) job (the model spec supplies chunks, shape and loss)::
 
@@ -9,21 +9,30 @@ Typical use, on every rank of a tp x pp (x dp) job (the model spec supplies chun
     engine.finalize_grads()
     engine.step()
 
-Nothing here imports a model. Modules: ``partition`` (who holds which layers), ``p2p`` (batched isend/irecv),
-``runner`` (one forward/backward of one micro-batch), ``schedules`` (no-pipelining, GPipe, 1F1B and
-the dispatcher), ``interleaved`` (interleaved 1F1B).
+Nothing here imports a model. Modules: ``partition`` (who holds which layers), ``actions`` (a schedule
+as per-rank lists of compute and p2p-batch actions), ``generators`` (no-pipelining, GPipe, 1F1B and
+the dispatcher) and ``interleaved`` (interleaved 1F1B) write those lists, ``simulate`` checks and
+draws them, ``executor`` runs one rank's list with ``runner`` (one forward/backward of one
+micro-batch) and ``p2p`` (batched isend/irecv); ``api``'s ``run_schedule`` ties them together.
+``split_backward`` is the linear layer whose weight gradient can be deferred (the I/W split of
+zero-bubble schedules; no schedule uses it yet).
 """
+from megazero.parallel.pipeline.actions import Action, Compute, Exchange, Kind, Op, P2P
 from megazero.parallel.pipeline.api import run_schedule
-from megazero.parallel.pipeline.interleaved import chunk_of, interleaved_one_f_one_b, interleaved_warmup
+from megazero.parallel.pipeline.executor import checked_schedule, execute
+from megazero.parallel.pipeline.generators import (GENERATORS, default_schedule, get_schedule, gpipe, no_pipelining,
+                                                   one_f_one_b, schedule_by_name)
+from megazero.parallel.pipeline.interleaved import chunk_of, interleaved_one_f_one_b, interleaved_warmup, micro_of
 from megazero.parallel.pipeline.p2p import StageComm
-from megazero.parallel.pipeline.runner import PipelineStats, StageRunner
-from megazero.parallel.pipeline.schedules import (default_schedule, get_schedule, gpipe, no_pipelining,
-                                                  one_f_one_b, schedule_by_name)
 from megazero.parallel.pipeline.partition import (StagePlacement, is_first_virtual_stage, is_last_virtual_stage,
                                                   placements, stage_layer_ids)
+from megazero.parallel.pipeline.runner import PipelineStats, StageRunner
+from megazero.parallel.pipeline.simulate import ScheduleError, Timeline, render, simulate
 
 __all__ = [
-    "chunk_of", "default_schedule", "get_schedule", "gpipe", "interleaved_one_f_one_b", "interleaved_warmup",
-    "is_first_virtual_stage", "is_last_virtual_stage", "no_pipelining", "one_f_one_b", "PipelineStats",
-    "placements", "run_schedule", "StagePlacement", "schedule_by_name", "StageComm", "StageRunner", "stage_layer_ids",
+    "Action", "checked_schedule", "chunk_of", "Compute", "default_schedule", "Exchange", "execute", "GENERATORS",
+    "get_schedule", "gpipe", "interleaved_one_f_one_b", "interleaved_warmup", "is_first_virtual_stage",
+    "is_last_virtual_stage", "Kind", "micro_of", "no_pipelining", "one_f_one_b", "Op", "P2P", "PipelineStats",
+    "placements", "render", "run_schedule", "ScheduleError", "schedule_by_name", "simulate", "StageComm",
+    "StagePlacement", "StageRunner", "stage_layer_ids", "Timeline",
 ]

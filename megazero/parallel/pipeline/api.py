@@ -5,10 +5,10 @@ import torch
 
 from megazero.parallel.groups import PipelineLayout
 
-from megazero.parallel.pipeline.interleaved import interleaved_one_f_one_b
+from megazero.parallel.pipeline.executor import checked_schedule, execute
+from megazero.parallel.pipeline.generators import default_schedule, get_schedule, no_pipelining, schedule_by_name
 from megazero.parallel.pipeline.p2p import StageComm
 from megazero.parallel.pipeline.runner import PipelineStats, StageRunner
-from megazero.parallel.pipeline.schedules import default_schedule, get_schedule, no_pipelining, schedule_by_name
 
 
 def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, forward_only: bool = False,
@@ -28,8 +28,9 @@ def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, fo
         so gradients are those of the mean loss (times the fp16 loss scale).
     grad_sync: optional object with ``before_backward(chunk_id, is_last_microbatch)``, called right
         before each backward (data-parallel overlap of the gradient reduction).
-    schedule: a schedule function, a name ('1f1b', 'gpipe', 'interleaved'), a ParallelConfig, or
-        None (no pipelining at pp=1, interleaved with several chunks, else 1F1B).
+    schedule: a schedule generator (``generators.py``), a name ('1f1b', 'gpipe', 'interleaved'), a
+        ParallelConfig, or None (no pipelining at pp=1, interleaved with several chunks, else 1F1B).
+        Its action lists are checked by the simulator once per (schedule, pp, m, v) in the process.
     tensor_shape: the stage-boundary activation shape (the model's ``activation_shape``); needed
         when pp > 1, where receive buffers are allocated before anything arrives.
     stats: a :class:`PipelineStats` to fill (peak in-flight micro-batches, execution order).
@@ -37,18 +38,20 @@ def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, fo
     Returns the detached per-micro-batch losses on the last pipeline stage (in micro-batch order;
     the trainer averages them), an empty list on other stages.
     """
-    fn = _resolve(schedule, pipeline.size, len(chunks))
+    generator = _resolve(schedule, pipeline.size, len(chunks))
     stats = stats if stats is not None else PipelineStats()
-    stats.reset(getattr(fn, "__name__", str(fn)))
+    stats.reset(getattr(generator, "__name__", str(generator)))
     runner = StageRunner(chunks, micro_batches, pipeline, forward_only=forward_only, loss_scale=loss_scale,
                          grad_sync=grad_sync, stats=stats, loss_fn=loss_fn)
+    actions = checked_schedule(generator, pipeline.size, runner.num_micro, runner.v, forward_only)[pipeline.rank]
     comm = None
-    if fn is not no_pipelining:
+    if pipeline.size > 1:
         if tensor_shape is None:
             raise ValueError(f"run_schedule on pipeline rank {pipeline.rank} of {pipeline.size} needs tensor_shape: "
                              f"the model spec's boundary_shape(model_cfg, micro_batch_size, model groups)")
-        comm = StageComm(pipeline, tensor_shape, _param_dtype(chunks), ring=fn is interleaved_one_f_one_b)
-    fn(runner, comm)
+        # Several chunks per rank: the last rank's chunk c feeds rank 0's chunk c+1 (a ring).
+        comm = StageComm(pipeline, tensor_shape, _param_dtype(chunks), ring=runner.v > 1)
+    execute(actions, runner, comm)
     if comm is not None:
         comm.flush()
     return runner.losses if pipeline.is_last_stage else []

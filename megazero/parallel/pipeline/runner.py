@@ -1,10 +1,10 @@
-"""Forward and backward of one micro-batch through one model chunk, with the bookkeeping the
-schedules share: the activations kept for backward (per chunk, first in first out), the losses of
-the last stage, the gradient-sync hook and the in-flight count.
+"""Forward and backward of one micro-batch through one model chunk, with the bookkeeping every
+schedule shares: the activations kept for backward (per chunk and micro-batch), the losses of the
+last stage, the gradient-sync hook and the in-flight count. ``executor.py`` calls it for each
+compute action of a rank's list.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -39,9 +39,8 @@ class PipelineStats:
 class StageRunner:
     """Runs this rank's chunks on the step's micro-batches, one forward or backward at a time.
 
-    ``chunks[c]`` is virtual stage ``c * pp + pp_rank``. Forward of chunk c always takes the next
-    micro-batch of that chunk (0, 1, 2, ...), and backward the oldest one still held, so the
-    schedules only decide *which chunk* runs next, never which micro-batch.
+    ``chunks[c]`` is virtual stage ``c * pp + pp_rank``. The schedule names the chunk and the
+    micro-batch of each call; ``losses`` lists the last stage's losses in micro-batch order.
     """
 
     def __init__(self, chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, forward_only: bool = False,
@@ -53,10 +52,15 @@ class StageRunner:
         self.forward_only, self.loss_scale, self.grad_sync = forward_only, loss_scale, grad_sync
         self.stats = stats if stats is not None else PipelineStats()
         self.loss_fn = loss_fn
-        self.losses: list[torch.Tensor] = []
-        self.next_micro = [0] * self.v
+        self._losses: dict[int, torch.Tensor] = {}
         self.done_backward = [0] * self.v
-        self.held: list[deque] = [deque() for _ in range(self.v)]
+        self.forwarded: set[tuple[int, int]] = set()
+        self.held: list[dict] = [{} for _ in range(self.v)]     # chunk -> {micro-batch: (input, output)}
+
+    @property
+    def losses(self) -> list[torch.Tensor]:
+        """The detached micro-batch losses computed so far (last stage), in micro-batch order."""
+        return [self._losses[i] for i in sorted(self._losses)]
 
     def is_first(self, c: int) -> bool:
         return is_first_virtual_stage(self.pipeline.rank, c)
@@ -70,14 +74,14 @@ class StageRunner:
             raise ValueError(f"micro-batch {i} has no {key!r}, which pipeline rank {self.pipeline.rank} needs")
         return mb[key].to(self.pipeline.device)
 
-    def forward(self, c: int, received: torch.Tensor | None) -> torch.Tensor | None:
-        """Forward of chunk c on its next micro-batch. ``received`` is the activation from the
-        previous virtual stage (None on the first). Returns the activation to send on, or None on
-        the last virtual stage (which records the micro-batch loss instead)."""
-        i = self.next_micro[c]
-        if i >= self.num_micro:
-            raise RuntimeError(f"schedule bug: chunk {c} asked for micro-batch {i} of {self.num_micro}")
-        self.next_micro[c] += 1
+    def forward(self, c: int, i: int, received: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward of chunk c on micro-batch i. ``received`` is the activation from the previous
+        virtual stage (None on the first). Returns the activation to send on, or None on the last
+        virtual stage (which records the micro-batch loss instead)."""
+        if not 0 <= i < self.num_micro or (c, i) in self.forwarded:
+            raise RuntimeError(f"schedule bug: forward of chunk {c} micro-batch {i} of {self.num_micro} "
+                               f"(out of range or run twice)")
+        self.forwarded.add((c, i))
         first, last = self.is_first(c), self.is_last(c)
         if first:
             x = self._batch(i, "tokens")
@@ -89,25 +93,24 @@ class StageRunner:
             out = self.chunks[c](x, self._batch(i, "labels") if last else None)
             if last:
                 loss = self.loss_fn(out, self._batch(i, "loss_mask"))
-                self.losses.append(loss.detach())
+                self._losses[i] = loss.detach()
                 out = loss * (self.loss_scale / self.num_micro)
         s = self.stats
         s.num_forward += 1
         s.order.append(("F", c, i))
         if not self.forward_only:
-            self.held[c].append((None if first else x, out))
+            self.held[c][i] = (None if first else x, out)
             s.in_flight += 1
             s.peak_in_flight = max(s.peak_in_flight, s.in_flight)
         return None if last else out
 
-    def backward(self, c: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Backward of chunk c on its oldest held micro-batch. ``output_grad`` is the gradient from
-        the next virtual stage (None on the last, whose output is the scaled loss). Returns the
-        gradient of the chunk's input, to send back (None on the first virtual stage)."""
-        if not self.held[c]:
-            raise RuntimeError(f"schedule bug: backward of chunk {c} with no activations held")
-        x, out = self.held[c].popleft()
-        i = self.done_backward[c]
+    def backward(self, c: int, i: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Backward of chunk c on micro-batch i. ``output_grad`` is the gradient from the next
+        virtual stage (None on the last, whose output is the scaled loss). Returns the gradient of
+        the chunk's input, to send back (None on the first virtual stage)."""
+        if i not in self.held[c]:
+            raise RuntimeError(f"schedule bug: backward of chunk {c} micro-batch {i}, whose activations are not held")
+        x, out = self.held[c].pop(i)
         self.done_backward[c] += 1
         if self.grad_sync is not None:
             self.grad_sync.before_backward(c, self.done_backward[c] == self.num_micro)
