@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import logging
 import os
 import sys
@@ -31,6 +30,7 @@ from megazero.data.gpt_dataset import DataError
 from megazero.data.samplers import build_data_iterators
 from megazero.data.tokenizers import Tokenizer, TokenizerError, tokenizer_from_config
 from megazero.kernels import describe_kernels
+from megazero.launcher import report_to_launcher
 from megazero.memory import describe_cpu_memory, return_freed_memory
 from megazero.memory.estimate import describe as describe_estimate
 from megazero.memory.estimate import estimate_memory
@@ -97,15 +97,7 @@ def stop(message: str, status: int, rank: int, every_rank: bool = False, secondh
         every_rank, message = True, f"rank {rank}: {message}"
     if rank == 0 or every_rank:
         print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        try:
-            with open(error_file, "w") as f:
-                when = str(int(time.time()) + int(secondhand))      # torchelastic's record() format
-                json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
-                                                                         "timestamp": when}}}, f)
-        except OSError:
-            pass                                       # the line above is the report then
+        report_to_launcher(f"pretrain_gpt.py: error: {message}", message, secondhand)
     if rank != 0 and not every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(5.0)            # rank 0 says the line: leaving first could have the launcher stop it unsaid
     raise SystemExit(status)

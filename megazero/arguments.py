@@ -33,6 +33,7 @@ from pathlib import Path
 from megazero.config import BACKENDS, TOKENIZERS, ConfigError, JobConfig, flag, flag_fields, setting, validate
 from megazero.config import megatron_flags as megatron
 from megazero.config.fields import GROUPS
+from megazero.launcher import report_to_launcher
 from megazero.foreign_config import Launch, from_accelerate, from_deepspeed, load_yaml, unused_warning
 from megazero.models.spec import check_family
 
@@ -85,7 +86,9 @@ def stop_with(parser: argparse.ArgumentParser, lines: list[str]) -> None:
     a launcher (the launcher stops the others while they wait; a rank still alive after the wait prints them)."""
     if os.environ.get("RANK", "0") != "0":
         time.sleep(5.0)
-    sys.stderr.write("".join(f"{parser.prog}: error: {line}\n" for line in lines))
+    text = "".join(f"{parser.prog}: error: {line}\n" for line in lines)
+    sys.stderr.write(text)
+    report_to_launcher(text.rstrip("\n"), "; ".join(lines))     # under torchrun: again after its report
     parser.exit(2)
 
 

@@ -125,8 +125,8 @@ CASES = [
     ("offload-sub-group-zero", mock("--zero-stage", "1", "--offload-optimizer", "cpu", "--offload-sub-group-size",
                                     "0"), 2, "--offload-sub-group-size must be a positive integer"),
     ("nccl-without-cuda", mock("--backend", "nccl"), 2, "--backend nccl needs CUDA"),
-    ("unknown-flag", mock("--no-such-flag"), 2, "unrecognized arguments: --no-such-flag"),
-    ("abbreviated-flag", mock("--hidden", "64"), 2, "unrecognized arguments: --hidden"),
+    ("unknown-flag", mock("--no-such-flag"), 2, "unrecognized argument --no-such-flag (pretrain_gpt.py --help lists"),
+    ("abbreviated-flag", mock("--hidden", "64"), 2, "unrecognized argument --hidden: did you mean --hidden-size"),
     # data and tokenizer
     ("data-without-tokenizer", data("--data-path", "x"), 2, "--data-path needs --tokenizer-type"),
     ("mock-and-data", mock("--data-path", "{W}/gpt2_text_document", *GPT2), 2,
