@@ -170,3 +170,22 @@ def test_layout_matches_serial(model, world, flags, serial, tmp_path):
         # already (measured; fp32 summation order), cp 2 by 5e-5: for it the losses of all ten steps, which
         # follow from the parameters after each step, are the comparison.
         assert_same_losses(train, want[0], "grad_norm")
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.slow
+def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
+    """Checkpoints do not depend on cp: 10 steps at cp 2 (ZeRO-3 over dp x cp), saved, then resumed on one
+    process for 10 more, equal the uninterrupted single-process run of 20."""
+    run = TINY + ["--train-iters", "20", "--lr-decay-iters", "20"]
+    assert run_on_ranks(1, main_body, run + ["--metrics-file", str(tmp_path / "straight.jsonl")]) == [0]
+    first = run[:-4] + ["--train-iters", "10", "--lr-decay-iters", "20", "--cp", "2", "--zero-stage", "3",
+                        "--save", str(tmp_path / "ck"), "--metrics-file", str(tmp_path / "first.jsonl")]
+    assert run_on_ranks(2, main_body, first, timeout=300) == [0, 0]
+    assert run_on_ranks(1, main_body, run + ["--load", str(tmp_path / "ck"), "--metrics-file",
+                                             str(tmp_path / "resumed.jsonl")]) == [0]
+    want, want_valid = read_metrics(tmp_path / "straight.jsonl")
+    got, got_valid = read_metrics(tmp_path / "first.jsonl")
+    later, later_valid = read_metrics(tmp_path / "resumed.jsonl")
+    assert_same_losses(got + later, want, "loss")
+    assert_same_losses(got_valid + later_valid, want_valid, "valid_loss")

@@ -113,9 +113,6 @@ def check_context_parallel(job: JobConfig) -> None:
     if job.compilation.compile:
         fail(f"{FLAG.cp} {cp} with {FLAG.compile} is not built (the attention's collectives sit inside the "
               f"compiled layers): drop {FLAG.compile}")
-    if job.checkpoint.save or job.checkpoint.load:
-        fail(f"{FLAG.cp} {cp} with {FLAG.save} / {FLAG.load}: checkpoints of context-parallel runs are not "
-              f"built yet; train without saving or drop {FLAG.cp}")
 
 
 def check_train(t: TrainConfig, par: ParallelConfig) -> None:
