@@ -18,13 +18,13 @@ Attention (``--cp-comm-type``), each rank holding its queries, keys and values `
 ==========  =====================================================  ==========================================
 type        what moves                                             per rank, per layer, forward (keys+values)
 ==========  =====================================================  ==========================================
-allgather   keys/values all-gathered once (backward:               (cp - 1) / cp x the whole sequence's K/V
-            reduce-scatter of their gradients), then each rank     (:func:`kv_bytes_moved`)
+allgather   keys/values all-gathered once (backward:               (cp - 1) / cp x the whole sequence's K/V;
+            reduce-scatter of their gradients), then each rank     backward the same for their gradients
             attends its two chunks to the prefix they see
 p2p         ring: K/V blocks passed to the next rank cp - 1 times, (cp - 1) / cp x the whole sequence's K/V,
             overlapped with the block's computation; online       sent in cp - 1 steps behind compute;
-            softmax merge; backward passes K/V and their          backward twice that (K/V and dK/dV)
-            gradients around the ring (:mod:`.ring_attention`)
+            softmax merge; backward passes K/V and their          backward (2cp - 1) / cp x K/V (K/V again,
+            gradients around the ring (:mod:`.ring_attention`)    then dK/dV home in cp hops)
 a2a         Ulysses: all-to-all from sequence-split to head-split  (cp - 1) / cp of this rank's Q, K, V and
             (each rank: the whole sequence, heads / cp heads),     of the output: 4 small all-to-alls
             causal attention, all-to-all back
@@ -181,23 +181,3 @@ def ulysses_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
     q, k, v = (_AllToAll.apply(t, cp.group, cp.size, True).index_select(0, order) for t in (q, k, v))
     out = sdpa(q, k, v, causal=True).index_select(0, gathered)       # back to the gathered (rank) order
     return _AllToAll.apply(out, cp.group, cp.size, False)
-
-
-def kv_bytes_moved(comm_type: str, seq_length: int, micro_batch: int, kv_heads: int, head_dim: int, cp: int,
-                   element_size: int, heads: int | None = None) -> dict[str, int]:
-    """Bytes one rank sends per layer for the keys and values (and, a2a, queries and output) of one
-    micro-batch: {"forward": ..., "backward": ...}. ``kv_heads``, ``heads``: per tp rank."""
-    kv_whole = 2 * seq_length * micro_batch * kv_heads * head_dim * element_size     # K and V of the sequence
-    if cp == 1:
-        return {"forward": 0, "backward": 0}
-    if comm_type == "allgather":
-        moved = kv_whole * (cp - 1) // cp
-        return {"forward": moved, "backward": moved}        # gather; reduce-scatter of the gradients
-    if comm_type == "p2p":
-        moved = kv_whole * (cp - 1) // cp                   # cp - 1 blocks of S/cp tokens
-        return {"forward": moved, "backward": moved + kv_whole}    # K/V again (cp - 1 blocks), dK/dV (cp blocks)
-    if comm_type == "a2a":
-        q_bytes = seq_length * micro_batch * (heads or kv_heads) * head_dim * element_size
-        moved = (q_bytes + kv_whole + q_bytes) * (cp - 1) // (cp * cp)   # this rank's 1/cp, all but 1/cp of it
-        return {"forward": moved, "backward": moved}
-    raise ValueError(f"unknown --cp-comm-type {comm_type!r}")
