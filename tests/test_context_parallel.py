@@ -113,6 +113,29 @@ def test_attention_matches_whole_sequence(comm_type, world, heads, kv_heads):
     assert max(max(e) for e in errors) < 1e-12, errors
 
 
+def test_ring_blocks_give_every_rank_equal_work():
+    """Counted from the blocks ring attention computes at cp 4 (not timed): every rank scores the same
+    number of query-key pairs, and the same number the causal mask keeps; together they are exactly the
+    causal pairs of the whole sequence."""
+    from megazero.parallel.groups import ContextParallel
+    from megazero.parallel.ring_attention import _block_parts, _local_mask
+
+    cp, s = 4, 6                          # each rank: two chunks of 3 tokens; the sequence: 24
+    scored, kept = [], []
+    for rank in range(cp):
+        view = ContextParallel(None, tuple(range(cp)), rank, cp)
+        pairs = useful = 0
+        for t in range(cp):
+            rows, cols, masked = _block_parts(t, view, s)
+            n = (rows.stop - rows.start) * (cols.stop - cols.start)
+            pairs += n
+            useful += int(_local_mask(s, view, None).sum()) if masked else n
+        scored.append(pairs)
+        kept.append(useful)
+    assert len(set(scored)) == 1 and len(set(kept)) == 1, (scored, kept)
+    assert sum(kept) == 24 * 25 // 2
+
+
 # ---------------------------------------------------------------------------------------------- training
 @pytest.fixture(scope="module")
 def serial(tmp_path_factory):
@@ -146,6 +169,10 @@ LAYOUTS = [
     ("llama-cp2tp2-sp-a2a", "llama", 4, ["--cp", "2", "--tp", "2", "--sequence-parallel", "--cp-comm-type", "a2a"]
      + A2A_SHAPE),
     ("gpt-cp2pp2-p2p", "gpt", 4, ["--cp", "2", "--pp", "2"]),
+    ("llama-cp2-p2p-recompute", "llama", 2, ["--cp", "2", "--recompute-granularity", "full",
+                                             "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    ("gpt-cp2-allgather-core-attn", "gpt", 2, ["--cp", "2", "--cp-comm-type", "allgather",
+                                               "--recompute-activations"]),
 ]
 QUICK = {"llama-cp2-p2p", "gpt-cp2-a2a"}
 
