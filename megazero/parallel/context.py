@@ -32,7 +32,7 @@ a2a         Ulysses: all-to-all from sequence-split to head-split  (cp - 1) / cp
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
