@@ -108,7 +108,8 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     timeout_s = 60 * job.parallel.distributed_timeout_minutes
     topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, order=job.parallel.order,
                     device=init_distributed(backend, timeout_s), timeout_s=timeout_s,
-                    ranks_per_node=job.parallel.ranks_per_node, ep=job.parallel.expert_model_parallel_size)
+                    ranks_per_node=job.parallel.ranks_per_node, ep=job.parallel.expert_model_parallel_size,
+                    cp=job.parallel.cp)
     if topo.device.type == "cpu" and job.logging.return_freed_memory:    # honest resident peaks, slower
         return_freed_memory()
     log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0,
@@ -131,6 +132,7 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     train_data, valid_data, _ = build_data_iterators(
         job.data, seq_length=job.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp_size,
+        cp_rank=topo.cp_rank, cp_size=topo.cp_size,
         train_iters=t.train_iters, eval_iters=t.eval_iters, eval_interval=t.eval_interval,
         vocab_size=job.model.vocab_size, eod=tokenizer.eod if tokenizer else None,
         is_writer=topo.rank == 0, barrier=dist.barrier)

@@ -25,6 +25,7 @@ from megazero.lr_schedule import learning_rate
 from megazero.memory.activation_offload import take_offloaded_bytes
 from megazero.metrics import MetricsLog, device_peak_tflops, duration, peak_memory_bytes, timestamp
 from megazero.models.spec import ModelSpec, get_model_spec
+from megazero.parallel.context import context_parallel_loss
 from megazero.parallel.params import attribute, counts_once, split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.tensor import gather_full
@@ -51,7 +52,9 @@ def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
     """Mean of the last stage's micro-batch losses over all data-parallel ranks, known on every rank.
 
     Only last-stage ranks with tp_rank 0 contribute (tp ranks hold identical losses), so a single
-    all-reduce over the world of (sum, count) gives the same number everywhere, rank 0 included.
+    all-reduce over the world of (sum, count) gives the same number everywhere, rank 0 included. Under
+    context parallelism each cp rank's loss is its slice's share of the micro-batch's loss: every cp rank
+    adds its share, only cp rank 0 counts the micro-batches.
     """
     return _global_figures(losses, topo, False)[0]
 
@@ -62,15 +65,20 @@ def _global_figures(losses: list[torch.Tensor], topo: Topology, flag: bool) -> t
     total = torch.zeros(3, device=topo.device)
     if contributes:
         total[0] = torch.stack(losses).sum().float()
-        total[1] = len(losses)
+        total[1] = len(losses) if topo.cp_rank == 0 else 0
     total[2] = float(flag)
     dist.all_reduce(total)
     return ((total[0] / total[1]).item() if total[1] > 0 else float("nan")), bool(total[2].item())
 
 
+def _loss_fn(spec: ModelSpec, topo: Topology):
+    """The model's loss; under context parallelism this cp rank's share of each sequence's."""
+    return context_parallel_loss(spec.loss, topo.context_parallel())
+
+
 def _boundary_shape(spec: ModelSpec, job: JobConfig, topo: Topology) -> tuple[int, ...]:
     """Shape of the activations passed between pipeline stages (the model spec's)."""
-    return spec.boundary_shape(job.model, job.train.micro_batch_size, topo.model_groups(job.parallel.sequence_parallel))
+    return spec.boundary_shape(job.model, job.train.micro_batch_size, topo.model_groups(job.parallel.sequence_parallel))   # [s/cp(/tp), b, h]
 
 
 def train_step(chunks, micro_batches: list[dict], topo: Topology, engine, job: JobConfig,
@@ -82,7 +90,7 @@ def train_step(chunks, micro_batches: list[dict], topo: Topology, engine, job: J
     spec = spec or get_model_spec(job.model.model_family)
     engine.zero_grad()
     spec.hooks.before_step(chunks, engine.loss_scale / len(micro_batches))   # e.g. MoE losses, as the main loss's
-    losses = run_schedule(chunks, micro_batches, topo.pipeline(), loss_fn=spec.loss, schedule=job.parallel,
+    losses = run_schedule(chunks, micro_batches, topo.pipeline(), loss_fn=_loss_fn(spec, topo), schedule=job.parallel,
                           tensor_shape=_boundary_shape(spec, job, topo), loss_scale=engine.loss_scale, grad_sync=engine)
     engine.finalize_grads()
     grad_norm, skipped = engine.step(iteration)
@@ -100,7 +108,8 @@ def evaluate(chunks, batches: Iterator[list[dict]], topo: Topology, job: JobConf
         chunk.eval()
     losses = []
     for _ in range(iters):
-        step_losses = run_schedule(chunks, next(batches), topo.pipeline(), loss_fn=spec.loss, schedule=job.parallel,
+        step_losses = run_schedule(chunks, next(batches), topo.pipeline(), loss_fn=_loss_fn(spec, topo),
+                                   schedule=job.parallel,
                                    tensor_shape=_boundary_shape(spec, job, topo), forward_only=True)
         losses.append(global_mean_loss(step_losses, topo))
     for chunk in chunks:
@@ -315,7 +324,7 @@ def count_parameters(chunks, topo: Topology) -> int:
                 for chunk in chunks for p in chunk.parameters() if counts_once(p, topo.tp_rank))
     t = torch.tensor([float(local)], device=topo.device, dtype=torch.float64)
     dist.all_reduce(t)
-    return int(t.item()) // topo.dp_size
+    return int(t.item()) // (topo.dp_size * topo.cp_size)          # cp ranks hold the same weights too
 
 
 def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
@@ -324,7 +333,8 @@ def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
     n = count_parameters(chunks, topo)
     schedule = f"{par.pipeline_schedule} (v={par.virtual_stages})" if par.pp > 1 else "none"
     spec = get_model_spec(m.model_family)
-    return (f" megazero: world {topo.world_size} = tp {par.tp} x pp {par.pp} x dp {par.dp} | zero stage "
+    cp = f" x cp {par.cp} ({par.cp_comm_type})" if par.cp > 1 else ""
+    return (f" megazero: world {topo.world_size} = tp {par.tp}{cp} x pp {par.pp} x dp {par.dp} | zero stage "
             f"{job.zero.zero_stage} | {job.precision.dtype_name} | pipeline {schedule} | sequence parallel "
             f"{par.sequence_parallel} | micro-batch {job.train.micro_batch_size} x {job.num_micro_batches} "
             f"micro-batches x dp {par.dp} = global batch {job.train.global_batch_size}\n"
@@ -350,7 +360,7 @@ def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
                 local[name] = gather_full(p.detach(), split_dim(p), topo.tp_group).float().cpu()
     ep = topo.ep_size
     mine = {}
-    if topo.tp_rank == 0 and topo.dp_rank < ep:     # dp ranks 0..ep-1: one replica, all experts
+    if topo.tp_rank == 0 and topo.cp_rank == 0 and topo.dp_rank < ep:   # dp ranks 0..ep-1: one replica, all experts
         mine = {n: t for n, t in local.items() if topo.dp_rank == 0 or ".experts." in n}
     everything = [None] * topo.world_size if topo.rank == 0 else None
     dist.gather_object(mine, everything, dst=0)

@@ -65,7 +65,7 @@ def test_estimated_model_states_are_the_zero_accounting():
 # transients (the embedding's gradient at the backward's end) decide the peak.
 CAPACITY = ["--vocab-size", "4096", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
             "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4"]
-LAYOUTS = [  # (world size, flags): tp, pp, dp, ZeRO 0-3, sequence parallel, recompute, precision, dropout, Llama
+LAYOUTS = [  # (world size, flags): tp, pp, dp, cp, ZeRO 0-3, sequence parallel, recompute, precision, dropout, Llama
     (1, ["--zero-stage", "0"]),
     (2, ["--zero-stage", "1"]),
     (2, ["--zero-stage", "2", "--global-batch-size", "16"]),
@@ -85,6 +85,8 @@ LAYOUTS = [  # (world size, flags): tp, pp, dp, ZeRO 0-3, sequence parallel, rec
                  "--global-batch-size", "16"]),
     (4, CAPACITY + ["--zero-stage", "1"]),
     (4, CAPACITY + ["--zero-stage", "2"]),
+    (2, ["--cp", "2", "--zero-stage", "1"]),                                   # context parallel: a slice each
+    (2, LLAMA + ["--cp", "2", "--cp-comm-type", "allgather", "--zero-stage", "0"]),   # + the gathered K/V
 ]
 QUICK = {0, 3, 5, 6, 11}
 

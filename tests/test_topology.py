@@ -14,7 +14,7 @@ def test_megatron_16_rank_listing():
     assert g.pipeline == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
     assert g.model == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
     assert g.embedding == [[0, 12], [1, 13], [2, 14], [3, 15]]
-    assert g.coords(13) == {"tp": 1, "dp": 0, "pp": 3}
+    assert g.coords(13) == {"tp": 1, "cp": 0, "dp": 0, "pp": 3}
 
 
 def test_32_ranks_tp4_pp4_dp2():

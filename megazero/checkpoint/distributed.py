@@ -57,8 +57,16 @@ def latest_iteration(save_dir: str | os.PathLike) -> int | None:
 
 def _layout(topo, chunks, job) -> dict:
     return {"world_size": topo.world_size, "tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size,
-            "virtual_stages": len(chunks), "order": job.parallel.order, "zero_stage": job.zero.zero_stage,
+            "cp": topo.cp_size, "virtual_stages": len(chunks), "order": _canonical_order(job.parallel.order),
+            "zero_stage": job.zero.zero_stage,
             "sequence_parallel": job.parallel.sequence_parallel, "dtype": job.precision.dtype_name}
+
+
+def _canonical_order(order: str) -> str:
+    """The rank order with cp named (``tp-dp-pp`` and ``tp-cp-dp-pp`` are the same layout)."""
+    from megazero.parallel.topology import parse_order
+
+    return "-".join(parse_order(order))
 
 
 def _where(piece: StatePiece, topo, vocab_size: int) -> tuple[list[int], list[list[int]], tuple[int, int]]:
@@ -344,8 +352,9 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
 
 
 def _restore_rng(reader, chunks, topo, job, extra_rng, directory) -> None:
-    saved, mine = reader.index["layout"], _layout(topo, chunks, job)
-    keys = ("world_size", "tp", "pp", "dp", "virtual_stages", "order")
+    saved, mine = dict(reader.index["layout"]), _layout(topo, chunks, job)
+    saved["cp"], saved["order"] = saved.get("cp", 1), _canonical_order(saved["order"])   # saved before cp existed
+    keys = ("world_size", "tp", "cp", "pp", "dp", "virtual_stages", "order")
     if any(saved[k] != mine[k] for k in keys):
         if topo.rank == 0:
             log.warning("%s was saved under tp %s pp %s dp %s; this run is tp %s pp %s dp %s: random states "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megazero.config.checks import check_finite, fill_zero_defaults
+from megazero.config.checks import check_context_parallel, check_finite, fill_zero_defaults
 from megazero.config.model_checks import check_model
 from megazero.config.fields import ConfigError, flag, flag_field, flag_fields, setting
 from megazero.config.sections import (ACTIVATIONS, BACKENDS, COMPILE_MODES, DECAY_STYLES, NORMALIZATIONS,
@@ -56,4 +56,5 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     job.checkpoint.check()
     job.logging.check(job.train, world_size)
     job.compilation.check(job.model)
+    check_context_parallel(job)
     return job

@@ -70,28 +70,49 @@ def check_finite(job: JobConfig) -> None:
 
 
 def check_parallel(par: ParallelConfig, world: int) -> None:
-    """tp x pp x dp is the world size; fills ``dp`` (world // (tp * pp)) when it is None."""
+    """tp x cp x pp x dp is the world size; fills ``dp`` (world // (tp * cp * pp)) when it is None."""
     positive(par.tp, "tp")
     positive(par.pp, "pp")
-    mp = par.tp * par.pp
+    positive(par.cp, "cp")
+    one_of(par, "cp_comm_type")
+    mp = par.tp * par.cp * par.pp
+    sizes = f"tp*cp*pp = {par.tp}*{par.cp}*{par.pp}" if par.cp > 1 else f"tp*pp = {par.tp}*{par.pp}"
     if par.dp is None:
         if world % mp:
-            fail(f"world size {world} is not divisible by tp*pp = {par.tp}*{par.pp} = {mp}: "
+            fail(f"world size {world} is not divisible by {sizes} = {mp}: "
                   f"launch a multiple of {mp} processes (e.g. --nproc-per-node {mp * max(1, world // mp)}) "
-                  f"or change {FLAG.tp} / {FLAG.pp}")
+                  f"or change {FLAG.tp} / {FLAG.pp}" + (f" / {FLAG.cp}" if par.cp > 1 else ""))
         par.dp = world // mp
     positive(par.dp, "dp")
-    if par.tp * par.pp * par.dp != world:
-        fail(f"tp*pp*dp = {par.tp}*{par.pp}*{par.dp} = {par.tp * par.pp * par.dp} does not equal the "
-              f"world size {world}: launch {par.tp * par.pp * par.dp} processes or change "
+    if mp * par.dp != world:
+        fail(f"{sizes}*dp = {mp * par.dp} (dp {par.dp}) does not equal the "
+              f"world size {world}: launch {mp * par.dp} processes or change "
               f"{FLAG.dp} (or leave it out to infer it)")
     if not par.distributed_timeout_minutes > 0:
         fail(f"{FLAG.distributed_timeout_minutes} must be > 0, got {par.distributed_timeout_minutes}")
-    if sorted(par.order.split("-")) != ["dp", "pp", "tp"]:
-        fail(f"{FLAG.order} {par.order!r} must name tp, dp and pp once each, e.g. 'tp-dp-pp'")
+    names = par.order.split("-")
+    if sorted(n for n in names if n != "cp") != ["dp", "pp", "tp"] or names.count("cp") > 1:
+        fail(f"{FLAG.order} {par.order!r} must name tp, dp and pp once each (and cp at most once), e.g. "
+              f"'tp-cp-dp-pp'")
     if par.sequence_parallel and par.tp < 2:
         fail(f"{FLAG.sequence_parallel} splits activations over the tensor-parallel ranks and does nothing at "
               f"{FLAG.tp} {par.tp}: drop it, or use {FLAG.tp} 2 or more")
+    if par.cp_comm_type == "a2a+p2p":
+        fail(f"{FLAG.cp_comm_type} a2a+p2p (hierarchical) is not built: use p2p (ring) or a2a (Ulysses)")
+
+
+def check_context_parallel(job: JobConfig) -> None:
+    """What context parallelism does not compose with yet, refused by name (the model's rules are in
+    :mod:`megazero.config.model_checks`)."""
+    cp, z = job.parallel.cp, job.zero
+    if cp == 1:
+        return
+    if z.hpz_partition_size > 1 or z.quantized_weights or z.quantized_gradients:
+        fail(f"{FLAG.cp} {cp} with ZeRO++ ({FLAG.hpz_partition_size}, {FLAG.quantized_weights}, "
+              f"{FLAG.quantized_gradients}) is not built: drop the ZeRO++ flags or {FLAG.cp}")
+    if job.compilation.compile:
+        fail(f"{FLAG.cp} {cp} with {FLAG.compile} is not built (the attention's collectives sit inside the "
+              f"compiled layers): drop {FLAG.compile}")
 
 
 def check_train(t: TrainConfig, par: ParallelConfig) -> None:

@@ -35,6 +35,7 @@ AS_IS = (
     "--num-experts", "--moe-router-topk", "--moe-layer-freq", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
     "--moe-expert-capacity-factor", "--expert-model-parallel-size",
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+    "--context-parallel-size", "--cp-comm-type",
     "--sequence-parallel", "--distributed-timeout-minutes", "--overlap-grad-reduce", "--overlap-param-gather",
     "--accumulate-allreduce-grads-in-fp32",
     "--micro-batch-size", "--global-batch-size", "--train-iters", "--train-samples", "--seed", "--eval-interval",
@@ -136,9 +137,6 @@ IMPLEMENTATION: dict[str, Implementation] = {
                  "external": "an external loader does not exist here: drop --dataloader-type external"}),
     "--optimizer": Implementation("AdamW with decoupled weight decay (Megatron's adam)", choices=("adam", "sgd"),
                                   refused={"sgd": "SGD does not exist here (AdamW only): drop --optimizer sgd"}),
-    "--context-parallel-size": Implementation(
-        "context-parallel size 1: no context parallelism", type=int, accepts=(1,),
-        refused={"*": "context parallelism does not exist here: drop --context-parallel-size (or give 1)"}),
     "--no-position-embedding": Implementation("RoPE uses no position-embedding table",
                                               requires={"position_embedding_type": "rope"}),
 }

@@ -51,6 +51,41 @@ def check_model(m: ModelConfig, par: ParallelConfig) -> None:
     _check_rope(m)
     _check_query_groups(m, par.tp)
     _check_moe(m, par)
+    _check_context_parallel(m, par)
+
+
+# The --cp-comm-type values whose attention is built (the rest are refused by name).
+BUILT_CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+
+
+def _check_context_parallel(m: ModelConfig, par: ParallelConfig) -> None:
+    """Context parallelism against the model: the sequence cuts into 2 x cp equal chunks (causal load
+    balancing: cp rank r holds chunks r and 2cp-1-r), Ulysses' all-to-all needs whole heads and key/value
+    groups per cp rank, and what is not built for a split sequence is refused by name."""
+    cp = getattr(par, "cp", 1)
+    if cp == 1:
+        return
+    if m.seq_length % (2 * cp):
+        fail(f"{FLAG.cp} {cp} needs {FLAG.seq_length} ({m.seq_length}) divisible by 2 x cp = {2 * cp} (each cp rank "
+              f"holds two of 2 x cp equal chunks, for causal load balancing): use a multiple of {2 * cp}")
+    if par.sequence_parallel and (m.seq_length // cp) % par.tp:
+        fail(f"{FLAG.sequence_parallel} with {FLAG.cp} {cp} needs each cp rank's {m.seq_length // cp} tokens "
+              f"divisible by {FLAG.tp} {par.tp}: use a {FLAG.seq_length} that is a multiple of {cp * par.tp}")
+    if par.cp_comm_type not in BUILT_CP_COMM_TYPES:
+        fail(f"{FLAG.cp_comm_type} {par.cp_comm_type} is not built yet: use "
+              f"{' or '.join(BUILT_CP_COMM_TYPES)}")
+    if par.cp_comm_type == "a2a":
+        heads, groups = m.num_attention_heads // par.tp, m.kv_heads // par.tp if m.kv_heads >= par.tp else 1
+        if heads % cp or groups % cp:
+            fail(f"{FLAG.cp_comm_type} a2a (Ulysses) gives each cp rank whole heads: the {heads} query heads and "
+                  f"{groups} key/value group(s) per tp rank must divide by {FLAG.cp} {cp}; use a cp that divides "
+                  f"both, or {FLAG.cp_comm_type} p2p")
+    if m.attention_dropout > 0:
+        fail(f"{FLAG.attention_dropout} {m.attention_dropout} with {FLAG.cp} {cp}: context-parallel attention has "
+              f"no dropout; set {FLAG.attention_dropout} 0")
+    if m.num_experts:
+        fail(f"{FLAG.cp} {cp} with {FLAG.num_experts}: Mixture-of-Experts layers over a split sequence are not "
+              f"built; drop {FLAG.cp} or the experts")
 
 
 def _check_moe(m: ModelConfig, par: ParallelConfig) -> None:

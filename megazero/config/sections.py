@@ -22,6 +22,7 @@ from megazero.config.megatron_flags import MEGATRON_TOKENIZERS
 
 # The allowed values of the choice flags: one source for the command line and the checks.
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")     # Megatron's --cp-comm-type values
 DECAY_STYLES = ("constant", "linear", "cosine")
 TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 ACTIVATIONS = ("gelu_tanh", "gelu")
@@ -204,9 +205,15 @@ class ParallelConfig:
     pp: int = flag_field(1, "--pipeline-model-parallel-size", "--pp", type=int, group=_PAR,
                          help="pipeline-parallel size: stages the layers are split into")
     dp: int | None = flag_field(None, "--data-parallel-size", "--dp", type=int, group=_PAR,
-                                help="default: the world / (tp x pp)")
-    order: str = flag_field("tp-dp-pp", "--parallel-order", group=_PAR, metavar="ORDER",
-                            help="rank order, fastest first (default tp-dp-pp)")
+                                help="default: the world / (tp x cp x pp)")
+    order: str = flag_field("tp-cp-dp-pp", "--parallel-order", group=_PAR, metavar="ORDER",
+                            help="rank order, fastest first (default tp-cp-dp-pp; cp may be left out)")
+    cp: int = flag_field(1, "--context-parallel-size", "--cp", type=int, group=_PAR,
+                         help="context-parallel size: ranks that split each sequence (2 chunks each, causal "
+                              "load balancing)")
+    cp_comm_type: str = flag_field("p2p", "--cp-comm-type", choices=CP_COMM_TYPES, group=_PAR,
+                                   help="context-parallel attention: p2p (ring), a2a (Ulysses all-to-all), "
+                                        "allgather (gather keys/values)")
     num_layers_per_virtual_pipeline_stage: int | None = flag_field(
         None, "--num-layers-per-virtual-pipeline-stage", type=int, group=_PAR,
         help="interleaved 1F1B: layers per model chunk")

@@ -10,6 +10,10 @@ consumed 16:
 
 The order depends only on the seed (via the dataset) and ``consumed``: a run resumed with the
 saved ``consumed_samples`` reads exactly what the uninterrupted run would have read.
+
+Context parallelism: the cp ranks of a data-parallel rank read the same samples and each keeps its
+load-balanced slice of every sequence (:func:`megazero.parallel.context.rank_slice`: chunks r and
+2cp-1-r of 2cp) of the tokens, labels and loss mask alike; no extra sample is read.
 """
 from __future__ import annotations
 
@@ -59,8 +63,9 @@ class MicroBatchIterator:
 
     def __init__(self, dataset, *, micro_batch_size: int, global_batch_size: int, dp_rank: int = 0,
                  dp_size: int = 1, consumed_samples: int = 0, eod: int | None = None,
-                 eod_mask_loss: bool = False, wrap: bool = False):
+                 eod_mask_loss: bool = False, wrap: bool = False, cp_rank: int = 0, cp_size: int = 1):
         self.dataset, self.micro_batch_size, self.global_batch_size = dataset, micro_batch_size, global_batch_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.dp_rank, self.dp_size, self.consumed_samples = dp_rank, dp_size, consumed_samples
         self.eod, self.eod_mask_loss, self.wrap = eod, eod_mask_loss, wrap
         micro_batch_sample_ids(0, micro_batch_size, dp_rank, dp_size, global_batch_size)  # validate
@@ -75,6 +80,11 @@ class MicroBatchIterator:
         batches = [samples_to_batch(np.stack([self.dataset[int(i) % n] for i in m]), self.eod, self.eod_mask_loss)
                    for m in ids]
         self.consumed_samples += self.global_batch_size
+        if self.cp_size > 1:
+            from megazero.parallel.context import rank_slice
+
+            batches = [{key: rank_slice(t, 1, self.cp_rank, self.cp_size) for key, t in batch.items()}
+                       for batch in batches]
         return batches
 
     def __iter__(self):
@@ -95,12 +105,13 @@ class MicroBatchIterator:
 def build_data_iterators(data_cfg, *, seq_length: int, seed: int, micro_batch_size: int, global_batch_size: int,
                          dp_rank: int, dp_size: int, train_iters: int, eval_iters: int, eval_interval: int,
                          vocab_size: int, eod: int | None, consumed_train_samples: int = 0,
-                         is_writer: bool = True, barrier=None) -> tuple:
+                         is_writer: bool = True, barrier=None, cp_rank: int = 0, cp_size: int = 1) -> tuple:
     """(train, valid, test) :class:`MicroBatchIterator` for a run (``None`` for an empty split).
 
     Sample counts as Megatron sizes them: train ``train_iters * global_batch``; valid enough for an
     evaluation every ``eval_interval`` steps plus one at the end; test one evaluation. Valid and
-    test iterators wrap around. ``is_writer``/``barrier``: see ``build_train_valid_test_datasets``.
+    test iterators wrap around. ``is_writer``/``barrier``: see ``build_train_valid_test_datasets``;
+    ``cp_rank``/``cp_size``: each micro-batch cut to this context-parallel rank's slice.
     """
     from .gpt_dataset import build_train_valid_test_datasets
 
@@ -110,7 +121,8 @@ def build_data_iterators(data_cfg, *, seq_length: int, seed: int, micro_batch_si
     datasets = build_train_valid_test_datasets(data_cfg, seq_length=seq_length, seed=seed, num_samples=num_samples,
                                                vocab_size=vocab_size, is_writer=is_writer, barrier=barrier)
     kw = dict(micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, dp_rank=dp_rank,
-              dp_size=dp_size, eod=eod, eod_mask_loss=getattr(data_cfg, "eod_mask_loss", False))
+              dp_size=dp_size, eod=eod, eod_mask_loss=getattr(data_cfg, "eod_mask_loss", False), cp_rank=cp_rank,
+              cp_size=cp_size)
     return tuple(None if ds is None else
                  MicroBatchIterator(ds, consumed_samples=consumed_train_samples if k == 0 else 0, wrap=k > 0, **kw)
                  for k, ds in enumerate(datasets))

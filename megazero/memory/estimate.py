@@ -8,7 +8,7 @@ parts, each per pipeline stage (the binding rank is the largest):
   parameters Ψ (its tp-local slice of its stage, padded into the buckets exactly as the engine pads
   them, in the engine's bucket groups: experts over dp / ep with expert parallelism), in the
   parameter dtype (e bytes), fp32 masters when e < 4, Adam's two moments, and the gradients, each
-  divided by N = dp where the stage shards it::
+  divided by N = dp x cp where the stage shards it::
 
       stage 0: eΨ + gΨ + 4Ψ + 8Ψ      1: eΨ + gΨ + 12Ψ/N      2: eΨ + gΨ/N + 12Ψ/N      3: 16Ψ/N (e = g = 2)
 
@@ -18,7 +18,9 @@ parts, each per pipeline stage (the binding rank is the largest):
   chunk (the GPT family counts its implementation exactly, :mod:`megazero.models.gpt_memory`; other
   models get Korthikanti et al.'s generic count, :mod:`megazero.memory.activations`), times the
   micro-batches held at once, which come from replaying the rank's schedule (1 without a pipeline,
-  pp - rank with 1F1B, m with GPipe, the interleaved order chunk by chunk).
+  pp - rank with 1F1B, m with GPipe, the interleaved order chunk by chunk). Under context parallelism a
+  rank holds ``seq_length / cp`` tokens (:func:`cp_slice_job`), and with ``--cp-comm-type allgather``
+  each layer also keeps the gathered keys and values of the rest of the sequence (:func:`gathered_kv_bytes`).
 
 * **buffers**: the transients on top -- gradients in flight
   (:func:`megazero.parallel.zero.sharded_grads.backward_grad_bytes`), stage 3's gathered units
@@ -36,6 +38,7 @@ paper's worked figures (:func:`paper_model_states`).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 
@@ -129,7 +132,7 @@ def _state_groups(job: JobConfig, chunks: list) -> list[tuple[list[int], int, li
     has_experts = any(attribute(p, "expert_parallel") for c in chunks for p in c.parameters())
     out = []
     for name, keep in bucket_group_filters(ep, has_experts):
-        n = par.dp // ep if name == "experts" else par.dp
+        n = par.dp // ep if name == "experts" else par.dp * par.cp       # dense: ZeRO over dp x cp
         held = [[(m, p) for m, p in c.named_parameters() if keep is None or keep(p)] for c in chunks]
         if z.zero_stage == 3:
             names = [{m for m, _ in h} for h in held]
@@ -178,9 +181,10 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     e = 2 if (prec.bf16 or prec.fp16) else 4
     ge = 4 if z.accumulate_allreduce_grads_in_fp32 else e    # gradient element bytes
     mask = 1 if device == "cuda" else e
-    n = par.dp
+    n = par.dp * par.cp
     spec = get_model_spec(job.model.model_family)
     activation_model = spec.activation_bytes or TransformerActivations()
+    act_job = cp_slice_job(job)                  # activations: a context-parallel rank's slice of the sequence
     places = placements(job.model.num_layers, par.pp, pp_rank, par.virtual_stages)
     chunks = _chunks(job, pp_rank)
     groups = _state_groups(job, chunks)                # [(buckets, dp ranks sharing them)]: dense, experts
@@ -203,8 +207,9 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     offloaded = offloaded_parts(job, groups, e, parts, ge, device)
     est.model_states = sum(parts.values())
 
-    est.activations = _held_peak(job, pp_rank, [activation_model.held(job, pl, e, mask) for pl in places])
-    host_activations = _held_peak(job, pp_rank, [activation_model.offloaded(job, pl, e, mask) for pl in places])
+    est.activations = _held_peak(job, pp_rank, [activation_model.held(act_job, pl, e, mask) + gathered_kv_bytes(job, pl, e)
+                                                 for pl in places])
+    host_activations = _held_peak(job, pp_rank, [activation_model.offloaded(act_job, pl, e, mask) for pl in places])
     if host_activations:                               # --cpu-offloading: the offloaded layers' activations
         offloaded["host_activations"] = host_activations
 
@@ -218,18 +223,18 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     if z.zero_stage == 3:
         parts["gathered_units"] = gathered_unit_bytes(units, e, z.prefetch_layers, z.keep_params_gathered)
     if places[-1].post_process:                        # the logits (and their float32 copy) beside the softmax
-        parts["logits"] = activation_model.logits(job, e)
+        parts["logits"] = activation_model.logits(act_job, e)
     # Two moments compete for the peak. The end of the last held forward: the logits beside the softmax,
     # and gradient storage already filled by earlier micro-batches (reduced once per step, m > 1). A
     # backward: the head's activations are gone first; the gradients passing between layers, the
     # gradients in flight and, recomputing, one layer's activations back.
-    working = activation_model.working(job, places, e, mask, device)
+    working = activation_model.working(act_job, places, e, mask, device)
     grads, gathered = parts.get("grads_in_backward", 0), parts.get("gathered_units", 0)
     accumulating = job.num_micro_batches > 1 and (z.zero_stage == 2 and not z.reduce_each_microbatch
                                                   or z.zero_stage == 3 and z.keep_params_gathered)
     forward_end = parts.get("logits", 0) + gathered + (grads if accumulating else 0)
     if places[-1].post_process:                        # the head's backward: all activations still held
-        parts["logits_grad"] = activation_model.head_backward(job, e)
+        parts["logits_grad"] = activation_model.head_backward(act_job, e)
         forward_end = max(forward_end, parts["logits_grad"] + gathered + (grads if accumulating else 0))
     backward = max(working, 0) + gathered + grads
     step = 0
@@ -245,13 +250,34 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
         cfg = job.model
         copies = 3 if (places[-1].post_process and not cfg.untie_embeddings_and_output_weights) else 1
         parts["embedding_grad"] = copies * e * cfg.padded_vocab_size(par.tp) // par.tp * cfg.hidden_size
-        first = activation_model.held(job, places[0], e, mask)
+        first = activation_model.held(act_job, places[0], e, mask)
         in_flight = grads if z.zero_stage < 3 else 0       # ZeRO-3 keeps one reduction in flight, done by then
         est.buffers = max(est.buffers, parts["embedding_grad"] + in_flight + gathered - first)
     parts.update(offloaded)
     est.host = sum(v for k, v in offloaded.items() if k.startswith("host_"))
     est.nvme = sum(v for k, v in offloaded.items() if k.startswith("nvme_"))
     return est
+
+
+def cp_slice_job(job: JobConfig) -> JobConfig:
+    """``job`` as one context-parallel rank sees its activations: a sequence of ``seq_length / cp`` tokens
+    (its two chunks); ``job`` itself at cp 1."""
+    cp = job.parallel.cp
+    if cp == 1:
+        return job
+    return dataclasses.replace(job, model=dataclasses.replace(job.model, seq_length=job.model.seq_length // cp))
+
+
+def gathered_kv_bytes(job: JobConfig, placement, e: int) -> int:
+    """``--cp-comm-type allgather``: the whole sequence's keys and values each layer keeps for its backward
+    beyond its own slice (2 (s - s/cp) b kv_heads/tp d elements per layer); 0 otherwise (p2p keeps only its
+    own slice, a2a the whole sequence for heads/cp heads: the same bytes as its slice for all heads)."""
+    par, cfg = job.parallel, job.model
+    if par.cp == 1 or par.cp_comm_type != "allgather":
+        return 0
+    kv_local = max(cfg.kv_heads // par.tp, 1)
+    others = cfg.seq_length - cfg.seq_length // par.cp
+    return len(placement.layer_ids) * 2 * others * job.train.micro_batch_size * kv_local * cfg.head_dim * e
 
 
 def offloaded_parts(job: JobConfig, groups, e: int, parts: dict, ge: int = 4, device: str = "cpu") -> dict:

@@ -110,7 +110,8 @@ class GPT(nn.Module):
         cfg = model_cfg
         groups = groups or ModelParallelGroups.single()
         tp = groups.tp.size
-        check_model(cfg, ParallelConfig(tp=tp, sequence_parallel=groups.sequence_parallel))
+        check_model(cfg, ParallelConfig(tp=tp, sequence_parallel=groups.sequence_parallel, cp=groups.cp.size,
+                                        cp_comm_type=groups.cp_comm_type))
         home_device = torch.device(home_device) if home_device is not None else torch.device("cpu")
         device = torch.device(device) if device is not None else home_device
         layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
@@ -303,17 +304,18 @@ def build_model_chunks(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, top
     if parallel_cfg.pp != topo.pp_size or parallel_cfg.tp != topo.tp_size:
         raise ValueError(f"parallel config (tp {parallel_cfg.tp}, pp {parallel_cfg.pp}) does not match the "
                          f"topology (tp {topo.tp_size}, pp {topo.pp_size}): build both from the same config")
-    groups = topo.model_groups(parallel_cfg.sequence_parallel)
+    groups = topo.model_groups(parallel_cfg.sequence_parallel, parallel_cfg.cp_comm_type)
     return [GPT(model_cfg, groups, layer_ids=p.layer_ids, pre_process=p.pre_process, post_process=p.post_process,
                 seed=seed, dtype=dtype, device=device if device is not None else topo.device, home_device=topo.device)
             for p in placements(model_cfg.num_layers, topo.pp_size, topo.pp_rank, parallel_cfg.virtual_stages)]
 
 
 def activation_shape(model_cfg: ModelConfig, micro_batch_size: int, tp: int = 1,
-                     sequence_parallel: bool = False) -> tuple[int, int, int]:
+                     sequence_parallel: bool = False, cp: int = 1) -> tuple[int, int, int]:
     """Shape of the tensor passed between pipeline stages: ``[s, b, h]``, or ``[s / tp, b, h]`` under
-    sequence parallelism (each tp rank sends its own sequence chunk to the same tp rank of the next stage)."""
-    seq = model_cfg.seq_length
+    sequence parallelism (each tp rank sends its own sequence chunk to the same tp rank of the next stage);
+    ``s`` is a context-parallel rank's slice, ``seq_length / cp``."""
+    seq = model_cfg.seq_length // cp
     if sequence_parallel and tp > 1:
         if seq % tp:
             raise ValueError(f"--sequence-parallel needs --seq-length {seq} divisible by tp {tp}")

@@ -2,7 +2,7 @@
 the Llama family and Mixture of Experts (:mod:`megazero.models.spec` lists what a spec supplies).
 
     chunks      :class:`megazero.models.gpt.GPT`, one per pipeline placement
-    boundary    [s, b, h], or [s / tp, b, h] under sequence parallelism
+    boundary    [s / cp, b, h], or [s / cp / tp, b, h] under sequence parallelism
     loss        the masked mean of the per-token losses
     FLOPs       :func:`flops_per_token` (6N per token plus attention, Megatron/PaLM's convention)
     hooks       MoE: the auxiliary losses' gradient scale before each step, the routing figures at each log line
@@ -40,7 +40,7 @@ def build_chunk(model_cfg: ModelConfig, placement, groups, *, seed: int = 1234, 
 
 
 def boundary_shape(model_cfg: ModelConfig, micro_batch_size: int, groups) -> tuple[int, int, int]:
-    return activation_shape(model_cfg, micro_batch_size, groups.tp.size, groups.sequence_parallel)
+    return activation_shape(model_cfg, micro_batch_size, groups.tp.size, groups.sequence_parallel, groups.cp.size)
 
 
 def flops_per_token(cfg: ModelConfig, vocab: int, recompute: float = 0.0) -> float:
@@ -156,4 +156,5 @@ GPT_SPEC = register_model_spec(ModelSpec(
     name="gpt", build_chunk=build_chunk, boundary_shape=boundary_shape, loss=masked_mean,
     flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
     hooks=StepHooks(before_step=set_aux_loss_scale, metrics=moe_metrics, describe_metrics=describe_moe_metrics),
-    hf=HF, activation_bytes=GPTActivations(), compile_regions=compile_regions, recomputed_share=recomputed_share))
+    hf=HF, activation_bytes=GPTActivations(), compile_regions=compile_regions, recomputed_share=recomputed_share,
+    context_parallel=True))

@@ -19,6 +19,8 @@ Where positions come from, per layout:
 - **pipeline stages**: each chunk computes the same table from the config; nothing crosses the stage
   boundary but the hidden states.
 - **generation with a KV cache**: new tokens start at the cache's length (``offset``).
+- **context parallel**: a cp rank holds two chunks of the sequence (:mod:`megazero.parallel.context`);
+  its positions are :func:`megazero.parallel.context.rank_positions`, passed as ``positions``.
 
 The cos/sin table is not a parameter and not in the state dict: it is computed on first use, per
 device and dtype, for the training sequence length (longer when generation asks for more positions,
@@ -86,14 +88,19 @@ class RotaryEmbedding(nn.Module):
             self._tables[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
         return self._tables[key]
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Rotate ``x`` [s, b, heads, head_dim] whose token ``i`` sits at position ``offset + i``."""
+    def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` [s, b, heads, head_dim] whose token ``i`` sits at position ``offset + i``, or at
+        ``positions[i]`` when given (a context-parallel rank's two chunks)."""
         s = x.shape[0]
-        if offset + s > self.cfg.max_position_embeddings:
-            raise ValueError(f"positions up to {offset + s} exceed --max-position-embeddings "
+        end = int(positions.max()) + 1 if positions is not None else offset + s
+        if end > self.cfg.max_position_embeddings:
+            raise ValueError(f"positions up to {end} exceed --max-position-embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        cos, sin = self.table(x.device, x.dtype, offset + s)
-        cos, sin = cos[offset:offset + s], sin[offset:offset + s]
+        cos, sin = self.table(x.device, x.dtype, end)
+        if positions is not None:
+            cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+        else:
+            cos, sin = cos[offset:offset + s], sin[offset:offset + s]
         if self.rotary_dim == x.shape[-1]:
             return x * cos + rotate_half(x) * sin
         rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]

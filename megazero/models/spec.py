@@ -35,6 +35,8 @@ field                  what                                                     
                        the generic transformer formula
 ``compile_regions``    the modules of a chunk ``--compile`` compiles one by one     megazero/compile.py
                        (regional compilation), or None: the family cannot compile
+``context_parallel``   whether its chunks take a sequence split over cp ranks       validate()
+                       (positions, attention and loss; :mod:`megazero.parallel.context`)
 =====================  ===========================================================  ======================
 
 A new model family is a module in ``megazero/models/`` (or anywhere: a test file registers its own)
@@ -105,6 +107,7 @@ class ModelSpec:
     compile_regions: Callable[[nn.Module], list[nn.Module]] | None = None
     recomputed_share: Callable[[ModelConfig, ParallelConfig], float] = (
         lambda model_cfg, parallel_cfg: float(model_cfg.recompute_granularity == "full"))
+    context_parallel: bool = False
 
     def build_full(self, model_cfg: ModelConfig, *, seed: int = 1234, dtype: torch.dtype = torch.float32,
                    device=None) -> nn.Module:
@@ -163,10 +166,10 @@ def build_model_chunks(spec: ModelSpec, job: JobConfig, topo, *, dtype: torch.dt
     ``device="meta"`` allocates nothing (the ZeRO engine then materialises each parameter where it
     lives, from the chunk's ``initial_value``)."""
     par = job.parallel
-    if par.pp != topo.pp_size or par.tp != topo.tp_size:
-        raise ValueError(f"parallel config (tp {par.tp}, pp {par.pp}) does not match the topology "
-                         f"(tp {topo.tp_size}, pp {topo.pp_size}): build both from the same config")
-    groups = topo.model_groups(par.sequence_parallel)
+    if par.pp != topo.pp_size or par.tp != topo.tp_size or par.cp != topo.cp_size:
+        raise ValueError(f"parallel config (tp {par.tp}, cp {par.cp}, pp {par.pp}) does not match the topology "
+                         f"(tp {topo.tp_size}, cp {topo.cp_size}, pp {topo.pp_size}): build both from the same config")
+    groups = topo.model_groups(par.sequence_parallel, par.cp_comm_type)
     return [spec.build_chunk(job.model, placement, groups, seed=job.train.seed, dtype=dtype,
                              device=device if device is not None else topo.device, home_device=topo.device)
             for placement in placements(job.model.num_layers, topo.pp_size, topo.pp_rank, par.virtual_stages)]
@@ -177,6 +180,9 @@ def check_family(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, compile_c
     it names compile regions when ``--compile`` asks for them."""
     spec = get_model_spec(model_cfg.model_family)
     spec.check(model_cfg, parallel_cfg)
+    if getattr(parallel_cfg, "cp", 1) > 1 and not spec.context_parallel:
+        raise ConfigError(f"--context-parallel-size {parallel_cfg.cp}: --model-family {spec.name} cannot take a "
+                          f"sequence split over ranks (ModelSpec.context_parallel): drop --context-parallel-size")
     if compile_cfg is not None and compile_cfg.compile and spec.compile_regions is None:
         raise ConfigError(f"--model-family {spec.name} names no regions to compile (ModelSpec.compile_regions): "
                           f"drop --compile")

@@ -31,6 +31,7 @@ from megazero.models.kv_cache import LayerKVCache
 from megazero.models.moe import MoELayer
 from megazero.models.recompute import checkpointed, free_until_backward, selective_modules
 from megazero.models.rotary import RotaryEmbedding
+from megazero.parallel.context import context_parallel_attention, rank_positions
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import ModelParallelGroups
 from megazero.parallel.raw_comm import group_rank, group_size
@@ -138,6 +139,15 @@ class LayerContext:
         self.ep_group, self.ep_size, self.ep_rank = (ep.group, ep.size, ep.rank) if ep.size > 1 else (None, 1, 0)
         self.comm_log = CommLog()
         self.recompute_modules = selective_modules(cfg)        # --recompute-modules (selective), or none
+        # Context parallelism: this rank holds two chunks of each sequence (megazero.parallel.context).
+        self.cp = groups.cp if groups.cp.size > 1 else None
+        self.cp_comm_type = groups.cp_comm_type
+
+    def positions(self, local_length: int, device) -> torch.Tensor | None:
+        """The positions of this cp rank's ``local_length`` tokens (None without context parallelism)."""
+        if self.cp is None:
+            return None
+        return rank_positions(local_length * self.cp.size, self.cp.rank, self.cp.size, device)
 
     def recomputes(self, module: str, cache: LayerKVCache | None = None) -> bool:
         """Is ``module`` (a ``--recompute-modules`` name) recomputed in this forward? Only when autograd
@@ -202,7 +212,12 @@ class Embedding(nn.Module):
             chunk, first = s, offset
         x = words
         if self.position_embeddings is not None:
-            x = words + self.position_embeddings(torch.arange(first, first + chunk, device=ids.device)).unsqueeze(1)
+            positions = ctx.positions(s, ids.device)          # a cp rank's two chunks of the sequence
+            if positions is None:
+                positions = torch.arange(first, first + chunk, device=ids.device)
+            else:
+                positions = positions[first:first + chunk]
+            x = words + self.position_embeddings(positions).unsqueeze(1)
         return ctx.dropout(x, ctx.cfg.hidden_dropout, self.training, ctx.hidden_region)
 
 
@@ -211,6 +226,11 @@ def attend(ctx: LayerContext, q, k, v, cache: LayerKVCache | None, training: boo
     divides heads; query head i uses key/value head i // (heads / kv_heads)), after RoPE when
     configured and with the cached keys/values in front; returns [s, b, heads * d]."""
     s, b, heads, d = q.shape
+    if ctx.cp is not None:                    # this cp rank's two chunks of the sequence
+        if ctx.rotary is not None:
+            positions = ctx.positions(s, q.device)
+            q, k = ctx.rotary(q, positions=positions), ctx.rotary(k, positions=positions)
+        return context_parallel_attention(q, k, v, ctx.cp, ctx.cp_comm_type).reshape(s, b, heads * d)
     offset = cache.owner.length if cache is not None else 0
     if ctx.rotary is not None:
         q, k = ctx.rotary(q, offset), ctx.rotary(k, offset)

@@ -4,8 +4,10 @@ works over, handed out by :class:`megazero.parallel.topology.Topology`, never th
     view                     handed out by                  taken by
     TensorParallel           topo.tensor_parallel()         models' layers, gradient sums of SP parameters
     ExpertParallel           topo.expert_parallel()         MoE layers (the token all-to-all)
+    ContextParallel          topo.context_parallel()        attention (keys/values exchanged over cp)
     PipelineLayout           topo.pipeline()                run_schedule, StageComm, tied-embedding sums
-    DataParallel             topo.data_parallel()           ZeRO: dense parameters reduced/sharded over dp
+    DataParallel             topo.data_context_parallel()   ZeRO: dense parameters reduced/sharded over dp x cp
+                             topo.data_parallel()           the data loader (which samples a rank reads)
                              topo.expert_data_parallel()    ZeRO: experts over the expert-data-parallel group
     ModelReplica             topo.model_replica()           the unsharded optimizer's gradient norm (tp x pp)
 
@@ -73,6 +75,22 @@ class ExpertParallel:
 
 
 @dataclass(frozen=True)
+class ContextParallel:
+    """This rank's context-parallel group: ``size`` ranks each holding a slice of the same sequences
+    (chunks ``rank`` and ``2 * size - 1 - rank`` of ``2 * size``, :mod:`megazero.parallel.context`),
+    exchanging keys and values in attention."""
+
+    group: Any = None
+    ranks: tuple[int, ...] = (0,)
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def single(cls) -> "ContextParallel":
+        return cls()
+
+
+@dataclass(frozen=True)
 class ModelParallelGroups:
     """What a model chunk's layers need: the tensor-parallel group (and whether sequence parallelism is on
     over it) and the expert-parallel group. ``single()``: one process (tools, the serial reference)."""
@@ -80,6 +98,8 @@ class ModelParallelGroups:
     tp: TensorParallel = field(default_factory=TensorParallel)
     ep: ExpertParallel = field(default_factory=ExpertParallel)
     sequence_parallel: bool = False
+    cp: ContextParallel = field(default_factory=ContextParallel)
+    cp_comm_type: str = "p2p"
 
     @classmethod
     def single(cls) -> "ModelParallelGroups":

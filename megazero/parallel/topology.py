@@ -1,16 +1,19 @@
-"""Process-group topology: which ranks form each tensor-, pipeline- and data-parallel group.
+"""Process-group topology: which ranks form each tensor-, context-, pipeline- and data-parallel group.
 
 Two halves:
 
-* :func:`rank_grid` is pure: from (world, tp, pp, dp, order) it lists the ranks of every group.
+* :func:`rank_grid` is pure: from (world, tp, cp, pp, dp, order) it lists the ranks of every group.
   No ``torch.distributed`` needed, so it is unit-tested against hand-written listings.
 * :class:`Topology` is built once per process after the default group exists. It creates every
   group (all ranks must create all groups, in the same order) and holds this rank's coordinates.
   It is passed explicitly to every component; nothing here is a module-level global.
 
 Rank order. ``order`` names the dimensions from fastest- to slowest-varying; the default
-``"tp-dp-pp"`` is Megatron's: neighbouring ranks share a tensor-parallel group (they talk most), then
-data-parallel, then pipeline. Worked example, world 16 with tp=2, pp=4, dp=2 (Megatron's listing)::
+``"tp-cp-dp-pp"`` is Megatron's (``RankGenerator``'s ``"tp-cp-ep-dp-pp"``, whose ep is carved out of dp
+here, see below): neighbouring ranks share a tensor-parallel group (they talk most), then
+context-parallel, data-parallel, pipeline. An order without cp (``"tp-dp-pp"``, the spelling of the
+three-axis layouts) puts cp right after tp. Worked example, world 16 with tp=2, pp=4, dp=2 (cp=1,
+Megatron's listing)::
 
     rank = tp_rank + 2 * dp_rank + 4 * pp_rank
 
@@ -19,6 +22,19 @@ data-parallel, then pipeline. Worked example, world 16 with tp=2, pp=4, dp=2 (Me
     pipeline          [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]
     model-parallel    [0,1,4,5,8,9,12,13] [2,3,6,7,10,11,14,15]      (tp x pp: one model replica)
     embedding         [0,12] [1,13] [2,14] [3,15]      (first and last stage of each pipeline)
+
+Context parallelism (``cp`` = --context-parallel-size) splits every sequence over cp ranks, which read
+the same samples; gradients are reduced and ZeRO shards over the dp x cp group (Megatron's dp_cp).
+Worked example, world 16 with tp=2, cp=2, dp=2, pp=2::
+
+    rank = tp_rank + 2 * cp_rank + 4 * dp_rank + 8 * pp_rank
+
+    tensor-parallel   [0,1] [2,3] [4,5] [6,7] [8,9] [10,11] [12,13] [14,15]
+    context-parallel  [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]
+    data-parallel     [0,4] [1,5] [2,6] [3,7] [8,12] [9,13] [10,14] [11,15]
+    data x context    [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]   (in dp_rank * cp + cp_rank order)
+    pipeline          [0,8] [1,9] [2,10] [3,11] [4,12] [5,13] [6,14] [7,15]
+    model-parallel    [0,1,8,9] [2,3,10,11] [4,5,12,13] [6,7,14,15]  (tp x pp: cp ranks hold the same weights)
 
 With pp=1 the embedding group of a rank is just that rank: first and last stage coincide.
 
@@ -57,16 +73,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megazero.parallel.groups import (DataParallel, ExpertParallel, ModelParallelGroups, ModelReplica, PipelineLayout,
-                                      SubGroup, TensorParallel)
+from megazero.parallel.groups import (ContextParallel, DataParallel, ExpertParallel, ModelParallelGroups, ModelReplica,
+                                      PipelineLayout, SubGroup, TensorParallel)
 
-DIMS = ("tp", "dp", "pp")
-DEFAULT_ORDER = "tp-dp-pp"
+DIMS = ("tp", "cp", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
 
 
 @dataclass(frozen=True)
 class RankGrid:
-    """Rank lists of every group of a (tp, pp, dp) layout. Each list of groups is sorted."""
+    """Rank lists of every group of a (tp, cp, pp, dp) layout. Each list of groups is sorted."""
 
     world_size: int
     tp: int
@@ -86,96 +102,107 @@ class RankGrid:
     dp_inter: list[list[int]] = field(default_factory=list)
     expert_data_intra: list[list[int]] = field(default_factory=list)
     expert_data_inter: list[list[int]] = field(default_factory=list)
+    cp: int = 1
+    context: list[list[int]] = field(default_factory=list)        # in cp-rank order
+    data_context: list[list[int]] = field(default_factory=list)   # dp x cp, in (dp_rank * cp + cp_rank) order
+    dp_cp_intra: list[list[int]] = field(default_factory=list)
+    dp_cp_inter: list[list[int]] = field(default_factory=list)
 
     def node_of(self, rank: int) -> int:
         """The node of a global rank (ranks fill nodes in blocks of ``ranks_per_node``)."""
         return rank // self.ranks_per_node if self.ranks_per_node else 0
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{'tp': tp_rank, 'dp': dp_rank, 'pp': pp_rank} of a global rank."""
-        return _coords(rank, self.order, self.tp, self.pp, self.dp)
+        """{'tp': tp_rank, 'cp': cp_rank, 'dp': dp_rank, 'pp': pp_rank} of a global rank."""
+        return _coords(rank, self.order, self._sizes())
+
+    def _sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
 
     def group_of(self, kind: str, rank: int) -> list[int]:
-        """The group of kind ('tensor', 'pipeline', 'data', 'model', 'embedding', 'expert',
-        'expert_data') holding rank."""
+        """The group of kind ('tensor', 'context', 'pipeline', 'data', 'data_context', 'model',
+        'embedding', 'expert', 'expert_data') holding rank."""
         for group in getattr(self, kind):
             if rank in group:
                 return group
         raise ValueError(f"rank {rank} is in no {kind} group")
 
 
-def _parse_order(order: str) -> list[str]:
+def parse_order(order: str) -> list[str]:
+    """The dims of ``order`` fastest first. An order that does not name cp (the three-axis spelling
+    ``tp-dp-pp`` of earlier versions) gets it right after tp, where Megatron puts it."""
     names = order.split("-")
+    if "cp" not in names and "tp" in names:
+        names.insert(names.index("tp") + 1, "cp")
     if sorted(names) != sorted(DIMS):
-        raise ValueError(f"order {order!r} must name each of tp, dp, pp once, e.g. {DEFAULT_ORDER!r}")
+        raise ValueError(f"order {order!r} must name each of tp, cp, dp, pp once, e.g. {DEFAULT_ORDER!r}")
     return names
 
 
-def _sizes_in_order(order: str, tp: int, pp: int, dp: int) -> list[tuple[str, int]]:
-    size = {"tp": tp, "pp": pp, "dp": dp}
-    return [(name, size[name]) for name in _parse_order(order)]
-
-
-def _coords(rank: int, order: str, tp: int, pp: int, dp: int) -> dict[str, int]:
+def _coords(rank: int, order: str, size: dict[str, int]) -> dict[str, int]:
     out, rest = {}, rank
-    for name, size in _sizes_in_order(order, tp, pp, dp):
-        out[name] = rest % size
-        rest //= size
+    for name in parse_order(order):
+        out[name] = rest % size[name]
+        rest //= size[name]
     return out
 
 
-def _rank_of(coords: dict[str, int], order: str, tp: int, pp: int, dp: int) -> int:
+def _rank_of(coords: dict[str, int], order: str, size: dict[str, int]) -> int:
     rank, stride = 0, 1
-    for name, size in _sizes_in_order(order, tp, pp, dp):
+    for name in parse_order(order):
         rank += coords[name] * stride
-        stride *= size
+        stride *= size[name]
     return rank
 
 
-def _groups_varying(varying: tuple[str, ...], order: str, tp: int, pp: int, dp: int) -> list[list[int]]:
-    """All groups whose members differ only in the `varying` dims (the others fixed)."""
-    size = {"tp": tp, "pp": pp, "dp": dp}
+def _groups_varying(varying: tuple[str, ...], order: str, size: dict[str, int]) -> list[list[int]]:
+    """All groups whose members differ only in the `varying` dims (the others fixed); each group listed
+    with its first varying dim fastest (so (cp, dp) lists a dp x cp group in dp_rank * cp + cp_rank order)."""
     fixed = [d for d in DIMS if d not in varying]
     groups = []
     for fixed_vals in itertools.product(*(range(size[d]) for d in fixed)):
         members = []
-        for var_vals in itertools.product(*(range(size[d]) for d in varying)):
-            coords = dict(zip(fixed, fixed_vals)) | dict(zip(varying, var_vals))
-            members.append(_rank_of(coords, order, tp, pp, dp))
-        groups.append(sorted(members))
+        for var_vals in itertools.product(*(range(size[d]) for d in reversed(varying))):
+            coords = dict(zip(fixed, fixed_vals)) | dict(zip(reversed(varying), var_vals))
+            members.append(_rank_of(coords, order, size))
+        groups.append(members)
     return sorted(groups)
 
 
 def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER,
-              ranks_per_node: int | None = None, ep: int = 1) -> RankGrid:
-    """List the ranks of every group for a tp x pp x dp layout, with ``ep`` expert-parallel ranks
+              ranks_per_node: int | None = None, ep: int = 1, cp: int = 1) -> RankGrid:
+    """List the ranks of every group for a tp x cp x pp x dp layout, with ``ep`` expert-parallel ranks
     carved out of dp (pure; see the module docstring). With ``ranks_per_node``, also the node-local
     and cross-node pieces of every data-parallel group."""
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)):
+    for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp), ("ep", ep)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if dp % ep:
         raise ValueError(f"dp {dp} is not divisible by expert-parallel size {ep}")
-    if tp * pp * dp != world_size:
-        raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != world size {world_size}")
-    pipeline = _groups_varying(("pp",), order, tp, pp, dp)
-    by_stage = [_in_stage_order(g, order, tp, pp, dp) for g in pipeline]
-    embedding = sorted(sorted({g[0], g[-1]}) for g in by_stage)
-    data = [_in_dp_order(g, order, tp, pp, dp) for g in _groups_varying(("dp",), order, tp, pp, dp)]
+    if tp * cp * pp * dp != world_size:
+        raise ValueError(f"tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {tp * cp * pp * dp} != world size {world_size}")
+    size = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    pipeline = _groups_varying(("pp",), order, size)
+    embedding = sorted(sorted({g[0], g[-1]}) for g in pipeline)
+    data = _groups_varying(("dp",), order, size)
+    data_context = _groups_varying(("cp", "dp"), order, size)
     intra, inter = _split_by_node(data, world_size, ranks_per_node)
+    cp_intra, cp_inter = _split_by_node(data_context, world_size, ranks_per_node)
     expert_data = sorted(g[i::ep] for g in data for i in range(ep))
     expert_intra, expert_inter = _split_by_node(expert_data, world_size, ranks_per_node)
     return RankGrid(
         world_size=world_size, tp=tp, pp=pp, dp=dp, order=order,
-        tensor=_groups_varying(("tp",), order, tp, pp, dp),
+        tensor=_groups_varying(("tp",), order, size),
         pipeline=pipeline,
         data=data,
-        model=_groups_varying(("tp", "pp"), order, tp, pp, dp),
+        model=sorted(sorted(g) for g in _groups_varying(("tp", "pp"), order, size)),
         embedding=embedding,
         ranks_per_node=ranks_per_node, dp_intra=intra, dp_inter=inter,
         ep=ep,
         expert=sorted(g[i:i + ep] for g in data for i in range(0, dp, ep)),
         expert_data=expert_data, expert_data_intra=expert_intra, expert_data_inter=expert_inter,
+        cp=cp, context=_groups_varying(("cp",), order, size), data_context=data_context,
+        dp_cp_intra=cp_intra, dp_cp_inter=cp_inter,
     )
 
 
@@ -216,16 +243,6 @@ def local_world_size() -> int | None:
     """Ranks per node as torchrun says (``LOCAL_WORLD_SIZE``), or None outside a launcher."""
     value = os.environ.get("LOCAL_WORLD_SIZE")
     return int(value) if value else None
-
-
-def _in_dp_order(group: list[int], order: str, tp: int, pp: int, dp: int) -> list[int]:
-    """A data-parallel group's ranks ordered by dp_rank."""
-    return sorted(group, key=lambda r: _coords(r, order, tp, pp, dp)["dp"])
-
-
-def _in_stage_order(group: list[int], order: str, tp: int, pp: int, dp: int) -> list[int]:
-    """A pipeline group's ranks ordered by stage (pp_rank), which need not be rank order."""
-    return sorted(group, key=lambda r: _coords(r, order, tp, pp, dp)["pp"])
 
 
 def default_backend() -> str:
@@ -285,7 +302,7 @@ def _free_port() -> int:
 
 
 class Topology:
-    """The process groups of one tp x pp x dp layout and this rank's place in them.
+    """The process groups of one tp x cp x pp x dp layout and this rank's place in them.
 
     Build once per process, after the default group is initialised, and pass it to the entry point's
     builders, which hand each component the typed view it works over (:mod:`megazero.parallel.groups`)::
@@ -293,9 +310,10 @@ class Topology:
         topo = Topology(tp=2, pp=2, dp=2)       # on each of 8 ranks
         topo.tensor_parallel(), topo.pipeline(), topo.data_parallel(), topo.model_replica()
         topo.expert_parallel(), topo.expert_data_parallel()        # expert parallelism (ep=...)
+        topo.context_parallel(), topo.data_context_parallel()      # context parallelism (cp=...)
         topo.tp_rank, topo.pp_rank, topo.dp_rank, topo.rank, topo.world_size, topo.device
 
-    ``dp`` may be omitted: it is inferred as world // (tp * pp). ``ranks_per_node`` (default: torchrun's
+    ``dp`` may be omitted: it is inferred as world // (tp * cp * pp). ``ranks_per_node`` (default: torchrun's
     ``LOCAL_WORLD_SIZE``, else the whole world on one node) places ranks on nodes; the data-parallel
     views carry their node-local and cross-node pieces and make hpZ's k-member blocks on first use.
     Groups that equal another are created once; a run without experts creates no expert groups.
@@ -303,18 +321,18 @@ class Topology:
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, order: str = DEFAULT_ORDER,
                  device: torch.device | None = None, timeout_s: float | None = None,
-                 ranks_per_node: int | None = None, ep: int = 1):
+                 ranks_per_node: int | None = None, ep: int = 1, cp: int = 1):
         world = dist.get_world_size()
         rank = dist.get_rank()
-        dp = dp if dp is not None else world // (tp * pp)
+        dp = dp if dp is not None else world // (tp * cp * pp)
         self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         self.ranks_per_node = ranks_per_node or local_world_size() or world
-        self.grid = rank_grid(world, tp, pp, dp, order, self.ranks_per_node, ep)
+        self.grid = rank_grid(world, tp, pp, dp, order, self.ranks_per_node, ep, cp)
         self.world_size, self.rank = world, rank
-        self.tp_size, self.pp_size, self.dp_size, self.ep_size = tp, pp, dp, ep
+        self.tp_size, self.pp_size, self.dp_size, self.ep_size, self.cp_size = tp, pp, dp, ep, cp
         self.device = device or torch.device("cpu")
         coords = self.grid.coords(rank)
-        self.tp_rank, self.pp_rank, self.dp_rank = coords["tp"], coords["pp"], coords["dp"]
+        self.tp_rank, self.pp_rank, self.dp_rank, self.cp_rank = coords["tp"], coords["pp"], coords["dp"], coords["cp"]
         self.ep_rank = self.dp_rank % ep
 
         # Every rank creates every group in the same order (a torch.distributed requirement).
@@ -323,13 +341,19 @@ class Topology:
         self.dp_group, dp_ranks = self._create(self.grid.data)
         mp_group, mp_ranks = self._create(self.grid.model)
         emb_group, emb_ranks = self._create(self.grid.embedding, required=False)  # middle stages: None, []
-        pp_ranks = _in_stage_order(pp_ranks, order, tp, pp, dp)
         self._partitions: dict[tuple[str, int], SubGroup] = {}
         self._tp = TensorParallel(self.tp_group, tuple(tp_ranks), self.tp_rank, tp)
         self._pipeline = PipelineLayout(self.pp_group, tuple(pp_ranks), self.pp_rank, pp,
                                         SubGroup(emb_group, tuple(emb_ranks)) if emb_ranks else None, self.device)
         self._replica = ModelReplica(mp_group, tuple(mp_ranks))
         self._dp = self._data_view("data", self.dp_group, dp_ranks, self.dp_rank)
+        if cp > 1:                # groups made only when used: a run without context parallelism creates none
+            cp_group, cp_ranks = self._create(self.grid.context)
+            dpcp_group, dpcp_ranks = self._create(self.grid.data_context)
+            self._cp = ContextParallel(cp_group, tuple(cp_ranks), self.cp_rank, cp)
+            self._dp_cp = self._data_view("data_context", dpcp_group, dpcp_ranks, self.dp_rank * cp + self.cp_rank)
+        else:
+            self._cp, self._dp_cp = ContextParallel(None, (rank,), 0, 1), self._dp
         if ep > 1:                # groups made only when used: a run without experts creates none
             ep_group, ep_ranks = self._create(self.grid.expert)
             edp_group, edp_ranks = self._create(self.grid.expert_data)
@@ -346,8 +370,18 @@ class Topology:
         return self._pipeline
 
     def data_parallel(self) -> DataParallel:
-        """The data-parallel group: dense parameters are reduced and sharded over it."""
+        """The data-parallel group: the ranks reading different samples (the data loader's dp)."""
         return self._dp
+
+    def context_parallel(self) -> ContextParallel:
+        """The context-parallel group: the ranks holding the slices of the same sequences."""
+        return self._cp
+
+    def data_context_parallel(self) -> DataParallel:
+        """dp x cp (Megatron's dp_cp group): dense parameters are reduced and sharded over it. Gradients
+        are averaged over dp only: each cp rank's loss is its slice's share of the sequence's loss, so
+        their gradients add up to the sequence's. With cp = 1 it is the data-parallel view itself."""
+        return self._dp_cp
 
     def expert_data_parallel(self) -> DataParallel:
         """The ranks holding the same experts (dp / ep of them); gradients still averaged over dp. With
@@ -360,14 +394,15 @@ class Topology:
     def model_replica(self) -> ModelReplica:
         return self._replica
 
-    def model_groups(self, sequence_parallel: bool = False) -> ModelParallelGroups:
-        """What a model chunk's layers take: the tensor- and expert-parallel groups."""
-        return ModelParallelGroups(self._tp, self._ep, sequence_parallel and self.tp_size > 1)
+    def model_groups(self, sequence_parallel: bool = False, cp_comm_type: str = "p2p") -> ModelParallelGroups:
+        """What a model chunk's layers take: the tensor-, expert- and context-parallel groups."""
+        return ModelParallelGroups(self._tp, self._ep, sequence_parallel and self.tp_size > 1, self._cp,
+                                   cp_comm_type)
 
     def _data_view(self, kind: str, group, ranks: list[int], rank: int) -> DataParallel:
         """A data-parallel view over the groups ``grid.<kind>`` ("data" or "expert_data"), with its node
         pieces (ZeRO++)."""
-        prefix = "dp" if kind == "data" else kind
+        prefix = {"data": "dp", "data_context": "dp_cp"}.get(kind, kind)
         intra = self._node_group(getattr(self.grid, f"{prefix}_intra"), kind, group)
         inter = self._node_group(getattr(self.grid, f"{prefix}_inter"), kind, group)
         return DataParallel(group, tuple(ranks), rank, len(ranks), self.dp_size, self.ranks_per_node, self.device,
@@ -417,4 +452,4 @@ class Topology:
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
-                f"pp {self.pp_rank}/{self.pp_size} dp {self.dp_rank}/{self.dp_size}")
+                f"cp {self.cp_rank}/{self.cp_size} pp {self.pp_rank}/{self.pp_size} dp {self.dp_rank}/{self.dp_size}")

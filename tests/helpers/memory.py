@@ -16,18 +16,20 @@ BASE = ["--mock-data", "--vocab-size", "500", "--num-layers", "4", "--hidden-siz
 def measure_body(rank, world_size, argv):
     """Peak live tensor bytes of construction + one training step on this rank."""
     from megazero.models.gpt import build_model_chunks
+    from megazero.parallel.context import rank_slice
     from megazero.parallel.topology import Topology
     from megazero.parallel.zero import build_engine
     from megazero.training import train_step
 
     gc.collect()
     job, _ = parse_job(argv, world_size)
-    topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp)
+    topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, cp=job.parallel.cp)
     dtype = torch.bfloat16 if job.precision.bf16 else torch.float32
     b, s, v = job.train.micro_batch_size, job.model.seq_length, job.model.vocab_size
     g = torch.Generator().manual_seed(0)
     micro = [{"tokens": torch.randint(0, v, (b, s), generator=g), "labels": torch.randint(0, v, (b, s), generator=g),
               "loss_mask": torch.ones(b, s)} for _ in range(job.num_micro_batches)]
+    micro = [{k: rank_slice(t, 1, topo.cp_rank, topo.cp_size) for k, t in mb.items()} for mb in micro]
     with LiveTensorBytes() as build:
         chunks = build_model_chunks(job.model, job.parallel, topo, seed=1, dtype=dtype, device="meta")
         engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)

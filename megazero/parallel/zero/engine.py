@@ -98,8 +98,8 @@ def bucket_group_filters(ep: int, has_experts: bool) -> list[tuple[str, object]]
 
 def bucket_group_views(topo: Topology, has_experts: bool) -> list[tuple[str, DataParallel, object]]:
     """(name, data-parallel view, filter) of each bucket group: the experts over the expert-data-parallel
-    group, everything else over the data-parallel group."""
-    return [(name, topo.expert_data_parallel() if name == "experts" else topo.data_parallel(), keep)
+    group, everything else over the data x context-parallel group (the data-parallel group at cp 1)."""
+    return [(name, topo.expert_data_parallel() if name == "experts" else topo.data_context_parallel(), keep)
             for name, keep in bucket_group_filters(topo.ep_size, has_experts)]
 
 
@@ -314,7 +314,8 @@ def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: Optimize
     engine's buffers. ``grad_sync_cls``: see :func:`build_grad_sync`."""
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     z = zero_cfg
-    z.check(ParallelConfig(tp=topo.tp_size, pp=topo.pp_size, dp=topo.dp_size, expert_model_parallel_size=topo.ep_size),
+    z.check(ParallelConfig(tp=topo.tp_size, pp=topo.pp_size, dp=topo.dp_size, expert_model_parallel_size=topo.ep_size,
+                           cp=topo.cp_size),
             topo.world_size)                     # validate()'s rules for the stage and its switches
     comm_log = CommLog(topo.ranks_per_node)
     swap = _swap_dir(z, topo.rank)
@@ -344,12 +345,13 @@ def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: Optimize
 def wrap_data_parallel(chunks, topo: Topology, zero_cfg: ZeroConfig, *, comm_log: CommLog | None = None,
                        grad_sync_cls: type | None = None) -> BucketedGradSync:
     """A single grad sync over all of ``chunks`` and ``topo``'s data-parallel group (stages 0-2): for
-    code that drives the sync without the engine (tests, benchmarks, a gradient finalisation at dp 1)."""
+    code that drives the sync without the engine (tests, benchmarks, a gradient finalisation at dp 1); over
+    dp x cp under context parallelism."""
     if zero_cfg.zero_stage == 3:
         raise ValueError(f"--zero-stage {zero_cfg.zero_stage}: wrap_data_parallel builds stages 0, 1 and 2")
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     comm_log = comm_log if comm_log is not None else CommLog(topo.ranks_per_node)
-    return build_grad_sync(chunks, topo.data_parallel(), topo, zero_cfg, comm_log, grad_sync_cls=grad_sync_cls)
+    return build_grad_sync(chunks, topo.data_context_parallel(), topo, zero_cfg, comm_log, grad_sync_cls=grad_sync_cls)
 
 
 def build_optimizer(syncs, opt_cfg: OptimizerConfig, precision: PrecisionConfig | None = None,

@@ -1,0 +1,174 @@
+"""Context parallelism: each sequence split over the cp ranks of a :class:`ContextParallel` group.
+
+Layout (causal load balancing, as Megatron-core and torchtitan do it). A sequence of ``S`` tokens is cut
+into ``2 * cp`` equal chunks of ``c = S / (2 cp)``; cp rank ``r`` holds chunks ``r`` and ``2cp-1-r``, one
+early and one late, so that under the causal mask every rank attends to the same number of keys.
+Worked example, S = 16, cp = 2 (chunks of 4)::
+
+    cp rank 0: positions 0-3 and 12-15        cp rank 1: positions 4-7 and 8-11
+
+The data loader hands each cp rank its slice of the same samples (:func:`rank_slice`; tokens, labels and
+loss mask alike), the model's positions (learned or RoPE) are :func:`rank_positions`, and each rank's
+loss is its share ``sum(loss * mask over its slice) / sum(mask over the whole sequence)``
+(:func:`context_parallel_loss`), so the shares add up to the sequence's masked mean and the gradients,
+summed over dp x cp and divided by dp, are the serial ones.
+
+Attention (``--cp-comm-type``), each rank holding its queries, keys and values ``[S/cp, b, heads, d]``:
+
+==========  =====================================================  ==========================================
+type        what moves                                             per rank, per layer, forward (keys+values)
+==========  =====================================================  ==========================================
+allgather   keys/values all-gathered once (backward:               (cp - 1) / cp x the whole sequence's K/V;
+            reduce-scatter of their gradients), then each rank     backward the same for their gradients
+            attends its two chunks to the prefix they see
+p2p         ring: K/V blocks passed to the next rank cp - 1 times, (cp - 1) / cp x the whole sequence's K/V,
+            overlapped with the block's computation; online       sent in cp - 1 steps behind compute;
+            softmax merge; backward passes K/V and their          backward (2cp - 1) / cp x K/V (K/V again,
+            gradients around the ring (:mod:`.ring_attention`)    then dK/dV home in cp hops)
+a2a         Ulysses: all-to-all from sequence-split to head-split  (cp - 1) / cp of this rank's Q, K, V and
+            (each rank: the whole sequence, heads / cp heads),     of the output: 4 small all-to-alls
+            causal attention, all-to-all back
+==========  =====================================================  ==========================================
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megazero.parallel.context_layout import rank_positions
+from megazero.parallel.groups import ContextParallel
+from megazero.parallel.tensor import gather_from_sequence_parallel_region
+
+# F.scaled_dot_product_attention shares key/value heads between query heads itself from torch 2.5.
+_SDPA_GROUPED = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
+
+# ---------------------------------------------------------------------------------------------- layout
+def rank_slice(t: torch.Tensor, dim: int, cp_rank: int, cp: int) -> torch.Tensor:
+    """cp rank ``cp_rank``'s part of the whole-sequence tensor ``t`` (the sequence along ``dim``)."""
+    if cp == 1:
+        return t
+    return t.index_select(dim, rank_positions(t.shape[dim], cp_rank, cp, t.device)).contiguous()
+
+
+def unslice(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The whole sequence from every cp rank's part (``parts[r]`` of rank r): the inverse of :func:`rank_slice`."""
+    cp = len(parts)
+    order = gathered_order(parts[0].shape[dim] * cp, cp, parts[0].device)
+    return torch.cat(parts, dim).index_select(dim, torch.argsort(order))
+
+
+def gathered_order(seq_length: int, cp: int, device=None) -> torch.Tensor:
+    """Positions of the rows of the cp ranks' parts concatenated in rank order."""
+    return torch.cat([rank_positions(seq_length, r, cp, device) for r in range(cp)])
+
+
+# ---------------------------------------------------------------------------------------------- loss
+def context_parallel_loss(loss_fn: Callable, cp: ContextParallel) -> Callable:
+    """``loss_fn(per_token_loss, loss_mask)`` (a masked mean over the tokens it is given) turned into this
+    cp rank's share of the whole sequence's: its masked mean times its share of the masked tokens, the
+    token counts summed over cp (a small all-reduce per micro-batch). ``loss_fn`` itself at cp 1."""
+    if cp.size == 1:
+        return loss_fn
+
+    def share(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        mine = loss_mask.sum().to(torch.float32)
+        total = mine.clone()
+        dist.all_reduce(total, group=cp.group)
+        return loss_fn(per_token_loss, loss_mask) * (mine / total.clamp(min=1e-30)).to(per_token_loss.dtype)
+
+    return share
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def context_parallel_attention(q, k, v, cp: ContextParallel, comm_type: str) -> torch.Tensor:
+    """Causal attention of this cp rank's queries ``q`` [S/cp, b, heads, d] over the whole sequence's keys
+    and values, of which this rank holds ``k``, ``v`` [S/cp, b, kv_heads, d] (the load-balanced layout,
+    after RoPE); returns [S/cp, b, heads, d]. ``comm_type``: see the module docstring."""
+    if comm_type == "allgather":
+        return allgather_attention(q, k, v, cp)
+    if comm_type == "p2p":
+        from megazero.parallel.ring_attention import ring_attention
+
+        return ring_attention(q, k, v, cp)
+    if comm_type == "a2a":
+        return ulysses_attention(q, k, v, cp)
+    raise ValueError(f"--cp-comm-type {comm_type!r} is not built (allgather, p2p, a2a)")
+
+
+def sdpa(q, k, v, mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on sequence-first tensors: q [sq, b, heads, d], k/v
+    [sk, b, kv_heads, d] (kv_heads divides heads), ``mask`` [sq, sk] bool (True: attend) -> [sq, b, heads, d]."""
+    heads = q.shape[2]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    kw = dict(attn_mask=mask) if mask is not None else dict(is_causal=causal)
+    if k.shape[1] != heads:
+        if _SDPA_GROUPED:
+            kw["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, **kw).permute(2, 0, 1, 3)
+
+
+def allgather_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
+    """The simple reference: all-gather the keys and values of the whole sequence (backward: their
+    gradients reduce-scattered back), put them in sequence order, and attend each of this rank's two
+    query chunks to the prefix it sees (chunk i: keys 0 .. (i+1)c - 1, causal inside its own chunk)."""
+    s_local = q.shape[0]
+    seq, c = s_local * cp.size, s_local // 2
+    order = torch.argsort(gathered_order(seq, cp.size, q.device))
+    k_all = gather_from_sequence_parallel_region(k, cp.group).index_select(0, order)
+    v_all = gather_from_sequence_parallel_region(v, cp.group).index_select(0, order)
+    outs = []
+    for half, chunk in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
+        end = (chunk + 1) * c
+        mask = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(chunk * c)
+        outs.append(sdpa(q[half * c:(half + 1) * c], k_all[:end], v_all[:end], mask))
+    return torch.cat(outs, 0)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Sequence-split -> head-split (``to_heads``) or back, over the cp group; backward is the other way."""
+
+    @staticmethod
+    def forward(ctx, x, group, size: int, to_heads: bool):
+        ctx.group, ctx.size, ctx.to_heads = group, size, to_heads
+        return _all_to_all(x, group, size, to_heads)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad.contiguous(), ctx.group, ctx.size, not ctx.to_heads), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, group, size: int, to_heads: bool) -> torch.Tensor:
+    """``to_heads``: [s, b, H, d] (this rank's sequence part, all heads) -> [size * s, b, H / size, d] (every
+    rank's part in rank order, head block ``rank``). Else the inverse."""
+    if to_heads:
+        s, b, heads, d = x.shape
+        send = x.view(s, b, size, heads // size, d).permute(2, 0, 1, 3, 4).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        return recv.view(size * s, b, heads // size, d)
+    rows, b, h, d = x.shape
+    send = x.contiguous().view(size, rows // size, b, h, d)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(rows // size, b, size * h, d)
+
+
+def ulysses_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
+    """Ulysses (DeepSpeed): all-to-all to the whole sequence with heads / cp heads (and kv_heads / cp
+    key/value heads: query head block j uses key/value block j), causal attention in sequence order, and
+    all-to-all back. Needs heads and kv_heads divisible by cp (validate() says so up front)."""
+    if q.shape[2] % cp.size or k.shape[2] % cp.size:
+        raise ValueError(f"--cp-comm-type a2a needs heads ({q.shape[2]}) and key/value heads ({k.shape[2]}) "
+                         f"divisible by cp {cp.size}")
+    seq = q.shape[0] * cp.size
+    gathered = gathered_order(seq, cp.size, q.device)
+    order = torch.argsort(gathered)
+    q, k, v = (_AllToAll.apply(t, cp.group, cp.size, True).index_select(0, order) for t in (q, k, v))
+    out = sdpa(q, k, v, causal=True).index_select(0, gathered)       # back to the gathered (rank) order
+    return _AllToAll.apply(out, cp.group, cp.size, False)
