@@ -14,6 +14,7 @@ configuration checks narrows the fuzzer's space by itself. The only limit of its
 """
 from __future__ import annotations
 
+import functools
 import random
 import shlex
 from dataclasses import dataclass, field
@@ -126,14 +127,22 @@ def layout_flags(a: dict, layers: int) -> list[str]:
     return out
 
 
+@functools.cache
+def _parser():
+    """The trainer's parser, built once: building it costs ~30 times a parse, and rejection draws many."""
+    from megazero.arguments import build_parser
+
+    return build_parser()
+
+
 def parse_and_validate(argv: list[str], world: int) -> JobConfig:
     """The JobConfig ``pretrain_gpt.py argv`` would run at ``world`` ranks, by the trainer's own parser,
     :func:`~megazero.config.validate` and the model family's rules; :class:`ConfigError` when refused."""
-    from megazero.arguments import build_parser, job_from_values
+    from megazero.arguments import job_from_values
     from megazero.config import validate
     from megazero.models.spec import check_family
 
-    args = build_parser().parse_args(argv)
+    args = _parser().parse_args(argv)
     job = validate(job_from_values({k: v for k, v in vars(args).items() if "." in k}), world)
     check_family(job.model, job.parallel, job.compilation)
     return job
