@@ -226,7 +226,6 @@ class MoELayer(nn.Module):
         return capacity_keep(everyone, self.num_experts, factor)[ctx.tp_rank * t:(ctx.tp_rank + 1) * t]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.ctx.cfg
         s, b, h = x.shape
         tokens = x.reshape(-1, h)
         logits = F.linear(tokens.float(), self.router.weight.float())
