@@ -443,8 +443,7 @@ class CheckpointConfig:
                                    help="resume from --load with random states fresh from --seed")
     use_checkpoint_args: bool = flag_field(
         False, "--use-checkpoint-args", action="store_true", group="checkpointing",
-        help="take the model's shape from the --load checkpoint, and its sequence length and tokenizer where "
-             "no flag gives them (fine-tuning an imported model needs none of its settings retyped)")
+        help="take the model's shape from the --load checkpoint, its sequence length and tokenizer too if not given")
     async_save: bool = flag_field(False, "--async-save", action="store_true", group="checkpointing",
                                   help="write and commit checkpoints in a background thread from a host copy "
                                        "while training goes on (one extra copy of the rank's shard in host memory)")
