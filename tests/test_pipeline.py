@@ -243,6 +243,8 @@ def _check_in_flight(peaks, m, pp, r, schedule, v):
         assert peaks == [min(pp - r, m)] * STEPS
     elif schedule == "gpipe":
         assert peaks == [m] * STEPS
+    elif schedule == "zb-h1":                  # held from F to W, at most 1F1B's peak (rank 0's)
+        assert max(peaks) <= min(pp, m)
     else:
         assert peaks == [min(interleaved_warmup(m, pp, r, v) + 1, m * v)] * STEPS
 
