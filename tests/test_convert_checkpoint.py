@@ -293,7 +293,7 @@ def _qwen2_source(path):
 SOURCES = {"gpt2": _gpt2_source, "llama": _llama_source, "qwen2": _qwen2_source}
 
 
-@pytest.mark.parametrize("family", [f if f == "gpt2" else pytest.param(f, marks=pytest.mark.slow) for f in SOURCES])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) for f in SOURCES])   # the full tier
 def test_round_trip_through_hf_keeps_tokenizer_ids_and_logits(family, tmp_path):
     """An HF model made by transformers with a tokenizer of each kind (GPT-2 BPE, SentencePiece,
     tokenizer.json), imported and exported again: AutoTokenizer of the source and of the export, and
@@ -369,6 +369,7 @@ def test_check_needs_an_hf_side(trained_tp2pp2, tmp_path):
 MOE = dict(num_experts=4, moe_router_topk=2, group_query_attention=True, num_query_groups=2)
 
 
+@pytest.mark.slow
 def test_moe_exports_as_mixtral_and_round_trips(tmp_path):
     """A Llama-family MoE model exports as MixtralForCausalLM: transformers gives its logits (1e-5), and
     importing the export gives back every tensor exactly, at tp2 pp2."""
@@ -444,6 +445,7 @@ def test_mixtral_fused_expert_layout_reads_as_the_published_one():
     assert set(a) == set(b) == set(tensors) and all(torch.equal(a[n], b[n]) and torch.equal(a[n], tensors[n]) for n in a)
 
 
+@pytest.mark.slow
 def test_fine_tuning_an_imported_model_needs_none_of_its_settings_retyped(tmp_path):
     """--use-checkpoint-args on an imported HF Llama: the shape, the sequence length and the tokenizer
     come from the checkpoint (data flags alone), and a fine-tune of it trains."""
