@@ -81,8 +81,10 @@ def test_valid_layout_infers_dp_over_tp_cp_pp():
 
 # ---------------------------------------------------------------------------------------------- attention
 def _attention_body(rank, world, comm_type, heads, kv_heads, seq):
-    """Each rank's slice through context_parallel_attention vs whole-sequence SDPA (forward, dq/dk/dv)."""
+    """Each rank's slice through context_parallel_attention vs whole-sequence SDPA (forward, dq/dk/dv):
+    the largest differences, and the bytes this rank sent forward and backward (CommLog, tag "cp")."""
     from megazero.parallel.context import context_parallel_attention
+    from megazero.parallel.counted_comm import CommLog
     from megazero.parallel.topology import Topology
 
     topo = Topology(cp=world)
@@ -99,18 +101,39 @@ def _attention_body(rank, world, comm_type, heads, kv_heads, seq):
     want = want.permute(2, 0, 1, 3)
     want.backward(grad)
     mine = [rank_slice(t.detach(), 0, cp.rank, cp.size).requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*mine, cp, comm_type)
+    log = CommLog()
+    out = context_parallel_attention(*mine, cp, comm_type, log)
+    sent = [log.bytes().get("cp", 0.0)]
     out.backward(rank_slice(grad, 0, cp.rank, cp.size))
+    sent.append(log.bytes().get("cp", 0.0) - sent[0])
     errors = [(out - rank_slice(want, 0, cp.rank, cp.size)).abs().max().item()]
     errors += [(t.grad - rank_slice(full.grad, 0, cp.rank, cp.size)).abs().max().item() for t, full in zip(mine, (q, k, v))]
-    return errors
+    return errors, sent
+
+
+def cp_bytes_per_layer(comm_type: str, cp: int, seq: int, b: int, heads: int, kv_heads: int, d: int,
+                       element: int) -> tuple[float, float]:
+    """(forward, backward) bytes one cp rank sends in one layer's attention: docs/parallelism.md's table
+    (and megazero/parallel/context.py's), written out. ``kv``: the whole sequence's keys and values."""
+    kv = 2 * seq * b * kv_heads * d * element
+    if comm_type == "allgather":                 # K and V all-gathered; their gradients reduce-scattered
+        return (cp - 1) / cp * kv, (cp - 1) / cp * kv
+    if comm_type == "p2p":                       # cp - 1 hops of this rank's K/V; backward K/V again + dK/dV cp hops
+        return (cp - 1) / cp * kv, (2 * cp - 1) / cp * kv
+    local = seq // cp * b * d * element          # a2a: this rank's Q, K, V and output, (cp - 1)/cp of each
+    moved = (cp - 1) / cp * local * (2 * heads + 2 * kv_heads)
+    return moved, moved
 
 
 @pytest.mark.parametrize("comm_type", ["allgather", "p2p", "a2a"])
 @pytest.mark.parametrize("world,heads,kv_heads", [(2, 4, 2), pytest.param(4, 4, 4, marks=pytest.mark.slow)])
 def test_attention_matches_whole_sequence(comm_type, world, heads, kv_heads):
-    errors = run_on_ranks(world, _attention_body, comm_type, heads, kv_heads, 8 * world)
-    assert max(max(e) for e in errors) < 1e-12, errors
+    """Every comm type's output and gradients equal whole-sequence attention (float64), and every rank sent
+    exactly the bytes of :func:`cp_bytes_per_layer` forward and backward."""
+    results = run_on_ranks(world, _attention_body, comm_type, heads, kv_heads, 8 * world)
+    assert max(max(errors) for errors, _ in results) < 1e-12, results
+    want = cp_bytes_per_layer(comm_type, world, 8 * world, 2, heads, kv_heads, 8, 8)
+    assert all(sent == pytest.approx(want, rel=1e-12) for _, sent in results), (results, want)
 
 
 def test_ring_blocks_give_every_rank_equal_work():
@@ -297,18 +320,26 @@ def test_layout_matches_serial(model, world, flags, shape, serial, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 @pytest.mark.slow
-def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
+@pytest.mark.parametrize("world,resume_flags", [(1, []), (4, ["--cp", "4", "--zero-stage", "1"])],
+                         ids=["cp1", "cp4-zero1"])
+def test_checkpoint_saved_at_cp2_resumes_at_another_cp(world, resume_flags, tmp_path):
     """Checkpoints do not depend on cp: 10 steps at cp 2 (ZeRO-3 over dp x cp), saved, then resumed on one
-    process for 10 more, equal the uninterrupted single-process run of 20."""
+    process, or at cp 4 with ZeRO-1, for 10 more, equal the uninterrupted single-process run of 20: losses,
+    gradient norms and the parameters at the end."""
     run = TINY + ["--train-iters", "20", "--lr-decay-iters", "20"]
-    assert run_on_ranks(1, main_body, run + ["--metrics-file", str(tmp_path / "straight.jsonl")]) == [0]
+    assert run_on_ranks(1, main_body, run + ["--metrics-file", str(tmp_path / "straight.jsonl"),
+                                             "--save", str(tmp_path / "straight")]) == [0]
     first = run[:-4] + ["--train-iters", "10", "--lr-decay-iters", "20", "--cp", "2", "--zero-stage", "3",
                         "--save", str(tmp_path / "ck"), "--metrics-file", str(tmp_path / "first.jsonl")]
     assert run_on_ranks(2, main_body, first, timeout=300) == [0, 0]
-    assert run_on_ranks(1, main_body, run + ["--load", str(tmp_path / "ck"), "--metrics-file",
-                                             str(tmp_path / "resumed.jsonl")]) == [0]
+    assert run_on_ranks(world, main_body, run + resume_flags + ["--load", str(tmp_path / "ck"), "--metrics-file",
+                                                                str(tmp_path / "resumed.jsonl"), "--save",
+                                                                str(tmp_path / "resumed")],
+                        timeout=300) == [0] * world
     want, want_valid = read_metrics(tmp_path / "straight.jsonl")
     got, got_valid = read_metrics(tmp_path / "first.jsonl")
     later, later_valid = read_metrics(tmp_path / "resumed.jsonl")
     assert_same_losses(got + later, want, "loss")
+    assert_same_losses(got + later, want, "grad_norm")
     assert_same_losses(got_valid + later_valid, want_valid, "valid_loss")
+    assert_same_parameters(tmp_path / "resumed", tmp_path / "straight", 20)
