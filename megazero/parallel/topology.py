@@ -393,8 +393,8 @@ class Topology:
         return self._dp_cp
 
     def expert_data_parallel(self) -> DataParallel:
-        """The ranks holding the same experts (dp / ep of them); gradients still averaged over dp. With
-        ep = 1 it is the data-parallel view itself."""
+        """The ranks holding the same experts (dp x cp / ep of them); gradients still averaged over dp. With
+        ep = 1 it is the data x context view itself (the data-parallel view when cp = 1)."""
         return self._expert_dp
 
     def expert_parallel(self) -> ExpertParallel:
