@@ -86,7 +86,8 @@ def context_parallel_loss(loss_fn: Callable, cp: ContextParallel) -> Callable:
 
 
 # ---------------------------------------------------------------------------------------------- attention
-def context_parallel_attention(q, k, v, cp: ContextParallel, comm_type: str, log: CommLog | None = None) -> torch.Tensor:
+def context_parallel_attention(q, k, v, cp: ContextParallel, comm_type: str,
+                               log: CommLog | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries ``q`` [S/cp, b, heads, d] over the whole sequence's keys
     and values, of which this rank holds ``k``, ``v`` [S/cp, b, kv_heads, d] (the load-balanced layout,
     after RoPE); returns [S/cp, b, heads, d]. ``comm_type``: see the module docstring. The bytes this rank
