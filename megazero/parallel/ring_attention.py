@@ -29,17 +29,20 @@ import torch
 import torch.distributed as dist
 
 from megazero.parallel.context_layout import rank_positions
+from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import ContextParallel
 
 
-def ring_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
+def ring_attention(q, k, v, cp: ContextParallel, log: CommLog | None = None) -> torch.Tensor:
     """Causal ring attention of this cp rank's ``q`` [S/cp, b, heads, d] with the whole sequence's keys
-    and values (this rank's part ``k``, ``v`` [S/cp, b, kv_heads, d]); returns [S/cp, b, heads, d]."""
+    and values (this rank's part ``k``, ``v`` [S/cp, b, kv_heads, d]); returns [S/cp, b, heads, d]. The
+    bytes of the blocks this rank sends (as sent: float32 for 16-bit inputs) are recorded in ``log``
+    under "cp"."""
     s, b, heads, d = q.shape
     groups = k.shape[2]
     qg = q.permute(1, 2, 0, 3).reshape(b, groups, heads // groups, s, d)
     kg, vg = (t.permute(1, 2, 0, 3).unsqueeze(2) for t in (k, v))         # [b, G, 1, s, d]
-    out = _RingAttention.apply(qg, kg, vg, cp)
+    out = _RingAttention.apply(qg, kg, vg, cp, log)
     return out.reshape(b, heads, s, d).permute(2, 0, 1, 3)
 
 
@@ -67,13 +70,15 @@ def _scores(q, k, scale, mask):
 class _Ring:
     """Sends this rank's tensors to the next cp rank and receives the previous rank's, in the background."""
 
-    def __init__(self, cp: ContextParallel):
-        self.group, self.size = cp.group, cp.size
+    def __init__(self, cp: ContextParallel, log: CommLog | None):
+        self.group, self.size, self.log = cp.group, cp.size, log
         self.next = cp.ranks[(cp.rank + 1) % cp.size]
         self.prev = cp.ranks[(cp.rank - 1) % cp.size]
 
     def start(self, tensors: list[torch.Tensor], tag: int):
         received = [torch.empty_like(t) for t in tensors]
+        if self.log is not None:
+            self.log.record("cp", sum(t.numel() * t.element_size() for t in tensors), self.group)
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag=tag) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag=tag) for r in received]
         return dist.batch_isend_irecv(ops), received
@@ -86,12 +91,12 @@ def _wait(works) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel):
+    def forward(ctx, q, k, v, cp: ContextParallel, log: CommLog | None):
         dtype = q.dtype
         wide = torch.promote_types(dtype, torch.float32)           # float32, or float64 for float64
         q, k, v = (t.to(wide).contiguous() for t in (q, k, v))
         s, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
-        ring, mask = _Ring(cp), local_mask(s, cp, q.device)
+        ring, mask = _Ring(cp, log), local_mask(s, cp, q.device)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kb, vb = k, v
@@ -109,7 +114,7 @@ class _RingAttention(torch.autograd.Function):
                 _wait(pending[0])
                 kb, vb = pending[1]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.dtype = cp, dtype
+        ctx.cp, ctx.dtype, ctx.log = cp, dtype, log
         return out.to(dtype)
 
     @staticmethod
@@ -117,7 +122,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp = ctx.cp
         s, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
-        ring, mask = _Ring(cp), local_mask(s, cp, q.device)
+        ring, mask = _Ring(cp, ctx.log), local_mask(s, cp, q.device)
         grad_out = grad_out.to(q.dtype)
         delta = (grad_out * out).sum(-1)                                # rowsum(dO * O)
         dq = torch.zeros_like(q)
@@ -146,4 +151,4 @@ class _RingAttention(torch.autograd.Function):
                 kb, vb = pending[1]
         _wait(arriving[0])
         dk, dv = arriving[1]
-        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), None
+        return dq.to(ctx.dtype), dk.to(ctx.dtype), dv.to(ctx.dtype), None, None
