@@ -91,3 +91,49 @@ def test_zero_bubble_matches_serial(tp, pp, m):
     _check_parity(results, m, pp, "zb-h1", 1, torch.float32)
     for r in results:
         assert max(r["peaks"]) <= pp                           # held from F to W: 1F1B's peak
+
+
+# --pipeline-schedule zb-h1 through pretrain_gpt.main, against the serial run of the same model (fp32).
+ZB = ["--pipeline-schedule", "zb-h1"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+TRAINER_LAYOUTS = [
+    ("pp2", 2, ["--pp", "2"]),
+    ("pp4", 4, ["--pp", "4"]),
+    ("tp2pp2", 4, ["--tp", "2", "--pp", "2"]),
+    ("dp2pp2-zero1", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "1"]),
+    ("dp2pp2-zero2", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "2"]),
+    ("dp2pp2-zero3", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "3"]),
+    ("ep2dp2pp2-moe-zero1", 4, MOE + ["--dp", "2", "--pp", "2", "--expert-model-parallel-size", "2",
+                                      "--zero-stage", "1"]),
+]
+
+
+@pytest.fixture(scope="module")
+def serial_runs(tmp_path_factory):
+    """The single-process metrics of the dense and the MoE model, computed when first asked for."""
+    from helpers import run_on_ranks
+    from helpers.trainer import TINY, main_body, read_metrics
+    cache = {}
+
+    def get(moe: bool):
+        if moe not in cache:
+            path = tmp_path_factory.mktemp("serial") / "metrics.jsonl"
+            flags = TINY + (MOE if moe else []) + ["--metrics-file", str(path)]
+            assert run_on_ranks(1, main_body, flags, timeout=120) == [0]
+            cache[moe] = read_metrics(path)
+        return cache[moe]
+    return get
+
+
+@pytest.mark.parametrize("world,flags", [pytest.param(*c[1:], marks=() if c[0] == "pp2" else pytest.mark.slow)
+                                         for c in TRAINER_LAYOUTS], ids=[c[0] for c in TRAINER_LAYOUTS])
+def test_trainer_with_zb_h1_matches_serial(world, flags, serial_runs, tmp_path):
+    from helpers import run_on_ranks
+    from helpers.trainer import TINY, assert_same_losses, main_body, read_metrics
+    path = tmp_path / "metrics.jsonl"
+    assert run_on_ranks(world, main_body, TINY + ZB + flags + ["--metrics-file", str(path)],
+                        timeout=300) == [0] * world
+    train, valid = read_metrics(path)
+    want_train, want_valid = serial_runs("--num-experts" in flags)
+    assert_same_losses(train, want_train, "loss")
+    assert_same_losses(valid, want_valid, "valid_loss")
