@@ -13,17 +13,37 @@ from megazero.parallel.pipeline.actions import Kind
 from megazero.parallel.pipeline.zero_bubble import theory, zb_h1
 
 
+def _held_until(tl, kind, rank: int) -> int:
+    """Most micro-batches rank ``rank`` of timeline ``tl`` holds at once, counted from a forward to its
+    compute of ``kind`` (I: the whole activation set a backward needs; W: what the weight gradients need)."""
+    held = peak = 0
+    for _, _, a in sorted(tl.computes[rank], key=lambda c: c[0]):
+        if a.kind is Kind.FORWARD:
+            held += 1
+            peak = max(peak, held)
+        elif a.kind is kind:
+            held -= 1
+    return peak
+
+
 @pytest.mark.parametrize("pp", range(2, 9))
-def test_every_list_is_deadlock_free_and_beats_1f1b(pp):
+def test_every_list_is_deadlock_free_and_beats_1f1b_at_its_memory(pp):
     for m in range(1, 17):
         for fo in (False, True):
             simulate(zb_h1(pp, m, 1, fo), m, 1, fo)            # raises ScheduleError otherwise
         bubble, peaks = theory(zb_h1, pp, m)
         bubble_1f1b, peaks_1f1b = theory(one_f_one_b, pp, m)
-        assert max(peaks) <= max(peaks_1f1b)                  # 1F1B's peak activation memory
-        assert bubble <= bubble_1f1b + 1e-12
-        if m >= pp:
-            assert bubble < bubble_1f1b
+        tl = simulate(zb_h1(pp, m), m, 1, False)
+        for r in range(pp):                                    # 1F1B's per-rank peak up to I, its rank-0 peak up to W
+            assert _held_until(tl, Kind.BACKWARD_INPUT, r) <= peaks_1f1b[r] == min(pp - r, m)
+            assert peaks[r] == _held_until(tl, Kind.BACKWARD_WEIGHT, r) <= max(peaks_1f1b)
+        assert bubble < bubble_1f1b
+        if m >= pp:                                            # the paper's ZB-H1: (p-1)/(3m+p-1)
+            assert bubble == pytest.approx((pp - 1) / (3 * m + pp - 1), abs=1e-12)
+
+
+def test_pp4_m8_reaches_the_papers_bubble():
+    assert theory(zb_h1, 4, 8)[0] == pytest.approx(3 / 27) and theory(one_f_one_b, 4, 8)[0] == pytest.approx(9 / 33)
 
 
 @pytest.mark.parametrize("pp,m", list(itertools.product([2, 4], [1, 4, 7])))
