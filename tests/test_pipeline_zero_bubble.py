@@ -1,6 +1,8 @@
-"""The zero-bubble generator (zero_bubble.py): deadlock-free for pp 2-8, m 1-16 by the simulator, run
-by the real executor on threads, a smaller bubble than 1F1B's at 1F1B's peak memory, and on gloo
-processes the same loss and parameters as the serial model (through the ZeRO grad sync)."""
+"""The zero-bubble generator (zero_bubble.py): deadlock-free for pp 2-8, m 1-16 by the simulator, the
+paper's ZB-H1 bubble (pp-1)/(3m+pp-1) for m >= pp at 1F1B's memory, run by the real executor on
+threads, its pictures in the docs, on gloo processes the same loss and parameters as the serial model
+(through the ZeRO grad sync), and ``--pipeline-schedule zb-h1`` through pretrain_gpt.main at pp 2 and
+4, tp 2, dp 2 with ZeRO 1-3 and EP 2 with the serial run's losses."""
 from __future__ import annotations
 
 import itertools
@@ -53,6 +55,32 @@ def test_executor_runs_i_before_w_per_micro_batch(pp, m):
         for i in range(m):
             assert order.index(("F", 0, i)) < order.index(("I", 0, i)) < order.index(("W", 0, i))
         assert run.stats.in_flight == 0
+
+
+ONE_F_ONE_B_SPLIT_UNITS = """\
+rank 0: F0 F1 F2 F3 .. .. .. .. .. .. B0 B0 F4 B1 B1 F5 B2 B2 F6 B3 B3 F7 B4 B4 .. B5 B5 .. B6 B6 .. B7 B7
+rank 1: .. F0 F1 F2 .. .. .. .. B0 B0 F3 B1 B1 F4 B2 B2 F5 B3 B3 F6 B4 B4 F7 B5 B5 .. B6 B6 .. B7 B7 .. ..
+rank 2: .. .. F0 F1 .. .. B0 B0 F2 B1 B1 F3 B2 B2 F4 B3 B3 F5 B4 B4 F6 B5 B5 F7 B6 B6 .. B7 B7 .. .. .. ..
+rank 3: .. .. .. F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 F4 B4 B4 F5 B5 B5 F6 B6 B6 F7 B7 B7 .. .. .. .. .. .."""
+
+ZB_H1_PP4_M8 = """\
+rank 0: F0 F1 F2 F3 .. .. .. I0 W0 F4 I1 W1 F5 I2 W2 F6 I3 W3 F7 I4 W4 I5 W5 I6 W6 I7 W7
+rank 1: .. F0 F1 F2 .. .. I0 F3 I1 W0 F4 I2 W1 F5 I3 W2 F6 I4 W3 F7 I5 W4 I6 W5 I7 W6 W7
+rank 2: .. .. F0 F1 .. I0 F2 I1 F3 I2 W0 F4 I3 W1 F5 I4 W2 F6 I5 W3 F7 I6 W4 I7 W5 W6 W7
+rank 3: .. .. .. F0 I0 F1 I1 F2 I2 F3 I3 W0 F4 I4 W1 F5 I5 W2 F6 I6 W3 F7 I7 W4 W5 W6 W7"""
+
+
+def test_rendered_pictures_are_the_docs():
+    """docs/parallelism.md's ZB-H1 picture beside 1F1B's, one unit per F, I and W (B = 2)."""
+    from pathlib import Path
+
+    from megazero.parallel.pipeline.simulate import render
+    units = {Kind.BACKWARD: 2.0}
+    assert render(one_f_one_b(4, 8), durations=units) == ONE_F_ONE_B_SPLIT_UNITS
+    assert render(zb_h1(4, 8)) == ZB_H1_PP4_M8
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "parallelism.md").read_text()
+    for picture in (ONE_F_ONE_B_SPLIT_UNITS, ZB_H1_PP4_M8):
+        assert f"```\n{picture}\n```" in docs
 
 
 def test_v_other_than_one_is_refused():
@@ -157,3 +185,18 @@ def test_trainer_with_zb_h1_matches_serial(world, flags, serial_runs, tmp_path):
     want_train, want_valid = serial_runs("--num-experts" in flags)
     assert_same_losses(train, want_train, "loss")
     assert_same_losses(valid, want_valid, "valid_loss")
+
+
+def test_start_line_predicts_bubble_and_peak():
+    """The line a run prints at start: the schedule's bubble and peak from the simulator (pp 4, m 8)."""
+    from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, validate
+    from megazero.training import predicted_pipeline
+
+    def line(schedule):
+        job = JobConfig(parallel=ParallelConfig(pp=4, pipeline_schedule=schedule), model=ModelConfig(num_layers=4),
+                        train=TrainConfig(micro_batch_size=1, global_batch_size=8))
+        return predicted_pipeline(validate(job, world_size=4))
+
+    assert "pipeline zb-h1: predicted bubble 0.111 of the step, peak activations 4 micro-batches" in line("zb-h1")
+    assert "pipeline 1f1b: predicted bubble 0.273 of the step, peak activations 4 micro-batches" in line("1f1b")
+    assert line("zb-h1").count("\n") == 1                       # one line of its own under the layout line
