@@ -151,6 +151,11 @@ TRAINER_LAYOUTS = [
     ("dp2pp2-zero1", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "1"]),
     ("dp2pp2-zero2", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "2"]),
     ("dp2pp2-zero3", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "3"]),
+    ("tp2pp2-sp-recompute", 4, ["--tp", "2", "--pp", "2", "--sequence-parallel", "--recompute-activations"]),
+    ("dp2pp2-zero2-each-mb", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "2", "--zero2-reduce-each-microbatch"]),
+    ("dp2pp2-zero3-keep-gathered", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "3",
+                                       "--zero3-keep-params-gathered"]),
+    ("pp2-cpu-offloading", 2, ["--pp", "2", "--cpu-offloading", "--cpu-offloading-num-layers", "1"]),
     ("ep2dp2pp2-moe-zero1", 4, MOE + ["--dp", "2", "--pp", "2", "--expert-model-parallel-size", "2",
                                       "--zero-stage", "1"]),
 ]
