@@ -169,6 +169,8 @@ def check_pipeline(m: ModelConfig, par: ParallelConfig) -> None:
     virtual = FLAG.num_layers_per_virtual_pipeline_stage
     if per_virtual is not None:
         positive(per_virtual, "num_layers_per_virtual_pipeline_stage")
+        if par.pipeline_schedule == "zb-h1":
+            fail(f"{FLAG.pipeline_schedule} zb-h1 runs one model chunk per rank: drop {virtual}")
         if par.pp < 2:
             fail(f"{virtual} needs {FLAG.pp} >= 2 (got {par.pp}): drop it or use pipeline parallelism")
         if m.num_layers % (par.pp * per_virtual):

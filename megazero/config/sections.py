@@ -21,7 +21,7 @@ from megazero.config.logging_config import LoggingConfig
 from megazero.config.megatron_flags import MEGATRON_TOKENIZERS
 
 # The allowed values of the choice flags: one source for the command line and the checks.
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")     # Megatron's --cp-comm-type values
 DECAY_STYLES = ("constant", "linear", "cosine")
 TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -218,7 +218,8 @@ class ParallelConfig:
         None, "--num-layers-per-virtual-pipeline-stage", type=int, group=_PAR,
         help="interleaved 1F1B: layers per model chunk")
     pipeline_schedule: str = flag_field("1f1b", "--pipeline-schedule", choices=SCHEDULES, group=_PAR,
-                                        help="interleaved is implied by virtual pipeline stages")
+                                        help="interleaved is implied by virtual pipeline stages; zb-h1: zero-bubble ZB-H1 "
+                                             "(1F1B's memory, a third of its bubble)")
     sequence_parallel: bool = flag_field(False, "--sequence-parallel", action="store_true", group=_PAR,
                                          help="split the activations outside the tensor-parallel regions "
                                               "along the sequence over the tp ranks")

@@ -153,7 +153,7 @@ def _schedule_order(job: JobConfig, pp_rank: int) -> list[tuple[str, int]]:
         return [op for _ in range(m) for op in (("F", 0), ("B", 0))]
     if par.pipeline_schedule == "gpipe":
         return [("F", 0)] * m + [("B", 0)] * m
-    if par.pipeline_schedule == "1f1b":
+    if par.pipeline_schedule in ("1f1b", "zb-h1"):     # zb-h1: 1F1B's order up to each I (W keeps less)
         warmup = min(pp - pp_rank - 1, m)
         return [("F", 0)] * warmup + [op for _ in range(m - warmup) for op in (("F", 0), ("B", 0))] + \
             [("B", 0)] * warmup

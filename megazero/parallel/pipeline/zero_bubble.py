@@ -1,25 +1,34 @@
 """ZB-H1 (Qi et al., ICLR 2024, "Zero Bubble Pipeline Parallelism") as a schedule generator.
 
 Each backward is split into ``I`` (the input gradient, which the previous stage waits for) and ``W``
-(the weight gradients, which nobody waits for: ``split_backward.py``). ZB-H1 keeps 1F1B's memory --
-rank r holds at most ``pp - r`` micro-batches, counted from a forward to its W -- and runs the W's in
-the slots where 1F1B's ranks wait for a gradient in the cooldown. With F = I = W = 1 time unit
-(1F1B's B = I + W = 2) the step is ``3m + pp - 1`` units against 1F1B's ``3(m + pp - 1)``: the bubble
-falls from ``(pp-1)/(m+pp-1)`` to ``(pp-1)/(3m+pp-1)``, a third for m >> pp.
+(the weight gradients, which nobody waits for: ``split_backward.py``). ZB-H1 is the paper's
+memory-efficient schedule: 1F1B's warm-up and steady F/I alternation, with each rank's W's delayed
+into the slots where 1F1B's ranks wait for a gradient in the cooldown. Memory: counted from a
+forward to its I (the whole activation set a backward needs) rank r holds at most ``pp - r``
+micro-batches, 1F1B's per-rank peak; counted from a forward to its W (what stays held for the weight
+gradients: the layers' inputs) every rank holds at most ``pp`` -- r more than 1F1B's on rank r, kept for
+their W -- which is 1F1B's peak on rank 0, the paper's "same peak memory as 1F1B".
+
+Bubble. With F = I = W = 1 time unit (1F1B's full backward B = I + W = 2), the paper's ZB-H1 runs a
+step in ``3m + pp - 1`` units against 1F1B's ``3(m + pp - 1)``: bubble ``(pp-1)/(3m+pp-1)`` against
+``(pp-1)/(m+pp-1)``, a third for m >> pp. These lists reach the formula exactly for every m >= pp
+(``simulate``, tested for pp 2-8): 3/27 = 0.111 at pp 4, m 8 (1F1B: 0.273). For m < pp there is no
+steady phase and the bubble is larger than the formula, still below 1F1B's.
 
 How the lists are written. Time runs in unit steps, all ranks in lockstep. At each step every rank
-picks one compute from what it has at the start of the step: the next I if its output gradient has
-arrived (the last stage: once its forward ran), else the next F if its activation has arrived and
-fewer than ``pp - r`` micro-batches are held, else the oldest pending W, else nothing. After the
-step, each rank posts one batch: the tensor it just computed goes to its neighbour, and it receives
-what its neighbours just computed. Each batch is matched by the neighbours' batches of the same step
-and waits only on tensors computed at or before that step, so no rank can wait on one that waits on
-it: the lists are deadlock-free by construction, and ``simulate.py`` checks them anyway (tests: pp
-2-8, m 1-16). pp = 4, m = 8 (``simulate.render``, one unit per F, I, W)::
+picks one compute from what it has at the start of the step: the next F if its activation has arrived
+and the memory bounds above allow it, else the next I if its output gradient has arrived (the last
+stage: once its forward ran), else the oldest pending W, else nothing. After the step, each rank
+posts one batch: the tensor it just computed goes to its neighbour, and it receives what its
+neighbours just computed. Each batch is matched by the neighbours' batches of the same step and
+waits only on tensors computed at or before that step, so no rank can wait on one that waits on it:
+the lists are deadlock-free by construction, and ``simulate.py`` checks them anyway (tests: pp 2-8,
+m 1-16). pp = 4, m = 8 (``simulate.render``, one unit per F, I, W)::
 
-    rank 0: F0 F1 F2 F3 .. .. I0 F4 W0 I1 F5 W1 I2 F6 W2 I3 F7 W3 I4 W4 I5 W5 I6 W6 I7 W7 ..
-    rank 1: .. F0 F1 F2 .. I0 F3 W0 I1 F4 W1 I2 F5 W2 I3 F6 W3 I4 F7 W4 I5 W5 I6 W6 I7 W7 ..
-    ...
+    rank 0: F0 F1 F2 F3 .. .. .. I0 W0 F4 I1 W1 F5 I2 W2 F6 I3 W3 F7 I4 W4 I5 W5 I6 W6 I7 W7
+    rank 1: .. F0 F1 F2 .. .. I0 F3 I1 W0 F4 I2 W1 F5 I3 W2 F6 I4 W3 F7 I5 W4 I6 W5 I7 W6 W7
+    rank 2: .. .. F0 F1 .. I0 F2 I1 F3 I2 W0 F4 I3 W1 F5 I4 W2 F6 I5 W3 F7 I6 W4 I7 W5 W6 W7
+    rank 3: .. .. .. F0 I0 F1 I1 F2 I2 F3 I3 W0 F4 I4 W1 F5 I5 W2 F6 I6 W3 F7 I7 W4 W5 W6 W7
 
 (the exact picture, beside 1F1B's, is in docs/parallelism.md).
 """
@@ -61,7 +70,6 @@ class _RankState:
     def __init__(self, r: int, pp: int, m: int, forward_only: bool):
         self.r, self.pp, self.m, self.fo = r, pp, m, forward_only
         self.first, self.last = r == 0, r == pp - 1
-        self.limit = m if forward_only else pp         # held from F to W: 1F1B's peak (rank 0's)
         self.next_f = self.next_i = self.held = 0
         self.pending_w: list[int] = []
         self.acts: set[int] = set()                   # activations arrived and not used yet
@@ -73,10 +81,13 @@ class _RankState:
 
     def pick(self) -> Compute | None:
         i, f = self.next_i, self.next_f
-        if not self.fo and i < f and (self.last or i in self.grads):
-            return Compute(Kind.BACKWARD_INPUT, 0, i)
-        if f < self.m and self.held < self.limit and (self.first or f in self.acts):
+        can_i = not self.fo and i < f and (self.last or i in self.grads)
+        can_f = f < self.m and (self.first or f in self.acts) and (
+            self.fo or (self.held < self.pp and f - i < self.pp - self.r))
+        if can_f:
             return Compute(Kind.FORWARD, 0, f)
+        if can_i:
+            return Compute(Kind.BACKWARD_INPUT, 0, i)
         if self.pending_w:
             return Compute(Kind.BACKWARD_WEIGHT, 0, self.pending_w[0])
         return None
@@ -105,8 +116,9 @@ def _p2p(op: Op, micro: int | None) -> P2P | None:
 
 
 def theory(generator, pp: int, m: int, v: int = 1):
-    """The (bubble fraction, peak in-flight micro-batches per rank) a schedule predicts, from the
-    simulator with F = I = W = 1 and a full backward B = 2 units (so 1F1B and ZB-H1 compare)."""
+    """The (bubble fraction, peak in-flight micro-batches per rank, counted from F to its B or W) a
+    schedule predicts, from the simulator with F = I = W = 1 and a full backward B = 2 units (so 1F1B
+    and ZB-H1 compare); what a run prints at start."""
     from megazero.parallel.pipeline.simulate import simulate
     durations = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.BACKWARD_INPUT: 1.0, Kind.BACKWARD_WEIGHT: 1.0}
     tl = simulate(generator(pp, m, v, False), m, v, False, durations)
