@@ -104,9 +104,9 @@ def _zb_body(rank, world, tp, pp, m):
     from megazero.parallel.pipeline import PipelineStats, run_schedule
     from megazero.parallel.topology import Topology
     from megazero.parallel.zero import wrap_data_parallel
-    from test_pipeline import LR, MICRO, SEED, STEPS, _batches, _full_tensor, _model_cfg, _tied_copies_equal
+    from helpers.pipeline_parity import LR, MICRO, SEED, STEPS, batches, full_tensor, model_cfg, tied_copies_equal
 
-    topo, cfg = Topology(tp=tp, pp=pp), _model_cfg()
+    topo, cfg = Topology(tp=tp, pp=pp), model_cfg()
     assert isinstance(cfg, ModelConfig)
     chunks = build_model_chunks(cfg, ParallelConfig(tp=tp, pp=pp), topo, seed=SEED)
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
@@ -116,27 +116,27 @@ def _zb_body(rank, world, tp, pp, m):
     for step in range(STEPS):
         stats = PipelineStats()
         sync.zero_grad()
-        out = run_schedule(chunks, _batches(step, m, cfg), topo.pipeline(), loss_fn=masked_mean, schedule=zb_h1,
+        out = run_schedule(chunks, batches(step, m, cfg), topo.pipeline(), loss_fn=masked_mean, schedule=zb_h1,
                            tensor_shape=activation_shape(cfg, MICRO, tp, False), stats=stats, grad_sync=sync)
         sync.finalize_grads()
         if step == 0:
-            grads = {n: _full_tensor(p.grad, p, topo) for n, p in named}
+            grads = {n: full_tensor(p.grad, p, topo) for n, p in named}
         opt.step()
         losses.append(torch.stack(out).mean().item() if out else None)
-        tied.append(_tied_copies_equal(chunks, topo))
+        tied.append(tied_copies_equal(chunks, topo))
         peaks.append(stats.peak_in_flight)
     return {"pp_rank": topo.pp_rank, "losses": losses, "tied": tied, "peaks": peaks, "grads": grads,
-            "params": {n: _full_tensor(p, p, topo) for n, p in named}}
+            "params": {n: full_tensor(p, p, topo) for n, p in named}}
 
 
 @pytest.mark.parametrize("tp,pp,m", [(1, 2, 4), pytest.param(1, 4, 8, marks=pytest.mark.slow),
                                      pytest.param(2, 2, 4, marks=pytest.mark.slow)])
 def test_zero_bubble_matches_serial(tp, pp, m):
     from helpers import run_on_ranks
-    from test_pipeline import _check_parity
+    from helpers.pipeline_parity import check_parity
     import torch
     results = run_on_ranks(tp * pp, _zb_body, tp, pp, m, timeout=180)
-    _check_parity(results, m, pp, "zb-h1", 1, torch.float32)
+    check_parity(results, m, pp, "zb-h1", 1, torch.float32)
     for r in results:
         assert max(r["peaks"]) <= pp                           # held from F to W: 1F1B's peak
 
