@@ -80,12 +80,17 @@ def test_valid_layout_infers_dp_over_tp_cp_pp():
 
 
 # ---------------------------------------------------------------------------------------------- attention
-def _attention_body(rank, world, comm_type, heads, kv_heads, seq):
+def _attention_body(rank, world, comm_type, heads, kv_heads, seq, tile_scores=None):
     """Each rank's slice through context_parallel_attention vs whole-sequence SDPA (forward, dq/dk/dv):
-    the largest differences, and the bytes this rank sent forward and backward (CommLog, tag "cp")."""
+    the largest differences, and the bytes this rank sent forward and backward (CommLog, tag "cp").
+    ``tile_scores``: ring attention's tile size, small enough to cut every block into several tiles."""
+    from megazero.parallel import ring_attention
     from megazero.parallel.context import context_parallel_attention
     from megazero.parallel.counted_comm import CommLog
     from megazero.parallel.topology import Topology
+
+    if tile_scores is not None:
+        ring_attention.TILE_SCORES = tile_scores
 
     topo = Topology(cp=world)
     cp = topo.context_parallel()
@@ -134,6 +139,16 @@ def test_attention_matches_whole_sequence(comm_type, world, heads, kv_heads):
     assert max(max(errors) for errors, _ in results) < 1e-12, results
     want = cp_bytes_per_layer(comm_type, world, 8 * world, 2, heads, kv_heads, 8, 8)
     assert all(sent == pytest.approx(want, rel=1e-12) for _, sent in results), (results, want)
+
+
+def test_ring_attention_in_tiles_of_query_rows_is_the_same_attention():
+    """Blocks cut into tiles of 16 query rows (TILE_SCORES 16 x 16 at seq 64, cp 2: a rank's 32 rows in
+    two tiles) give whole-sequence attention's output and gradients (float64)."""
+    from megazero.parallel.ring_attention import row_tiles
+
+    assert [(t.start, t.stop) for t in row_tiles(slice(0, 128), slice(0, 256))] == [(0, 64), (64, 128)]
+    results = run_on_ranks(2, _attention_body, "p2p", 4, 2, 64, 16 * 16)
+    assert max(max(errors) for errors, _ in results) < 1e-12, results
 
 
 def test_ring_blocks_give_every_rank_equal_work():
@@ -346,3 +361,37 @@ def test_checkpoint_saved_at_cp2_resumes_at_another_cp(world, resume_flags, tmp_
     assert_same_losses(got + later, want, "loss")
     assert_same_losses(got + later, want, "grad_norm")
     assert_same_losses(got_valid + later_valid, want_valid, "valid_loss")
+
+
+# A sequence-heavy shape: activations dominate, and the attention of one layer is s x s per head.
+CP_MEMORY = ["--mock-data", "--vocab-size", "256", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+             "4", "--seq-length", "512", "--micro-batch-size", "2", "--global-batch-size", "2", "--zero-stage", "0"]
+
+
+@pytest.mark.slow
+def test_activation_bytes_per_rank_shrink_as_one_over_cp():
+    """Per-rank peak activation bytes at cp N (p2p) against the formula
+
+        A(N) <= F + (A(1) - F) / N + ring + tile,   ring = 8 x b x (s/N) x h x 4 bytes,
+                                                     tile = 5 x b x heads x TILE_SCORES x 4 bytes,
+
+    where A is the step's peak live bytes less the model states, F the part that does not grow with the
+    sequence (the optimizer's temporaries, ...: A of the same model at seq 16), ring the key/value blocks
+    in flight forward and their gradient accumulators backward, double-buffered, in fp32, and tile the
+    score matrices of one tile of query rows in the backward (scores, p, dp, ds and a product: a fixed
+    size, ring_attention.row_tiles); 10% for the allocator's rounding. Whole blocks' scores instead of
+    tiles held A(2) at 12.4 MiB against A(1) 10.6 here."""
+    from megazero.parallel.ring_attention import TILE_SCORES
+    from helpers.memory import measure_body
+
+    def activations(cp: int, seq: int) -> int:
+        flags = [f if f != "512" else str(seq) for f in CP_MEMORY] + ["--cp", str(cp)]
+        return max(peak - states for _, peak, states in run_on_ranks(cp, measure_body, flags, timeout=300))
+
+    b, s, h = 2, 512, 64
+    fixed, act = activations(1, 16), {cp: activations(cp, s) for cp in (1, 2, 4)}
+    for cp in (2, 4):
+        bound = fixed + (act[1] - fixed) / cp + 8 * b * (s // cp) * h * 4 + 5 * b * 4 * min(TILE_SCORES, (s // cp) ** 2) * 4
+        print(f"cp {cp}: {act[cp] / 2**20:.2f} MiB per rank, bound {bound / 2**20:.2f} MiB "
+              f"(cp 1: {act[1] / 2**20:.2f}, fixed {fixed / 2**20:.2f})")
+        assert act[cp] <= 1.1 * bound, (cp, act, fixed)
