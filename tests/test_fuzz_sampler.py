@@ -21,8 +21,12 @@ def test_every_layout_of_a_draw_is_accepted_at_its_world_size(seed):
     d = draw(seed)
     for args, world, axes in ((d.args, d.world, d.axes), (d.resume_args, d.resume_world, d.resume_axes)):
         job = parse_and_validate(args, world)
-        assert world <= MAX_WORLD and (job.parallel.tp, job.parallel.pp, job.parallel.dp) == \
-            (axes["tp"], axes["pp"], axes["dp"])
+        assert world <= MAX_WORLD and (job.parallel.tp, job.parallel.cp, job.parallel.pp, job.parallel.dp) == \
+            (axes["tp"], axes["cp"], axes["pp"], axes["dp"])
+        if axes["cp"] > 1:
+            assert job.parallel.cp_comm_type == axes["cp_comm"]
+        assert (job.zero.offload_optimizer, job.zero.offload_params) == (axes["offload_optimizer"],
+                                                                         axes["offload_params"])
         assert job.zero.zero_stage == axes["zero"] and job.parallel.sequence_parallel == axes["sp"]
         if axes["schedule"] == "interleaved":
             assert job.parallel.virtual_stages == axes["virtual"] > 1
@@ -64,4 +68,8 @@ def test_axes_without_meaning_read_not_applicable():
         assert (a["schedule"] == NOT_APPLICABLE) == (a["pp"] == 1)
         assert (a["topk"] == NOT_APPLICABLE) == (not a["experts"])
         assert (a["recompute_modules"] == NOT_APPLICABLE) == (a["recompute"] != "selective")
+        assert (a["cp_comm"] == NOT_APPLICABLE) == (a["cp"] == 1)
+        assert (a["capacity"] == NOT_APPLICABLE) == (not a["experts"])
     assert any(d.world != d.resume_world for d in draws)           # resumes cross world sizes
+    assert {a["cp"] for d in draws for a in (d.axes, d.resume_axes)} == {1, 2, 4}
+    assert any("--nvme-path" in d.args + d.resume_args for d in draws)

@@ -1,5 +1,6 @@
 """megazero/fuzz/scale.py and tools/check_layout.py: a planned run scaled down keeps every axis > 1, and a
 broken reduction in the scaled copy is reported as not equal, naming the first iteration and tensor."""
+import shlex
 import sys
 
 import pytest
@@ -11,17 +12,16 @@ from megazero.fuzz.scale import scale_down
 sys.path.insert(0, str(ROOT / "tools"))
 import check_layout  # noqa: E402
 
-# A Llama-3-8B run on 32 GPUs as a Megatron user writes it (docs/fuzzing.md).
-LLAMA3_8B_32GPU = (
-    "--tp 8 --pp 2 --dp 2 --sequence-parallel --num-layers-per-virtual-pipeline-stage 4 --zero-stage 1 "
-    "--overlap-param-gather --bf16 --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 "
-    "--num-attention-heads 32 --group-query-attention --num-query-groups 8 --seq-length 8192 "
-    "--max-position-embeddings 8192 --position-embedding-type rope --rotary-base 500000 --normalization RMSNorm "
-    "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --micro-batch-size 1 "
-    "--global-batch-size 512 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2000 --train-iters 100000 --weight-decay 0.1 "
-    "--data-path /data/llama3_text_document --tokenizer-type HuggingFaceTokenizer "
-    "--tokenizer-model /models/Meta-Llama-3-8B --save /ckpt/llama3-8b --save-interval 1000 --recompute-activations"
-).split()
+
+def llama3_8b_32gpu_plan() -> list[str]:
+    """The plan flags of docs/training.md's Llama-3-8B 32-GPU block (the check_layout command users copy)."""
+    text = (ROOT / "docs" / "training.md").read_text().split("<!-- llama3-8b-32gpu -->")[1]
+    argv = shlex.split(text.split("```bash")[1].split("```")[0].replace("\\\n", " "))
+    assert argv[:3] == ["python", "tools/check_layout.py", "--"]
+    return argv[3:]
+
+
+LLAMA3_8B_32GPU = llama3_8b_32gpu_plan()
 
 
 def test_the_llama3_plan_keeps_every_axis_and_switch_on_eight_ranks():
@@ -32,7 +32,17 @@ def test_the_llama3_plan_keeps_every_axis_and_switch_on_eight_ranks():
     assert a["family"] == "llama" and a["recompute"] == "full-uniform" and a["schedule"] == "interleaved"
     assert "--data-path" not in d.args and "--save" not in d.args and "--mock-data" in d.serial_args
     assert not {"--tensor-model-parallel-size", "--sequence-parallel", "--zero-stage"} & set(d.serial_args)
-    assert any("32 ranks" in n for n in notes) and any("data_path" in n for n in notes)
+    assert any("32 ranks (tp 4, pp 2, dp 4)" in n for n in notes) and any("data_path" in n for n in notes)
+
+
+@pytest.mark.slow
+def test_check_layout_on_the_docs_llama3_8b_32gpu_command_reports_equal(tmp_path, capsys):
+    """The documented Llama-3-8B plan (tp 4, SP, pp 2 interleaved, dp 4, ZeRO-1, bf16, full recompute)
+    scaled to 8 ranks equals its serial twin: 50 s on 2 shared cores."""
+    assert check_layout.main(["--workdir", str(tmp_path), "--", *LLAMA3_8B_32GPU], launch=pooled_launcher()) == 0
+    out = capsys.readouterr().out
+    assert "plan: 32 ranks (tp 4, pp 2, dp 4)" in out and "scaled: 8 ranks (tp 2, pp 2, dp 2)" in out
+    assert "layout check: equal (bf16 tolerance; 4 iterations" in out
 
 
 def test_a_plan_the_rules_refuse_is_refused():

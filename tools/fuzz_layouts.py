@@ -3,6 +3,7 @@
     python tools/fuzz_layouts.py --draws 30 --seed 1000            # draws 1000..1029, on CPU processes
     python tools/fuzz_layouts.py --seed 1017 --draws 1             # reproduce one draw (printed on failure)
     python tools/fuzz_layouts.py --draws 300 --seed 0 --dry-run    # the draws and their coverage, no training
+    python tools/fuzz_layouts.py --draws 1000 --seed 2000 --minutes 70 --results r.jsonl   # as many as fit
 
 Draw ``i`` of a campaign is seeded ``--seed + i``, so any draw reruns alone. The summary gives the axes
 covered, the pairs of axis values covered (against the pairs the configuration rules allow, estimated
@@ -35,15 +36,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference-samples", type=int, default=2000,
                    help="validated layouts drawn to estimate the allowed pairs (0: no pairwise estimate)")
     p.add_argument("--dry-run", action="store_true", help="draw and report coverage only; train nothing")
+    p.add_argument("--minutes", type=float, help="start no draw after this many minutes (a campaign sized by "
+                                                 "the time the machine gives); the summary covers the draws run")
     args = p.parse_args(argv)
     if args.draws < 1:
         p.error("--draws must be >= 1")
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="megazero-fuzz-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    cov, failures, start = Coverage(), [], time.monotonic()
+    cov, failures, start, done = Coverage(), [], time.monotonic(), 0
     for i in range(args.draws):
-        d = draw(args.seed + i)
+        if args.minutes is not None and time.monotonic() - start > 60 * args.minutes:
+            break
+        d, done = draw(args.seed + i), i + 1
         cov.add(d)
         if args.dry_run:
             print(f"draw {d.seed}: {d.world} ranks: {d.describe()} | resumed on {d.resume_world}: "
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     allowed = allowed_pairs(args.reference_samples) if args.reference_samples else None
     print("\n" + cov.describe(allowed))
     verb = "drawn" if args.dry_run else "checked"
-    print(f"\n{args.draws} draws {verb} (seeds {args.seed}..{args.seed + args.draws - 1}) in "
+    print(f"\n{done} draws {verb} (seeds {args.seed}..{args.seed + done - 1}) in "
           f"{time.monotonic() - start:.0f} s; failures: {len(failures)}")
     for r in failures:
         print(f"  seed {r.draw.seed}: {r.first_difference or r.error}\n    reproduce: "

@@ -10,10 +10,11 @@ turned into flags, parsed by the trainer's own parser and checked by the trainer
 :func:`~megazero.config.validate` (and the model family's rules) at its world size. A refused draw is
 drawn again: which combinations are allowed is never written down here, so a rule added to the
 configuration checks narrows the fuzzer's space by itself. The only limit of its own is the machine's:
-``tp * pp * dp <= MAX_WORLD``.
+``tp * cp * pp * dp <= MAX_WORLD``.
 """
 from __future__ import annotations
 
+import functools
 import random
 import shlex
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ MODEL_AXES: dict[str, tuple[tuple, tuple]] = {
     "experts": ((0, 2, 4), (3, 1, 1)),            # 0: dense MLPs
     "topk": ((1, 2), (1, 1)),
     "aux_loss": ((0.0, 0.01), (2, 1)),
+    "capacity": ((0.0, 1.0, 1.25), (2, 1, 1)),   # expert capacity factor (token dropping); 0: dropless
     "precision": (("fp32", "bf16", "fp16"), (3, 1, 1)),
     "micro_batch": ((1, 2), (1, 1)),
     "micro_batches": ((4, 8), (1, 1)),           # per step, before the data-parallel split
@@ -49,19 +51,21 @@ MODEL_AXES: dict[str, tuple[tuple, tuple]] = {
 LAYOUT_AXES: dict[str, tuple[tuple, tuple]] = {
     "tp": ((1, 2, 4), (2, 2, 1)),
     "sp": ((False, True), (1, 1)),
+    "cp": ((1, 2, 4), (2, 2, 2)),               # cp 4 leaves tp * pp * dp <= 2: often refused
+    "cp_comm": (("p2p", "a2a", "allgather"), (1, 1, 1)),
     "pp": ((1, 2, 4), (2, 2, 1)),
     "schedule": (("1f1b", "gpipe", "interleaved"), (1, 1, 1)),
     "virtual": ((2, 4), (1, 1)),                  # chunks per rank, with the interleaved schedule
     "dp": ((1, 2, 4, 8), (1, 2, 1, 1)),
-    "order": (("tp-dp-pp", "tp-pp-dp", "dp-tp-pp"), (3, 1, 1)),
+    "order": (("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-cp-tp-pp"), (3, 1, 1, 1)),   # cp after tp unless named
     "zero": ((0, 1, 2, 3), (1, 1, 1, 1)),
     "keep_gathered": ((False, True), (3, 1)),
     "reduce_each_mb": ((False, True), (3, 1)),
     "overlap_param_gather": ((False, True), (3, 1)),
     "small_buckets": ((False, True), (1, 1)),
     "ep": ((1, 2, 4), (1, 1, 1)),
-    "offload_optimizer": ((False, True), (4, 1)),
-    "offload_params": ((False, True), (4, 1)),
+    "offload_optimizer": (("none", "cpu", "nvme"), (6, 2, 1)),   # nvme: swap files in the run's directory
+    "offload_params": (("none", "cpu", "nvme"), (6, 2, 1)),
     "qwz": ((False, True), (5, 1)),
     "hpz": ((1, 2), (4, 1)),
     "qgz": ((False, True), (5, 1)),
@@ -80,6 +84,8 @@ def model_flags(a: dict) -> list[str]:
         out += ["--num-experts", str(a["experts"]), "--moe-router-topk", str(a["topk"])]
         if a["aux_loss"]:
             out += ["--moe-aux-loss-coeff", str(a["aux_loss"])]
+        if a["capacity"]:
+            out += ["--moe-expert-capacity-factor", str(a["capacity"])]
     out += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1024"]}[a["precision"]]
     return out + ["--micro-batch-size", str(a["micro_batch"]),
                   "--global-batch-size", str(a["micro_batch"] * a["micro_batches"])]
@@ -88,6 +94,8 @@ def model_flags(a: dict) -> list[str]:
 def layout_flags(a: dict, layers: int) -> list[str]:
     """The parallelism, ZeRO and activation-memory flags of layout axes ``a``."""
     out = ["--tp", str(a["tp"]), "--pp", str(a["pp"]), "--dp", str(a["dp"]), "--zero-stage", str(a["zero"])]
+    if a["cp"] > 1:
+        out += ["--cp", str(a["cp"]), "--cp-comm-type", a["cp_comm"]]
     if a["order"] != "tp-dp-pp":
         out += ["--parallel-order", a["order"]]
     if a["sp"]:
@@ -104,10 +112,11 @@ def layout_flags(a: dict, layers: int) -> list[str]:
         out += ["--bucket-size", "2000"]
     if a["ep"] > 1:
         out += ["--expert-model-parallel-size", str(a["ep"])]
-    if a["offload_optimizer"]:
-        out += ["--offload-optimizer", "cpu"]
-    if a["offload_params"]:
-        out += ["--offload-params", "cpu"]
+    for name in ("offload_optimizer", "offload_params"):
+        if a[name] != "none":
+            out += ["--" + name.replace("_", "-"), a[name]]
+    if "nvme" in (a["offload_optimizer"], a["offload_params"]):
+        out += ["--nvme-path", "."]             # the run's own directory (the checker's, or the user's)
     if a["hpz"] > 1:
         out += ["--zero-hpz-partition-size", str(a["hpz"])]
     if a["recompute"].startswith("full"):
@@ -118,14 +127,22 @@ def layout_flags(a: dict, layers: int) -> list[str]:
     return out
 
 
+@functools.cache
+def _parser():
+    """The trainer's parser, built once: building it costs ~30 times a parse, and rejection draws many."""
+    from megazero.arguments import build_parser
+
+    return build_parser()
+
+
 def parse_and_validate(argv: list[str], world: int) -> JobConfig:
     """The JobConfig ``pretrain_gpt.py argv`` would run at ``world`` ranks, by the trainer's own parser,
     :func:`~megazero.config.validate` and the model family's rules; :class:`ConfigError` when refused."""
-    from megazero.arguments import build_parser, job_from_values
+    from megazero.arguments import job_from_values
     from megazero.config import validate
     from megazero.models.spec import check_family
 
-    args = build_parser().parse_args(argv)
+    args = _parser().parse_args(argv)
     job = validate(job_from_values({k: v for k, v in vars(args).items() if "." in k}), world)
     check_family(job.model, job.parallel, job.compilation)
     return job
@@ -147,8 +164,10 @@ def _applicable(model: dict, layout: dict) -> dict:
         layout["virtual"] = NOT_APPLICABLE
     if layout["recompute"] != "selective":
         layout["recompute_modules"] = NOT_APPLICABLE
+    if layout["cp"] == 1:
+        layout["cp_comm"] = NOT_APPLICABLE
     if not model["experts"]:
-        model["topk"] = model["aux_loss"] = NOT_APPLICABLE
+        model["topk"] = model["aux_loss"] = model["capacity"] = NOT_APPLICABLE
     return {**model, **layout}
 
 
@@ -156,7 +175,7 @@ def draw_layout(rng: random.Random, model: dict, max_tries: int = 20000) -> tupl
     """A layout the configuration rules accept for model axes ``model``: (axes, world, layout flags)."""
     for _ in range(max_tries):
         layout = pick_axes(rng, LAYOUT_AXES)
-        world = layout["tp"] * layout["pp"] * layout["dp"]
+        world = layout["tp"] * layout["cp"] * layout["pp"] * layout["dp"]
         if world > MAX_WORLD:
             continue
         axes = _applicable(model, layout)

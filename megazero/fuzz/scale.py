@@ -1,16 +1,17 @@
 """A planned run scaled down to CPU processes: the same layout axes, a tiny model.
 
     d, notes = scale_down(["--tp", "8", "--pp", "4", "--dp", "2", "--num-layers", "32", ...])
-    d.world            # 8: tp 2, pp 2, dp 2 -- every axis > 1 in the plan stays > 1
+    d.world            # 8: tp 2, pp 2, dp 2 -- every axis > 1 in the plan stays > 1 (cp too)
     check(d, workdir)  # then megazero.fuzz.checker compares it with its serial twin
 
 What is kept: every switch of the plan (precision, sequence parallel, schedule, ZeRO stage and its
 switches, offload to the host, ZeRO++, recompute, activation offload, the model family's flags,
-experts and routing, the seed). What is scaled: each parallel size above 1 becomes 2 (tp, pp, dp,
-expert parallel, hpZ partitions; interleaving keeps two chunks per rank), the model becomes a few
-layers of width 8 per head, vocabulary 100 of mock data, sequence 16, and four iterations at the
-plan's peak learning rate (warmup 1). What is dropped is listed in the notes (data, checkpoint and
-logging paths, compile, the memory planner, NVMe paths).
+experts and routing, the context-parallel comm type, the seed). What is scaled: each parallel size
+above 1 becomes 2 (tp, cp, pp, dp, expert parallel, hpZ partitions; interleaving keeps two chunks per
+rank), the model becomes a few layers of width 8 per head, vocabulary 100 of mock data, sequence 16,
+and four iterations at the plan's peak learning rate (warmup 1). What is dropped is listed in the notes
+(data, checkpoint and logging paths, compile, the memory planner); NVMe swap files go to the scaled
+run's directory.
 """
 from __future__ import annotations
 
@@ -54,12 +55,13 @@ def scale_down(argv: list[str], world_size: int | None = None) -> tuple[Draw, li
     if args.config or args.deepspeed_config or args.accelerate_config:
         raise ConfigError("check_layout takes the plan's flags; give the config file's settings as flags")
     plan = {k: v for k, v in vars(args).items() if "." in k}
-    tp, pp = plan.get("parallel.tp", 1), plan.get("parallel.pp", 1)
-    dp = plan.get("parallel.dp") or (world_size // (tp * pp) if world_size else None)
+    tp, pp, cp = plan.get("parallel.tp", 1), plan.get("parallel.pp", 1), plan.get("parallel.cp", 1)
+    dp = plan.get("parallel.dp") or (world_size // (tp * cp * pp) if world_size else None)
     if dp is None:
         raise ConfigError("the plan gives no --dp: pass --world-size (its number of processes)")
-    full = parse_and_validate(argv if plan.get("parallel.dp") else [*argv, "--dp", str(dp)], tp * pp * dp)
-    notes = [f"plan: {tp * pp * dp} ranks (tp {tp}, pp {pp}, dp {dp}), {full.model.num_layers} layers, hidden "
+    full = parse_and_validate(argv if plan.get("parallel.dp") else [*argv, "--dp", str(dp)], tp * cp * pp * dp)
+    notes = [f"plan: {tp * cp * pp * dp} ranks (tp {tp}, {f'cp {cp}, ' if cp > 1 else ''}pp {pp}, dp {dp}), "
+             f"{full.model.num_layers} layers, hidden "
              f"{full.model.hidden_size}, vocab {full.model.vocab_size}, sequence {full.model.seq_length}"]
     shown = ("data.", "checkpoint.", "logging.", "compilation.", "train.memory_budget_gib")
     dropped = [k.split(".")[1] for k in sorted(plan) if k in DROPPED and k.startswith(shown)]
@@ -67,27 +69,31 @@ def scale_down(argv: list[str], world_size: int | None = None) -> tuple[Draw, li
         notes.append("dropped (paths and what pays off only at scale): " + ", ".join(dropped))
 
     m, par, z = full.model, full.parallel, full.zero
-    tp_s, pp_s, dp_s = _two(tp), _two(pp), _two(dp)
+    tp_s, cp_s, pp_s, dp_s = _two(tp), _two(cp), _two(pp), _two(dp)
+    ulysses = cp_s > 1 and par.cp_comm_type == "a2a"       # whole heads and key/value groups per cp rank
     v_s = 2 if par.virtual_stages > 1 else 1
     kept = {k: v for k, v in plan.items() if k not in DROPPED}
     layout = {"parallel.tp": tp_s, "parallel.pp": pp_s, "parallel.dp": dp_s}
+    if cp_s > 1:
+        layout["parallel.cp"] = cp_s
     if "parallel.expert_model_parallel_size" in kept:
         layout["parallel.expert_model_parallel_size"] = _two(par.expert_model_parallel_size)
     if "zero.hpz_partition_size" in kept:
         layout["zero.hpz_partition_size"] = _two(z.hpz_partition_size)
     if v_s > 1:
         layout["parallel.num_layers_per_virtual_pipeline_stage"] = 1
-    for k in ("zero.offload_optimizer", "zero.offload_params"):
-        if kept.get(k) == "nvme":
-            layout[k] = "cpu"
-            notes.append(f"{k.split('.')[1]} nvme -> cpu")
+    if "nvme" in (z.offload_optimizer, z.offload_params):
+        layout["zero.nvme_path"] = "."                      # swap files in the scaled run's own directory
+        notes.append(f"nvme offload: --nvme-path {z.nvme_path} -> the scaled run's directory")
     groups = None
     if m.group_query_attention:
         groups = 2 if m.num_query_groups >= tp else 1          # replicated key/values stay replicated
+        if ulysses:
+            groups = tp_s * cp_s
         heads = groups * min(m.num_attention_heads // m.num_query_groups, 2)
         heads = max(heads, tp_s)
     else:
-        heads = 2 * tp_s
+        heads = 2 * tp_s * (cp_s if ulysses else 1)
     sizes = {"model.num_layers": max(2, pp_s * v_s), "model.hidden_size": 8 * heads,
              "model.num_attention_heads": heads, "model.seq_length": 16, "model.vocab_size": 100,
              "model.make_vocab_size_divisible_by": 16, "train.micro_batch_size": 1,
@@ -110,11 +116,12 @@ def scale_down(argv: list[str], world_size: int | None = None) -> tuple[Draw, li
     serial = {k: v for k, v in values.items() if not k.startswith(LAYOUT_SECTIONS) and k not in LAYOUT_MODEL_FIELDS}
     layout_values = {k: v for k, v in values.items() if k not in serial}
     model_args, layout_args = values_to_argv(serial), values_to_argv(layout_values)
-    world = tp_s * pp_s * dp_s
+    world = tp_s * cp_s * pp_s * dp_s
     job = parse_and_validate(model_args + layout_args, world)
     parse_and_validate(model_args, 1)
     axes = axes_of(job)
-    notes.append(f"scaled: {world} ranks (tp {tp_s}, pp {pp_s}, dp {dp_s}), {job.model.num_layers} layers, hidden "
+    notes.append(f"scaled: {world} ranks (tp {tp_s}, {f'cp {cp_s}, ' if cp_s > 1 else ''}pp {pp_s}, dp {dp_s}), "
+                 f"{job.model.num_layers} layers, hidden "
                  f"{job.model.hidden_size}, heads {heads}, vocab 100 (mock data), sequence 16, "
                  f"{2 * STEPS_PER_LEG} iterations")
     return Draw(0, axes, world, model_args, layout_args, axes, world, layout_args, common=[]), notes
@@ -150,15 +157,17 @@ def axes_of(job) -> dict:
         "family": "llama" if m.swiglu or m.normalization == "RMSNorm" else "gpt", "layers": m.num_layers,
         "experts": m.num_experts or 0, "topk": m.moe_router_topk if m.num_experts else NOT_APPLICABLE,
         "aux_loss": m.moe_aux_loss_coeff if m.num_experts else NOT_APPLICABLE,
+        "capacity": (m.moe_expert_capacity_factor or 0.0) if m.num_experts else NOT_APPLICABLE,
         "precision": job.precision.dtype_name, "micro_batch": job.train.micro_batch_size,
         "micro_batches": job.train.global_batch_size // job.train.micro_batch_size,
-        "tp": par.tp, "sp": par.sequence_parallel, "pp": par.pp,
+        "tp": par.tp, "sp": par.sequence_parallel, "cp": par.cp,
+        "cp_comm": par.cp_comm_type if par.cp > 1 else NOT_APPLICABLE, "pp": par.pp,
         "schedule": par.pipeline_schedule if par.pp > 1 else NOT_APPLICABLE,
         "virtual": par.virtual_stages if par.virtual_stages > 1 else NOT_APPLICABLE, "dp": par.dp,
         "order": par.order, "zero": z.zero_stage, "keep_gathered": z.keep_params_gathered,
         "reduce_each_mb": z.reduce_each_microbatch, "overlap_param_gather": z.overlap_param_gather,
         "small_buckets": z.bucket_size < 4_000_000, "ep": par.expert_model_parallel_size,
-        "offload_optimizer": z.offload_optimizer != "none", "offload_params": z.offload_params != "none",
+        "offload_optimizer": z.offload_optimizer, "offload_params": z.offload_params,
         "qwz": z.quantized_weights, "hpz": z.hpz_partition_size, "qgz": z.quantized_gradients,
         "recompute": "none" if gran is None else f"full-{m.recompute_method}" if gran == "full" else "selective",
         "recompute_modules": " ".join(m.recompute_modules) if gran == "selective" else NOT_APPLICABLE,

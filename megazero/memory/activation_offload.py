@@ -45,6 +45,15 @@ class _Offloaded:
         self.stride, self.offset = t.stride(), t.storage_offset()
 
 
+def _same_storage(kept: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t`` views the very storage ``kept`` still holds. An address alone is not enough: selective
+    recompute frees a saved output's storage in the forward (``free_until_backward`` resizes it to 0
+    bytes), and the allocator may hand that address to the next tensor the layer saves."""
+    storage = kept.untyped_storage()
+    return storage.nbytes() > 0 and storage.data_ptr() == t.untyped_storage().data_ptr() \
+        and storage.nbytes() == t.untyped_storage().nbytes()
+
+
 class _LayerStash:
     """The offloaded storages of one layer's forward; ``previous``: the layer that ran before it in the
     same forward (its storages are prefetched when this layer's backward starts reading). Holds its
@@ -65,8 +74,9 @@ class _LayerStash:
                 or t.device.type != self.owner.device.type):      # a parameter, or already on the host
             return t
         kept = self.seen.get(address)
-        if kept is not None and kept[0]._version == kept[2]:    # another view of a storage already sent
-            return _Offloaded(kept[1], t)       # (unwritten since): the input both projections keep, ...
+        if kept is not None and kept[0]._version == kept[2] and _same_storage(kept[0], t):
+            return _Offloaded(kept[1], t)       # another view of a storage already sent (unwritten since):
+            # the input both projections keep, ...
         owner = self.owner
         device_bytes = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
         host = torch.empty(device_bytes.shape, dtype=torch.uint8, pin_memory=owner.stream is not None)

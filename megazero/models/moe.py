@@ -9,7 +9,8 @@ One MoE layer on this rank's tokens x [s(/tp), b, h] (T = s(/tp) * b tokens)::
                                                  k = 1 keeps the softmax probability (Switch)
     capacity (--moe-expert-capacity-factor c): expert e keeps its first C = ceil(c * T * k / E)
            assignments in token order and drops the rest (the token then gets no output from e);
-           unset = dropless
+           unset = dropless. Under sequence parallelism T and the order are the whole sequence's
+           (the tp ranks' choices are gathered), so the same tokens drop as at tp = 1
     out[t] = sum over kept (t, e) of gates[t, e] * Expert_e(x[t])
 
 Losses, added to the training loss of the micro-batch (they are not part of the returned per-token
@@ -63,6 +64,7 @@ from torch import nn
 
 from megazero.models.recompute import checkpointed, free_until_backward
 from megazero.parallel import counted_comm
+from megazero.parallel.raw_comm import all_gather_dim0
 from megazero.parallel.tensor import new_parameter, reduce_from_tp_region
 
 
@@ -213,13 +215,24 @@ class MoELayer(nn.Module):
         self.last_aux_loss = None
         self.stats = MoEStats()
 
+    def _capacity_keep(self, experts: torch.Tensor) -> torch.Tensor:
+        """:func:`capacity_keep` over the whole sequence, as at tp 1: under sequence parallelism this tp
+        rank's [s/tp * b] tokens are a contiguous run of the [s * b] token order (rank r's start at
+        r * s/tp * b), so every rank's choices are gathered, the queues counted over all of them, and
+        this rank's rows kept."""
+        factor, ctx = self.ctx.cfg.moe_expert_capacity_factor, self.ctx
+        if factor is None or not ctx.sp or ctx.tp_size == 1:
+            return capacity_keep(experts, self.num_experts, factor)
+        everyone = all_gather_dim0(experts, ctx.tp_group)
+        t = experts.shape[0]
+        return capacity_keep(everyone, self.num_experts, factor)[ctx.tp_rank * t:(ctx.tp_rank + 1) * t]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.ctx.cfg
         s, b, h = x.shape
         tokens = x.reshape(-1, h)
         logits = F.linear(tokens.float(), self.router.weight.float())
         probs, gates, experts = route(logits, self.topk)
-        keep = capacity_keep(experts, self.num_experts, cfg.moe_expert_capacity_factor)
+        keep = self._capacity_keep(experts)
         aux, aux_value = self._aux_loss(logits, probs, experts)
         self._record(aux, aux_value, experts, keep)
 
