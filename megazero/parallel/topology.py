@@ -341,7 +341,10 @@ class Topology:
         self.device = device or torch.device("cpu")
         coords = self.grid.coords(rank)
         self.tp_rank, self.pp_rank, self.dp_rank, self.cp_rank = coords["tp"], coords["pp"], coords["dp"], coords["cp"]
-        self.ep_rank = (self.dp_rank * cp + self.cp_rank) % ep       # ep is carved out of dp x cp
+        # ep is carved out of dp x cp. A group's members are numbered in sorted order (torch.distributed's
+        # group ranks), which is the (dp_rank * cp + cp_rank) order of the grid's lists unless the rank order
+        # puts dp before cp (dp-cp-...): each view below takes its rank from the sorted members.
+        self.ep_rank = (self.dp_rank * cp + self.cp_rank) % ep
 
         # Every rank creates every group in the same order (a torch.distributed requirement).
         self.tp_group, tp_ranks = self._create(self.grid.tensor)
@@ -359,15 +362,17 @@ class Topology:
             cp_group, cp_ranks = self._create(self.grid.context)
             dpcp_group, dpcp_ranks = self._create(self.grid.data_context)
             self._cp = ContextParallel(cp_group, tuple(cp_ranks), self.cp_rank, cp)
-            self._dp_cp = self._data_view("data_context", dpcp_group, dpcp_ranks, self.dp_rank * cp + self.cp_rank)
+            dpcp_ranks = sorted(dpcp_ranks)      # a view's rank is torch's group rank: its place in sorted order
+            self._dp_cp = self._data_view("data_context", dpcp_group, dpcp_ranks, dpcp_ranks.index(rank))
         else:
             self._cp, self._dp_cp = ContextParallel(None, (rank,), 0, 1), self._dp
         if ep > 1:                # groups made only when used: a run without experts creates none
             ep_group, ep_ranks = self._create(self.grid.expert)
             edp_group, edp_ranks = self._create(self.grid.expert_data)
+            ep_ranks, edp_ranks = sorted(ep_ranks), sorted(edp_ranks)
+            self.ep_rank = ep_ranks.index(rank)
             self._ep = ExpertParallel(ep_group, tuple(ep_ranks), self.ep_rank, ep)
-            self._expert_dp = self._data_view("expert_data", edp_group, edp_ranks,
-                                              (self.dp_rank * cp + self.cp_rank) // ep)
+            self._expert_dp = self._data_view("expert_data", edp_group, edp_ranks, edp_ranks.index(rank))
         else:
             self._ep, self._expert_dp = ExpertParallel(None, (rank,), 0, 1), self._dp_cp
 
