@@ -204,17 +204,25 @@ def _checkpoint_args(sources: list[tuple[str, dict]]) -> tuple[str, dict] | None
     if not load:
         raise ConfigError(f"{flag('use_checkpoint_args')} needs {flag('load')} DIR (the checkpoint whose model "
                           f"settings to take)")
-    from megazero.checkpoint.distributed import saved_model_settings
+    from megazero.checkpoint.distributed import saved_job, saved_model_settings
     from megazero.checkpoint.format import CheckpointError
 
     try:
-        saved = saved_model_settings(load)
+        saved, job = saved_model_settings(load), saved_job(load)
     except (CheckpointError, KeyError) as e:
         raise ConfigError(f"{flag('use_checkpoint_args')}: cannot read the model settings of {load}: {e}") from None
     if saved is None:
         return None
-    return f"the checkpoint in {flag('load')} {load} ({flag('use_checkpoint_args')})", \
-        {f"model.{name}": value for name, value in saved.items()}
+    values = {f"model.{name}": value for name, value in saved.items()}
+    # As Megatron's: the sequence length and the tokenizer too, where no flag or file gives them (a
+    # fine-tune of an imported model then needs none of its settings retyped).
+    if given("model.seq_length") is None and job["model"].get("seq_length"):
+        values["model.seq_length"] = job["model"]["seq_length"]
+    tokenizer = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+    if all(given(f"data.{name}") is None for name in tokenizer):
+        values.update({f"data.{name}": job.get("data", {}).get(name) for name in tokenizer
+                       if job.get("data", {}).get(name) is not None})
+    return f"the checkpoint in {flag('load')} {load} ({flag('use_checkpoint_args')})", values
 
 
 def _where(source: str) -> str:

@@ -27,7 +27,8 @@ from megazero.metrics import MetricsLog, device_peak_tflops, duration, peak_memo
 from megazero.models.spec import ModelSpec, get_model_spec
 from megazero.parallel.context import context_parallel_loss
 from megazero.parallel.params import attribute, counts_once, split_dim
-from megazero.parallel.pipeline import run_schedule
+from megazero.parallel.pipeline import get_schedule, run_schedule
+from megazero.parallel.pipeline.zero_bubble import theory
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
 from megazero.profiling import StepProfiler
@@ -340,7 +341,19 @@ def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
             f"micro-batches x dp {par.dp} = global batch {job.train.global_batch_size}\n"
             f" model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, seq "
             f"{m.seq_length}, vocab {m.vocab_size} (padded {m.padded_vocab_size(par.tp)}){spec.describe(m)} | "
-            f"{n:,} parameters")
+            f"{n:,} parameters" + predicted_pipeline(job))
+
+
+def predicted_pipeline(job: JobConfig) -> str:
+    """The pipeline schedule's predicted bubble and peak activations (the simulator's timeline with unit
+    times F = I = W = 1, full backward 2), as a third line of :func:`describe_run`; empty at pp = 1."""
+    par, m = job.parallel, job.num_micro_batches
+    if par.pp == 1:
+        return ""
+    bubble, peaks = theory(get_schedule(par), par.pp, m, par.virtual_stages)
+    return (f"\n pipeline {par.pipeline_schedule}: predicted bubble {bubble:.3f} of the step, peak activations "
+            f"{max(peaks)} micro-batches per rank, held from F to its B or W (unit times F = I = W = 1, "
+            f"B = 2; by rank {list(peaks)})")
 
 
 @torch.no_grad()

@@ -60,6 +60,8 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
      r"2 micro-batches per step is fewer than 4 pipeline stages.*--global-batch-size to at least 4"),
     (2, dict(parallel=ParallelConfig(pp=2, num_layers_per_virtual_pipeline_stage=1), model=ModelConfig(num_layers=4),
              train=TrainConfig(micro_batch_size=1, global_batch_size=3)), r"interleaved schedule needs micro-batches \(3\)"),
+    (2, dict(parallel=ParallelConfig(pp=2, pipeline_schedule="zb-h1", num_layers_per_virtual_pipeline_stage=1),
+             model=ModelConfig(num_layers=4)), r"--pipeline-schedule zb-h1 runs one model chunk per rank: drop"),
     (1, dict(zero=ZeroConfig(zero_stage=4)), r"--zero-stage must be 0, 1, 2 or 3, got 4"),
     (2, dict(zero=ZeroConfig(zero_stage=1, reduce_each_microbatch=True)),
      r"--zero2-reduce-each-microbatch applies to --zero-stage 2 only \(got 1\)"),

@@ -3,6 +3,7 @@ export gives the same logits in ``transformers``, and an HF model made by ``tran
 same logits (and, for Llama, the same greedy generation) when imported and run at tp2 pp2; sharded
 safetensors both ways. Needs the ``transformers`` test extra (skipped, with the reason, without it)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -292,7 +293,7 @@ def _qwen2_source(path):
 SOURCES = {"gpt2": _gpt2_source, "llama": _llama_source, "qwen2": _qwen2_source}
 
 
-@pytest.mark.parametrize("family", [f if f == "gpt2" else pytest.param(f, marks=pytest.mark.slow) for f in SOURCES])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) for f in SOURCES])   # the full tier
 def test_round_trip_through_hf_keeps_tokenizer_ids_and_logits(family, tmp_path):
     """An HF model made by transformers with a tokenizer of each kind (GPT-2 BPE, SentencePiece,
     tokenizer.json), imported and exported again: AutoTokenizer of the source and of the export, and
@@ -368,6 +369,7 @@ def test_check_needs_an_hf_side(trained_tp2pp2, tmp_path):
 MOE = dict(num_experts=4, moe_router_topk=2, group_query_attention=True, num_query_groups=2)
 
 
+@pytest.mark.slow
 def test_moe_exports_as_mixtral_and_round_trips(tmp_path):
     """A Llama-family MoE model exports as MixtralForCausalLM: transformers gives its logits (1e-5), and
     importing the export gives back every tensor exactly, at tp2 pp2."""
@@ -441,3 +443,26 @@ def test_mixtral_fused_expert_layout_reads_as_the_published_one():
                                                         for e in range(cfg.num_experts)])
     a, b = hf_llama.from_hf_state(dict(published), cfg), hf_llama.from_hf_state(fused, cfg)
     assert set(a) == set(b) == set(tensors) and all(torch.equal(a[n], b[n]) and torch.equal(a[n], tensors[n]) for n in a)
+
+
+@pytest.mark.slow
+def test_fine_tuning_an_imported_model_needs_none_of_its_settings_retyped(tmp_path):
+    """--use-checkpoint-args on an imported HF Llama: the shape, the sequence length and the tokenizer
+    come from the checkpoint (data flags alone), and a fine-tune of it trains."""
+    from megazero.arguments import parse_job
+
+    src = tmp_path / "hf"
+    cfg, cls = _llama_source(src)
+    torch.manual_seed(0)
+    cls(cfg).save_pretrained(src)
+    _convert("--input", src, "--output", tmp_path / "mz", "--to", "megazero")
+    job, _ = parse_job(["--load", str(tmp_path / "mz"), "--finetune", "--use-checkpoint-args",
+                        "--data-path", "corpus_text_document"], 1)
+    m, d = job.model, job.data
+    assert (m.num_layers, m.hidden_size, m.num_query_groups, m.seq_length, m.normalization) == (2, 32, 2, 32, "RMSNorm")
+    assert d.tokenizer_type == "SentencePieceTokenizer" and d.tokenizer_model.endswith("tokenizer.model")
+    run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), "--load", str(tmp_path / "mz"), "--finetune",
+                          "--use-checkpoint-args", "--mock-data", "--train-iters", "2", "--micro-batch-size", "1",
+                          "--global-batch-size", "1", "--eval-iters", "0"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0 and "iteration      2/2" in run.stdout, run.stderr[-2000:]

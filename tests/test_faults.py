@@ -230,7 +230,8 @@ def test_a_rank_that_fails_alone_is_the_one_line_and_the_root_cause(tmp_path):
     assert second.returncode != 0, out[-3000:]
     line = f"rank 1: checkpoint file {damaged} has 9 bytes, the manifest says"
     ours = [s for s in out.splitlines() if s.startswith("pretrain_gpt.py: error:")]
-    assert len(ours) == 1 and line in ours[0], out[-3000:]
+    assert len(ours) == 2 and all(line in s for s in ours), out[-3000:]       # said, and again after the report
+    assert [s for s in out.splitlines() if s.strip()][-1] == ours[0], out[-3000:]
     report = out[out.index("Root Cause"):]
     assert f"traceback : {line}" in report, out[-3000:]
     assert "terminate called" not in out and "Connection closed by peer" not in out, out[-3000:]

@@ -64,24 +64,20 @@ def test_the_summary_of_a_failure_gives_the_seed_and_a_reproducing_line():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="found by the layout fuzzer (draws 11, 23, 2023): the engine's global norm "
-                   "sums torch.linalg.vector_norm of each owned range in float32, whose CPU reduction loses 1.7e-5 "
-                   "of a 400k-element range (3e-3 at 40M); the serial twin's one large bucket reads 1.2e-5 low")
 def test_moe_draw_with_one_large_serial_bucket_equals_its_serial_twin(tmp_path, serial_cache):
-    """Draw 11: MoE (4 experts, top-1, capacity 1.0) at tp 2 + SP, ZeRO-1 with small buckets, resumed at
-    interleaved pp 4: the loss is bitwise the serial one, the gradient norm 1.2e-5 above it."""
+    """Draw 11. Under the sampler before context parallelism (MoE with capacity at tp 2 + SP, ZeRO-1 with
+    small buckets, resumed at interleaved pp 4) the gradient norm was 1.2e-5 above serial: a float32
+    norm over the serial twin's one large range (now optimizer.squared_norm). With cp in the space it drew
+    MoE capacity at cp 4, which capacity counted per cp rank (now refused by validate(), so redrawn)."""
     report = check(draw(11), tmp_path, launch=pooled_launcher(), cache=serial_cache)
     assert report.ok, report.summary()
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="found by the layout fuzzer (draws 2004, 2010, 2013): "
-                   "Topology's dp x cp view takes its rank as dp_rank * cp + cp_rank, but torch.distributed "
-                   "numbers a group's members in sorted order, which differs when the order puts dp before cp; "
-                   "ZeRO then owns one shard and reduce-scatters into another")
 def test_zero_over_dp_x_cp_with_dp_before_cp_equals_serial(tmp_path, capsys):
     """cp 2, dp 2, ZeRO-1, --parallel-order dp-cp-tp-pp on 4 ranks (the smallest reproduction of the
-    fuzzer's draws 2004, 2010 and 2013): the gradient norm is 7.7e-3 off at the first step."""
+    fuzzer's draws 2004, 2010 and 2013): the gradient norm was 7.7e-3 off at the first step, ZeRO owning
+    one shard and reduce-scattering into another (the dp x cp view's rank was not torch's group rank)."""
     sys.path.insert(0, str(ROOT / "tools"))
     import check_layout
 

@@ -3,7 +3,6 @@ that gives other ids fails the comparison. Needs the transformers test extra."""
 import json
 
 import pytest
-import torch
 from helpers.ckpt import MODEL
 
 from megazero.checkpoint.hf import save_hf

@@ -5,9 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers.trainer import ROOT
 
 
+@pytest.mark.slow
 def test_a_refusal_under_torchrun_is_the_root_cause_and_the_last_line(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "pretrain_gpt.py"), "--mock-data", "--zero-stage", "7"]

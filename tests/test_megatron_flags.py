@@ -218,6 +218,7 @@ def test_megatron_llama2_7b_script_stops_one_line_per_refused_flag_then_runs(tmp
     assert [r["iteration"] for r in records if "loss" in r] == [1, 2]
 
 
+@pytest.mark.slow
 def test_no_load_optim_no_load_rng_and_checkpoint_args_when_resuming(tmp_path):
     """--no-load-optim resumes the iteration with a fresh optimizer (the next loss differs from a full resume);
     --use-checkpoint-args takes the model's shape from the checkpoint (no model flags given)."""

@@ -5,22 +5,20 @@ compare the loss and every parameter after 3 AdamW steps (fp32, 1e-5 relative).
 """
 from __future__ import annotations
 
-import functools
 import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import run_on_ranks
+from helpers.pipeline_parity import (LR, MICRO, SEED, STEPS, batches, check_parity, full_tensor, model_cfg,
+                                     tied_copies_equal)
 from helpers.pipeline_sim import run_on_threads
 
 from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
 from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
-from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline import (PipelineStats, get_schedule, gpipe, interleaved_one_f_one_b,
                                         interleaved_warmup, no_pipelining, one_f_one_b, run_schedule, simulate,
                                         stage_layer_ids)
-from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import wrap_data_parallel
 
@@ -115,68 +113,9 @@ def test_interleaved_simulated(pp, v, mult):
 # Parity with the serial model on gloo processes
 # --------------------------------------------------------------------------------------------------
 
-SEED, STEPS, MICRO, LR = 1234, 3, 2, 1e-3
-
-
-def _model_cfg() -> ModelConfig:
-    return ModelConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
-                       make_vocab_size_divisible_by=16)
-
-
-def _batches(step: int, m: int, cfg: ModelConfig) -> list[dict]:
-    g = torch.Generator().manual_seed(100 + step)
-    out = []
-    for _ in range(m):
-        tokens = torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_length), generator=g)
-        labels = torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_length), generator=g)
-        mask = (torch.rand(MICRO, cfg.seq_length, generator=g) < 0.8).float()
-        mask[0, 0] = 1.0
-        out.append({"tokens": tokens, "labels": labels, "loss_mask": mask})
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _serial_run(m: int, dtype: torch.dtype = torch.float32):
-    """One process, whole model, one forward over the whole global batch per step. Returns the step
-    losses, the gradients of step 0 and the parameters after the last step."""
-    cfg = _model_cfg()
-    model = GPT(cfg, None, seed=SEED, dtype=dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], None
-    for step in range(STEPS):
-        mbs = _batches(step, m, cfg)
-        per_token = model(torch.cat([b["tokens"] for b in mbs]), torch.cat([b["labels"] for b in mbs]))
-        loss = torch.stack([masked_mean(per_token[i * MICRO:(i + 1) * MICRO], b["loss_mask"])
-                            for i, b in enumerate(mbs)]).mean()
-        opt.zero_grad()
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _full_tensor(t, p, topo):
-    """The whole tensor ``t`` (a parameter or its gradient): tp shards gathered over the tp group."""
-    if topo.tp_size == 1 or not p.tensor_parallel:
-        return t.detach().clone()
-    return gather_full(t.detach(), split_dim(p), topo.tp_group)
-
-
-def _tied_copies_equal(chunks, topo) -> bool | None:
-    """On first/last stages: is this rank's tied embedding bit-identical to the other end's?"""
-    if topo.pp_size == 1 or topo.pipeline().embedding is None:
-        return None
-    (w,) = [p for c in chunks for p in c.parameters() if attribute(p, "shared_embedding")]
-    both = [torch.empty_like(w) for _ in range(2)]
-    dist.all_gather(both, w.detach(), group=topo.pipeline().embedding.group)
-    return torch.equal(both[0], both[1])
-
-
 def _parallel_body(rank, world, tp, pp, schedule, v, m, sp=False, dtype=torch.float32):
     topo = Topology(tp=tp, pp=pp)
-    cfg = _model_cfg()
+    cfg = model_cfg()
     par = ParallelConfig(tp=tp, pp=pp, pipeline_schedule=schedule, virtual_stages=v, sequence_parallel=sp)
     chunks = build_model_chunks(cfg, par, topo, seed=SEED, dtype=dtype)
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
@@ -189,62 +128,17 @@ def _parallel_body(rank, world, tp, pp, schedule, v, m, sp=False, dtype=torch.fl
     for step in range(STEPS):
         stats = PipelineStats()
         sync.zero_grad()
-        step_losses = run_schedule(chunks, _batches(step, m, cfg), topo.pipeline(), loss_fn=masked_mean,
+        step_losses = run_schedule(chunks, batches(step, m, cfg), topo.pipeline(), loss_fn=masked_mean,
                                    schedule=get_schedule(par), tensor_shape=shape, stats=stats, grad_sync=sync)
         sync.finalize_grads()
         if step == 0:
-            grads = {n: _full_tensor(p.grad, p, topo) for n, p in named}
+            grads = {n: full_tensor(p.grad, p, topo) for n, p in named}
         opt.step()
         losses.append(torch.stack(step_losses).mean().item() if step_losses else None)
-        tied.append(_tied_copies_equal(chunks, topo))
+        tied.append(tied_copies_equal(chunks, topo))
         peaks.append(stats.peak_in_flight)
     return {"pp_rank": topo.pp_rank, "losses": losses, "tied": tied, "peaks": peaks, "grads": grads,
-            "params": {n: _full_tensor(p, p, topo) for n, p in named}}
-
-
-def _close(got, ref, what, rtol, atol):
-    torch.testing.assert_close(got, ref, rtol=rtol, atol=atol, msg=lambda s: f"{what}: {s}")
-
-
-def _check_parity(results, m, pp, schedule, v, dtype):
-    """Loss, step-0 gradients and weights after 3 AdamW steps against the serial run.
-
-    fp32: 1e-5 relative. Gradient entries that cancel to ~0 are judged against 1e-6 of the tensor's
-    largest entry. Adam normalises each update, so an entry whose true gradient is ~0 (e.g. the key
-    bias: softmax ignores a constant shift) moves by rounding noise of either sign; weights therefore
-    get an absolute floor of 1e-5, 1% of one lr=1e-3 step (a lost micro-batch, a wrong chunk or a
-    missing tied-embedding sync moves weights by ~lr). The float64 cases remove rounding and must
-    agree to 1e-10 (the same floor the tensor-parallel tests use).
-    """
-    ref_losses, ref_grads, ref_params = _serial_run(m, dtype)
-    fp64 = dtype == torch.float64
-    for r in results:
-        if r["pp_rank"] == pp - 1:
-            _close(torch.tensor(r["losses"]), torch.tensor(ref_losses), "losses", rtol=1e-5, atol=0)
-    seen = set()
-    for r in results:
-        for name, full in r["params"].items():
-            g = ref_grads[name]
-            _close(r["grads"][name], g, f"step-0 grad of {name}", rtol=1e-10 if fp64 else 1e-5,
-                   atol=(1e-12 if fp64 else 1e-6) * g.abs().max().item())
-            _close(full, ref_params[name], f"{name} after {STEPS} AdamW steps", rtol=1e-10 if fp64 else 1e-5,
-                   atol=1e-10 if fp64 else 1e-5)
-            seen.add(name)
-        if r["pp_rank"] in (0, pp - 1) and pp > 1:
-            assert r["tied"] == [True] * STEPS, f"tied embedding copies differ on pp rank {r['pp_rank']}"
-        _check_in_flight(r["peaks"], m, pp, r["pp_rank"], schedule, v)
-    assert seen == set(ref_params), f"parameters held by no rank: {set(ref_params) - seen}"
-
-
-def _check_in_flight(peaks, m, pp, r, schedule, v):
-    """Activation sets held at once: 1F1B <= pp - pp_rank; GPipe all m; interleaved warmup + 1."""
-    if schedule == "1f1b":
-        assert max(peaks) <= pp - r, f"1F1B held {max(peaks)} micro-batches on pp rank {r} (> {pp - r})"
-        assert peaks == [min(pp - r, m)] * STEPS
-    elif schedule == "gpipe":
-        assert peaks == [m] * STEPS
-    else:
-        assert peaks == [min(interleaved_warmup(m, pp, r, v) + 1, m * v)] * STEPS
+            "params": {n: full_tensor(p, p, topo) for n, p in named}}
 
 
 F32, F64 = torch.float32, torch.float64
@@ -272,7 +166,7 @@ QUICK_CASES = {(1, 2, "1f1b", 1, 4, False, F32), (1, 4, "interleaved", 2, 8, Fal
     ids=[_case_id(c) for c in PARITY_CASES])
 def test_pipeline_matches_serial(tp, pp, schedule, v, m, sp, dtype):
     results = run_on_ranks(tp * pp, _parallel_body, tp, pp, schedule, v, m, sp, dtype, timeout=120)
-    _check_parity(results, m, pp, schedule, v, dtype)
+    check_parity(results, m, pp, schedule, v, dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,10 +184,10 @@ class _HookRecorder:
 
 def _eval_and_hook_body(rank, world, pp, schedule, v, m):
     topo = Topology(pp=pp)
-    cfg = _model_cfg()
+    cfg = model_cfg()
     par = ParallelConfig(pp=pp, pipeline_schedule=schedule, virtual_stages=v)
     chunks = build_model_chunks(cfg, par, topo, seed=SEED)
-    mbs = _batches(0, m, cfg)
+    mbs = batches(0, m, cfg)
     if not (topo.is_first_stage or topo.is_last_stage):
         mbs = [None] * m                     # middle stages read no data
     elif topo.is_last_stage and v == 1:
@@ -315,8 +209,8 @@ def _eval_and_hook_body(rank, world, pp, schedule, v, m):
 @pytest.mark.parametrize("pp,schedule,v,m", [(4, "1f1b", 1, 4), (2, "interleaved", 2, 4)])
 def test_forward_only_and_grad_sync_hook(pp, schedule, v, m):
     results = run_on_ranks(pp, _eval_and_hook_body, pp, schedule, v, m, timeout=120)
-    cfg = _model_cfg()
-    mbs = _batches(0, m, cfg)
+    cfg = model_cfg()
+    mbs = batches(0, m, cfg)
     with torch.no_grad():
         model = GPT(cfg, None, seed=SEED)
         ref = [masked_mean(model(b["tokens"], b["labels"]), b["loss_mask"]).item() for b in mbs]
@@ -358,4 +252,4 @@ def test_pipeline_inside_a_data_parallel_grid():
     """pp=2 x dp=2 (4 ranks, pipelines [0, 2] and [1, 3]): each replica, fed the same batches, trains
     exactly like the serial model (the data-parallel gradient reduction is not part of this module)."""
     results = run_on_ranks(4, _parallel_body, 1, 2, "interleaved", 2, 4, False, F32, timeout=120)
-    _check_parity(results, 4, 2, "interleaved", 2, F32)
+    check_parity(results, 4, 2, "interleaved", 2, F32)

@@ -39,6 +39,9 @@ def test_execute_runs_computes_in_list_order_without_comm():
     assert runner.stats.peak_in_flight == 2
 
 
-def test_split_backward_is_not_executed_yet():
-    with pytest.raises(NotImplementedError, match="split backward"):
-        execute([F(0, 0), Compute(Kind.BACKWARD_INPUT, 0, 0)], FakeRunner(layout(1, 0), 1, 1), None)
+def test_split_backward_runs_i_then_w_and_holds_the_micro_batch_until_w():
+    runner = FakeRunner(layout(1, 0), 1, 2)
+    execute([F(0, 0), Compute(Kind.BACKWARD_INPUT, 0, 0), F(0, 1), Compute(Kind.BACKWARD_WEIGHT, 0, 0),
+             Compute(Kind.BACKWARD_INPUT, 0, 1), Compute(Kind.BACKWARD_WEIGHT, 0, 1)], runner, None)
+    assert runner.stats.order == [("F", 0, 0), ("I", 0, 0), ("F", 0, 1), ("W", 0, 0), ("I", 0, 1), ("W", 0, 1)]
+    assert runner.stats.peak_in_flight == 2

@@ -1,126 +1,163 @@
-"""Split backward for linear layers: I (input gradients) + W (deferred weight gradients) equals a
-full backward, bit for bit."""
+"""Split backward (zero-bubble I and W): for every layer kind with weights, I (the input gradient)
+followed by W (the parameters' gradients) equals a full backward bit for bit, on real model chunks."""
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+import torch.nn as nn
 from helpers import run_on_ranks
 
-from megazero.parallel.pipeline.split_backward import WeightGradStore, split_linear
+from megazero.config import ModelConfig
+from megazero.models.gpt import GPT, masked_mean
+from megazero.parallel.pipeline.split_backward import backward_input
+
+S, B, H = 8, 2, 32
 
 
-def _params(seed: int, dtype=torch.float32):
+def _cfg(**kw) -> ModelConfig:
+    base = dict(num_layers=2, hidden_size=H, num_attention_heads=4, seq_length=S, vocab_size=64,
+                make_vocab_size_divisible_by=16)
+    return ModelConfig(**{**base, **kw})
+
+
+def _data(seed: int, shape=(S, B, H)):
     g = torch.Generator().manual_seed(seed)
-    shapes = [(48, 16), (48,), (16, 48), (16,)]
-    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
+    return {"x": torch.randn(shape, generator=g), "dy": torch.randn(shape, generator=g),
+            "tokens": torch.randint(0, 64, (B, S), generator=g), "labels": torch.randint(0, 64, (B, S), generator=g),
+            "mask": (torch.rand(B, S, generator=g) < 0.8).float()}
 
 
-def _mlp(x, params, linear):
-    w1, b1, w2, b2 = params
-    return linear(F.gelu(linear(x, w1, b1)), w2, b2)
-
-
-def _inputs(seed: int, dtype=torch.float32, shape=(5, 3, 16)):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g, dtype=dtype).requires_grad_(),         # [s, b, h] or [n, h]
-            torch.randn(shape, generator=g, dtype=dtype))                          # output gradient
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape", [(5, 3, 16), (37, 16)])
-def test_input_grad_then_weight_grad_equals_full_backward(dtype, shape):
-    ref, split = _params(0, dtype), _params(0, dtype)
-    x_ref, dy = _inputs(1, dtype, shape)
-    x = x_ref.detach().clone().requires_grad_()
-    torch.autograd.backward(_mlp(x_ref, ref, F.linear), grad_tensors=dy)
-
-    store = WeightGradStore()
-    y = _mlp(x, split, lambda a, w, b: split_linear(a, w, b, store))
-    with store.input_grad_only() as w:
-        torch.autograd.backward(y, grad_tensors=dy)
-    assert torch.equal(x.grad, x_ref.grad)                      # I: the input gradient, exactly
-    assert all(p.grad is None for p in split) and len(w) == 2   # no weight gradient yet
-    w.run()                                                     # W
-    for p, q in zip(split, ref):
-        assert torch.equal(p.grad, q.grad)
+def _run(module, kind: str, d, split: bool):
+    """One forward + backward of ``module`` (a middle chunk: hidden -> hidden; 'last': hidden -> loss;
+    'first': tokens -> hidden); with ``split`` as I then W. Returns the input gradient seen right
+    after I, whether any parameter had a gradient then, and every parameter's gradient."""
+    x = None if kind == "first" else d["x"].clone().requires_grad_()
+    if kind == "last":
+        out, dy = masked_mean(module(x, d["labels"]), d["mask"]), None
+    else:
+        out, dy = module(d["tokens"] if kind == "first" else x), d["dy"]
+    if not split:
+        torch.autograd.backward(out, dy)
+        return (None if x is None else x.grad), False, [p.grad.clone() for p in module.parameters()]
+    work = backward_input(out, dy, x)
+    x_grad = None if x is None else x.grad.clone()
+    early = any(p.grad is not None for p in module.parameters())
+    work.run()
     with pytest.raises(RuntimeError, match="has run already"):
-        w.run()
+        work.run()
+    return x_grad, early, [p.grad.clone() for p in module.parameters()]
 
 
-def test_deferred_weight_grads_accumulate_over_micro_batches_in_any_order():
-    """Two micro-batches: I0, I1, then W1 before W0 (as a zero-bubble schedule may), equal to two
-    full backwards accumulating into .grad."""
-    ref, split = _params(0), _params(0)
-    store, works = WeightGradStore(), []
-    for mb in range(2):
-        x, dy = _inputs(10 + mb)
-        torch.autograd.backward(_mlp(x, ref, F.linear), grad_tensors=dy)
-        y = _mlp(x.detach().clone().requires_grad_(), split, lambda a, w, b: split_linear(a, w, b, store))
-        with store.input_grad_only() as w:
-            torch.autograd.backward(y, grad_tensors=dy)
-        works.append(w)
+def _assert_split_equals_full(make, kind: str, seed: int = 1):
+    d = _data(seed)
+    full, split = make(), make()
+    ref_x, _, ref = _run(full, kind, d, split=False)
+    got_x, early, got = _run(split, kind, d, split=True)
+    if ref_x is not None:
+        assert torch.equal(got_x, ref_x)                        # I gave the input gradient exactly
+    assert not early or kind == "first"                         # ... and no parameter gradient
+    names = [n for n, _ in full.named_parameters()]
+    assert len(got) == len(ref) > 0
+    for n, a, b in zip(names, got, ref):
+        assert torch.equal(a, b), n
+
+
+LAYER_KINDS = {   # transformer layers of each family; the layer kinds they hold
+    "gpt": {},                                               # LayerNorm, QKV/proj/fc1/fc2 with biases, GELU
+    "llama": dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
+                  group_query_attention=True, num_query_groups=2),   # RMSNorm (a custom Function), GQA
+    "moe": dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
+    "recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+@pytest.mark.parametrize("family", list(LAYER_KINDS))
+def test_transformer_layers_split_exactly(family):
+    cfg = _cfg(**LAYER_KINDS[family])
+    _assert_split_equals_full(lambda: GPT(cfg, pre_process=False, post_process=False, seed=3), "middle")
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "output-layer"])
+def test_last_stage_head_and_loss_split_exactly(tied):
+    """Final norm, the LM head (the tied word-embedding copy or the output layer) and the
+    vocab-parallel cross entropy, backward from the scalar loss."""
+    cfg = _cfg(untie_embeddings_and_output_weights=not tied)
+    _assert_split_equals_full(lambda: GPT(cfg, pre_process=False, post_process=True, seed=3), "last")
+
+
+def test_first_stage_has_no_input_gradient_and_w_is_the_whole_backward():
+    cfg = _cfg()
+    _assert_split_equals_full(lambda: GPT(cfg, pre_process=True, post_process=False, seed=3), "first")
+
+
+class _Embedded(nn.Module):
+    """Hidden state plus word and position embeddings: embeddings off the input-gradient path."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.word, self.pos = nn.Embedding(64, H), nn.Embedding(S, H)
+        with torch.no_grad():
+            self.word.weight.copy_(torch.randn(64, H, generator=g))
+            self.pos.weight.copy_(torch.randn(S, H, generator=g))
+        self.tokens = torch.randint(0, 64, (S, B), generator=g)
+
+    def forward(self, x):
+        return x * 2 + self.word(self.tokens) + self.pos(torch.arange(S))[:, None]
+
+
+def test_embeddings_off_the_input_path_wait_for_w():
+    _assert_split_equals_full(_Embedded, "middle")
+
+
+def test_w_accumulates_over_micro_batches_in_any_order():
+    """I0, I1, then W1 before W0 (as a zero-bubble schedule may) equals two full backwards."""
+    cfg = _cfg()
+    full, split = (GPT(cfg, pre_process=False, post_process=False, seed=3) for _ in range(2))
+    works = []
+    for seed in (5, 6):
+        d = _data(seed)
+        torch.autograd.backward(full(d["x"].clone().requires_grad_()), d["dy"])
+        x = d["x"].clone().requires_grad_()
+        works.append(backward_input(split(x), d["dy"], x))
     works[1].run()
     works[0].run()
-    for p, q in zip(split, ref):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)   # summed in the other order
+    for (n, a), b in zip(split.named_parameters(), full.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=n)   # summed in the other order
 
 
-def test_outside_the_block_it_is_a_plain_linear():
-    ref, split = _params(0), _params(0)
-    x, dy = _inputs(1)
-    store = WeightGradStore()
-    torch.autograd.backward(_mlp(x, ref, F.linear), grad_tensors=dy)
-    torch.autograd.backward(_mlp(x.detach(), split, lambda a, w, b: split_linear(a, w, b, store)), grad_tensors=dy)
-    for p, q in zip(split, ref):
-        assert torch.equal(p.grad, q.grad)
+def test_post_accumulate_grad_hooks_fire_in_w_not_in_i():
+    """The ZeRO grad sync learns that a gradient is ready from these hooks: they must see W."""
+    layer = GPT(_cfg(), pre_process=False, post_process=False, seed=3)
+    seen = []
+    for p in layer.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(p))
+    d = _data(1)
+    x = d["x"].clone().requires_grad_()
+    work = backward_input(layer(x), d["dy"], x)
+    assert seen == []
+    work.run()
+    assert len(seen) == len(list(layer.parameters()))
 
 
-def test_frozen_weights_queue_nothing():
-    w, b = torch.randn(4, 3), torch.randn(4)
-    x = torch.randn(2, 3, requires_grad=True)
-    store = WeightGradStore()
-    with store.input_grad_only() as work:
-        split_linear(x, w, b, store).sum().backward()
-    assert len(work) == 0 and torch.equal(x.grad, torch.ones(2, 4) @ w)
-
-
-def _tp_mlp_body(rank, world, sp):
-    """A Megatron MLP on tp=2 (column-parallel, gelu, row-parallel; with sequence parallelism the
-    input is gathered and the output reduce-scattered along the sequence), its matmuls as
-    split_linear or as F.linear. Returns the gradients of both: the tp communication happens in I
-    (it carries input gradients), W is local."""
-    from megazero.parallel.tensor import (copy_to_tp_region, gather_from_sequence_parallel_region,
-                                          reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region)
+def _tp_body(rank, world, sp, kind):
     from megazero.parallel.topology import Topology
-
-    group = Topology(tp=world).tp_group
-    w1, b1, w2, b2 = (p.detach() for p in _params(0))
-    shards = [w1.chunk(world, 0)[rank], b1.chunk(world, 0)[rank], w2.chunk(world, 1)[rank], b2]
-    x_full, dy_full = _inputs(1, shape=(6, 3, 16))
-    x0, dy = (x_full.chunk(world, 0)[rank], dy_full.chunk(world, 0)[rank]) if sp else (x_full.detach(), dy_full)
-    store, grads = WeightGradStore(), {}
-    for name, linear in (("full", F.linear), ("split", lambda a, w, b: split_linear(a, w, b, store))):
-        params = [s.clone().requires_grad_() for s in shards]
-        x = x0.detach().clone().requires_grad_()
-        h = gather_from_sequence_parallel_region(x, group) if sp else copy_to_tp_region(x, group)
-        y = linear(F.gelu(linear(h, params[0], params[1])), params[2], None)
-        y = reduce_scatter_to_sequence_parallel_region(y, group) if sp else reduce_from_tp_region(y, group)
-        y = y + params[3]
-        with store.input_grad_only() as w:
-            torch.autograd.backward(y, grad_tensors=dy)
-        input_grad_before_w, pending = x.grad.clone(), len(w)
-        held_back = [p.grad is None for p in params[:3]]
-        w.run()
-        grads[name] = [input_grad_before_w] + [p.grad for p in params]
-        grads[name + " deferred"] = (pending, held_back)
-    return grads
+    topo = Topology(tp=world)
+    cfg = _cfg(num_experts=4 if kind == "moe" else None)
+    groups = topo.model_groups(sp)
+    d = _data(1)
+    if sp:                                                    # this rank's sequence chunk
+        d = {**d, "x": d["x"].chunk(world, 0)[rank].contiguous(), "dy": d["dy"].chunk(world, 0)[rank].contiguous()}
+    make = {"middle": lambda: GPT(cfg, groups, pre_process=False, post_process=False, seed=3),
+            "moe": lambda: GPT(cfg, groups, pre_process=False, post_process=False, seed=3),
+            "last": lambda: GPT(cfg, groups, pre_process=False, post_process=True, seed=3)}[kind]
+    _assert_split_equals_full(make, "last" if kind == "last" else "middle")
+    return True
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
-def test_split_backward_through_column_and_row_parallel_layers(sp):
-    for grads in run_on_ranks(2, _tp_mlp_body, sp, timeout=120):
-        assert grads["full deferred"] == (0, [False] * 3)
-        assert grads["split deferred"] == (2, [True] * 3)      # both matmuls' weight (and bias) work waited for W
-        for full, split in zip(grads["full"], grads["split"]):
-            assert torch.equal(full, split)
+@pytest.mark.parametrize("sp,kind", [(False, "middle"), (True, "middle"), (False, "last"), (False, "moe")],
+                         ids=["tp2", "tp2-sp", "tp2-vocab-parallel-head", "tp2-moe"])
+def test_split_through_tensor_parallel_layers(sp, kind):
+    """Column- and row-parallel linears (the tp communication carries input gradients: it runs in I,
+    W is local), sequence parallelism, the vocab-parallel head and cross entropy, tp-sharded experts."""
+    assert run_on_ranks(2, _tp_body, sp, kind, timeout=120) == [True, True]

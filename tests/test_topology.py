@@ -64,6 +64,19 @@ def test_expert_groups_worked_listing():
         rank_grid(4, 1, 1, 4, ep=3)
 
 
+def test_expert_groups_carved_from_data_x_context():
+    """The module docstring's cp listing: world 4, cp 2, dp 2, ep 2 (rank = cp_rank + 2 * dp_rank): the
+    expert groups are consecutive members of the dp x cp group, as Megatron's expert rank generator."""
+    g = rank_grid(4, tp=1, pp=1, dp=2, ep=2, cp=2)
+    assert g.data_context == [[0, 1, 2, 3]]
+    assert g.expert == [[0, 1], [2, 3]] and g.expert_data == [[0, 2], [1, 3]]
+    assert rank_grid(2, 1, 1, 1, ep=2, cp=2).expert == [[0, 1]]          # dp 1: ep from the cp ranks
+    g = rank_grid(8, tp=2, pp=1, dp=2, ep=1, cp=2)
+    assert g.expert_data == g.data_context == [[0, 2, 4, 6], [1, 3, 5, 7]]   # ep 1: experts reduced over dp x cp
+    with pytest.raises(ValueError, match="dp x cp = 1x2 is not divisible by expert-parallel size 4"):
+        rank_grid(2, 1, 1, 1, ep=4, cp=2)
+
+
 def _check_expert_groups(rank, world_size):
     topo = Topology(tp=2, ep=2)                          # dp 4
     grid = rank_grid(8, 2, 1, 4, ep=2)

@@ -264,13 +264,21 @@ def model_mismatch(saved_model: dict, model_cfg: ModelConfig) -> tuple[str, obje
     return None
 
 
-def saved_model_settings(load_dir) -> dict | None:
-    """The model settings a checkpoint must match (the family, then its spec's ``checkpoint_fields``) as the
-    latest checkpoint under ``load_dir`` stored them (``--use-checkpoint-args``); None when it holds none."""
+def saved_job(load_dir) -> dict | None:
+    """The job settings (by section) the latest checkpoint under ``load_dir`` stored; None when it holds none."""
     iteration = latest_iteration(load_dir)
     if iteration is None:
         return None
-    saved = fmt.read_json(fmt.checkpoint_dir(load_dir, iteration) / fmt.INDEX)["job"]["model"]
+    return fmt.read_json(fmt.checkpoint_dir(load_dir, iteration) / fmt.INDEX)["job"]
+
+
+def saved_model_settings(load_dir) -> dict | None:
+    """The model settings a checkpoint must match (the family, then its spec's ``checkpoint_fields``) as the
+    latest checkpoint under ``load_dir`` stored them (``--use-checkpoint-args``); None when it holds none."""
+    job = saved_job(load_dir)
+    if job is None:
+        return None
+    saved = job["model"]
     family = saved.get("model_family", _FIELD_DEFAULTS["model_family"])
     return {name: saved.get(name, _FIELD_DEFAULTS[name])
             for name in ("model_family",) + get_model_spec(family).checkpoint_fields}

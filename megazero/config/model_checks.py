@@ -83,9 +83,10 @@ def _check_context_parallel(m: ModelConfig, par: ParallelConfig) -> None:
     if m.attention_dropout > 0:
         fail(f"{FLAG.attention_dropout} {m.attention_dropout} with {FLAG.cp} {cp}: context-parallel attention has "
               f"no dropout; set {FLAG.attention_dropout} 0")
-    if m.num_experts:
-        fail(f"{FLAG.cp} {cp} with {FLAG.num_experts}: Mixture-of-Experts layers over a split sequence are not "
-              f"built; drop {FLAG.cp} or the experts")
+    if m.num_experts and m.moe_expert_capacity_factor is not None:
+        fail(f"{FLAG.moe_expert_capacity_factor} with {FLAG.cp} {cp}: expert capacity would count each cp rank's "
+              f"slice of the sequence, not the sequence, so other tokens would drop than on one process; drop the "
+              f"capacity factor (dropless experts) or use {FLAG.cp} 1")
 
 
 def _check_moe(m: ModelConfig, par: ParallelConfig) -> None:
@@ -112,9 +113,11 @@ def _check_moe(m: ModelConfig, par: ParallelConfig) -> None:
     if m.num_experts % ep:
         fail(f"{FLAG.num_experts} {m.num_experts} is not divisible by {FLAG.expert_model_parallel_size} {ep}: "
               f"each expert-parallel rank holds the same number of whole experts")
-    if par.dp is not None and par.dp % ep:
-        fail(f"data-parallel size {par.dp} is not divisible by {FLAG.expert_model_parallel_size} {ep}: "
-              f"expert groups are carved out of the data-parallel group; choose EP dividing dp")
+    cp = getattr(par, "cp", 1)
+    if par.dp is not None and (par.dp * cp) % ep:
+        over = f"data-parallel size {par.dp}" if cp == 1 else f"dp x cp = {par.dp} x {cp} = {par.dp * cp}"
+        fail(f"{over} is not divisible by {FLAG.expert_model_parallel_size} {ep}: expert groups are carved out of "
+              f"the data{'' if cp == 1 else ' x context'}-parallel group; choose EP dividing {par.dp * cp}")
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         if getattr(m, name) < 0:
             fail(f"{flag(name)} must be >= 0, got {getattr(m, name)}")
@@ -170,6 +173,8 @@ def check_pipeline(m: ModelConfig, par: ParallelConfig) -> None:
     virtual = FLAG.num_layers_per_virtual_pipeline_stage
     if per_virtual is not None:
         positive(per_virtual, "num_layers_per_virtual_pipeline_stage")
+        if par.pipeline_schedule == "zb-h1":
+            fail(f"{FLAG.pipeline_schedule} zb-h1 runs one model chunk per rank: drop {virtual}")
         if par.pp < 2:
             fail(f"{virtual} needs {FLAG.pp} >= 2 (got {par.pp}): drop it or use pipeline parallelism")
         if m.num_layers % (par.pp * per_virtual):

@@ -15,13 +15,14 @@ from argparse import BooleanOptionalAction
 from dataclasses import dataclass, field
 
 from megazero.config import checks, model_checks
+from megazero.config.checkpoint_section import CheckpointConfig  # noqa: F401 - a section of JobConfig
 from megazero.config.compile_section import COMPILE_MODES, CompileConfig  # noqa: F401 - a section of JobConfig
 from megazero.config.fields import ConfigError, flag_field, register_job
 from megazero.config.logging_config import LoggingConfig
 from megazero.config.megatron_flags import MEGATRON_TOKENIZERS
 
 # The allowed values of the choice flags: one source for the command line and the checks.
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")     # Megatron's --cp-comm-type values
 DECAY_STYLES = ("constant", "linear", "cosine")
 TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -218,7 +219,8 @@ class ParallelConfig:
         None, "--num-layers-per-virtual-pipeline-stage", type=int, group=_PAR,
         help="interleaved 1F1B: layers per model chunk")
     pipeline_schedule: str = flag_field("1f1b", "--pipeline-schedule", choices=SCHEDULES, group=_PAR,
-                                        help="interleaved is implied by virtual pipeline stages")
+                                        help="interleaved is implied by virtual pipeline stages; zb-h1: zero-bubble ZB-H1 "
+                                             "(1F1B's memory, a third of its bubble)")
     sequence_parallel: bool = flag_field(False, "--sequence-parallel", action="store_true", group=_PAR,
                                          help="split the activations outside the tensor-parallel regions "
                                               "along the sequence over the tp ranks")
@@ -424,34 +426,6 @@ class TrainConfig:
     def check(self, parallel: ParallelConfig) -> None:
         """Batch sizes against the layout; fills ``global_batch_size``."""
         checks.check_train(self, parallel)
-
-
-@dataclass
-class CheckpointConfig:
-    """Where checkpoints are written and read."""
-
-    save: str | None = flag_field(None, "--save", group="checkpointing", metavar="DIR", help="where checkpoints go")
-    load: str | None = flag_field(None, "--load", group="checkpointing", metavar="DIR",
-                                  help="checkpoint directory to resume (or, with --finetune, start) from")
-    save_interval: int | None = flag_field(None, "--save-interval", type=int, group="checkpointing",
-                                           help="iterations between checkpoints")
-    finetune: bool = flag_field(False, "--finetune", action="store_true", group="checkpointing",
-                                help="load weights only: no optimizer, iteration 0")
-    no_load_optim: bool = flag_field(False, "--no-load-optim", action="store_true", group="checkpointing",
-                                     help="resume weights, iteration and RNG from --load, with a fresh optimizer")
-    no_load_rng: bool = flag_field(False, "--no-load-rng", action="store_true", group="checkpointing",
-                                   help="resume from --load with random states fresh from --seed")
-    use_checkpoint_args: bool = flag_field(
-        False, "--use-checkpoint-args", action="store_true", group="checkpointing",
-        help="take the model's shape (the settings a checkpoint must match) from the --load checkpoint")
-    async_save: bool = flag_field(False, "--async-save", action="store_true", group="checkpointing",
-                                  help="write and commit checkpoints in a background thread from a host copy "
-                                       "while training goes on (one extra copy of the rank's shard in host memory)")
-
-    def check(self) -> None:
-        checks.check_checkpoint(self)
-
-
 
 
 @register_job

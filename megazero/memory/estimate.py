@@ -125,14 +125,14 @@ def _buckets(named, job: JobConfig, bucket_size: int, dp: int) -> list[int]:
 
 def _state_groups(job: JobConfig, chunks: list) -> list[tuple[list[int], int, list[list[int]]]]:
     """The engine's bucket layout, per bucket group (:func:`megazero.parallel.zero.engine.bucket_group_filters`:
-    the dense parameters over dp and, with expert parallelism, the experts over dp / ep): (padded
+    the dense parameters over dp x cp and, with expert parallelism, the experts over dp x cp / ep): (padded
     bucket sizes, ranks sharding them, ZeRO-3 unit sizes per chunk)."""
     z, par = job.zero, job.parallel
     ep = par.expert_model_parallel_size
     has_experts = any(attribute(p, "expert_parallel") for c in chunks for p in c.parameters())
     out = []
     for name, keep in bucket_group_filters(ep, has_experts):
-        n = par.dp // ep if name == "experts" else par.dp * par.cp       # dense: ZeRO over dp x cp
+        n = par.dp * par.cp // ep if name == "experts" else par.dp * par.cp   # ZeRO over dp x cp (experts: / ep)
         held = [[(m, p) for m, p in c.named_parameters() if keep is None or keep(p)] for c in chunks]
         if z.zero_stage == 3:
             names = [{m for m, _ in h} for h in held]
@@ -153,7 +153,7 @@ def _schedule_order(job: JobConfig, pp_rank: int) -> list[tuple[str, int]]:
         return [op for _ in range(m) for op in (("F", 0), ("B", 0))]
     if par.pipeline_schedule == "gpipe":
         return [("F", 0)] * m + [("B", 0)] * m
-    if par.pipeline_schedule == "1f1b":
+    if par.pipeline_schedule in ("1f1b", "zb-h1"):     # zb-h1: 1F1B's order up to each I (W keeps less)
         warmup = min(pp - pp_rank - 1, m)
         return [("F", 0)] * warmup + [op for _ in range(m - warmup) for op in (("F", 0), ("B", 0))] + \
             [("B", 0)] * warmup

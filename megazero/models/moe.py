@@ -21,7 +21,9 @@ loss; the log line reports them):
     router z-loss  (--moe-z-loss-coeff z)      z * mean over tokens of logsumexp(logits)^2
 
 Under sequence parallelism the T tokens are the whole sequence: counts and probability sums are summed
-over the tp group, so the losses equal those of tp = 1.
+over the tp group, so the losses equal those of tp = 1. Under context parallelism likewise over the cp
+group (each cp rank routes its slice of the sequence; Megatron's tp x cp group). The capacity is each
+rank's own: C counts the tokens this rank routes (as Megatron drops per rank).
 
 How the losses reach backward without passing through the pipeline (Megatron-core's
 MoEAuxLossAutoScaler): the layer's output goes through an identity autograd function whose backward
@@ -264,29 +266,38 @@ class MoELayer(nn.Module):
         back = done[torch.argsort(by_expert)]
         return _AllToAll.apply(back, recv, send, self.ep_group, self.ctx.comm_log)
 
+    def _token_groups(self) -> list:
+        """The groups whose ranks route the other parts of this rank's sequences: tp under sequence
+        parallelism, cp under context parallelism (each rank holds its slice)."""
+        ctx = self.ctx
+        return ([ctx.tp_group] if ctx.sp else []) + ([ctx.cp.group] if ctx.cp is not None else [])
+
     def _aux_loss(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor):
         """(loss tensor to back-propagate on this rank, its value for the whole sequence): load balancing
-        + z-loss of this micro-batch. Under sequence parallelism the load-balancing loss is the whole
-        sequence's on every tp rank; the z-loss is this rank's tokens' share, so the value sums the shares.
-        A zero without graph when both are off."""
+        + z-loss of this micro-batch. Under sequence or context parallelism the load-balancing loss is the
+        whole sequence's on every rank (counts and probability sums summed over tp and cp; the sums'
+        backward is the identity, so each rank back-propagates through its own tokens' probabilities);
+        the z-loss is this rank's tokens' share, so the value sums the shares. A zero without graph when
+        both are off."""
         cfg, ctx = self.ctx.cfg, self.ctx
+        groups = self._token_groups()
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        num_tokens = logits.shape[0] * (ctx.tp_size if ctx.sp else 1)
+        num_tokens = logits.shape[0] * (ctx.tp_size if ctx.sp else 1) * (ctx.cp.size if ctx.cp is not None else 1)
         if cfg.moe_aux_loss_coeff > 0:
             counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
             prob_sum = probs.sum(0)
-            if ctx.sp:
+            for group in groups:
                 counts = counts.clone()
-                dist.all_reduce(counts, group=ctx.tp_group)
-                prob_sum = reduce_from_tp_region(prob_sum, ctx.tp_group)
+                dist.all_reduce(counts, group=group)
+                prob_sum = reduce_from_tp_region(prob_sum, group)
             total = total + load_balancing_loss(prob_sum, counts, num_tokens, self.topk, cfg.moe_aux_loss_coeff)
         value = total.detach().clone()
         if cfg.moe_z_loss_coeff > 0:
             z = z_loss(logits, cfg.moe_z_loss_coeff, num_tokens)
             total = total + z
             z = z.detach().clone()
-            if ctx.sp:
-                dist.all_reduce(z, group=ctx.tp_group)
+            for group in groups:
+                dist.all_reduce(z, group=group)
             value = value + z
         return total, value
 

@@ -134,7 +134,8 @@ class LayerContext:
         # (sequence parallel) each rank holds different tokens, so it uses the per-rank stream.
         self.hidden_region = TensorParallelRNG.TP if sequence_parallel else TensorParallelRNG.DEFAULT
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
-        # Expert parallelism (MoE layers); the MoE all-to-all's bytes are recorded in comm_log (tag "ep").
+        # Expert parallelism (MoE layers); the MoE all-to-all's bytes are recorded in comm_log (tag "ep"), the
+        # context-parallel attention's (tag "cp") too: the model's own log, apart from the trainer's dp bytes.
         ep = groups.ep
         self.ep_group, self.ep_size, self.ep_rank = (ep.group, ep.size, ep.rank) if ep.size > 1 else (None, 1, 0)
         self.comm_log = CommLog()
@@ -230,7 +231,7 @@ def attend(ctx: LayerContext, q, k, v, cache: LayerKVCache | None, training: boo
         if ctx.rotary is not None:
             positions = ctx.positions(s, q.device)
             q, k = ctx.rotary(q, positions=positions), ctx.rotary(k, positions=positions)
-        return context_parallel_attention(q, k, v, ctx.cp, ctx.cp_comm_type).reshape(s, b, heads * d)
+        return context_parallel_attention(q, k, v, ctx.cp, ctx.cp_comm_type, ctx.comm_log).reshape(s, b, heads * d)
     offset = cache.owner.length if cache is not None else 0
     if ctx.rotary is not None:
         q, k = ctx.rotary(q, offset), ctx.rotary(k, offset)

@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megazero.parallel import counted_comm
 from megazero.parallel.context_layout import rank_positions
+from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import ContextParallel
 from megazero.parallel.tensor import gather_from_sequence_parallel_region
 
@@ -84,18 +86,20 @@ def context_parallel_loss(loss_fn: Callable, cp: ContextParallel) -> Callable:
 
 
 # ---------------------------------------------------------------------------------------------- attention
-def context_parallel_attention(q, k, v, cp: ContextParallel, comm_type: str) -> torch.Tensor:
+def context_parallel_attention(q, k, v, cp: ContextParallel, comm_type: str,
+                               log: CommLog | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries ``q`` [S/cp, b, heads, d] over the whole sequence's keys
     and values, of which this rank holds ``k``, ``v`` [S/cp, b, kv_heads, d] (the load-balanced layout,
-    after RoPE); returns [S/cp, b, heads, d]. ``comm_type``: see the module docstring."""
+    after RoPE); returns [S/cp, b, heads, d]. ``comm_type``: see the module docstring. The bytes this rank
+    sends, forward and backward, are recorded in ``log`` under the tag "cp" (the table's column)."""
     if comm_type == "allgather":
-        return allgather_attention(q, k, v, cp)
+        return allgather_attention(q, k, v, cp, log)
     if comm_type == "p2p":
         from megazero.parallel.ring_attention import ring_attention
 
-        return ring_attention(q, k, v, cp)
+        return ring_attention(q, k, v, cp, log)
     if comm_type == "a2a":
-        return ulysses_attention(q, k, v, cp)
+        return ulysses_attention(q, k, v, cp, log)
     raise ValueError(f"--cp-comm-type {comm_type!r} is not built (allgather, p2p, a2a)")
 
 
@@ -113,15 +117,39 @@ def sdpa(q, k, v, mask: torch.Tensor | None = None, causal: bool = False) -> tor
     return F.scaled_dot_product_attention(q, k, v, **kw).permute(2, 0, 1, 3)
 
 
-def allgather_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
+class _CountBothWays(torch.autograd.Function):
+    """Identity on ``x`` that records ``nbytes`` under "cp" in ``log`` forward, and again backward (the
+    gradient's collective mirrors the forward's: an all-gather's is a reduce-scatter of the same size)."""
+
+    @staticmethod
+    def forward(ctx, x, log: CommLog, nbytes: float, group):
+        ctx.log, ctx.nbytes, ctx.group = log, nbytes, group
+        log.record("cp", nbytes, group)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.record("cp", ctx.nbytes, ctx.group)
+        return grad, None, None, None
+
+
+def _gather_sequence(x: torch.Tensor, cp: ContextParallel, log: CommLog | None) -> torch.Tensor:
+    """Every cp rank's ``x`` concatenated in rank order (backward: the gradient reduce-scattered), counted."""
+    out = gather_from_sequence_parallel_region(x, cp.group)
+    if log is not None:
+        out = _CountBothWays.apply(out, log, (cp.size - 1) / cp.size * out.numel() * out.element_size(), cp.group)
+    return out
+
+
+def allgather_attention(q, k, v, cp: ContextParallel, log: CommLog | None = None) -> torch.Tensor:
     """The simple reference: all-gather the keys and values of the whole sequence (backward: their
     gradients reduce-scattered back), put them in sequence order, and attend each of this rank's two
     query chunks to the prefix it sees (chunk i: keys 0 .. (i+1)c - 1, causal inside its own chunk)."""
     s_local = q.shape[0]
     seq, c = s_local * cp.size, s_local // 2
     order = torch.argsort(gathered_order(seq, cp.size, q.device))
-    k_all = gather_from_sequence_parallel_region(k, cp.group).index_select(0, order)
-    v_all = gather_from_sequence_parallel_region(v, cp.group).index_select(0, order)
+    k_all = _gather_sequence(k, cp, log).index_select(0, order)
+    v_all = _gather_sequence(v, cp, log).index_select(0, order)
     outs = []
     for half, chunk in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
         end = (chunk + 1) * c
@@ -134,32 +162,32 @@ class _AllToAll(torch.autograd.Function):
     """Sequence-split -> head-split (``to_heads``) or back, over the cp group; backward is the other way."""
 
     @staticmethod
-    def forward(ctx, x, group, size: int, to_heads: bool):
-        ctx.group, ctx.size, ctx.to_heads = group, size, to_heads
-        return _all_to_all(x, group, size, to_heads)
+    def forward(ctx, x, group, size: int, to_heads: bool, log: CommLog | None):
+        ctx.group, ctx.size, ctx.to_heads, ctx.log = group, size, to_heads, log
+        return _all_to_all(x, group, size, to_heads, log)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad.contiguous(), ctx.group, ctx.size, not ctx.to_heads), None, None, None
+        return _all_to_all(grad.contiguous(), ctx.group, ctx.size, not ctx.to_heads, ctx.log), None, None, None, None
 
 
-def _all_to_all(x: torch.Tensor, group, size: int, to_heads: bool) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, group, size: int, to_heads: bool, log: CommLog | None = None) -> torch.Tensor:
     """``to_heads``: [s, b, H, d] (this rank's sequence part, all heads) -> [size * s, b, H / size, d] (every
     rank's part in rank order, head block ``rank``). Else the inverse."""
     if to_heads:
         s, b, heads, d = x.shape
         send = x.view(s, b, size, heads // size, d).permute(2, 0, 1, 3, 4).contiguous()
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
+        counted_comm.all_to_all(recv, send, group, log, "cp")
         return recv.view(size * s, b, heads // size, d)
     rows, b, h, d = x.shape
     send = x.contiguous().view(size, rows // size, b, h, d)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    counted_comm.all_to_all(recv, send, group, log, "cp")
     return recv.permute(1, 2, 0, 3, 4).reshape(rows // size, b, size * h, d)
 
 
-def ulysses_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
+def ulysses_attention(q, k, v, cp: ContextParallel, log: CommLog | None = None) -> torch.Tensor:
     """Ulysses (DeepSpeed): all-to-all to the whole sequence with heads / cp heads (and kv_heads / cp
     key/value heads: query head block j uses key/value block j), causal attention in sequence order, and
     all-to-all back. Needs heads and kv_heads divisible by cp (validate() says so up front)."""
@@ -169,6 +197,6 @@ def ulysses_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
     seq = q.shape[0] * cp.size
     gathered = gathered_order(seq, cp.size, q.device)
     order = torch.argsort(gathered)
-    q, k, v = (_AllToAll.apply(t, cp.group, cp.size, True).index_select(0, order) for t in (q, k, v))
+    q, k, v = (_AllToAll.apply(t, cp.group, cp.size, True, log).index_select(0, order) for t in (q, k, v))
     out = sdpa(q, k, v, causal=True).index_select(0, gathered)       # back to the gathered (rank) order
-    return _AllToAll.apply(out, cp.group, cp.size, False)
+    return _AllToAll.apply(out, cp.group, cp.size, False, log)

@@ -61,8 +61,8 @@ class TensorParallel:
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """This rank's expert-parallel group: ``size`` consecutive dp ranks holding different experts, which
-    exchange tokens by all-to-all (see the topology's module docstring)."""
+    """This rank's expert-parallel group: ``size`` consecutive members of the dp x cp group holding different
+    experts, which exchange tokens by all-to-all (see the topology's module docstring)."""
 
     group: Any = None
     ranks: tuple[int, ...] = (0,)

@@ -54,14 +54,21 @@ so dp rank r of a group sits on node r // L at local position r % L (L = 2 dp me
 hpZ secondary partition; K = L keeps it inside a node): K=2 above gives the ``dp_intra`` groups.
 
 Expert parallelism (``ep`` = --expert-model-parallel-size, Mixture of Experts) is carved out of the
-data-parallel group: dp rank ``d`` is expert-parallel rank ``d % ep`` of the expert group of the ``ep``
-consecutive dp ranks ``d - d % ep ..``, which exchange tokens by all-to-all; the ``dp / ep`` ranks
-holding the same experts (same ``d % ep``) form an expert-data-parallel group, over which the experts'
-gradients are reduced. Worked example, world 8 with tp=2, pp=1, dp=4, ep=2 (rank = tp_rank + 2 * dp_rank)::
+data x context group (the data-parallel group when cp = 1), as Megatron's expert rank generator
+("tp-ep-dp-pp" over the ranks the dense layout gives cp x dp): member ``d = dp_rank * cp + cp_rank`` is
+expert-parallel rank ``d % ep`` of the expert group of the ``ep`` consecutive members ``d - d % ep ..``,
+which exchange tokens by all-to-all; the ``dp cp / ep`` members holding the same experts (same ``d % ep``)
+form an expert-data-parallel group, over which the experts' gradients are reduced. Worked example, world 8
+with tp=2, pp=1, dp=4, ep=2 (rank = tp_rank + 2 * dp_rank)::
 
     data-parallel          [0,2,4,6] [1,3,5,7]
     expert-parallel        [0,2] [1,3] [4,6] [5,7]     (dp ranks 0-1 and 2-3 of each data-parallel group)
     expert-data-parallel   [0,4] [1,5] [2,6] [3,7]     (dp ranks 0,2 hold experts 0..E/2-1; 1,3 the rest)
+
+and world 4 with cp=2, dp=2, ep=2 (rank = cp_rank + 2 * dp_rank; data x context [0,1,2,3])::
+
+    expert-parallel        [0,1] [2,3]                 (the cp ranks of one dp rank: each routes its slice)
+    expert-data-parallel   [0,2] [1,3]
 """
 from __future__ import annotations
 
@@ -177,8 +184,9 @@ def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_O
     for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp), ("ep", ep)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    if dp % ep:
-        raise ValueError(f"dp {dp} is not divisible by expert-parallel size {ep}")
+    if (dp * cp) % ep:
+        over = f"dp {dp}" if cp == 1 else f"dp x cp = {dp}x{cp}"
+        raise ValueError(f"{over} is not divisible by expert-parallel size {ep}")
     if tp * cp * pp * dp != world_size:
         raise ValueError(f"tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {tp * cp * pp * dp} != world size {world_size}")
     size = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
@@ -188,7 +196,7 @@ def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_O
     data_context = _groups_varying(("cp", "dp"), order, size)
     intra, inter = _split_by_node(data, world_size, ranks_per_node)
     cp_intra, cp_inter = _split_by_node(data_context, world_size, ranks_per_node)
-    expert_data = sorted(g[i::ep] for g in data for i in range(ep))
+    expert_data = sorted(g[i::ep] for g in data_context for i in range(ep))
     expert_intra, expert_inter = _split_by_node(expert_data, world_size, ranks_per_node)
     return RankGrid(
         world_size=world_size, tp=tp, pp=pp, dp=dp, order=order,
@@ -199,7 +207,7 @@ def rank_grid(world_size: int, tp: int, pp: int, dp: int, order: str = DEFAULT_O
         embedding=embedding,
         ranks_per_node=ranks_per_node, dp_intra=intra, dp_inter=inter,
         ep=ep,
-        expert=sorted(g[i:i + ep] for g in data for i in range(0, dp, ep)),
+        expert=sorted(g[i:i + ep] for g in data_context for i in range(0, dp * cp, ep)),
         expert_data=expert_data, expert_data_intra=expert_intra, expert_data_inter=expert_inter,
         cp=cp, context=_groups_varying(("cp",), order, size), data_context=data_context,
         dp_cp_intra=cp_intra, dp_cp_inter=cp_inter,
@@ -333,7 +341,10 @@ class Topology:
         self.device = device or torch.device("cpu")
         coords = self.grid.coords(rank)
         self.tp_rank, self.pp_rank, self.dp_rank, self.cp_rank = coords["tp"], coords["pp"], coords["dp"], coords["cp"]
-        self.ep_rank = self.dp_rank % ep
+        # ep is carved out of dp x cp. A group's members are numbered in sorted order (torch.distributed's
+        # group ranks), which is the (dp_rank * cp + cp_rank) order of the grid's lists unless the rank order
+        # puts dp before cp (dp-cp-...): each view below takes its rank from the sorted members.
+        self.ep_rank = (self.dp_rank * cp + self.cp_rank) % ep
 
         # Every rank creates every group in the same order (a torch.distributed requirement).
         self.tp_group, tp_ranks = self._create(self.grid.tensor)
@@ -351,16 +362,19 @@ class Topology:
             cp_group, cp_ranks = self._create(self.grid.context)
             dpcp_group, dpcp_ranks = self._create(self.grid.data_context)
             self._cp = ContextParallel(cp_group, tuple(cp_ranks), self.cp_rank, cp)
-            self._dp_cp = self._data_view("data_context", dpcp_group, dpcp_ranks, self.dp_rank * cp + self.cp_rank)
+            dpcp_ranks = sorted(dpcp_ranks)      # a view's rank is torch's group rank: its place in sorted order
+            self._dp_cp = self._data_view("data_context", dpcp_group, dpcp_ranks, dpcp_ranks.index(rank))
         else:
             self._cp, self._dp_cp = ContextParallel(None, (rank,), 0, 1), self._dp
         if ep > 1:                # groups made only when used: a run without experts creates none
             ep_group, ep_ranks = self._create(self.grid.expert)
             edp_group, edp_ranks = self._create(self.grid.expert_data)
+            ep_ranks, edp_ranks = sorted(ep_ranks), sorted(edp_ranks)
+            self.ep_rank = ep_ranks.index(rank)
             self._ep = ExpertParallel(ep_group, tuple(ep_ranks), self.ep_rank, ep)
-            self._expert_dp = self._data_view("expert_data", edp_group, edp_ranks, self.dp_rank // ep)
+            self._expert_dp = self._data_view("expert_data", edp_group, edp_ranks, edp_ranks.index(rank))
         else:
-            self._ep, self._expert_dp = ExpertParallel(None, (rank,), 0, 1), self._dp
+            self._ep, self._expert_dp = ExpertParallel(None, (rank,), 0, 1), self._dp_cp
 
     # ------------------------------------------------------------------ views
     def tensor_parallel(self) -> TensorParallel:
@@ -384,8 +398,8 @@ class Topology:
         return self._dp_cp
 
     def expert_data_parallel(self) -> DataParallel:
-        """The ranks holding the same experts (dp / ep of them); gradients still averaged over dp. With
-        ep = 1 it is the data-parallel view itself."""
+        """The ranks holding the same experts (dp x cp / ep of them); gradients still averaged over dp. With
+        ep = 1 it is the data x context view itself (the data-parallel view when cp = 1)."""
         return self._expert_dp
 
     def expert_parallel(self) -> ExpertParallel:

@@ -118,6 +118,19 @@ class FakeRunner:
         self.stats.in_flight -= 1
         return None if self.is_first(c) else ("grad", self.vs(c), i)
 
+    def backward_input(self, c, i, dy):
+        assert (c, i) in self.forwarded and (c, i) not in self.backwarded
+        self.backwarded.add((c, i))
+        expected = None if self.is_last(c) else ("grad", self.vs(c) + 1, i)
+        assert dy == expected, f"rank {self.pipeline.rank} chunk {c} micro {i}: got {dy}, expected {expected}"
+        self.stats.order.append(("I", c, i))
+        return None if self.is_first(c) else ("grad", self.vs(c), i)
+
+    def backward_weight(self, c, i):
+        assert ("I", c, i) in self.stats.order and ("W", c, i) not in self.stats.order
+        self.stats.order.append(("W", c, i))
+        self.stats.in_flight -= 1
+
 
 def run_on_threads(generator, pp: int, m: int, v: int = 1, forward_only: bool = False,
                    timeout: float = 5.0) -> list[FakeRunner]:
@@ -152,3 +165,4 @@ def run_on_threads(generator, pp: int, m: int, v: int = 1, forward_only: bool = 
         for key, n in net.recv_posted.items():
             assert len(net.sends[key]) == n, f"receives without sends on {key}"
     return runners
+

@@ -44,13 +44,14 @@ def execute(actions, runner, comm) -> None:
             out = runner.forward(a.chunk, a.micro, x)
             if out is not None:
                 outbox[(_ACT, a.chunk, a.micro)] = out
-        elif a.kind is Kind.BACKWARD:
+        elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
             dy = None if runner.is_last(a.chunk) else _take(inbox, (_GRAD, a.chunk, a.micro), a)
-            dx = runner.backward(a.chunk, a.micro, dy)
+            run = runner.backward if a.kind is Kind.BACKWARD else runner.backward_input
+            dx = run(a.chunk, a.micro, dy)
             if dx is not None:
                 outbox[(_GRAD, a.chunk, a.micro)] = dx
         else:
-            raise NotImplementedError(f"{a}: the split backward (I and W) has no executor support yet")
+            runner.backward_weight(a.chunk, a.micro)
     if inbox or outbox:
         raise RuntimeError(f"executor bug: step ended with {len(inbox)} received tensors unused and "
                            f"{len(outbox)} computed tensors unsent")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from megazero.parallel.pipeline.actions import Action, B, F, Op, P2P, batch
 from megazero.parallel.pipeline.interleaved import interleaved_one_f_one_b
+from megazero.parallel.pipeline.zero_bubble import zb_h1
 
 
 def no_pipelining(pp: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action]]:
@@ -98,13 +99,15 @@ def _one_chunk(v: int, name: str) -> None:
                          f"interleaved schedule (--num-layers-per-virtual-pipeline-stage) for several")
 
 
-GENERATORS = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_one_f_one_b, "none": no_pipelining}
+GENERATORS = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_one_f_one_b, "zb-h1": zb_h1,
+              "none": no_pipelining}
 
 
 def schedule_by_name(name: str):
     """The generator that ``--pipeline-schedule NAME`` asks for."""
     if name not in GENERATORS:
-        raise ValueError(f"--pipeline-schedule must be one of 1f1b, gpipe, interleaved; got {name!r}")
+        raise ValueError(f"--pipeline-schedule must be one of {', '.join(n for n in GENERATORS if n != 'none')}; "
+                         f"got {name!r}")
     return GENERATORS[name]
 
 

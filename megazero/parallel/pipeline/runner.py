@@ -12,6 +12,7 @@ import torch
 from megazero.parallel.groups import PipelineLayout
 
 from megazero.parallel.pipeline.partition import is_first_virtual_stage, is_last_virtual_stage
+from megazero.parallel.pipeline.split_backward import backward_input
 
 
 @dataclass
@@ -28,7 +29,7 @@ class PipelineStats:
     num_backward: int = 0
     in_flight: int = 0
     peak_in_flight: int = 0
-    order: list = field(default_factory=list)   # ("F" | "B", chunk, micro-batch) in execution order
+    order: list = field(default_factory=list)   # ("F" | "B" | "I" | "W", chunk, micro-batch) in execution order
 
     def reset(self, schedule: str) -> None:
         self.schedule, self.num_forward, self.num_backward = schedule, 0, 0
@@ -56,6 +57,7 @@ class StageRunner:
         self.done_backward = [0] * self.v
         self.forwarded: set[tuple[int, int]] = set()
         self.held: list[dict] = [{} for _ in range(self.v)]     # chunk -> {micro-batch: (input, output)}
+        self.pending_w: list[dict] = [{} for _ in range(self.v)]  # chunk -> {micro-batch: WeightGradWork}
 
     @property
     def losses(self) -> list[torch.Tensor]:
@@ -125,3 +127,35 @@ class StageRunner:
         s.in_flight -= 1
         s.order.append(("B", c, i))
         return None if x is None else x.grad
+
+    def backward_input(self, c: int, i: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        """I of chunk c on micro-batch i (zero-bubble schedules): the gradient of the chunk's input
+        only, to send back; the parameters' gradients wait for :meth:`backward_weight`. The
+        micro-batch's activations stay held until then."""
+        if i not in self.held[c]:
+            raise RuntimeError(f"schedule bug: I of chunk {c} micro-batch {i}, whose activations are not held")
+        x, out = self.held[c].pop(i)
+        if not self.is_last(c) and output_grad is None:
+            raise RuntimeError(f"schedule bug: chunk {c} micro-batch {i} has no output gradient")
+        if self.grad_sync is not None:
+            self.grad_sync.before_input_grad(c)
+        self.pending_w[c][i] = backward_input(out, None if self.is_last(c) else output_grad, x)
+        self.stats.order.append(("I", c, i))
+        return None if x is None else x.grad
+
+    def backward_weight(self, c: int, i: int) -> None:
+        """W of chunk c on micro-batch i: the parameters' gradients its I left, with the gradient
+        sync told (the step's last W of a chunk is the one whose gradients are reduced)."""
+        if i not in self.pending_w[c]:
+            raise RuntimeError(f"schedule bug: W of chunk {c} micro-batch {i} before its I (or twice)")
+        work = self.pending_w[c].pop(i)
+        self.done_backward[c] += 1
+        if self.grad_sync is None:
+            work.run()
+        else:
+            with self.grad_sync.weight_grad(c, self.done_backward[c] == self.num_micro):
+                work.run()
+        s = self.stats
+        s.num_backward += 1
+        s.in_flight -= 1
+        s.order.append(("W", c, i))

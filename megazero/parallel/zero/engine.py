@@ -169,6 +169,18 @@ class ZeroEngine:
         for sync in self.bucket_groups:
             sync.before_backward(chunk_id, is_last_microbatch)
 
+    def before_input_grad(self, chunk_id: int) -> None:
+        for sync in self.bucket_groups:
+            sync.before_input_grad(chunk_id)
+
+    @contextlib.contextmanager
+    def weight_grad(self, chunk_id: int, is_last_microbatch: bool):
+        """The W of a split backward, in every bucket group (``BucketedGradSync.weight_grad``)."""
+        with contextlib.ExitStack() as stack:
+            for sync in self.bucket_groups:
+                stack.enter_context(sync.weight_grad(chunk_id, is_last_microbatch))
+            yield
+
     def finalize_grads(self) -> None:
         for sync in self.bucket_groups:
             sync.finalize_grads()

@@ -23,6 +23,7 @@ the parameters of its group. Stages 0 and 1 keep one persistent gradient buffer 
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -72,6 +73,8 @@ class BucketedGradSync:
         self._fp32_grads = bool(self.cfg.accumulate_allreduce_grads_in_fp32)
         self._countdown_launches = self.cfg.overlap_grad_reduce or self.reduce_every_backward
         self._backward_of: dict[int, int] = {}      # chunk id -> graph task whose end is awaited
+        self._input_only: set[int] = set()          # chunks in the I of a split backward (no gradients)
+        self._weight_pass: set[int] = set()         # chunks in a W: it ends the backward itself
         self._synced = False
         self.on_reduced = None     # f(bucket, lo, hi): the reduced gradient of bucket elements [lo, hi) held
                                    # here just changed (an offloading optimizer copies it to the host)
@@ -163,6 +166,37 @@ class BucketedGradSync:
         self._reducing[chunk_id] = is_last_microbatch or self.reduce_every_backward
         self._synced = False
 
+    def before_input_grad(self, chunk_id: int) -> None:
+        """Called before the I of a split backward (zero-bubble schedules,
+        :mod:`megazero.parallel.pipeline.split_backward`): it computes no parameter gradient, so its
+        end reduces nothing; the micro-batch's :meth:`weight_grad` does."""
+        self._input_only.add(chunk_id)
+        self._reducing[chunk_id] = False
+        self._synced = False
+
+    @contextlib.contextmanager
+    def weight_grad(self, chunk_id: int, is_last_microbatch: bool):
+        """Bracket the W of a split backward: the parameters' gradients arrive through the same
+        post-accumulate-grad hooks as in a full backward, so the bucket countdown launches each
+        bucket's reduction when the last W touching it is done; leaving the block ends the backward
+        (launches what the countdown did not) as the end of a full backward does. W runs several
+        autograd passes, so the end is not left to autograd's end-of-backward callback."""
+        self._input_only.discard(chunk_id)
+        self.before_backward(chunk_id, is_last_microbatch)
+        self._weight_pass.add(chunk_id)
+        self._prepare_weight_grad(chunk_id)
+        try:
+            yield
+        finally:
+            self._weight_pass.discard(chunk_id)
+        self._end_of_weight_grad(chunk_id, is_last_microbatch)
+
+    def _prepare_weight_grad(self, chunk_id: int) -> None:
+        """What W needs before it runs (stage 3 gathers the chunk's parameters)."""
+
+    def _end_of_weight_grad(self, chunk_id: int, is_last_microbatch: bool) -> None:
+        self._end_of_backward(chunk_id)
+
     def on_grad_ready(self, param: nn.Parameter) -> None:
         """A parameter's gradient of this backward is complete (its post-accumulate-grad hook)."""
         slot = self._slot_of[id(param)]
@@ -179,6 +213,8 @@ class BucketedGradSync:
 
     def _watch_backward(self, chunk_id: int) -> None:
         """Have :meth:`_end_of_backward` run once the backward in progress on ``chunk_id`` ends."""
+        if chunk_id in self._weight_pass:
+            return
         task = torch._C._current_graph_task_id()
         if task != -1 and self._backward_of.get(chunk_id) != task:
             self._backward_of[chunk_id] = task
@@ -187,6 +223,8 @@ class BucketedGradSync:
     def _end_of_backward(self, chunk_id: int) -> None:
         """Launch what the countdown did not, and start the countdown over for the next backward."""
         self._backward_of.pop(chunk_id, None)
+        if chunk_id in self._input_only:             # the I of a split backward: no gradient yet
+            return
         for bucket in self.buckets:
             if bucket.chunk_id != chunk_id:
                 continue

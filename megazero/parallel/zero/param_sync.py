@@ -451,6 +451,28 @@ class ShardedParamSync(ShardedGradSync):
             self.release_all(chunk_id)
         super()._end_of_backward(chunk_id)
 
+    def _end_of_weight_grad(self, chunk_id: int, is_last_microbatch: bool) -> None:
+        """After a W: as after a backward; ``keep_params_gathered`` frees the chunk after the step's
+        last W (its I released nothing: :meth:`before_input_grad` marks it as not reducing)."""
+        if self.keep and is_last_microbatch:
+            self.release_all(chunk_id)
+        super()._end_of_weight_grad(chunk_id, is_last_microbatch)
+
+    def _prepare_weight_grad(self, chunk_id: int) -> None:
+        """Gather the chunk's units again for W (a zero-bubble schedule's weight-gradient pass). W
+        re-runs the backward nodes that take a weight (for the weight's half only), and those nodes
+        hold views of the weights that releasing emptied; holding every unit from I until W instead
+        would keep the chunk's whole parameters gathered through the steady phase (W of a
+        micro-batch runs several actions after its I), which is ``--zero3-keep-params-gathered``'s
+        memory: with that flag nothing is gathered again here. The cost otherwise: one more
+        all-gather of the chunk per micro-batch (4 instead of 3 parameter-sized transfers)."""
+        for u in self.units:
+            if u.chunk_id == chunk_id:
+                self.gather(u)
+        for u in self.units:
+            if u.chunk_id == chunk_id:
+                self.wait(u)
+
     def finish_grad_sync(self) -> None:
         """Reduce what is left, wait for every reduction, release all gathered parameters."""
         super().finish_grad_sync()
