@@ -25,6 +25,6 @@ def test_allowed_pairs_hold_no_pair_the_rules_refuse():
     allowed = allowed_pairs(samples=150, seed=2)
     assert (("tp", 1), ("sp", True)) not in allowed                 # sequence parallel needs tp >= 2
     assert (("zero", 0), ("offload_optimizer", "cpu")) not in allowed
-    assert (("experts", 2), ("cp", 2)) not in allowed                # experts over a split sequence: refused
+    assert (("cp", 2), ("qwz", True)) not in allowed                 # ZeRO++ with cp: refused
     assert (("tp", 2), ("sp", True)) in allowed and (("zero", 3), ("keep_gathered", True)) in allowed
     assert (("cp", 2), ("cp_comm", "a2a")) in allowed and (("zero", 3), ("offload_params", "nvme")) in allowed
