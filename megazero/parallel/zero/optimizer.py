@@ -45,6 +45,7 @@ from megazero.parallel.groups import ModelReplica
 from megazero.parallel.params import counts_once
 from megazero.parallel.zero.adamw import adamw_update, decays, merge_ranges
 from megazero.parallel.zero.buckets import Bucket
+from megazero.parallel.zero.grad_norm import squared_norm
 from megazero.parallel.zero.grad_sync import BucketedGradSync
 from megazero.parallel.zero.offload import OffloadedOptimizerState, build_optimizer_state
 from megazero.parallel.zero.publish import Replicated
@@ -52,24 +53,6 @@ from megazero.parallel.zero.swap import SwapDir
 from megazero.precision import DynamicLossScaler
 
 log = logging.getLogger(__name__)
-
-NORM_ROW = 1 << 14
-
-
-def squared_norm(t: torch.Tensor) -> torch.Tensor:
-    """float64 squared L2 norm of the flat tensor ``t``, from the norms of its rows of :data:`NORM_ROW`
-    elements (one kernel, plus one for the tail). A float32 norm over one long range loses ~1e-5 relative
-    on CPU (3e-6 at 400k elements, against 4e-9 in rows), so a layout that cuts the gradients into other
-    ranges would see another norm: the layout fuzzer's draws 11, 23 and 2023 (1.2e-5 apart)."""
-    t = t.reshape(-1)
-    whole = t.numel() // NORM_ROW * NORM_ROW
-    sq = torch.zeros((), dtype=torch.float64, device=t.device)
-    if whole:
-        sq += torch.linalg.vector_norm(t[:whole].view(-1, NORM_ROW), dim=1).double().square().sum()
-    if whole < t.numel():
-        sq += torch.linalg.vector_norm(t[whole:]).double() ** 2
-    return sq
-
 
 @dataclass
 class RangeState:
