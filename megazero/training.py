@@ -329,7 +329,8 @@ def count_parameters(chunks, topo: Topology) -> int:
 
 
 def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
-    """The first log line: the resolved layout and the model size (a collective)."""
+    """The first log line: the resolved layout and the model size (a collective), with the pipeline
+    schedule's prediction on rank 0, the rank that prints it."""
     par, m = job.parallel, job.model
     n = count_parameters(chunks, topo)
     schedule = f"{par.pipeline_schedule} (v={par.virtual_stages})" if par.pp > 1 else "none"
@@ -341,7 +342,7 @@ def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
             f"micro-batches x dp {par.dp} = global batch {job.train.global_batch_size}\n"
             f" model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, seq "
             f"{m.seq_length}, vocab {m.vocab_size} (padded {m.padded_vocab_size(par.tp)}){spec.describe(m)} | "
-            f"{n:,} parameters" + predicted_pipeline(job))
+            f"{n:,} parameters" + (predicted_pipeline(job) if topo.rank == 0 else ""))
 
 
 def predicted_pipeline(job: JobConfig) -> str:

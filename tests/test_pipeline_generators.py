@@ -127,3 +127,10 @@ def test_docs_show_the_rendered_pictures():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "parallelism.md").read_text()
     for picture in (GPIPE_PP4_M8, ONE_F_ONE_B_PP4_M8, INTERLEAVED_PP4_M8_V2):
         assert f"```\n{picture}\n```" in docs
+
+
+def test_every_schedule_flag_value_has_a_generator_and_back():
+    """``--pipeline-schedule``'s choices (config, which cannot import the pipeline package) and the
+    generators by name are the same set: a schedule added to one and not the other fails here."""
+    from megazero.config import SCHEDULES
+    assert set(SCHEDULES) == set(GENERATORS) - {"none"}

@@ -48,7 +48,8 @@ from megazero.models.recompute import full_recompute_groups
 from megazero.models.spec import get_model_spec
 from megazero.parallel.groups import ExpertParallel, ModelParallelGroups
 from megazero.parallel.params import attribute, split_dim
-from megazero.parallel.pipeline.interleaved import chunk_of, interleaved_warmup
+from megazero.parallel.pipeline.actions import Compute, Kind
+from megazero.parallel.pipeline.generators import get_schedule
 from megazero.parallel.pipeline.partition import placements, stage_layer_ids
 from megazero.parallel.zero.buckets import plan_buckets
 from megazero.parallel.zero.engine import bucket_group_filters
@@ -146,22 +147,13 @@ def _state_groups(job: JobConfig, chunks: list) -> list[tuple[list[int], int, li
 
 
 def _schedule_order(job: JobConfig, pp_rank: int) -> list[tuple[str, int]]:
-    """The (F or B, chunk) sequence the rank's pipeline schedule runs in one step."""
-    par, m = job.parallel, job.num_micro_batches
-    v, pp = par.virtual_stages, par.pp
-    if pp == 1:
-        return [op for _ in range(m) for op in (("F", 0), ("B", 0))]
-    if par.pipeline_schedule == "gpipe":
-        return [("F", 0)] * m + [("B", 0)] * m
-    if par.pipeline_schedule in ("1f1b", "zb-h1"):     # zb-h1: 1F1B's order up to each I (W keeps less)
-        warmup = min(pp - pp_rank - 1, m)
-        return [("F", 0)] * warmup + [op for _ in range(m - warmup) for op in (("F", 0), ("B", 0))] + \
-            [("B", 0)] * warmup
-    total, warmup = m * v, interleaved_warmup(m, pp, pp_rank, v)
-    order = [("F", chunk_of(k, pp, v)) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [("F", chunk_of(k + warmup, pp, v)), ("B", chunk_of(k, pp, v, forward=False))]
-    return order + [("B", chunk_of(k, pp, v, forward=False)) for k in range(total - warmup, total)]
+    """The (F or B, chunk) sequence the rank's pipeline schedule runs in one step, read off the list
+    its generator writes (what the executor runs). A zero-bubble I counts as the B that frees the
+    micro-batch's activations; its W keeps only the weight-gradient inputs and is left out."""
+    par = job.parallel
+    actions = get_schedule(par)(par.pp, job.num_micro_batches, par.virtual_stages, False)[pp_rank]
+    return [("F" if a.kind is Kind.FORWARD else "B", a.chunk) for a in actions
+            if isinstance(a, Compute) and a.kind is not Kind.BACKWARD_WEIGHT]
 
 
 def _held_peak(job: JobConfig, pp_rank: int, per_chunk: list[int]) -> int:
