@@ -1,5 +1,5 @@
 """megazero/fuzz/coverage.py: axis values and pairs of them exercised, against the pairs the rules allow."""
-from megazero.fuzz.coverage import Coverage, allowed_pairs, pairs_of
+from megazero.fuzz.coverage import Coverage, allowed_pairs, most_covering, pairs_of
 from megazero.fuzz.sampler import AXES, draw
 
 
@@ -28,3 +28,13 @@ def test_allowed_pairs_hold_no_pair_the_rules_refuse():
     assert (("cp", 2), ("qwz", True)) not in allowed                 # ZeRO++ with cp: refused
     assert (("tp", 2), ("sp", True)) in allowed and (("zero", 3), ("keep_gathered", True)) in allowed
     assert (("cp", 2), ("cp_comm", "a2a")) in allowed and (("zero", 3), ("offload_params", "nvme")) in allowed
+
+
+def test_most_covering_picks_the_candidate_adding_the_most_new_pairs():
+    cov = Coverage()
+    cov.add(draw(0))
+    new = {s: len((pairs_of(draw(s).axes) | pairs_of(draw(s).resume_axes)) - cov.pairs.keys()) for s in range(1, 7)}
+    chosen = most_covering(range(1, 7), cov)
+    assert new[chosen.seed] == max(new.values())
+    assert chosen.seed == min(s for s, n in new.items() if n == max(new.values()))   # the first on a tie
+    assert chosen.axes == draw(chosen.seed).axes                    # reruns alone from its seed

@@ -4,8 +4,11 @@
     python tools/fuzz_layouts.py --seed 1017 --draws 1             # reproduce one draw (printed on failure)
     python tools/fuzz_layouts.py --draws 300 --seed 0 --dry-run    # the draws and their coverage, no training
     python tools/fuzz_layouts.py --draws 1000 --seed 2000 --minutes 70 --results r.jsonl   # as many as fit
+    python tools/fuzz_layouts.py --draws 300 --seed 0 --candidates 8 --dry-run   # each draw the most covering of 8
 
-Draw ``i`` of a campaign is seeded ``--seed + i``, so any draw reruns alone. The summary gives the axes
+Draw ``i`` of a campaign is seeded ``--seed + i``, so any draw reruns alone; with ``--candidates K`` it is
+the one of seeds ``--seed + K i`` .. ``--seed + K i + K - 1`` that adds the most pairs of axis values not
+yet covered (each line names the seed chosen). The summary gives the axes
 covered, the pairs of axis values covered (against the pairs the configuration rules allow, estimated
 from validated samples) and the failures, each with its one-line reproduction. Exit status 1 when a
 draw failed. docs/fuzzing.md.
@@ -22,8 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megazero.fuzz.checker import check  # noqa: E402
-from megazero.fuzz.coverage import Coverage, allowed_pairs  # noqa: E402
-from megazero.fuzz.sampler import draw  # noqa: E402
+from megazero.fuzz.coverage import Coverage, allowed_pairs, most_covering  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,12 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", help="append one JSON line per draw to this file")
     p.add_argument("--reference-samples", type=int, default=2000,
                    help="validated layouts drawn to estimate the allowed pairs (0: no pairwise estimate)")
+    p.add_argument("--candidates", type=int, default=1,
+                   help="choose each draw among this many seeds, the one covering the most new pairs (default 1)")
     p.add_argument("--dry-run", action="store_true", help="draw and report coverage only; train nothing")
     p.add_argument("--minutes", type=float, help="start no draw after this many minutes (a campaign sized by "
                                                  "the time the machine gives); the summary covers the draws run")
     args = p.parse_args(argv)
-    if args.draws < 1:
-        p.error("--draws must be >= 1")
+    if args.draws < 1 or args.candidates < 1:
+        p.error("--draws and --candidates must be >= 1")
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="megazero-fuzz-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -48,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.draws):
         if args.minutes is not None and time.monotonic() - start > 60 * args.minutes:
             break
-        d, done = draw(args.seed + i), i + 1
+        k = args.candidates
+        d, done = most_covering(range(args.seed + k * i, args.seed + k * (i + 1)), cov), i + 1
         cov.add(d)
         if args.dry_run:
             print(f"draw {d.seed}: {d.world} ranks: {d.describe()} | resumed on {d.resume_world}: "
@@ -69,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     allowed = allowed_pairs(args.reference_samples) if args.reference_samples else None
     print("\n" + cov.describe(allowed))
     verb = "drawn" if args.dry_run else "checked"
-    print(f"\n{done} draws {verb} (seeds {args.seed}..{args.seed + done - 1}) in "
+    print(f"\n{done} draws {verb} (seeds {args.seed}..{args.seed + args.candidates * done - 1}"
+          f"{f', each the most covering of {args.candidates}' if args.candidates > 1 else ''}) in "
           f"{time.monotonic() - start:.0f} s; failures: {len(failures)}")
     for r in failures:
         print(f"  seed {r.draw.seed}: {r.first_difference or r.error}\n    reproduce: "

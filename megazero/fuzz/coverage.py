@@ -8,6 +8,10 @@
 Both layouts of a draw (the first and the resumed one) count: each trains. The allowed pairs are
 estimated by drawing layouts without training them (the sampler's rejection against ``validate()``), so
 a pair the rules allow but the sampler draws very rarely may be missing from both sides.
+
+A campaign that must cover every allowed pair in few draws picks each draw among several candidate
+seeds (:func:`most_covering`: the one adding the most pairs not yet covered), the greedy step of
+pairwise test design; each chosen draw still reruns alone from its seed.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import itertools
 import random
 from collections import Counter
 
-from megazero.fuzz.sampler import AXES, COMMON, MODEL_AXES, Draw, draw_layout, model_flags, parse_and_validate, pick_axes
+from megazero.fuzz.sampler import (AXES, COMMON, MODEL_AXES, Draw, draw, draw_layout, model_flags, parse_and_validate,
+                                   pick_axes)
 from megazero.config import ConfigError
 
 Pair = tuple[tuple[str, object], tuple[str, object]]
@@ -58,6 +63,19 @@ class Coverage:
         else:
             lines.append(f"pairs of axis values covered: {len(self.pairs)}")
         return "\n".join(lines)
+
+
+def most_covering(seeds, cov: Coverage) -> Draw:
+    """Of the draws of ``seeds``, the one whose two layouts add the most pairs ``cov`` has not covered
+    (the first such seed on a tie). Example: with candidates 8, a campaign's draw i is chosen from
+    seeds ``seed + 8i`` .. ``seed + 8i + 7``."""
+    best, best_new = None, -1
+    for seed in seeds:
+        d = draw(seed)
+        new = len((pairs_of(d.axes) | pairs_of(d.resume_axes)) - cov.pairs.keys())
+        if new > best_new:
+            best, best_new = d, new
+    return best
 
 
 def allowed_pairs(samples: int = 2000, seed: int = 0) -> set[Pair]:
