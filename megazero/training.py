@@ -364,7 +364,7 @@ def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
 
     Every rank takes part: tp shards are gathered within each tp group, then the first dp replica's
     tp rank 0 of every pipeline stage sends its tensors to rank 0 (and, with expert parallelism, the
-    first ep group's other ranks their experts). Under ZeRO stage 3 the engine's
+    other members of the first ep group in its dp x cp group their experts). Under ZeRO stage 3 the engine's
     ``gathered_parameters()`` materialises the shards first.
     """
     with engine.gathered_parameters() if engine is not None else nullcontext():
@@ -372,10 +372,11 @@ def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
         for chunk in chunks:
             for name, p in chunk.named_parameters():
                 local[name] = gather_full(p.detach(), split_dim(p), topo.tp_group).float().cpu()
-    ep = topo.ep_size
-    mine = {}
-    if topo.tp_rank == 0 and topo.cp_rank == 0 and topo.dp_rank < ep:   # dp ranks 0..ep-1: one replica, all experts
-        mine = {n: t for n, t in local.items() if topo.dp_rank == 0 or ".experts." in n}
+    # Experts are carved from dp x cp in consecutive blocks of ep: members 0..ep-1 of the dp x cp group hold
+    # one copy of every expert (member 0 the dense weights too). E.g. dp 2 x cp 2, ep 2: members 0, 1.
+    member, mine = topo.data_context_parallel().rank, {}
+    if topo.tp_rank == 0 and member < topo.ep_size:
+        mine = {n: t for n, t in local.items() if member == 0 or ".experts." in n}
     everything = [None] * topo.world_size if topo.rank == 0 else None
     dist.gather_object(mine, everything, dst=0)
     if topo.rank != 0:
