@@ -301,12 +301,28 @@ def parse_job(argv: list[str] | None = None, world_size: int | None = None) -> t
     return job_from_args(parser, args, world_size), args
 
 
+def _flag_settings(args: argparse.Namespace) -> tuple[dict[str, object], dict[str, object]]:
+    """The parsed flags as ({"section.field": value}, {Megatron-LM flag: value}) before they are applied."""
+    return ({k: v for k, v in vars(args).items() if "." in k},
+            {k.partition(":")[2]: v for k, v in vars(args).items() if k.startswith("megatron:")})
+
+
+def flag_values(args: argparse.Namespace) -> tuple[dict[str, object], list[str]]:
+    """{"section.field": value} of the parsed flags alone, with Megatron-LM's spellings applied and their
+    requirements checked (as :func:`job_from_args` does), and the lines they say at start: what a tool
+    that takes a run's flags builds its job from (the layout fuzzer, ``tools/check_layout.py``).
+    :class:`ConfigError` when refused."""
+    cli, given = _flag_settings(args)
+    notes, _ = megatron.from_command_line(given, cli)
+    megatron.check_requirements(given, cli)
+    return cli, notes + megatron.canonical_tokenizer(cli)
+
+
 def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> JobConfig:
     """The validated JobConfig of parsed flags (and their ``--config`` file). An invalid one exits with
     status 2 and a one-line message naming the flag (printed by rank 0 only under a launcher)."""
     try:
-        cli = {k: v for k, v in vars(args).items() if "." in k}
-        given = {k.partition(":")[2]: v for k, v in vars(args).items() if k.startswith("megatron:")}
+        cli, given = _flag_settings(args)
         notes, set_by = megatron.from_command_line(given, cli)
         sources = [("the command line", cli)]
         unused: list[tuple[str, str]] = []     # foreign keys accepted but not used: one warning line

@@ -45,6 +45,14 @@ def test_check_layout_on_the_docs_llama3_8b_32gpu_command_reports_equal(tmp_path
     assert "layout check: equal (bf16 tolerance; 4 iterations" in out
 
 
+def test_megatron_spellings_in_a_plan_mean_what_they_mean_to_the_trainer():
+    """A plan written with Megatron-LM's flags is checked at the layout the trainer would run."""
+    d, _ = scale_down(["--tensor-model-parallel-size", "2", "--data-parallel-size", "2", "--use-distributed-optimizer",
+                       "--checkpoint-activations", "--num-layers", "4", "--hidden-size", "64",
+                       "--num-attention-heads", "4"])
+    assert d.axes["zero"] == 1 and d.axes["recompute"].startswith("full") and "--zero-stage" in d.args
+
+
 def test_a_plan_the_rules_refuse_is_refused():
     with pytest.raises(ConfigError, match="--num-attention-heads"):
         scale_down(["--tp", "3", "--dp", "1"])

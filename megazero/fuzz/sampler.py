@@ -138,12 +138,11 @@ def _parser():
 def parse_and_validate(argv: list[str], world: int) -> JobConfig:
     """The JobConfig ``pretrain_gpt.py argv`` would run at ``world`` ranks, by the trainer's own parser,
     :func:`~megazero.config.validate` and the model family's rules; :class:`ConfigError` when refused."""
-    from megazero.arguments import job_from_values
+    from megazero.arguments import flag_values, job_from_values
     from megazero.config import validate
     from megazero.models.spec import check_family
 
-    args = _parser().parse_args(argv)
-    job = validate(job_from_values({k: v for k, v in vars(args).items() if "." in k}), world)
+    job = validate(job_from_values(flag_values(_parser().parse_args(argv))[0]), world)
     check_family(job.model, job.parallel, job.compilation)
     return job
 

@@ -48,13 +48,12 @@ def _two(n: int | None) -> int:
 def scale_down(argv: list[str], world_size: int | None = None) -> tuple[Draw, list[str]]:
     """The scaled copy of a planned run's flags (``world_size``: the plan's, when it gives no ``--dp``),
     as a :class:`Draw` whose resume layout is the same layout, and notes on what changed."""
-    from megazero.arguments import build_parser
+    from megazero.arguments import build_parser, flag_values
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.config or args.deepspeed_config or args.accelerate_config:
         raise ConfigError("check_layout takes the plan's flags; give the config file's settings as flags")
-    plan = {k: v for k, v in vars(args).items() if "." in k}
+    plan, _ = flag_values(args)                     # Megatron-LM's spellings mean what they mean to the trainer
     tp, pp, cp = plan.get("parallel.tp", 1), plan.get("parallel.pp", 1), plan.get("parallel.cp", 1)
     dp = plan.get("parallel.dp") or (world_size // (tp * cp * pp) if world_size else None)
     if dp is None:
