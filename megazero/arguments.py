@@ -381,21 +381,17 @@ def flag_reference_markdown() -> str:
     return "\n".join(lines)
 
 
-def megatron_rows(parser: argparse.ArgumentParser | None = None) -> list[tuple[str, str, str]]:
+def megatron_rows() -> list[tuple[str, str, str]]:
     """``(Megatron-LM flag, status, what it is here)`` for every flag of megazero/config/megatron_flags.py, the
-    status one of ``accepted as-is``, ``mapped``, ``implementation choice``, ``refused`` (a pending flag is
-    ``accepted as-is`` once the parser has it)."""
-    options = set(getattr(parser or build_parser(), "_option_string_actions"))
+    status one of ``accepted as-is``, ``mapped``, ``implementation choice``, ``refused``."""
     rows = [(name, "accepted as-is", "") for name in megatron.AS_IS]
     rows += [(name, "mapped", f"`{ours}`") for name, ours in megatron.ALIASES.items()]
     rows += [(name, "mapped", m.help) for name, m in megatron.MAPPED.items()]
     for name, impl in megatron.IMPLEMENTATION.items():
         values = f"{' / '.join(impl.choices)}: " if impl.choices else ""
-        refused = "; ".join(f"refused {'other values' if v == '*' else v}: {why}" for v, why in impl.refused.items())
+        refused = "; ".join(f"refused {v}: {why}" for v, why in impl.refused.items())
         rows.append((name, "implementation choice", values + impl.note + (f"; {refused}" if refused else "")))
     rows += [(name, "refused", why) for name, why in megatron.REFUSED.items()]
-    rows += [(name, "accepted as-is", "") if name in options else (name, "refused", megatron.PENDING_REASON)
-             for name in megatron.PENDING]
     return rows
 
 

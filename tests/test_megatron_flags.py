@@ -39,7 +39,7 @@ def test_the_table_is_generated_from_the_module():
 def test_every_row_is_what_the_parser_does(capsys):
     parser = build_parser()
     options = getattr(parser, "_option_string_actions")
-    for name, status, detail in megatron_rows(parser):
+    for name, status, detail in megatron_rows():
         if status == "accepted as-is":
             assert name in options and "." in options[name].dest, name           # a config field's own flag
             continue

@@ -11,8 +11,7 @@ with one line for each flag that has no meaning here. Every Megatron flag this m
                     accepted, and what runs here is said in one line at start
 ``refused``         no meaning here (:data:`REFUSED`): one line naming our equivalent, or saying it does not exist
 
-plus :data:`PENDING`, flags of a part not in this version (a one-line refusal until their flags exist), and
-:data:`MEGATRON_TOKENIZERS`, Megatron's ``--tokenizer-type`` names that are not ours. The parser
+plus :data:`MEGATRON_TOKENIZERS`, Megatron's ``--tokenizer-type`` names that are not ours. The parser
 (:mod:`megazero.arguments`) and ``docs/megatron-flags.md`` (generated from here) both read these tables, and
 ``tests/test_megatron_flags.py`` checks every row against what the parser does.
 """
@@ -48,6 +47,8 @@ AS_IS = (
     "--data-cache-path", "--eod-mask-loss",
     "--save", "--load", "--save-interval", "--finetune", "--async-save", "--no-load-optim", "--no-load-rng",
     "--use-checkpoint-args", "--tensorboard-dir",
+    "--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
+    "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
     "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--recompute-modules",
 )
 
@@ -81,20 +82,16 @@ ALIASES = {"--distributed-backend": "--backend"}
 class Implementation:
     """A Megatron flag that only picks an implementation. ``note``: the line said at start (``{value}`` is the
     value given); a switch when ``choices`` and ``type`` are None. ``refused``: values that are not an
-    implementation choice here ({value: why}), or with ``accepts`` every value but those (why: ``refused["*"]``);
-    ``requires``: {config field: value} it needs."""
+    implementation choice here ({value: why}); ``requires``: {config field: value} it needs."""
 
     note: str
     choices: tuple | None = None
     type: type | None = None
     refused: dict = field(default_factory=dict)
-    accepts: tuple | None = None
     requires: dict = field(default_factory=dict)
 
     def why_refused(self, value) -> str | None:
         """Why ``value`` is refused, or None when it is accepted."""
-        if self.accepts is not None and value not in self.accepts:
-            return self.refused["*"]
         return self.refused.get(value)
 
 
@@ -166,10 +163,6 @@ REFUSED: dict[str, str] = {
     "--log-params-norm": "the log line shows the gradient norm only",
     "--log-num-zeros-in-grad": "the log line shows the gradient norm only",
 }
-# Flags of the run-watching part (profiler, W&B); refused in one line where this version lacks them.
-PENDING = ("--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
-           "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")
-PENDING_REASON = "not in this version of megazero (docs/training.md: watching a run)"
 
 # Megatron's --tokenizer-type names that are not ours: {name: (our tokenizer or None: refused, the note or why)}.
 MEGATRON_TOKENIZERS: dict[str, tuple[str | None, str]] = {
@@ -269,8 +262,6 @@ def refusal_lines(argv: list[str], extras: list[str], given: dict[str, object], 
             lines.append(by_value.pop(name))
         elif name in REFUSED:
             lines.append(f"{name}: {REFUSED[name]}")
-        elif name in PENDING:
-            lines.append(f"{name}: {PENDING_REASON}")
         else:
             close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
             hint = f": did you mean {' or '.join(close)}?" if close else " (pretrain_gpt.py --help lists the flags)"
