@@ -90,8 +90,11 @@ def check_parallel(par: ParallelConfig, world: int) -> None:
               f"{FLAG.dp} (or leave it out to infer it)")
     if not par.distributed_timeout_minutes > 0:
         fail(f"{FLAG.distributed_timeout_minutes} must be > 0, got {par.distributed_timeout_minutes}")
-    names = par.order.split("-")
-    if sorted(n for n in names if n != "cp") != ["dp", "pp", "tp"] or names.count("cp") > 1:
+    from megazero.parallel.topology import parse_order       # the rank order's one reading
+
+    try:
+        parse_order(par.order)
+    except ValueError:
         fail(f"{FLAG.order} {par.order!r} must name tp, dp and pp once each (and cp at most once), e.g. "
               f"'tp-cp-dp-pp'")
     if par.sequence_parallel and par.tp < 2:

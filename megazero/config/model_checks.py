@@ -62,7 +62,7 @@ def _check_context_parallel(m: ModelConfig, par: ParallelConfig) -> None:
     """Context parallelism against the model: the sequence cuts into 2 x cp equal chunks (causal load
     balancing: cp rank r holds chunks r and 2cp-1-r), Ulysses' all-to-all needs whole heads and key/value
     groups per cp rank, and what is not built for a split sequence is refused by name."""
-    cp = getattr(par, "cp", 1)
+    cp = par.cp
     if cp == 1:
         return
     if m.seq_length % (2 * cp):
@@ -113,7 +113,7 @@ def _check_moe(m: ModelConfig, par: ParallelConfig) -> None:
     if m.num_experts % ep:
         fail(f"{FLAG.num_experts} {m.num_experts} is not divisible by {FLAG.expert_model_parallel_size} {ep}: "
               f"each expert-parallel rank holds the same number of whole experts")
-    cp = getattr(par, "cp", 1)
+    cp = par.cp
     if par.dp is not None and (par.dp * cp) % ep:
         over = f"data-parallel size {par.dp}" if cp == 1 else f"dp x cp = {par.dp} x {cp} = {par.dp * cp}"
         fail(f"{over} is not divisible by {FLAG.expert_model_parallel_size} {ep}: expert groups are carved out of "

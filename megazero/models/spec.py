@@ -180,7 +180,7 @@ def check_family(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, compile_c
     it names compile regions when ``--compile`` asks for them."""
     spec = get_model_spec(model_cfg.model_family)
     spec.check(model_cfg, parallel_cfg)
-    if getattr(parallel_cfg, "cp", 1) > 1 and not spec.context_parallel:
+    if parallel_cfg.cp > 1 and not spec.context_parallel:
         raise ConfigError(f"--context-parallel-size {parallel_cfg.cp}: --model-family {spec.name} cannot take a "
                           f"sequence split over ranks (ModelSpec.context_parallel): drop --context-parallel-size")
     if compile_cfg is not None and compile_cfg.compile and spec.compile_regions is None:

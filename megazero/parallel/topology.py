@@ -344,7 +344,7 @@ class Topology:
         # ep is carved out of dp x cp. A group's members are numbered in sorted order (torch.distributed's
         # group ranks), which is the (dp_rank * cp + cp_rank) order of the grid's lists unless the rank order
         # puts dp before cp (dp-cp-...): each view below takes its rank from the sorted members.
-        self.ep_rank = (self.dp_rank * cp + self.cp_rank) % ep
+        self.ep_rank = 0                                        # set from the expert group when ep > 1
 
         # Every rank creates every group in the same order (a torch.distributed requirement).
         self.tp_group, tp_ranks = self._create(self.grid.tensor)
