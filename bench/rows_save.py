@@ -22,6 +22,7 @@ from common import GPT, random_micro_batches, spawn, trainer_argv
 
 from megazero.arguments import parse_job
 from megazero.checkpoint import checkpoint_saver
+from megazero.checkpoint.format import checkpoint_dir
 from megazero.models.gpt import build_model_chunks
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
@@ -83,7 +84,7 @@ def worker(rank: int, world: int, spec: SaveSpec, async_save: bool, save_dir: st
     t0 = time.perf_counter()
     saver.finish()
     final_wait = time.perf_counter() - t0
-    last = Path(save_dir) / f"iter_{state.iteration:07d}"
+    last = checkpoint_dir(save_dir, state.iteration)
     size = sum(p.stat().st_size for p in last.rglob("*") if p.is_file()) if rank == 0 else 0
     engine.close()
     return {"blocked": blocked, "times": times, "final_wait": final_wait, "bytes": size, "loss": losses[-1],

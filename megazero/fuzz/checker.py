@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from megazero.checkpoint.format import checkpoint_dir
 from megazero.fuzz.sampler import STEPS_PER_LEG, Draw, parse_and_validate
 
 ENTRY = Path(__file__).resolve().parents[2] / "pretrain_gpt.py"
@@ -291,14 +292,14 @@ def check(d: Draw, workdir: Path, launch: Launcher = torchrun_launcher, cache: P
         launch(d.world, d.args + first, where)
         compare_records(read_records(where / "first.jsonl"), want, range(1, k + 1), report.tolerance, "first", report)
         for it in range(1, k + 1):
-            compare_checkpoints(where / "ckpt" / f"iter_{it:07d}", serial / "ckpt" / f"iter_{it:07d}", it,
+            compare_checkpoints(checkpoint_dir(where / "ckpt", it), checkpoint_dir(serial / "ckpt", it), it,
                                 report.tolerance, lr, report)
         phase = "resumed layout"
         launch(d.resume_world, d.resume_args + second, where)
         compare_records(read_records(where / "resumed.jsonl"), want, range(k + 1, 2 * k + 1), report.tolerance,
                         "resume", report)
         for it in range(k + 1, 2 * k + 1):
-            compare_checkpoints(where / "ckpt" / f"iter_{it:07d}", serial / "ckpt" / f"iter_{it:07d}", it,
+            compare_checkpoints(checkpoint_dir(where / "ckpt", it), checkpoint_dir(serial / "ckpt", it), it,
                                 report.tolerance, lr, report)
     except (RunFailed, OSError, ValueError, KeyError) as e:
         report.error = f"{phase}: {type(e).__name__}: {e}"
