@@ -31,17 +31,13 @@ from megazero.models.kv_cache import LayerKVCache
 from megazero.models.moe import MoELayer
 from megazero.models.recompute import checkpointed, free_until_backward, selective_modules
 from megazero.models.rotary import RotaryEmbedding
-from megazero.parallel.context import context_parallel_attention, rank_positions
+from megazero.parallel.context import context_parallel_attention, grouped_key_values, rank_positions
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import ModelParallelGroups
 from megazero.parallel.raw_comm import group_rank, group_size
 from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
                                       VocabParallelEmbedding, copy_to_tp_region,
                                       gather_from_sequence_parallel_region, new_parameter, set_tp_attributes)
-
-# F.scaled_dot_product_attention shares key/value heads between query heads itself from torch 2.5.
-SDPA_GROUPED = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
-
 
 def qkv_blocks_to_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Reorder a full fused-QKV weight [3h, ...] (or bias [3h]) from blocks [Q_all; K_all; V_all]
@@ -243,11 +239,7 @@ def attend(ctx: LayerContext, q, k, v, cache: LayerKVCache | None, training: boo
         kw = dict(attn_mask=torch.ones(s, offset + s, dtype=torch.bool, device=q.device).tril(offset))
     elif offset:
         kw = {}
-    if k.shape[1] != heads:
-        if SDPA_GROUPED:
-            kw["enable_gqa"] = True
-        else:
-            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    k, v = grouped_key_values(k, v, heads, kw)
     p = ctx.cfg.attention_dropout if training else 0.0
     if p > 0.0:
         with ctx.rng.fork(TensorParallelRNG.TP):

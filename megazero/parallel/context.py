@@ -48,6 +48,17 @@ from megazero.parallel.tensor import gather_from_sequence_parallel_region
 _SDPA_GROUPED = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
+def grouped_key_values(k: torch.Tensor, v: torch.Tensor, heads: int, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key/values [b, kv_heads, s, d] ready for ``F.scaled_dot_product_attention`` with ``heads`` query
+    heads: shared by SDPA itself from torch 2.5 (``enable_gqa`` set in ``kw``), repeated before."""
+    if k.shape[1] == heads:
+        return k, v
+    if _SDPA_GROUPED:
+        kw["enable_gqa"] = True
+        return k, v
+    return tuple(t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+
+
 # ---------------------------------------------------------------------------------------------- layout
 def rank_slice(t: torch.Tensor, dim: int, cp_rank: int, cp: int) -> torch.Tensor:
     """cp rank ``cp_rank``'s part of the whole-sequence tensor ``t`` (the sequence along ``dim``)."""
@@ -109,11 +120,7 @@ def sdpa(q, k, v, mask: torch.Tensor | None = None, causal: bool = False) -> tor
     heads = q.shape[2]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     kw = dict(attn_mask=mask) if mask is not None else dict(is_causal=causal)
-    if k.shape[1] != heads:
-        if _SDPA_GROUPED:
-            kw["enable_gqa"] = True
-        else:
-            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    k, v = grouped_key_values(k, v, heads, kw)
     return F.scaled_dot_product_attention(q, k, v, **kw).permute(2, 0, 1, 3)
 
 
