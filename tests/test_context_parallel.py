@@ -68,8 +68,6 @@ def _job(world: int, **par) -> JobConfig:
      "each cp rank's 6 tokens divisible by --tensor-model-parallel-size/--tp 4"),
     (2, dict(cp=2, cp_comm_type="a2a+p2p"), "a2a\\+p2p \\(hierarchical\\) is not built"),
     (2, dict(cp=2, model=dict(attention_dropout=0.1)), "context-parallel attention has no dropout"),
-    (2, dict(cp=2, model=dict(num_experts=4, moe_expert_capacity_factor=1.0)),
-     "expert capacity would count each cp rank's slice of the sequence"),
 ])
 def test_invalid_layouts_refused_before_any_process_group(world, par, message):
     with pytest.raises(ConfigError, match=message):
