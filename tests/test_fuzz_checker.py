@@ -67,8 +67,9 @@ def test_the_summary_of_a_failure_gives_the_seed_and_a_reproducing_line():
 def test_moe_draw_with_one_large_serial_bucket_equals_its_serial_twin(tmp_path, serial_cache):
     """Draw 11. Under the sampler before context parallelism (MoE with capacity at tp 2 + SP, ZeRO-1 with
     small buckets, resumed at interleaved pp 4) the gradient norm was 1.2e-5 above serial: a float32
-    norm over the serial twin's one large range (now optimizer.squared_norm). With cp in the space it drew
-    MoE capacity at cp 4, which capacity counted per cp rank (now refused by validate(), so redrawn)."""
+    norm over the serial twin's one large range (now optimizer.squared_norm). With cp in the space it draws
+    MoE capacity at cp 4 (allgather, ep 4, dp-cp-tp-pp), resumed at tp 2 x cp 2 (p2p): capacity counted per
+    cp rank then (7e-5 loss off); the queues are now the whole sequence's in serial token order."""
     report = check(draw(11), tmp_path, launch=pooled_launcher(), cache=serial_cache)
     assert report.ok, report.summary()
 

@@ -161,14 +161,16 @@ def _reference(dp: int, model_kw: tuple):
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _parity_body(rank, world_size, cases):
+def _parity_body(rank, world_size, cases, cp: int = 1):
     """Train each case (tp, pp, ep, sp, ZeRO stage, model flags) STEPS steps with the trainer's step on
-    these ranks; chunks built on the meta device, as the trainer does."""
+    these ranks (at context parallelism ``cp``, ring attention); chunks built on the meta device, as the
+    trainer does."""
     out = []
     for tp, pp, ep, sp, stage, model_kw in cases:
-        topo = Topology(tp=tp, pp=pp, ep=ep)
+        topo = Topology(tp=tp, pp=pp, ep=ep, cp=cp)
         cfg = _cfg(**model_kw)
-        par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, expert_model_parallel_size=ep)
+        par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, expert_model_parallel_size=ep,
+                             cp=cp, cp_comm_type="p2p")
         chunks = build_model_chunks(cfg, par, topo, seed=SEED, device="meta")
         engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
         job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
@@ -199,7 +201,7 @@ def _check_metrics(metrics: dict, dp: int, model_kw: dict) -> None:
     assert metrics["moe_aux_loss"] > 0
 
 
-def _check(results, cases):
+def _check(results, cases, cp: int = 1):
     for i, (tp, pp, ep, sp, stage, model_kw) in enumerate(cases):
         seen = set()
         for rank_results in results:
@@ -207,7 +209,7 @@ def _check(results, cases):
             _check_metrics(metrics, dp, model_kw)
             ref_losses, ref_norms, ref_params = _reference(dp, tuple(sorted(model_kw.items())))
             assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
-            what = f"case tp{tp} pp{pp} ep{ep} sp{sp} zero{stage}"
+            what = f"case tp{tp} pp{pp} ep{ep} sp{sp} zero{stage} cp{cp}"
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0, msg=what)
             torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0, msg=what)
             for name, (value, pdim) in params.items():
@@ -251,6 +253,24 @@ def test_capacity_under_sequence_parallelism_drops_what_serial_drops():
     first step). The queues are now the whole sequence's: ep 2 and ep 1, ZeRO 1 and 2."""
     cases = [(2, 1, ep, True, stage, dict(moe_expert_capacity_factor=1.0)) for ep, stage in ((2, 1), (1, 2))]
     _check(run_on_ranks(4, _parity_body, cases, timeout=600), cases)
+
+
+CP_CAPACITY_CASES = [(1, 1, 1, False, 1, dict(moe_expert_capacity_factor=1.0)),
+                     (1, 1, 2, False, 2, dict(moe_expert_capacity_factor=1.0))]
+
+
+@pytest.mark.parametrize("world,cases", [(2, CP_CAPACITY_CASES),
+                                         pytest.param(4, [(2, 1, 2, True, 1, dict(moe_expert_capacity_factor=1.0))],
+                                                      marks=pytest.mark.slow)],
+                         ids=["cp2-ep1-ep2", "cp2-tp2-sp-ep2"])
+def test_capacity_under_context_parallelism_drops_what_serial_drops(world, cases):
+    """cp 2 (ring attention): each cp rank routes chunks r and 2cp-1-r of every sequence, so the queues are
+    counted over the cp ranks' gathered choices put back in serial token order (over tp x cp with
+    sequence parallelism). Capacity factor 1 drops tokens (the metrics say so, _check_metrics); losses,
+    gradient norms and parameters after 5 steps equal the serial run's: ep 1 (ZeRO 1) and ep 2 over the
+    cp ranks (ZeRO 2); slow tier, tp 2 + SP with ep 2. Counting each rank's slice alone, or the gathered
+    choices in rank order, drops other tokens (loss off at the first step)."""
+    _check(run_on_ranks(world, _parity_body, cases, 2, timeout=600), cases, cp=2)
 
 
 # --------------------------------------------------------------------------- one engine for dense and experts

@@ -83,10 +83,6 @@ def _check_context_parallel(m: ModelConfig, par: ParallelConfig) -> None:
     if m.attention_dropout > 0:
         fail(f"{FLAG.attention_dropout} {m.attention_dropout} with {FLAG.cp} {cp}: context-parallel attention has "
               f"no dropout; set {FLAG.attention_dropout} 0")
-    if m.num_experts and m.moe_expert_capacity_factor is not None:
-        fail(f"{FLAG.moe_expert_capacity_factor} with {FLAG.cp} {cp}: expert capacity would count each cp rank's "
-              f"slice of the sequence, not the sequence, so other tokens would drop than on one process; drop the "
-              f"capacity factor (dropless experts) or use {FLAG.cp} 1")
 
 
 def _check_moe(m: ModelConfig, par: ParallelConfig) -> None:

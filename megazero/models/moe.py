@@ -9,8 +9,9 @@ One MoE layer on this rank's tokens x [s(/tp), b, h] (T = s(/tp) * b tokens)::
                                                  k = 1 keeps the softmax probability (Switch)
     capacity (--moe-expert-capacity-factor c): expert e keeps its first C = ceil(c * T * k / E)
            assignments in token order and drops the rest (the token then gets no output from e);
-           unset = dropless. Under sequence parallelism T and the order are the whole sequence's
-           (the tp ranks' choices are gathered), so the same tokens drop as at tp = 1
+           unset = dropless. Under sequence and context parallelism T and the order are the whole
+           sequence's (the tp and cp ranks' choices are gathered and put back in the serial token
+           order, undoing the cp load balancing), so the same tokens drop as on one process
     out[t] = sum over kept (t, e) of gates[t, e] * Expert_e(x[t])
 
 Losses, added to the training loss of the micro-batch (they are not part of the returned per-token
@@ -22,8 +23,9 @@ loss; the log line reports them):
 
 Under sequence parallelism the T tokens are the whole sequence: counts and probability sums are summed
 over the tp group, so the losses equal those of tp = 1. Under context parallelism likewise over the cp
-group (each cp rank routes its slice of the sequence; Megatron's tp x cp group). The capacity is each
-rank's own: C counts the tokens this rank routes (as Megatron drops per rank).
+group (each cp rank routes its slice of the sequence; Megatron's tp x cp group). The capacity is the
+whole sequence's too: the queues are counted in the serial token order, so the same tokens drop at any tp
+(with sequence parallelism) and cp as on one process.
 
 How the losses reach backward without passing through the pipeline (Megatron-core's
 MoEAuxLossAutoScaler): the layer's output goes through an identity autograd function whose backward
@@ -64,6 +66,7 @@ from torch import nn
 
 from megazero.models.recompute import checkpointed, free_until_backward
 from megazero.parallel import counted_comm
+from megazero.parallel.context import gathered_order
 from megazero.parallel.raw_comm import all_gather_dim0
 from megazero.parallel.tensor import new_parameter, reduce_from_tp_region
 
@@ -215,24 +218,35 @@ class MoELayer(nn.Module):
         self.last_aux_loss = None
         self.stats = MoEStats()
 
-    def _capacity_keep(self, experts: torch.Tensor) -> torch.Tensor:
-        """:func:`capacity_keep` over the whole sequence, as at tp 1: under sequence parallelism this tp
-        rank's [s/tp * b] tokens are a contiguous run of the [s * b] token order (rank r's start at
-        r * s/tp * b), so every rank's choices are gathered, the queues counted over all of them, and
-        this rank's rows kept."""
+    def _capacity_keep(self, experts: torch.Tensor, batch: int) -> torch.Tensor:
+        """:func:`capacity_keep` over the whole sequence in its serial token order, as on one process.
+        ``experts`` [T, k] holds this rank's rows (local position major, ``batch`` minor). Under sequence
+        parallelism this tp rank's positions are a contiguous run of its cp slice; under context
+        parallelism cp rank r's slice is chunks r and 2cp-1-r of the sequence (causal load balancing). So
+        the choices are gathered over tp, then over cp, each row given its serial index (position * batch
+        + sample, from :func:`gathered_order`), the queues counted in that order, and this rank's rows kept."""
         factor, ctx = self.ctx.cfg.moe_expert_capacity_factor, self.ctx
-        if factor is None or not ctx.sp or ctx.tp_size == 1:
+        tp = ctx.tp_size if ctx.sp else 1
+        cp = ctx.cp.size if ctx.cp is not None else 1
+        if factor is None or tp * cp == 1:
             return capacity_keep(experts, self.num_experts, factor)
-        everyone = all_gather_dim0(experts, ctx.tp_group)
-        t = experts.shape[0]
-        return capacity_keep(everyone, self.num_experts, factor)[ctx.tp_rank * t:(ctx.tp_rank + 1) * t]
+        everyone = experts
+        for group, size in ((ctx.tp_group, tp), (ctx.cp.group if cp > 1 else None, cp)):
+            if size > 1:
+                everyone = all_gather_dim0(everyone, group)
+        seq = everyone.shape[0] // batch
+        serial = (gathered_order(seq, cp, experts.device).repeat_interleave(batch) * batch
+                  + torch.arange(batch, device=experts.device).repeat(seq))
+        keep = capacity_keep(everyone[torch.argsort(serial)], self.num_experts, factor)[serial]
+        t, mine = experts.shape[0], (ctx.cp.rank if cp > 1 else 0) * tp + (ctx.tp_rank if tp > 1 else 0)
+        return keep[mine * t:(mine + 1) * t]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(-1, h)
         logits = F.linear(tokens.float(), self.router.weight.float())
         probs, gates, experts = route(logits, self.topk)
-        keep = self._capacity_keep(experts)
+        keep = self._capacity_keep(experts, b)
         aux, aux_value = self._aux_loss(logits, probs, experts)
         self._record(aux, aux_value, experts, keep)
 

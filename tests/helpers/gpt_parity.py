@@ -62,14 +62,18 @@ def _reference(steps: int, dp: int, model_kw: tuple):
 
 def trainer_steps(chunks, topo, engine, job, steps: int):
     """``steps`` steps of the trainer's ``train_step`` on this dp rank's MICRO micro-batches of
-    :func:`gpt_batches`: (losses, clipped norms, {name: (tp-local value, split dim)}) as
-    :func:`check_against_reference` takes them."""
+    :func:`gpt_batches` (each cut to this cp rank's slice of the sequence, as the data loader does):
+    (losses, clipped norms, {name: (tp-local value, split dim)}) as :func:`check_against_reference`
+    takes them."""
+    from megazero.parallel.context import rank_slice
     from megazero.parallel.params import split_dim
     from megazero.training import train_step
 
     losses, norms = [], []
     for batches in gpt_batches(steps, topo.dp_size * MICRO):
-        result = train_step(chunks, batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO], topo, engine, job)
+        mine = [{key: rank_slice(t, 1, topo.cp_rank, topo.cp_size) for key, t in batch.items()}
+                for batch in batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]]
+        result = train_step(chunks, mine, topo, engine, job)
         losses.append(result.loss)
         norms.append(result.grad_norm)
     with engine.gathered_parameters():
