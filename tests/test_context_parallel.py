@@ -66,7 +66,7 @@ def _job(world: int, **par) -> JobConfig:
      "1 key/value group\\(s\\) per tp rank must divide by"),
     (8, dict(cp=2, tp=4, sequence_parallel=True, model=dict(seq_length=12, max_position_embeddings=12)),
      "each cp rank's 6 tokens divisible by --tensor-model-parallel-size/--tp 4"),
-    (2, dict(cp=2, cp_comm_type="a2a+p2p"), "a2a\\+p2p \\(hierarchical\\) is not built"),
+    (2, dict(cp=2, cp_comm_type="a2a+p2p"), "a2a\\+p2p is not built: use p2p"),
     (2, dict(cp=2, model=dict(attention_dropout=0.1)), "context-parallel attention has no dropout"),
 ])
 def test_invalid_layouts_refused_before_any_process_group(world, par, message):

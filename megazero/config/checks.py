@@ -25,6 +25,9 @@ if TYPE_CHECKING:
                                           ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig,
                                           ZeroConfig)
 
+# The --cp-comm-type values (of Megatron's, sections.CP_COMM_TYPES) built here; a2a+p2p is refused by name.
+BUILT_CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+
 
 class _Flags:
     """``FLAG.name`` is ``flag("name")``: a flag's spelling inside an f-string."""
@@ -100,8 +103,8 @@ def check_parallel(par: ParallelConfig, world: int) -> None:
     if par.sequence_parallel and par.tp < 2:
         fail(f"{FLAG.sequence_parallel} splits activations over the tensor-parallel ranks and does nothing at "
               f"{FLAG.tp} {par.tp}: drop it, or use {FLAG.tp} 2 or more")
-    if par.cp_comm_type == "a2a+p2p":
-        fail(f"{FLAG.cp_comm_type} a2a+p2p (hierarchical) is not built: use p2p (ring) or a2a (Ulysses)")
+    if par.cp_comm_type not in BUILT_CP_COMM_TYPES:
+        fail(f"{FLAG.cp_comm_type} {par.cp_comm_type} is not built: use p2p (ring), a2a (Ulysses) or allgather")
 
 
 def check_context_parallel(job: JobConfig) -> None:

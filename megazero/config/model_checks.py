@@ -54,10 +54,6 @@ def check_model(m: ModelConfig, par: ParallelConfig) -> None:
     _check_context_parallel(m, par)
 
 
-# The --cp-comm-type values whose attention is built (the rest are refused by name).
-BUILT_CP_COMM_TYPES = ("p2p", "a2a", "allgather")
-
-
 def _check_context_parallel(m: ModelConfig, par: ParallelConfig) -> None:
     """Context parallelism against the model: the sequence cuts into 2 x cp equal chunks (causal load
     balancing: cp rank r holds chunks r and 2cp-1-r), Ulysses' all-to-all needs whole heads and key/value
@@ -71,9 +67,6 @@ def _check_context_parallel(m: ModelConfig, par: ParallelConfig) -> None:
     if par.sequence_parallel and (m.seq_length // cp) % par.tp:
         fail(f"{FLAG.sequence_parallel} with {FLAG.cp} {cp} needs each cp rank's {m.seq_length // cp} tokens "
               f"divisible by {FLAG.tp} {par.tp}: use a {FLAG.seq_length} that is a multiple of {cp * par.tp}")
-    if par.cp_comm_type not in BUILT_CP_COMM_TYPES:
-        fail(f"{FLAG.cp_comm_type} {par.cp_comm_type} is not built yet: use "
-              f"{' or '.join(BUILT_CP_COMM_TYPES)}")
     if par.cp_comm_type == "a2a":
         heads, groups = m.num_attention_heads // par.tp, m.kv_heads // par.tp if m.kv_heads >= par.tp else 1
         if heads % cp or groups % cp:
