@@ -38,7 +38,7 @@ class StepProfiler:
     """Wraps each training step (:meth:`step`); profiles those of the window on a profiled rank and
     writes the trace when the window closes (or at :meth:`close`, for a run that ends inside it).
 
-    ``say`` reports the written file (rank 0's log; other ranks pass a no-op)."""
+    ``say`` reports the written file (every profiled rank prints its own)."""
 
     def __init__(self, lg: LoggingConfig, save: str | None, rank: int, device: torch.device, say=print):
         self.active = lg.profile and rank in lg.profile_ranks

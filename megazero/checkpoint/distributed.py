@@ -365,8 +365,9 @@ def _restore_rng(reader, chunks, topo, job, extra_rng, directory) -> None:
     keys = ("world_size", "tp", "cp", "pp", "dp", "virtual_stages", "order")
     if any(saved[k] != mine[k] for k in keys):
         if topo.rank == 0:
-            log.warning("%s was saved under tp %s pp %s dp %s; this run is tp %s pp %s dp %s: random states "
-                        "(dropout) start fresh from the seed", directory, saved["tp"], saved["pp"], saved["dp"],
-                        mine["tp"], mine["pp"], mine["dp"])
+            def shown(lay):
+                return ", ".join(f"{k} {lay[k]}" for k in keys)
+            log.warning("%s was saved under %s; this run is %s: random states (dropout) start fresh from the seed",
+                        directory, shown(saved), shown(mine))
         return
     restore_rng_state(reader.read_json_file(f"rng/rank{topo.rank:05d}.json"), chunks, extra_rng)

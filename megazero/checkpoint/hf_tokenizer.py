@@ -2,7 +2,7 @@
 tokenizer so that ``AutoTokenizer.from_pretrained`` gives the ids megazero's tokenizer gives; an import
 records the directory's tokenizer as the checkpoint's.
 
-    special = write_tokenizer(job.data, out_dir, model_max_length=cfg.seq_length)   # -> bos/eos ids
+    special = write_tokenizer(job.data, out_dir, model_max_length=cfg.max_position_embeddings)   # -> bos/eos ids
     data_cfg = tokenizer_of(hf_dir)                                                 # import
 
 What an export writes, by ``--tokenizer-type``:

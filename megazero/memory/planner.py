@@ -129,7 +129,8 @@ def _nothing_fits(job: JobConfig, budget: float, world_size: int, device: str, l
             continue
         if plan.peak <= budget:
             fits.append(f"{flag} ({plan.peak / GIB:.2f} GiB with full recompute)")
-    where = f"tp {par.tp} x pp {par.pp} x dp {par.dp}, ZeRO-{zero.zero_stage}"
+    cp = f" x cp {par.cp}" if par.cp > 1 else ""
+    where = f"tp {par.tp}{cp} x pp {par.pp} x dp {par.dp}, ZeRO-{zero.zero_stage}"
     hint = ("; these fit: " + ", ".join(fits)) if fits else "; no single change of ZeRO stage, tp or pp fits either"
     return (f"no recompute or offload plan fits {budget / GIB:.2f} GiB per rank at {where}: the least, "
             f"{least.name}, needs {least.peak / GIB:.2f} GiB{hint}")

@@ -15,7 +15,7 @@ the dispatcher) and ``interleaved`` (interleaved 1F1B) write those lists, ``simu
 draws them, ``executor`` runs one rank's list with ``runner`` (one forward/backward of one
 micro-batch) and ``p2p`` (batched isend/irecv); ``api``'s ``run_schedule`` ties them together.
 ``split_backward`` splits a micro-batch's backward into I (input gradient) and W (weight gradients)
-on the autograd graph; ``zero_bubble`` writes lists with I and W (not yet a ``--pipeline-schedule``).
+on the autograd graph; ``zero_bubble`` writes lists with I and W (``--pipeline-schedule zb-h1``).
 """
 from megazero.parallel.pipeline.actions import Action, Compute, Exchange, Kind, Op, P2P
 from megazero.parallel.pipeline.api import run_schedule

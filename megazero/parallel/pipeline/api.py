@@ -28,7 +28,7 @@ def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, fo
         so gradients are those of the mean loss (times the fp16 loss scale).
     grad_sync: optional object with ``before_backward(chunk_id, is_last_microbatch)``, called right
         before each backward (data-parallel overlap of the gradient reduction).
-    schedule: a schedule generator (``generators.py``), a name ('1f1b', 'gpipe', 'interleaved'), a
+    schedule: a schedule generator (``generators.py``), a name (a key of ``generators.GENERATORS``), a
         ParallelConfig, or None (no pipelining at pp=1, interleaved with several chunks, else 1F1B).
         Its action lists are checked by the simulator once per (schedule, pp, m, v) in the process.
     tensor_shape: the stage-boundary activation shape (the model's ``activation_shape``); needed
