@@ -62,7 +62,6 @@ from megazero.models.transformer import (NORM_TYPES, Embedding, LayerContext, Tr
                                          qkv_blocks_to_interleaved, qkv_interleaved_to_blocks)
 from megazero.parallel.groups import ModelParallelGroups
 from megazero.parallel.raw_comm import group_rank
-from megazero.parallel.pipeline.partition import placements
 from megazero.parallel.tensor import (ColumnParallelLinear, TensorParallelRNG, column_parallel_linear,
                                       init_std_scaled, mask_padded_vocab, set_tp_attributes, shard,
                                       vocab_parallel_cross_entropy)
@@ -293,21 +292,20 @@ class GPT(nn.Module):
 def build_model_chunks(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, topo, seed: int = 1234,
                        dtype: torch.dtype = torch.float32, device=None) -> list[GPT]:
     """The ``v`` GPT chunks this rank runs (``v = parallel_cfg.virtual_stages``, 1 unless interleaved),
-    built for the placements of :func:`megazero.parallel.pipeline.partition.placements` (what the GPT
-    spec's ``build_chunk`` does for the trainer; tests and benchmarks call this directly).
+    built for the placements of :func:`megazero.parallel.pipeline.partition.placements`: the GPT spec's
+    :func:`megazero.models.spec.build_model_chunks` with the configs given apart (tests and benchmarks).
 
     Each chunk holds only its layers; parameter names are the full model's (``layers.5.mlp...``), so
     checkpoints and comparisons do not depend on the layout. ``parallel_cfg`` should have been through
     :func:`megazero.config.validate` (it derives ``virtual_stages``). ``device="meta"`` allocates
     nothing (the ZeRO engine then materialises each parameter where it lives).
     """
-    if parallel_cfg.pp != topo.pp_size or parallel_cfg.tp != topo.tp_size:
-        raise ValueError(f"parallel config (tp {parallel_cfg.tp}, pp {parallel_cfg.pp}) does not match the "
-                         f"topology (tp {topo.tp_size}, pp {topo.pp_size}): build both from the same config")
-    groups = topo.model_groups(parallel_cfg.sequence_parallel, parallel_cfg.cp_comm_type)
-    return [GPT(model_cfg, groups, layer_ids=p.layer_ids, pre_process=p.pre_process, post_process=p.post_process,
-                seed=seed, dtype=dtype, device=device if device is not None else topo.device, home_device=topo.device)
-            for p in placements(model_cfg.num_layers, topo.pp_size, topo.pp_rank, parallel_cfg.virtual_stages)]
+    from megazero.config import JobConfig, TrainConfig
+    from megazero.models.spec import build_model_chunks as build_spec_chunks
+    from megazero.models.spec import get_model_spec
+
+    job = JobConfig(model=model_cfg, parallel=parallel_cfg, train=TrainConfig(seed=seed))
+    return build_spec_chunks(get_model_spec("gpt"), job, topo, dtype=dtype, device=device)
 
 
 def activation_shape(model_cfg: ModelConfig, micro_batch_size: int, tp: int = 1,
