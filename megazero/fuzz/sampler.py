@@ -19,7 +19,8 @@ import random
 import shlex
 from dataclasses import dataclass, field
 
-from megazero.config import ConfigError, JobConfig
+from megazero.config import OFFLOAD_DEVICES, SCHEDULES, ConfigError, JobConfig
+from megazero.config.checks import BUILT_CP_COMM_TYPES
 
 MAX_WORLD = 8
 STEPS_PER_LEG = 2              # iterations before the save, and again after the resume
@@ -35,6 +36,14 @@ COMMON = ["--mock-data", "--vocab-size", "100", "--make-vocab-size-divisible-by"
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64",
          "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights"]
+
+
+
+def every(values: tuple, **weights: int) -> tuple[tuple, tuple]:
+    """(values, weights) of an axis whose values are the configuration's own list (a schedule or a device
+    added there is drawn at once), each of weight 1 unless named: ``every(OFFLOAD_DEVICES, none=6)``."""
+    return tuple(values), tuple(weights.get(v, 1) for v in values)
+
 
 # axis -> (values, weights). The model axes are shared by both layouts of a draw (and its serial twin).
 MODEL_AXES: dict[str, tuple[tuple, tuple]] = {
@@ -52,9 +61,9 @@ LAYOUT_AXES: dict[str, tuple[tuple, tuple]] = {
     "tp": ((1, 2, 4), (2, 2, 1)),
     "sp": ((False, True), (1, 1)),
     "cp": ((1, 2, 4), (2, 2, 2)),               # cp 4 leaves tp * pp * dp <= 2: often refused
-    "cp_comm": (("p2p", "a2a", "allgather"), (1, 1, 1)),
+    "cp_comm": every(BUILT_CP_COMM_TYPES),
     "pp": ((1, 2, 4), (2, 2, 1)),
-    "schedule": (("1f1b", "gpipe", "interleaved"), (1, 1, 1)),
+    "schedule": every(SCHEDULES),
     "virtual": ((2, 4), (1, 1)),                  # chunks per rank, with the interleaved schedule
     "dp": ((1, 2, 4, 8), (1, 2, 1, 1)),
     "order": (("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-cp-tp-pp"), (3, 1, 1, 1)),   # cp after tp unless named
@@ -64,8 +73,8 @@ LAYOUT_AXES: dict[str, tuple[tuple, tuple]] = {
     "overlap_param_gather": ((False, True), (3, 1)),
     "small_buckets": ((False, True), (1, 1)),
     "ep": ((1, 2, 4), (1, 1, 1)),
-    "offload_optimizer": (("none", "cpu", "nvme"), (6, 2, 1)),   # nvme: swap files in the run's directory
-    "offload_params": (("none", "cpu", "nvme"), (6, 2, 1)),
+    "offload_optimizer": every(OFFLOAD_DEVICES, none=6, cpu=2),   # nvme: swap files in the run's directory
+    "offload_params": every(OFFLOAD_DEVICES, none=6, cpu=2),
     "qwz": ((False, True), (5, 1)),
     "hpz": ((1, 2), (4, 1)),
     "qgz": ((False, True), (5, 1)),
