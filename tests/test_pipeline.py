@@ -1,7 +1,10 @@
 """Pipeline parallelism: stage split, schedules, p2p and tied embeddings, against the serial model.
 
 Parity tests run the same model, seed and batches on 1 process and on tp x pp gloo processes and
-compare the loss and every parameter after 3 AdamW steps (fp32, 1e-5 relative).
+compare the loss and every parameter after 3 AdamW steps (fp32, 1e-5 relative). The trainer grid runs
+pretrain_gpt.main with every ``--pipeline-schedule`` at pp 2 and 4, with tp 2, with dp 2 and ZeRO 1, 2 and 3,
+and with expert parallelism 2, and compares losses, gradient norms and every checkpointed tensor after 5
+iterations with the serial run's.
 """
 from __future__ import annotations
 
@@ -253,3 +256,52 @@ def test_pipeline_inside_a_data_parallel_grid():
     exactly like the serial model (the data-parallel gradient reduction is not part of this module)."""
     results = run_on_ranks(4, _parallel_body, 1, 2, "interleaved", 2, 4, False, F32, timeout=120)
     check_parity(results, 4, 2, "interleaved", 2, F32)
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer with every schedule: pretrain_gpt.main against its serial run, loss and parameters
+# --------------------------------------------------------------------------------------------------
+
+# The flags that pick each --pipeline-schedule (a new schedule adds its entry here; the test below fails
+# until it does). Interleaved runs two chunks per rank: one layer per virtual stage at pp 2 (4 layers) and
+# at pp 4 (the pp 4 rows use 8 layers).
+SCHEDULE_FLAGS = {
+    "gpipe": ["--pipeline-schedule", "gpipe"],
+    "1f1b": ["--pipeline-schedule", "1f1b"],
+    "interleaved": ["--pipeline-schedule", "interleaved", "--num-layers-per-virtual-pipeline-stage", "1"],
+    "zb-h1": ["--pipeline-schedule", "zb-h1"],
+}
+_MOE = ("--num-experts", "4", "--moe-router-topk", "2")
+# (id, world size, model shape flags (the serial run's too), layout flags)
+TRAINER_LAYOUTS = [
+    ("pp2", 2, (), ["--pp", "2"]),
+    ("pp4", 4, ("--num-layers", "8"), ["--pp", "4"]),
+    ("tp2pp2", 4, (), ["--tp", "2", "--pp", "2"]),
+    ("dp2pp2-zero1", 4, (), ["--dp", "2", "--pp", "2", "--zero-stage", "1"]),
+    ("dp2pp2-zero2", 4, (), ["--dp", "2", "--pp", "2", "--zero-stage", "2"]),
+    ("dp2pp2-zero3", 4, (), ["--dp", "2", "--pp", "2", "--zero-stage", "3"]),
+    ("ep2dp2pp2-moe-zero1", 4, _MOE, ["--dp", "2", "--pp", "2", "--expert-model-parallel-size", "2",
+                                      "--zero-stage", "1"]),
+]
+_GRID = [(lay, sched) for lay in TRAINER_LAYOUTS for sched in SCHEDULE_FLAGS]
+
+
+def test_every_schedule_has_trainer_rows():
+    from megazero.config import SCHEDULES
+    assert set(SCHEDULE_FLAGS) == set(SCHEDULES)
+
+
+@pytest.fixture(scope="module")
+def serial_parity(tmp_path_factory):
+    from helpers.trainer import serial_parity_runs
+    return serial_parity_runs(tmp_path_factory)
+
+
+@pytest.mark.parametrize("layout,schedule", [
+    (lay, sched) if lay[0] == "pp2" else pytest.param(lay, sched, marks=pytest.mark.slow) for lay, sched in _GRID],
+    ids=[f"{lay[0]}-{sched}" for lay, sched in _GRID])
+def test_trainer_schedule_matches_serial(layout, schedule, serial_parity, tmp_path):
+    """The quick tier runs pp 2 with every schedule (the workers of a world size are reused: ~1 s a run)."""
+    from helpers.trainer import assert_matches_serial
+    _, world, shape, flags = layout
+    assert_matches_serial(world, [*shape, *flags, *SCHEDULE_FLAGS[schedule]], tmp_path, serial_parity(shape))
