@@ -251,6 +251,37 @@ def test_run_schedule_needs_the_boundary_shape_with_pipelining():
         run_schedule([chunk], [None, None], PipelineLayout(None, (0, 1), 1, 2), loss_fn=masked_mean, schedule="1f1b")
 
 
+def _timed_waits_body(rank, world):
+    """pp 2, 1F1B: a step with the wait clock off (it must read no clock), then one where the last stage
+    starts 0.3 s late, which the first stage spends waiting for it."""
+    import time
+    import types
+
+    from megazero.parallel.pipeline import p2p
+
+    topo, cfg = Topology(pp=2), model_cfg()
+    chunks = build_model_chunks(cfg, ParallelConfig(pp=2), topo, seed=SEED)
+    shape, mbs = activation_shape(cfg, MICRO), batches(0, 4, cfg)
+    real, off = p2p.time, PipelineStats()
+    p2p.time = types.SimpleNamespace(perf_counter=lambda: pytest.fail("the wait clock was read while off"))
+    try:
+        run_schedule(chunks, mbs, topo.pipeline(), loss_fn=masked_mean, schedule="1f1b", tensor_shape=shape, stats=off)
+    finally:
+        p2p.time = real
+    on = PipelineStats(time_waits=True)
+    if rank == 1:
+        time.sleep(0.3)
+    t0 = time.perf_counter()
+    run_schedule(chunks, mbs, topo.pipeline(), loss_fn=masked_mean, schedule="1f1b", tensor_shape=shape, stats=on)
+    return off.wait_s, on.wait_s, time.perf_counter() - t0
+
+
+def test_wait_clock_measures_idle_time_and_costs_nothing_when_off():
+    (off0, wait0, step0), (off1, wait1, step1) = run_on_ranks(2, _timed_waits_body, timeout=120)
+    assert off0 == off1 == 0.0
+    assert 0.25 < wait0 < step0 and 0.0 < wait1 < step1 and wait1 < wait0
+
+
 def test_pipeline_inside_a_data_parallel_grid():
     """pp=2 x dp=2 (4 ranks, pipelines [0, 2] and [1, 3]): each replica, fed the same batches, trains
     exactly like the serial model (the data-parallel gradient reduction is not part of this module)."""
