@@ -53,7 +53,7 @@ from megazero.parallel.zero import wrap_data_parallel
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1}
 # Peers: name -> the torch.distributed.pipelining class and whether its stages sit in a V (two per rank).
 PEERS = {"torch-1f1b": ("Schedule1F1B", False), "torch-zbv": ("ScheduleZBVZeroBubble", True)}
-BUBBLE_SHAPE = Spec(layers=8, hidden=256, heads=4, seq=128, vocab=1024, micro_batch=2, rounds=7, untied=True)
+BUBBLE_SHAPE = Spec(layers=8, hidden=256, heads=4, seq=64, vocab=1024, micro_batch=1, rounds=5, untied=True)
 QUICK_BUBBLE = Spec(layers=4, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, rounds=4, untied=True)
 BASE, TARGET = "1f1b", "zb-h1"
 THEORY_PP = 0.10              # target: ZB-H1's measured bubble within 10 points of its theory
