@@ -9,6 +9,9 @@ Sections (see each module's docstring for the method):
     dp       rows_dp.py       ZeRO 0/1/2/3 vs DDP, DDP + ZeroRedundancyOptimizer, FSDP2, DeepSpeed 1/2/3
     tp       rows_tp.py       tp (+/- sequence parallel) vs torch.distributed.tensor.parallel
     pp       rows_pp.py       1F1B / GPipe / interleaved vs torch.distributed.pipelining
+    pipeline-bubble rows_bubble.py  per schedule (GPipe, 1F1B, interleaved, ZB-H1): step time, measured idle
+                              fraction per rank beside the simulator's bubble, peak activation bytes, pp 2/4 at
+                              m = pp and 4pp; torch Schedule1F1B / ScheduleZBVZeroBubble as peers
     scaling  rows_scaling.py  model-state memory vs dp (1, 2, 4, 8); step time vs model size
     llama    rows_llama.py    GPT-2 style vs Llama style at equal parameter count (one process)
     moe      rows_moe.py      MoE at expert parallelism 1/2/4 vs dense of equal active size, DeepSpeed MoE (dp 4)
@@ -51,8 +54,8 @@ import torch  # noqa: E402
 import report  # noqa: E402
 from common import QUICK, WARMUP_STEPS, Spec, num_params  # noqa: E402
 
-SECTIONS = ("dp", "tp", "pp", "scaling", "llama", "moe", "offload", "zeropp", "gpu", "capacity", "scale", "compile",
-            "recompute", "save", "trainer")
+SECTIONS = ("dp", "tp", "pp", "pipeline-bubble", "scaling", "llama", "moe", "offload", "zeropp", "gpu", "capacity",
+            "scale", "compile", "recompute", "save", "trainer")
 
 
 def _machine() -> list[str]:
@@ -155,6 +158,11 @@ def main(argv=None) -> None:
             log(f"pp={pp}")
             pp_res[pp] = run_pp(spec, pp)
         body += report.pp_section(spec, pp_res, targets)
+    if "pipeline-bubble" in sections:
+        from rows_bubble import BUBBLE_SHAPE, QUICK_BUBBLE, bubble_section, run_bubble
+        shape = QUICK_BUBBLE if a.quick else BUBBLE_SHAPE
+        shape = replace(shape, rounds=a.rounds) if a.rounds else shape
+        body += bubble_section(shape, run_bubble(shape, a.pp, log))
     if "scaling" in sections:
         from rows_scaling import STAGES, run_memory, run_step_time
         memory = {}
@@ -240,7 +248,7 @@ def main(argv=None) -> None:
             f"- Command: `OMP_NUM_THREADS=1 {command}`",
             f"- Date: {started:%Y-%m-%d %H:%M} UTC, wall time {wall:.0f} s", *header,
             ""]
-    if set(sections) - {"gpu", "capacity", "scale", "compile", "recompute", "save"}:  # these sections state their own models
+    if set(sections) - {"gpu", "capacity", "scale", "compile", "recompute", "save", "pipeline-bubble"}:  # own models
         head[-1:-1] = [
             f"- Model (CPU rows): {spec.describe()}; {spec.micro_batches} micro-batches per rank and step "
             f"(dp, tp rows), {spec.pp_micro_batches} (pp rows); {spec.rounds} steps per variant, the first "

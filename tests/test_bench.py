@@ -143,3 +143,53 @@ def test_zeropp_section_reads_every_variant():
     row = next(line for line in text.splitlines() if line.startswith("| qwZ+hpZ+qgZ |"))
     assert row.split(" | ")[1:6] == ["3000", "2.00x", "1.00", "0.50", "0.25x"], row
     assert "no slow link" in text and all(f"| {name} |" in text for name in VARIANTS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_pipeline_bubble_section_measures_every_schedule(tmp_path):
+    """The pipeline-bubble section (tiny shape, pp 2): a row per schedule and peer at m = 2 and 8, each of
+    ours with every rank's idle fraction in [0, 1) and the simulator's bubble beside it, and the targets."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from rows_bubble import PEERS, SCHEDULES
+
+    from megazero.parallel.pipeline import schedule_by_name
+    from megazero.parallel.pipeline.zero_bubble import theory
+
+    out = tmp_path / "BENCHMARKS.md"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--sections",
+                           "pipeline-bubble", "--pp", "2", "--rounds", "3", "--out", str(out)],
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=230)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = out.read_text().splitlines()
+    for m in (2, 8):
+        for name in [*SCHEDULES, *PEERS]:
+            cells = [c.strip() for c in next(x for x in lines if x.startswith(f"| 2 | {m} | {name} |")).split("|")]
+            assert float(cells[4]) > 0 and float(cells[10]) > 0, cells          # step ms, peak act MiB
+            if name in SCHEDULES:
+                idle = [float(x) for x in cells[6].split(" / ")]
+                assert len(idle) == 2 and all(0 <= x < 1 for x in idle), cells
+                assert float(cells[8]) == pytest.approx(theory(schedule_by_name(name), 2, m, SCHEDULES[name])[0],
+                                                        abs=1e-3)
+        assert any(x.startswith(f"- pp 2, m {m}: ZB-H1's measured bubble") for x in lines)
+
+
+def test_pipeline_bubble_targets_read_the_rows():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from rows_bubble import PEERS, QUICK_BUBBLE, SCHEDULES, bubble_section
+
+    def row(idle, act):
+        return {"times": [0.1, 0.1], "idle_per_rank": idle, "peak_act_per_rank": [act, act / 2]}
+
+    res = {f"{n} m{m}": row([0.3, 0.2], 100.0) for n in [*SCHEDULES, *PEERS] for m in (2, 8)}
+    res["zb-h1 m2"] = row([0.2, 0.1], 105.0)          # below 1F1B's, 0.7 points from 0.143, +5% memory
+    res["zb-h1 m8"] = row([0.3, 0.3], 150.0)          # above 1F1B's, 26 points from 0.040, +50% memory
+    text = "\n".join(bubble_section(QUICK_BUBBLE, {2: res}))
+    assert "2 ranks on" in text
+    m2 = next(x for x in text.splitlines() if x.startswith("- pp 2, m 2:"))
+    m8 = next(x for x in text.splitlines() if x.startswith("- pp 2, m 8:"))
+    assert "0.150 below 1F1B's 0.250" in m2 and "(within 10)" in m2 and "1.05x 1F1B's (within 10%)" in m2, m2
+    assert "**not below**" in m8 and "**outside** 10" in m8 and "1.50x 1F1B's (**outside** 10%)" in m8, m8
+    zb = next(x for x in text.splitlines() if x.startswith("| 2 | 2 | zb-h1 |"))
+    assert "| 0.20 / 0.10 | 0.150 | 0.143 | 2 |" in zb, zb

@@ -1,7 +1,10 @@
 """Pipeline parallelism: stage split, schedules, p2p and tied embeddings, against the serial model.
 
 Parity tests run the same model, seed and batches on 1 process and on tp x pp gloo processes and
-compare the loss and every parameter after 3 AdamW steps (fp32, 1e-5 relative).
+compare the loss and every parameter after 3 AdamW steps (fp32, 1e-5 relative). The trainer grid runs
+pretrain_gpt.main with every ``--pipeline-schedule`` at pp 2 and 4, with tp 2, with dp 2 and ZeRO 1, 2 and 3,
+and with expert parallelism 2, and compares losses, gradient norms and every checkpointed tensor after 5
+iterations with the serial run's.
 """
 from __future__ import annotations
 
@@ -248,8 +251,88 @@ def test_run_schedule_needs_the_boundary_shape_with_pipelining():
         run_schedule([chunk], [None, None], PipelineLayout(None, (0, 1), 1, 2), loss_fn=masked_mean, schedule="1f1b")
 
 
+def _timed_waits_body(rank, world):
+    """pp 2, 1F1B: a step with the wait clock off (it must read no clock), then one where the last stage
+    starts 0.3 s late, which the first stage spends waiting for it."""
+    import time
+    import types
+
+    from megazero.parallel.pipeline import p2p
+
+    topo, cfg = Topology(pp=2), model_cfg()
+    chunks = build_model_chunks(cfg, ParallelConfig(pp=2), topo, seed=SEED)
+    shape, mbs = activation_shape(cfg, MICRO), batches(0, 4, cfg)
+    real, off = p2p.time, PipelineStats()
+    p2p.time = types.SimpleNamespace(perf_counter=lambda: pytest.fail("the wait clock was read while off"))
+    try:
+        run_schedule(chunks, mbs, topo.pipeline(), loss_fn=masked_mean, schedule="1f1b", tensor_shape=shape, stats=off)
+    finally:
+        p2p.time = real
+    on = PipelineStats(time_waits=True)
+    if rank == 1:
+        time.sleep(0.3)
+    t0 = time.perf_counter()
+    run_schedule(chunks, mbs, topo.pipeline(), loss_fn=masked_mean, schedule="1f1b", tensor_shape=shape, stats=on)
+    return off.wait_s, on.wait_s, time.perf_counter() - t0
+
+
+def test_wait_clock_measures_idle_time_and_costs_nothing_when_off():
+    (off0, wait0, step0), (off1, wait1, step1) = run_on_ranks(2, _timed_waits_body, timeout=120)
+    assert off0 == off1 == 0.0
+    assert 0.25 < wait0 < step0 and 0.0 < wait1 < step1 and wait1 < wait0
+
+
 def test_pipeline_inside_a_data_parallel_grid():
     """pp=2 x dp=2 (4 ranks, pipelines [0, 2] and [1, 3]): each replica, fed the same batches, trains
     exactly like the serial model (the data-parallel gradient reduction is not part of this module)."""
     results = run_on_ranks(4, _parallel_body, 1, 2, "interleaved", 2, 4, False, F32, timeout=120)
     check_parity(results, 4, 2, "interleaved", 2, F32)
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer with every schedule: pretrain_gpt.main against its serial run, loss and parameters
+# --------------------------------------------------------------------------------------------------
+
+# The flags that pick each --pipeline-schedule (a new schedule adds its entry here; the test below fails
+# until it does). Interleaved runs two chunks per rank: one layer per virtual stage at pp 2 (4 layers) and
+# at pp 4 (the pp 4 rows use 8 layers).
+SCHEDULE_FLAGS = {
+    "gpipe": ["--pipeline-schedule", "gpipe"],
+    "1f1b": ["--pipeline-schedule", "1f1b"],
+    "interleaved": ["--pipeline-schedule", "interleaved", "--num-layers-per-virtual-pipeline-stage", "1"],
+    "zb-h1": ["--pipeline-schedule", "zb-h1"],
+}
+_MOE = ("--num-experts", "4", "--moe-router-topk", "2")
+# (id, world size, model shape flags (the serial run's too), layout flags)
+TRAINER_LAYOUTS = [
+    ("pp2", 2, (), ["--pp", "2"]),
+    ("pp4", 4, ("--num-layers", "8"), ["--pp", "4"]),
+    ("tp2pp2", 4, (), ["--tp", "2", "--pp", "2"]),
+    ("dp2pp2-zero1", 4, (), ["--dp", "2", "--pp", "2", "--zero-stage", "1"]),
+    ("dp2pp2-zero2", 4, (), ["--dp", "2", "--pp", "2", "--zero-stage", "2"]),
+    ("dp2pp2-zero3", 4, (), ["--dp", "2", "--pp", "2", "--zero-stage", "3"]),
+    ("ep2dp2pp2-moe-zero1", 4, _MOE, ["--dp", "2", "--pp", "2", "--expert-model-parallel-size", "2",
+                                      "--zero-stage", "1"]),
+]
+_GRID = [(lay, sched) for lay in TRAINER_LAYOUTS for sched in SCHEDULE_FLAGS]
+
+
+def test_every_schedule_has_trainer_rows():
+    from megazero.config import SCHEDULES
+    assert set(SCHEDULE_FLAGS) == set(SCHEDULES)
+
+
+@pytest.fixture(scope="module")
+def serial_parity(tmp_path_factory):
+    from helpers.trainer import serial_parity_runs
+    return serial_parity_runs(tmp_path_factory)
+
+
+@pytest.mark.parametrize("layout,schedule", [
+    (lay, sched) if lay[0] == "pp2" else pytest.param(lay, sched, marks=pytest.mark.slow) for lay, sched in _GRID],
+    ids=[f"{lay[0]}-{sched}" for lay, sched in _GRID])
+def test_trainer_schedule_matches_serial(layout, schedule, serial_parity, tmp_path):
+    """The quick tier runs pp 2 with every schedule (the workers of a world size are reused: ~1 s a run)."""
+    from helpers.trainer import assert_matches_serial
+    _, world, shape, flags = layout
+    assert_matches_serial(world, [*shape, *flags, *SCHEDULE_FLAGS[schedule]], tmp_path, serial_parity(shape))

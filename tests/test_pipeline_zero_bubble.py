@@ -1,8 +1,10 @@
 """The zero-bubble generator (zero_bubble.py): deadlock-free for pp 2-8, m 1-16 by the simulator, the
 paper's ZB-H1 bubble (pp-1)/(3m+pp-1) for m >= pp at 1F1B's memory, run by the real executor on
 threads, its pictures in the docs, on gloo processes the same loss and parameters as the serial model
-(through the ZeRO grad sync), and ``--pipeline-schedule zb-h1`` through pretrain_gpt.main at pp 2 and
-4, tp 2, dp 2 with ZeRO 1-3 and EP 2 with the serial run's losses."""
+(through the ZeRO grad sync), and ``--pipeline-schedule zb-h1`` through pretrain_gpt.main with sequence
+parallelism and recompute, ZeRO-2 per micro-batch, ZeRO-3 kept gathered and activation offload, with the
+serial run's losses and parameters (pp 2 and 4, tp 2, dp 2 with ZeRO 1-3 and EP 2 are rows of the schedule
+grid in tests/test_pipeline.py)."""
 from __future__ import annotations
 
 import itertools
@@ -141,55 +143,32 @@ def test_zero_bubble_matches_serial(tp, pp, m):
         assert max(r["peaks"]) <= pp                           # held from F to W: 1F1B's peak
 
 
-# --pipeline-schedule zb-h1 through pretrain_gpt.main, against the serial run of the same model (fp32).
+# --pipeline-schedule zb-h1 through pretrain_gpt.main with what the split backward touches beyond the schedule
+# grid (tests/test_pipeline.py: every schedule at pp 2 and 4, tp 2, dp 2 with ZeRO 1-3, EP 2): sequence
+# parallelism with recompute, ZeRO-2's reduce per micro-batch, ZeRO-3 kept gathered, activation offload.
+# Each against the serial run of the same model (fp32): losses, gradient norms and every checkpointed tensor.
 ZB = ["--pipeline-schedule", "zb-h1"]
-MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 TRAINER_LAYOUTS = [
-    ("pp2", 2, ["--pp", "2"]),
-    ("pp4", 4, ["--pp", "4"]),
-    ("tp2pp2", 4, ["--tp", "2", "--pp", "2"]),
-    ("dp2pp2-zero1", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "1"]),
-    ("dp2pp2-zero2", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "2"]),
-    ("dp2pp2-zero3", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "3"]),
     ("tp2pp2-sp-recompute", 4, ["--tp", "2", "--pp", "2", "--sequence-parallel", "--recompute-activations"]),
     ("dp2pp2-zero2-each-mb", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "2", "--zero2-reduce-each-microbatch"]),
     ("dp2pp2-zero3-keep-gathered", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "3",
                                        "--zero3-keep-params-gathered"]),
     ("pp2-cpu-offloading", 2, ["--pp", "2", "--cpu-offloading", "--cpu-offloading-num-layers", "1"]),
-    ("ep2dp2pp2-moe-zero1", 4, MOE + ["--dp", "2", "--pp", "2", "--expert-model-parallel-size", "2",
-                                      "--zero-stage", "1"]),
 ]
 
 
 @pytest.fixture(scope="module")
-def serial_runs(tmp_path_factory):
-    """The single-process metrics of the dense and the MoE model, computed when first asked for."""
-    from helpers import run_on_ranks
-    from helpers.trainer import TINY, main_body, read_metrics
-    cache = {}
-
-    def get(moe: bool):
-        if moe not in cache:
-            path = tmp_path_factory.mktemp("serial") / "metrics.jsonl"
-            flags = TINY + (MOE if moe else []) + ["--metrics-file", str(path)]
-            assert run_on_ranks(1, main_body, flags, timeout=120) == [0]
-            cache[moe] = read_metrics(path)
-        return cache[moe]
-    return get
+def serial_parity(tmp_path_factory):
+    from helpers.trainer import serial_parity_runs
+    return serial_parity_runs(tmp_path_factory)
 
 
-@pytest.mark.parametrize("world,flags", [pytest.param(*c[1:], marks=() if c[0] == "pp2" else pytest.mark.slow)
-                                         for c in TRAINER_LAYOUTS], ids=[c[0] for c in TRAINER_LAYOUTS])
-def test_trainer_with_zb_h1_matches_serial(world, flags, serial_runs, tmp_path):
-    from helpers import run_on_ranks
-    from helpers.trainer import TINY, assert_same_losses, main_body, read_metrics
-    path = tmp_path / "metrics.jsonl"
-    assert run_on_ranks(world, main_body, TINY + ZB + flags + ["--metrics-file", str(path)],
-                        timeout=300) == [0] * world
-    train, valid = read_metrics(path)
-    want_train, want_valid = serial_runs("--num-experts" in flags)
-    assert_same_losses(train, want_train, "loss")
-    assert_same_losses(valid, want_valid, "valid_loss")
+@pytest.mark.parametrize("world,flags", [pytest.param(*c[1:], marks=() if c[0] == "pp2-cpu-offloading" else
+                                                      pytest.mark.slow) for c in TRAINER_LAYOUTS],
+                         ids=[c[0] for c in TRAINER_LAYOUTS])
+def test_trainer_with_zb_h1_matches_serial(world, flags, serial_parity, tmp_path):
+    from helpers.trainer import assert_matches_serial
+    assert_matches_serial(world, ZB + flags, tmp_path, serial_parity())
 
 
 def test_start_line_predicts_bubble_and_peak():

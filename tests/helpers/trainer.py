@@ -69,3 +69,64 @@ def pooled_launcher(patch=None, timeout: float = 300):
         if status != [0] * world:
             raise RunFailed(f"exit statuses {status}")
     return launch
+
+
+# Trainer parity with parameters: a run of PARITY_ITERS iterations saves a checkpoint at its end, and every
+# tensor of it (parameters and Adam moments, read layout-free by name) is compared with the serial run's
+# under the project's fp32 rule (megazero.fuzz.checker.TOLERANCES, the fuzzer's): losses and gradient norms
+# within 1e-5 relative, each parameter element within 1e-4 of its value + 1e-5 of its tensor's largest +
+# 2e-3 lr (Adam moves an element whose gradient is rounding noise by up to that much, either sign).
+PARITY_ITERS = 5
+
+
+def parity_argv(out_dir) -> list[str]:
+    """TINY for PARITY_ITERS iterations (one evaluation at the end), with its metrics file and one
+    checkpoint at the last iteration in ``out_dir``."""
+    return TINY + ["--train-iters", str(PARITY_ITERS), "--eval-interval", str(PARITY_ITERS), "--eval-iters", "1",
+                   "--metrics-file", str(Path(out_dir) / "metrics.jsonl"), "--save", str(Path(out_dir) / "ckpt"),
+                   "--save-interval", str(PARITY_ITERS)]
+
+
+def serial_parity_runs(tmp_path_factory):
+    """A getter ``get(shape_flags) -> directory`` of the single-process run of TINY + ``shape_flags``
+    (a tuple), run with :func:`parity_argv` on first use and cached (use it in a module fixture)."""
+    from helpers import run_on_ranks
+
+    cache = {}
+
+    def get(shape: tuple = ()):
+        if shape not in cache:
+            where = tmp_path_factory.mktemp("serial")
+            assert run_on_ranks(1, main_body, parity_argv(where) + list(shape), timeout=120) == [0]
+            cache[shape] = where
+        return cache[shape]
+    return get
+
+
+def assert_same_checkpoints(got_dir, want_dir, iteration: int, lr: float) -> int:
+    """Every tensor of checkpoint ``got_dir`` equals ``want_dir``'s (same names, fp32 rule above); returns
+    how many were compared."""
+    from megazero.fuzz.checker import TOLERANCES, Report, compare_checkpoints
+
+    report = Report(draw=None, tolerance=TOLERANCES["fp32"])
+    compare_checkpoints(Path(got_dir), Path(want_dir), iteration, TOLERANCES["fp32"], lr, report)
+    assert report.tensors_compared and not report.differences, "\n".join(str(d) for d in report.differences[:8])
+    return report.tensors_compared
+
+
+def assert_matches_serial(world: int, flags: list, out_dir, serial_dir) -> None:
+    """pretrain_gpt.main with :func:`parity_argv` + ``flags`` on ``world`` ranks: every iteration's loss and
+    gradient norm, the evaluation loss, and every parameter and optimizer moment after the last iteration
+    equal the serial run's in ``serial_dir``."""
+    from helpers import run_on_ranks
+
+    assert run_on_ranks(world, main_body, parity_argv(out_dir) + list(flags), timeout=300) == [0] * world
+    train, valid = read_metrics(Path(out_dir) / "metrics.jsonl")
+    want_train, want_valid = read_metrics(Path(serial_dir) / "metrics.jsonl")
+    assert len(train) == PARITY_ITERS and len(valid) == 1
+    for key in ("loss", "grad_norm"):
+        assert_same_losses(train, want_train, key)
+    assert_same_losses(valid, want_valid, "valid_loss")
+    step = f"iter_{PARITY_ITERS:07d}"
+    assert_same_checkpoints(Path(out_dir) / "ckpt" / step, Path(serial_dir) / "ckpt" / step, PARITY_ITERS,
+                            lr=float(TINY[TINY.index("--lr") + 1]))

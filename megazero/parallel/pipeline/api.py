@@ -33,7 +33,8 @@ def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, fo
         Its action lists are checked by the simulator once per (schedule, pp, m, v) in the process.
     tensor_shape: the stage-boundary activation shape (the model's ``activation_shape``); needed
         when pp > 1, where receive buffers are allocated before anything arrives.
-    stats: a :class:`PipelineStats` to fill (peak in-flight micro-batches, execution order).
+    stats: a :class:`PipelineStats` to fill (peak in-flight micro-batches, execution order, and with
+        ``time_waits`` the seconds spent waiting for the pipeline p2p).
 
     Returns the detached per-micro-batch losses on the last pipeline stage (in micro-batch order;
     the trainer averages them), an empty list on other stages.
@@ -50,10 +51,12 @@ def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, fo
             raise ValueError(f"run_schedule on pipeline rank {pipeline.rank} of {pipeline.size} needs tensor_shape: "
                              f"the model spec's boundary_shape(model_cfg, micro_batch_size, model groups)")
         # Several chunks per rank: the last rank's chunk c feeds rank 0's chunk c+1 (a ring).
-        comm = StageComm(pipeline, tensor_shape, _param_dtype(chunks), ring=runner.v > 1)
+        comm = StageComm(pipeline, tensor_shape, _param_dtype(chunks), ring=runner.v > 1,
+                         time_waits=stats.time_waits)
     execute(actions, runner, comm)
     if comm is not None:
         comm.flush()
+        stats.wait_s = comm.wait_s or 0.0
     return runner.losses if pipeline.is_last_stage else []
 
 

@@ -29,6 +29,8 @@ has posted the receive).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -38,14 +40,13 @@ from megazero.parallel.groups import PipelineLayout
 class Incoming:
     """A receive that has been posted: ``get()`` waits for it (once) and returns the tensor."""
 
-    __slots__ = ("tensor", "_reqs")
+    __slots__ = ("tensor", "_reqs", "_comm")
 
-    def __init__(self, tensor: torch.Tensor, reqs: list):
-        self.tensor, self._reqs = tensor, reqs
+    def __init__(self, tensor: torch.Tensor, reqs: list, comm: "StageComm"):
+        self.tensor, self._reqs, self._comm = tensor, reqs, comm
 
     def get(self) -> torch.Tensor:
-        for req in self._reqs:
-            req.wait()
+        self._comm.wait_for(self._reqs)
         self._reqs = []
         return self.tensor
 
@@ -57,9 +58,13 @@ class StageComm:
     the model's ``activation_shape``). Methods return ``None`` for a
     direction with no peer (the first stage's ``recv_forward`` without ``ring``, ...).
     ``num_batches`` / ``num_messages`` count what was exchanged (cheap instrumentation).
+    ``time_waits``: also add up in ``wait_s`` the seconds spent waiting for receives and, at
+    :meth:`flush`, for sends: this rank's idle time in the step, the measured bubble (``None``,
+    and no clock read, when off).
     """
 
-    def __init__(self, pipeline: PipelineLayout, shape, dtype: torch.dtype, *, ring: bool = False):
+    def __init__(self, pipeline: PipelineLayout, shape, dtype: torch.dtype, *, ring: bool = False,
+                 time_waits: bool = False):
         self.shape, self.dtype, self.device = tuple(shape), dtype, pipeline.device
         self.group = pipeline.group
         p, r = pipeline.size, pipeline.rank
@@ -68,7 +73,19 @@ class StageComm:
         else:
             self.prev, self.next = pipeline.prev_rank, pipeline.next_rank
         self.num_batches = self.num_messages = 0
+        self.wait_s: float | None = 0.0 if time_waits else None
         self._sends: list = []       # (request, tensor) of sends not yet seen complete
+
+    def wait_for(self, reqs) -> None:
+        """Wait for the requests ``reqs``, timed into ``wait_s`` when waits are timed."""
+        if self.wait_s is None:
+            for req in reqs:
+                req.wait()
+            return
+        t0 = time.perf_counter()
+        for req in reqs:
+            req.wait()
+        self.wait_s += time.perf_counter() - t0
 
     def exchange(self, *, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
                  recv_prev: bool = False, recv_next: bool = False, wait: bool = True):
@@ -104,7 +121,7 @@ class StageComm:
             self._sends = [(req, t) for req, t in self._sends if not req.is_completed()]
             self.num_batches += 1
             self.num_messages += len(ops)
-            from_prev, from_next = (None if t is None else Incoming(t, recv_reqs[id(t)])
+            from_prev, from_next = (None if t is None else Incoming(t, recv_reqs[id(t)], self)
                                     for t in (from_prev, from_next))
             if wait:
                 from_prev, from_next = (None if x is None else x.get() for x in (from_prev, from_next))
@@ -112,8 +129,7 @@ class StageComm:
 
     def flush(self) -> None:
         """Wait for every send still in flight (end of a step: nothing may outlive it)."""
-        for req, _ in self._sends:
-            req.wait()
+        self.wait_for([req for req, _ in self._sends])
         self._sends = []
 
     def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:

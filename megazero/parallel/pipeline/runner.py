@@ -22,6 +22,10 @@ class PipelineStats:
     ``peak_in_flight``: the most micro-batches whose forward had run and whose backward had not,
     summed over this rank's chunks: the number of activation sets held at once. 1F1B promises
     ``<= pp - pp_rank``; GPipe holds all ``m``.
+
+    ``time_waits`` (set it before the run; off by default, and then no clock is read): ``wait_s`` is the
+    seconds this rank spent waiting for its pipeline receives (and, at the step's end, its sends) --
+    its idle time, whose share of the step is the measured bubble.
     """
 
     schedule: str = ""
@@ -30,10 +34,13 @@ class PipelineStats:
     in_flight: int = 0
     peak_in_flight: int = 0
     order: list = field(default_factory=list)   # ("F" | "B" | "I" | "W", chunk, micro-batch) in execution order
+    time_waits: bool = False
+    wait_s: float = 0.0
 
     def reset(self, schedule: str) -> None:
         self.schedule, self.num_forward, self.num_backward = schedule, 0, 0
         self.in_flight = self.peak_in_flight = 0
+        self.wait_s = 0.0
         self.order = []
 
 
