@@ -156,7 +156,7 @@ def run_trainer(shapes, worlds, rounds: int, log, only: list[str] | None = None)
             log(f"trainer: {shape.layers} x {shape.hidden}, dp {world}: floors")
             floors = measure_floors(shape, world)
             names = [n for n in OURS if not only or n in only]
-            names += [p for n in names for p in GROUPS[n] if p not in names]
+            names += list(dict.fromkeys(p for n in names for p in GROUPS[n]))    # each peer once
             runs = {n: [] for n in names}
             for r in range(rounds):
                 order = names[r % len(names):] + names[:r % len(names)]
