@@ -62,7 +62,7 @@ def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
 
 def _global_figures(losses: list[torch.Tensor], topo: Topology, flag: bool) -> tuple[float, bool]:
     """(:func:`global_mean_loss`, whether ``flag`` is set on any rank), in one all-reduce."""
-    contributes = topo.is_last_stage and topo.tp_rank == 0 and losses
+    contributes = topo.tp_rank == 0 and losses      # losses: only the rank with the last virtual stage
     total = torch.zeros(3, device=topo.device)
     if contributes:
         total[0] = torch.stack(losses).sum().float()
@@ -350,10 +350,12 @@ def predicted_pipeline(job: JobConfig) -> str:
     par, m = job.parallel, job.num_micro_batches
     if par.pp == 1:
         return ""
-    bubble, peaks = theory(get_schedule(par), par.pp, m, par.virtual_stages)
+    v = par.virtual_stages
+    bubble, peaks = theory(get_schedule(par), par.pp, m, v)
+    held = (f"{max(peaks)} micro-batches per rank" if v == 1 else
+            f"{max(peaks)} chunk sets per rank (= {max(peaks) / v:g} micro-batches of a rank's layers)")
     return (f"\n pipeline {par.pipeline_schedule}: predicted bubble {bubble:.3f} of the step, peak activations "
-            f"{max(peaks)} micro-batches per rank, held from F to its B or W (unit times F = I = W = 1, "
-            f"B = 2; by rank {list(peaks)})")
+            f"{held}, held from F to its B or W (unit times F = I = W = 1, B = 2; by rank {list(peaks)})")
 
 
 @torch.no_grad()

@@ -62,6 +62,7 @@ from megazero.models.transformer import (NORM_TYPES, Embedding, LayerContext, Tr
                                          qkv_blocks_to_interleaved, qkv_interleaved_to_blocks)
 from megazero.parallel.groups import ModelParallelGroups
 from megazero.parallel.raw_comm import group_rank
+from megazero.parallel.pipeline.generators import stage_shape
 from megazero.parallel.pipeline.partition import placements
 from megazero.parallel.tensor import (ColumnParallelLinear, TensorParallelRNG, column_parallel_linear,
                                       init_std_scaled, mask_padded_vocab, set_tp_attributes, shard,
@@ -307,7 +308,8 @@ def build_model_chunks(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, top
     groups = topo.model_groups(parallel_cfg.sequence_parallel, parallel_cfg.cp_comm_type)
     return [GPT(model_cfg, groups, layer_ids=p.layer_ids, pre_process=p.pre_process, post_process=p.post_process,
                 seed=seed, dtype=dtype, device=device if device is not None else topo.device, home_device=topo.device)
-            for p in placements(model_cfg.num_layers, topo.pp_size, topo.pp_rank, parallel_cfg.virtual_stages)]
+            for p in placements(model_cfg.num_layers, topo.pp_size, topo.pp_rank, parallel_cfg.virtual_stages,
+                                stage_shape(parallel_cfg))]
 
 
 def activation_shape(model_cfg: ModelConfig, micro_batch_size: int, tp: int = 1,
