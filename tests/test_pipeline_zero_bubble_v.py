@@ -83,3 +83,131 @@ def test_rendered_picture_is_the_docs():
     picture = render(zb_v(4, 8), shape=V)
     docs = (Path(__file__).resolve().parents[1] / "docs" / "parallelism.md").read_text()
     assert f"```\n{picture}\n```" in docs
+
+
+def _zbv_body(rank, world, tp, pp, m):
+    """The gloo parity run of test_pipeline_zero_bubble's, with the V placement and the zb-v lists
+    (I and W through the ZeRO-0 grad sync; the tied embedding's two copies both on rank 0)."""
+    import torch
+
+    from megazero.config import ParallelConfig, ZeroConfig
+    from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
+    from megazero.parallel.pipeline import PipelineStats, run_schedule
+    from megazero.parallel.topology import Topology
+    from megazero.parallel.zero import wrap_data_parallel
+    from helpers.pipeline_parity import LR, MICRO, SEED, STEPS, batches, full_tensor, model_cfg, tied_copies_equal
+
+    topo, cfg = Topology(tp=tp, pp=pp), model_cfg()
+    chunks = build_model_chunks(cfg, ParallelConfig(tp=tp, pp=pp, pipeline_schedule="zb-v", virtual_stages=2),
+                                topo, seed=SEED)
+    named = [(n, p) for c in chunks for n, p in c.named_parameters()]
+    sync = wrap_data_parallel(chunks, topo, ZeroConfig(overlap_grad_reduce=True))
+    opt = torch.optim.AdamW([p for _, p in named], lr=LR)
+    losses, tied, peaks, grads = [], [], [], None
+    for step in range(STEPS):
+        stats = PipelineStats()
+        sync.zero_grad()
+        out = run_schedule(chunks, batches(step, m, cfg), topo.pipeline(), loss_fn=masked_mean, schedule=zb_v,
+                           tensor_shape=activation_shape(cfg, MICRO, tp, False), stats=stats, grad_sync=sync)
+        sync.finalize_grads()
+        if step == 0:
+            grads = {}
+            for n, p in named:                  # rank 0's two tied copies carry the same summed gradient
+                g = full_tensor(p.grad, p, topo)
+                assert n not in grads or torch.equal(grads[n], g), n
+                grads[n] = g
+        opt.step()
+        losses.append(torch.stack(out).mean().item() if out else None)
+        tied.append(tied_copies_equal(chunks, topo))
+        peaks.append(stats.peak_in_flight)
+    return {"pp_rank": topo.pp_rank, "losses": losses, "tied": tied, "peaks": peaks, "grads": grads,
+            "params": {n: full_tensor(p, p, topo) for n, p in named}}
+
+
+@pytest.mark.parametrize("tp,pp,m", [(1, 2, 4), pytest.param(1, 4, 8, marks=pytest.mark.slow),
+                                     pytest.param(2, 2, 4, marks=pytest.mark.slow)])
+def test_zb_v_matches_serial(tp, pp, m):
+    import torch
+    from helpers import run_on_ranks
+    from helpers.pipeline_parity import check_parity
+    results = run_on_ranks(tp * pp, _zbv_body, tp, pp, m, timeout=180)
+    check_parity(results, m, pp, "zb-v", 2, torch.float32)
+
+
+# --pipeline-schedule zb-v through pretrain_gpt.main against the serial run of the same model (fp32): the
+# losses of 7 steps and the parameters saved after 5; the pp2 case also loads each side's checkpoint in
+# the other's layout and continues with the serial run's losses.
+ZBV = ["--pipeline-schedule", "zb-v", "--train-iters", "7", "--save-interval", "5"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+EIGHT = ["--num-layers", "8"]                   # pp 4 needs 2 * 4 layers
+TRAINER_LAYOUTS = [
+    ("pp2", 2, ["--pp", "2"]),
+    ("pp4", 4, EIGHT + ["--pp", "4"]),
+    ("tp2pp2", 4, ["--tp", "2", "--pp", "2"]),
+    ("dp2pp2-zero1", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "1"]),
+    ("dp2pp2-zero2", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "2"]),
+    ("dp2pp2-zero3", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "3"]),
+    ("ep2dp2pp2-moe-zero1", 4, MOE + ["--dp", "2", "--pp", "2", "--expert-model-parallel-size", "2",
+                                      "--zero-stage", "1"]),
+]
+
+
+def _model_params(directory):
+    """The model's whole tensors in a checkpoint directory (layout-free: by name)."""
+    from megazero.checkpoint import CheckpointReader
+    reader = CheckpointReader(directory)
+    return {n: reader.read_full(n) for n in reader.tensors if n.startswith("model/")}
+
+
+def _run(world, flags, tmp_path, name):
+    from helpers import run_on_ranks
+    from helpers.trainer import TINY, main_body, read_metrics
+    path, save = tmp_path / f"{name}.jsonl", tmp_path / name
+    argv = [str(a) for a in TINY + ZBV[2:] + flags + ["--save", save, "--metrics-file", path]]
+    assert run_on_ranks(world, main_body, argv, timeout=300) == [0] * world
+    return read_metrics(path), save
+
+
+def _at_iteration_5(save, tmp_path):
+    """A directory whose latest checkpoint is ``save``'s iteration 5 (what --load resumes from)."""
+    import shutil
+
+    from megazero.checkpoint.format import TRACKER
+    out = tmp_path / f"at5-{save.name}"
+    shutil.copytree(save / "iter_0000005", out / "iter_0000005")
+    (out / TRACKER).write_text("5")
+    return out
+
+
+@pytest.fixture(scope="module")
+def serial_runs(tmp_path_factory):
+    """The single-process metrics and checkpoints of the dense (4 or 8 layers) and the MoE model."""
+    cache = {}
+
+    def get(flags):
+        key = ("--num-experts" in flags, "--num-layers" in flags)
+        if key not in cache:
+            extra = (MOE if key[0] else []) + (EIGHT if key[1] else [])
+            cache[key] = _run(1, extra, tmp_path_factory.mktemp("serial"), "serial")
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize("world,flags", [pytest.param(*c[1:], marks=() if c[0] == "pp2" else pytest.mark.slow)
+                                         for c in TRAINER_LAYOUTS], ids=[c[0] for c in TRAINER_LAYOUTS])
+def test_trainer_with_zb_v_matches_serial(world, flags, serial_runs, tmp_path):
+    import torch
+    from helpers.trainer import assert_same_losses
+    (train, valid), save = _run(world, ZBV[:2] + flags, tmp_path, "zbv")
+    (want_train, want_valid), want_save = serial_runs(flags)
+    assert_same_losses(train, want_train, "loss")
+    assert_same_losses(valid, want_valid, "valid_loss")
+    got, want = _model_params(save / "iter_0000005"), _model_params(want_save / "iter_0000005")
+    assert want and set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=lambda s: f"{name}: {s}")
+    if flags == ["--pp", "2"]:                  # layout-free checkpoints: zb-v -> pp 1 and pp 1 -> zb-v
+        for world_b, flags_b, ckpt in [(1, [], save), (2, ZBV[:2] + flags, want_save)]:
+            (train_b, _), _ = _run(world_b, flags_b + ["--load", _at_iteration_5(ckpt, tmp_path)], tmp_path,
+                                   f"resumed-at-world-{world_b}")
+            assert_same_losses(train_b, want_train[5:], "loss")
