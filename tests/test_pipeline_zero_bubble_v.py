@@ -1,6 +1,6 @@
-"""ZB-V (zero_bubble_v.py): the V placement, deadlock-free for pp 2-8, m 1-16 by the simulator, a bubble
-below ZB-H1's (and 1F1B's) for m >= pp at 1F1B's memory, run by the real executor on threads (the turn
-of the V handed over locally), its picture in the docs, on gloo processes the same loss, gradients and
+"""ZB-V (zero_bubble_v.py; the V placement is tested with partition's in test_pipeline.py): deadlock-free
+for pp 2-8, m 1-16 by the simulator, a bubble below ZB-H1's (and 1F1B's) for m >= pp at 1F1B's memory,
+run by the real executor on threads (the turn of the V handed over locally), its picture in the docs, on gloo processes the same loss, gradients and
 parameters as the serial model, and ``--pipeline-schedule zb-v`` through pretrain_gpt.main against the
 serial run (losses and the saved parameters; the checkpoint loads at pp 1)."""
 from __future__ import annotations
@@ -11,20 +11,11 @@ import pytest
 from helpers.pipeline_sim import run_on_threads
 
 from megazero.parallel.pipeline import one_f_one_b, simulate
-from megazero.parallel.pipeline.actions import Compute, Exchange, Kind, Op, P2P
-from megazero.parallel.pipeline.partition import V, placements
+from megazero.parallel.pipeline.actions import P2P, Compute, Exchange, Kind, Op
+from megazero.parallel.pipeline.partition import V
 from megazero.parallel.pipeline.simulate import ScheduleError
 from megazero.parallel.pipeline.zero_bubble import theory, zb_h1
 from megazero.parallel.pipeline.zero_bubble_v import zb_v
-
-
-def test_v_placement_puts_both_ends_on_rank_0():
-    """L = 8, pp = 2: stages 0 1 | 2 3 on ranks 0 1 | 1 0; embedding on rank 0 chunk 0, loss on rank 0 chunk 1."""
-    got = [[(p.layer_ids, p.pre_process, p.post_process) for p in placements(8, 2, r, 2, V)] for r in range(2)]
-    assert got == [[((0, 1), True, False), ((6, 7), False, True)],
-                   [((2, 3), False, False), ((4, 5), False, False)]]
-    layers = sorted(i for r in range(4) for p in placements(16, 4, r, 2, V) for i in p.layer_ids)
-    assert layers == list(range(16))
 
 
 @pytest.mark.parametrize("pp", range(2, 9))
@@ -89,13 +80,22 @@ def _zbv_body(rank, world, tp, pp, m):
     """The gloo parity run of test_pipeline_zero_bubble's, with the V placement and the zb-v lists
     (I and W through the ZeRO-0 grad sync; the tied embedding's two copies both on rank 0)."""
     import torch
+    from helpers.pipeline_parity import (
+        LR,
+        MICRO,
+        SEED,
+        STEPS,
+        batches,
+        full_tensor,
+        model_cfg,
+        tied_copies_equal,
+    )
 
     from megazero.config import ParallelConfig, ZeroConfig
     from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
     from megazero.parallel.pipeline import PipelineStats, run_schedule
     from megazero.parallel.topology import Topology
     from megazero.parallel.zero import wrap_data_parallel
-    from helpers.pipeline_parity import LR, MICRO, SEED, STEPS, batches, full_tensor, model_cfg, tied_copies_equal
 
     topo, cfg = Topology(tp=tp, pp=pp), model_cfg()
     chunks = build_model_chunks(cfg, ParallelConfig(tp=tp, pp=pp, pipeline_schedule="zb-v", virtual_stages=2),
@@ -136,8 +136,10 @@ def test_zb_v_matches_serial(tp, pp, m):
 
 # --pipeline-schedule zb-v through pretrain_gpt.main against the serial run of the same model (fp32): the
 # losses of 7 steps and the parameters saved after 5; the pp2 case also loads each side's checkpoint in
-# the other's layout and continues with the serial run's losses.
-ZBV = ["--pipeline-schedule", "zb-v", "--train-iters", "7", "--save-interval", "5"]
+# the other's layout and continues with the serial run's losses. Parameters: 1e-5 relative with an
+# absolute floor of 1e-5, 1% of one lr = 1e-3 step (helpers.pipeline_parity.check_parity's reasoning:
+# Adam moves an entry whose true gradient is ~0, like the key bias, by rounding noise of either sign).
+ZBV = ["--pipeline-schedule", "zb-v", "--train-iters", "7", "--save-interval", "5", "--lr", "1e-3"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 EIGHT = ["--num-layers", "8"]                   # pp 4 needs 2 * 4 layers
 TRAINER_LAYOUTS = [
@@ -205,7 +207,7 @@ def test_trainer_with_zb_v_matches_serial(world, flags, serial_runs, tmp_path):
     got, want = _model_params(save / "iter_0000005"), _model_params(want_save / "iter_0000005")
     assert want and set(got) == set(want)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=lambda s: f"{name}: {s}")
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=lambda s, n=name: f"{n}: {s}")
     if flags == ["--pp", "2"]:                  # layout-free checkpoints: zb-v -> pp 1 and pp 1 -> zb-v
         for world_b, flags_b, ckpt in [(1, [], save), (2, ZBV[:2] + flags, want_save)]:
             (train_b, _), _ = _run(world_b, flags_b + ["--load", _at_iteration_5(ckpt, tmp_path)], tmp_path,

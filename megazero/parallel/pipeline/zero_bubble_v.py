@@ -28,7 +28,7 @@ docs/parallelism.md.
 """
 from __future__ import annotations
 
-from megazero.parallel.pipeline.actions import Action, Compute, Kind, Op, P2P, batch
+from megazero.parallel.pipeline.actions import P2P, Action, Compute, Kind, Op, batch
 from megazero.parallel.pipeline.partition import V, stage_position, virtual_stage
 
 
