@@ -48,8 +48,9 @@ from megazero.models.recompute import full_recompute_groups
 from megazero.models.spec import get_model_spec
 from megazero.parallel.groups import ExpertParallel, ModelParallelGroups
 from megazero.parallel.params import attribute, split_dim
+from megazero.parallel.pipeline.actions import Compute, Kind
+from megazero.parallel.pipeline.generators import get_schedule, stage_shape
 from megazero.parallel.pipeline.interleaved import chunk_of, interleaved_warmup
-from megazero.parallel.pipeline.generators import stage_shape
 from megazero.parallel.pipeline.partition import placements, stage_layer_ids
 from megazero.parallel.zero.buckets import plan_buckets
 from megazero.parallel.zero.engine import bucket_group_filters
@@ -158,6 +159,9 @@ def _schedule_order(job: JobConfig, pp_rank: int) -> list[tuple[str, int]]:
         warmup = min(pp - pp_rank - 1, m)
         return [("F", 0)] * warmup + [op for _ in range(m - warmup) for op in (("F", 0), ("B", 0))] + \
             [("B", 0)] * warmup
+    if par.pipeline_schedule == "zb-v":                # its lists, F to I (W keeps less, as for zb-h1)
+        return [("F" if a.kind is Kind.FORWARD else "B", a.chunk) for a in get_schedule(par)(pp, m, v)[pp_rank]
+                if isinstance(a, Compute) and a.kind in (Kind.FORWARD, Kind.BACKWARD_INPUT)]
     total, warmup = m * v, interleaved_warmup(m, pp, pp_rank, v)
     order = [("F", chunk_of(k, pp, v)) for k in range(warmup)]
     for k in range(total - warmup):
