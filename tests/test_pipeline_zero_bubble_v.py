@@ -213,3 +213,14 @@ def test_trainer_with_zb_v_matches_serial(world, flags, serial_runs, tmp_path):
             (train_b, _), _ = _run(world_b, flags_b + ["--load", _at_iteration_5(ckpt, tmp_path)], tmp_path,
                                    f"resumed-at-world-{world_b}")
             assert_same_losses(train_b, want_train[5:], "loss")
+
+
+def test_start_line_predicts_bubble_and_peak():
+    """The line a run prints at start (pp 4, m 8): ZB-V's bubble, and its peak in chunk sets and in 1F1B's units."""
+    from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, validate
+    from megazero.training import predicted_pipeline
+    job = JobConfig(parallel=ParallelConfig(pp=4, pipeline_schedule="zb-v"), model=ModelConfig(num_layers=8),
+                    train=TrainConfig(micro_batch_size=1, global_batch_size=8))
+    line = predicted_pipeline(validate(job, world_size=4))
+    assert ("pipeline zb-v: predicted bubble 0.059 of the step, peak activations 8 chunk sets per rank "
+            "(= 4 micro-batches of a rank's layers)") in line
