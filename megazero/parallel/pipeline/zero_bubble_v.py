@@ -11,7 +11,7 @@ Each backward is split into ``I`` (input gradient, which the previous stage wait
 like ZB-H1's (``zero_bubble.py``): time runs in unit steps, and at each step every rank picks one
 compute from what it has at the start of the step, in this order: the next forward of chunk 1, then
 of chunk 0 (each if its input is in and the rank holds fewer than ``2 * pp`` micro-batch chunk sets),
-the next I of chunk 1, then of chunk 0 (if its output gradient is in), else the oldest pending W.
+the next I of chunk 0, then of chunk 1 (if its output gradient is in), else the oldest pending W.
 After the step each rank posts one batch: what it just computed goes to the rank that runs the
 neighbouring stage, and it receives what its neighbours just computed for it. Each batch meets the
 neighbours' batches of the same step, so the lists are deadlock-free by construction; the simulator
@@ -21,10 +21,11 @@ Memory. A chunk holds half of a rank's layers, so ``2 * pp`` chunk sets held fro
 ``pp`` sets of the rank's layers: 1F1B's peak (on its rank 0), on every rank.
 
 Bubble, with F = I = W = 1 unit per chunk (a rank's whole work is 6m units): the paper's ZB-V
-reaches ``(pp-1)/(6m+pp-1)``, about half of ZB-H1's ``(pp-1)/(3m+pp-1)`` in the same units; these
-lists reach it exactly for many (pp, m) and stay within a few points of it, always below ZB-H1's,
-for m >= pp (tested). pp = 4, m = 8 (``simulate.render``; ``a`` = chunk 0, ``b`` = chunk 1) is in
-docs/parallelism.md.
+reaches ``(pp-1)/(6m+pp-1)``, about half of ZB-H1's ``(pp-1)/(3m+pp-1)`` in the same units. These
+lists reach it exactly at m = pp and for every m >= 3pp/2 (tested for pp 2-8, m up to 16); for m
+a little above pp (pp + 1 .. 3pp/2) the greedy steps lose up to 8 points of it (pp 8, m 9: 0.194
+against 0.115), still below ZB-H1's (0.206). pp = 4, m = 8 (``simulate.render``; ``a`` = chunk 0,
+``b`` = chunk 1) is in docs/parallelism.md.
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ class _RankState:
                 return Compute(Kind.FORWARD, c, f)
         if self.fo:
             return None
-        for c in (1, 0):
+        for c in (0, 1):                             # chunk 0's I first: it unblocks the rank before
             i = self.next_i[c]
             last = c == 1 and self.r == 0
             if i < self.next_f[c] and (last or (c, i) in self.grads):
