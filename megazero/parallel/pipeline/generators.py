@@ -23,6 +23,7 @@ pictures of all three are in docs/parallelism.md).
 from __future__ import annotations
 
 from megazero.parallel.pipeline.actions import Action, B, F, Op, P2P, batch
+from megazero.parallel.pipeline.executor import stage_shape_of
 from megazero.parallel.pipeline.interleaved import interleaved_one_f_one_b
 from megazero.parallel.pipeline.zero_bubble import zb_h1
 from megazero.parallel.pipeline.zero_bubble_v import zb_v
@@ -127,7 +128,6 @@ def stage_shape(parallel_cfg) -> str:
     """How the schedule a ``ParallelConfig`` asks for places the virtual stages on the ranks
     (``partition.V`` for zb-v, else ``partition.LOOP``): what the model builders pass to
     ``partition.placements``."""
-    from megazero.parallel.pipeline.executor import stage_shape_of
     return stage_shape_of(get_schedule(parallel_cfg))
 
 
