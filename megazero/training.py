@@ -52,7 +52,8 @@ class StepResult:
 def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
     """Mean of the last stage's micro-batch losses over all data-parallel ranks, known on every rank.
 
-    Only last-stage ranks with tp_rank 0 contribute (tp ranks hold identical losses), so a single
+    Only ranks with losses (run_schedule returns them where the last virtual stage runs: the last pipeline
+    rank, or pp rank 0 in the V of zb-v) and tp_rank 0 contribute (tp ranks hold identical losses), so a single
     all-reduce over the world of (sum, count) gives the same number everywhere, rank 0 included. Under
     context parallelism each cp rank's loss is its slice's share of the micro-batch's loss: every cp rank
     adds its share, only cp rank 0 counts the micro-batches.
