@@ -7,8 +7,8 @@ yet to use (posted receives of an ``Exchange(wait=False)`` are waited on only wh
 needs them starts). A tensor whose next (or previous) virtual stage runs on this rank -- the turn
 of the V shape -- goes straight into the second table, detached as if it had travelled. Each p2p
 op of a batch is put on the wire towards the rank that runs its peer stage (the previous rank for
-an odd chunk's "next" in the V). The schedule has already been checked by :func:`checked_schedule`, so a missing
-entry here is a bug in this module, reported as such.
+an odd chunk's "next" in the V). The schedule has already been checked by
+:func:`checked_schedule`, so a missing entry here is a bug in this module, reported as such.
 """
 from __future__ import annotations
 
