@@ -2,7 +2,9 @@
 for pp 2-8, m 1-16 by the simulator, a bubble below ZB-H1's (and 1F1B's) for m >= pp at 1F1B's memory,
 run by the real executor on threads (the turn of the V handed over locally), its picture in the docs, on gloo processes the same loss, gradients and
 parameters as the serial model, and ``--pipeline-schedule zb-v`` through pretrain_gpt.main against the
-serial run (losses and the saved parameters; the checkpoint loads at pp 1)."""
+serial run (losses and the saved parameters; the checkpoint loads at pp 1) at pp 2 and 4, tp 2, dp 2 with
+ZeRO 1-3, EP 2, and with sequence parallelism + recompute, per-micro-batch reduction, kept ZeRO-3
+gathers and CPU activation offloading."""
 from __future__ import annotations
 
 import itertools
@@ -154,6 +156,11 @@ TRAINER_LAYOUTS = [
     ("dp2pp2-zero3", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "3"]),
     ("ep2dp2pp2-moe-zero1", 4, MOE + ["--dp", "2", "--pp", "2", "--expert-model-parallel-size", "2",
                                       "--zero-stage", "1"]),
+    ("tp2pp2-sp-recompute", 4, ["--tp", "2", "--pp", "2", "--sequence-parallel", "--recompute-activations"]),
+    ("dp2pp2-zero2-each-mb", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "2", "--zero2-reduce-each-microbatch"]),
+    ("dp2pp2-zero3-keep-gathered", 4, ["--dp", "2", "--pp", "2", "--zero-stage", "3",
+                                       "--zero3-keep-params-gathered"]),
+    ("pp2-cpu-offloading", 2, ["--pp", "2", "--cpu-offloading", "--cpu-offloading-num-layers", "1"]),
 ]
 
 
