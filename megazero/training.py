@@ -52,7 +52,8 @@ class StepResult:
 def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
     """Mean of the last stage's micro-batch losses over all data-parallel ranks, known on every rank.
 
-    Only last-stage ranks with tp_rank 0 contribute (tp ranks hold identical losses), so a single
+    Only ranks with losses (run_schedule returns them where the last virtual stage runs: the last pipeline
+    rank, or pp rank 0 in the V of zb-v) and tp_rank 0 contribute (tp ranks hold identical losses), so a single
     all-reduce over the world of (sum, count) gives the same number everywhere, rank 0 included. Under
     context parallelism each cp rank's loss is its slice's share of the micro-batch's loss: every cp rank
     adds its share, only cp rank 0 counts the micro-batches.
@@ -62,7 +63,7 @@ def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
 
 def _global_figures(losses: list[torch.Tensor], topo: Topology, flag: bool) -> tuple[float, bool]:
     """(:func:`global_mean_loss`, whether ``flag`` is set on any rank), in one all-reduce."""
-    contributes = topo.is_last_stage and topo.tp_rank == 0 and losses
+    contributes = topo.tp_rank == 0 and losses      # losses: only the rank with the last virtual stage
     total = torch.zeros(3, device=topo.device)
     if contributes:
         total[0] = torch.stack(losses).sum().float()
@@ -351,10 +352,12 @@ def predicted_pipeline(job: JobConfig) -> str:
     par, m = job.parallel, job.num_micro_batches
     if par.pp == 1:
         return ""
-    bubble, peaks = theory(get_schedule(par), par.pp, m, par.virtual_stages)
+    v = par.virtual_stages
+    bubble, peaks = theory(get_schedule(par), par.pp, m, v)
+    held = (f"{max(peaks)} micro-batches per rank" if v == 1 else
+            f"{max(peaks)} chunk sets per rank (= {max(peaks) / v:g} micro-batches of a rank's layers)")
     return (f"\n pipeline {par.pipeline_schedule}: predicted bubble {bubble:.3f} of the step, peak activations "
-            f"{max(peaks)} micro-batches per rank, held from F to its B or W (unit times F = I = W = 1, "
-            f"B = 2; by rank {list(peaks)})")
+            f"{held}, held from F to its B or W (unit times F = I = W = 1, B = 2; by rank {list(peaks)})")
 
 
 @torch.no_grad()

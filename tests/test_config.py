@@ -24,6 +24,13 @@ def test_valid_layout_fills_derived_values():
     assert j.optimizer.lr_decay_iters == j.train.train_iters
 
 
+def test_zb_v_implies_two_chunks_per_rank():
+    for per_virtual in (None, 2):               # unset, or the value that says the same
+        j = validate(job(model=ModelConfig(num_layers=8), parallel=ParallelConfig(
+            pp=2, pipeline_schedule="zb-v", num_layers_per_virtual_pipeline_stage=per_virtual)), world_size=2)
+        assert j.parallel.virtual_stages == 2 and j.parallel.pipeline_schedule == "zb-v"
+
+
 def test_validate_does_not_mutate_its_input():
     original = job(parallel=ParallelConfig(tp=2))
     validate(original, world_size=4)
@@ -62,6 +69,13 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
              train=TrainConfig(micro_batch_size=1, global_batch_size=3)), r"interleaved schedule needs micro-batches \(3\)"),
     (2, dict(parallel=ParallelConfig(pp=2, pipeline_schedule="zb-h1", num_layers_per_virtual_pipeline_stage=1),
              model=ModelConfig(num_layers=4)), r"--pipeline-schedule zb-h1 runs one model chunk per rank: drop"),
+    (2, dict(parallel=ParallelConfig(pp=2, pipeline_schedule="zb-v"), model=ModelConfig(num_layers=6)),
+     r"--pipeline-schedule zb-v puts two chunks on each of the 2 pipeline ranks: --num-layers 6 must be divisible"),
+    (2, dict(parallel=ParallelConfig(pp=2, pipeline_schedule="zb-v", num_layers_per_virtual_pipeline_stage=1),
+             model=ModelConfig(num_layers=8)), r"zb-v runs two chunks per rank \(2 layers each\).*drop --num-layers-per"),
+    (4, dict(parallel=ParallelConfig(pp=4, pipeline_schedule="zb-v"), model=ModelConfig(num_layers=8),
+             train=TrainConfig(micro_batch_size=1, global_batch_size=2)),
+     r"2 micro-batches per step is fewer than 4 pipeline stages, which leaves the zb-v pipeline"),
     (1, dict(zero=ZeroConfig(zero_stage=4)), r"--zero-stage must be 0, 1, 2 or 3, got 4"),
     (2, dict(zero=ZeroConfig(zero_stage=1, reduce_each_microbatch=True)),
      r"--zero2-reduce-each-microbatch applies to --zero-stage 2 only \(got 1\)"),

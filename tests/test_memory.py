@@ -59,6 +59,17 @@ def test_estimated_model_states_are_the_zero_accounting():
         assert est.model_states == pytest.approx(paper_model_states(est.params, 64, stage), rel=1e-3)
 
 
+def test_zb_v_activations_are_1f1b_peak_on_every_rank():
+    """zb-v holds 2pp chunk sets of half a rank's layers from F to I on every rank: 1F1B's rank-0 peak
+    (within 10%: rank 0 of the V also holds the loss side), where 1F1B's rank r holds pp - r."""
+    base = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "1", "--global-batch-size", "8", "--mock-data", "--pp", "4"]
+    est = {s: estimate_memory(parse_job(base + ["--pipeline-schedule", s], 4)[0], "cuda") for s in ("1f1b", "zb-v")}
+    peak_1f1b = max(e.activations for e in est["1f1b"])
+    for e in est["zb-v"]:
+        assert 0.9 * peak_1f1b < e.activations < 1.1 * peak_1f1b, (e.pp_rank, e.activations, peak_1f1b)
+
+
 # --------------------------------------------------------------------------- estimate vs measurement
 
 # The capacity benchmark's shape (BENCHMARKS.md, 4 layers): model states dominate, the estimate's

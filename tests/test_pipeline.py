@@ -22,6 +22,7 @@ from megazero.models.gpt import GPT, activation_shape, build_model_chunks, maske
 from megazero.parallel.pipeline import (PipelineStats, get_schedule, gpipe, interleaved_one_f_one_b,
                                         interleaved_warmup, no_pipelining, one_f_one_b, run_schedule, simulate,
                                         stage_layer_ids)
+from megazero.parallel.pipeline.partition import V, placements
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import wrap_data_parallel
 
@@ -40,6 +41,15 @@ def test_stage_layer_ids():
     assert covered == list(range(16))
     with pytest.raises(ValueError, match="not divisible"):
         stage_layer_ids(6, 4, 0)
+
+
+def test_v_placement_puts_both_ends_on_rank_0():
+    """L = 8, pp = 2: stages 0 1 | 2 3 on ranks 0 1 | 1 0; embedding on rank 0 chunk 0, loss on rank 0 chunk 1."""
+    got = [[(p.layer_ids, p.pre_process, p.post_process) for p in placements(8, 2, r, 2, V)] for r in range(2)]
+    assert got == [[((0, 1), True, False), ((6, 7), False, True)],
+                   [((2, 3), False, False), ((4, 5), False, False)]]
+    layers = sorted(i for r in range(4) for p in placements(16, 4, r, 2, V) for i in p.layer_ids)
+    assert layers == list(range(16))
 
 
 def test_dispatcher_picks_by_config():
@@ -301,6 +311,7 @@ SCHEDULE_FLAGS = {
     "1f1b": ["--pipeline-schedule", "1f1b"],
     "interleaved": ["--pipeline-schedule", "interleaved", "--num-layers-per-virtual-pipeline-stage", "1"],
     "zb-h1": ["--pipeline-schedule", "zb-h1"],
+    "zb-v": ["--pipeline-schedule", "zb-v"],
 }
 _MOE = ("--num-experts", "4", "--moe-router-topk", "2")
 # (id, world size, model shape flags (the serial run's too), layout flags)

@@ -38,3 +38,11 @@ def test_actions_are_frozen_values_that_read_well():
     assert str(Exchange((P2P(Op.SEND_NEXT, 0, 1), P2P(Op.RECV_NEXT, 0, 0)), wait=False)) == (
         "exchange[send-next activation (chunk 0, micro-batch 1), recv-next gradient (chunk 0, micro-batch 0); "
         "wait when needed]")
+
+
+def test_a_batch_may_hold_one_op_of_a_kind_per_chunk():
+    """The V: chunk 0's activation from the previous rank and chunk 1's from the next, in one batch."""
+    both = Exchange((P2P(Op.RECV_PREV, 0, 3), P2P(Op.RECV_PREV, 1, 1)))
+    assert batch(P2P(Op.RECV_PREV, 1, 1), P2P(Op.RECV_PREV, 0, 3)) == [both]
+    with pytest.raises(ValueError, match="at most one of each kind per chunk"):
+        Exchange((P2P(Op.RECV_PREV, 1, 1), P2P(Op.RECV_PREV, 0, 3)))

@@ -88,7 +88,7 @@ def test_generators_reject_what_they_cannot_run():
         gpipe(2, 4, 2)
     with pytest.raises(ValueError, match=r"micro-batches \(6\) divisible by pp \(4\)"):
         interleaved_one_f_one_b(4, 6, 2)
-    assert set(GENERATORS) == {"1f1b", "gpipe", "interleaved", "zb-h1", "none"}
+    assert set(GENERATORS) == {"1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "none"}
 
 
 GPIPE_PP4_M8 = """\

@@ -108,3 +108,20 @@ def test_timeline_peaks_bubble_and_durations():
     assert render(one_f_one_b(2, 2), durations={Kind.BACKWARD: 2.0}) == (
         "rank 0: F0 F1 .. .. B0 B0 .. B1 B1\n"
         "rank 1: .. F0 B0 B0 F1 B1 B1 .. ..")
+
+
+def test_v_shape_peers_and_wire_slots():
+    """In the V (pp 3, two chunks) rank 1's chunk 1 gets its activation from rank 2 and its chunk 0 from
+    rank 0 (both "recv-prev", on different wires), and rank 2 hands chunk 0's output to its chunk 1 with
+    no message. The same lists do not run as the loop, and a batch may not put two ops on one wire."""
+    from megazero.parallel.pipeline.partition import V
+    fwd = [[F(0, 0), Exchange((P2P(Op.SEND_NEXT, 0, 0),)), Exchange((P2P(Op.RECV_PREV, 1, 0),)), F(1, 0)],
+           [Exchange((P2P(Op.RECV_PREV, 0, 0),)), F(0, 0), Exchange((P2P(Op.SEND_NEXT, 0, 0),)),
+            Exchange((P2P(Op.RECV_PREV, 1, 0),)), F(1, 0), Exchange((P2P(Op.SEND_NEXT, 1, 0),))],
+           [Exchange((P2P(Op.RECV_PREV, 0, 0),)), F(0, 0), F(1, 0), Exchange((P2P(Op.SEND_NEXT, 1, 0),))]]
+    assert simulate(fwd, 1, 2, True, shape=V).makespan == 6      # 6 stages, the turn on rank 2 is local
+    with pytest.raises(ScheduleError, match="rank 2 action 2 .* would block"):
+        simulate(fwd, 1, 2, True)                                # the same lists read as the loop deadlock
+    two = Exchange((P2P(Op.SEND_NEXT, 0, 0), P2P(Op.SEND_PREV, 1, 0)))   # both to rank 1 on the send-next wire
+    with pytest.raises(ScheduleError, match="two operations on the same wire slot"):
+        simulate([[F(0, 0), two], fwd[1], fwd[2]], 1, 2, True, shape=V)

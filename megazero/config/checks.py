@@ -144,7 +144,7 @@ def check_train(t: TrainConfig, par: ParallelConfig) -> None:
         fail(f"{FLAG.global_batch_size} {t.global_batch_size} is not divisible by {FLAG.micro_batch_size} "
               f"{t.micro_batch_size} * dp {par.dp} = {per_step}: use a multiple of {per_step}")
     m = t.global_batch_size // per_step
-    if par.pp > 1 and par.pipeline_schedule in ("1f1b", "interleaved", "zb-h1") and m < par.pp:
+    if par.pp > 1 and par.pipeline_schedule in ("1f1b", "interleaved", "zb-h1", "zb-v") and m < par.pp:
         fail(f"{m} micro-batches per step is fewer than {par.pp} pipeline stages, which leaves the "
               f"{par.pipeline_schedule} pipeline mostly idle: raise {FLAG.global_batch_size} to at least "
               f"{par.pp * per_step} (micro-batches = global / (micro * dp))")

@@ -160,7 +160,9 @@ def check_pipeline(m: ModelConfig, par: ParallelConfig) -> None:
     one_of(par, "pipeline_schedule")
     per_virtual = par.num_layers_per_virtual_pipeline_stage
     virtual = FLAG.num_layers_per_virtual_pipeline_stage
-    if per_virtual is not None:
+    if par.pipeline_schedule == "zb-v" and par.pp > 1:      # at pp = 1 every schedule is no pipelining
+        _check_zb_v(m, par)
+    elif per_virtual is not None:
         positive(per_virtual, "num_layers_per_virtual_pipeline_stage")
         if par.pipeline_schedule == "zb-h1":
             fail(f"{FLAG.pipeline_schedule} zb-h1 runs one model chunk per rank: drop {virtual}")
@@ -179,6 +181,18 @@ def check_pipeline(m: ModelConfig, par: ParallelConfig) -> None:
     if m.num_layers % par.pp:
         fail(f"{FLAG.num_layers} {m.num_layers} is not divisible by {FLAG.pp} {par.pp}: "
               f"each pipeline stage needs the same number of layers")
+
+
+def _check_zb_v(m: ModelConfig, par: ParallelConfig) -> None:
+    """zb-v: two chunks per rank in a V (``virtual_stages = 2``), so num-layers / (2 * pp) layers per chunk."""
+    per_virtual, virtual = par.num_layers_per_virtual_pipeline_stage, FLAG.num_layers_per_virtual_pipeline_stage
+    if m.num_layers % (2 * par.pp):
+        fail(f"{FLAG.pipeline_schedule} zb-v puts two chunks on each of the {par.pp} pipeline ranks: "
+             f"{FLAG.num_layers} {m.num_layers} must be divisible by 2 * {FLAG.pp} {par.pp} = {2 * par.pp}")
+    if per_virtual is not None and per_virtual * 2 * par.pp != m.num_layers:
+        fail(f"{FLAG.pipeline_schedule} zb-v runs two chunks per rank ({m.num_layers // (2 * par.pp)} layers "
+             f"each), but {virtual} {per_virtual} gives {m.num_layers / (par.pp * per_virtual):g}: drop {virtual}")
+    par.virtual_stages = 2
 
 
 def check_activation_memory(m: ModelConfig) -> None:

@@ -22,7 +22,7 @@ from megazero.config.logging_config import LoggingConfig
 from megazero.config.megatron_flags import MEGATRON_TOKENIZERS
 
 # The allowed values of the choice flags: one source for the command line and the checks.
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v")
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")     # Megatron's --cp-comm-type values
 DECAY_STYLES = ("constant", "linear", "cosine")
 TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -220,7 +220,9 @@ class ParallelConfig:
         help="interleaved 1F1B: layers per model chunk")
     pipeline_schedule: str = flag_field("1f1b", "--pipeline-schedule", choices=SCHEDULES, group=_PAR,
                                         help="interleaved is implied by virtual pipeline stages; zb-h1: zero-bubble ZB-H1 "
-                                             "(1F1B's memory, a third of its bubble)")
+                                             "(1F1B's memory, a third of its bubble); zb-v: zero-bubble ZB-V "
+                                             "(two chunks per rank in a V, 1F1B's memory, about half ZB-H1's "
+                                             "bubble)")
     sequence_parallel: bool = flag_field(False, "--sequence-parallel", action="store_true", group=_PAR,
                                          help="split the activations outside the tensor-parallel regions "
                                               "along the sequence over the tp ranks")

@@ -49,7 +49,7 @@ from megazero.models.spec import get_model_spec
 from megazero.parallel.groups import ExpertParallel, ModelParallelGroups
 from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline.actions import Compute, Kind
-from megazero.parallel.pipeline.generators import get_schedule
+from megazero.parallel.pipeline.generators import get_schedule, stage_shape
 from megazero.parallel.pipeline.partition import placements, stage_layer_ids
 from megazero.parallel.zero.buckets import plan_buckets
 from megazero.parallel.zero.engine import bucket_group_filters
@@ -103,7 +103,7 @@ def _chunks(job: JobConfig, pp_rank: int) -> list:
     groups = ModelParallelGroups(ep=ExpertParallel(None, tuple(range(ep)), 0, ep))
     spec = get_model_spec(job.model.model_family)
     return [spec.build_chunk(job.model, placement, groups, device="meta")
-            for placement in placements(job.model.num_layers, par.pp, pp_rank, par.virtual_stages)]
+            for placement in placements(job.model.num_layers, par.pp, pp_rank, par.virtual_stages, stage_shape(par))]
 
 
 def _local_numel(p, job: JobConfig) -> int:
@@ -177,7 +177,7 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     spec = get_model_spec(job.model.model_family)
     activation_model = spec.activation_bytes or TransformerActivations()
     act_job = cp_slice_job(job)                  # activations: a context-parallel rank's slice of the sequence
-    places = placements(job.model.num_layers, par.pp, pp_rank, par.virtual_stages)
+    places = placements(job.model.num_layers, par.pp, pp_rank, par.virtual_stages, stage_shape(par))
     chunks = _chunks(job, pp_rank)
     groups = _state_groups(job, chunks)                # [(buckets, dp ranks sharing them)]: dense, experts
     units = [[u for _, _, per_chunk in groups for u in per_chunk[i]] for i in range(len(chunks))]
@@ -398,7 +398,7 @@ def moe_alltoall_bytes_per_step(job: JobConfig, pp_rank: int = 0) -> int:
     tokens = cfg.seq_length * job.train.micro_batch_size // (par.tp if par.sequence_parallel else 1)
     layers = again = 0                  # MoE layers of the rank's chunks; those a full recompute runs again
     for c in range(par.virtual_stages):
-        ids = stage_layer_ids(cfg.num_layers, par.pp, pp_rank, par.virtual_stages, c)
+        ids = stage_layer_ids(cfg.num_layers, par.pp, pp_rank, par.virtual_stages, c, stage_shape(par))
         layers += sum(cfg.is_moe_layer(i) for i in ids)
         again += sum(cfg.is_moe_layer(ids[i]) for group, on in full_recompute_groups(cfg, len(ids)) if on
                      for i in group)

@@ -74,6 +74,7 @@ def recomputed_share(cfg: ModelConfig, par) -> float:
     the first ``--recompute-num-layers`` of each of the pp x v chunks); selective, the attention
     score/value term (core_attn) and the dense MLPs (mlp); norms and activations are not matmuls."""
     from megazero.models.recompute import full_recompute_groups
+    from megazero.parallel.pipeline.generators import stage_shape
     from megazero.parallel.pipeline.partition import placements
 
     h, s, L = cfg.hidden_size, cfg.seq_length, cfg.num_layers
@@ -81,7 +82,7 @@ def recomputed_share(cfg: ModelConfig, par) -> float:
     if cfg.recompute_granularity == "full":
         again = 0
         for rank in range(par.pp):
-            for chunk in placements(L, par.pp, rank, par.virtual_stages):
+            for chunk in placements(L, par.pp, rank, par.virtual_stages, stage_shape(par)):
                 groups = full_recompute_groups(cfg, len(chunk.layer_ids))
                 again += sum(per_layer[chunk.layer_ids[i]] for indices, on in groups if on for i in indices)
         return again / sum(per_layer)

@@ -53,6 +53,7 @@ from torch import nn
 
 from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig
 from megazero.parallel.groups import ModelParallelGroups
+from megazero.parallel.pipeline.generators import stage_shape
 from megazero.parallel.pipeline.partition import StagePlacement, placements
 
 
@@ -161,8 +162,9 @@ def spec_for_hf(model_type: str) -> ModelSpec:
 
 def build_model_chunks(spec: ModelSpec, job: JobConfig, topo, *, dtype: torch.dtype = torch.float32,
                        device=None) -> list[nn.Module]:
-    """This rank's ``v`` chunks (``v = job.parallel.virtual_stages``; 1 unless interleaved), chunk c being
-    virtual stage ``c * pp + pp_rank`` (:func:`megazero.parallel.pipeline.partition.placements`).
+    """This rank's ``v`` chunks (``v = job.parallel.virtual_stages``; 1 unless interleaved or zb-v), chunk c
+    being virtual stage ``c * pp + pp_rank`` (in the V of zb-v, odd chunks ``c * pp + pp - 1 - pp_rank``:
+    :func:`megazero.parallel.pipeline.partition.placements`).
     ``device="meta"`` allocates nothing (the ZeRO engine then materialises each parameter where it
     lives, from the chunk's ``initial_value``)."""
     par = job.parallel
@@ -172,7 +174,8 @@ def build_model_chunks(spec: ModelSpec, job: JobConfig, topo, *, dtype: torch.dt
     groups = topo.model_groups(par.sequence_parallel, par.cp_comm_type)
     return [spec.build_chunk(job.model, placement, groups, seed=job.train.seed, dtype=dtype,
                              device=device if device is not None else topo.device, home_device=topo.device)
-            for placement in placements(job.model.num_layers, topo.pp_size, topo.pp_rank, par.virtual_stages)]
+            for placement in placements(job.model.num_layers, topo.pp_size, topo.pp_rank, par.virtual_stages,
+                                        stage_shape(par))]
 
 
 def check_family(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, compile_cfg=None) -> None:

@@ -14,7 +14,8 @@ import threading
 from collections import defaultdict
 
 from megazero.parallel.groups import PipelineLayout
-from megazero.parallel.pipeline.executor import checked_schedule, execute
+from megazero.parallel.pipeline.executor import checked_schedule, execute, stage_shape_of
+from megazero.parallel.pipeline.partition import LOOP, virtual_stage
 from megazero.parallel.pipeline.runner import PipelineStats
 
 
@@ -84,13 +85,13 @@ class FakeComm:
 class FakeRunner:
     """Same interface as StageRunner; checks every input is the right (virtual stage, micro-batch)."""
 
-    def __init__(self, pipeline: PipelineLayout, v: int, m: int, forward_only: bool = False):
-        self.pipeline, self.v, self.num_micro, self.forward_only = pipeline, v, m, forward_only
+    def __init__(self, pipeline: PipelineLayout, v: int, m: int, forward_only: bool = False, shape: str = LOOP):
+        self.pipeline, self.v, self.num_micro, self.forward_only, self.shape = pipeline, v, m, forward_only, shape
         self.stats = PipelineStats()
         self.forwarded, self.backwarded = set(), set()
 
     def vs(self, c):
-        return c * self.pipeline.size + self.pipeline.rank
+        return virtual_stage(self.pipeline.rank, self.pipeline.size, c, self.shape)
 
     def is_first(self, c):
         return self.vs(c) == 0
@@ -134,16 +135,17 @@ class FakeRunner:
 
 def run_on_threads(generator, pp: int, m: int, v: int = 1, forward_only: bool = False,
                    timeout: float = 5.0) -> list[FakeRunner]:
-    """Run ``generator``'s lists through the executor on pp threads (the p2p is a ring when v > 1,
-    as in ``run_schedule``); return each rank's runner (its stats hold the order)."""
+    """Run ``generator``'s lists through the executor on pp threads (the p2p is a ring when v > 1 in
+    the loop shape, as in ``run_schedule``); return each rank's runner (its stats hold the order)."""
     lists = checked_schedule(generator, pp, m, v, forward_only)
+    shape = stage_shape_of(generator)
     net = Network(timeout)
-    runners = [FakeRunner(layout(pp, r), v, m, forward_only) for r in range(pp)]
+    runners = [FakeRunner(layout(pp, r), v, m, forward_only, shape) for r in range(pp)]
     errors = [None] * pp
 
     def main(r):
         try:
-            execute(lists[r], runners[r], FakeComm(net, runners[r].pipeline, ring=v > 1))
+            execute(lists[r], runners[r], FakeComm(net, runners[r].pipeline, ring=v > 1 and shape == LOOP))
         except BaseException as e:  # noqa: BLE001
             errors[r] = e
 

@@ -15,7 +15,8 @@ the dispatcher) and ``interleaved`` (interleaved 1F1B) write those lists, ``simu
 draws them, ``executor`` runs one rank's list with ``runner`` (one forward/backward of one
 micro-batch) and ``p2p`` (batched isend/irecv); ``api``'s ``run_schedule`` ties them together.
 ``split_backward`` splits a micro-batch's backward into I (input gradient) and W (weight gradients)
-on the autograd graph; ``zero_bubble`` writes lists with I and W (``--pipeline-schedule zb-h1``).
+on the autograd graph; ``zero_bubble`` (ZB-H1) and ``zero_bubble_v`` (ZB-V, two chunks per rank in
+the V shape of ``partition``) write lists with I and W (``--pipeline-schedule zb-h1`` / ``zb-v``).
 """
 from megazero.parallel.pipeline.actions import Action, Compute, Exchange, Kind, Op, P2P
 from megazero.parallel.pipeline.api import run_schedule
@@ -24,15 +25,19 @@ from megazero.parallel.pipeline.generators import (GENERATORS, default_schedule,
                                                    one_f_one_b, schedule_by_name)
 from megazero.parallel.pipeline.interleaved import chunk_of, interleaved_one_f_one_b, interleaved_warmup, micro_of
 from megazero.parallel.pipeline.p2p import StageComm
-from megazero.parallel.pipeline.partition import (StagePlacement, is_first_virtual_stage, is_last_virtual_stage,
-                                                  placements, stage_layer_ids)
+from megazero.parallel.pipeline.partition import (LOOP, V, StagePlacement, is_first_virtual_stage,
+                                                  is_last_virtual_stage, placements, stage_layer_ids, stage_position,
+                                                  virtual_stage)
 from megazero.parallel.pipeline.runner import PipelineStats, StageRunner
 from megazero.parallel.pipeline.simulate import ScheduleError, Timeline, render, simulate
+from megazero.parallel.pipeline.zero_bubble import zb_h1
+from megazero.parallel.pipeline.zero_bubble_v import zb_v
 
 __all__ = [
     "Action", "checked_schedule", "chunk_of", "Compute", "default_schedule", "Exchange", "execute", "GENERATORS",
     "get_schedule", "gpipe", "interleaved_one_f_one_b", "interleaved_warmup", "is_first_virtual_stage",
     "is_last_virtual_stage", "Kind", "micro_of", "no_pipelining", "one_f_one_b", "Op", "P2P", "PipelineStats",
     "placements", "render", "run_schedule", "ScheduleError", "schedule_by_name", "simulate", "StageComm",
-    "StagePlacement", "StageRunner", "stage_layer_ids", "Timeline",
+    "StagePlacement", "StageRunner", "stage_layer_ids", "Timeline", "LOOP", "V", "stage_position", "virtual_stage",
+    "zb_h1", "zb_v",
 ]

@@ -9,16 +9,21 @@ Two kinds of action make up a rank's list:
   ``torch.distributed.batch_isend_irecv``). Each :class:`P2P` names the tensor it carries: the
   activation of (chunk, micro-batch) sent to the next stage or received from the previous one, or
   the gradient sent to the previous stage or received from the next one. A batch holds at most one
-  operation of each of the four kinds, in the fixed order send-next, recv-prev, send-prev,
+  operation of each of the four kinds per chunk, in the fixed order send-next, recv-prev, send-prev,
   recv-next (``p2p.StageComm``'s order; on a ring of two ranks, where prev and next are the same
-  rank, it is what makes both sides match the activation before the gradient).
+  rank, it is what makes both sides match the activation before the gradient), chunk by chunk
+  within a kind (in the V shape one batch may receive chunk 0's activation from the previous rank
+  and chunk 1's from the next).
   ``wait=False`` posts the receives and waits for each only when its tensor is needed (the
   interleaved schedule: a forward starts as soon as its activation is in while the gradient of the
   same batch still travels).
 
-Chunk ``c`` of pipeline rank ``r`` is virtual stage ``c * pp + r`` (``partition.py``): the activation
-of a chunk goes to the next virtual stage, which is on the next rank (rank 0's chunk ``c + 1`` after
-the last rank's chunk ``c``), and its gradient comes back from there.
+"Next" and "previous" are virtual stages (``partition.py``). In the loop shape chunk ``c`` of
+pipeline rank ``r`` is virtual stage ``c * pp + r``: the activation of a chunk goes to the next
+virtual stage, which is on the next rank (rank 0's chunk ``c + 1`` after the last rank's chunk
+``c``), and its gradient comes back from there. In the V shape an odd chunk's next stage is on the
+previous rank, and the turn (the last rank's chunk 0 to its chunk 1) is no message at all: the
+executor hands the tensor over locally.
 
 Example, 1F1B on the last of two ranks, micro-batches 0 and 1::
 
@@ -106,10 +111,11 @@ class Exchange:
     wait: bool = True
 
     def __post_init__(self):
-        kinds = [p.op.value for p in self.ops]
-        if not self.ops or kinds != sorted(set(kinds)):
-            raise ValueError(f"an Exchange holds one to four p2p ops, at most one of each kind, in the order "
-                             f"send-next, recv-prev, send-prev, recv-next; got {[str(p) for p in self.ops]}")
+        keys = [(p.op.value, p.chunk) for p in self.ops]
+        if not self.ops or keys != sorted(set(keys)):
+            raise ValueError(f"an Exchange holds p2p ops, at most one of each kind per chunk, in the order "
+                             f"send-next, recv-prev, send-prev, recv-next (chunk by chunk within a kind); "
+                             f"got {[str(p) for p in self.ops]}")
 
     def __str__(self) -> str:
         return "exchange[" + ", ".join(str(p) for p in self.ops) + ("" if self.wait else "; wait when needed") + "]"
@@ -129,5 +135,5 @@ def B(chunk: int, micro: int) -> Compute:
 def batch(*ops: P2P | None, wait: bool = True) -> list[Exchange]:
     """The batch of the given ops (``None`` entries skipped) put in posting order, as a list of one
     Exchange, or an empty list when no op is left: generators write ``acts += batch(...)``."""
-    ops = tuple(sorted((p for p in ops if p is not None), key=lambda p: p.op.value))
+    ops = tuple(sorted((p for p in ops if p is not None), key=lambda p: (p.op.value, p.chunk)))
     return [Exchange(ops, wait)] if ops else []

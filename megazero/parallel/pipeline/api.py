@@ -5,7 +5,8 @@ import torch
 
 from megazero.parallel.groups import PipelineLayout
 
-from megazero.parallel.pipeline.executor import checked_schedule, execute
+from megazero.parallel.pipeline.executor import checked_schedule, execute, stage_shape_of
+from megazero.parallel.pipeline.partition import LOOP
 from megazero.parallel.pipeline.generators import default_schedule, get_schedule, no_pipelining, schedule_by_name
 from megazero.parallel.pipeline.p2p import StageComm
 from megazero.parallel.pipeline.runner import PipelineStats, StageRunner
@@ -36,28 +37,31 @@ def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, fo
     stats: a :class:`PipelineStats` to fill (peak in-flight micro-batches, execution order, and with
         ``time_waits`` the seconds spent waiting for the pipeline p2p).
 
-    Returns the detached per-micro-batch losses on the last pipeline stage (in micro-batch order;
-    the trainer averages them), an empty list on other stages.
+    Returns the detached per-micro-batch losses on the rank that holds the last virtual stage (the
+    last pipeline rank; rank 0 in the V shape of zb-v), in micro-batch order (the trainer averages
+    them); an empty list on other ranks.
     """
     generator = _resolve(schedule, pipeline.size, len(chunks))
     stats = stats if stats is not None else PipelineStats()
     stats.reset(getattr(generator, "__name__", str(generator)))
+    shape = stage_shape_of(generator)
     runner = StageRunner(chunks, micro_batches, pipeline, forward_only=forward_only, loss_scale=loss_scale,
-                         grad_sync=grad_sync, stats=stats, loss_fn=loss_fn)
+                         grad_sync=grad_sync, stats=stats, loss_fn=loss_fn, shape=shape)
     actions = checked_schedule(generator, pipeline.size, runner.num_micro, runner.v, forward_only)[pipeline.rank]
     comm = None
     if pipeline.size > 1:
         if tensor_shape is None:
             raise ValueError(f"run_schedule on pipeline rank {pipeline.rank} of {pipeline.size} needs tensor_shape: "
                              f"the model spec's boundary_shape(model_cfg, micro_batch_size, model groups)")
-        # Several chunks per rank: the last rank's chunk c feeds rank 0's chunk c+1 (a ring).
-        comm = StageComm(pipeline, tensor_shape, _param_dtype(chunks), ring=runner.v > 1,
+        # Several chunks in the loop: the last rank's chunk c feeds rank 0's chunk c+1 (a ring); the V
+        # turns on the last rank without a message.
+        comm = StageComm(pipeline, tensor_shape, _param_dtype(chunks), ring=runner.v > 1 and shape == LOOP,
                          time_waits=stats.time_waits)
     execute(actions, runner, comm)
     if comm is not None:
         comm.flush()
         stats.wait_s = comm.wait_s or 0.0
-    return runner.losses if pipeline.is_last_stage else []
+    return runner.losses if runner.holds_loss else []
 
 
 def _resolve(schedule, pp: int, num_chunks: int):

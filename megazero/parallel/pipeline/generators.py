@@ -4,7 +4,9 @@ A generator is a pure function (no torch, no process group) that writes down, fo
 rank, the forwards, backwards and p2p batches of one step (``actions.py``). ``executor.py`` runs a
 rank's list; ``simulate.py`` checks a whole set of lists for deadlock and data dependencies before
 the first one runs, and draws them. Adding a schedule is one generator plus its test: put the
-function here (or in a module of its own, like ``interleaved.py``) and name it in ``GENERATORS``.
+function here (or in a module of its own, like ``interleaved.py``) and name it in ``GENERATORS`` (a
+generator that places the chunks other than in the loop of interleaved 1F1B says so with a
+``stage_shape`` attribute: ``zero_bubble_v.zb_v.stage_shape = partition.V``).
 
 1F1B for pp=4, m=8 (``simulate.render``: one time unit per forward and per backward, '.' idle)::
 
@@ -21,8 +23,10 @@ pictures of all three are in docs/parallelism.md).
 from __future__ import annotations
 
 from megazero.parallel.pipeline.actions import Action, B, F, Op, P2P, batch
+from megazero.parallel.pipeline.executor import stage_shape_of
 from megazero.parallel.pipeline.interleaved import interleaved_one_f_one_b
 from megazero.parallel.pipeline.zero_bubble import zb_h1
+from megazero.parallel.pipeline.zero_bubble_v import zb_v
 
 
 def no_pipelining(pp: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action]]:
@@ -100,7 +104,7 @@ def _one_chunk(v: int, name: str) -> None:
 
 
 GENERATORS = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_one_f_one_b, "zb-h1": zb_h1,
-              "none": no_pipelining}
+              "zb-v": zb_v, "none": no_pipelining}
 
 
 def schedule_by_name(name: str):
@@ -118,6 +122,13 @@ def get_schedule(parallel_cfg):
     if parallel_cfg.pp == 1:
         return no_pipelining
     return schedule_by_name(parallel_cfg.pipeline_schedule)
+
+
+def stage_shape(parallel_cfg) -> str:
+    """How the schedule a ``ParallelConfig`` asks for places the virtual stages on the ranks
+    (``partition.V`` for zb-v, else ``partition.LOOP``): what the model builders pass to
+    ``partition.placements``."""
+    return stage_shape_of(get_schedule(parallel_cfg))
 
 
 def default_schedule(pp: int, num_chunks: int):

@@ -11,7 +11,7 @@ import torch
 
 from megazero.parallel.groups import PipelineLayout
 
-from megazero.parallel.pipeline.partition import is_first_virtual_stage, is_last_virtual_stage
+from megazero.parallel.pipeline.partition import LOOP, is_first_virtual_stage, is_last_virtual_stage
 from megazero.parallel.pipeline.split_backward import backward_input
 
 
@@ -47,12 +47,14 @@ class PipelineStats:
 class StageRunner:
     """Runs this rank's chunks on the step's micro-batches, one forward or backward at a time.
 
-    ``chunks[c]`` is virtual stage ``c * pp + pp_rank``. The schedule names the chunk and the
-    micro-batch of each call; ``losses`` lists the last stage's losses in micro-batch order.
+    ``chunks[c]`` is virtual stage ``partition.virtual_stage(pp_rank, pp, c, shape)`` (``c * pp +
+    pp_rank`` in the loop shape). The schedule names the chunk and the micro-batch of each call;
+    ``losses`` lists the last stage's losses in micro-batch order.
     """
 
     def __init__(self, chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, forward_only: bool = False,
-                 loss_scale: float = 1.0, grad_sync=None, stats: PipelineStats | None = None):
+                 loss_scale: float = 1.0, grad_sync=None, stats: PipelineStats | None = None, shape: str = LOOP):
+        self.shape = shape
         self.chunks, self.micro_batches, self.pipeline = list(chunks), list(micro_batches), pipeline
         self.num_micro, self.v = len(self.micro_batches), len(self.chunks)
         if self.num_micro == 0:
@@ -75,7 +77,12 @@ class StageRunner:
         return is_first_virtual_stage(self.pipeline.rank, c)
 
     def is_last(self, c: int) -> bool:
-        return is_last_virtual_stage(self.pipeline.rank, self.pipeline.size, c, self.v)
+        return is_last_virtual_stage(self.pipeline.rank, self.pipeline.size, c, self.v, self.shape)
+
+    @property
+    def holds_loss(self) -> bool:
+        """True on the rank that runs the last virtual stage (the loss)."""
+        return self.is_last(self.v - 1)
 
     def _batch(self, i: int, key: str) -> torch.Tensor:
         mb = self.micro_batches[i]

@@ -16,6 +16,12 @@ action expects. It reports, as a :class:`ScheduleError` naming the rank and the 
   message received where another was expected, something received and never used, a forward or
   backward missing or run twice.
 
+A stage shape (``partition.py``: the loop of interleaved 1F1B, the V of ZB-V) says which rank runs
+which virtual stage: the peer of each message, and the turn of the V, where a rank's chunk hands its
+output to its own next chunk with no message (a list that sends it is reported). A batch's
+operations are matched in the order ``p2p.StageComm`` posts them on the wire (to and from the
+physical next and previous rank), and a batch may hold one operation per wire slot.
+
 Otherwise it returns a :class:`Timeline`: when each compute ran with unit (or given) durations and
 free transfers, the bubble, and the peak in-flight activations per rank (micro-batches whose
 forward ran and whose backward, or W, has not: what ``PipelineStats.peak_in_flight`` measures).
@@ -27,7 +33,8 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megazero.parallel.pipeline.actions import Compute, Exchange, Kind
+from megazero.parallel.pipeline.actions import Compute, Exchange, Kind, Op
+from megazero.parallel.pipeline.partition import LOOP, runs_backwards, stage_position, virtual_stage
 
 
 class ScheduleError(ValueError):
@@ -89,8 +96,8 @@ class _Rank:
 
 
 class _Sim:
-    def __init__(self, lists, m: int, v: int, forward_only: bool, durations):
-        self.pp, self.m, self.v, self.fo = len(lists), m, v, forward_only
+    def __init__(self, lists, m: int, v: int, forward_only: bool, durations, shape: str = LOOP):
+        self.pp, self.m, self.v, self.fo, self.shape = len(lists), m, v, forward_only, shape
         self.durations = {**DEFAULT_DURATIONS, **(durations or {})}
         self.ranks = [_Rank(r, acts) for r, acts in enumerate(lists)]
         self.sends = defaultdict(list)     # (src, dst) -> [_Slot]
@@ -101,7 +108,21 @@ class _Sim:
         raise ScheduleError(f"rank {rk.r} action {rk.pc} ({a}) {what}", rk.r, rk.pc, a)
 
     def stage(self, r: int, c: int) -> int:
-        return c * self.pp + r
+        return virtual_stage(r, self.pp, c, self.shape)
+
+    def local_peer(self, r: int, vs: int) -> int | None:
+        """This rank's chunk that runs virtual stage ``vs``, or None when another rank runs it."""
+        rank, chunk = stage_position(vs, self.pp, self.shape)
+        return chunk if rank == r else None
+
+    def produce(self, rk: _Rank, tensor: str, c: int, i: int, peer_vs: int) -> None:
+        """A computed tensor: to the outbox, or straight to the inbox of the rank's own chunk that
+        runs ``peer_vs`` (the turn of the V)."""
+        own = self.local_peer(rk.r, peer_vs)
+        if own is None:
+            rk.outbox.add((tensor, c, i))
+        else:
+            rk.inbox.add((tensor, own, i))
 
     # ---- compute ------------------------------------------------------------------------------
     def compute(self, rk: _Rank, a: Compute) -> None:
@@ -115,7 +136,7 @@ class _Sim:
         if k is Kind.FORWARD:
             self.take(rk, first, (_ACT, c, i), "its input activation has not arrived")
             if not last:
-                rk.outbox.add((_ACT, c, i))
+                self.produce(rk, _ACT, c, i, vs + 1)
             if not self.fo:
                 rk.in_flight += 1
                 rk.peak = max(rk.peak, rk.in_flight)
@@ -132,7 +153,7 @@ class _Sim:
                 self.fail(rk, "runs a second backward of the same micro-batch")
             self.take(rk, last, (_GRAD, c, i), "its output gradient has not arrived")
             if not first:
-                rk.outbox.add((_GRAD, c, i))
+                self.produce(rk, _GRAD, c, i, vs - 1)
             if k is Kind.BACKWARD:
                 rk.in_flight -= 1
         rk.done.add((k, c, i))
@@ -148,9 +169,19 @@ class _Sim:
         rk.inbox.remove(key)
 
     # ---- p2p ----------------------------------------------------------------------------------
+    def wire_slot(self, p) -> int:
+        """Where ``StageComm`` posts op ``p``: 0 send to the next rank, 1 receive from the previous,
+        2 send to the previous, 3 receive from the next (an odd chunk of the V swaps the ranks)."""
+        if not runs_backwards(p.chunk, self.shape):
+            return p.op.value
+        return {Op.SEND_NEXT: 2, Op.RECV_PREV: 3, Op.SEND_PREV: 0, Op.RECV_NEXT: 1}[p.op]
+
     def post(self, rk: _Rank, ex: Exchange) -> None:
-        slots = []
-        for p in ex.ops:
+        slots, wire = [], sorted(ex.ops, key=self.wire_slot)
+        if len({self.wire_slot(p) for p in wire}) < len(wire):
+            self.fail(rk, "has two operations on the same wire slot (one send and one receive per neighbour "
+                          "and batch)")
+        for p in wire:
             vs = self.stage(rk.r, p.chunk)
             if not (0 <= p.chunk < self.v and 0 <= p.micro < self.m):
                 self.fail(rk, f"names a chunk or micro-batch outside {self.v} chunks x {self.m} micro-batches")
@@ -159,7 +190,9 @@ class _Sim:
             if not 0 <= peer_vs < self.pp * self.v:
                 side = "next" if p.op.towards_next else "previous"
                 self.fail(rk, f"has {p}, but virtual stage {vs} has no {side} stage")
-            peer, key = peer_vs % self.pp, (tensor, p.chunk, p.micro)
+            if self.local_peer(rk.r, peer_vs) is not None:
+                self.fail(rk, f"has {p}, but virtual stage {peer_vs} is on this rank: the hand-off is local")
+            peer, key = stage_position(peer_vs, self.pp, self.shape)[0], (tensor, p.chunk, p.micro)
             if p.op.is_send:
                 if key not in rk.outbox:
                     self.fail(rk, f"has {p}, which is not computed yet (or was sent already)")
@@ -263,12 +296,13 @@ def _describe(payload) -> str:
 
 
 def simulate(lists, m: int | None = None, v: int | None = None, forward_only: bool | None = None,
-             durations: dict | None = None) -> Timeline:
+             durations: dict | None = None, shape: str = LOOP) -> Timeline:
     """Check one action list per pipeline rank (``lists[r]`` for rank r) and time them.
 
     m, v, forward_only: the step the lists are for (inferred from the lists when None). durations:
-    time units per compute kind (default 1 each). Raises :class:`ScheduleError` for a list that
-    would deadlock or break a data dependency."""
+    time units per compute kind (default 1 each). shape: how the virtual stages sit on the ranks
+    (``partition.LOOP`` or ``partition.V``; a generator's ``stage_shape``). Raises
+    :class:`ScheduleError` for a list that would deadlock or break a data dependency."""
     computes = [a for acts in lists for a in acts if isinstance(a, Compute)]
     if m is None:
         m = 1 + max((a.micro for a in computes), default=-1)
@@ -276,7 +310,7 @@ def simulate(lists, m: int | None = None, v: int | None = None, forward_only: bo
         v = 1 + max((a.chunk for a in computes), default=0)
     if forward_only is None:
         forward_only = all(a.kind is Kind.FORWARD for a in computes)
-    return _Sim(lists, m, v, forward_only, durations).run()
+    return _Sim(lists, m, v, forward_only, durations, shape).run()
 
 
 def label(a: Compute, v: int) -> str:
@@ -286,7 +320,7 @@ def label(a: Compute, v: int) -> str:
 
 
 def render(lists, m: int | None = None, v: int | None = None, forward_only: bool | None = None,
-           durations: dict | None = None) -> str:
+           durations: dict | None = None, shape: str = LOOP) -> str:
     """The schedule as text: one row per rank, one column per time unit, ``.`` for idle.
 
     >>> from megazero.parallel.pipeline.generators import one_f_one_b
@@ -296,7 +330,7 @@ def render(lists, m: int | None = None, v: int | None = None, forward_only: bool
     """
     if v is None:
         v = 1 + max((a.chunk for acts in lists for a in acts if isinstance(a, Compute)), default=0)
-    tl = simulate(lists, m, v, forward_only, durations)
+    tl = simulate(lists, m, v, forward_only, durations, shape)
     columns = math.ceil(tl.makespan - 1e-9)
     width = max((len(label(a, v)) for row in tl.computes for _, _, a in row), default=1)
     rows = []

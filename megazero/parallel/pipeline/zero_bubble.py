@@ -119,7 +119,8 @@ def theory(generator, pp: int, m: int, v: int = 1):
     """The (bubble fraction, peak in-flight micro-batches per rank, counted from F to its B or W) a
     schedule predicts, from the simulator with F = I = W = 1 and a full backward B = 2 units (so 1F1B
     and ZB-H1 compare); what a run prints at start."""
+    from megazero.parallel.pipeline.executor import stage_shape_of
     from megazero.parallel.pipeline.simulate import simulate
     durations = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.BACKWARD_INPUT: 1.0, Kind.BACKWARD_WEIGHT: 1.0}
-    tl = simulate(generator(pp, m, v, False), m, v, False, durations)
+    tl = simulate(generator(pp, m, v, False), m, v, False, durations, stage_shape_of(generator))
     return tl.bubble_fraction, tl.peak_in_flight

@@ -312,8 +312,22 @@ class BucketedGradSync:
                                self.tp.group, "tp")
         if self.pipeline.size > 1:
             shared = [s for s in self.slots if attribute(s.param, "shared_embedding")]
-            if shared:
+            if len(shared) == 2:                  # both ends on this rank (the V of zb-v): a local sum
+                self._sum_local_pair(shared)
+            elif shared:
                 self._sum_segments(shared, self.pipeline.embedding.group, "emb")
+
+    def _sum_local_pair(self, pair: list[ParamSlot]) -> None:
+        """The tied embedding's original and its copy both on this rank (in two chunks, each in a
+        bucket of its own of the same size, so this rank holds the same range of both): each gets
+        the sum of the two reduced gradients, as the embedding group's all-reduce gives elsewhere."""
+        a, b = (self.local_grad_segments(s) for s in pair)
+        for x, y in zip(a, b):
+            x.add_(y)
+            y.copy_(x)
+        for s in pair:
+            lo, hi = self.grad_range(s.bucket)
+            self._reduced(s.bucket, max(lo, s.start), min(hi, s.end))
 
     def _sum_segments(self, slots: list[ParamSlot], group, tag: str) -> None:
         segments = [seg for s in slots for seg in self.local_grad_segments(s)]
