@@ -72,6 +72,29 @@ def test_compile_section_times_compiled_against_eager_and_fsdp2(tmp_path):
     assert "warm (" in rows["ours-pp2-compiled vs ours-pp2"].split("|")[11]
 
 
+@pytest.mark.timeout(300)
+def test_cp_section_sets_live_bytes_beside_the_estimator(tmp_path):
+    """The cp section (quick shape, the single process and cp 2 allgather): the trainer at cp 2 trains as the
+    single process does, its peak live bytes per rank are below the single process's, and the peak and the
+    activations agree with the estimator within its 20% flag."""
+    out = tmp_path / "BENCHMARKS.md"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--sections", "cp",
+                           "--variants", "cp1,cp2-allgather", "--out", str(out)],
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=290)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = out.read_text().splitlines()
+    assert "## Context parallelism: one long sequence over cp 1, 2 ranks, each comm type, beside the estimator" in lines
+    rows = {name: [c.strip() for c in next(line for line in lines if line.startswith(f"| {name} |")).split("|")[1:-1]]
+            for name in ("cp1", "cp2-allgather")}
+    cp2 = rows["cp2-allgather"]
+    assert cp2[1] == "1" and float(cp2[11]) > 0, cp2                          # one rank per core; a step time
+    assert float(cp2[-1]) <= 1e-5, cp2                                      # the loss of every step: cp 1's
+    assert float(cp2[2]) < float(rows["cp1"][2]) and float(cp2[9]) < 1, cp2  # a smaller peak per rank
+    assert "**" not in cp2[4] and "**" not in cp2[8], cp2                    # measured / estimated within 20%
+    assert 0.8 <= float(cp2[4]) <= 1.2 and float(cp2[10]) > 0, cp2          # and cp bytes were sent
+
+
 def test_theory_formulas():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from common import dp_comm_bytes, flag, tp_layer_comm_bytes, zero_fp32_bytes
