@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from common import median, random_micro_batches, reachable_tensor_bytes, spawn
 
@@ -150,15 +150,16 @@ def run_trainer(shape: CPShape, cp: int, comm_type: str | None) -> dict:
     """One torchrun of ``pretrain_gpt.py``: its timed steps' ``step_time_s``, every step's loss, its peak RSS."""
     with tempfile.TemporaryDirectory() as d:
         metrics = os.path.join(d, "metrics.jsonl")
-        flags = shape.argv(cp, comm_type) + ["--train-iters", str(shape.steps), "--log-interval", "1",
-                                             "--eval-iters", "0", "--eval-interval", str(10**6), "--metrics-file", metrics]
+        flags = shape.argv(cp, comm_type) + ["--train-iters", str(shape.steps), "--log-interval", "1", "--eval-iters",
+                                             "0", "--eval-interval", str(10**6), "--metrics-file", metrics]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp),
                os.path.join(ROOT, "pretrain_gpt.py"), *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT, check=False)
         if run.returncode != 0:
             return {"unavailable": (run.stderr.strip().splitlines() or ["failed"])[-1][:200]}
-        rows = [json.loads(line) for line in open(metrics) if '"loss"' in line]
+        with open(metrics) as f:
+            rows = [json.loads(line) for line in f if '"loss"' in line]
     return {"step_s": statistics.median(r["step_time_s"] for r in rows[shape.warmup:]),
             "losses": [r["loss"] for r in rows], "rss": max(r["peak_memory_bytes"] for r in rows)}
 
