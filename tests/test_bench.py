@@ -166,3 +166,33 @@ def test_zeropp_section_reads_every_variant():
     row = next(line for line in text.splitlines() if line.startswith("| qwZ+hpZ+qgZ |"))
     assert row.split(" | ")[1:6] == ["3000", "2.00x", "1.00", "0.50", "0.25x"], row
     assert "no slow link" in text and all(f"| {name} |" in text for name in VARIANTS)
+
+
+def test_cp_section_reads_every_variant():
+    """The cp table from made-up figures: ratios to the estimate (flagged beyond 20%), to cp 1's peak and step,
+    the ideal step on 2 cores, and a loss that left cp 1's is marked."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import rows_cp
+
+    mib = 2**20
+    shape = rows_cp.QUICK_CP
+    res = {}
+    for name, cp, comm in shape.variants():
+        res[name] = {"cp": cp, "comm_type": comm,
+                     "estimate": {"total": 100 * mib // cp, "model_states": 10 * mib, "activations": 60 * mib // cp,
+                                  "buffers": 30 * mib // cp},
+                     "memory": {"peak": 100 * mib // cp, "states": 10 * mib, "cp_bytes": 2 * mib * (cp > 1)},
+                     "runs": [{"step_s": 1.0 * cp, "losses": [5.0, 4.0], "rss": 300 * mib}] * 2}
+    res["cp2-a2a"]["memory"]["peak"] = 70 * mib                     # 40% over the estimate
+    res["cp2-allgather"]["runs"] = [{"step_s": 1.0, "losses": [5.0, 4.1], "rss": 300 * mib}] * 2
+    real_cores, rows_cp.cores = rows_cp.cores, lambda: 2
+    try:
+        lines = rows_cp.cp_section(shape, res)
+    finally:
+        rows_cp.cores = real_cores
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in lines if line.startswith("| cp")}
+    assert set(rows) == {"cp1", "cp2-p2p", "cp2-a2a", "cp2-allgather"}
+    p2p = rows["cp2-p2p"]
+    assert p2p[1:5] == ["1", "50.0", "50.0", "1.00"] and p2p[9:14] == ["0.50", "2.0", "2000", "2.00x", "500"], p2p
+    assert rows["cp2-a2a"][4] == "1.40 **>20%**" and "**" not in rows["cp2-p2p"][8], rows["cp2-a2a"]
+    assert rows["cp2-allgather"][-1].startswith("2.5e-02 **DIFFERS**") and p2p[-1] == "0.0e+00 |", rows
