@@ -25,6 +25,8 @@ Sections (see each module's docstring for the method):
                               and 4, one tp 2 and one pp 2 row; compiled ZeRO-3 vs FSDP2 + torch.compile; compile time
     recompute rows_recompute.py selective / full recompute and activation offload: step time and peak live bytes
                               beside the estimator's saving, dp 1 and 2; full recompute vs torch.utils.checkpoint
+    cp       rows_cp.py       context parallelism: one long sequence at cp 1/2/4, each --cp-comm-type (p2p, a2a,
+                              allgather): peak live bytes per rank beside the estimator, the trainer's step time
     save     rows_save.py     time a checkpoint save blocks the training loop, synchronous vs --async-save, 63M
     trainer  rows_trainer.py  pretrain_gpt.py itself vs plain FSDP2 / DDP / DDP + ZeroRedundancyOptimizer /
                               DeepSpeed scripts (bench/peers/), separate processes, alternated, each beside its floor
@@ -55,7 +57,7 @@ import report  # noqa: E402
 from common import QUICK, WARMUP_STEPS, Spec, num_params  # noqa: E402
 
 SECTIONS = ("dp", "tp", "pp", "pipeline-bubble", "scaling", "llama", "moe", "offload", "zeropp", "gpu", "capacity",
-            "scale", "compile", "recompute", "save", "trainer")
+            "scale", "compile", "recompute", "cp", "save", "trainer")
 
 
 def _machine() -> list[str]:
@@ -100,11 +102,12 @@ def parse(argv=None):
     ap.add_argument("--variants", default=None,
                     help="only these dp / capacity variants (e.g. ours-zero0,torch-ddp); scale: only these of ours "
                          "(e.g. ours-zero3); compile: only these groups (ours-zero0/1/3, ours-tp2, ours-pp2); recompute: only "
-                         "these groups (dp1, dp2)")
+                         "these groups (dp1, dp2); cp: only these variants (cp1, cp2-p2p, ...)")
     ap.add_argument("--capacity-budget", type=float, default=None, help="capacity: MiB per rank (default: the spec's)")
     ap.add_argument("--no-deepspeed", action="store_true", help="mark the DeepSpeed rows skipped")
     ap.add_argument("--rounds", type=int, default=None,
-                    help="steps per variant, the first untimed (the rows of the common Spec; the compile section's)")
+                    help="steps per variant, the first untimed (the rows of the common Spec; the compile section's); "
+                         "cp: rounds of trainer runs")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "BENCHMARKS.md"))
     ap.add_argument("--update", action="store_true",
                     help="replace only the sections this run measures in --out (an existing file), keeping the rest")
@@ -227,6 +230,12 @@ def main(argv=None) -> None:
         only = a.variants.split(",") if a.variants else None
         shape = QUICK_RECOMPUTE if a.quick else RECOMPUTE_SHAPE
         body += recompute_section(run_recompute(shape, only, a.rounds, log))
+    if "cp" in sections:
+        from rows_cp import CP_SHAPE, QUICK_CP, cp_section, run_cp
+        only = a.variants.split(",") if a.variants else None
+        shape = QUICK_CP if a.quick else CP_SHAPE
+        shape = replace(shape, rounds=a.rounds) if a.rounds else shape
+        body += cp_section(shape, run_cp(shape, only, log))
     if "save" in sections:
         from rows_save import QUICK_SAVE, SaveSpec, run_save, save_section
         save_spec = QUICK_SAVE if a.quick else SaveSpec()
@@ -248,7 +257,7 @@ def main(argv=None) -> None:
             f"- Command: `OMP_NUM_THREADS=1 {command}`",
             f"- Date: {started:%Y-%m-%d %H:%M} UTC, wall time {wall:.0f} s", *header,
             ""]
-    if set(sections) - {"gpu", "capacity", "scale", "compile", "recompute", "save", "pipeline-bubble"}:  # own models
+    if set(sections) - {"gpu", "capacity", "scale", "compile", "recompute", "cp", "save", "pipeline-bubble"}:  # own models
         head[-1:-1] = [
             f"- Model (CPU rows): {spec.describe()}; {spec.micro_batches} micro-batches per rank and step "
             f"(dp, tp rows), {spec.pp_micro_batches} (pp rows); {spec.rounds} steps per variant, the first "

@@ -72,6 +72,29 @@ def test_compile_section_times_compiled_against_eager_and_fsdp2(tmp_path):
     assert "warm (" in rows["ours-pp2-compiled vs ours-pp2"].split("|")[11]
 
 
+@pytest.mark.timeout(300)
+def test_cp_section_sets_live_bytes_beside_the_estimator(tmp_path):
+    """The cp section (quick shape, the single process and cp 2 allgather): the trainer at cp 2 trains as the
+    single process does, its peak live bytes per rank are below the single process's, and the peak and the
+    activations agree with the estimator within its 20% flag."""
+    out = tmp_path / "BENCHMARKS.md"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--sections", "cp",
+                           "--variants", "cp1,cp2-allgather", "--out", str(out)],
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=290)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = out.read_text().splitlines()
+    assert "## Context parallelism: one long sequence over cp 1, 2 ranks, each comm type, beside the estimator" in lines
+    rows = {name: [c.strip() for c in next(line for line in lines if line.startswith(f"| {name} |")).split("|")[1:-1]]
+            for name in ("cp1", "cp2-allgather")}
+    cp2 = rows["cp2-allgather"]
+    assert cp2[1] == "1" and float(cp2[11]) > 0, cp2                          # one rank per core; a step time
+    assert float(cp2[-1]) <= 1e-5, cp2                                      # the loss of every step: cp 1's
+    assert float(cp2[2]) < float(rows["cp1"][2]) and float(cp2[9]) < 1, cp2  # a smaller peak per rank
+    assert "**" not in cp2[4] and "**" not in cp2[8], cp2                    # measured / estimated within 20%
+    assert 0.8 <= float(cp2[4]) <= 1.2 and float(cp2[10]) > 0, cp2          # and cp bytes were sent
+
+
 def test_theory_formulas():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from common import dp_comm_bytes, flag, tp_layer_comm_bytes, zero_fp32_bytes
@@ -193,3 +216,33 @@ def test_pipeline_bubble_targets_read_the_rows():
     assert "**not below**" in m8 and "**outside** 10" in m8 and "1.50x 1F1B's (**outside** 10%)" in m8, m8
     zb = next(x for x in text.splitlines() if x.startswith("| 2 | 2 | zb-h1 |"))
     assert "| 0.20 / 0.10 | 0.150 | 0.143 | 2 |" in zb, zb
+
+
+def test_cp_section_reads_every_variant():
+    """The cp table from made-up figures: ratios to the estimate (flagged beyond 20%), to cp 1's peak and step,
+    the ideal step on 2 cores, and a loss that left cp 1's is marked."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import rows_cp
+
+    mib = 2**20
+    shape = rows_cp.QUICK_CP
+    res = {}
+    for name, cp, comm in shape.variants():
+        res[name] = {"cp": cp, "comm_type": comm,
+                     "estimate": {"total": 100 * mib // cp, "model_states": 10 * mib, "activations": 60 * mib // cp,
+                                  "buffers": 30 * mib // cp},
+                     "memory": {"peak": 100 * mib // cp, "states": 10 * mib, "cp_bytes": 2 * mib * (cp > 1)},
+                     "runs": [{"step_s": 1.0 * cp, "losses": [5.0, 4.0], "rss": 300 * mib}] * 2}
+    res["cp2-a2a"]["memory"]["peak"] = 70 * mib                     # 40% over the estimate
+    res["cp2-allgather"]["runs"] = [{"step_s": 1.0, "losses": [5.0, 4.1], "rss": 300 * mib}] * 2
+    real_cores, rows_cp.cores = rows_cp.cores, lambda: 2
+    try:
+        lines = rows_cp.cp_section(shape, res)
+    finally:
+        rows_cp.cores = real_cores
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in lines if line.startswith("| cp")}
+    assert set(rows) == {"cp1", "cp2-p2p", "cp2-a2a", "cp2-allgather"}
+    p2p = rows["cp2-p2p"]
+    assert p2p[1:5] == ["1", "50.0", "50.0", "1.00"] and p2p[9:14] == ["0.50", "2.0", "2000", "2.00x", "500"], p2p
+    assert rows["cp2-a2a"][4] == "1.40 **>20%**" and "**" not in rows["cp2-p2p"][8], rows["cp2-a2a"]
+    assert rows["cp2-allgather"][-1].startswith("2.5e-02 **DIFFERS**") and p2p[-1] == "0.0e+00 |", rows

@@ -20,7 +20,8 @@ parts, each per pipeline stage (the binding rank is the largest):
   micro-batches held at once, which come from replaying the rank's schedule (1 without a pipeline,
   pp - rank with 1F1B, m with GPipe, the interleaved order chunk by chunk). Under context parallelism a
   rank holds ``seq_length / cp`` tokens (:func:`cp_slice_job`), and with ``--cp-comm-type allgather``
-  each layer also keeps the gathered keys and values of the rest of the sequence (:func:`gathered_kv_bytes`).
+  each layer also keeps the whole sequence's keys and values, its query chunks' outputs and their masks
+  (:func:`allgather_attention_bytes`).
 
 * **buffers**: the transients on top -- gradients in flight
   (:func:`megazero.parallel.zero.sharded_grads.backward_grad_bytes`), stage 3's gathered units
@@ -46,6 +47,7 @@ from megazero.config import JobConfig
 from megazero.memory.activations import TransformerActivations
 from megazero.models.recompute import full_recompute_groups
 from megazero.models.spec import get_model_spec
+from megazero.parallel.context import allgather_held_bytes
 from megazero.parallel.groups import ExpertParallel, ModelParallelGroups
 from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline.actions import Compute, Kind
@@ -199,8 +201,8 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     offloaded = offloaded_parts(job, groups, e, parts, ge, device)
     est.model_states = sum(parts.values())
 
-    est.activations = _held_peak(job, pp_rank, [activation_model.held(act_job, pl, e, mask) + gathered_kv_bytes(job, pl, e)
-                                                 for pl in places])
+    est.activations = _held_peak(job, pp_rank, [activation_model.held(act_job, pl, e, mask)
+                                                 + allgather_attention_bytes(job, pl, e) for pl in places])
     host_activations = _held_peak(job, pp_rank, [activation_model.offloaded(act_job, pl, e, mask) for pl in places])
     if host_activations:                               # --cpu-offloading: the offloaded layers' activations
         offloaded["host_activations"] = host_activations
@@ -260,16 +262,18 @@ def cp_slice_job(job: JobConfig) -> JobConfig:
     return dataclasses.replace(job, model=dataclasses.replace(job.model, seq_length=job.model.seq_length // cp))
 
 
-def gathered_kv_bytes(job: JobConfig, placement, e: int) -> int:
-    """``--cp-comm-type allgather``: the whole sequence's keys and values each layer keeps for its backward
-    beyond its own slice (2 (s - s/cp) b kv_heads/tp d elements per layer); 0 otherwise (p2p keeps only its
-    own slice, a2a the whole sequence for heads/cp heads: the same bytes as its slice for all heads)."""
+def allgather_attention_bytes(job: JobConfig, placement, e: int) -> int:
+    """``--cp-comm-type allgather``: what the chunk's layers' attention keeps beyond its own slice
+    (:func:`megazero.parallel.context.allgather_held_bytes` per layer: the gathered keys and values, the query
+    chunks' outputs, the masks); 0 otherwise (p2p keeps only its own slice, a2a the whole sequence for
+    heads/cp heads: the same bytes as its slice for all heads)."""
     par, cfg = job.parallel, job.model
     if par.cp == 1 or par.cp_comm_type != "allgather":
         return 0
-    kv_local = max(cfg.kv_heads // par.tp, 1)
-    others = cfg.seq_length - cfg.seq_length // par.cp
-    return len(placement.layer_ids) * 2 * others * job.train.micro_batch_size * kv_local * cfg.head_dim * e
+    heads, kv_heads = cfg.num_attention_heads // par.tp, max(cfg.kv_heads // par.tp, 1)
+    per_layer = allgather_held_bytes(cfg.seq_length, par.cp, job.train.micro_batch_size, heads, kv_heads,
+                                     cfg.head_dim, e)
+    return len(placement.layer_ids) * per_layer
 
 
 def offloaded_parts(job: JobConfig, groups, e: int, parts: dict, ge: int = 4, device: str = "cpu") -> dict:

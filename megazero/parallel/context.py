@@ -165,6 +165,18 @@ def allgather_attention(q, k, v, cp: ContextParallel, log: CommLog | None = None
     return torch.cat(outs, 0)
 
 
+def allgather_held_bytes(seq: int, cp: int, b: int, heads: int, kv_heads: int, d: int, e: int) -> int:
+    """Bytes one layer's :func:`allgather_attention` keeps for its backward beyond what attention over this
+    rank's slice alone keeps (its q, k, v, output and log-sum-exp), for ``heads`` / ``kv_heads`` on this rank
+    (after tp) and ``e`` bytes per element: the whole sequence's keys and values in sequence order (a copy, this
+    rank's part included), ``2 s b kv_heads d``; each query chunk's attention output, which the fused kernel
+    saves apart from their concatenation, ``s/cp b heads d``; and the two masks, which the kernel turns into
+    additive masks of the query dtype, ``[c, end]`` each: ``c = s / (2 cp)`` rows against the ``(r + 1) c`` and
+    ``(2cp - r) c`` keys the two chunks see, ``(2cp + 1) c^2`` elements on every rank."""
+    c = seq // (2 * cp)
+    return e * (2 * seq * b * kv_heads * d + seq // cp * b * heads * d + (2 * cp + 1) * c * c)
+
+
 class _AllToAll(torch.autograd.Function):
     """Sequence-split -> head-split (``to_heads``) or back, over the cp group; backward is the other way."""
 
