@@ -353,6 +353,7 @@ LAYOUTS = [
     ("gpt-cp2pp2-1f1b-p2p", "gpt", 4, ["--cp", "2", "--pp", "2", "--pipeline-schedule", "1f1b"], ()),
     ("gpt-cp2pp2-gpipe-p2p", "gpt", 4, ["--cp", "2", "--pp", "2", "--pipeline-schedule", "gpipe"], ()),
     ("gpt-cp2pp2-zb-h1-p2p", "gpt", 4, ["--cp", "2", "--pp", "2", "--pipeline-schedule", "zb-h1"], ()),
+    ("llama-cp2pp2-zb-v-p2p", "llama", 4, ["--cp", "2", "--pp", "2", "--pipeline-schedule", "zb-v"], ()),
     ("llama-cp2pp2-interleaved-a2a", "llama", 4, ["--cp", "2", "--pp", "2", "--num-layers-per-virtual-pipeline-stage",
                                                    "1", "--cp-comm-type", "a2a"], ()),
     ("llama-cp2-p2p-recompute", "llama", 2, ["--cp", "2", "--recompute-granularity", "full",
