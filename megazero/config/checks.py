@@ -316,7 +316,7 @@ def check_optimizer(opt: OptimizerConfig, t: TrainConfig) -> None:
     if opt.lr_decay_iters is None:
         opt.lr_decay_iters = t.train_iters
     if opt.lr_warmup_fraction is not None and t.train_samples is None:    # the warmup's share of the decay
-        opt.lr_warmup_iters = math.ceil(round(opt.lr_warmup_fraction * opt.lr_decay_iters, 9))
+        opt.lr_warmup_iters = iterations_of(opt.lr_warmup_fraction * opt.lr_decay_iters, 1)
     if opt.lr_decay_iters < 1:
         fail(f"{FLAG.lr_decay_iters} must be a positive integer, got {opt.lr_decay_iters}: leave it out to decay "
               f"over the training iterations ({FLAG.lr_decay_style} constant for no decay)")

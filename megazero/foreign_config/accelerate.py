@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megazero.config import ConfigError, setting
 from megazero.foreign_config.deepspeed import nvme_path, offload_device, read_deepspeed
-from megazero.foreign_config.reader import Reader, load_yaml
+from megazero.foreign_config.reader import Reader, load_yaml, read_text
 
 # accelerate launch's environment keys and their defaults: torchrun (and CUDA_VISIBLE_DEVICES) decide these.
 _LAUNCHER = {"compute_environment": "LOCAL_MACHINE", "debug": False, "downcast_bf16": "no", "enable_cpu_affinity": False,
@@ -76,12 +76,7 @@ def from_accelerate(path: str | Path, launch: Launch | None = None,
     (and its deepspeed_config_file's) are appended to ``unused``. Every problem is refused in one message."""
     path = Path(path)
     source = f"--accelerate-config {path}"
-    try:
-        data = load_yaml(path.read_text(), source) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{source}: cannot be read ({e})") from None
+    data = load_yaml(read_text(path, source), source) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected keys and values (a mapping) at the top, got {type(data).__name__}")
     r = Reader(source, data)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megazero.config import OFFLOAD_DEVICES
 from megazero.foreign_config.reader import Reader, read_json
 
 # Top-level keys that tune only DeepSpeed's engine (logging, its optimizer checks, gradient pre-division).
@@ -175,8 +176,8 @@ def _zero(r: Reader) -> None:
 
 def offload_device(r: Reader, path: str, dest: str) -> str | None:
     device = r.get(path)
-    if device is not None and device not in ("none", "cpu", "nvme"):
-        return r.fail(path, f"must be none, cpu or nvme, got {device!r}")
+    if device is not None and device not in OFFLOAD_DEVICES:
+        return r.fail(path, f"must be {', '.join(OFFLOAD_DEVICES[:-1])} or {OFFLOAD_DEVICES[-1]}, got {device!r}")
     r.set(dest, device)
     return device
 

@@ -35,6 +35,16 @@ def load_yaml(text: str, source: str):
         raise ConfigError(f"{source}: not valid YAML: {e}".splitlines()[0]) from None
 
 
+def read_text(path: Path, source: str) -> str:
+    """The text of a config file; a missing or unreadable one is a ConfigError led by ``source``."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{source}: cannot be read ({e})") from None
+
+
 def read_json(path: Path, source: str) -> dict:
     """A JSON object from ``path``; a missing or unreadable file, bad JSON, a key given twice in one
     object (json keeps the last) or a top level that is not an object is a ConfigError led by ``source``."""
@@ -47,11 +57,7 @@ def read_json(path: Path, source: str) -> dict:
         return dict(pairs)
 
     try:
-        data = json.loads(path.read_text(), object_pairs_hook=unique_keys)
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{source}: cannot be read ({e})") from None
+        data = json.loads(read_text(path, source), object_pairs_hook=unique_keys)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{source}: not valid JSON: {e}") from None
     if not isinstance(data, dict):
