@@ -3,7 +3,8 @@ one micro-batch through one model chunk that computes only what the previous sta
 gradient of the chunk's input), and ``W``, run later when the pipeline would otherwise sit idle, that
 computes the parameters' gradients::
 
-    out = chunk(x)                                   # x: the received activation, requires grad
+    with deferrable_saves():                         # lets I free what W does not need
+        out = chunk(x)                               # x: the received activation, requires grad
     work = backward_input(out, dy, x)                # I: x.grad; no parameter gradient yet
     ...                                              # send x.grad back, run other micro-batches
     work.run()                                       # W: every parameter's gradient into .grad
@@ -32,27 +33,120 @@ e.g. ``RMSNormFunction``) computes both halves in ``I`` and again in ``W`` and k
 exact, at the price of that node's extra work.
 
 Where ``x`` is None (the first virtual stage, whose input is token ids) or ``out`` does not depend on
-it, ``I`` has nothing to compute and ``W`` is the whole backward. Between ``I`` and ``W`` the graph
-(the micro-batch's activations) stays alive: a zero-bubble schedule holds a micro-batch until its W,
-which is what ``simulate.py`` and ``PipelineStats`` count.
+it, ``I`` has nothing to compute and ``W`` is the whole backward, so the micro-batch's activations
+stay held until ``W``.
+
+Memory between ``I`` and ``W``. ``W`` runs only the boundary nodes and the nodes off the input path,
+so only their saved tensors are needed after ``I``: a weight matmul's input ``X`` (and its weight),
+a norm's input and statistics, an embedding's indices -- with the kept gradients ``dY`` at the
+boundaries, exactly the paper's "W keeps X and dY". Everything the rest of the path saved (attention
+scores and probabilities, GeLU/SwiGLU inputs, dropout masks, the loss's softmax) is freed at ``I``, so a
+micro-batch waiting for its ``W`` holds less than one waiting for its backward, and ZB-H1's peak stays
+1F1B's. For that, the forward runs inside :func:`deferrable_saves`: autograd's saved tensors go into
+slots (``saved_tensors_hooks``) that ``I`` empties for the nodes it runs that are not boundaries (a
+pre-hook on each such node marks the slots it unpacks). The graph itself stays (its nodes are small);
+only the tensors go. Why this and not layer-level deferral (each linear queueing ``(X, dY)`` and
+computing ``dW = dY^T X`` itself, as Megatron-core's ``delay_wgrad_compute`` does): the graph keeps one
+code path for every layer kind, keeps the full backward's kernels (bit-for-bit gradients), and keeps
+autograd's ``AccumulateGrad`` firing the gradient sync's hooks in ``W``. A tensor saved inside a
+nested hook (recompute's checkpoint, activation offload) follows that hook's rules instead: a
+recomputed region keeps its input until ``W``, which recomputes it.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+class _Slot:
+    """One tensor autograd saved for backward, held here so that ``I`` can let it go."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class _Freeing:
+    """One ``I``: while it is open, the slots a node unpacks (in the thread the autograd engine runs
+    it in) are emptied when that node has run -- unless the node is one ``W`` runs again."""
+
+    def __init__(self):
+        self.open = True
+
+    def node_starts(self, frees: bool) -> None:           # a node's pre-hook
+        _running.freeing, _running.slots = (self, []) if frees else (None, None)
+
+    @staticmethod
+    def node_ran() -> None:                               # its post-hook
+        for slot in getattr(_running, "slots", None) or ():
+            slot.tensor = None
+        _running.freeing = _running.slots = None
+
+
+_running = threading.local()      # .freeing, .slots: the _Freeing of the node running in this thread, its slots
+
+
+def _pack(tensor: torch.Tensor) -> _Slot:
+    return _Slot(tensor.detach())           # detached: a saved output must not hold its own grad_fn (a cycle)
+
+
+def _unpack(slot: _Slot) -> torch.Tensor:
+    if slot.tensor is None:
+        raise RuntimeError("split backward bug: a node needs a saved tensor that its I freed (the node was "
+                           "taken for one on the input path only)")
+    freeing = getattr(_running, "freeing", None)
+    if freeing is not None and freeing.open:
+        _running.slots.append(slot)
+    return slot.tensor
+
+
+@contextlib.contextmanager
+def deferrable_saves():
+    """Run a forward whose backward may be split into :func:`backward_input` and ``W``: autograd's
+    saved tensors are held in slots that ``I`` empties where ``W`` will not need them (see the module
+    docstring). Costs a Python call per saved tensor; with a full backward it changes nothing."""
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        yield
+
+
+# Boundaries whose weight half waits for W: the matrix products, whose weight gradient (dY^T X) is as
+# much work as their input gradient -- what the schedule moves into the bubbles. Every other boundary
+# (a norm's affine step, a bias or position-embedding add, a custom Function such as RMSNorm) finishes
+# right after I: its off-path gradients are reductions over the tokens, cheap to compute and as small as
+# its parameters, so W holds them instead of the node's output gradient and saved input.
+_DEFERRED_NODES = frozenset({"MmBackward", "AddmmBackward", "BmmBackward", "BaddbmmBackward", "AddbmmBackward",
+                             "MatmulBackward", "LinearBackward", "ConvolutionBackward", "_GroupedMmBackward"})
+
+
+def _deferred(node) -> bool:
+    return node.name().rstrip("0123456789") in _DEFERRED_NODES
 
 
 class WeightGradWork:
     """The ``W`` of one micro-batch: what :func:`backward_input` left to compute."""
 
     def __init__(self, out: torch.Tensor, grad: torch.Tensor | None, boundaries: list | None):
-        self._out, self._grad = out, grad
+        whole = boundaries is None
+        self._out, self._grad = (out, grad) if whole else (None, None)   # only the whole backward reruns from out
         self._boundaries = boundaries           # [(node, [(child, input_nr)])]; None: the whole backward
         self._kept: dict = {}                   # node -> the gradients of its outputs seen in I
+        self._early: dict = {}                  # node -> [(off-path edge, its gradient)] computed after I
         self.done = False
 
     def keep(self, node, grad_outputs) -> None:
         self._kept[node] = tuple(grad_outputs)
+
+    def finish_early(self, nodes: set) -> None:
+        """Compute the off-path gradients of the boundaries ``nodes`` now (right after ``I``), keeping
+        them for :meth:`run` in place of the nodes' output gradients."""
+        for node, leaving in self._boundaries:
+            if node in nodes:
+                self._early[node] = self._leaving_grads(node, leaving)
+                self._kept.pop(node, None)
 
     def run(self) -> None:
         """Compute the parameters' gradients, accumulated into ``.grad`` through autograd."""
@@ -62,32 +156,37 @@ class WeightGradWork:
         if self._boundaries is None:
             torch.autograd.backward(self._out, self._grad)
         else:
-            edges, grads = self._edge_grads()
-            if edges:
-                torch.autograd.backward(edges, grads)
+            for group in _independent_groups(self._boundaries):
+                edges, grads = self._edge_grads(group)
+                if edges:
+                    torch.autograd.backward(edges, grads)
         self._out = self._grad = self._boundaries = None
-        self._kept = {}
+        self._kept, self._early = {}, {}
 
-    def _edge_grads(self) -> tuple[list, list]:
-        """The gradient along each edge that leaves the input path (the part of each boundary node's
-        backward that ``I`` skipped)."""
+    def _edge_grads(self, boundaries: list) -> tuple[list, list]:
+        """The gradient along each edge that leaves the input path from ``boundaries`` (the part of each
+        boundary node's backward that ``I`` skipped), summed per edge in boundary order. The kept output
+        gradients are let go as they are used."""
         found: dict = {}
-        for node, leaving in self._boundaries:
-            kept = self._kept.get(node)
-            if kept is None:                    # I never reached the node: no gradient flows there
-                continue
-            roots = [(GradientEdge(node, k), g) for k, g in enumerate(kept) if g is not None]
-            if not roots:
-                continue
-            targets = [GradientEdge(child, nr) for child, nr in leaving]
-            got = torch.autograd.grad([e for e, _ in roots], targets, [g for _, g in roots],
-                                      retain_graph=True, allow_unused=True)
-            for (child, nr), g in zip(leaving, got):
-                if g is None:
-                    continue
-                key = (child, nr)
+        for node, leaving in boundaries:
+            got = self._early.pop(node) if node in self._early else self._leaving_grads(node, leaving)
+            self._kept.pop(node, None)
+            for key, g in got:
                 found[key] = g if key not in found else found[key] + g   # a parameter used twice
         return [GradientEdge(c, nr) for c, nr in found], list(found.values())
+
+    def _leaving_grads(self, node, leaving) -> list:
+        """[((child, input_nr), gradient)] along ``node``'s edges off the path, from its kept gradients."""
+        kept = self._kept.get(node)
+        if kept is None:                        # I never reached the node: no gradient flows there
+            return []
+        roots = [(GradientEdge(node, k), g) for k, g in enumerate(kept) if g is not None]
+        if not roots:
+            return []
+        targets = [GradientEdge(child, nr) for child, nr in leaving]
+        got = torch.autograd.grad([e for e, _ in roots], targets, [g for _, g in roots],
+                                  retain_graph=True, allow_unused=True)
+        return [(key, g) for key, g in zip(leaving, got) if g is not None]
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None) -> WeightGradWork:
@@ -111,13 +210,69 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
             if leaving:
                 boundaries.append((node, leaving))
     work = WeightGradWork(out, grad, boundaries)
-    handles = [node.register_prehook(lambda go, node=node: work.keep(node, go)) for node, _ in boundaries]
+    at_boundary = {node for node, _ in boundaries}
+    early = {node for node in at_boundary if not _deferred(node)}
+    freeing = _Freeing()
+
+    def entering(grad_outputs, node):
+        if node in at_boundary:
+            work.keep(node, grad_outputs)
+        freeing.node_starts(node not in at_boundary)
+
     try:
-        torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+        with _hooked(on_path - {target}, entering):
+            torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+        with _hooked(early, lambda grad_outputs, node: freeing.node_starts(True)):
+            work.finish_early(early)            # the early boundaries' own saved tensors go too
     finally:
+        freeing.open = False                    # a thread the engine ran in may still point at it
+    return work
+
+
+@contextlib.contextmanager
+def _hooked(nodes, before):
+    """Inside the block, ``before(grad_outputs, node)`` runs before each of ``nodes`` and
+    :meth:`_Freeing.node_ran` after it."""
+    handles = []
+    for node in nodes:
+        handles.append(node.register_prehook(lambda go, node=node: before(go, node)))
+        handles.append(node.register_hook(lambda gi, go: _Freeing.node_ran()))
+    try:
+        yield
+    finally:
+        _Freeing.node_ran()
         for h in handles:
             h.remove()
-    return work
+
+
+def _independent_groups(boundaries: list) -> list[list]:
+    """``boundaries`` in groups whose parts off the input path share no node (in a transformer layer:
+    one group per weight matmul or norm), in boundary order. ``W`` runs one autograd pass per group, so
+    the weight gradients go into ``.grad`` as they are computed, never all at once, and an edge reached
+    from two boundaries (a parameter used twice) still receives their sum in one pass, as in a full
+    backward."""
+    parent = list(range(len(boundaries)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict = {}                            # node off the path -> the first boundary reaching it
+    for i, (_, leaving) in enumerate(boundaries):
+        stack = [child for child, _ in leaving]
+        while stack:
+            node = stack.pop()
+            if node in owner:                   # reached before: its whole subgraph is owned already
+                parent[root(i)] = root(owner[node])
+                continue
+            owner[node] = i
+            stack.extend(c for c, _ in node.next_functions if c is not None)
+    groups: dict = {}                           # in the order of each group's first boundary
+    for i, b in enumerate(boundaries):
+        groups.setdefault(root(i), []).append(b)
+    return list(groups.values())
 
 
 def _post_order(root) -> list:
