@@ -156,10 +156,16 @@ class WeightGradWork:
         if self._boundaries is None:
             torch.autograd.backward(self._out, self._grad)
         else:
-            for group in _independent_groups(self._boundaries):
-                edges, grads = self._edge_grads(group)
-                if edges:
-                    torch.autograd.backward(edges, grads)
+            freeing = _Freeing()                # each boundary's saved tensors go once it has run
+            deferred = [node for node, _ in self._boundaries if node not in self._early]
+            try:
+                with _hooked(deferred, lambda grad_outputs, node: freeing.node_starts(True)):
+                    for group in _independent_groups(self._boundaries):
+                        edges, grads = self._edge_grads(group)
+                        if edges:
+                            torch.autograd.backward(edges, grads)
+            finally:
+                freeing.open = False
         self._out = self._grad = self._boundaries = None
         self._kept, self._early = {}, {}
 
