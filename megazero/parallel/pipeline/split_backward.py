@@ -55,6 +55,7 @@ recomputed region keeps its input until ``W``, which recomputes it.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
 import torch
@@ -253,7 +254,7 @@ def _hooked(nodes, before):
 
 def _independent_groups(boundaries: list) -> list[list]:
     """``boundaries`` in groups whose parts off the input path share no node (in a transformer layer:
-    one group per weight matmul or norm), in boundary order. ``W`` runs one autograd pass per group, so
+    one group per weight matmul or norm), smallest gradient first. ``W`` runs one autograd pass per group, so
     the weight gradients go into ``.grad`` as they are computed, never all at once, and an edge reached
     from two boundaries (a parameter used twice) still receives their sum in one pass, as in a full
     backward."""
@@ -275,10 +276,27 @@ def _independent_groups(boundaries: list) -> list[list]:
                 continue
             owner[node] = i
             stack.extend(c for c, _ in node.next_functions if c is not None)
-    groups: dict = {}                           # in the order of each group's first boundary
+    groups: dict = {}
     for i, b in enumerate(boundaries):
         groups.setdefault(root(i), []).append(b)
-    return list(groups.values())
+    return sorted(groups.values(), key=_gradient_bytes)     # stable: boundary order among equals
+
+
+def _gradient_bytes(group: list) -> int:
+    """Bytes of the gradients ``group``'s pass produces along the edges leaving the path (a weight
+    matmul: its weight's size), the transient ``W`` adds while that pass runs. ``W`` runs the groups
+    smallest first: each pass frees its inputs and kept gradients, so the largest transients come when
+    the least is held (bit for bit the same gradients: the groups share no node). 0 where the torch
+    version does not expose the edges' metadata (then boundary order)."""
+    total = 0
+    for _, leaving in group:
+        for child, nr in leaving:
+            try:
+                meta = child._input_metadata[nr]
+                total += math.prod(meta.shape) * meta.dtype.itemsize
+            except (AttributeError, IndexError, TypeError):
+                return 0
+    return total
 
 
 def _post_order(root) -> list:
