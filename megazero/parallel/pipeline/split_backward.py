@@ -97,8 +97,9 @@ def _pack(tensor: torch.Tensor) -> _Slot:
 
 def _unpack(slot: _Slot) -> torch.Tensor:
     if slot.tensor is None:
-        raise RuntimeError("split backward bug: a node needs a saved tensor that its I freed (the node was "
-                           "taken for one on the input path only)")
+        raise RuntimeError("split backward: W reached a node of the input path again, whose saved tensors its I "
+                           "freed. A parameter used at two depths of one model chunk (its gradient reachable through "
+                           "the input path) cannot be split into I and W: use --pipeline-schedule 1f1b for this model")
     freeing = getattr(_running, "freeing", None)
     if freeing is not None and freeing.open:
         _running.slots.append(slot)
