@@ -33,13 +33,15 @@ def _data(seed: int, shape=(S, B, H)):
 
 def _run(module, kind: str, d, split: bool):
     """One forward + backward of ``module`` (a middle chunk: hidden -> hidden; 'last': hidden -> loss;
-    'first': tokens -> hidden); with ``split`` as I then W. Returns the input gradient seen right
+    'first': tokens -> hidden); with ``split`` as I then W, the forward recording its saved tensors for
+    I to free. Returns the input gradient seen right
     after I, whether any parameter had a gradient then, and every parameter's gradient."""
     x = None if kind == "first" else d["x"].clone().requires_grad_()
-    if kind == "last":
-        out, dy = masked_mean(module(x, d["labels"]), d["mask"]), None
-    else:
-        out, dy = module(d["tokens"] if kind == "first" else x), d["dy"]
+    with deferrable_saves() if split else contextlib.nullcontext():      # as the pipeline runner does
+        if kind == "last":
+            out, dy = masked_mean(module(x, d["labels"]), d["mask"]), None
+        else:
+            out, dy = module(d["tokens"] if kind == "first" else x), d["dy"]
     if not split:
         torch.autograd.backward(out, dy)
         return (None if x is None else x.grad), False, [p.grad.clone() for p in module.parameters()]

@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 import threading
 
 import torch
@@ -63,12 +65,12 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
 class _Slot:
-    """One tensor autograd saved for backward, held here so that ``I`` can let it go."""
+    """One tensor autograd saved for backward, held here so that ``I`` can let it go (unless pinned)."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "pinned")
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+    def __init__(self, tensor: torch.Tensor, pinned: bool):
+        self.tensor, self.pinned = tensor, pinned
 
 
 class _Freeing:
@@ -92,7 +94,25 @@ _running = threading.local()      # .freeing, .slots: the _Freeing of the node r
 
 
 def _pack(tensor: torch.Tensor) -> _Slot:
-    return _Slot(tensor.detach())           # detached: a saved output must not hold its own grad_fn (a cycle)
+    # detached: a saved output must not hold its own grad_fn (a cycle)
+    return _Slot(tensor.detach(), pinned=_saved_by_checkpoint(sys._getframe(1)))
+
+
+_CHECKPOINT_SOURCE = os.path.join("utils", "checkpoint.py")
+
+
+def _saved_by_checkpoint(frame) -> bool:
+    """Is this save torch.utils.checkpoint keeping a recomputed region's inputs? (Its own hooks take the
+    region's saves; the inputs it saves with ours.) It unpacks them whenever it recomputes the region --
+    in ``I`` and again in ``W`` -- from inside whichever node first needs the region, so they must not
+    go with that node's tensors."""
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_SOURCE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _unpack(slot: _Slot) -> torch.Tensor:
@@ -101,7 +121,7 @@ def _unpack(slot: _Slot) -> torch.Tensor:
                            "freed. A parameter used at two depths of one model chunk (its gradient reachable through "
                            "the input path) cannot be split into I and W: use --pipeline-schedule 1f1b for this model")
     freeing = getattr(_running, "freeing", None)
-    if freeing is not None and freeing.open:
+    if freeing is not None and freeing.open and not slot.pinned:
         _running.slots.append(slot)
     return slot.tensor
 
