@@ -43,9 +43,13 @@ boundaries, exactly the paper's "W keeps X and dY". Everything the rest of the p
 scores and probabilities, GeLU/SwiGLU inputs, dropout masks, the loss's softmax) is freed at ``I``, so a
 micro-batch waiting for its ``W`` holds less than one waiting for its backward, and ZB-H1's peak stays
 1F1B's. For that, the forward runs inside :func:`deferrable_saves`: autograd's saved tensors go into
-slots (``saved_tensors_hooks``) that ``I`` empties for the nodes it runs that are not boundaries (a
-pre-hook on each such node marks the slots it unpacks). The graph itself stays (its nodes are small);
-only the tensors go. Why this and not layer-level deferral (each linear queueing ``(X, dY)`` and
+slots (``saved_tensors_hooks``) that ``I`` empties, as each node has run, for the nodes ``W`` will not
+run again (a pre-hook marks the slots a node unpacks, a post-hook empties them); ``W`` empties each
+boundary's in turn. The graph itself stays until ``W`` (its nodes are small); only the tensors go.
+The norms' (and other non-matmul boundaries') weight gradients are taken in ``I``'s own pass and held
+for ``W``, which accumulates them, so their hooks still fire in ``W``. ``W`` runs the boundaries in
+independent groups, smallest weight gradient first, each group one autograd pass, so the gradients
+go into ``.grad`` as they come. Why this and not layer-level deferral (each linear queueing ``(X, dY)`` and
 computing ``dW = dY^T X`` itself, as Megatron-core's ``delay_wgrad_compute`` does): the graph keeps one
 code path for every layer kind, keeps the full backward's kernels (bit-for-bit gradients), and keeps
 autograd's ``AccumulateGrad`` firing the gradient sync's hooks in ``W``. A tensor saved inside a
@@ -137,9 +141,11 @@ def deferrable_saves():
 
 # Boundaries whose weight half waits for W: the matrix products, whose weight gradient (dY^T X) is as
 # much work as their input gradient -- what the schedule moves into the bubbles. Every other boundary
-# (a norm's affine step, a bias or position-embedding add, a custom Function such as RMSNorm) finishes
-# right after I: its off-path gradients are reductions over the tokens, cheap to compute and as small as
-# its parameters, so W holds them instead of the node's output gradient and saved input.
+# (a norm's affine step, a bias or position-embedding add, a custom Function such as RMSNorm) computes
+# its off-path gradients in I's own pass, while its parameters are at hand (ZeRO-3 releases them after
+# I): they are reductions over the tokens, cheap and as small as its parameters, so W holds them instead
+# of the node's output gradient and saved input. Only where it is alone in its group (no parameter
+# shared with another boundary), so that I's pass computes that node's half and nothing more.
 _DEFERRED_NODES = frozenset({"MmBackward", "AddmmBackward", "BmmBackward", "BaddbmmBackward", "AddbmmBackward",
                              "MatmulBackward", "LinearBackward", "ConvolutionBackward", "_GroupedMmBackward"})
 
@@ -156,19 +162,12 @@ class WeightGradWork:
         self._out, self._grad = (out, grad) if whole else (None, None)   # only the whole backward reruns from out
         self._boundaries = boundaries           # [(node, [(child, input_nr)])]; None: the whole backward
         self._kept: dict = {}                   # node -> the gradients of its outputs seen in I
-        self._early: dict = {}                  # node -> [(off-path edge, its gradient)] computed after I
+        self._early: dict = {}                  # node -> [(off-path edge, its gradient)] computed in I
+        self._groups: list = []                 # the boundaries in independent groups, in W's order
         self.done = False
 
     def keep(self, node, grad_outputs) -> None:
         self._kept[node] = tuple(grad_outputs)
-
-    def finish_early(self, nodes: set) -> None:
-        """Compute the off-path gradients of the boundaries ``nodes`` now (right after ``I``), keeping
-        them for :meth:`run` in place of the nodes' output gradients."""
-        for node, leaving in self._boundaries:
-            if node in nodes:
-                self._early[node] = self._leaving_grads(node, leaving)
-                self._kept.pop(node, None)
 
     def run(self) -> None:
         """Compute the parameters' gradients, accumulated into ``.grad`` through autograd."""
@@ -182,14 +181,14 @@ class WeightGradWork:
             deferred = [node for node, _ in self._boundaries if node not in self._early]
             try:
                 with _hooked(deferred, lambda grad_outputs, node: freeing.node_starts(True)):
-                    for group in _independent_groups(self._boundaries):
+                    for group in self._groups:
                         edges, grads = self._edge_grads(group)
                         if edges:
                             torch.autograd.backward(edges, grads)
             finally:
                 freeing.open = False
         self._out = self._grad = self._boundaries = None
-        self._kept, self._early = {}, {}
+        self._kept, self._early, self._groups = {}, {}, []
 
     def _edge_grads(self, boundaries: list) -> tuple[list, list]:
         """The gradient along each edge that leaves the input path from ``boundaries`` (the part of each
@@ -238,22 +237,31 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
             if leaving:
                 boundaries.append((node, leaving))
     work = WeightGradWork(out, grad, boundaries)
-    at_boundary = {node for node, _ in boundaries}
-    early = {node for node in at_boundary if not _deferred(node)}
+    work._groups = _independent_groups(boundaries)
+    # The early boundaries' off-path gradients are taken in I's own pass, as inputs of it beside x:
+    # a boundary alone in its group is the only way to its edges, so the pass computes exactly its half.
+    early = {group[0][0]: group[0][1] for group in work._groups if len(group) == 1 and not _deferred(group[0][0])}
+    early_edges = [(node, edge) for node, leaving in early.items() for edge in leaving]
+    deferred = {node for node, _ in boundaries if node not in early}
     freeing = _Freeing()
 
     def entering(grad_outputs, node):
-        if node in at_boundary:
+        if node in deferred:
             work.keep(node, grad_outputs)
-        freeing.node_starts(node not in at_boundary)
+        freeing.node_starts(node not in deferred)
 
     try:
         with _hooked(on_path - {target}, entering):
-            torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
-        with _hooked(early, lambda grad_outputs, node: freeing.node_starts(True)):
-            work.finish_early(early)            # the early boundaries' own saved tensors go too
+            got = torch.autograd.grad(out, [x] + [GradientEdge(c, nr) for _, (c, nr) in early_edges], grad,
+                                      retain_graph=True, allow_unused=True)
     finally:
         freeing.open = False                    # a thread the engine ran in may still point at it
+    if got[0] is not None:                      # into x.grad, as a backward would
+        x.grad = got[0] if x.grad is None else x.grad + got[0]
+    for (node, edge), g in zip(early_edges, got[1:]):
+        work._early.setdefault(node, [])
+        if g is not None:
+            work._early[node].append((edge, g))
     return work
 
 
