@@ -13,48 +13,50 @@ It works on the autograd graph, so every layer kind splits the same way, with no
 own: linear (column/row-parallel, sequence parallel), attention, LayerNorm/RMSNorm, embeddings
 (vocab-parallel, position), MoE experts and router. Before ``I`` the graph of ``out`` is walked once:
 
-- the *input path* is every node from which the gradient reaches ``x``; ``I`` is
-  ``torch.autograd.backward(out, dy, inputs=[x])``, which runs those nodes and no other, each computing
-  only the gradients of its inputs on the path (a linear's ``dY @ W``, not its ``dY^T @ X``);
+- the *input path* is every node from which the gradient reaches ``x``; ``I`` is one autograd pass
+  from ``out`` to ``x`` (``x.grad``), which runs those nodes and no other, each computing only the
+  gradients of its inputs on the path (a linear's ``dY @ W``, not its ``dY^T @ X``);
 - a *boundary* is an input-path node with an edge leaving the path (towards parameters only: a node
   off the path cannot reach ``x``): a matmul whose other operand is a weight, a norm's affine step, the
-  add of a position embedding. A pre-hook keeps the gradient each boundary receives during ``I``.
+  add of a position embedding. A pre-hook keeps the gradient each matmul boundary receives during ``I``.
+  The other boundaries (norms, bias adds, custom Functions such as ``RMSNormFunction``) are cheap:
+  their edges off the path are inputs of ``I``'s own pass beside ``x``, so ``I`` computes their weight
+  halves too, and holds them for ``W``.
 
-``W`` runs in two parts: each boundary again from its kept gradient, asked only for the gradients
-along its edges off the path (``torch.autograd.grad`` with ``GradientEdge``: the weight half of the
-matmul, and nothing of the input path, which ``I`` did), then one ``torch.autograd.backward`` from
-those edges down to the parameters. That second part accumulates through autograd's own
-``AccumulateGrad``, so the parameters' post-accumulate-grad hooks fire as in a full backward: the ZeRO
-gradient sync counts its buckets down and launches their reductions from ``W`` (the caller brackets
-``W`` with the grad sync's ``weight_grad``). The kernels are the ones the full backward runs, so
-``I`` + ``W`` gives the full backward's gradients bit for bit (tests/test_pipeline_split_backward.py,
-per layer kind). A node whose backward does not split (a custom ``autograd.Function`` with a weight,
-e.g. ``RMSNormFunction``) computes both halves in ``I`` and again in ``W`` and keeps one each time:
-exact, at the price of that node's extra work.
+``W`` runs each matmul boundary again from its kept gradient, asked only for the gradients along its
+edges off the path (``torch.autograd.grad`` with ``GradientEdge``: the weight half of the matmul, and
+nothing of the input path, which ``I`` did), then ``torch.autograd.backward`` from those edges (and
+the norms' held ones) down to the parameters, one pass per group of boundaries that share nothing
+off the path (one per weight in a transformer layer), smallest gradient first, so the gradients go into
+``.grad`` as they come. That accumulates through autograd's own ``AccumulateGrad``, so the
+parameters' post-accumulate-grad hooks fire as in a full backward, in ``W``: the ZeRO gradient sync
+counts its buckets down and launches their reductions from ``W`` (the caller brackets ``W`` with the
+grad sync's ``weight_grad``). The kernels are the ones the full backward runs, so ``I`` + ``W`` gives
+the full backward's gradients bit for bit (tests/test_pipeline_split_backward.py, per layer kind). A
+parameter used at two depths of one chunk (its gradient reachable from a boundary through the path)
+is refused in ``W`` with the fix (1F1B), not counted twice.
 
 Where ``x`` is None (the first virtual stage, whose input is token ids) or ``out`` does not depend on
 it, ``I`` has nothing to compute and ``W`` is the whole backward, so the micro-batch's activations
 stay held until ``W``.
 
-Memory between ``I`` and ``W``. ``W`` runs only the boundary nodes and the nodes off the input path,
-so only their saved tensors are needed after ``I``: a weight matmul's input ``X`` (and its weight),
-a norm's input and statistics, an embedding's indices -- with the kept gradients ``dY`` at the
-boundaries, exactly the paper's "W keeps X and dY". Everything the rest of the path saved (attention
-scores and probabilities, GeLU/SwiGLU inputs, dropout masks, the loss's softmax) is freed at ``I``, so a
-micro-batch waiting for its ``W`` holds less than one waiting for its backward, and ZB-H1's peak stays
-1F1B's. For that, the forward runs inside :func:`deferrable_saves`: autograd's saved tensors go into
-slots (``saved_tensors_hooks``) that ``I`` empties, as each node has run, for the nodes ``W`` will not
-run again (a pre-hook marks the slots a node unpacks, a post-hook empties them); ``W`` empties each
-boundary's in turn. The graph itself stays until ``W`` (its nodes are small); only the tensors go.
-The norms' (and other non-matmul boundaries') weight gradients are taken in ``I``'s own pass and held
-for ``W``, which accumulates them, so their hooks still fire in ``W``. ``W`` runs the boundaries in
-independent groups, smallest weight gradient first, each group one autograd pass, so the gradients
-go into ``.grad`` as they come. Why this and not layer-level deferral (each linear queueing ``(X, dY)`` and
-computing ``dW = dY^T X`` itself, as Megatron-core's ``delay_wgrad_compute`` does): the graph keeps one
-code path for every layer kind, keeps the full backward's kernels (bit-for-bit gradients), and keeps
-autograd's ``AccumulateGrad`` firing the gradient sync's hooks in ``W``. A tensor saved inside a
-nested hook (recompute's checkpoint, activation offload) follows that hook's rules instead: a
-recomputed region keeps its input until ``W``, which recomputes it.
+Memory between ``I`` and ``W``: what ``W`` needs, the paper's "X and dY". ``W`` runs only the matmul
+boundaries and the nodes off the path, so only their saved tensors are needed after ``I`` (a weight
+matmul's input ``X`` and its weight, an embedding's indices), with the kept gradients ``dY``.
+Everything else the forward saved (attention scores and probabilities, GeLU/SwiGLU inputs, dropout
+masks, the norms' inputs and statistics, the loss's softmax) goes during ``I``, node by node, as a
+full backward frees it. For that the forward runs inside :func:`deferrable_saves`: autograd's saved
+tensors sit in slots (``saved_tensors_hooks``) that ``I`` empties once the node that unpacked them has
+run (a pre-hook marks what a node unpacks, a post-hook empties it), and ``W`` empties each matmul's in
+turn; the graph's nodes, which are small, stay until ``W``. For a GPT layer a waiting micro-batch holds
+16 sbh elements (X 7, dY 9), about as much as its full activation set with fused attention and no
+dropout, less with attention scores or dropout (tests, and the estimator:
+``megazero/models/gpt_memory.py``). Why this and not layer-level deferral (each linear queueing
+``(X, dY)`` and computing ``dW = dY^T X`` itself, as Megatron-core's ``delay_wgrad_compute`` does): one
+code path for every layer kind, the full backward's kernels (bit-for-bit gradients), and autograd's
+``AccumulateGrad`` firing the gradient sync's hooks in ``W``. A tensor saved inside a nested hook
+(recompute's checkpoint, activation offload) follows that hook's rules instead: a recomputed region
+keeps its input until ``W``, which recomputes it.
 """
 from __future__ import annotations
 
