@@ -76,7 +76,8 @@ def test_zb_v_activations_are_1f1b_peak_on_every_rank():
 # transients (the embedding's gradient at the backward's end) decide the peak.
 CAPACITY = ["--vocab-size", "4096", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
             "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4"]
-LAYOUTS = [  # (world size, flags): tp, pp, dp, cp, ZeRO 0-3, sequence parallel, recompute, precision, dropout, Llama
+LAYOUTS = [  # (world size, flags): tp, pp (1F1B, ZB-H1), dp, cp, ZeRO 0-3, sequence parallel, recompute, precision,
+            # dropout, Llama
     (1, ["--zero-stage", "0"]),
     (2, ["--zero-stage", "1"]),
     (2, ["--zero-stage", "2", "--global-batch-size", "16"]),
@@ -84,6 +85,7 @@ LAYOUTS = [  # (world size, flags): tp, pp, dp, cp, ZeRO 0-3, sequence parallel,
     (2, ["--tp", "2", "--zero-stage", "0"]),
     (2, ["--tp", "2", "--sequence-parallel", "--zero-stage", "0"]),
     (2, ["--pp", "2", "--zero-stage", "0", "--global-batch-size", "8"]),
+    (2, ["--pp", "2", "--pipeline-schedule", "zb-h1", "--zero-stage", "0", "--global-batch-size", "16"]),
     (2, ["--zero-stage", "0", "--recompute-activations"]),
     (2, ["--zero-stage", "2", "--bf16"]),
     (2, ["--zero-stage", "3", "--zero3-keep-params-gathered", "--global-batch-size", "16"]),
@@ -103,7 +105,7 @@ LAYOUTS = [  # (world size, flags): tp, pp, dp, cp, ZeRO 0-3, sequence parallel,
     (2, ["--seq-length", "1024", "--micro-batch-size", "1", "--cp", "2", "--cp-comm-type", "allgather",
          "--zero-stage", "0"]),
 ]
-QUICK = {0, 3, 5, 6, 11, 20}
+QUICK = {0, 3, 5, 6, 7, 12, 21}
 
 
 @pytest.mark.parametrize("world,flags", [pytest.param(w, f, marks=() if i in QUICK else pytest.mark.slow)

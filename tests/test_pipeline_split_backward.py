@@ -2,14 +2,18 @@
 followed by W (the parameters' gradients) equals a full backward bit for bit, on real model chunks."""
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import pytest
 import torch
 import torch.nn as nn
 from helpers import run_on_ranks
 
 from megazero.config import ModelConfig
+from megazero.memory.measure import LiveTensorBytes
 from megazero.models.gpt import GPT, masked_mean
-from megazero.parallel.pipeline.split_backward import backward_input
+from megazero.parallel.pipeline.split_backward import backward_input, deferrable_saves
 
 S, B, H = 8, 2, 32
 
@@ -29,13 +33,15 @@ def _data(seed: int, shape=(S, B, H)):
 
 def _run(module, kind: str, d, split: bool):
     """One forward + backward of ``module`` (a middle chunk: hidden -> hidden; 'last': hidden -> loss;
-    'first': tokens -> hidden); with ``split`` as I then W. Returns the input gradient seen right
+    'first': tokens -> hidden); with ``split`` as I then W, the forward recording its saved tensors for
+    I to free. Returns the input gradient seen right
     after I, whether any parameter had a gradient then, and every parameter's gradient."""
     x = None if kind == "first" else d["x"].clone().requires_grad_()
-    if kind == "last":
-        out, dy = masked_mean(module(x, d["labels"]), d["mask"]), None
-    else:
-        out, dy = module(d["tokens"] if kind == "first" else x), d["dy"]
+    with deferrable_saves() if split else contextlib.nullcontext():      # as the pipeline runner does
+        if kind == "last":
+            out, dy = masked_mean(module(x, d["labels"]), d["mask"]), None
+        else:
+            out, dy = module(d["tokens"] if kind == "first" else x), d["dy"]
     if not split:
         torch.autograd.backward(out, dy)
         return (None if x is None else x.grad), False, [p.grad.clone() for p in module.parameters()]
@@ -161,3 +167,73 @@ def test_split_through_tensor_parallel_layers(sp, kind):
     """Column- and row-parallel linears (the tp communication carries input gradients: it runs in I,
     W is local), sequence parallelism, the vocab-parallel head and cross entropy, tp-sharded experts."""
     assert run_on_ranks(2, _tp_body, sp, kind, timeout=120) == [True, True]
+
+
+def _held_between_i_and_w(hooked: bool, cfg, upto: str) -> tuple[int, list]:
+    """Bytes live after one micro-batch's F, I (with the input's gradient sent away) or W (``upto``)
+    through a middle chunk, counted from before F (one profiler block: it sees only the frees of what
+    it saw allocated), and the parameters' gradients."""
+    layer = GPT(cfg, pre_process=False, post_process=False, seed=3)
+    for p in layer.parameters():                              # gradient storage exists before the step
+        p.grad = torch.zeros_like(p)
+    d = _data(1)
+    x, dy = d["x"].clone().requires_grad_(), d["dy"]
+    gc.collect()
+    with LiveTensorBytes() as probe:
+        with deferrable_saves() if hooked else contextlib.nullcontext():
+            out = layer(x)
+        if upto != "F":
+            work = backward_input(out, dy, x)
+            x.grad = None                                     # sent to the previous stage
+            del out
+            if upto == "W":
+                work.run()
+                del work
+    return probe.end, [p.grad.clone() for p in layer.parameters()]
+
+
+def test_between_i_and_w_a_micro_batch_keeps_only_what_w_needs():
+    """After I a micro-batch holds each weight matmul's input X and output gradient dY -- per GPT
+    layer 16 sbh elements: X of qkv, proj and fc1 (h each) and fc2 (4h); dY of qkv (3h), proj (h),
+    fc1 (4h) and fc2 (h) -- and nothing else of its activations (attention, GELU inputs, dropout
+    masks, norms' inputs and statistics: the norms' and biases' gradients are computed right after I).
+    Without ``deferrable_saves`` the whole graph stays until W, on top of dY. Same gradients either way."""
+    cfg = _cfg(hidden_dropout=0.1, attention_dropout=0.1)
+    needed = cfg.num_layers * 16 * S * B * H * 4
+    forward, _ = _held_between_i_and_w(True, cfg, "F")
+    after_i, _ = _held_between_i_and_w(True, cfg, "I")
+    after_w, grads = _held_between_i_and_w(True, cfg, "W")
+    norms = cfg.num_layers * 2 * 2 * H * 4                    # the norms' weight and bias gradients, kept for W
+    rng = torch.get_rng_state().nbytes     # the dropout RNG's state, replaced per fork: the model's, not the micro-batch's
+    assert abs(after_i - needed) <= norms + rng, (after_i, needed)
+    assert after_i < 0.75 * forward                           # masks and attention probabilities: gone
+    assert after_w <= rng                                      # W let everything go
+    forward_old, _ = _held_between_i_and_w(False, cfg, "F")
+    after_i_old, grads_old = _held_between_i_and_w(False, cfg, "I")
+    assert forward_old == forward and after_i_old > forward  # the whole graph stays, and dY with it
+    _, grads_old = _held_between_i_and_w(False, cfg, "W")
+    for a, b in zip(grads, grads_old):
+        assert torch.equal(a, b)
+
+
+class _SharedWeight(nn.Module):
+    """One linear applied at two depths: the outer use's weight gradient is reachable from the inner's
+    through the input path, so W cannot take it apart from I."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.lin(torch.nn.functional.gelu(self.lin(x)))
+
+
+def test_a_weight_used_at_two_depths_is_refused_with_the_fix():
+    """Not silently counted twice: W needs what I freed, and says which schedule to use instead."""
+    module, d = _SharedWeight(), _data(1)
+    x = d["x"].clone().requires_grad_()
+    with deferrable_saves():
+        out = module(x)
+    work = backward_input(out, d["dy"], x)
+    with pytest.raises(RuntimeError, match="two depths of one model chunk.*--pipeline-schedule 1f1b"):
+        work.run()

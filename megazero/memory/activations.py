@@ -10,6 +10,10 @@ A model spec's ``activation_bytes`` is an object with three methods (bytes, for 
                                            what recompute brings back, offloaded layers copied back
                                            (net of what the last chunk's held bytes already counted)
     offloaded(job, placement, e, mask)     what one micro-batch leaves in host memory (--cpu-offloading)
+    weight_grad_held(job, placement, e, mask)
+                                           what it still holds between a zero-bubble schedule's I and W
+                                           (megazero/parallel/pipeline/split_backward.py); optional, a
+                                           model without it is taken to hold everything until W
     logits(job, e)                         the current micro-batch's logits (and their fp32 copy)
     head_backward(job, e)                  the head's backward transient (the logits' gradient)
 

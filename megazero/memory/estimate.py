@@ -149,21 +149,22 @@ def _state_groups(job: JobConfig, chunks: list) -> list[tuple[list[int], int, li
 
 
 def _schedule_order(job: JobConfig, pp_rank: int) -> list[tuple[str, int]]:
-    """The (F or B, chunk) sequence the rank's pipeline schedule runs in one step, read off the list
-    its generator writes (what the executor runs). A zero-bubble I counts as the B that frees the
-    micro-batch's activations; its W keeps only the weight-gradient inputs and is left out."""
+    """The (F, B, I or W, chunk) sequence the rank's pipeline schedule runs in one step, read off the list
+    its generator writes (what the executor runs)."""
     par = job.parallel
     actions = get_schedule(par)(par.pp, job.num_micro_batches, par.virtual_stages, False)[pp_rank]
-    return [("F" if a.kind is Kind.FORWARD else "B", a.chunk) for a in actions
-            if isinstance(a, Compute) and a.kind is not Kind.BACKWARD_WEIGHT]
+    letter = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.BACKWARD_INPUT: "I", Kind.BACKWARD_WEIGHT: "W"}
+    return [(letter[a.kind], a.chunk) for a in actions if isinstance(a, Compute)]
 
 
-def _held_peak(job: JobConfig, pp_rank: int, per_chunk: list[int]) -> int:
+def _held_peak(job: JobConfig, pp_rank: int, per_chunk: list[int], until_w: list[int] | None = None) -> int:
     """Most activation bytes held at once: the schedule replayed, each forward adding its chunk's
-    bytes for one micro-batch and each backward releasing them."""
+    bytes for one micro-batch and each backward releasing them; a zero-bubble I releases all but
+    ``until_w`` (what W needs: the chunk's bytes where not given), its W the rest."""
+    until_w = per_chunk if until_w is None else until_w
     held = peak = 0
     for op, c in _schedule_order(job, pp_rank):
-        held += per_chunk[c] if op == "F" else -per_chunk[c]
+        held += {"F": per_chunk[c], "B": -per_chunk[c], "I": until_w[c] - per_chunk[c], "W": -until_w[c]}[op]
         peak = max(peak, held)
     return peak
 
@@ -201,8 +202,11 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     offloaded = offloaded_parts(job, groups, e, parts, ge, device)
     est.model_states = sum(parts.values())
 
-    est.activations = _held_peak(job, pp_rank, [activation_model.held(act_job, pl, e, mask)
-                                                 + allgather_attention_bytes(job, pl, e) for pl in places])
+    held = [activation_model.held(act_job, pl, e, mask) + allgather_attention_bytes(job, pl, e) for pl in places]
+    until_w = getattr(activation_model, "weight_grad_held", None)
+    est.activations = _held_peak(job, pp_rank, held, None if until_w is None else
+                                 [min(until_w(act_job, pl, e, mask), full)
+                                  for pl, full in zip(places, held)])
     host_activations = _held_peak(job, pp_rank, [activation_model.offloaded(act_job, pl, e, mask) for pl in places])
     if host_activations:                               # --cpu-offloading: the offloaded layers' activations
         offloaded["host_activations"] = host_activations

@@ -177,6 +177,38 @@ def _chunk_ends(job, placement, e, mask, s, b, h, t) -> int:
     return out
 
 
+def weight_grad_bytes(job, placement, e: int, mask: int) -> int:
+    """Bytes one micro-batch holds on the device between its I and its W (zero-bubble schedules): what
+    W needs, each weight matmul's input X and output gradient dY (for GPT-2 at tp 1, 7 + 9 = 16 sbh per
+    layer; X of qkv, proj, fc1 (h each) and fc2 (f); dY of qkv (3h), proj (h), fc1 (f) and fc2 (h)),
+    the chunk's input, and on the last stage the head's input and the logits' gradient. A recomputed
+    group keeps its input (W recomputes it) and its layers' dY; an offloaded layer keeps only dY on the
+    device. The first virtual stage's I computes nothing (its input is token ids): it holds all until W.
+    Selective recompute is counted as none (its X's come back in W)."""
+    if placement.pre_process:
+        return chunk_activation_bytes(job, placement, e, mask)
+    cfg, par = job.model, job.parallel
+    s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
+    rows = s * b // t if par.sequence_parallel and t > 1 else s * b
+    kv = 2 * max(cfg.num_query_groups // t, 1) * cfg.head_dim if cfg.group_query_attention else 2 * h // t
+    f = cfg.ffn_hidden_size // t
+    grads = e * s * b * ((h // t + kv) + h + f * (2 if cfg.swiglu else 1) + h)   # dY: qkv, proj, fc1, fc2
+    inputs = e * s * b * (h + h // t + h + f)                                      # X: qkv, proj, fc1, fc2
+    offloaded = _offloaded_count(job, placement)
+    out = e * rows * h                                                             # the chunk's input
+    position = 0
+    for ids, recomputed, kept, layer_input in _layers(job, placement, e, mask):
+        n = len(ids)
+        if recomputed:
+            out += layer_input + n * grads
+        else:
+            out += n * grads + (n * inputs if position >= offloaded else 0)
+        position += n
+    if placement.post_process:
+        out += e * s * b * h + e * s * b * cfg.padded_vocab_size(t) // t           # the head's X and dY
+    return min(out, chunk_activation_bytes(job, placement, e, mask))
+
+
 def _recompute_extra(job, placement, e: int, mask: int) -> int:
     """The most a recomputed group of the chunk brings back at once: its layers' activations, less
     what the kept layers after it (their backward ran first) have already freed."""
@@ -199,6 +231,9 @@ class GPTActivations(TransformerActivations):
 
     def offloaded(self, job, placement, e: int, mask: int) -> int:
         return chunk_offloaded_bytes(job, placement, e, mask)
+
+    def weight_grad_held(self, job, placement, e: int, mask: int) -> int:
+        return weight_grad_bytes(job, placement, e, mask)
 
     def working(self, job, placements, e: int, mask: int, device: str = "cpu") -> int:
         """A backward's transient: the gradients passing between layers (two hidden-sized tensors and

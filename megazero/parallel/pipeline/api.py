@@ -5,6 +5,7 @@ import torch
 
 from megazero.parallel.groups import PipelineLayout
 
+from megazero.parallel.pipeline.actions import Compute, Kind
 from megazero.parallel.pipeline.executor import checked_schedule, execute, stage_shape_of
 from megazero.parallel.pipeline.partition import LOOP
 from megazero.parallel.pipeline.generators import default_schedule, get_schedule, no_pipelining, schedule_by_name
@@ -48,6 +49,8 @@ def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, fo
     runner = StageRunner(chunks, micro_batches, pipeline, forward_only=forward_only, loss_scale=loss_scale,
                          grad_sync=grad_sync, stats=stats, loss_fn=loss_fn, shape=shape)
     actions = checked_schedule(generator, pipeline.size, runner.num_micro, runner.v, forward_only)[pipeline.rank]
+    runner.split_backward = not forward_only and any(
+        isinstance(a, Compute) and a.kind is Kind.BACKWARD_INPUT for a in actions)
     comm = None
     if pipeline.size > 1:
         if tensor_shape is None:

@@ -5,6 +5,7 @@ compute action of a rank's list.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from megazero.parallel.groups import PipelineLayout
 
 from megazero.parallel.pipeline.partition import LOOP, is_first_virtual_stage, is_last_virtual_stage
-from megazero.parallel.pipeline.split_backward import backward_input
+from megazero.parallel.pipeline.split_backward import backward_input, deferrable_saves
 
 
 @dataclass
@@ -60,6 +61,7 @@ class StageRunner:
         if self.num_micro == 0:
             raise ValueError("run_schedule needs at least one micro-batch")
         self.forward_only, self.loss_scale, self.grad_sync = forward_only, loss_scale, grad_sync
+        self.split_backward = False   # set when the rank's list has I actions: forwards then run in deferrable_saves
         self.stats = stats if stats is not None else PipelineStats()
         self.loss_fn = loss_fn
         self._losses: dict[int, torch.Tensor] = {}
@@ -105,7 +107,8 @@ class StageRunner:
             if received is None:
                 raise RuntimeError(f"schedule bug: chunk {c} micro-batch {i} has no input activation")
             x = received.requires_grad_(not self.forward_only)
-        with torch.set_grad_enabled(not self.forward_only):
+        saves = deferrable_saves() if self.split_backward else contextlib.nullcontext()
+        with torch.set_grad_enabled(not self.forward_only), saves:
             out = self.chunks[c](x, self._batch(i, "labels") if last else None)
             if last:
                 loss = self.loss_fn(out, self._batch(i, "loss_mask"))
@@ -145,7 +148,8 @@ class StageRunner:
     def backward_input(self, c: int, i: int, output_grad: torch.Tensor | None) -> torch.Tensor | None:
         """I of chunk c on micro-batch i (zero-bubble schedules): the gradient of the chunk's input
         only, to send back; the parameters' gradients wait for :meth:`backward_weight`. The
-        micro-batch's activations stay held until then."""
+        micro-batch keeps until then only what W needs (``split_backward.py``) when ``split_backward`` was
+        set before its forward (its saved tensors were then recorded for I to free); else all of them."""
         if i not in self.held[c]:
             raise RuntimeError(f"schedule bug: I of chunk {c} micro-batch {i}, whose activations are not held")
         x, out = self.held[c].pop(i)
@@ -155,7 +159,10 @@ class StageRunner:
             self.grad_sync.before_input_grad(c)
         self.pending_w[c][i] = backward_input(out, None if self.is_last(c) else output_grad, x)
         self.stats.order.append(("I", c, i))
-        return None if x is None else x.grad
+        if x is None:
+            return None
+        dx, x.grad = x.grad, None                 # sent on, not held by the graph until W
+        return dx
 
     def backward_weight(self, c: int, i: int) -> None:
         """W of chunk c on micro-batch i: the parameters' gradients its I left, with the gradient

@@ -3,7 +3,8 @@ one micro-batch through one model chunk that computes only what the previous sta
 gradient of the chunk's input), and ``W``, run later when the pipeline would otherwise sit idle, that
 computes the parameters' gradients::
 
-    out = chunk(x)                                   # x: the received activation, requires grad
+    with deferrable_saves():                         # lets I free what W does not need
+        out = chunk(x)                               # x: the received activation, requires grad
     work = backward_input(out, dy, x)                # I: x.grad; no parameter gradient yet
     ...                                              # send x.grad back, run other micro-batches
     work.run()                                       # W: every parameter's gradient into .grad
@@ -12,43 +13,159 @@ It works on the autograd graph, so every layer kind splits the same way, with no
 own: linear (column/row-parallel, sequence parallel), attention, LayerNorm/RMSNorm, embeddings
 (vocab-parallel, position), MoE experts and router. Before ``I`` the graph of ``out`` is walked once:
 
-- the *input path* is every node from which the gradient reaches ``x``; ``I`` is
-  ``torch.autograd.backward(out, dy, inputs=[x])``, which runs those nodes and no other, each computing
-  only the gradients of its inputs on the path (a linear's ``dY @ W``, not its ``dY^T @ X``);
+- the *input path* is every node from which the gradient reaches ``x``; ``I`` is one autograd pass
+  from ``out`` to ``x`` (``x.grad``), which runs those nodes and no other, each computing only the
+  gradients of its inputs on the path (a linear's ``dY @ W``, not its ``dY^T @ X``);
 - a *boundary* is an input-path node with an edge leaving the path (towards parameters only: a node
   off the path cannot reach ``x``): a matmul whose other operand is a weight, a norm's affine step, the
-  add of a position embedding. A pre-hook keeps the gradient each boundary receives during ``I``.
+  add of a position embedding. A pre-hook keeps the gradient each matmul boundary receives during ``I``.
+  The other boundaries (norms, bias adds, custom Functions such as ``RMSNormFunction``) are cheap:
+  their edges off the path are inputs of ``I``'s own pass beside ``x``, so ``I`` computes their weight
+  halves too, and holds them for ``W``.
 
-``W`` runs in two parts: each boundary again from its kept gradient, asked only for the gradients
-along its edges off the path (``torch.autograd.grad`` with ``GradientEdge``: the weight half of the
-matmul, and nothing of the input path, which ``I`` did), then one ``torch.autograd.backward`` from
-those edges down to the parameters. That second part accumulates through autograd's own
-``AccumulateGrad``, so the parameters' post-accumulate-grad hooks fire as in a full backward: the ZeRO
-gradient sync counts its buckets down and launches their reductions from ``W`` (the caller brackets
-``W`` with the grad sync's ``weight_grad``). The kernels are the ones the full backward runs, so
-``I`` + ``W`` gives the full backward's gradients bit for bit (tests/test_pipeline_split_backward.py,
-per layer kind). A node whose backward does not split (a custom ``autograd.Function`` with a weight,
-e.g. ``RMSNormFunction``) computes both halves in ``I`` and again in ``W`` and keeps one each time:
-exact, at the price of that node's extra work.
+``W`` runs each matmul boundary again from its kept gradient, asked only for the gradients along its
+edges off the path (``torch.autograd.grad`` with ``GradientEdge``: the weight half of the matmul, and
+nothing of the input path, which ``I`` did), then ``torch.autograd.backward`` from those edges (and
+the norms' held ones) down to the parameters, one pass per group of boundaries that share nothing
+off the path (one per weight in a transformer layer), smallest gradient first, so the gradients go into
+``.grad`` as they come. That accumulates through autograd's own ``AccumulateGrad``, so the
+parameters' post-accumulate-grad hooks fire as in a full backward, in ``W``: the ZeRO gradient sync
+counts its buckets down and launches their reductions from ``W`` (the caller brackets ``W`` with the
+grad sync's ``weight_grad``). The kernels are the ones the full backward runs, so ``I`` + ``W`` gives
+the full backward's gradients bit for bit (tests/test_pipeline_split_backward.py, per layer kind). A
+parameter used at two depths of one chunk (its gradient reachable from a boundary through the path)
+is refused in ``W`` with the fix (1F1B), not counted twice.
 
 Where ``x`` is None (the first virtual stage, whose input is token ids) or ``out`` does not depend on
-it, ``I`` has nothing to compute and ``W`` is the whole backward. Between ``I`` and ``W`` the graph
-(the micro-batch's activations) stays alive: a zero-bubble schedule holds a micro-batch until its W,
-which is what ``simulate.py`` and ``PipelineStats`` count.
+it, ``I`` has nothing to compute and ``W`` is the whole backward, so the micro-batch's activations
+stay held until ``W``.
+
+Memory between ``I`` and ``W``: what ``W`` needs, the paper's "X and dY". ``W`` runs only the matmul
+boundaries and the nodes off the path, so only their saved tensors are needed after ``I`` (a weight
+matmul's input ``X`` and its weight, an embedding's indices), with the kept gradients ``dY``.
+Everything else the forward saved (attention scores and probabilities, GeLU/SwiGLU inputs, dropout
+masks, the norms' inputs and statistics, the loss's softmax) goes during ``I``, node by node, as a
+full backward frees it. For that the forward runs inside :func:`deferrable_saves`: autograd's saved
+tensors sit in slots (``saved_tensors_hooks``) that ``I`` empties once the node that unpacked them has
+run (a pre-hook marks what a node unpacks, a post-hook empties it), and ``W`` empties each matmul's in
+turn; the graph's nodes, which are small, stay until ``W``. For a GPT layer a waiting micro-batch holds
+16 sbh elements (X 7, dY 9), about as much as its full activation set with fused attention and no
+dropout, less with attention scores or dropout (tests, and the estimator:
+``megazero/models/gpt_memory.py``). Why this and not layer-level deferral (each linear queueing
+``(X, dY)`` and computing ``dW = dY^T X`` itself, as Megatron-core's ``delay_wgrad_compute`` does): one
+code path for every layer kind, the full backward's kernels (bit-for-bit gradients), and autograd's
+``AccumulateGrad`` firing the gradient sync's hooks in ``W``. A tensor saved inside a nested hook
+(recompute's checkpoint, activation offload) follows that hook's rules instead: a recomputed region
+keeps its input until ``W``, which recomputes it.
 """
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+import sys
+import threading
+
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+class _Slot:
+    """One tensor autograd saved for backward, held here so that ``I`` can let it go (unless pinned)."""
+
+    __slots__ = ("tensor", "pinned")
+
+    def __init__(self, tensor: torch.Tensor, pinned: bool):
+        self.tensor, self.pinned = tensor, pinned
+
+
+class _Freeing:
+    """One ``I``: while it is open, the slots a node unpacks (in the thread the autograd engine runs
+    it in) are emptied when that node has run -- unless the node is one ``W`` runs again."""
+
+    def __init__(self):
+        self.open = True
+
+    def node_starts(self, frees: bool) -> None:           # a node's pre-hook
+        _running.freeing, _running.slots = (self, []) if frees else (None, None)
+
+    @staticmethod
+    def node_ran() -> None:                               # its post-hook
+        for slot in getattr(_running, "slots", None) or ():
+            slot.tensor = None
+        _running.freeing = _running.slots = None
+
+
+_running = threading.local()      # .freeing, .slots: the _Freeing of the node running in this thread, its slots
+
+
+def _pack(tensor: torch.Tensor) -> _Slot:
+    # detached: a saved output must not hold its own grad_fn (a cycle)
+    return _Slot(tensor.detach(), pinned=_saved_by_checkpoint(sys._getframe(1)))
+
+
+_CHECKPOINT_SOURCE = os.path.join("utils", "checkpoint.py")
+
+
+def _saved_by_checkpoint(frame) -> bool:
+    """Is this save torch.utils.checkpoint keeping a recomputed region's inputs? (Its own hooks take the
+    region's saves; the inputs it saves with ours.) It unpacks them whenever it recomputes the region --
+    in ``I`` and again in ``W`` -- from inside whichever node first needs the region, so they must not
+    go with that node's tensors."""
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_SOURCE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _unpack(slot: _Slot) -> torch.Tensor:
+    if slot.tensor is None:
+        raise RuntimeError("split backward: W reached a node of the input path again, whose saved tensors its I "
+                           "freed. A parameter used at two depths of one model chunk (its gradient reachable through "
+                           "the input path) cannot be split into I and W: use --pipeline-schedule 1f1b for this model")
+    freeing = getattr(_running, "freeing", None)
+    if freeing is not None and freeing.open and not slot.pinned:
+        _running.slots.append(slot)
+    return slot.tensor
+
+
+@contextlib.contextmanager
+def deferrable_saves():
+    """Run a forward whose backward may be split into :func:`backward_input` and ``W``: autograd's
+    saved tensors are held in slots that ``I`` empties where ``W`` will not need them (see the module
+    docstring). Costs a Python call per saved tensor; with a full backward it changes nothing."""
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        yield
+
+
+# Boundaries whose weight half waits for W: the matrix products, whose weight gradient (dY^T X) is as
+# much work as their input gradient -- what the schedule moves into the bubbles. Every other boundary
+# (a norm's affine step, a bias or position-embedding add, a custom Function such as RMSNorm) computes
+# its off-path gradients in I's own pass, while its parameters are at hand (ZeRO-3 releases them after
+# I): they are reductions over the tokens, cheap and as small as its parameters, so W holds them instead
+# of the node's output gradient and saved input. Only where it is alone in its group (no parameter
+# shared with another boundary), so that I's pass computes that node's half and nothing more.
+_DEFERRED_NODES = frozenset({"MmBackward", "AddmmBackward", "BmmBackward", "BaddbmmBackward", "AddbmmBackward",
+                             "MatmulBackward", "LinearBackward", "ConvolutionBackward", "_GroupedMmBackward"})
+
+
+def _deferred(node) -> bool:
+    return node.name().rstrip("0123456789") in _DEFERRED_NODES
 
 
 class WeightGradWork:
     """The ``W`` of one micro-batch: what :func:`backward_input` left to compute."""
 
     def __init__(self, out: torch.Tensor, grad: torch.Tensor | None, boundaries: list | None):
-        self._out, self._grad = out, grad
+        whole = boundaries is None
+        self._out, self._grad = (out, grad) if whole else (None, None)   # only the whole backward reruns from out
         self._boundaries = boundaries           # [(node, [(child, input_nr)])]; None: the whole backward
         self._kept: dict = {}                   # node -> the gradients of its outputs seen in I
+        self._early: dict = {}                  # node -> [(off-path edge, its gradient)] computed in I
+        self._groups: list = []                 # the boundaries in independent groups, in W's order
         self.done = False
 
     def keep(self, node, grad_outputs) -> None:
@@ -62,32 +179,43 @@ class WeightGradWork:
         if self._boundaries is None:
             torch.autograd.backward(self._out, self._grad)
         else:
-            edges, grads = self._edge_grads()
-            if edges:
-                torch.autograd.backward(edges, grads)
+            freeing = _Freeing()                # each boundary's saved tensors go once it has run
+            deferred = [node for node, _ in self._boundaries if node not in self._early]
+            try:
+                with _hooked(deferred, lambda grad_outputs, node: freeing.node_starts(True)):
+                    for group in self._groups:
+                        edges, grads = self._edge_grads(group)
+                        if edges:
+                            torch.autograd.backward(edges, grads)
+            finally:
+                freeing.open = False
         self._out = self._grad = self._boundaries = None
-        self._kept = {}
+        self._kept, self._early, self._groups = {}, {}, []
 
-    def _edge_grads(self) -> tuple[list, list]:
-        """The gradient along each edge that leaves the input path (the part of each boundary node's
-        backward that ``I`` skipped)."""
+    def _edge_grads(self, boundaries: list) -> tuple[list, list]:
+        """The gradient along each edge that leaves the input path from ``boundaries`` (the part of each
+        boundary node's backward that ``I`` skipped), summed per edge in boundary order. The kept output
+        gradients are let go as they are used."""
         found: dict = {}
-        for node, leaving in self._boundaries:
-            kept = self._kept.get(node)
-            if kept is None:                    # I never reached the node: no gradient flows there
-                continue
-            roots = [(GradientEdge(node, k), g) for k, g in enumerate(kept) if g is not None]
-            if not roots:
-                continue
-            targets = [GradientEdge(child, nr) for child, nr in leaving]
-            got = torch.autograd.grad([e for e, _ in roots], targets, [g for _, g in roots],
-                                      retain_graph=True, allow_unused=True)
-            for (child, nr), g in zip(leaving, got):
-                if g is None:
-                    continue
-                key = (child, nr)
+        for node, leaving in boundaries:
+            got = self._early.pop(node) if node in self._early else self._leaving_grads(node, leaving)
+            self._kept.pop(node, None)
+            for key, g in got:
                 found[key] = g if key not in found else found[key] + g   # a parameter used twice
         return [GradientEdge(c, nr) for c, nr in found], list(found.values())
+
+    def _leaving_grads(self, node, leaving) -> list:
+        """[((child, input_nr), gradient)] along ``node``'s edges off the path, from its kept gradients."""
+        kept = self._kept.get(node)
+        if kept is None:                        # I never reached the node: no gradient flows there
+            return []
+        roots = [(GradientEdge(node, k), g) for k, g in enumerate(kept) if g is not None]
+        if not roots:
+            return []
+        targets = [GradientEdge(child, nr) for child, nr in leaving]
+        got = torch.autograd.grad([e for e, _ in roots], targets, [g for _, g in roots],
+                                  retain_graph=True, allow_unused=True)
+        return [(key, g) for key, g in zip(leaving, got) if g is not None]
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None) -> WeightGradWork:
@@ -111,13 +239,95 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
             if leaving:
                 boundaries.append((node, leaving))
     work = WeightGradWork(out, grad, boundaries)
-    handles = [node.register_prehook(lambda go, node=node: work.keep(node, go)) for node, _ in boundaries]
+    work._groups = _independent_groups(boundaries)
+    # The early boundaries' off-path gradients are taken in I's own pass, as inputs of it beside x:
+    # a boundary alone in its group is the only way to its edges, so the pass computes exactly its half.
+    early = {group[0][0]: group[0][1] for group in work._groups if len(group) == 1 and not _deferred(group[0][0])}
+    early_edges = [(node, edge) for node, leaving in early.items() for edge in leaving]
+    deferred = {node for node, _ in boundaries if node not in early}
+    freeing = _Freeing()
+
+    def entering(grad_outputs, node):
+        if node in deferred:
+            work.keep(node, grad_outputs)
+        freeing.node_starts(node not in deferred)
+
     try:
-        torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+        with _hooked(on_path - {target}, entering):
+            got = torch.autograd.grad(out, [x] + [GradientEdge(c, nr) for _, (c, nr) in early_edges], grad,
+                                      retain_graph=True, allow_unused=True)
     finally:
+        freeing.open = False                    # a thread the engine ran in may still point at it
+    if got[0] is not None:                      # into x.grad, as a backward would
+        x.grad = got[0] if x.grad is None else x.grad + got[0]
+    for (node, edge), g in zip(early_edges, got[1:]):
+        work._early.setdefault(node, [])
+        if g is not None:
+            work._early[node].append((edge, g))
+    return work
+
+
+@contextlib.contextmanager
+def _hooked(nodes, before):
+    """Inside the block, ``before(grad_outputs, node)`` runs before each of ``nodes`` and
+    :meth:`_Freeing.node_ran` after it."""
+    handles = []
+    for node in nodes:
+        handles.append(node.register_prehook(lambda go, node=node: before(go, node)))
+        handles.append(node.register_hook(lambda gi, go: _Freeing.node_ran()))
+    try:
+        yield
+    finally:
+        _Freeing.node_ran()
         for h in handles:
             h.remove()
-    return work
+
+
+def _independent_groups(boundaries: list) -> list[list]:
+    """``boundaries`` in groups whose parts off the input path share no node (in a transformer layer:
+    one group per weight matmul or norm), smallest gradient first. ``W`` runs one autograd pass per group, so
+    the weight gradients go into ``.grad`` as they are computed, never all at once, and an edge reached
+    from two boundaries (a parameter used twice) still receives their sum in one pass, as in a full
+    backward."""
+    parent = list(range(len(boundaries)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict = {}                            # node off the path -> the first boundary reaching it
+    for i, (_, leaving) in enumerate(boundaries):
+        stack = [child for child, _ in leaving]
+        while stack:
+            node = stack.pop()
+            if node in owner:                   # reached before: its whole subgraph is owned already
+                parent[root(i)] = root(owner[node])
+                continue
+            owner[node] = i
+            stack.extend(c for c, _ in node.next_functions if c is not None)
+    groups: dict = {}
+    for i, b in enumerate(boundaries):
+        groups.setdefault(root(i), []).append(b)
+    return sorted(groups.values(), key=_gradient_bytes)     # stable: boundary order among equals
+
+
+def _gradient_bytes(group: list) -> int:
+    """Bytes of the gradients ``group``'s pass produces along the edges leaving the path (a weight
+    matmul: its weight's size), the transient ``W`` adds while that pass runs. ``W`` runs the groups
+    smallest first: each pass frees its inputs and kept gradients, so the largest transients come when
+    the least is held (bit for bit the same gradients: the groups share no node). 0 where the torch
+    version does not expose the edges' metadata (then boundary order)."""
+    total = 0
+    for _, leaving in group:
+        for child, nr in leaving:
+            try:
+                meta = child._input_metadata[nr]
+                total += math.prod(meta.shape) * meta.dtype.itemsize
+            except (AttributeError, IndexError, TypeError):
+                return 0
+    return total
 
 
 def _post_order(root) -> list:
