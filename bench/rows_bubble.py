@@ -50,7 +50,7 @@ from megazero.parallel.topology import Topology
 from megazero.parallel.zero import wrap_data_parallel
 
 # Our schedules: name -> model chunks per rank. Adding a schedule to the section is one entry here.
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1}
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}
 # Peers: name -> the torch.distributed.pipelining class and whether its stages sit in a V (two per rank).
 PEERS = {"torch-1f1b": ("Schedule1F1B", False), "torch-zbv": ("ScheduleZBVZeroBubble", True)}
 BUBBLE_SHAPE = Spec(layers=8, hidden=256, heads=4, seq=64, vocab=1024, micro_batch=1, rounds=5, untied=True)
