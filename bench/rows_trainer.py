@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from common import Spec, Variant, dp_comm_bytes, num_params, run_variants, spawn, step_batches
 from peers.plain import MEASURED_STEPS
 
+from megazero.config import ZeroConfig
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PEERS = os.path.join(HERE, "peers")
@@ -162,7 +164,6 @@ def run_peer(shape: TrainerShape, world: int, name: str, with_deepspeed: bool = 
     if script == "deepspeed_zero.py":
         if not with_deepspeed:
             return {"unavailable": "skipped (--no-deepspeed)"}
-        from megazero.config import ZeroConfig
         flags += ["--bucket-size", ZeroConfig.bucket_size]
     run = _torchrun(world, os.path.join(PEERS, script), [*flags, *shape.peer_flags()])
     lines = [x for x in run.stdout.splitlines() if x.startswith("{")]
