@@ -219,9 +219,9 @@ def floor_seconds(name: str, shape: TrainerShape, world: int, floors: dict) -> t
 
 def variant_names(only: list[str] | None = None) -> list[str]:
     """Our variants (``only`` those), their peers, and the engine-only harness beside ZeRO-3."""
-    names = [n for n in OURS if not only or n in only]
-    names += [p for n in names for p in GROUPS[n] if p not in names]
-    return names + ([ENGINE] if "ours-zero3" in names else [])
+    ours = [n for n in OURS if not only or n in only]
+    peers = dict.fromkeys(p for n in ours for p in GROUPS[n])       # once each, though two groups share one
+    return ours + list(peers) + ([ENGINE] if "ours-zero3" in ours else [])
 
 
 def run_trainer(shapes, worlds, rounds: int, log, only: list[str] | None = None,

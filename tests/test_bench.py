@@ -205,11 +205,16 @@ def test_trainer_section_computes_its_columns_and_acceptance_from_the_rows():
     rows' figures, trainer / engine is the median of per-round ratios, and the acceptance lines judge
     exactly those (an over-target pair and a heavier one make them NOT MET; the furthest row is named)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from rows_trainer import ENGINE, GROUPS, OURS, QUICK_TRAINER, comm_bytes, floor_seconds, trainer_section
+    from rows_trainer import (ENGINE, GROUPS, OURS, QUICK_TRAINER, comm_bytes, floor_seconds, trainer_section,
+                              variant_names)
 
     from megazero.config import ModelConfig
     from megazero.models.gpt import GPT
 
+    names = variant_names()                                      # each variant once per round, the engine included
+    assert len(names) == len(set(names)) == len(OURS) + len({p for ps in GROUPS.values() for p in ps}) + 1
+    assert variant_names(["ours-zero1", "ours-zero2"]) == ["ours-zero1", "ours-zero2", "torch-ddp-zero", "ds-zero1",
+                                                           "ds-zero2"]
     shape = QUICK_TRAINER[0]
     psi = sum(p.numel() for p in GPT(ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=64,
                                                  vocab_size=1024, untie_embeddings_and_output_weights=True)).parameters())
