@@ -12,8 +12,9 @@ Method, per shape and data-parallel size N:
    micro-batch; ZeRO-1/2 reduce-scatter and all-gather once per step, 2 x 4Ψ (N-1)/N; DDP's all-reduce
    the same 2 x 4Ψ (N-1)/N: ``common.dp_comm_bytes``; keep-gathered ZeRO-3 gathers once per step and
    reduce-scatters per micro-batch), over the gloo bandwidth
-   ``peers/gloo_bandwidth.py`` measures on these N ranks. The floor is the larger of the two; a row
-   says how far above it the measured step is.
+   ``peers/gloo_bandwidth.py`` measures on these N ranks. Both are measured once per round, in the
+   rotation with the variants, and their medians used. The floor is the larger of the two; a row says
+   how far above it the measured step is.
 2. Rounds: every variant of the group runs once per round, in rotated order, each a fresh torchrun of
    ``steps`` steps (the first ``warmup`` untimed); its figure for the round is the median of its timed
    steps. Ours: the trainer's own ``step_time_s`` from ``--metrics-file`` (rank 0's wall time per
@@ -193,11 +194,18 @@ def run_engine(shape: TrainerShape, world: int) -> dict:
 
 
 def measure_floors(shape: TrainerShape, world: int) -> dict:
-    """One-process step time (compute floor before sharing cores) and the gloo bandwidth on ``world`` ranks."""
+    """One round's floors: the one-process step time (the compute floor before sharing cores) and the
+    gloo bandwidth on ``world`` ranks."""
     serial = run_ours(shape, 1, [], measure_live=False)
     bw = _torchrun(world, os.path.join(PEERS, "gloo_bandwidth.py"), ["--mib", 64])
     rates = json.loads([x for x in bw.stdout.splitlines() if x.startswith("{")][-1])["bytes_per_s"]
-    return {"serial_s": statistics.median(serial["step_s"]), "bytes_per_s": min(rates.values()),
+    return {"serial_s": statistics.median(serial["step_s"]), "bytes_per_s": min(rates.values())}
+
+
+def combine_floors(rounds: list[dict]) -> dict:
+    """The floors of a (shape, world): the medians over its rounds, and the cores they share."""
+    return {"serial_s": statistics.median(r["serial_s"] for r in rounds),
+            "bytes_per_s": statistics.median(r["bytes_per_s"] for r in rounds), "rounds": len(rounds),
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
 
@@ -224,16 +232,18 @@ def variant_names(only: list[str] | None = None) -> list[str]:
     return ours + list(peers) + ([ENGINE] if "ours-zero3" in ours else [])
 
 
+FLOORS = "floors"     # measured once per round too, in the rotation: the machine's load drifts
+
+
 def run_trainer(shapes, worlds, rounds: int, log, only: list[str] | None = None,
                 with_deepspeed: bool = True) -> list[dict]:
-    """Every (shape, world): floors, then ``rounds`` alternated rounds of every variant. Returns one
-    result per (shape, world): {"shape", "world", "floors", "runs": {name: [per-round result]}}."""
+    """Every (shape, world): ``rounds`` alternated rounds of every variant and of the floors'
+    measurement. Returns one result per (shape, world): {"shape", "world", "floors" (medians over the
+    rounds), "runs": {name: [per-round result]}}."""
     out = []
     for shape in shapes:
         for world in worlds:
-            log(f"trainer: {shape.name()}, dp {world}: floors")
-            floors = measure_floors(shape, world)
-            names = variant_names(only)
+            names = variant_names(only) + [FLOORS]
             runs = {n: [] for n in names}
             for r in range(rounds):
                 order = names[r % len(names):] + names[:r % len(names)]
@@ -243,7 +253,9 @@ def run_trainer(shapes, worlds, rounds: int, log, only: list[str] | None = None,
                         continue
                     runs[name].append(run_ours(shape, world, OURS[name]) if name in OURS
                                       else run_engine(shape, world) if name == ENGINE
+                                      else measure_floors(shape, world) if name == FLOORS
                                       else run_peer(shape, world, name, with_deepspeed))
+            floors = combine_floors(runs.pop(FLOORS))
             out.append({"shape": shape, "world": world, "floors": floors, "runs": runs})
     return out
 
@@ -325,7 +337,8 @@ def trainer_section(results: list[dict]) -> list[str]:
         shape, world, floors, runs = res["shape"], res["world"], res["floors"], res["runs"]
         out += [f"### {shape.describe()}, dp {world}", "",
                 f"One process: {1000 * floors['serial_s']:.0f} ms/step; gloo: "
-                f"{floors['bytes_per_s'] / 2**30:.2f} GiB/s per rank; {floors['cores']} cores.", "",
+                f"{floors['bytes_per_s'] / 2**30:.2f} GiB/s per rank; {floors['cores']} cores (medians over "
+                f"{floors.get('rounds', 1)} rounds, measured in the rotation with the variants).", "",
                 "| ours | peer | ours ms | peer ms | ours/peer | target | ours x floor | peer x floor | ours live MiB "
                 "| peer live MiB | ours RSS MiB | peer RSS MiB | live ours <= peer |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -402,7 +415,7 @@ def acceptance(results: list[dict]) -> list[str]:
         res = next(res for res in results if res["shape"].name() == r["shape"] and res["world"] == r["world"])
         compute, comm = floor_seconds(name, res["shape"], r["world"], res["floors"])
         bound = "communication" if comm > compute else "compute"
-        out.append(f"- Every row beside its floor: {_status(False, bool(ran) and len(ran) == len(rows))} -- furthest: "
+        out.append(f"- Every row beside its floor: {_status(False, complete)} -- furthest: "
                    f"{name} at {r['shape']} dp {r['world']}, {x:.2f}x its floor ({bound}-bound: compute "
                    f"{1e3 * compute:.0f} ms, communication {1e3 * comm:.0f} ms)")
     else:
