@@ -23,6 +23,7 @@ from megazero.compile import CompileLog, describe_recompiles
 from megazero.config import JobConfig, flag
 from megazero.lr_schedule import learning_rate
 from megazero.memory.activation_offload import take_offloaded_bytes
+from megazero.memory.measure import LastStepLiveBytes
 from megazero.metrics import MetricsLog, device_peak_tflops, duration, peak_memory_bytes, timestamp
 from megazero.models.spec import ModelSpec, get_model_spec
 from megazero.parallel.context import context_parallel_loss
@@ -173,9 +174,10 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     skipped_in_a_row, save_due = 0, False
     comm_seen = _bytes_sent(engine)
     first_iteration = state.iteration
+    live = LastStepLiveBytes(job.logging.measure_live_bytes, t.train_iters, topo.device)
     while state.iteration < t.train_iters:
         engine.set_lr(learning_rate(state.iteration, opt))
-        with profiler.step(state.iteration):
+        with profiler.step(state.iteration), live.step(state.iteration):
             result = train_step(chunks, next(batches), topo, engine, job, iteration=state.iteration + 1)
         skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
         stop = stop_reason(job, engine, result, state.iteration + 1, skipped_in_a_row, topo)
@@ -195,6 +197,9 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
             sent = _bytes_sent(engine)
             extra["dp_comm_bytes"] = (sent - comm_seen) / window_iters
             comm_seen = sent
+            if live.peak is not None and state.iteration == t.train_iters:     # --measure-live-bytes
+                extra["peak_live_bytes"] = max_over_ranks(live.peak, topo)
+                text += f" | peak live {extra['peak_live_bytes'] / 2**20:.0f} MiB"
             if job.model.cpu_offloading:                     # --cpu-offloading: bytes sent to the host
                 extra["activation_offload_bytes"] = take_offloaded_bytes(chunks) // window_iters
                 text += f" | activations offloaded {extra['activation_offload_bytes'] / 2**20:.1f} MiB/iter"

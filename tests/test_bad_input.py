@@ -173,6 +173,8 @@ CASES = [
      "--profile-step-end 1 must be above --profile-step-start 1"),
     ("profile-after-the-run", mock("--profile"), 2,
      "--profile-step-start 10 is not below --train-iters 2: nothing would be profiled"),
+    ("live-bytes-under-the-profiler", mock("--profile", "--profile-step-start", "0", "--measure-live-bytes"), 2,
+     "--measure-live-bytes and --profile would both run torch's profiler over iterations 1-2"),
     ("profile-rank-outside-world", mock("--profile", "--profile-step-start", "0", "--profile-ranks", "0", "3"), 2,
      "--profile-ranks 0 3: rank(s) 3 not in this world of 1 (ranks 0-0)"),
     ("profile-dir-is-file", mock("--profile", "--profile-step-start", "0", "--profile-dir", "{W}/a_file"), 2,

@@ -246,3 +246,89 @@ def test_cp_section_reads_every_variant():
     assert p2p[1:5] == ["1", "50.0", "50.0", "1.00"] and p2p[9:14] == ["0.50", "2.0", "2000", "2.00x", "500"], p2p
     assert rows["cp2-a2a"][4] == "1.40 **>20%**" and "**" not in rows["cp2-p2p"][8], rows["cp2-a2a"]
     assert rows["cp2-allgather"][-1].startswith("2.5e-02 **DIFFERS**") and p2p[-1] == "0.0e+00 |", rows
+
+
+def _trainer_results(shape, world, runs):
+    return {"shape": shape, "world": world, "runs": runs,
+            "floors": {"serial_s": 0.010, "bytes_per_s": 2**30, "cores": 2}}
+
+
+def test_trainer_section_computes_its_columns_and_acceptance_from_the_rows():
+    """The trainer section on given rounds: each pair's ratio, floor distance and live bytes are the
+    rows' figures, trainer / engine is the median of per-round ratios, and the acceptance lines judge
+    exactly those (an over-target pair and a heavier one make them NOT MET; the furthest row is named)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from rows_trainer import (ENGINE, GROUPS, OURS, QUICK_TRAINER, comm_bytes, floor_seconds, trainer_section,
+                              variant_names)
+
+    from megazero.config import ModelConfig
+    from megazero.models.gpt import GPT
+
+    names = variant_names()                                      # each variant once per round, the engine included
+    assert len(names) == len(set(names)) == len(OURS) + len({p for ps in GROUPS.values() for p in ps}) + 1
+    assert variant_names(["ours-zero1", "ours-zero2"]) == ["ours-zero1", "ours-zero2", "torch-ddp-zero", "ds-zero1",
+                                                           "ds-zero2"]
+    shape = QUICK_TRAINER[0]
+    psi = sum(p.numel() for p in GPT(ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=64,
+                                                 vocab_size=1024, untie_embeddings_and_output_weights=True)).parameters())
+    assert shape.params() == psi == 667136                                       # as the peers count it
+    assert comm_bytes("ours-zero3", shape, 2) == 3 * 4 * psi / 2                   # gather x2 + reduce-scatter
+    assert comm_bytes("torch-ddp", shape, 4) == comm_bytes("ours-zero1", shape, 4) == 2 * 4 * psi * 3 / 4
+    assert comm_bytes("ours-zero3-keep", shape, 2) == 2 * 4 * psi / 2               # one gather + one reduce
+
+    def run(ms, live=None, sent=None):
+        return {"step_s": [ms / 1e3] * 3, "peak_rss_mib": 300.0, "losses": [7.0],
+                **({"peak_live_mib": live} if live is not None else {}),
+                **({"dp_comm_bytes": sent} if sent is not None else {})}
+
+    peers = {p for ps in GROUPS.values() for p in ps}
+    runs = {n: [run(50, 10.0, comm_bytes(n, shape, 2))] * 2 for n in OURS}
+    runs.update({p: [run(100, 20.0)] * 2 for p in peers})
+    runs["ours-zero3"] = [run(60, 25.0, 1.0), run(80, 25.0, 1.0)]                  # heavier than both peers
+    runs["torch-fsdp2"] = [run(50, 30.0), run(200, 30.0)]                         # ratios 1.2 and 0.4
+    runs[ENGINE] = [run(50), run(100)]                                             # trainer / engine 1.2, 0.8
+    runs["ds-zero2"] = [{"unavailable": "skipped (--no-deepspeed)"}]
+    runs["ds-zero1"] = [run(150, 20.0)] * 2                                       # 15x its 10 ms compute floor
+    lines = trainer_section([_trainer_results(shape, 2, runs)])
+    row = next(x for x in lines if x.startswith("| ours-zero3 | torch-fsdp2 |")).split(" | ")
+    assert row[2:5] == ["70", "125", "0.80x"] and row[8:10] == ["25.0", "30.0"] and row[-1] == "yes |", row
+    compute, comm = floor_seconds("ours-zero3", shape, 2, _trainer_results(shape, 2, runs)["floors"])
+    assert float(row[6]) == pytest.approx(0.070 / max(compute, comm), abs=0.006)
+    row = next(x for x in lines if x.startswith("| ours-zero3 | ds-zero3 |")).split(" | ")
+    assert row[4] == "0.70x" and row[-1] == "no |", row
+    assert any("| ours-zero2 | ds-zero2 | skipped (--no-deepspeed) |" in x for x in lines)
+    assert "trainer / engine = 1.00 (target <= 1.10): ours-zero3 70 ms, engine-zero3 75 ms" in "\n".join(lines)
+    assert any("ours-zero3 0.00 MiB (formula" in x for x in lines)                   # sent beside the formula
+    accept = lines[lines.index("### Acceptance"):]
+    speed = next(x for x in accept if x.startswith("- Trainer-path step ratios"))
+    assert ": incomplete --" in speed and "2x128 dp 2 ours-zero3 vs torch-fsdp2 0.80x (<= 0.8)" in speed
+    live = next(x for x in accept if x.startswith("- Peak live bytes"))
+    assert ": NOT MET -- above: 1 of 7 pairs" in live and "ours-zero3 25.0 vs ds-zero3 20.0 MiB" in live
+    assert next(x for x in accept if x.startswith("- Trainer at the engine's speed")).endswith(
+        "incomplete -- 2x128 dp 2: 1.00 (70 / 75 ms)")
+    runs["torch-fsdp2"] = [run(50, 30.0), run(60, 30.0)]                          # now over 0.8 in both rounds
+    accept = trainer_section([_trainer_results(shape, 2, runs)])
+    assert any(x.startswith("- Trainer-path step ratios") and ": NOT MET -- over: 1 of 7 pairs" in x for x in accept)
+    furthest = next(x for x in accept if x.startswith("- Every row beside its floor"))
+    assert furthest.endswith("incomplete -- furthest: ds-zero1 at 2x128 dp 2, 15.00x its floor (compute-bound: "
+                             f"compute 10 ms, communication {1e3 * comm_bytes('ds-zero1', shape, 2) / 2**30:.0f} ms)")
+
+
+@pytest.mark.timeout(300)
+def test_trainer_section_quick_runs_the_trainer_its_peer_and_the_engine(tmp_path):
+    """One round of the trainer section at the quick shape, dp 2, ZeRO-3 (DeepSpeed skipped): the
+    trainer, FSDP2 and the engine-only harness each run, with live bytes on both sides, the trainer's
+    bytes sent equal to the formula's, the trainer / engine line and the acceptance lines."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from rows_trainer import QUICK_TRAINER, comm_bytes, run_trainer, trainer_section
+
+    [res] = run_trainer(QUICK_TRAINER, [2], 1, lambda msg: None, only=["ours-zero3"], with_deepspeed=False)
+    runs = res["runs"]
+    assert set(runs) == {"ours-zero3", "torch-fsdp2", "ds-zero3", "engine-zero3"}
+    ours, fsdp2, engine = runs["ours-zero3"][0], runs["torch-fsdp2"][0], runs["engine-zero3"][0]
+    assert len(ours["step_s"]) == len(fsdp2["step_s"]) == 3 and len(engine["step_s"]) == 2
+    assert 0 < ours["peak_live_mib"] < ours["peak_rss_mib"] and 0 < fsdp2["peak_live_mib"] < fsdp2["peak_rss_mib"]
+    assert ours["dp_comm_bytes"] == pytest.approx(comm_bytes("ours-zero3", QUICK_TRAINER[0], 2), rel=0.02)
+    text = "\n".join(trainer_section([res]))
+    assert "| ours-zero3 | torch-fsdp2 |" in text and "trainer / engine = " in text
+    assert "- Peak live bytes at or below each peer's:" in text and "- Every row beside its floor:" in text

@@ -38,6 +38,23 @@ def test_live_tensor_bytes_follows_allocations():
     del d
 
 
+def test_measure_live_bytes_logs_the_last_step_s_peak_as_a_fresh_step_measures_it(tmp_path):
+    """``--measure-live-bytes`` (ZeRO-3, dp 2): only the last iteration's record has ``peak_live_bytes``,
+    and it is the peak of one step measured directly (a fresh engine's first step, counted from before
+    the build: the same model states, gradients and transients), to 0.1%."""
+    from helpers.trainer import main_body, read_metrics
+
+    metrics = tmp_path / "m.jsonl"
+    flags = BASE + ["--zero-stage", "3"]
+    run_on_ranks(2, main_body, flags + ["--train-iters", "3", "--log-interval", "1", "--eval-iters", "0",
+                                        "--metrics-file", str(metrics), "--measure-live-bytes"])
+    records, _ = read_metrics(metrics)
+    assert ["peak_live_bytes" in r for r in records] == [False, False, True]
+    direct = max(peak for _, peak, _ in run_on_ranks(2, measure_body, flags))
+    assert records[-1]["peak_live_bytes"] == pytest.approx(direct, rel=1e-3)
+    assert records[-1]["peak_live_bytes"] < records[-1]["peak_memory_bytes"]      # live tensors, below the RSS
+
+
 def test_zero_paper_worked_example():
     """7.5B parameters, 64 data-parallel ranks, mixed-precision Adam (K = 12): 120, 31.4, 16.6, 1.9 GB."""
     got = [paper_model_states(7.5e9, 64, stage) / 1e9 for stage in range(4)]

@@ -4,7 +4,8 @@ shape flags, the model, the data, and the timed loop that prints one JSON line.
 The model is ``PlainGPT`` (bench/common.py): GPT-2 written plainly in PyTorch (``nn.Linear`` layers,
 ``[b, s, h]``), with the weights megazero's GPT gets from the same seed, so every side trains the same
 numbers. The data: each step's global batch drawn from one seeded generator, each rank keeping its
-share (``common.step_batches``). Timing: a barrier, the step, the slowest rank's seconds.
+share (``common.step_batches``). Timing: a barrier, the step, the slowest rank's seconds. Memory: the
+peak RSS over the timed steps and the peak live tensor bytes of an untimed step after them.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ sys.path.insert(0, os.path.dirname(HERE))                 # bench/ (common.py)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import GPT, PlainGPT, Spec, step_batches  # noqa: E402
+from common import GPT, LiveTensorBytes, PlainGPT, Spec, reachable_tensor_bytes, step_batches  # noqa: E402
 
 
 def parse(description: str) -> argparse.Namespace:
@@ -55,17 +56,27 @@ def plain_model(a: argparse.Namespace) -> PlainGPT:
 
 
 def batches(a: argparse.Namespace, rank: int, world: int) -> list[list[tuple]]:
-    """Per step, this rank's (tokens, labels, loss_mask) micro-batches."""
-    return step_batches(spec_of(a), a.steps, world, rank)
+    """Per step, this rank's (tokens, labels, loss_mask) micro-batches: ``a.steps`` and the
+    :data:`MEASURED_STEPS` after them."""
+    return step_batches(spec_of(a), a.steps + MEASURED_STEPS, world, rank)
+
+
+# After the timed steps, untimed: the peak live tensor bytes of the last one, counted as
+# ``pretrain_gpt.py --measure-live-bytes`` counts its last iteration (megazero.memory.LastStepLiveBytes):
+# the profiler opens a step early, and counting starts over at the last step's start from the bytes
+# alive there, so the frees of the step before's gradients are seen.
+MEASURED_STEPS = 2
 
 
 def timed_loop(a: argparse.Namespace, name: str, step, num_params: int) -> None:
-    """Run ``step(micro_batches) -> loss`` for ``a.steps`` steps; rank 0 prints (and appends to
-    ``--out``) {"name", "params", "step_s": slowest rank's seconds of each timed step, "losses",
-    "peak_rss_mib"}. The first ``a.warmup`` steps are not timed."""
+    """Run ``step(micro_batches) -> loss`` for ``a.steps`` steps, then :data:`MEASURED_STEPS` untimed
+    ones measuring live bytes; rank 0 prints (and appends to ``--out``) {"name", "params", "step_s":
+    slowest rank's seconds of each timed step, "losses" (the timed steps'), "peak_rss_mib",
+    "peak_live_mib" (largest rank's)}. The first ``a.warmup`` steps are not timed."""
     rank, world = dist.get_rank(), dist.get_world_size()
     times, losses = [], []
-    for i, micro in enumerate(batches(a, rank, world)):
+    micro_batches = batches(a, rank, world)
+    for i, micro in enumerate(micro_batches[:a.steps]):
         dist.barrier()
         t0 = time.perf_counter()
         losses.append(float(step(micro)))
@@ -75,9 +86,15 @@ def timed_loop(a: argparse.Namespace, name: str, step, num_params: int) -> None:
             times.append(t.item())
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    with LiveTensorBytes() as probe:
+        step(micro_batches[a.steps])
+        probe.mark(reachable_tensor_bytes())
+        step(micro_batches[a.steps + 1])
+    live = torch.tensor([probe.peak / 2**20], dtype=torch.float64)
+    dist.all_reduce(live, op=dist.ReduceOp.MAX)
     if rank == 0:
         line = json.dumps({"name": name, "params": num_params, "step_s": times, "losses": losses,
-                           "peak_rss_mib": rss.item()})
+                           "peak_rss_mib": rss.item(), "peak_live_mib": live.item()})
         print(line, flush=True)
         if a.out:
             with open(a.out, "a") as f:

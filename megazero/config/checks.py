@@ -410,7 +410,8 @@ PROFILE_DEFAULTS = {"profile_step_start": 10, "profile_step_end": 12, "profile_r
 def check_logging(lg: LoggingConfig, train: TrainConfig | None = None, world_size: int | None = None) -> None:
     """The profiler's settings apply with ``--profile`` and W&B's with ``--wandb-project``; with
     ``--profile``, fills Megatron's defaults (steps 10 to 12, rank 0) and checks that a step of the
-    window is trained (against ``train``) and that the ranks exist (against ``world_size``). Whether the
+    window is trained (against ``train``), that the ranks exist (against ``world_size``) and that it leaves
+    the last two iterations to ``--measure-live-bytes`` (one profiler at a time). Whether the
     paths can be written and wandb is installed is the preflight's (:mod:`megazero.preflight`)."""
     if lg.peak_tflops is not None:
         positive_float(lg.peak_tflops, "peak_tflops")
@@ -439,6 +440,10 @@ def check_logging(lg: LoggingConfig, train: TrainConfig | None = None, world_siz
         if outside:
             fail(f"{FLAG.profile_ranks} {' '.join(map(str, lg.profile_ranks))}: rank(s) {', '.join(map(str, outside))} "
                  f"not in this world of {world_size} (ranks 0-{world_size - 1})")
+    if lg.measure_live_bytes and train is not None and start < train.train_iters and end > train.train_iters - 2:
+        fail(f"{FLAG.measure_live_bytes} and {FLAG.profile} would both run torch's profiler over iterations "
+             f"{train.train_iters - 1}-{train.train_iters} (live bytes: the last two; profiled: {start + 1}-{end}): "
+             f"end the profiled window before iteration {train.train_iters - 1} or drop one of them")
 
 
 def check_compile(c: CompileConfig, m: ModelConfig | None = None) -> None:

@@ -27,6 +27,11 @@ class LoggingConfig:
         help="CPU runs: hand freed tensors' memory back to the system at once (glibc's mmap threshold at "
              "1 MiB), so the logged peak resident memory follows the live tensors; every large allocation "
              "then pays fresh page faults (ZeRO-3 steps up to ~1.7x slower). Off: glibc reuses freed memory")
+    measure_live_bytes: bool = flag_field(
+        False, "--measure-live-bytes", action="store_true", group="logging",
+        help="count the peak bytes of live tensors in the last iteration (CPU: the torch profiler's allocation "
+             "events, from the iteration before; GPU: peak allocated memory) and log it as peak live / "
+             "peak_live_bytes, beside the resident peak; those two iterations run slower, the others as usual")
     peak_tflops: float | None = flag_field(
         None, "--peak-tflops", type=float, group="logging",
         help="the device's peak TFLOP/s for this precision, for MFU (default: known GPUs only; a CPU has none)")

@@ -1,4 +1,5 @@
 """Memory per rank: the estimate before launch (``estimate.py``) and honest measurement (``measure.py``)."""
-from megazero.memory.measure import LiveTensorBytes, describe_cpu_memory, reachable_tensor_bytes, return_freed_memory
+from megazero.memory.measure import (LastStepLiveBytes, LiveTensorBytes, describe_cpu_memory, reachable_tensor_bytes,
+                                     return_freed_memory)
 
-__all__ = ["LiveTensorBytes", "describe_cpu_memory", "reachable_tensor_bytes", "return_freed_memory"]
+__all__ = ["LastStepLiveBytes", "LiveTensorBytes", "describe_cpu_memory", "reachable_tensor_bytes", "return_freed_memory"]

@@ -17,6 +17,7 @@ history: a ZeRO-3 run that holds 180 MiB of tensors can show 1.5 GiB resident. T
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import sys
@@ -140,3 +141,50 @@ def reachable_tensor_bytes() -> int:
             except (RuntimeError, NotImplementedError):      # a wrapper without storage of its own
                 continue
     return sum(storages.values())
+
+
+class LastStepLiveBytes:
+    """``--measure-live-bytes``: the peak bytes of live tensors during a run's last training step, the
+    same way the benchmarks measure their peers (so a run and a plain script compare like for like).
+
+    Wraps each step (:meth:`step`, as :class:`megazero.profiling.StepProfiler` does) and does nothing
+    before the step ahead of the last one. On a CPU a :class:`LiveTensorBytes` opens there and counts over
+    at the start of the last step from the bytes alive then (:func:`reachable_tensor_bytes`): the last
+    step's frees of what the step before allocated (its gradients) are seen. Both steps run under the
+    profiler, slower: time a run's other steps. A run that starts at its last step (resumed there)
+    counts from its start, an upper bound. On a GPU: the peak of allocated CUDA memory over the last step.
+    ``peak`` is None until the last step has run.
+    """
+
+    def __init__(self, enabled: bool, last_iteration: int, device: torch.device) -> None:
+        self.enabled, self.last, self.device = enabled, last_iteration, device
+        self.peak: int | None = None
+        self._probe: LiveTensorBytes | None = None
+
+    @contextlib.contextmanager
+    def step(self, iteration: int):
+        """A context for the step that takes the run from ``iteration`` to ``iteration + 1``."""
+        last = iteration + 1 == self.last
+        if not self.enabled or iteration + 2 < self.last:
+            yield
+            return
+        if self.device.type == "cuda":
+            if last:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            if last:
+                self.peak = torch.cuda.max_memory_allocated(self.device)
+            return
+        if self._probe is None:
+            self._probe = LiveTensorBytes().__enter__()
+        if last:
+            self._probe.mark(reachable_tensor_bytes())
+        try:
+            yield
+        except BaseException:
+            self._probe.__exit__(None, None, None)
+            self._probe = None
+            raise
+        if last:
+            self._probe.__exit__(None, None, None)
+            self.peak, self._probe = self._probe.peak, None
