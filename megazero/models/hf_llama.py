@@ -73,15 +73,7 @@ def hf_config(cfg: ModelConfig) -> dict:
         return _mixtral_config(cfg)
     qwen2 = cfg.add_qkv_bias and not cfg.add_bias_linear
     out = {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-           "model_type": "qwen2" if qwen2 else "llama", "vocab_size": cfg.vocab_size,
-           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
-           "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-           "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.layernorm_epsilon,
-           "rope_theta": cfg.rotary_base, "rope_scaling": _rope_scaling(cfg),
-           "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
-           "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
-           "use_cache": True, "torch_dtype": "float32"}
+           "model_type": "qwen2" if qwen2 else "llama", **_decoder_fields(cfg)}
     if qwen2:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
     else:
@@ -98,18 +90,21 @@ def _mixtral_config(cfg: ModelConfig) -> dict:
         ("biases (drop --add-qkv-bias; use --disable-bias-linear)", cfg.add_bias_linear or cfg.add_qkv_bias)) if differs]
     if unlike:
         _refuse(f"an MoE model exports as MixtralForCausalLM, which has no {', '.join(unlike)}")
-    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **_decoder_fields(cfg),
+            "sliding_window": None, "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
+            "router_aux_loss_coef": cfg.moe_aux_loss_coeff, "router_jitter_noise": 0.0, "output_router_logits": False}
+
+
+def _decoder_fields(cfg: ModelConfig) -> dict:
+    """The fields Llama, Qwen2 and Mixtral configs share: sizes, attention, RoPE, norm, init."""
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
             "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
             "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.layernorm_epsilon,
-            "rope_theta": cfg.rotary_base, "rope_scaling": _rope_scaling(cfg), "sliding_window": None,
+            "rope_theta": cfg.rotary_base, "rope_scaling": _rope_scaling(cfg),
             "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
             "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
-            "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
-            "router_aux_loss_coef": cfg.moe_aux_loss_coeff, "router_jitter_noise": 0.0,
-            "output_router_logits": False, "use_cache": True, "torch_dtype": "float32"}
-
+            "use_cache": True, "torch_dtype": "float32"}
 
 def _rope_scaling(cfg: ModelConfig) -> dict | None:
     if not cfg.use_rope_scaling:
