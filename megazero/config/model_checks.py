@@ -103,10 +103,10 @@ def _check_moe(m: ModelConfig, par: ParallelConfig) -> None:
         fail(f"{FLAG.num_experts} {m.num_experts} is not divisible by {FLAG.expert_model_parallel_size} {ep}: "
               f"each expert-parallel rank holds the same number of whole experts")
     cp = par.cp
-    if par.dp is not None and (par.dp * cp) % ep:
-        over = f"data-parallel size {par.dp}" if cp == 1 else f"dp x cp = {par.dp} x {cp} = {par.dp * cp}"
+    if par.dp is not None and par.dp_x_cp % ep:
+        over = f"data-parallel size {par.dp}" if cp == 1 else f"dp x cp = {par.dp} x {cp} = {par.dp_x_cp}"
         fail(f"{over} is not divisible by {FLAG.expert_model_parallel_size} {ep}: expert groups are carved out of "
-              f"the data{'' if cp == 1 else ' x context'}-parallel group; choose EP dividing {par.dp * cp}")
+              f"the data{'' if cp == 1 else ' x context'}-parallel group; choose EP dividing {par.dp_x_cp}")
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         if getattr(m, name) < 0:
             fail(f"{flag(name)} must be >= 0, got {getattr(m, name)}")

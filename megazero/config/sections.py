@@ -236,6 +236,13 @@ class ParallelConfig:
         None, "--ranks-per-node", type=int, group=_PAR,
         help="ranks on each node (default: torchrun's LOCAL_WORLD_SIZE); lets one machine act as several nodes")
 
+    @property
+    def dp_x_cp(self) -> int:
+        """Ranks holding the same weights (dp x cp): the dense parameters' gradients are reduced and their
+        ZeRO states sharded over them, and expert-parallel groups are carved out of them (ep must divide it).
+        Needs ``dp`` (filled by :meth:`check`)."""
+        return self.dp * self.cp
+
     def check(self, world_size: int) -> None:
         """tp x pp x dp against the world size; fills ``dp`` when it is None."""
         checks.check_parallel(self, world_size)
