@@ -53,6 +53,15 @@ def test_megatron_spellings_in_a_plan_mean_what_they_mean_to_the_trainer():
     assert d.axes["zero"] == 1 and d.axes["recompute"].startswith("full") and "--zero-stage" in d.args
 
 
+def test_hpz_with_experts_keeps_a_secondary_shard_of_the_experts():
+    """hpZ cuts the experts' secondary shards from dp / ep: dp 8, ep 2, hpZ 4 scales to dp 4 (ep 2, hpZ 2),
+    not dp 2, where dp / ep = 1 has no room for a partition of 2 and the copy of a valid plan was refused."""
+    d, notes = scale_down(["--dp", "8", "--expert-model-parallel-size", "2", "--num-experts", "8",
+                           "--moe-router-topk", "2", "--zero-stage", "3", "--zero-hpz-partition-size", "4",
+                           "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"])
+    assert (d.axes["dp"], d.axes["ep"], d.axes["hpz"], d.world) == (4, 2, 2, 4), notes
+
+
 def test_a_plan_the_rules_refuse_is_refused():
     with pytest.raises(ConfigError, match="--num-attention-heads"):
         scale_down(["--tp", "3", "--dp", "1"])

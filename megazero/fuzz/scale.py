@@ -7,7 +7,8 @@
 What is kept: every switch of the plan (precision, sequence parallel, schedule, ZeRO stage and its
 switches, offload to the host, ZeRO++, recompute, activation offload, the model family's flags,
 experts and routing, the context-parallel comm type, the seed). What is scaled: each parallel size
-above 1 becomes 2 (tp, cp, pp, dp, expert parallel, hpZ partitions; interleaving keeps two chunks per
+above 1 becomes 2 (tp, cp, pp, dp, expert parallel, hpZ partitions; dp 4 where hpZ and experts both
+are on, as hpZ cuts the experts' shards from dp / ep; interleaving keeps two chunks per
 rank), the model becomes a few layers of width 8 per head, vocabulary 100 of mock data, sequence 16,
 and four iterations at the plan's peak learning rate (warmup 1). What is dropped is listed in the notes
 (data, checkpoint and logging paths, compile, the memory planner); NVMe swap files go to the scaled
@@ -48,12 +49,35 @@ def _two(n: int | None) -> int:
 def scale_down(argv: list[str], world_size: int | None = None) -> tuple[Draw, list[str]]:
     """The scaled copy of a planned run's flags (``world_size``: the plan's, when it gives no ``--dp``),
     as a :class:`Draw` whose resume layout is the same layout, and notes on what changed."""
+    plan, full, notes = _read_plan(argv, world_size)
+    layout = _scaled_layout(full, plan, notes)
+    sizes, heads = _scaled_sizes(full, layout)
+    values = {**{k: v for k, v in plan.items() if k not in DROPPED}, **sizes, **layout}
+    serial = {k: v for k, v in values.items() if not k.startswith(LAYOUT_SECTIONS) and k not in LAYOUT_MODEL_FIELDS}
+    layout_values = {k: v for k, v in values.items() if k not in serial}
+    model_args, layout_args = values_to_argv(serial), values_to_argv(layout_values)
+    tp_s, pp_s, dp_s = layout["parallel.tp"], layout["parallel.pp"], layout["parallel.dp"]
+    cp_s = layout.get("parallel.cp", 1)
+    world = tp_s * cp_s * pp_s * dp_s
+    job = parse_and_validate(model_args + layout_args, world)
+    parse_and_validate(model_args, 1)
+    axes = axes_of(job)
+    notes.append(f"scaled: {world} ranks (tp {tp_s}, {f'cp {cp_s}, ' if cp_s > 1 else ''}pp {pp_s}, dp {dp_s}), "
+                 f"{job.model.num_layers} layers, hidden "
+                 f"{job.model.hidden_size}, heads {heads}, vocab 100 (mock data), sequence 16, "
+                 f"{2 * STEPS_PER_LEG} iterations")
+    return Draw(0, axes, world, model_args, layout_args, axes, world, layout_args, common=[]), notes
+
+
+def _read_plan(argv: list[str], world_size: int | None) -> tuple[dict, object, list[str]]:
+    """The plan's flag values (``{section.field: value}``, Megatron-LM's spellings read as the trainer
+    reads them), its validated job, and the notes saying what it is and what the copy drops."""
     from megazero.arguments import build_parser, flag_values
 
     args = build_parser().parse_args(argv)
     if args.config or args.deepspeed_config or args.accelerate_config:
         raise ConfigError("check_layout takes the plan's flags; give the config file's settings as flags")
-    plan, _ = flag_values(args)                     # Megatron-LM's spellings mean what they mean to the trainer
+    plan, _ = flag_values(args)
     tp, pp, cp = plan.get("parallel.tp", 1), plan.get("parallel.pp", 1), plan.get("parallel.cp", 1)
     dp = plan.get("parallel.dp") or (world_size // (tp * cp * pp) if world_size else None)
     if dp is None:
@@ -66,31 +90,45 @@ def scale_down(argv: list[str], world_size: int | None = None) -> tuple[Draw, li
     dropped = [k.split(".")[1] for k in sorted(plan) if k in DROPPED and k.startswith(shown)]
     if dropped:
         notes.append("dropped (paths and what pays off only at scale): " + ", ".join(dropped))
+    return plan, full, notes
 
-    m, par, z = full.model, full.parallel, full.zero
-    tp_s, cp_s, pp_s, dp_s = _two(tp), _two(cp), _two(pp), _two(dp)
-    ulysses = cp_s > 1 and par.cp_comm_type == "a2a"       # whole heads and key/value groups per cp rank
-    v_s = 2 if par.virtual_stages > 1 else 1
-    kept = {k: v for k, v in plan.items() if k not in DROPPED}
-    layout = {"parallel.tp": tp_s, "parallel.pp": pp_s, "parallel.dp": dp_s}
-    if cp_s > 1:
-        layout["parallel.cp"] = cp_s
-    if "parallel.expert_model_parallel_size" in kept:
+
+def _scaled_layout(full, plan: dict, notes: list[str]) -> dict:
+    """The copy's parallel settings: each size above 1 becomes 2, interleaving keeps two chunks per rank,
+    NVMe swap goes to the copy's own directory (noted)."""
+    par, z = full.parallel, full.zero
+    layout = {"parallel.tp": _two(par.tp), "parallel.pp": _two(par.pp), "parallel.dp": _two(par.dp)}
+    if par.cp > 1:
+        layout["parallel.cp"] = 2
+    if "parallel.expert_model_parallel_size" in plan:
         layout["parallel.expert_model_parallel_size"] = _two(par.expert_model_parallel_size)
-    if "zero.hpz_partition_size" in kept:
+    if "zero.hpz_partition_size" in plan:
         layout["zero.hpz_partition_size"] = _two(z.hpz_partition_size)
-    if v_s > 1:
+        ep = layout.get("parallel.expert_model_parallel_size", 1)
+        if ep > 1 and layout["zero.hpz_partition_size"] > 1:     # hpZ cuts the experts' shards from dp / ep
+            layout["parallel.dp"] = ep * 2
+    if par.virtual_stages > 1:
         layout["parallel.num_layers_per_virtual_pipeline_stage"] = 1
     if "nvme" in (z.offload_optimizer, z.offload_params):
-        layout["zero.nvme_path"] = "."                      # swap files in the scaled run's own directory
+        layout["zero.nvme_path"] = "."
         notes.append(f"nvme offload: --nvme-path {z.nvme_path} -> the scaled run's directory")
+    return layout
+
+
+def _scaled_sizes(full, layout: dict) -> tuple[dict, int]:
+    """The copy's model and batch (a few layers of width 8 per head, vocabulary 100, sequence 16, four
+    iterations at the plan's peak learning rate) and its number of heads, divisible as the layout needs."""
+    m = full.model
+    tp_s, pp_s, dp_s = layout["parallel.tp"], layout["parallel.pp"], layout["parallel.dp"]
+    cp_s = layout.get("parallel.cp", 1)
+    v_s = 2 if "parallel.num_layers_per_virtual_pipeline_stage" in layout else 1
+    ulysses = cp_s > 1 and full.parallel.cp_comm_type == "a2a"   # whole heads and key/value groups per cp rank
     groups = None
     if m.group_query_attention:
-        groups = 2 if m.num_query_groups >= tp else 1          # replicated key/values stay replicated
+        groups = 2 if m.num_query_groups >= full.parallel.tp else 1    # replicated key/values stay replicated
         if ulysses:
             groups = tp_s * cp_s
-        heads = groups * min(m.num_attention_heads // m.num_query_groups, 2)
-        heads = max(heads, tp_s)
+        heads = max(groups * min(m.num_attention_heads // m.num_query_groups, 2), tp_s)
     else:
         heads = 2 * tp_s * (cp_s if ulysses else 1)
     sizes = {"model.num_layers": max(2, pp_s * v_s), "model.hidden_size": 8 * heads,
@@ -111,19 +149,7 @@ def scale_down(argv: list[str], world_size: int | None = None) -> tuple[Draw, li
         sizes["model.recompute_num_layers"] = 1
     if m.cpu_offloading_num_layers:
         sizes["model.cpu_offloading_num_layers"] = 1
-    values = {**kept, **sizes, **layout}
-    serial = {k: v for k, v in values.items() if not k.startswith(LAYOUT_SECTIONS) and k not in LAYOUT_MODEL_FIELDS}
-    layout_values = {k: v for k, v in values.items() if k not in serial}
-    model_args, layout_args = values_to_argv(serial), values_to_argv(layout_values)
-    world = tp_s * cp_s * pp_s * dp_s
-    job = parse_and_validate(model_args + layout_args, world)
-    parse_and_validate(model_args, 1)
-    axes = axes_of(job)
-    notes.append(f"scaled: {world} ranks (tp {tp_s}, {f'cp {cp_s}, ' if cp_s > 1 else ''}pp {pp_s}, dp {dp_s}), "
-                 f"{job.model.num_layers} layers, hidden "
-                 f"{job.model.hidden_size}, heads {heads}, vocab 100 (mock data), sequence 16, "
-                 f"{2 * STEPS_PER_LEG} iterations")
-    return Draw(0, axes, world, model_args, layout_args, axes, world, layout_args, common=[]), notes
+    return sizes, heads
 
 
 def values_to_argv(values: dict) -> list[str]:
