@@ -91,7 +91,7 @@ def _write_gpt2(tok, out: Path, common: dict) -> SpecialTokens:
 
 
 def _write_sentencepiece(tok, out: Path, common: dict) -> SpecialTokens:
-    sp = tok._sp
+    sp = tok.processor
     shutil.copyfile(tok.model_file, out / "tokenizer.model")
     ids = {"unk_token": sp.unk_id(), "bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "pad_token": sp.pad_id()}
     named = {key: sp.id_to_piece(i) for key, i in ids.items() if 0 <= i < sp.get_piece_size()}
@@ -116,12 +116,12 @@ def _write_hf(tok, out: Path, common: dict) -> SpecialTokens:
         if (source / name).is_file():
             shutil.copyfile(source / name, out / name)
     bos = _named_token(source, "bos_token", tok) or next(
-        (tok._tok.token_to_id(t) for t in BOS_CANDIDATES if tok._tok.token_to_id(t) is not None), None)
+        (tok.tokenizer.token_to_id(t) for t in BOS_CANDIDATES if tok.tokenizer.token_to_id(t) is not None), None)
     if not (out / "tokenizer_config.json").is_file():
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok._tok.id_to_token(tok.eod),
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.tokenizer.id_to_token(tok.eod),
                   "clean_up_tokenization_spaces": False, **common}
         if bos is not None:
-            config["bos_token"] = tok._tok.id_to_token(bos)
+            config["bos_token"] = tok.tokenizer.id_to_token(bos)
         _write_config(out, config)
     return SpecialTokens(bos=bos, eos=tok.eod)
 
@@ -134,7 +134,7 @@ def _named_token(directory: Path, key: str, tok) -> int | None:
         return None
     if isinstance(named, dict):
         named = named.get("content")
-    return tok._tok.token_to_id(named) if isinstance(named, str) else None
+    return tok.tokenizer.token_to_id(named) if isinstance(named, str) else None
 
 
 def tokenizer_of(path: str | Path) -> DataConfig:

@@ -169,24 +169,24 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece as spm
 
         self.model_file = _check_file(model_file, "--tokenizer-model")
-        try:
-            self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        try:     # the SentencePieceProcessor itself (the HF export reads its pieces)
+            self.processor = spm.SentencePieceProcessor(model_file=model_file)
         except (RuntimeError, OSError) as e:
             raise TokenizerError(f"--tokenizer-model {model_file!r} is not a SentencePiece model ({e})") from e
-        n = self._sp.get_piece_size()
-        eos = self._sp.eos_id()
+        n = self.processor.get_piece_size()
+        eos = self.processor.eos_id()
         self.eod = eos if eos >= 0 else n
         self.vocab_size = n if eos >= 0 else n + 1
 
     def tokenize(self, text: str) -> list[int]:
-        return self._sp.encode(text)
+        return self.processor.encode(text)
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._sp.encode(list(texts))
+        return self.processor.encode(list(texts))
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        n = self._sp.get_piece_size()
-        return self._sp.decode([int(i) for i in ids if int(i) < n])
+        n = self.processor.get_piece_size()
+        return self.processor.decode([int(i) for i in ids if int(i) < n])
 
 
 EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
@@ -210,39 +210,39 @@ class HuggingFaceTokenizer(Tokenizer):
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         self.model_file = _check_file(file, "--tokenizer-model")
         self.directory = directory
-        try:
-            self._tok = HFTokenizer.from_file(file)
+        try:     # the tokenizers.Tokenizer itself (the HF export reads its special tokens)
+            self.tokenizer = HFTokenizer.from_file(file)
         except Exception as e:  # noqa: BLE001  (the library raises a bare Exception on bad files)
             raise TokenizerError(f"--tokenizer-model {file!r} is not a HuggingFace tokenizer.json ({e})") from e
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.eod = self._find_eos(directory)
 
     def _find_eos(self, directory: str) -> int:
         named = _json_field(os.path.join(directory, "tokenizer_config.json"), "eos_token")
         if isinstance(named, dict):
             named = named.get("content")
-        if isinstance(named, str) and self._tok.token_to_id(named) is not None:
-            return self._tok.token_to_id(named)
+        if isinstance(named, str) and self.tokenizer.token_to_id(named) is not None:
+            return self.tokenizer.token_to_id(named)
         eos_id = _json_field(os.path.join(directory, "config.json"), "eos_token_id")
         if isinstance(eos_id, list) and eos_id:
             eos_id = eos_id[0]
         if isinstance(eos_id, int) and 0 <= eos_id < self.vocab_size:
             return eos_id
         for token in EOS_CANDIDATES:
-            if self._tok.token_to_id(token) is not None:
-                return self._tok.token_to_id(token)
+            if self.tokenizer.token_to_id(token) is not None:
+                return self.tokenizer.token_to_id(token)
         raise TokenizerError(f"--tokenizer-model {self.model_file!r}: no end-of-sequence token found (no eos_token "
                              f"in tokenizer_config.json, no eos_token_id in config.json, none of "
                              f"{', '.join(EOS_CANDIDATES)}): put a tokenizer_config.json naming eos_token beside it")
 
     def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        return self.tokenizer.encode(text).ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts))]
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts))]
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 class NullTokenizer(Tokenizer):
