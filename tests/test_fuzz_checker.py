@@ -3,9 +3,10 @@ layout), and the comparisons name the first iteration and value that differ."""
 import sys
 
 import pytest
+import torch
 from helpers.trainer import ROOT, pooled_launcher
 
-from megazero.fuzz.checker import TOLERANCES, Difference, Report, check, compare_records
+from megazero.fuzz.checker import TOLERANCES, Difference, Report, check, compare_records, tensor_difference
 from megazero.fuzz.sampler import draw
 
 QUICK_SEEDS = [24]               # Llama dp2 ZeRO-1 -> cp2 a2a (Ulysses) ZeRO-3 with parameters offloaded, recompute
@@ -87,3 +88,94 @@ def test_zero_over_dp_x_cp_with_dp_before_cp_equals_serial(tmp_path, capsys):
             "--global-batch-size", "4"]
     status = check_layout.main(["--workdir", str(tmp_path), "--", *plan], launch=pooled_launcher())
     assert status == 0, capsys.readouterr().out
+
+
+# The element rule on synthetic tensors: Adam's first step moves each parameter element by ±lr, so a 16-bit
+# draw whose rounding flips the sign of a few near-zero gradients differs from serial by 2 lr there.
+LR = 5e-3
+
+
+def _adam_like(n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weights = 0.02 * torch.randn(n, generator=g, dtype=torch.float64)
+    grads = torch.randn(n, generator=g, dtype=torch.float64) * 1e-3
+    return weights, grads
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "moe16"])
+def test_rounding_like_flips_pass_a_16_bit_draw_and_fail_fp32(precision):
+    weights, grads = _adam_like()
+    flipped = weights.clone()
+    flipped[:10] += 2 * LR                                       # 4% of the elements stepped the other way
+    flipped[10:] += 1e-3 * LR * torch.sign(grads[10:])           # the rest a rounding's width apart
+    tol = TOLERANCES[precision]
+    assert tensor_difference("model/layers.0.attention.dense.bias", flipped, weights, tol, LR) is None
+    moment = 0.1 * grads
+    noisy = moment * (1 + 0.02 * torch.sign(grads))
+    noisy[:8] = -moment[:8]                                      # near-zero gradients rounded the other way
+    assert tensor_difference("optim.exp_avg/layers.0.attention.dense.bias", noisy, moment, tol, LR) is None
+    detail = tensor_difference("model/layers.0.attention.dense.bias", flipped, weights, TOLERANCES["fp32"], LR)
+    assert detail and "10 of 256 elements out of tolerance" in detail[3]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_missing_reduction_fails_a_16_bit_draw(precision):
+    """Half the ranks' contribution lost: the moments halve (the parameters do not move differently: Adam's
+    step does not see a gradient's scale), or a partial sum flips three in four of the parameters' steps."""
+    tol = TOLERANCES[precision]
+    weights, grads = _adam_like()
+    moment = 0.1 * grads
+    detail = tensor_difference("optim.exp_avg/final_norm.weight", 0.5 * moment, moment, tol, LR)
+    assert detail and "elements out of tolerance" in detail[3]
+    detail = tensor_difference("optim.exp_avg_sq/final_norm.weight", 0.25 * grads ** 2, grads ** 2, tol, LR)
+    assert detail and ("elements out of tolerance" in detail[3] or "elements within bound differ" in detail[3])
+    partial = weights + torch.where(torch.arange(256) % 4 != 0, 2 * LR, 0.0)
+    detail = tensor_difference("model/final_norm.weight", partial, weights, tol, LR)
+    assert detail and "192 of 256 elements out of tolerance" in detail[3]
+
+
+def test_draws_get_the_rule_of_their_precision_experts_and_int8():
+    from megazero.fuzz.checker import tolerance_for
+
+    kinds = {}
+    for seed in range(6000, 6060):
+        d = draw(seed)
+        kind = ("int8" if d.lossy else d.axes["precision"]) + ("-moe" if (d.axes.get("experts") or 0) > 1 else "")
+        kinds.setdefault(kind, tolerance_for(d).name)
+    assert kinds["fp32"] == kinds["fp32-moe"] == "fp32" and kinds["bf16"] == "bf16" and kinds["fp16"] == "fp16"
+    assert kinds["bf16-moe"] == kinds["fp16-moe"] == TOLERANCES["moe16"].name
+    assert kinds["int8"].startswith("quantized")
+
+
+def test_elements_within_bound_must_still_agree_as_a_whole():
+    """Every moment element inside its bound, yet all off the same way: the rest's norm catches it."""
+    tol = TOLERANCES["bf16"]
+    _, grads = _adam_like()
+    moment = 0.1 * grads.abs()
+    off = (tol.rest_rtol + tol.moment_rtol + tol.moment_atol) / 2      # inside every element's bound
+    assert tol.rest_rtol < off <= tol.moment_rtol + tol.moment_atol
+    scaled = moment * (1 + off)
+    detail = tensor_difference("optim.exp_avg/final_norm.weight", scaled, moment, tol, LR)
+    assert detail and "elements within bound differ by" in detail[3]
+
+
+def test_int8_tensors_are_held_within_adams_reach():
+    """ZeRO++ int8 moves elements as far as a broken reduction does (measured), so only what Adam cannot do
+    fails: a parameter further from serial than its steps could take it (a wrong shard loaded on resume)."""
+    tol = TOLERANCES["quantized"]
+    weights, grads = _adam_like()
+    assert tensor_difference("model/final_norm.weight", weights + 5.9 * LR, weights, tol, LR) is None
+    assert tensor_difference("optim.exp_avg/final_norm.weight", -grads, grads, tol, LR) is None
+    detail = tensor_difference("model/final_norm.weight", weights.flip(0), weights, tol, LR)
+    assert detail and "elements out of tolerance" in detail[3]
+
+
+def test_fp32_keeps_its_element_bound():
+    tol = TOLERANCES["fp32"]
+    weights, grads = _adam_like()
+    assert tol.out_fraction == tol.moment_out_fraction == 0 and tol.rest_rtol is None
+    assert tensor_difference("model/final_norm.weight", weights + 1e-3 * LR, weights, tol, LR) is None
+    one = weights.clone()
+    one[3] += 0.01 * LR
+    detail = tensor_difference("model/final_norm.weight", one, weights, tol, LR)
+    assert detail[0] == "[3]" and "1 of 256 elements out of tolerance;" in detail[3]

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -43,19 +44,24 @@ Launcher = Callable[[int, list, Path], None]
 
 @dataclass(frozen=True)
 class Tolerance:
-    """How close a layout must be to its serial twin. A value passes when ``|got - want| <= rtol * |want|``
-    (losses, gradient norms) or, for tensors, ``<= rtol * |want| + atol * max|want|`` elementwise, and
-    for parameters ``+ param_lr * lr`` besides: Adam normalises each update, so an element whose true
-    gradient is ~0 steps by rounding noise of either sign (measured up to 4e-4 lr in fp32). The optimizer
-    moments (``optim.exp_avg``, ``optim.exp_avg_sq``) are the gradients' images and get no such floor:
-    their norm must be within ``moment_norm_rtol`` of serial (``exp_avg_sq`` squares the gradients, so a
-    clipping factor 5e-6 off, within the gradient norm's 1e-5, moves every one of them by 1e-5: seed 38),
-    each element within ``moment_atol`` of the
-    tensor's largest (an element near zero is a sum of large terms of both signs, added in another order
-    by tp, SP and pp over eight micro-batches: 2.4e-5 of the largest was measured at seeds 3 and 4, on
-    2 of 3072 and 1 of 96 elements, with the loss, gradient norm and parameters within 1e-5).
-    In 16 bits such an element can step the other way (a whole lr), so bf16, fp16 and ZeRO++'s int8
-    compare each tensor as a whole (its relative difference in norm) instead of element by element."""
+    """How close a layout must be to its serial twin. Losses and gradient norms pass when
+    ``|got - want| <= rtol * |want|``. A tensor's element passes when it is within its bound:
+    ``tensor_rtol * |want| + tensor_atol * max|want| + param_lr * lr`` for parameters (Adam normalises each
+    update, so an element whose true gradient is ~0 steps by rounding noise of either sign: up to 4e-4 lr
+    in fp32) and ``moment_rtol * |want| + moment_atol * max|want|`` for the optimizer moments
+    (``optim.exp_avg``, ``optim.exp_avg_sq``: the gradients' images, no lr floor). In fp32 every element must
+    pass, and each moment tensor's norm must be within ``moment_norm_rtol`` of serial besides (``exp_avg_sq``
+    squares the gradients, so a clipping factor 5e-6 off, within the gradient norm's 1e-5, moves every one of
+    them by 1e-5: seed 38); ``moment_atol`` 1e-4 because an element near zero is a sum of large terms of both
+    signs, added in another order by tp, SP and pp over eight micro-batches (2.4e-5 of the largest measured
+    at seeds 3 and 4, on 2 of 3072 and 1 of 96 elements, with the loss, gradient norm and parameters within
+    1e-5).
+
+    In 16 bits Adam's first step moves an element by ±lr whatever its gradient's size, so an element whose
+    gradient is below the precision's rounding steps the other way: a whole lr, 5-30% of a small tensor's
+    norm. There a tensor passes when at most ``out_fraction`` of a parameter's elements
+    (``moment_out_fraction`` of a moment's) are outside their bound, and the others, together, are within
+    ``rest_rtol`` of the tensor's norm. ZeRO++'s int8 moves every element (:data:`TOLERANCES`)."""
 
     name: str
     loss_rtol: float
@@ -63,25 +69,50 @@ class Tolerance:
     tensor_rtol: float
     tensor_atol: float
     param_lr: float
-    elementwise: bool = True      # False: a tensor passes when ||got - want|| <= tensor_rtol * ||want||
-    moment_atol: float = 1e-4     # fp32 Adam moments, element by element, of the tensor's largest
-    moment_norm_rtol: float = 3e-5  # ... and as a whole: exp_avg_sq squares the gradients, doubling their error
+    moment_rtol: float | None = None       # None: tensor_rtol
+    moment_atol: float = 1e-4               # of the moment tensor's largest element
+    moment_norm_rtol: float | None = 3e-5   # the whole moment tensor (None: not checked as a whole)
+    out_fraction: float = 0.0               # share of a parameter's elements allowed outside their bound
+    moment_out_fraction: float = 0.0        # ... of a moment tensor's
+    rest_rtol: float | None = None          # the elements within bound, in norm, relative to the tensor's norm
 
 
 # fp32: every layout sums the same numbers in another order: ~1e-7 per operation, 1e-5 after a few steps.
-# bf16/fp16: the 16-bit parameters round differently per layout (one bf16 ulp is 0.4%): the loss within
-# 5e-3 (as tests/test_pretrain_gpt.py's mixed-precision layouts), the tensors within a few ulps.
-# ZeRO++ qwZ/qgZ move int8 values by design: within 2% of serial after a few steps.
+# bf16/fp16: the loss within 5e-3 (as tests/test_pretrain_gpt.py's mixed-precision layouts), the gradient norm
+# within 3e-2. Their tensors by measurement (docs/fuzzing.md, "16-bit and int8 tensors": the 55 16-bit and int8
+# campaign draws rerun as drawn; 53 runs of the 28 with sequence parallelism with its tp sum of norm and bias
+# gradients skipped or averaged): a parameter element is out beyond 1e-2 of itself + lr / 2, a moment element
+# beyond 0.2 of itself + 0.1 of its tensor's largest. Dense models (11 draws): rounding put at most 6.2% of a
+# tensor's elements out, parameters and moments alike, the rest within 0.145 of its norm; every broken run (8)
+# had a moment tensor 56-88% out (a halved gradient moves no parameter differently: Adam's step is blind to
+# its scale), the rest 0.28-0.60 off. Limits: 15% (parameters), 25% (moments), 0.2 (the rest).
+# With experts (23 draws), top-k routing is a step function: rounding sends some tokens to another expert, and
+# the router, those experts and the layers after them differ by whole tokens: up to 38% of a parameter's and
+# 69% of a moment's elements out, the rest within 0.391; the broken runs (14) went 62-91%, 0.33-0.66. Limits
+# 50%, 80%, 0.4 pass every measured rounding and caught 9 of the 14 (the loss or gradient norm 2 more).
+# ZeRO++ qwZ/qgZ move int8 values by design: loss within 2e-2, gradient norm 1e-1; as drawn (21 draws) up to
+# 100% of a tensor's elements out (qwZ's norm weights), as many as the broken runs (31), so no element rule
+# tells them apart: every parameter element within Adam's reach of serial (8 lr: two legs of two steps of at
+# most lr each way; 5.9 lr measured), the moments not compared; the records caught 4 of the 31.
 TOLERANCES = {
     "fp32": Tolerance("fp32", 1e-5, 1e-5, 1e-4, 1e-5, 2e-3),
-    "bf16": Tolerance("bf16", 5e-3, 3e-2, 5e-2, 0.0, 0.0, elementwise=False),
-    "fp16": Tolerance("fp16", 5e-3, 3e-2, 5e-2, 0.0, 0.0, elementwise=False),
-    "quantized": Tolerance("quantized (ZeRO++ int8)", 2e-2, 1e-1, 1.5e-1, 0.0, 0.0, elementwise=False),
+    "bf16": Tolerance("bf16", 5e-3, 3e-2, 1e-2, 0.0, 0.5, moment_rtol=0.2, moment_atol=0.1, moment_norm_rtol=None,
+                      out_fraction=0.15, moment_out_fraction=0.25, rest_rtol=0.2),
+    "moe16": Tolerance("bf16/fp16 with experts", 5e-3, 3e-2, 1e-2, 0.0, 0.5, moment_rtol=0.2, moment_atol=0.1,
+                       moment_norm_rtol=None, out_fraction=0.5, moment_out_fraction=0.8, rest_rtol=0.4),
+    "quantized": Tolerance("quantized (ZeRO++ int8)", 2e-2, 1e-1, 0.0, 0.0, 4.0 * STEPS_PER_LEG,
+                           moment_rtol=math.inf, moment_norm_rtol=None),
 }
+TOLERANCES["fp16"] = replace(TOLERANCES["bf16"], name="fp16")
 
 
 def tolerance_for(d: Draw) -> Tolerance:
-    return TOLERANCES["quantized" if d.lossy else d.axes["precision"]]
+    """The draw's rule: ZeRO++ int8 first, then 16 bits with experts, then the precision's own."""
+    if d.lossy:
+        return TOLERANCES["quantized"]
+    if d.axes["precision"] != "fp32" and (d.axes.get("experts") or 0) > 1:
+        return TOLERANCES["moe16"]
+    return TOLERANCES[d.axes["precision"]]
 
 
 class RunFailed(RuntimeError):
@@ -220,32 +251,47 @@ def compare_checkpoints(got_dir: Path, want_dir: Path, iteration: int, tol: Tole
                 report.differences.append(Difference(iteration, f"tensor {name} shape {list(a.shape)}", 0.0, 0.0,
                                                      f"(serial {list(b.shape)})"))
                 continue
-            if not tol.elementwise:
-                rel = float((a - b).norm()) / max(float(b.norm()), 1e-30)
-                if rel > tol.tensor_rtol:
-                    report.differences.append(Difference(iteration, f"tensor {name}", float(a.norm()), float(b.norm()),
-                                                         f"(norms; relative difference {rel:.1e} > {tol.tensor_rtol:g})"))
-                continue
-            moment = name.startswith("optim.exp_avg")
-            if moment:          # the whole moment tensor about as tight as the gradient norm
-                rel = float((a - b).norm()) / max(float(b.norm()), 1e-30)
-                if rel > tol.moment_norm_rtol:
-                    report.differences.append(Difference(iteration, f"tensor {name}", float(a.norm()), float(b.norm()),
-                                                         f"(norms; relative difference {rel:.1e} > {tol.moment_norm_rtol:g})"))
-                    continue
-            floor = 0.0 if moment else tol.param_lr * lr
-            atol = tol.moment_atol if moment else tol.tensor_atol
-            bound = tol.tensor_rtol * b.abs() + atol * float(b.abs().max()) + floor
-            excess = (a - b).abs() - bound
-            if excess.numel() and float(excess.max()) > 0:
-                i = int(excess.argmax())
-                report.differences.append(Difference(
-                    iteration, f"tensor {name}[{i}]", float(a.flatten()[i]), float(b.flatten()[i]),
-                    f"({int((excess > 0).sum())} of {b.numel()} elements out of tolerance; max abs diff "
-                    f"{float((a - b).abs().max()):.2e})"))
+            detail = tensor_difference(name, a, b, tol, lr)
+            if detail:
+                report.differences.append(Difference(iteration, f"tensor {name}{detail[0]}", *detail[1:]))
     finally:
         got.close()
         want.close()
+
+
+def tensor_difference(name: str, got: torch.Tensor, want: torch.Tensor, tol: Tolerance,
+                      lr: float) -> tuple[str, float, float, str] | None:
+    """Why tensor ``name`` is out of tolerance, as (index suffix, got, want, detail), or None when it passes."""
+    moment = name.startswith("optim.exp_avg")
+    diff = (got - want).abs()
+    norm = max(float(want.norm()), 1e-30)
+    if moment and tol.moment_norm_rtol is not None:   # the whole moment tensor about as tight as the gradient norm
+        rel = float(diff.norm()) / norm
+        if rel > tol.moment_norm_rtol:
+            return "", float(got.norm()), float(want.norm()), \
+                f"(norms; relative difference {rel:.1e} > {tol.moment_norm_rtol:g})"
+    if moment and tol.moment_rtol == math.inf:        # int8: the moments are not compared
+        return None
+    largest = float(want.abs().max()) if want.numel() else 0.0
+    if moment:
+        rtol = tol.tensor_rtol if tol.moment_rtol is None else tol.moment_rtol
+        bound = rtol * want.abs() + tol.moment_atol * largest
+    else:
+        bound = tol.tensor_rtol * want.abs() + tol.tensor_atol * largest + tol.param_lr * lr
+    out = diff > bound
+    fraction = tol.moment_out_fraction if moment else tol.out_fraction
+    n_out, allowed = int(out.sum()), int(fraction * want.numel())
+    if n_out > allowed:
+        i = int((diff - bound).argmax())
+        limit = f" (at most {allowed} allowed: {fraction:.0%})" if fraction else ""
+        return f"[{i}]", float(got.flatten()[i]), float(want.flatten()[i]), \
+            f"({n_out} of {want.numel()} elements out of tolerance{limit}; max abs diff {float(diff.max()):.2e})"
+    if tol.rest_rtol is not None:
+        rest = float(diff[~out].norm()) / norm
+        if rest > tol.rest_rtol:
+            return "", float(got.norm()), float(want.norm()), \
+                f"(norms; the {want.numel() - n_out} elements within bound differ by {rest:.1e} > {tol.rest_rtol:g})"
+    return None
 
 
 def serial_run(d: Draw, cache: Path, launch: Launcher) -> Path:
