@@ -36,6 +36,18 @@ the full backward's gradients bit for bit (tests/test_pipeline_split_backward.py
 parameter used at two depths of one chunk (its gradient reachable from a boundary through the path)
 is refused in ``W`` with the fix (1F1B), not counted twice.
 
+The output layer is the exception (the model marks its weight, :func:`weight_grad_in_input`): its dY
+is the logits gradient, tokens x vocab, the largest of the model, and under ZB-H1 the last stage holds
+pp micro-batches waiting for W -- with their head's X and dY its peak was 1.12x 1F1B's at pp 4 (the
+bench shape, vocab 4h), against 1.02x at pp 2. Of the ways out, measured or weighed there: computing
+its weight gradient in I and sending it straight into ``.grad`` holds nothing more (the gradient
+storage exists; 1.03x); keeping only one of X and dY saves little (X is h per token, dY V); holding
+its weight gradient for W instead costs V x h per micro-batch, more than X + dY at these shapes; and
+capping the W's a rank defers changes the schedule's bubble. So I computes it, in a post-hook of
+its matmul node, while ZeRO-3 still holds the weight gathered; its post-accumulate-grad hook fires in
+I, where the grad sync counts nothing down, and the step's last W launches its bucket. The last
+stage's I grows by the head's weight half (4h^2 per token at vocab 4h, a third of a layer's W).
+
 Where ``x`` is None (the first virtual stage, whose input is token ids) or ``out`` does not depend on
 it, ``I`` has nothing to compute and ``W`` is the whole backward, so the micro-batch's activations
 stay held until ``W``.
@@ -156,6 +168,36 @@ def _deferred(node) -> bool:
     return node.name().rstrip("0123456789") in _DEFERRED_NODES
 
 
+_IN_INPUT = "weight_grad_in_input"
+
+
+def weight_grad_in_input(param: torch.Tensor) -> torch.Tensor:
+    """Mark ``param`` (a model's declaration) as one whose weight gradient a split backward computes in
+    ``I``, straight into ``.grad``, instead of holding its matmul's X and dY for ``W``: the output
+    layer's weight (see the module docstring). Honoured where the matmul is the parameter's only use in
+    the chunk. Returns ``param``."""
+    setattr(param, _IN_INPUT, True)
+    return param
+
+
+def _computed_in_input(leaving) -> bool:
+    """Does every path off the input path from these edges end at a parameter marked by
+    :func:`weight_grad_in_input`?"""
+    stack, seen, found = [child for child, _ in leaving], set(), False
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if not getattr(variable, _IN_INPUT, False):
+                return False
+            found = True
+        stack.extend(c for c, _ in node.next_functions if c is not None)
+    return found
+
+
 class WeightGradWork:
     """The ``W`` of one micro-batch: what :func:`backward_input` left to compute."""
 
@@ -242,9 +284,14 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     work._groups = _independent_groups(boundaries)
     # The early boundaries' off-path gradients are taken in I's own pass, as inputs of it beside x:
     # a boundary alone in its group is the only way to its edges, so the pass computes exactly its half.
-    early = {group[0][0]: group[0][1] for group in work._groups if len(group) == 1 and not _deferred(group[0][0])}
+    # A marked boundary (weight_grad_in_input) is asked the same way and its gradients go into .grad at
+    # the end of I; W has nothing left of it.
+    alone = [group[0] for group in work._groups if len(group) == 1]
+    now = {node: leaving for node, leaving in alone if _deferred(node) and _computed_in_input(leaving)}
+    early = {node: leaving for node, leaving in alone if not _deferred(node) or node in now}
     early_edges = [(node, edge) for node, leaving in early.items() for edge in leaving]
     deferred = {node for node, _ in boundaries if node not in early}
+    work._groups = [group for group in work._groups if group[0][0] not in now]
     freeing = _Freeing()
 
     def entering(grad_outputs, node):
@@ -253,7 +300,7 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
         freeing.node_starts(node not in deferred)
 
     try:
-        with _hooked(on_path - {target}, entering):
+        with _hooked(on_path - {target}, entering, _into_grad(now) if now else None):
             got = torch.autograd.grad(out, [x] + [GradientEdge(c, nr) for _, (c, nr) in early_edges], grad,
                                       retain_graph=True, allow_unused=True)
     finally:
@@ -261,19 +308,44 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     if got[0] is not None:                      # into x.grad, as a backward would
         x.grad = got[0] if x.grad is None else x.grad + got[0]
     for (node, edge), g in zip(early_edges, got[1:]):
+        if node in now:                         # gone into .grad already (None here)
+            continue
         work._early.setdefault(node, [])
         if g is not None:
             work._early[node].append((edge, g))
     return work
 
 
+def _into_grad(now: dict):
+    """A post-hook for the boundaries of ``now`` (node -> its edges off the path): right after the node
+    ran in I's pass, its gradients along those edges go down to ``.grad`` (a nested backward, while
+    ZeRO-3 still holds the parameters gathered), and are dropped from what the pass returns."""
+    def hook(grad_inputs, grad_outputs, node):
+        leaving = now.get(node)
+        if leaving is None:
+            return None
+        edges, grads, out = [], [], list(grad_inputs)
+        for k, (child, nr) in enumerate(node.next_functions):
+            if (child, nr) in leaving and out[k] is not None:
+                edges.append(GradientEdge(child, nr))
+                grads.append(out[k])
+                out[k] = None
+        if edges:
+            torch.autograd.backward(edges, grads)
+        return tuple(out)
+    return hook
+
+
 @contextlib.contextmanager
-def _hooked(nodes, before):
-    """Inside the block, ``before(grad_outputs, node)`` runs before each of ``nodes`` and
-    :meth:`_Freeing.node_ran` after it."""
+def _hooked(nodes, before, after=None):
+    """Inside the block, ``before(grad_outputs, node)`` runs before each of ``nodes``, and after it
+    ``after(grad_inputs, grad_outputs, node)`` (whose result replaces ``grad_inputs``, when not None)
+    and :meth:`_Freeing.node_ran`."""
     handles = []
     for node in nodes:
         handles.append(node.register_prehook(lambda go, node=node: before(go, node)))
+        if after is not None:
+            handles.append(node.register_hook(lambda gi, go, node=node: after(gi, go, node)))
         handles.append(node.register_hook(lambda gi, go: _Freeing.node_ran()))
     try:
         yield
