@@ -35,7 +35,7 @@ def _run(module, kind: str, d, split: bool):
     """One forward + backward of ``module`` (a middle chunk: hidden -> hidden; 'last': hidden -> loss;
     'first': tokens -> hidden); with ``split`` as I then W, the forward recording its saved tensors for
     I to free. Returns the input gradient seen right
-    after I, whether any parameter had a gradient then, and every parameter's gradient."""
+    after I, the parameters that had a gradient then, and every parameter's gradient."""
     x = None if kind == "first" else d["x"].clone().requires_grad_()
     with deferrable_saves() if split else contextlib.nullcontext():      # as the pipeline runner does
         if kind == "last":
@@ -44,10 +44,10 @@ def _run(module, kind: str, d, split: bool):
             out, dy = module(d["tokens"] if kind == "first" else x), d["dy"]
     if not split:
         torch.autograd.backward(out, dy)
-        return (None if x is None else x.grad), False, [p.grad.clone() for p in module.parameters()]
+        return (None if x is None else x.grad), set(), [p.grad.clone() for p in module.parameters()]
     work = backward_input(out, dy, x)
     x_grad = None if x is None else x.grad.clone()
-    early = any(p.grad is not None for p in module.parameters())
+    early = {n for n, p in module.named_parameters() if p.grad is not None}
     work.run()
     with pytest.raises(RuntimeError, match="has run already"):
         work.run()
@@ -61,7 +61,8 @@ def _assert_split_equals_full(make, kind: str, seed: int = 1):
     got_x, early, got = _run(split, kind, d, split=True)
     if ref_x is not None:
         assert torch.equal(got_x, ref_x)                        # I gave the input gradient exactly
-    assert not early or kind == "first"                         # ... and no parameter gradient
+    if kind != "first":                                         # ... and no parameter gradient but the marked
+        assert early == {n for n, p in split.named_parameters() if getattr(p, "weight_grad_in_input", False)}
     names = [n for n, _ in full.named_parameters()]
     assert len(got) == len(ref) > 0
     for n, a, b in zip(names, got, ref):
@@ -86,8 +87,12 @@ def test_transformer_layers_split_exactly(family):
 @pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "output-layer"])
 def test_last_stage_head_and_loss_split_exactly(tied):
     """Final norm, the LM head (the tied word-embedding copy or the output layer) and the
-    vocab-parallel cross entropy, backward from the scalar loss."""
+    vocab-parallel cross entropy, backward from the scalar loss. The head's weight is the one parameter
+    whose gradient I computes (the model marks it, ``weight_grad_in_input``)."""
     cfg = _cfg(untie_embeddings_and_output_weights=not tied)
+    head = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+    chunk = GPT(cfg, pre_process=False, post_process=True, seed=3)
+    assert [n for n, p in chunk.named_parameters() if getattr(p, "weight_grad_in_input", False)] == [head]
     _assert_split_equals_full(lambda: GPT(cfg, pre_process=False, post_process=True, seed=3), "last")
 
 
@@ -144,6 +149,29 @@ def test_post_accumulate_grad_hooks_fire_in_w_not_in_i():
     assert seen == []
     work.run()
     assert len(seen) == len(list(layer.parameters()))
+
+
+def test_w_runs_one_autograd_pass_per_weight_matmul_and_i_hooks_only_them(monkeypatch):
+    """What I + W add to a full backward is autograd passes and Python hooks: W makes one pass per
+    weight matmul (qkv, proj, fc1, fc2 per GPT layer) and one for the norms' and biases' gradients held
+    since I; I hooks only the matmul nodes (to keep their dY), not every node of the graph."""
+    cfg = _cfg()
+    layer = GPT(cfg, pre_process=False, post_process=False, seed=3)
+    d = _data(1)
+    x = d["x"].clone().requires_grad_()
+    with deferrable_saves():
+        out = layer(x)
+    hooked, passes = [], []
+    from megazero.parallel.pipeline import split_backward
+    hook_nodes = split_backward._hooked
+    monkeypatch.setattr(split_backward, "_hooked",
+                        lambda keeping, *a: hooked.extend(keeping) or hook_nodes(keeping, *a))
+    work = backward_input(out, d["dy"], x)
+    assert len(hooked) == 4 * cfg.num_layers
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: passes.append(1) or backward(*a, **k))
+    work.run()
+    assert len(passes) == 4 * cfg.num_layers + 1
 
 
 def _tp_body(rank, world, sp, kind):
@@ -214,6 +242,44 @@ def test_between_i_and_w_a_micro_batch_keeps_only_what_w_needs():
     _, grads_old = _held_between_i_and_w(False, cfg, "W")
     for a, b in zip(grads, grads_old):
         assert torch.equal(a, b)
+
+
+def _held_after_i_on_last_stage(cfg, head_in_input: bool) -> int:
+    """Bytes live after one micro-batch's F and I through a last-stage chunk (the loss), counted from
+    before F, with the output layer's weight marked for I (as the model does) or not."""
+    chunk = GPT(cfg, pre_process=False, post_process=True, seed=3)
+    if not head_in_input:
+        del chunk.output_layer.weight.weight_grad_in_input
+    for p in chunk.parameters():                              # gradient storage exists before the step
+        p.grad = torch.zeros_like(p)
+    d = _data(1)
+    x = d["x"].clone().requires_grad_()
+    labels = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(2))
+    gc.collect()
+    with LiveTensorBytes() as probe:
+        with deferrable_saves():
+            loss = masked_mean(chunk(x, labels), d["mask"])
+        work = backward_input(loss, None, x)
+        x.grad = None                                         # sent to the previous stage
+        del loss
+    assert (chunk.output_layer.weight.grad.abs().sum() > 0) == head_in_input
+    work.run()
+    return probe.end
+
+
+def test_last_stage_holds_no_logits_gradient_between_i_and_w():
+    """The head's X and dY (the logits gradient, tokens x vocab: the largest dY) do not wait for W: I
+    computes the output layer's weight gradient into ``.grad``. After I the last stage holds its
+    layers' 16 sbh each and the norms' gradients, nothing of the head; unmarked, the head would add its
+    X and dY, (h + V) per token."""
+    cfg = _cfg(vocab_size=256, untie_embeddings_and_output_weights=True)    # V = 8h
+    layers = cfg.num_layers * 16 * S * B * H * 4
+    norms = (2 * cfg.num_layers + 1) * 2 * H * 4
+    head = S * B * (H + cfg.padded_vocab_size(1)) * 4
+    after_i = _held_after_i_on_last_stage(cfg, head_in_input=True)
+    assert abs(after_i - layers) <= norms, (after_i, layers)
+    deferred = _held_after_i_on_last_stage(cfg, head_in_input=False)
+    assert abs(deferred - after_i - head) <= norms, (deferred - after_i, head)
 
 
 class _SharedWeight(nn.Module):

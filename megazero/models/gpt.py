@@ -61,6 +61,7 @@ from megazero.models.recompute import checkpointed, full_recompute_groups
 from megazero.models.transformer import (NORM_TYPES, Embedding, LayerContext, TransformerLayer,
                                          qkv_blocks_to_interleaved, qkv_interleaved_to_blocks)
 from megazero.parallel.groups import ModelParallelGroups
+from megazero.parallel.pipeline.split_backward import weight_grad_in_input
 from megazero.parallel.raw_comm import group_rank
 from megazero.parallel.tensor import (ColumnParallelLinear, TensorParallelRNG, column_parallel_linear,
                                       init_std_scaled, mask_padded_vocab, set_tp_attributes, shard,
@@ -137,6 +138,8 @@ class GPT(nn.Module):
                                                          bias=False, sequence_parallel=self.sequence_parallel,
                                                          dtype=dtype, device=device)
                 self.output_layer.weight.vocab_padded = True
+            # its weight gradient is computed in a split backward's I, not held for W (split_backward.py)
+            weight_grad_in_input(self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight)
         for p in self.parameters():
             if not hasattr(p, "tensor_parallel"):
                 set_tp_attributes(p, False)

@@ -181,7 +181,8 @@ def weight_grad_bytes(job, placement, e: int, mask: int) -> int:
     """Bytes one micro-batch holds on the device between its I and its W (zero-bubble schedules): what
     W needs, each weight matmul's input X and output gradient dY (for GPT-2 at tp 1, 7 + 9 = 16 sbh per
     layer; X of qkv, proj, fc1 (h each) and fc2 (f); dY of qkv (3h), proj (h), fc1 (f) and fc2 (h)),
-    the chunk's input, and on the last stage the head's input and the logits' gradient. A recomputed
+    the chunk's input; nothing of the head (the output layer's weight gradient is computed in I:
+    ``split_backward.weight_grad_in_input``, so its X and the logits' gradient go then). A recomputed
     group keeps its input (W recomputes it) and its layers' dY; an offloaded layer keeps only dY on the
     device. The first virtual stage's I computes nothing (its input is token ids): it holds all until W.
     Selective recompute is counted as none (its X's come back in W)."""
@@ -204,8 +205,6 @@ def weight_grad_bytes(job, placement, e: int, mask: int) -> int:
         else:
             out += n * grads + (n * inputs if position >= offloaded else 0)
         position += n
-    if placement.post_process:
-        out += e * s * b * h + e * s * b * cfg.padded_vocab_size(t) // t           # the head's X and dY
     return min(out, chunk_activation_bytes(job, placement, e, mask))
 
 

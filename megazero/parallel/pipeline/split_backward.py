@@ -23,18 +23,30 @@ own: linear (column/row-parallel, sequence parallel), attention, LayerNorm/RMSNo
   their edges off the path are inputs of ``I``'s own pass beside ``x``, so ``I`` computes their weight
   halves too, and holds them for ``W``.
 
-``W`` runs each matmul boundary again from its kept gradient, asked only for the gradients along its
-edges off the path (``torch.autograd.grad`` with ``GradientEdge``: the weight half of the matmul, and
-nothing of the input path, which ``I`` did), then ``torch.autograd.backward`` from those edges (and
-the norms' held ones) down to the parameters, one pass per group of boundaries that share nothing
-off the path (one per weight in a transformer layer), smallest gradient first, so the gradients go into
-``.grad`` as they come. That accumulates through autograd's own ``AccumulateGrad``, so the
+``W`` runs each matmul boundary again from its kept gradient, down to the parameters it reaches off
+the path and nothing else (``torch.autograd.backward`` from ``GradientEdge`` roots with ``inputs`` =
+those parameters: the weight half of the matmul, nothing of the input path, which ``I`` did): one
+pass per group of boundaries that share nothing off the path (one per weight matmul in a transformer
+layer), smallest gradient first, so the gradients go into ``.grad`` as they come, and one pass before
+them for the norms' and biases' held gradients. That accumulates through autograd's own ``AccumulateGrad``, so the
 parameters' post-accumulate-grad hooks fire as in a full backward, in ``W``: the ZeRO gradient sync
 counts its buckets down and launches their reductions from ``W`` (the caller brackets ``W`` with the
 grad sync's ``weight_grad``). The kernels are the ones the full backward runs, so ``I`` + ``W`` gives
 the full backward's gradients bit for bit (tests/test_pipeline_split_backward.py, per layer kind). A
 parameter used at two depths of one chunk (its gradient reachable from a boundary through the path)
 is refused in ``W`` with the fix (1F1B), not counted twice.
+
+The output layer is the exception (the model marks its weight, :func:`weight_grad_in_input`): its dY
+is the logits gradient, tokens x vocab, the largest of the model, and under ZB-H1 the last stage holds
+pp micro-batches waiting for W -- with their head's X and dY its peak was 1.12x 1F1B's at pp 4 (the
+bench shape, vocab 4h), against 1.02x at pp 2. Of the ways out, measured or weighed there: computing
+its weight gradient in I and sending it straight into ``.grad`` holds nothing more (the gradient
+storage exists; 1.03x); keeping only one of X and dY saves little (X is h per token, dY V); holding
+its weight gradient for W instead costs V x h per micro-batch, more than X + dY at these shapes; and
+capping the W's a rank defers changes the schedule's bubble. So I computes it, in a post-hook of
+its matmul node, while ZeRO-3 still holds the weight gathered; its post-accumulate-grad hook fires in
+I, where the grad sync counts nothing down, and the step's last W launches its bucket. The last
+stage's I grows by the head's weight half (4h^2 per token at vocab 4h, a third of a layer's W).
 
 Where ``x`` is None (the first virtual stage, whose input is token ids) or ``out`` does not depend on
 it, ``I`` has nothing to compute and ``W`` is the whole backward, so the micro-batch's activations
@@ -47,11 +59,19 @@ Everything else the forward saved (attention scores and probabilities, GeLU/SwiG
 masks, the norms' inputs and statistics, the loss's softmax) goes during ``I``, node by node, as a
 full backward frees it. For that the forward runs inside :func:`deferrable_saves`: autograd's saved
 tensors sit in slots (``saved_tensors_hooks``) that ``I`` empties once the node that unpacked them has
-run (a pre-hook marks what a node unpacks, a post-hook empties it), and ``W`` empties each matmul's in
-turn; the graph's nodes, which are small, stay until ``W``. For a GPT layer a waiting micro-batch holds
+run (the unpack hook asks autograd which node runs; its slots go when the next node starts unpacking),
+and ``W`` empties each matmul's in turn; the graph's nodes, which are small, stay until ``W``. For a GPT layer a waiting micro-batch holds
 16 sbh elements (X 7, dY 9), about as much as its full activation set with fused attention and no
 dropout, less with attention scores or dropout (tests, and the estimator:
-``megazero/models/gpt_memory.py``). Why this and not layer-level deferral (each linear queueing
+``megazero/models/gpt_memory.py``).
+
+Cost: the kernels are the full backward's; what ``I`` + ``W`` add is Python and autograd passes -- one
+walk of the graph before ``I``, a pre-hook on each matmul boundary (no hook on the other nodes: a
+hook per node cost ~20% of a backward), the save/unpack hooks, and ``W``'s one pass per weight.
+Measured on one process (GPT 4 x 256 chunk, seq 64, batch 1, thread CPU time): I + W 1.20x the full
+backward, from 1.42x with a hook on every node and two passes per weight.
+
+Why this and not layer-level deferral (each linear queueing
 ``(X, dY)`` and computing ``dW = dY^T X`` itself, as Megatron-core's ``delay_wgrad_compute`` does): one
 code path for every layer kind, the full backward's kernels (bit-for-bit gradients), and autograd's
 ``AccumulateGrad`` firing the gradient sync's hooks in ``W``. A tensor saved inside a nested hook
@@ -80,23 +100,48 @@ class _Slot:
 
 
 class _Freeing:
-    """One ``I``: while it is open, the slots a node unpacks (in the thread the autograd engine runs
-    it in) are emptied when that node has run -- unless the node is one ``W`` runs again."""
+    """One ``I`` or ``W`` pass (a ``with`` block): the slots a node unpacks are emptied once that node has
+    run -- unless the node is one of ``keep``, which ``W`` runs again. Without a hook per node: the
+    unpack hook asks autograd which node is running, and a node's slots go when the next node (in the
+    same engine thread) starts unpacking, or when the pass ends. A node reads its saved tensors as it
+    starts, so they go before the next one allocates its outputs, as autograd frees them in a full
+    backward."""
 
-    def __init__(self):
-        self.open = True
+    def __init__(self, keep=frozenset()):
+        self.keep = keep
+        self._last: dict = {}                # engine thread -> (the node unpacking in it, its slots)
 
-    def node_starts(self, frees: bool) -> None:           # a node's pre-hook
-        _running.freeing, _running.slots = (self, []) if frees else (None, None)
+    def saw(self, slot: _Slot) -> None:
+        node = torch._C._current_autograd_node()
+        if node is None or node in self.keep:
+            return
+        thread = threading.get_ident()
+        last = self._last.get(thread)
+        if last is None or last[0] is not node:
+            if last is not None:
+                _empty(last[1])
+            last = self._last[thread] = (node, [])
+        last[1].append(slot)
 
-    @staticmethod
-    def node_ran() -> None:                               # its post-hook
-        for slot in getattr(_running, "slots", None) or ():
-            slot.tensor = None
-        _running.freeing = _running.slots = None
+    def __enter__(self) -> "_Freeing":
+        global _open
+        self._outer, _open = _open, self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _open
+        _open = self._outer
+        for _, slots in self._last.values():
+            _empty(slots)
+        self._last.clear()
 
 
-_running = threading.local()      # .freeing, .slots: the _Freeing of the node running in this thread, its slots
+def _empty(slots) -> None:
+    for slot in slots:
+        slot.tensor = None
+
+
+_open: _Freeing | None = None     # the pass in progress (the executor runs one I or W at a time)
 
 
 def _pack(tensor: torch.Tensor) -> _Slot:
@@ -115,10 +160,17 @@ def _saved_by_checkpoint(frame) -> bool:
     for _ in range(4):
         if frame is None:
             return False
-        if frame.f_code.co_filename.endswith(_CHECKPOINT_SOURCE):
+        code = frame.f_code
+        found = _IN_CHECKPOINT.get(code)
+        if found is None:
+            found = _IN_CHECKPOINT[code] = code.co_filename.endswith(_CHECKPOINT_SOURCE)
+        if found:
             return True
         frame = frame.f_back
     return False
+
+
+_IN_CHECKPOINT: dict = {}         # code object -> is it torch.utils.checkpoint's (a save costs a lookup, not a compare)
 
 
 def _unpack(slot: _Slot) -> torch.Tensor:
@@ -126,9 +178,8 @@ def _unpack(slot: _Slot) -> torch.Tensor:
         raise RuntimeError("split backward: W reached a node of the input path again, whose saved tensors its I "
                            "freed. A parameter used at two depths of one model chunk (its gradient reachable through "
                            "the input path) cannot be split into I and W: use --pipeline-schedule 1f1b for this model")
-    freeing = getattr(_running, "freeing", None)
-    if freeing is not None and freeing.open and not slot.pinned:
-        _running.slots.append(slot)
+    if _open is not None and not slot.pinned:
+        _open.saw(slot)
     return slot.tensor
 
 
@@ -156,6 +207,36 @@ def _deferred(node) -> bool:
     return node.name().rstrip("0123456789") in _DEFERRED_NODES
 
 
+_IN_INPUT = "weight_grad_in_input"
+
+
+def weight_grad_in_input(param: torch.Tensor) -> torch.Tensor:
+    """Mark ``param`` (a model's declaration) as one whose weight gradient a split backward computes in
+    ``I``, straight into ``.grad``, instead of holding its matmul's X and dY for ``W``: the output
+    layer's weight (see the module docstring). Honoured where the matmul is the parameter's only use in
+    the chunk. Returns ``param``."""
+    setattr(param, _IN_INPUT, True)
+    return param
+
+
+def _computed_in_input(leaving) -> bool:
+    """Does every path off the input path from these edges end at a parameter marked by
+    :func:`weight_grad_in_input`?"""
+    stack, seen, found = [child for child, _ in leaving], set(), False
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if not getattr(variable, _IN_INPUT, False):
+                return False
+            found = True
+        stack.extend(c for c, _ in node.next_functions if c is not None)
+    return found
+
+
 class WeightGradWork:
     """The ``W`` of one micro-batch: what :func:`backward_input` left to compute."""
 
@@ -170,6 +251,7 @@ class WeightGradWork:
 
     def keep(self, node, grad_outputs) -> None:
         self._kept[node] = tuple(grad_outputs)
+        return None
 
     def run(self) -> None:
         """Compute the parameters' gradients, accumulated into ``.grad`` through autograd."""
@@ -179,43 +261,49 @@ class WeightGradWork:
         if self._boundaries is None:
             torch.autograd.backward(self._out, self._grad)
         else:
-            freeing = _Freeing()                # each boundary's saved tensors go once it has run
-            deferred = [node for node, _ in self._boundaries if node not in self._early]
-            try:
-                with _hooked(deferred, lambda grad_outputs, node: freeing.node_starts(True)):
-                    for group in self._groups:
-                        edges, grads = self._edge_grads(group)
-                        if edges:
-                            torch.autograd.backward(edges, grads)
-            finally:
-                freeing.open = False
+            # the groups I computed whole (norms, biases: their gradients held) in one pass, no transient
+            held = [b for group in self._groups if all(node in self._early for node, _ in group) for b in group]
+            with _Freeing():                    # each node's saved tensors go once it has run
+                for group in [held] + [g for g in self._groups if not all(n in self._early for n, _ in g)]:
+                    self._pass(group)
         self._out = self._grad = self._boundaries = None
         self._kept, self._early, self._groups = {}, {}, []
 
-    def _edge_grads(self, boundaries: list) -> tuple[list, list]:
-        """The gradient along each edge that leaves the input path from ``boundaries`` (the part of each
-        boundary node's backward that ``I`` skipped), summed per edge in boundary order. The kept output
-        gradients are let go as they are used."""
-        found: dict = {}
+    def _pass(self, boundaries: list) -> None:
+        """One autograd pass for one group: from each boundary's kept output gradients (the part of its
+        backward that ``I`` skipped) or from the gradients ``I`` computed along its edges, down to the
+        group's parameters only (``inputs``: the engine runs no node of the input path), into ``.grad``.
+        The kept gradients are let go as they are used."""
+        roots, grads, leaves, got = [], [], {}, None
         for node, leaving in boundaries:
-            got = self._early.pop(node) if node in self._early else self._leaving_grads(node, leaving)
-            self._kept.pop(node, None)
-            for key, g in got:
-                found[key] = g if key not in found else found[key] + g   # a parameter used twice
-        return [GradientEdge(c, nr) for c, nr in found], list(found.values())
+            if node in self._early:
+                got = [(GradientEdge(c, nr), g) for (c, nr), g in self._early.pop(node)]
+            else:
+                kept = self._kept.pop(node, None) or ()   # None: I never reached the node, nothing flows there
+                got = [(GradientEdge(node, k), g) for k, g in enumerate(kept) if g is not None]
+            for edge, g in got:
+                roots.append(edge)
+                grads.append(g)
+            if got:
+                leaves.update(_leaf_parameters(leaving))
+        del got
+        if roots and leaves:
+            torch.autograd.backward(roots, grads, inputs=list(leaves.values()))   # each node of it runs once in W
 
-    def _leaving_grads(self, node, leaving) -> list:
-        """[((child, input_nr), gradient)] along ``node``'s edges off the path, from its kept gradients."""
-        kept = self._kept.get(node)
-        if kept is None:                        # I never reached the node: no gradient flows there
-            return []
-        roots = [(GradientEdge(node, k), g) for k, g in enumerate(kept) if g is not None]
-        if not roots:
-            return []
-        targets = [GradientEdge(child, nr) for child, nr in leaving]
-        got = torch.autograd.grad([e for e, _ in roots], targets, [g for _, g in roots],
-                                  retain_graph=True, allow_unused=True)
-        return [(key, g) for key, g in zip(leaving, got) if g is not None]
+
+def _leaf_parameters(leaving) -> dict:
+    """{id: tensor} of the leaves (parameters) reached from ``leaving``, the edges off the input path."""
+    stack, seen, found = [child for child, _ in leaving], set(), {}
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found[id(variable)] = variable
+        stack.extend(c for c, _ in node.next_functions if c is not None)
+    return found
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None) -> WeightGradWork:
@@ -242,43 +330,58 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     work._groups = _independent_groups(boundaries)
     # The early boundaries' off-path gradients are taken in I's own pass, as inputs of it beside x:
     # a boundary alone in its group is the only way to its edges, so the pass computes exactly its half.
-    early = {group[0][0]: group[0][1] for group in work._groups if len(group) == 1 and not _deferred(group[0][0])}
+    # A marked boundary (weight_grad_in_input) is asked the same way and its gradients go into .grad at
+    # the end of I; W has nothing left of it.
+    alone = [group[0] for group in work._groups if len(group) == 1]
+    now = {node: leaving for node, leaving in alone if _deferred(node) and _computed_in_input(leaving)}
+    early = {node: leaving for node, leaving in alone if not _deferred(node) or node in now}
     early_edges = [(node, edge) for node, leaving in early.items() for edge in leaving]
     deferred = {node for node, _ in boundaries if node not in early}
-    freeing = _Freeing()
-
-    def entering(grad_outputs, node):
-        if node in deferred:
-            work.keep(node, grad_outputs)
-        freeing.node_starts(node not in deferred)
-
-    try:
-        with _hooked(on_path - {target}, entering):
-            got = torch.autograd.grad(out, [x] + [GradientEdge(c, nr) for _, (c, nr) in early_edges], grad,
-                                      retain_graph=True, allow_unused=True)
-    finally:
-        freeing.open = False                    # a thread the engine ran in may still point at it
+    work._groups = [group for group in work._groups if group[0][0] not in now]
+    with _Freeing(keep=deferred), _hooked(deferred, work.keep, now, _into_grad(now)):
+        got = torch.autograd.grad(out, [x] + [GradientEdge(c, nr) for _, (c, nr) in early_edges], grad,
+                                  retain_graph=True, allow_unused=True)
     if got[0] is not None:                      # into x.grad, as a backward would
         x.grad = got[0] if x.grad is None else x.grad + got[0]
     for (node, edge), g in zip(early_edges, got[1:]):
+        if node in now:                         # gone into .grad already (None here)
+            continue
         work._early.setdefault(node, [])
         if g is not None:
             work._early[node].append((edge, g))
     return work
 
 
+def _into_grad(now: dict):
+    """A post-hook for the boundaries of ``now`` (node -> its edges off the path): right after the node
+    ran in I's pass, its gradients along those edges go down to ``.grad`` (a nested backward, while
+    ZeRO-3 still holds the parameters gathered), and are dropped from what the pass returns."""
+    def hook(grad_inputs, grad_outputs, node):
+        leaving = now.get(node)
+        if leaving is None:
+            return None
+        edges, grads, out = [], [], list(grad_inputs)
+        for k, (child, nr) in enumerate(node.next_functions):
+            if (child, nr) in leaving and out[k] is not None:
+                edges.append(GradientEdge(child, nr))
+                grads.append(out[k])
+                out[k] = None
+        if edges:
+            torch.autograd.backward(edges, grads)
+        return tuple(out)
+    return hook
+
+
 @contextlib.contextmanager
-def _hooked(nodes, before):
-    """Inside the block, ``before(grad_outputs, node)`` runs before each of ``nodes`` and
-    :meth:`_Freeing.node_ran` after it."""
-    handles = []
-    for node in nodes:
-        handles.append(node.register_prehook(lambda go, node=node: before(go, node)))
-        handles.append(node.register_hook(lambda gi, go: _Freeing.node_ran()))
+def _hooked(keeping, keep, changing, change):
+    """Inside the block, ``keep(node, grad_outputs)`` runs before each node of ``keeping``, and
+    ``change(grad_inputs, grad_outputs, node)`` (whose result replaces ``grad_inputs``) after each of
+    ``changing``: hooks on those nodes only (a hook per node of the graph costs Python calls)."""
+    handles = [node.register_prehook(lambda go, node=node: keep(node, go)) for node in keeping]
+    handles += [node.register_hook(lambda gi, go, node=node: change(gi, go, node)) for node in changing]
     try:
         yield
     finally:
-        _Freeing.node_ran()
         for h in handles:
             h.remove()
 

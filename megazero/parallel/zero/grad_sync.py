@@ -201,7 +201,8 @@ class BucketedGradSync:
         """A parameter's gradient of this backward is complete (its post-accumulate-grad hook)."""
         slot = self._slot_of[id(param)]
         bucket = slot.bucket
-        self._watch_backward(bucket.chunk_id)
+        if bucket.chunk_id not in self._input_only:  # in an I (its marked weights, a nested backward): I's own end counts
+            self._watch_backward(bucket.chunk_id)
         storage = self._grad_storage(bucket)
         if param.grad is not None and param.grad.data_ptr() != storage[slot.start:slot.end].data_ptr():
             self._fold(slot, storage, param.grad)    # a fresh .grad: into the bucket
