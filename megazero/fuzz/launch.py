@@ -192,3 +192,5 @@ def _rank_errors(logs: list, statuses: dict[int, int]) -> str:
 
 
 LAUNCHERS: dict[str, Launcher] = {"fork": forked_launcher, "torchrun": torchrun_launcher}
+LAUNCHER_HELP = ("how each run's ranks start: fork (default), forked from this process with torch and the trainer "
+                 "imported once; torchrun, fresh interpreters under torchrun, as the printed commands start them")
