@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megazero.config import ConfigError  # noqa: E402
 from megazero.fuzz.checker import check  # noqa: E402
-from megazero.fuzz.launch import LAUNCHER_HELP, LAUNCHERS  # noqa: E402
+from megazero.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS  # noqa: E402
 from megazero.fuzz.scale import scale_down  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None, launch=None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, help="the plan's number of processes, when its flags give no --dp")
     p.add_argument("--workdir", help="where the runs go (default: a temporary directory)")
-    p.add_argument("--launcher", choices=sorted(LAUNCHERS), default="fork", help=LAUNCHER_HELP)
+    p.add_argument("--launcher", choices=sorted(LAUNCHERS), default=DEFAULT_LAUNCHER, help=LAUNCHER_HELP)
     args = p.parse_args(own)
     try:
         d, notes = scale_down(plan, args.world_size)

@@ -16,7 +16,7 @@ Each iteration's loss and gradient norm (from ``--metrics-file``) are compared w
 and every tensor of each checkpoint (parameters and optimizer state, read layout-free by
 :class:`~megazero.checkpoint.CheckpointReader`) with the serial checkpoint of the same iteration, at
 the tolerance of the draw's precision (:data:`TOLERANCES`). ``launch`` runs one command on its ranks
-(:mod:`megazero.fuzz.launch`): by default forked from this process, or ``torchrun_launcher``.
+(:mod:`megazero.fuzz.launch`): by default, on Linux, forked from this process; or under torchrun.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from megazero.checkpoint.format import checkpoint_dir
-from megazero.fuzz.launch import Launcher, RunFailed, forked_launcher
+from megazero.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHERS, Launcher, RunFailed
 from megazero.fuzz.sampler import STEPS_PER_LEG, Draw, parse_and_validate
 
 
@@ -243,7 +243,7 @@ def leg_args(d: Draw) -> tuple[list[str], list[str]]:
     return first, second
 
 
-def check(d: Draw, workdir: Path, launch: Launcher = forked_launcher, cache: Path | None = None,
+def check(d: Draw, workdir: Path, launch: Launcher = LAUNCHERS[DEFAULT_LAUNCHER], cache: Path | None = None,
           reproduce: str | None = None) -> Report:
     """Run and compare draw ``d`` in ``workdir/draw-<seed>`` (removed when the draw passes)."""
     report = Report(d, tolerance_for(d))

@@ -10,7 +10,7 @@ They differ in who starts the processes:
 
 - :func:`torchrun_launcher`: ``torchrun --standalone`` in a subprocess, fresh interpreters (the one-line
   commands a failing draw prints are these);
-- :func:`forked_launcher` (the default): ``os.fork`` from the calling process, which imported torch,
+- :func:`forked_launcher` (the default on Linux): ``os.fork`` from the calling process, which imported torch,
   megazero and ``pretrain_gpt`` once. On the shared 2-core machine a fresh rank spent 2-14 s starting
   the interpreter and importing torch, 1-2 s more for megazero and 2-10 s for ``torch._dynamo`` (torch's
   reference ``normal_`` imports it when a 16-bit model initialises), and torchrun's agent several seconds
@@ -192,5 +192,8 @@ def _rank_errors(logs: list, statuses: dict[int, int]) -> str:
 
 
 LAUNCHERS: dict[str, Launcher] = {"fork": forked_launcher, "torchrun": torchrun_launcher}
-LAUNCHER_HELP = ("how each run's ranks start: fork (default), forked from this process with torch and the trainer "
-                 "imported once; torchrun, fresh interpreters under torchrun, as the printed commands start them")
+# Forking after torch is imported is safe on Linux; macOS's system libraries are not fork-safe in threads' presence.
+DEFAULT_LAUNCHER = "fork" if sys.platform.startswith("linux") else "torchrun"
+LAUNCHER_HELP = (f"how each run's ranks start (default {DEFAULT_LAUNCHER}): fork, forked from this process with torch "
+                 "and the trainer imported once (Linux); torchrun, fresh interpreters under torchrun, as the printed "
+                 "commands start them")
