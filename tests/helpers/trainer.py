@@ -37,7 +37,7 @@ def assert_same_losses(got: list[dict], want: list[dict], key: str) -> None:
         assert math.isclose(g[key], w[key], rel_tol=1e-5), f"iteration {g['iteration']}: {g[key]} vs {w[key]}"
 
 
-def forked_launcher(patch=None):
+def fuzz_launcher(patch=None):
     """The fuzzer's default launcher (ranks forked from this process, megazero.fuzz.launch), optionally
     with ``patch`` (a function that patches the trainer and returns an undo function) applied here while
     the ranks run: they inherit it, this process gets it back undone."""
