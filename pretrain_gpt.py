@@ -245,15 +245,20 @@ def exit_status(stop: SystemExit) -> int:
     return 1
 
 
-if __name__ == "__main__":
+def run_program(argv: list[str] | None = None) -> int:
+    """The exit status of ``python pretrain_gpt.py argv``: :func:`main`, its ``SystemExit`` and any other
+    error said as the program says them (a launcher that forks ranks runs this, then :func:`exit_process`)."""
     try:
-        status = main()
+        return main(argv)
     except SystemExit as stopped:
-        status = exit_status(stopped)
+        return exit_status(stopped)
     except KeyboardInterrupt:
         traceback.print_exc()
-        status = 130
+        return 130
     except BaseException:  # noqa: BLE001 - an unforeseen error keeps its traceback
         traceback.print_exc()
-        status = 1
-    exit_process(status)
+        return 1
+
+
+if __name__ == "__main__":
+    exit_process(run_program())

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 import torch
-from helpers.trainer import ROOT, pooled_launcher
+from helpers.trainer import ROOT, fuzz_launcher
 
 from megazero.fuzz.checker import TOLERANCES, Difference, Report, check, compare_records, tensor_difference
 from megazero.fuzz.sampler import draw
@@ -32,7 +32,7 @@ def serial_cache(tmp_path_factory):
 @pytest.mark.parametrize("seed", [pytest.param(s) for s in QUICK_SEEDS]
                          + [pytest.param(s, marks=pytest.mark.slow) for s in FULL_SEEDS])
 def test_fixed_seed_draw_equals_its_serial_twin(seed, tmp_path, serial_cache):
-    report = check(draw(seed), tmp_path, launch=pooled_launcher(), cache=serial_cache)
+    report = check(draw(seed), tmp_path, launch=fuzz_launcher(), cache=serial_cache)
     assert report.ok, report.summary() + "\n" + report.step_table()
     assert [r[0] for r in report.rows] == [1, 2, 3, 4] and report.tensors_compared >= 4 * 3 * 20
     assert not (tmp_path / f"draw-{seed}").exists()                 # a passing draw leaves nothing
@@ -71,7 +71,7 @@ def test_moe_draw_with_one_large_serial_bucket_equals_its_serial_twin(tmp_path, 
     norm over the serial twin's one large range (now optimizer.squared_norm). With cp in the space it draws
     MoE capacity at cp 4 (allgather, ep 4, dp-cp-tp-pp), resumed at tp 2 x cp 2 (p2p): capacity counted per
     cp rank then (7e-5 loss off); the queues are now the whole sequence's in serial token order."""
-    report = check(draw(11), tmp_path, launch=pooled_launcher(), cache=serial_cache)
+    report = check(draw(11), tmp_path, launch=fuzz_launcher(), cache=serial_cache)
     assert report.ok, report.summary()
 
 
@@ -86,7 +86,7 @@ def test_zero_over_dp_x_cp_with_dp_before_cp_equals_serial(tmp_path, capsys):
     plan = ["--cp", "2", "--dp", "2", "--zero-stage", "1", "--parallel-order", "dp-cp-tp-pp", "--num-layers", "4",
             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",
             "--global-batch-size", "4"]
-    status = check_layout.main(["--workdir", str(tmp_path), "--", *plan], launch=pooled_launcher())
+    status = check_layout.main(["--workdir", str(tmp_path), "--", *plan], launch=fuzz_launcher())
     assert status == 0, capsys.readouterr().out
 
 

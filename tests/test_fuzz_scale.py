@@ -4,7 +4,7 @@ import shlex
 import sys
 
 import pytest
-from helpers.trainer import ROOT, pooled_launcher
+from helpers.trainer import ROOT, fuzz_launcher
 
 from megazero.config import ConfigError
 from megazero.fuzz.scale import scale_down
@@ -39,7 +39,7 @@ def test_the_llama3_plan_keeps_every_axis_and_switch_on_eight_ranks():
 def test_check_layout_on_the_docs_llama3_8b_32gpu_command_reports_equal(tmp_path, capsys):
     """The documented Llama-3-8B plan (tp 4, SP, pp 2 interleaved, dp 4, ZeRO-1, bf16, full recompute)
     scaled to 8 ranks equals its serial twin: 50 s on 2 shared cores."""
-    assert check_layout.main(["--workdir", str(tmp_path), "--", *LLAMA3_8B_32GPU], launch=pooled_launcher()) == 0
+    assert check_layout.main(["--workdir", str(tmp_path), "--", *LLAMA3_8B_32GPU], launch=fuzz_launcher()) == 0
     out = capsys.readouterr().out
     assert "plan: 32 ranks (tp 4, pp 2, dp 4)" in out and "scaled: 8 ranks (tp 2, pp 2, dp 2)" in out
     assert "layout check: equal (bf16 tolerance; 4 iterations" in out
@@ -85,10 +85,10 @@ PLAN = ["--tp", "4", "--dp", "1", "--sequence-parallel", "--num-layers", "12", "
 
 
 def test_check_layout_reports_equal_and_a_broken_reduction_as_not_equal(tmp_path, capsys):
-    assert check_layout.main(["--workdir", str(tmp_path / "ok"), "--", *PLAN], launch=pooled_launcher()) == 0
+    assert check_layout.main(["--workdir", str(tmp_path / "ok"), "--", *PLAN], launch=fuzz_launcher()) == 0
     out = capsys.readouterr().out
     assert "layout check: equal" in out and "scaled: 2 ranks (tp 2, pp 1, dp 1)" in out
-    broken = pooled_launcher(patch=skip_tp_sum_of_sequence_parallel_grads)
+    broken = fuzz_launcher(patch=skip_tp_sum_of_sequence_parallel_grads)
     assert check_layout.main(["--workdir", str(tmp_path / "broken"), "--", *PLAN], launch=broken) == 1
     out = capsys.readouterr().out
     assert "layout check: NOT EQUAL" in out

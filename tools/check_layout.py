@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megazero.config import ConfigError  # noqa: E402
 from megazero.fuzz.checker import check  # noqa: E402
+from megazero.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS  # noqa: E402
 from megazero.fuzz.scale import scale_down  # noqa: E402
 
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None, launch=None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, help="the plan's number of processes, when its flags give no --dp")
     p.add_argument("--workdir", help="where the runs go (default: a temporary directory)")
+    p.add_argument("--launcher", choices=sorted(LAUNCHERS), default=DEFAULT_LAUNCHER, help=LAUNCHER_HELP)
     args = p.parse_args(own)
     try:
         d, notes = scale_down(plan, args.world_size)
@@ -44,9 +46,8 @@ def main(argv: list[str] | None = None, launch=None) -> int:
         print(line)
     print("scaled command: " + d.command())
     start = time.monotonic()
-    kwargs = {"launch": launch} if launch else {}
-    report = check(d, Path(args.workdir or tempfile.mkdtemp(prefix="megazero-check-")), reproduce=(
-        "python tools/check_layout.py " + " ".join(own) + " -- " + " ".join(plan)), **kwargs)
+    report = check(d, Path(args.workdir or tempfile.mkdtemp(prefix="megazero-check-")), launch or LAUNCHERS[args.launcher],
+                   reproduce="python tools/check_layout.py " + " ".join(own) + " -- " + " ".join(plan))
     print(report.summary().replace("draw 0: ", "layout check: ", 1))
     print(report.step_table())
     print(f"({time.monotonic() - start:.0f} s)")

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megazero.fuzz.checker import check  # noqa: E402
 from megazero.fuzz.coverage import Coverage, allowed_pairs, most_covering  # noqa: E402
+from megazero.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="validated layouts drawn to estimate the allowed pairs (0: no pairwise estimate)")
     p.add_argument("--candidates", type=int, default=1,
                    help="choose each draw among this many seeds, the one covering the most new pairs (default 1)")
+    p.add_argument("--launcher", choices=sorted(LAUNCHERS), default=DEFAULT_LAUNCHER, help=LAUNCHER_HELP)
     p.add_argument("--dry-run", action="store_true", help="draw and report coverage only; train nothing")
     p.add_argument("--minutes", type=float, help="start no draw after this many minutes (a campaign sized by "
                                                  "the time the machine gives); the summary covers the draws run")
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{d.describe('resume')}", flush=True)
             continue
         t0 = time.monotonic()
-        report = check(d, workdir)
+        report = check(d, workdir, LAUNCHERS[args.launcher])
         print(f"[{i + 1}/{args.draws} {time.monotonic() - start:.0f}s] {report.summary()}", flush=True)
         if not report.ok:
             print(report.step_table(), flush=True)

@@ -1,6 +1,6 @@
 """Check one draw: its layouts train, save and resume exactly as the serial twin does.
 
-    report = check(draw(17), Path("/tmp/fuzz"))          # torchrun on CPU processes, gloo
+    report = check(draw(17), Path("/tmp/fuzz"))          # CPU processes forked from this one, gloo
     report.ok, report.first_difference, print(report.summary())
 
 For a :class:`~megazero.fuzz.sampler.Draw` the checker runs ``pretrain_gpt.py`` three times:
@@ -15,31 +15,23 @@ Every run saves after every iteration.
 Each iteration's loss and gradient norm (from ``--metrics-file``) are compared with the serial run's,
 and every tensor of each checkpoint (parameters and optimizer state, read layout-free by
 :class:`~megazero.checkpoint.CheckpointReader`) with the serial checkpoint of the same iteration, at
-the tolerance of the draw's precision (:data:`TOLERANCES`). ``launch`` runs one command; the default
-is torchrun in a subprocess, and tests pass one that reuses their worker processes.
+the tolerance of the draw's precision (:data:`TOLERANCES`). ``launch`` runs one command on its ranks
+(:mod:`megazero.fuzz.launch`): by default, on Linux, forked from this process; or under torchrun.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from megazero.checkpoint.format import checkpoint_dir
+from megazero.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHERS, Launcher, RunFailed
 from megazero.fuzz.sampler import STEPS_PER_LEG, Draw, parse_and_validate
-
-ENTRY = Path(__file__).resolve().parents[2] / "pretrain_gpt.py"
-
-# launch(world, argv, cwd): run pretrain_gpt.py with argv on world ranks in cwd; raise RunFailed if it fails.
-Launcher = Callable[[int, list, Path], None]
 
 
 @dataclass(frozen=True)
@@ -113,26 +105,6 @@ def tolerance_for(d: Draw) -> Tolerance:
     if d.axes["precision"] != "fp32" and (d.axes.get("experts") or 0) > 1:
         return TOLERANCES["moe16"]
     return TOLERANCES[d.axes["precision"]]
-
-
-class RunFailed(RuntimeError):
-    """A launched run exited with an error (its last lines are the message)."""
-
-
-def torchrun_launcher(world: int, argv: list, cwd: Path, timeout: float = 900) -> None:
-    """``pretrain_gpt.py`` on ``world`` CPU processes (torchrun; one process runs it directly)."""
-    launch = ([sys.executable] if world == 1 else
-              [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)])
-    cmd = [*launch, str(ENTRY), *map(str, argv)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    if run.returncode != 0:
-        lines = [line for line in (run.stderr + run.stdout).splitlines() if line.strip()]
-        # The workers' own lines first (the trainer's one-line errors, a traceback's last line): under
-        # torchrun they sit above the launcher's report, which the tail alone would show.
-        own = [line for line in lines if "pretrain_gpt.py: error" in line or line.startswith(("Traceback", "  File"))
-               or (line[:1].isalpha() and ("Error:" in line or "Exception:" in line))]
-        raise RunFailed(f"exit status {run.returncode}: " + "\n".join(own[-12:] + ["..."] + lines[-6:]))
 
 
 @dataclass(frozen=True)
@@ -317,7 +289,7 @@ def leg_args(d: Draw) -> tuple[list[str], list[str]]:
     return first, second
 
 
-def check(d: Draw, workdir: Path, launch: Launcher = torchrun_launcher, cache: Path | None = None,
+def check(d: Draw, workdir: Path, launch: Launcher = LAUNCHERS[DEFAULT_LAUNCHER], cache: Path | None = None,
           reproduce: str | None = None) -> Report:
     """Run and compare draw ``d`` in ``workdir/draw-<seed>`` (removed when the draw passes)."""
     report = Report(d, tolerance_for(d))

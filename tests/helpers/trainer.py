@@ -37,37 +37,19 @@ def assert_same_losses(got: list[dict], want: list[dict], key: str) -> None:
         assert math.isclose(g[key], w[key], rel_tol=1e-5), f"iteration {g['iteration']}: {g[key]} vs {w[key]}"
 
 
-def main_in_dir_body(rank, world, argv, cwd, patch=None):
-    """pretrain_gpt.main run in directory ``cwd`` (relative paths land there), with ``patch`` (a
-    module-level function returning an undo function) applied for the run only: workers are reused."""
-    import os
-
-    import pretrain_gpt
-
-    undo, here = patch() if patch else None, os.getcwd()
-    os.chdir(cwd)
-    try:
-        return pretrain_gpt.main(argv)
-    finally:
-        os.chdir(here)
-        if undo:
-            undo()
-
-
-def pooled_launcher(patch=None, timeout: float = 300):
-    """A launcher for megazero.fuzz.checker.check that runs pretrain_gpt.main on the test harness's
-    reused worker processes (no interpreter start per run), optionally with ``patch`` applied."""
-    from helpers import run_on_ranks
-
-    from megazero.fuzz.checker import RunFailed
+def fuzz_launcher(patch=None):
+    """The fuzzer's default launcher (ranks forked from this process, megazero.fuzz.launch), optionally
+    with ``patch`` (a function that patches the trainer and returns an undo function) applied here while
+    the ranks run: they inherit it, this process gets it back undone."""
+    from megazero.fuzz.launch import forked_launcher as launch_forked
 
     def launch(world, argv, cwd):
+        undo = patch() if patch else None
         try:
-            status = run_on_ranks(world, main_in_dir_body, [str(a) for a in argv], str(cwd), patch, timeout=timeout)
-        except (AssertionError, RuntimeError, TimeoutError) as e:
-            raise RunFailed(str(e)[-3000:]) from e
-        if status != [0] * world:
-            raise RunFailed(f"exit statuses {status}")
+            launch_forked(world, argv, cwd, timeout=300)
+        finally:
+            if undo:
+                undo()
     return launch
 
 
