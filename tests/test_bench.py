@@ -127,6 +127,8 @@ def test_capacity_search_pins_the_boundary_with_few_measurements():
         assert len(calls) <= 6 and len(set(calls)) == len(calls), calls          # no point measured twice
     assert largest_fitting(peak, 5, 3, 40)[0] == 0                          # L = 1 is already over
     assert largest_fitting(peak, 10**6, 3, 40)[0] == 40                     # the cap fits
+    from rows_capacity import QUICK_CAPACITY, CapacitySpec
+    assert min(QUICK_CAPACITY.steps, CapacitySpec().steps) >= 2     # a step beside lazily made optimizer states
 
 
 def test_update_replaces_only_the_rerun_sections():
