@@ -31,7 +31,7 @@ from megazero.data.samplers import build_data_iterators
 from megazero.data.tokenizers import Tokenizer, TokenizerError, tokenizer_from_config
 from megazero.kernels import describe_kernels
 from megazero.launcher import report_to_launcher
-from megazero.memory import describe_cpu_memory, return_freed_memory
+from megazero.memory import describe_cpu_memory, return_freed_memory, reuse_freed_memory
 from megazero.memory.estimate import describe as describe_estimate
 from megazero.memory.estimate import estimate_memory
 from megazero.metrics import MetricsLog, wandb_settings
@@ -122,6 +122,8 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     regions = compile_model(chunks, spec.compile_regions, job.compilation)    # --compile: lazily, at first use
     header = describe_run(job, topo, chunks)           # counts parameters before ZeRO moves them
     engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    if topo.device.type == "cpu" and not job.logging.return_freed_memory:
+        reuse_freed_memory()      # from here: the long-lived states are placed, each step's buffers reuse pages
     log.print(header + model_state_line(engine, topo) + "\n" + describe_estimate(estimate_memory(job, topo.device.type))
               + "\n" + describe_kernels(topo.device, job.compilation.compile)
               + "\n" + describe_cpu_memory(job.logging.return_freed_memory, topo.device)

@@ -15,7 +15,8 @@ one (``alive=previous.end``, ``gc.collect()`` before the first):
   partitioned as soon as the module exists) and initialised through ``zero.GatheredParameters``
   one parameter at a time, then ``deepspeed.initialize``. Every side draws the same initial values
   (``GPT.full_init``: the whole tensor of one parameter at a time, then its slice).
-* ``steps``: ``steps`` training steps (AdamW, weight decay, clipping at 1.0), each in its own block.
+* ``steps``: ``steps`` training steps (AdamW, weight decay, clipping at 1.0), each in its own block;
+  at least two, so that a step's backward runs beside optimizer states made lazily by the first step.
 * ``save``: ours ``save_checkpoint`` (sharded files); FSDP2 ``torch.distributed.checkpoint.save``
   of ``get_state_dict(model, optimizer)``; DeepSpeed ``engine.save_checkpoint``.
 * ``load``: the checkpoint read back into the *live* model and optimizer (what a restart into an
@@ -114,7 +115,10 @@ class CapacitySpec:
                 f"step{'s' if self.steps != 1 else ''}")
 
 
-QUICK_CAPACITY = CapacitySpec(hidden=64, heads=4, seq=32, vocab=512, dp=2, steps=1, budget_mib=4.0, max_layers=12)
+# At least two steps everywhere: torch's AdamW (FSDP2, DeepSpeed's client optimizers) makes its states in
+# the first step's optimizer call, after backward, so only a later step's backward holds them beside the
+# activations and gathered layers, as every step of a run does (ours makes them at construction).
+QUICK_CAPACITY = CapacitySpec(hidden=64, heads=4, seq=32, vocab=512, dp=2, steps=2, budget_mib=4.0, max_layers=12)
 
 
 def num_params(spec: CapacitySpec, layers: int) -> int:

@@ -26,6 +26,8 @@ Method, per shape and data-parallel size N:
 4. Memory: after its timed steps every variant runs two untimed steps, the last one's peak live tensor
    bytes counted alike on both sides (ours: ``pretrain_gpt.py --measure-live-bytes``; peers: the same
    probe in ``peers/plain.py``), the largest rank's; beside it the peak RSS over the timed steps.
+   Tensors no Python object reaches are added where a peer holds them: DDP's gradient buckets, kept
+   by its C++ reducer beside the ``.grad`` tensors (``peers.plain.ddp_bucket_bytes``).
 
 The section closes with one line per acceptance item of the trainer comparison (met / not met /
 incomplete, with the figures): :func:`acceptance`.

@@ -127,6 +127,8 @@ def test_capacity_search_pins_the_boundary_with_few_measurements():
         assert len(calls) <= 6 and len(set(calls)) == len(calls), calls          # no point measured twice
     assert largest_fitting(peak, 5, 3, 40)[0] == 0                          # L = 1 is already over
     assert largest_fitting(peak, 10**6, 3, 40)[0] == 40                     # the cap fits
+    from rows_capacity import QUICK_CAPACITY, CapacitySpec
+    assert min(QUICK_CAPACITY.steps, CapacitySpec().steps) >= 2     # a step beside lazily made optimizer states
 
 
 def test_update_replaces_only_the_rerun_sections():
@@ -332,3 +334,28 @@ def test_trainer_section_quick_runs_the_trainer_its_peer_and_the_engine(tmp_path
     text = "\n".join(trainer_section([res]))
     assert "| ours-zero3 | torch-fsdp2 |" in text and "trainer / engine = " in text
     assert "- Peak live bytes at or below each peer's:" in text and "- Every row beside its floor:" in text
+
+
+def test_ddp_bucket_bytes_counts_the_buckets_python_cannot_reach(tmp_path):
+    """DDP's reducer keeps its gradient buckets in C++, out of the reachable-tensor walk: the peers add
+    them to the live bytes, so DDP's figure holds every gradient copy it has (params' bytes at fp32)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    sys.path.insert(0, os.path.join(ROOT, "bench", "peers"))
+    from plain import ddp_bucket_bytes
+
+    from megazero.memory.measure import reachable_tensor_bytes
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        before = reachable_tensor_bytes()
+        ddp = DDP(model, bucket_cap_mb=0.01)                         # several buckets
+        ddp(torch.randn(2, 64)).sum().backward()
+        assert ddp_bucket_bytes(ddp) == params
+        assert reachable_tensor_bytes() - before < 2 * params + params // 2     # grads reachable, buckets not
+    finally:
+        dist.destroy_process_group()

@@ -2,6 +2,9 @@
 the ZeRO paper's worked figures, sharded construction bounded by the shards plus one gather unit,
 and the live-bytes probe itself."""
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,6 +39,36 @@ def test_live_tensor_bytes_follows_allocations():
         d = torch.zeros(500, 1000)
     assert (third.peak, third.end) == (4_000_000, 2_000_000)
     del d
+
+
+_PAGE_FAULTS_PER_STEP = """
+import resource, sys, torch
+from megazero.memory import return_freed_memory, reuse_freed_memory
+keep = [torch.ones(3 << 20) for _ in range(4)]       # long-lived states, placed before the setting
+ok = reuse_freed_memory() if sys.argv[1] == "reuse" else return_freed_memory()
+faults = []
+for _ in range(6):                                   # a step's buffers, 30 MiB in all, made and freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step = [torch.ones(n << 18) for n in (1, 2, 4, 8, 1, 2, 4, 8)]
+    del step
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(ok, sum(faults[2:]) // 4)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_reused_freed_memory_faults_few_pages_per_step_where_returning_it_faults_all():
+    """The trainer's default on CPU (:func:`reuse_freed_memory`) serves a step's buffers from the last
+    step's pages: after the first steps few pages fault in (512 of 4 KiB here, glibc's aligned
+    allocations leave a hole or two); returning freed memory at once faults every buffer in afresh
+    (30 MiB: 7680 pages) every step (means over steps 3-6)."""
+    counts = {}
+    for mode in ("reuse", "return"):
+        out = subprocess.run([sys.executable, "-c", _PAGE_FAULTS_PER_STEP, mode], capture_output=True, text=True,
+                             check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.split()
+        assert out[0] == "True", out
+        counts[mode] = int(out[1])
+    assert counts["reuse"] < 1024 and counts["return"] > 6000, counts       # 4 MiB against 23
 
 
 def test_measure_live_bytes_logs_the_last_step_s_peak_as_a_fresh_step_measures_it(tmp_path):

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from plain import init, masked_mean_loss, parse, plain_model, timed_loop
+from plain import ddp_bucket_bytes, init, masked_mean_loss, parse, plain_model, timed_loop
 
 sys.argv, ZERO = [x for x in sys.argv if x != "--zero-redundancy"], "--zero-redundancy" in sys.argv
 a = parse(__doc__)
@@ -42,4 +42,4 @@ def step(micro):
     return total
 
 
-timed_loop(a, "torch-ddp-zero" if ZERO else "torch-ddp", step, num_params)
+timed_loop(a, "torch-ddp-zero" if ZERO else "torch-ddp", step, num_params, lambda: ddp_bucket_bytes(model))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -68,11 +69,22 @@ def batches(a: argparse.Namespace, rank: int, world: int) -> list[list[tuple]]:
 MEASURED_STEPS = 2
 
 
-def timed_loop(a: argparse.Namespace, name: str, step, num_params: int) -> None:
+def ddp_bucket_bytes(model) -> int:
+    """Bytes of the gradient buckets a ``DistributedDataParallel`` module's C++ reducer holds for the
+    whole run (beside the ``.grad`` tensors, unless ``gradient_as_bucket_view``): tensors no Python
+    object reaches, so :func:`reachable_tensor_bytes` misses them. DDP reports their sizes in its
+    logging data (``bucket_sizes``, bytes, one per bucket)."""
+    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
+    return sum(int(x) for x in re.findall(r"\d+", sizes))
+
+
+def timed_loop(a: argparse.Namespace, name: str, step, num_params: int, held_elsewhere=None) -> None:
     """Run ``step(micro_batches) -> loss`` for ``a.steps`` steps, then :data:`MEASURED_STEPS` untimed
     ones measuring live bytes; rank 0 prints (and appends to ``--out``) {"name", "params", "step_s":
     slowest rank's seconds of each timed step, "losses" (the timed steps'), "peak_rss_mib",
-    "peak_live_mib" (largest rank's)}. The first ``a.warmup`` steps are not timed."""
+    "peak_live_mib" (largest rank's)}. The first ``a.warmup`` steps are not timed. ``held_elsewhere()``:
+    bytes of tensors alive throughout that Python cannot reach (DDP's buckets: :func:`ddp_bucket_bytes`),
+    added to the bytes alive at the measured step's start."""
     rank, world = dist.get_rank(), dist.get_world_size()
     times, losses = [], []
     micro_batches = batches(a, rank, world)
@@ -88,7 +100,7 @@ def timed_loop(a: argparse.Namespace, name: str, step, num_params: int) -> None:
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     with LiveTensorBytes() as probe:
         step(micro_batches[a.steps])
-        probe.mark(reachable_tensor_bytes())
+        probe.mark(reachable_tensor_bytes() + (held_elsewhere() if held_elsewhere else 0))
         step(micro_batches[a.steps + 1])
     live = torch.tensor([probe.peak / 2**20], dtype=torch.float64)
     dist.all_reduce(live, op=dist.ReduceOp.MAX)
