@@ -23,7 +23,6 @@ Conventions used by every row of ``bench/run.py``:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import gc
 import math
@@ -44,7 +43,12 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.config import ModelConfig, OptimizerConfig  # noqa: E402
-from megazero.memory.measure import LiveTensorBytes, reachable_tensor_bytes  # noqa: E402
+from megazero.memory.measure import (  # noqa: E402
+    LiveTensorBytes,
+    reachable_tensor_bytes,
+    return_freed_memory,
+    reuse_freed_memory,
+)
 from megazero.models.gpt import GPT, masked_mean  # noqa: E402
 from megazero.parallel.zero.adamw import weight_decay_groups  # noqa: E402
 
@@ -242,15 +246,6 @@ class PlainGPT(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------- memory
-_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
-_M_MMAP_THRESHOLD = -3
-
-
-def set_mmap_threshold(nbytes: int) -> None:
-    """glibc mallopt(M_MMAP_THRESHOLD): allocations above ``nbytes`` get their own mapping."""
-    if _LIBC is not None:
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, int(nbytes))
-
 
 def _status_kib(key: str) -> float:
     with open("/proc/self/status") as f:
@@ -361,7 +356,7 @@ def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None
     _primer(group)
     base = rss_mib()
     steps, out = {}, {}
-    set_mmap_threshold(64 * 1024)
+    return_freed_memory(64 * 1024)            # memory phase: freed tensors leave the resident set
     for v in variants:
         if v.unavailable:
             out[v.name] = {"unavailable": v.unavailable}
@@ -398,7 +393,7 @@ def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None
         if live_memory:
             out[v.name]["peak_live_mib"] = probe.peak / 2**20
         steps[v.name] = (step, settle)
-    set_mmap_threshold(32 * 2**20)
+    reuse_freed_memory()                     # timed phase: as the trainer runs on CPU
     names = list(steps)
     timed = batches[WARMUP_STEPS:]
     blocks = [timed[i:i + steps_per_round] for i in range(0, len(timed) - steps_per_round + 1, steps_per_round)]
@@ -490,4 +485,4 @@ def loss_check(a: float, b: float) -> str:
 __all__ = ["Spec", "QUICK", "step_batches", "PlainGPT", "torch_adamw", "spawn", "Variant", "run_variants",
            "Unavailable", "median", "ratio_of_medians_per_round", "zero_fp32_bytes", "dp_comm_bytes",
            "tp_layer_comm_bytes", "flag", "deviation", "num_params", "loss_check", "masked_mean", "GPT",
-           "rss_mib", "peak_rss_mib", "reachable_tensor_bytes", "reset_peak_rss", "set_mmap_threshold", "LOSS_TOL", "THEORY_TOL"]
+           "rss_mib", "peak_rss_mib", "reachable_tensor_bytes", "reset_peak_rss", "LOSS_TOL", "THEORY_TOL"]
