@@ -30,7 +30,7 @@ from megazero.data.gpt_dataset import DataError
 from megazero.data.samplers import build_data_iterators
 from megazero.data.tokenizers import Tokenizer, TokenizerError, tokenizer_from_config
 from megazero.kernels import describe_kernels
-from megazero.launcher import report_to_launcher
+from megazero.launcher import SECONDHAND, report_to_launcher
 from megazero.memory import describe_cpu_memory, return_freed_memory, reuse_freed_memory
 from megazero.memory.estimate import describe as describe_estimate
 from megazero.memory.estimate import estimate_memory
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         stop(f"rank {rank}: {e}" if world > 1 else f"{e}", 1, rank, every_rank=True)
     except RuntimeError as e:                          # gloo and NCCL say "timed out" / "Timeout"
         if any(text in str(e) for text in PEER_GONE):  # another rank stopped first, with its own line
-            stop(f"rank {rank}: lost the connection to another rank, which stopped first: its error is the line "
+            stop(f"rank {rank}: {SECONDHAND}: its error is the line "
                  f"above (and torchrun's root cause) ({str(e).splitlines()[0][:200]})", 1, rank, every_rank=True,
                  secondhand=True)
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():

@@ -55,6 +55,11 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+# What a rank says when it stopped only because another rank stopped first (pretrain_gpt.py writes it;
+# a launcher reading the ranks' output names another rank as the cause).
+SECONDHAND = "lost the connection to another rank, which stopped first"
+
+
 def report_to_launcher(line: str, message: str | None = None, secondhand: bool = False) -> None:
     """Make ``line`` (``prog: error: message``) the launcher's root cause and the last line printed.
 

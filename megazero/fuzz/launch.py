@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from megazero.launcher import SECONDHAND
+
 ENTRY = Path(__file__).resolve().parents[2] / "pretrain_gpt.py"
 
 # launch(world, argv, cwd): run pretrain_gpt.py with argv on world ranks in cwd; raise RunFailed if it fails.
@@ -165,7 +167,7 @@ def forked_launcher(world: int, argv: list, cwd: Path, timeout: float = 900) -> 
         gc.unfreeze()
         why = _wait(pids, statuses, timeout)
         if why:
-            raise RunFailed(why + ":\n" + _rank_errors(logs, statuses))
+            raise RunFailed(_first_hand(why, logs, statuses) + ":\n" + _rank_errors(logs, statuses))
     finally:
         gc.unfreeze()
         for pid in [pid for pid, rank in pids.items() if rank not in statuses]:   # the parent was interrupted
@@ -176,6 +178,17 @@ def forked_launcher(world: int, argv: list, cwd: Path, timeout: float = 900) -> 
                 pass
         for log in logs:
             log.close()
+
+
+def _first_hand(why: str, logs: list, statuses: dict[int, int]) -> str:
+    """``why`` the run stopped, naming the rank that failed on its own: when a rank failed, the ranks
+    talking to it fail too (a lost connection), and the launcher may see one of them exit first."""
+    for rank, log in enumerate(logs):
+        if statuses.get(rank, 0) > 0:
+            log.seek(0)
+            if SECONDHAND not in log.read().decode(errors="replace"):
+                return f"rank {rank} exited with status {statuses[rank]}"
+    return why
 
 
 def _rank_errors(logs: list, statuses: dict[int, int]) -> str:
