@@ -59,7 +59,7 @@ print(ok, sum(faults[2:]) // 4)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_reused_freed_memory_faults_few_pages_per_step_where_returning_it_faults_all():
     """The trainer's default on CPU (:func:`reuse_freed_memory`) serves a step's buffers from the last
-    step's pages: after the first steps few pages fault in (512 of 4 KiB here, glibc's aligned
+    step's pages: after the first steps few pages fault in (512-1024 of 4 KiB here, glibc's aligned
     allocations leave a hole or two); returning freed memory at once faults every buffer in afresh
     (30 MiB: 7680 pages) every step (means over steps 3-6)."""
     counts = {}
@@ -68,7 +68,7 @@ def test_reused_freed_memory_faults_few_pages_per_step_where_returning_it_faults
                              check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.split()
         assert out[0] == "True", out
         counts[mode] = int(out[1])
-    assert counts["reuse"] < 1024 and counts["return"] > 6000, counts       # 4 MiB against 23
+    assert counts["reuse"] < 2048 and counts["return"] > 6000, counts       # under 8 MiB against 30
 
 
 def test_measure_live_bytes_logs_the_last_step_s_peak_as_a_fresh_step_measures_it(tmp_path):
