@@ -222,19 +222,8 @@ def weight_grad_in_input(param: torch.Tensor) -> torch.Tensor:
 def _computed_in_input(leaving) -> bool:
     """Does every path off the input path from these edges end at a parameter marked by
     :func:`weight_grad_in_input`?"""
-    stack, seen, found = [child for child, _ in leaving], set(), False
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            if not getattr(variable, _IN_INPUT, False):
-                return False
-            found = True
-        stack.extend(c for c, _ in node.next_functions if c is not None)
-    return found
+    params = _leaf_parameters(leaving).values()
+    return bool(params) and all(getattr(p, _IN_INPUT, False) for p in params)
 
 
 class WeightGradWork:
