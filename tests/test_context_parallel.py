@@ -198,16 +198,19 @@ def test_allgather_keeps_what_the_estimator_counts(heads, kv_heads):
     """allgather attention at cp 2, seq 512: what its forward leaves for the backward, beyond the output it
     returns, is allgather_held_bytes (the gathered K/V, the query chunks' outputs, the float masks), to 2%
     (the log-sum-exp, not counted there) on a rank. On the other the count can also hold the all-gathers'
-    rank-order buffers, 2 s kv_heads d elements, when their last reference dies in gloo's worker thread (the
-    profiler does not see that free: megazero.memory.measure). Counting only the gathered K/V beyond the
-    rank's slice, as the estimator once did, is under half of it."""
+    rank-order buffers of K and V, s kv_heads d elements each, when their last reference dies in gloo's
+    worker thread (the profiler does not see that free: megazero.memory.measure) -- on either rank, a race
+    with that thread: so each rank's count is the estimate (to 2%) plus 0, 1 or 2 whole buffers, nothing
+    in between. Counting only the gathered K/V beyond the rank's slice, as the estimator once did, is under
+    half of it."""
     from megazero.parallel.context import allgather_held_bytes
 
     seq, d = 512, 32
     want = allgather_held_bytes(seq, 2, 1, heads, kv_heads, d, 4)
+    buffer = seq * kv_heads * d * 4                         # one rank-order K (or V) of the whole sequence
     extra = [held - out for held, out in run_on_ranks(2, _allgather_held_body, seq, heads, kv_heads, d)]
-    assert want <= min(extra) <= 1.02 * want, (extra, want)
-    assert max(extra) <= 1.02 * want + 2 * seq * kv_heads * d * 4, (extra, want)
+    for e in extra:
+        assert any(want <= e - j * buffer <= 1.02 * want for j in (0, 1, 2)), (extra, want, buffer)
     assert 2 * (seq - seq // 2) * kv_heads * d * 4 < 0.5 * want
 
 

@@ -238,7 +238,7 @@ def test_between_i_and_w_a_micro_batch_keeps_only_what_w_needs():
     assert after_w <= rng                                      # W let everything go
     forward_old, _ = _held_between_i_and_w(False, cfg, "F")
     after_i_old, grads_old = _held_between_i_and_w(False, cfg, "I")
-    assert forward_old == forward and after_i_old > forward  # the whole graph stays, and dY with it
+    assert abs(forward_old - forward) <= rng and after_i_old > forward  # the whole graph stays, and dY with it
     _, grads_old = _held_between_i_and_w(False, cfg, "W")
     for a, b in zip(grads, grads_old):
         assert torch.equal(a, b)

@@ -56,11 +56,16 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
 
 def _destroy_subgroups(dist) -> None:
     """Destroy the groups a body created (every Topology makes several): each gloo group keeps its
-    threads and sockets until destroyed, and a reused worker would otherwise gather hundreds."""
+    threads and sockets until destroyed, and a reused worker would otherwise gather hundreds. A group
+    still referenced from a reference cycle (a model's hooks and its engine) lives, threads polling,
+    until the cycle is collected, which a worker between bodies may not do for many tests: collect now."""
+    import gc
+
     default = dist.group.WORLD
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not default:
             dist.destroy_process_group(group)
+    gc.collect()
 
 
 class _Pool:
