@@ -10,7 +10,9 @@ AdamW. Measured per rank: ``PipelineStats(time_waits=True)``, the executor's clo
 a pipeline receive (and, at the step's end, for the sends), divided by the rank's time in
 ``run_schedule``: its idle fraction (median over the timed rounds). The table gives each rank's and
 their mean, which is what the theory counts: the simulator's bubble (``zero_bubble.theory``: the
-schedule's own lists replayed with F = I = W = 1 and a full backward B = 2, no communication cost).
+schedule's own lists replayed with F = I = W = 1 and a full backward B = 2, no communication cost),
+and the same lists replayed with each rank's measured seconds per F, B, I and W call
+(``PipelineStats(time_computes=True)``), the bubble the schedule promises at this model's real costs.
 
 Peak activation memory: one extra step per variant under the profiler's memory events
 (``LiveTensorBytes``, opened at the step's start), the peak of the bytes allocated inside the step and
@@ -39,12 +41,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from common import WARMUP_STEPS, Spec, Variant, run_variants, step_batches, torch_adamw
+from common import WARMUP_STEPS, Spec, Variant, num_params, run_variants, step_batches, torch_adamw
 
 from megazero.config import ParallelConfig, ZeroConfig
 from megazero.memory.measure import LiveTensorBytes
 from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.pipeline import PipelineStats, run_schedule, schedule_by_name
+from megazero.parallel.pipeline.actions import Kind
 from megazero.parallel.pipeline.zero_bubble import theory
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import wrap_data_parallel
@@ -54,6 +57,9 @@ SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}
 # Peers: name -> the torch.distributed.pipelining class and whether its stages sit in a V (two per rank).
 PEERS = {"torch-1f1b": ("Schedule1F1B", False), "torch-zbv": ("ScheduleZBVZeroBubble", True)}
 BUBBLE_SHAPE = Spec(layers=8, hidden=256, heads=4, seq=64, vocab=1024, micro_batch=1, rounds=5, untied=True)
+# 30M+ parameters: a micro-batch's compute large beside the split backward's per-call cost (graph walk,
+# hooks, W's autograd passes: ~3 ms a chunk whatever the shape), as at the sizes pipelines are used at
+BUBBLE_LARGE = Spec(layers=8, hidden=576, heads=8, seq=128, vocab=1024, micro_batch=1, rounds=5, untied=True)
 QUICK_BUBBLE = Spec(layers=4, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, rounds=4, untied=True)
 BASE, TARGET = "1f1b", "zb-h1"
 THEORY_PP = 0.10              # target: ZB-H1's measured bubble within 10 points of its theory
@@ -82,12 +88,13 @@ def build_ours(spec: Spec, topo, name: str, m: int, record: dict):
 
     def step(micro):
         sync.zero_grad()
-        stats = PipelineStats(time_waits=True)
+        stats = PipelineStats(time_waits=True, time_computes=True)
         t0 = time.perf_counter()
         losses = run_schedule(chunks, _pp_micro(micro[:m]), topo.pipeline(), loss_fn=masked_mean, schedule=name,
                               tensor_shape=shape, stats=stats, grad_sync=sync)
         took = time.perf_counter() - t0
         record.setdefault("idle", []).append(stats.wait_s / took)
+        record.setdefault("costs", []).append({k: stats.compute_s[k] / stats.computes[k] for k in stats.computes})
         sync.finalize_grads()
         opt.step()
         return sum(x.item() for x in losses) / len(losses) if losses else float("nan")
@@ -165,15 +172,19 @@ def bubble_worker(rank: int, world: int, spec: Spec) -> dict:
     timed = spec.rounds - WARMUP_STEPS                   # the last records are the timed rounds'
     for (n, m), rec in records.items():
         out[_variant_name(n, m)]["idle"] = statistics.median(rec["idle"][-timed:])
+        rounds = rec["costs"][-timed:]                   # seconds per call of each compute kind
+        out[_variant_name(n, m)]["costs"] = {k: statistics.median(c[k] for c in rounds) for k in rounds[0]}
     for vname, build in builds.items():                  # one more step each, under the memory probe
         step, _ = build()
         step(batches[0])
         dist.barrier()
         out[vname]["peak_act"] = _peak_step_bytes(lambda: step(batches[1]))
     every = [None] * world
-    dist.all_gather_object(every, {k: {"idle": r.get("idle"), "peak_act": r["peak_act"]} for k, r in out.items()})
+    dist.all_gather_object(every, {k: {"idle": r.get("idle"), "costs": r.get("costs"), "peak_act": r["peak_act"]}
+                                   for k, r in out.items()})
     for k, r in out.items():
         r["idle_per_rank"] = [e[k]["idle"] for e in every]
+        r["costs_per_rank"] = [e[k]["costs"] for e in every]
         r["peak_act_per_rank"] = [e[k]["peak_act"] for e in every]
     return out
 
@@ -189,26 +200,65 @@ def run_bubble(spec: Spec, pps, log=print) -> dict:
     return res
 
 
-def _theory(name: str, pp: int, m: int) -> tuple[float, int]:
-    bubble, peaks = theory(schedule_by_name(name), pp, m, SCHEDULES[name])
+def _theory(name: str, pp: int, m: int, costs=None) -> tuple[float, int]:
+    """The schedule's bubble and busiest rank's in-flight micro-batches: at unit costs, or replayed with
+    ``costs`` (per rank, {"F": seconds per call, ...}) as measured in the same run."""
+    durations = None if costs is None else [{Kind(k): t for k, t in c.items()} for c in costs]
+    bubble, peaks = theory(schedule_by_name(name), pp, m, SCHEDULES[name], durations)
     return bubble, max(peaks)
+
+
+def _costs_cell(costs: list[dict]) -> str:
+    """Per rank, ms per call of each compute kind the schedule ran: 'F 4.1 B 8.0 / F 4.3 B 9.9'."""
+    return " / ".join(" ".join(f"{k} {1e3 * t:.1f}" for k, t in c.items()) for c in costs)
 
 
 def _target_line(pp: int, m: int, zb: dict, one: dict) -> str:
     """The issue's three targets for ZB-H1 at (pp, m), each marked met or not."""
     below = zb["mean_idle"] < one["mean_idle"]
-    off = abs(zb["mean_idle"] - zb["theory"])
+    off = abs(zb["mean_idle"] - zb["theory_measured"])
     act = max(zb["peak_act_per_rank"]) / max(one["peak_act_per_rank"])
     return (f"- pp {pp}, m {m}: ZB-H1's measured bubble {zb['mean_idle']:.3f} "
             f"{'below' if below else '**not below**'} 1F1B's {one['mean_idle']:.3f}; "
-            f"{100 * off:.1f} points from its theory {zb['theory']:.3f} "
+            f"{100 * off:.1f} points from its theory at the measured costs {zb['theory_measured']:.3f} "
             f"({'within' if off <= THEORY_PP else '**outside**'} {100 * THEORY_PP:.0f}); peak activations "
             f"{act:.2f}x 1F1B's ({'within' if abs(act - 1) <= MEMORY_TOL else '**outside**'} {100 * MEMORY_TOL:.0f}%)")
 
 
-def bubble_section(spec: Spec, results: dict) -> list[str]:
-    """The BENCHMARKS.md section: one row per (pp, m, variant), then the targets."""
+def bubble_section(runs: list) -> list[str]:
+    """The BENCHMARKS.md section: for each (spec, results) of ``runs``, a table with one row per (pp, m,
+    variant), then the targets."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    pps = sorted({pp for _, results in runs for pp in results})
+    ranks = ", ".join(f"pp {pp}: {pp} ranks on {cores} cores" for pp in pps)
+    out = ["## Pipeline bubble: measured idle time per schedule beside its theory", "",
+           f"{runs[0][0].rounds} steps per variant (the first 2 untimed); gloo "
+           f"on {cores} cores, one torch thread per rank ({ranks}). Idle = the rank's time waiting for pipeline "
+           "p2p (megazero's executor clock, `PipelineStats(time_waits=True)`) / its step, median over the timed "
+           "rounds, per rank (rank 0 first) and their mean; theory = the simulator's bubble of the same lists "
+           "(F = I = W = 1, B = 2, free p2p); at measured costs = the same lists replayed with each rank's "
+           "own median seconds per F, B, I and W call in this run (the costs column, ms per call, rank 0 "
+           "first; free p2p): the zero-bubble paper's bubble from profiled T_F, T_B, T_W, where I costs more "
+           "than W (attention's backward is all input gradient), I + W more than B (the split's Python and "
+           "autograd passes, a few ms per chunk and micro-batch: a large share at the tiny shape, little at "
+           "30M+), the first stage's I is empty (nothing to send back: its backward is all W) and the last "
+           "stage (the head and the loss) costs more than the others. The target compares the measured "
+           "idle with the latter. Peak act = the largest rank's peak of bytes allocated inside one "
+           "step and live at once (activations, p2p buffers, transients; live tensor bytes, not RSS): from its I to "
+           "its W a ZB-H1 micro-batch keeps each weight matmul's input and output gradient "
+           "(megazero/parallel/pipeline/split_backward.py), about a full activation set at this shape (no "
+           "dropout, fused attention), and the last stage holds pp of them (the output layer's weight gradient is computed "
+           "in I, so its logits gradient does not wait). Ranks that "
+           "share a core lend it while they wait, so at pp > cores the idle figures mix bubble and time-sharing. "
+           "The torch rows are torch.distributed.pipelining on the same layers (Schedule1F1B; "
+           "ScheduleZBVZeroBubble with two stages per rank in a V); their idle time is internal to their "
+           "scheduler. Timings on this shared machine move by up to ~30% between runs.", ""]
+    for spec, results in runs:
+        out += _shape_table(spec, results)
+    return out
+
+
+def _shape_table(spec: Spec, results: dict) -> list[str]:
     rows, checks = [], []
     for pp, res in results.items():
         for m in (pp, 4 * pp):
@@ -223,32 +273,20 @@ def bubble_section(spec: Spec, results: dict) -> list[str]:
                     idle = r["idle_per_rank"]
                     mean_idle = sum(idle) / len(idle)
                     bubble, peak_mb = _theory(name, pp, m)
-                    cells = [" / ".join(f"{x:.2f}" for x in idle), f"{mean_idle:.3f}", f"{bubble:.3f}", str(peak_mb)]
-                    r["mean_idle"], r["theory"] = mean_idle, bubble
+                    measured, _ = _theory(name, pp, m, r["costs_per_rank"])
+                    cells = [" / ".join(f"{x:.2f}" for x in idle), f"{mean_idle:.3f}", f"{bubble:.3f}",
+                             f"{measured:.3f}", _costs_cell(r["costs_per_rank"]), str(peak_mb)]
+                    r["mean_idle"], r["theory"], r["theory_measured"] = mean_idle, bubble, measured
                 else:
-                    cells = ["n/a (inside torch's scheduler)", "-", "-", "-"]
+                    cells = ["n/a (inside torch's scheduler)", "-", "-", "-", "-", "-"]
                 rows.append(f"| {pp} | {m} | {name} | {1e3 * ms_step:.0f} | {ms_step / base_ms:.2f}x | "
                             + " | ".join(cells) + f" | {act / 2**20:.1f} | {act / base_act:.2f}x |")
             checks.append(_target_line(pp, m, res[_variant_name(TARGET, m)], base))
-    ranks = ", ".join(f"pp {pp}: {pp} ranks on {cores} cores" for pp in results)
-    return ["## Pipeline bubble: measured idle time per schedule beside its theory", "",
-            f"{spec.describe()}; {spec.rounds} steps per variant (the first 2 untimed); gloo "
-            f"on {cores} cores, one torch thread per rank ({ranks}). Idle = the rank's time waiting for pipeline "
-            "p2p (megazero's executor clock, `PipelineStats(time_waits=True)`) / its step, median over the timed "
-            "rounds, per rank (rank 0 first) and their mean; theory = the simulator's bubble of the same lists "
-            "(F = I = W = 1, B = 2, free p2p). Peak act = the largest rank's peak of bytes allocated inside one "
-            "step and live at once (activations, p2p buffers, transients; live tensor bytes, not RSS): from its I to "
-            "its W a ZB-H1 micro-batch keeps each weight matmul's input and output gradient "
-            "(megazero/parallel/pipeline/split_backward.py), about a full activation set at this shape (no "
-            "dropout, fused attention), and the last stage holds pp of them (the output layer's weight gradient is computed "
-            "in I, so its logits gradient does not wait). Ranks that "
-            "share a core lend it while they wait, so at pp > cores the idle figures mix bubble and time-sharing. "
-            "The torch rows are torch.distributed.pipelining on the same layers (Schedule1F1B; "
-            "ScheduleZBVZeroBubble with two stages per rank in a V); their idle time is internal to their "
-            "scheduler. Timings on this shared machine move by up to ~30% between runs.", "",
-            "| pp | m | schedule | step ms | vs 1f1b | idle per rank | idle mean | theory | peak act (micro-batches, "
-            "predicted) | peak act MiB | vs 1f1b |",
-            "|---|---|---|---|---|---|---|---|---|---|---|", *rows, "", "Targets (ZB-H1 against 1F1B):", *checks, ""]
+    params = num_params(spec.model_cfg())
+    return [f"### {spec.describe()}; {params / 1e6:.1f}M parameters", "",
+            "| pp | m | schedule | step ms | vs 1f1b | idle per rank | idle mean | theory | at measured costs | "
+            "costs (ms per call) | peak act (micro-batches, predicted) | peak act MiB | vs 1f1b |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, "", "Targets (ZB-H1 against 1F1B):", *checks, ""]
 
 
-__all__ = ["BUBBLE_SHAPE", "PEERS", "QUICK_BUBBLE", "SCHEDULES", "bubble_section", "run_bubble"]
+__all__ = ["BUBBLE_LARGE", "BUBBLE_SHAPE", "PEERS", "QUICK_BUBBLE", "SCHEDULES", "bubble_section", "run_bubble"]

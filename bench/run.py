@@ -11,7 +11,8 @@ Sections (see each module's docstring for the method):
     pp       rows_pp.py       1F1B / GPipe / interleaved vs torch.distributed.pipelining
     pipeline-bubble rows_bubble.py  per schedule (GPipe, 1F1B, interleaved, ZB-H1): step time, measured idle
                               fraction per rank beside the simulator's bubble, peak activation bytes, pp 2/4 at
-                              m = pp and 4pp; torch Schedule1F1B / ScheduleZBVZeroBubble as peers
+                              m = pp and 4pp, at a tiny shape and at 33M; torch Schedule1F1B /
+                              ScheduleZBVZeroBubble as peers
     scaling  rows_scaling.py  model-state memory vs dp (1, 2, 4, 8); step time vs model size
     llama    rows_llama.py    GPT-2 style vs Llama style at equal parameter count (one process)
     moe      rows_moe.py      MoE at expert parallelism 1/2/4 vs dense of equal active size, DeepSpeed MoE (dp 4)
@@ -163,10 +164,10 @@ def main(argv=None) -> None:
             pp_res[pp] = run_pp(spec, pp)
         body += report.pp_section(spec, pp_res, targets)
     if "pipeline-bubble" in sections:
-        from rows_bubble import BUBBLE_SHAPE, QUICK_BUBBLE, bubble_section, run_bubble
-        shape = QUICK_BUBBLE if a.quick else BUBBLE_SHAPE
-        shape = replace(shape, rounds=a.rounds) if a.rounds else shape
-        body += bubble_section(shape, run_bubble(shape, a.pp, log))
+        from rows_bubble import BUBBLE_LARGE, BUBBLE_SHAPE, QUICK_BUBBLE, bubble_section, run_bubble
+        shapes = [QUICK_BUBBLE] if a.quick else [BUBBLE_SHAPE, BUBBLE_LARGE]   # tiny, then 30M+
+        shapes = [replace(s, rounds=a.rounds) for s in shapes] if a.rounds else shapes
+        body += bubble_section([(shape, run_bubble(shape, a.pp, log)) for shape in shapes])
     if "scaling" in sections:
         from rows_scaling import STAGES, run_memory, run_step_time
         memory = {}

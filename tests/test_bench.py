@@ -191,12 +191,15 @@ def test_pipeline_bubble_section_measures_every_schedule(tmp_path):
     for m in (2, 8):
         for name in [*SCHEDULES, *PEERS]:
             cells = [c.strip() for c in next(x for x in lines if x.startswith(f"| 2 | {m} | {name} |")).split("|")]
-            assert float(cells[4]) > 0 and float(cells[10]) > 0, cells          # step ms, peak act MiB
+            assert float(cells[4]) > 0 and float(cells[12]) > 0, cells          # step ms, peak act MiB
             if name in SCHEDULES:
                 idle = [float(x) for x in cells[6].split(" / ")]
                 assert len(idle) == 2 and all(0 <= x < 1 for x in idle), cells
                 assert float(cells[8]) == pytest.approx(theory(schedule_by_name(name), 2, m, SCHEDULES[name])[0],
                                                         abs=1e-3)
+                assert 0 <= float(cells[9]) < 1, cells                            # at the measured costs
+                kinds = {"zb-h1": "FIW", "zb-v": "FIW"}.get(name, "FB")            # every kind the ranks ran, timed
+                assert [[w[0] for w in rank.split()[::2]] for rank in cells[10].split(" / ")] == [list(kinds)] * 2
         assert any(x.startswith(f"- pp 2, m {m}: ZB-H1's measured bubble") for x in lines)
 
 
@@ -204,20 +207,26 @@ def test_pipeline_bubble_targets_read_the_rows():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from rows_bubble import PEERS, QUICK_BUBBLE, SCHEDULES, bubble_section
 
-    def row(idle, act):
-        return {"times": [0.1, 0.1], "idle_per_rank": idle, "peak_act_per_rank": [act, act / 2]}
+    def row(idle, act, costs=({"F": 0.001, "B": 0.002}, {"F": 0.001, "B": 0.002})):
+        return {"times": [0.1, 0.1], "idle_per_rank": idle, "peak_act_per_rank": [act, act / 2],
+                "costs_per_rank": list(costs)}
 
     res = {f"{n} m{m}": row([0.3, 0.2], 100.0) for n in [*SCHEDULES, *PEERS] for m in (2, 8)}
-    res["zb-h1 m2"] = row([0.2, 0.1], 105.0)          # below 1F1B's, 0.7 points from 0.143, +5% memory
-    res["zb-h1 m8"] = row([0.3, 0.3], 150.0)          # above 1F1B's, 26 points from 0.040, +50% memory
-    text = "\n".join(bubble_section(QUICK_BUBBLE, {2: res}))
+    units = [{"F": 1.0, "I": 1.0, "W": 1.0}] * 2                  # at unit costs the theory is the unit theory
+    res["zb-h1 m2"] = row([0.2, 0.1], 105.0, units)   # below 1F1B's, 0.7 points from 0.143, +5% memory
+    # I = 2 on the last rank: it is busy from 1 to 33 (8 x (F + I + W)), rank 0 24 of those 33 units:
+    # the bubble 1 - 56 / 66 = 0.152 (0.040 at unit costs)
+    res["zb-h1 m8"] = row([0.3, 0.3], 150.0, [{"F": 1.0, "I": 1.0, "W": 1.0}, {"F": 1.0, "I": 2.0, "W": 1.0}])
+    text = "\n".join(bubble_section([(QUICK_BUBBLE, {2: res})]))
     assert "2 ranks on" in text
     m2 = next(x for x in text.splitlines() if x.startswith("- pp 2, m 2:"))
     m8 = next(x for x in text.splitlines() if x.startswith("- pp 2, m 8:"))
     assert "0.150 below 1F1B's 0.250" in m2 and "(within 10)" in m2 and "1.05x 1F1B's (within 10%)" in m2, m2
     assert "**not below**" in m8 and "**outside** 10" in m8 and "1.50x 1F1B's (**outside** 10%)" in m8, m8
     zb = next(x for x in text.splitlines() if x.startswith("| 2 | 2 | zb-h1 |"))
-    assert "| 0.20 / 0.10 | 0.150 | 0.143 | 2 |" in zb, zb
+    assert "| 0.20 / 0.10 | 0.150 | 0.143 | 0.143 | F 1000.0 I 1000.0 W 1000.0 / F 1000.0 I 1000.0 W 1000.0 | 2 |" in zb, zb
+    zb8 = next(x for x in text.splitlines() if x.startswith("| 2 | 8 | zb-h1 |"))
+    assert "| 0.300 | 0.040 | 0.152 |" in zb8 and "from its theory at the measured costs 0.152" in m8, (zb8, m8)
 
 
 def test_cp_section_reads_every_variant():

@@ -262,34 +262,40 @@ def test_run_schedule_needs_the_boundary_shape_with_pipelining():
 
 
 def _timed_waits_body(rank, world):
-    """pp 2, 1F1B: a step with the wait clock off (it must read no clock), then one where the last stage
-    starts 0.3 s late, which the first stage spends waiting for it."""
+    """pp 2, 1F1B: a step with the clocks off (it must read none), then one where the last stage starts
+    0.3 s late, which the first stage spends waiting for it, with its computes timed per kind."""
     import time
     import types
 
-    from megazero.parallel.pipeline import p2p
+    from megazero.parallel.pipeline import executor, p2p
 
     topo, cfg = Topology(pp=2), model_cfg()
     chunks = build_model_chunks(cfg, ParallelConfig(pp=2), topo, seed=SEED)
     shape, mbs = activation_shape(cfg, MICRO), batches(0, 4, cfg)
     real, off = p2p.time, PipelineStats()
-    p2p.time = types.SimpleNamespace(perf_counter=lambda: pytest.fail("the wait clock was read while off"))
+    p2p.time = executor.time = types.SimpleNamespace(perf_counter=lambda: pytest.fail("a clock was read while off"))
     try:
         run_schedule(chunks, mbs, topo.pipeline(), loss_fn=masked_mean, schedule="1f1b", tensor_shape=shape, stats=off)
     finally:
-        p2p.time = real
-    on = PipelineStats(time_waits=True)
+        p2p.time = executor.time = real
+    assert off.compute_s == off.computes == {}
+    on = PipelineStats(time_waits=True, time_computes=True)
     if rank == 1:
         time.sleep(0.3)
     t0 = time.perf_counter()
     run_schedule(chunks, mbs, topo.pipeline(), loss_fn=masked_mean, schedule="1f1b", tensor_shape=shape, stats=on)
-    return off.wait_s, on.wait_s, time.perf_counter() - t0
+    return off.wait_s, on.wait_s, time.perf_counter() - t0, on.computes, on.compute_s
 
 
 def test_wait_clock_measures_idle_time_and_costs_nothing_when_off():
-    (off0, wait0, step0), (off1, wait1, step1) = run_on_ranks(2, _timed_waits_body, timeout=120)
+    """The wait clock sees the late stage; the compute clock counts every F and B, and its seconds plus
+    the waits fit in the step (a receive's wait is not counted as compute)."""
+    (off0, wait0, step0, n0, c0), (off1, wait1, step1, n1, c1) = run_on_ranks(2, _timed_waits_body, timeout=120)
     assert off0 == off1 == 0.0
     assert 0.25 < wait0 < step0 and 0.0 < wait1 < step1 and wait1 < wait0
+    assert n0 == n1 == {"F": 4, "B": 4}
+    for wait, step, c in ((wait0, step0, c0), (wait1, step1, c1)):
+        assert all(t > 0 for t in c.values()) and wait + sum(c.values()) <= step, (wait, step, c)
 
 
 def test_pipeline_inside_a_data_parallel_grid():

@@ -110,6 +110,21 @@ def test_timeline_peaks_bubble_and_durations():
         "rank 1: .. F0 B0 B0 F1 B1 B1 .. ..")
 
 
+def test_durations_per_rank():
+    """Measured costs differ by rank: ZB-H1 at pp 2, m 8 with the last rank's I twice as long. That rank
+    is then the bottleneck, busy from 1 to 33 (8 x (F + I + W) = 32 units after rank 0's first F), rank 0
+    24 units of those 33: bubble 1 - 56 / 66."""
+    from megazero.parallel.pipeline import schedule_by_name
+
+    units = {Kind.FORWARD: 1.0, Kind.BACKWARD_INPUT: 1.0, Kind.BACKWARD_WEIGHT: 1.0}
+    lists = schedule_by_name("zb-h1")(2, 8, 1, False)
+    tl = simulate(lists, durations=[units, {**units, Kind.BACKWARD_INPUT: 2.0}])
+    assert tl.makespan == 33 and tl.bubble_fraction == pytest.approx(1 - 56 / 66)
+    assert simulate(lists, durations=[units, units]).makespan == simulate(lists, durations=units).makespan
+    with pytest.raises(ValueError, match="durations for 3 ranks, lists for 2"):
+        simulate(lists, durations=[units] * 3)
+
+
 def test_v_shape_peers_and_wire_slots():
     """In the V (pp 3, two chunks) rank 1's chunk 1 gets its activation from rank 2 and its chunk 0 from
     rank 0 (both "recv-prev", on different wires), and rank 2 hands chunk 0's output to its chunk 1 with

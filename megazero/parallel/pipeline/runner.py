@@ -27,6 +27,10 @@ class PipelineStats:
     ``time_waits`` (set it before the run; off by default, and then no clock is read): ``wait_s`` is the
     seconds this rank spent waiting for its pipeline receives (and, at the step's end, its sends) --
     its idle time, whose share of the step is the measured bubble.
+
+    ``time_computes`` (likewise off by default): ``compute_s`` and ``computes`` add up, per compute kind
+    ("F", "B", "I", "W"), the seconds this rank spent in that kind's calls and their number -- the
+    measured costs a schedule's theory can be replayed with (``zero_bubble.theory(durations=...)``).
     """
 
     schedule: str = ""
@@ -37,12 +41,16 @@ class PipelineStats:
     order: list = field(default_factory=list)   # ("F" | "B" | "I" | "W", chunk, micro-batch) in execution order
     time_waits: bool = False
     wait_s: float = 0.0
+    time_computes: bool = False
+    compute_s: dict = field(default_factory=dict)   # kind letter -> seconds, with time_computes
+    computes: dict = field(default_factory=dict)    # kind letter -> calls, with time_computes
 
     def reset(self, schedule: str) -> None:
         self.schedule, self.num_forward, self.num_backward = schedule, 0, 0
         self.in_flight = self.peak_in_flight = 0
         self.wait_s = 0.0
         self.order = []
+        self.compute_s, self.computes = {}, {}
 
 
 class StageRunner:

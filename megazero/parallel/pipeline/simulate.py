@@ -98,7 +98,10 @@ class _Rank:
 class _Sim:
     def __init__(self, lists, m: int, v: int, forward_only: bool, durations, shape: str = LOOP):
         self.pp, self.m, self.v, self.fo, self.shape = len(lists), m, v, forward_only, shape
-        self.durations = {**DEFAULT_DURATIONS, **(durations or {})}
+        per_rank = durations if isinstance(durations, (list, tuple)) else [durations] * self.pp
+        if len(per_rank) != self.pp:
+            raise ValueError(f"durations for {len(per_rank)} ranks, lists for {self.pp}")
+        self.durations = [{**DEFAULT_DURATIONS, **(d or {})} for d in per_rank]
         self.ranks = [_Rank(r, acts) for r, acts in enumerate(lists)]
         self.sends = defaultdict(list)     # (src, dst) -> [_Slot]
         self.recvs = defaultdict(list)
@@ -157,7 +160,7 @@ class _Sim:
             if k is Kind.BACKWARD:
                 rk.in_flight -= 1
         rk.done.add((k, c, i))
-        end = rk.clock + self.durations[k]
+        end = rk.clock + self.durations[r][k]
         rk.computes.append((rk.clock, end, a))
         rk.clock = end
 
@@ -300,7 +303,8 @@ def simulate(lists, m: int | None = None, v: int | None = None, forward_only: bo
     """Check one action list per pipeline rank (``lists[r]`` for rank r) and time them.
 
     m, v, forward_only: the step the lists are for (inferred from the lists when None). durations:
-    time units per compute kind (default 1 each). shape: how the virtual stages sit on the ranks
+    time units per compute kind (default 1 each), one dict for every rank or a list of one per rank
+    (measured costs: a last stage with the loss is slower). shape: how the virtual stages sit on the ranks
     (``partition.LOOP`` or ``partition.V``; a generator's ``stage_shape``). Raises
     :class:`ScheduleError` for a list that would deadlock or break a data dependency."""
     computes = [a for acts in lists for a in acts if isinstance(a, Compute)]

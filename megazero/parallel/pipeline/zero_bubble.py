@@ -115,12 +115,17 @@ def _p2p(op: Op, micro: int | None) -> P2P | None:
     return None if micro is None else P2P(op, 0, micro)
 
 
-def theory(generator, pp: int, m: int, v: int = 1):
+UNIT_COSTS = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.BACKWARD_INPUT: 1.0, Kind.BACKWARD_WEIGHT: 1.0}
+
+
+def theory(generator, pp: int, m: int, v: int = 1, durations=None):
     """The (bubble fraction, peak in-flight micro-batches per rank, counted from F to its B or W) a
     schedule predicts, from the simulator with F = I = W = 1 and a full backward B = 2 units (so 1F1B
-    and ZB-H1 compare); what a run prints at start."""
+    and ZB-H1 compare; what a run prints at start), or with ``durations``: measured costs, one dict
+    per rank ({Kind: seconds}; the zero-bubble paper's bubble from profiled T_F, T_B, T_W, where
+    the input-gradient half costs more than the weight half and the last stage more than the others)."""
     from megazero.parallel.pipeline.executor import stage_shape_of
     from megazero.parallel.pipeline.simulate import simulate
-    durations = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.BACKWARD_INPUT: 1.0, Kind.BACKWARD_WEIGHT: 1.0}
-    tl = simulate(generator(pp, m, v, False), m, v, False, durations, stage_shape_of(generator))
+    costs = UNIT_COSTS if durations is None else durations
+    tl = simulate(generator(pp, m, v, False), m, v, False, costs, stage_shape_of(generator))
     return tl.bubble_fraction, tl.peak_in_flight
