@@ -186,3 +186,21 @@ def test_fp32_keeps_its_element_bound():
     one[3] += 0.01 * LR
     detail = tensor_difference("model/final_norm.weight", one, weights, tol, LR)
     assert detail[0] == "[3]" and "1 of 256 elements out of tolerance;" in detail[3]
+
+
+def test_fp32_moment_norms_exp_avg_sq_at_twice_the_gradients_rule():
+    """exp_avg follows the gradient, exp_avg_sq its square, whose relative difference is twice the
+    gradient's: a gradient 2.35e-5 off (draw 11080's key/value weight, rounding) passes both; 4e-5
+    fails exp_avg's 3e-5 and exp_avg_sq's 6e-5 (8e-5 off); a lost reduction is far outside either."""
+    tol = TOLERANCES["fp32"]
+    _, grads = _adam_like()
+    for off, ok in ((2.35e-5, True), (4e-5, False)):
+        g = grads * (1 + off)
+        avg = tensor_difference("optim.exp_avg/layers.2.attention.key_value.weight", 0.1 * g, 0.1 * grads, tol, LR)
+        sq = tensor_difference("optim.exp_avg_sq/layers.2.attention.key_value.weight", 1e-3 * g ** 2,
+                               1e-3 * grads ** 2, tol, LR)
+        assert (avg is None, sq is None) == (ok, ok), (off, avg, sq)
+    assert "> 3e-05" in avg[3] and "> 6e-05" in sq[3], (avg, sq)
+    half = tensor_difference("optim.exp_avg_sq/layers.2.attention.key_value.weight", 0.25e-3 * grads ** 2,
+                             1e-3 * grads ** 2, tol, LR)
+    assert half and "norms; relative difference 7.5e-01" in half[3], half

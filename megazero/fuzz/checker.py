@@ -42,9 +42,13 @@ class Tolerance:
     update, so an element whose true gradient is ~0 steps by rounding noise of either sign: up to 4e-4 lr
     in fp32) and ``moment_rtol * |want| + moment_atol * max|want|`` for the optimizer moments
     (``optim.exp_avg``, ``optim.exp_avg_sq``: the gradients' images, no lr floor). In fp32 every element must
-    pass, and each moment tensor's norm must be within ``moment_norm_rtol`` of serial besides (``exp_avg_sq``
-    squares the gradients, so a clipping factor 5e-6 off, within the gradient norm's 1e-5, moves every one of
-    them by 1e-5: seed 38); ``moment_atol`` 1e-4 because an element near zero is a sum of large terms of both
+    pass, and each moment tensor's norm must be within ``moment_norm_rtol`` of serial besides (``exp_avg``,
+    the gradients' image: a clipping factor 5e-6 off, within the gradient norm's 1e-5, moves every element by
+    5e-6; a small tensor whose gradient is a sum of terms of both signs, as attention's key/value weights',
+    moves by more: 2.3e-5 at draw 11080), twice that for ``exp_avg_sq``, which squares the gradients and so
+    doubles their relative difference (seed 38: 1e-5 from that clipping factor; draw 11080: 1.3e-5 to 4.7e-5
+    for one key/value weight over five equivalent layouts, cp 2/4, ring or all-gather, dp 1/2, with the
+    loss within 1e-7); ``moment_atol`` 1e-4 because an element near zero is a sum of large terms of both
     signs, added in another order by tp, SP and pp over eight micro-batches (2.4e-5 of the largest measured
     at seeds 3 and 4, on 2 of 3072 and 1 of 96 elements, with the loss, gradient norm and parameters within
     1e-5).
@@ -239,9 +243,10 @@ def tensor_difference(name: str, got: torch.Tensor, want: torch.Tensor, tol: Tol
     norm = max(float(want.norm()), 1e-30)
     if moment and tol.moment_norm_rtol is not None:   # the whole moment tensor about as tight as the gradient norm
         rel = float(diff.norm()) / norm
-        if rel > tol.moment_norm_rtol:
+        limit = tol.moment_norm_rtol * (2 if name.startswith("optim.exp_avg_sq") else 1)   # g^2: twice g's
+        if rel > limit:
             return "", float(got.norm()), float(want.norm()), \
-                f"(norms; relative difference {rel:.1e} > {tol.moment_norm_rtol:g})"
+                f"(norms; relative difference {rel:.1e} > {limit:g})"
     if moment and tol.moment_rtol == math.inf:        # int8: the moments are not compared
         return None
     largest = float(want.abs().max()) if want.numel() else 0.0
