@@ -133,10 +133,25 @@ STAGE_OF = {"ours-zero0": 0, "torch-ddp": 0, "ours-zero1": 1, "torch-ddp-zero": 
 
 
 def _torchrun(world: int, script: str, args: list, timeout: float = 1800) -> subprocess.CompletedProcess:
+    """``script`` under torchrun on ``world`` processes. A failed run is run once more (a run that fails
+    twice is reported; one transient failure, such as a rendezvous port taken by the previous run's
+    teardown, once left a peer's row empty for the whole section): the retry's result is returned."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), script,
            *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if run.returncode != 0 and "No module named" not in run.stderr:
+        print(f"  {os.path.basename(script)} failed ({failure_line(run.stderr)}); once more", flush=True)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return run
+
+
+def failure_line(stderr: str) -> str:
+    """The line of a failed run's stderr that says why: the last naming an error, else the last that is
+    not a rule of '=' or '-' (torchrun closes its report with one)."""
+    lines = [x.strip() for x in stderr.strip().splitlines() if x.strip().strip("=-")]
+    named = [x for x in lines if "Error" in x or "error" in x]
+    return ((named or lines or ["failed"])[-1])[:200]
 
 
 def run_ours(shape: TrainerShape, world: int, extra: list, measure_live: bool = True) -> dict:
@@ -151,7 +166,7 @@ def run_ours(shape: TrainerShape, world: int, extra: list, measure_live: bool = 
                                                                            metrics]
                         + (["--measure-live-bytes"] if measure_live else []))
         if run.returncode != 0:
-            return {"unavailable": (run.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+            return {"unavailable": failure_line(run.stderr)}
         rows = [json.loads(line) for line in open(metrics) if '"loss"' in line]
     timed = rows[:shape.steps]
     out = {"step_s": [r["step_time_s"] for r in timed[shape.warmup:]], "losses": [r["loss"] for r in timed],
@@ -171,7 +186,7 @@ def run_peer(shape: TrainerShape, world: int, name: str, with_deepspeed: bool = 
     run = _torchrun(world, os.path.join(PEERS, script), [*flags, *shape.peer_flags()])
     lines = [x for x in run.stdout.splitlines() if x.startswith("{")]
     if run.returncode != 0 or not lines:
-        why = (run.stderr.strip().splitlines() or ["failed"])[-1][:200]
+        why = failure_line(run.stderr)
         return {"unavailable": "not installed" if "No module named 'deepspeed'" in run.stderr else why}
     return json.loads(lines[-1])
 

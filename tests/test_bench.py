@@ -368,3 +368,16 @@ def test_ddp_bucket_bytes_counts_the_buckets_python_cannot_reach(tmp_path):
         assert reachable_tensor_bytes() - before < 2 * params + params // 2     # grads reachable, buckets not
     finally:
         dist.destroy_process_group()
+
+
+def test_a_failed_runs_reason_is_its_error_line_not_torchruns_rule():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from rows_trainer import failure_line
+
+    stderr = ("Traceback (most recent call last):\n  File \"x.py\", line 3\nRuntimeError: address already in use\n"
+              "E1126 torch.distributed.elastic.multiprocessing.api: failed (exitcode: 1)\n"
+              "============================================================\n"
+              "x.py FAILED\n" + "-" * 60 + "\n" + "=" * 60 + "\n")
+    assert failure_line(stderr) == "RuntimeError: address already in use"
+    assert failure_line("RuntimeError: boom\n" + "=" * 40) == "RuntimeError: boom"
+    assert failure_line("killed\n" + "=" * 40) == "killed" and failure_line("") == "failed"
