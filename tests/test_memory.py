@@ -330,3 +330,17 @@ def test_a_deep_model_is_estimated_in_bounded_time(flags, monkeypatch):
     t0 = time.monotonic()
     stages = estimate_memory(deep)
     assert time.monotonic() - t0 < 60 and stages[0].params > 10 ** 10      # default hidden 128, tp 2
+
+
+def test_an_event_whose_name_torch_cannot_decode_is_skipped_not_fatal():
+    from megazero.memory.measure import _event_name
+
+    class Garbled:
+        def name(self):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    class Memory:
+        def name(self):
+            return "[memory]"
+
+    assert _event_name(Garbled()) == "" and _event_name(Memory()) == "[memory]"
