@@ -41,6 +41,7 @@ import functools
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -147,11 +148,15 @@ def _torchrun(world: int, script: str, args: list, timeout: float = 1800) -> sub
 
 
 def failure_line(stderr: str) -> str:
-    """The line of a failed run's stderr that says why: the last naming an error, else the last that is
-    not a rule of '=' or '-' (torchrun closes its report with one)."""
+    """The line of a failed run's stderr that says why: the last raising an exception (``SomeError: ...``),
+    else the last that is not part of torchrun's closing report (its rules of '=' or '-' and fields such
+    as ``error_file: <N/A>``)."""
     lines = [x.strip() for x in stderr.strip().splitlines() if x.strip().strip("=-")]
-    named = [x for x in lines if "Error" in x or "error" in x]
-    return ((named or lines or ["failed"])[-1])[:200]
+    raised = [x for x in lines if re.search(r"\b[A-Z]\w*(Error|Exception|Interrupt)\b", x)
+              and "ChildFailedError" not in x]                # torchrun's own, after the child's
+    said = [x for x in lines if not re.match(r"^(error_file|traceback|exitcode|rank|host|time|root cause|"
+                                             r"failures|<NO_OTHER_FAILURES>|\[\d+\]|\S+ FAILED)", x, re.IGNORECASE)]
+    return ((raised or said or lines or ["failed"])[-1])[:200]
 
 
 def run_ours(shape: TrainerShape, world: int, extra: list, measure_live: bool = True) -> dict:

@@ -381,3 +381,12 @@ def test_a_failed_runs_reason_is_its_error_line_not_torchruns_rule():
     assert failure_line(stderr) == "RuntimeError: address already in use"
     assert failure_line("RuntimeError: boom\n" + "=" * 40) == "RuntimeError: boom"
     assert failure_line("killed\n" + "=" * 40) == "killed" and failure_line("") == "failed"
+    torchrun_report = ("[rank1]: RuntimeError: Connection closed by peer\n" + "=" * 40 + "\nddp.py FAILED\n" + "-" * 40
+                       + "\nFailures:\n  <NO_OTHER_FAILURES>\nRoot Cause (first observed failure):\n[0]:\n"
+                       "  time      : 2026-11-26_12:30:00\n  host      : vm\n  rank      : 1 (local_rank: 1)\n"
+                       "  exitcode  : 1 (pid: 123)\n  error_file: <N/A>\n  traceback : To enable traceback see: x\n"
+                       + "=" * 40)
+    assert failure_line(torchrun_report) == "[rank1]: RuntimeError: Connection closed by peer"
+    assert failure_line(torchrun_report.replace("=" * 40, "torch.distributed.elastic.multiprocessing.errors."
+                                                          "ChildFailedError:\n" + "=" * 40, 1)) == \
+        "[rank1]: RuntimeError: Connection closed by peer"
