@@ -333,7 +333,7 @@ def test_a_deep_model_is_estimated_in_bounded_time(flags, monkeypatch):
 
 
 def test_an_event_whose_name_torch_cannot_decode_is_skipped_not_fatal():
-    from megazero.memory.measure import _event_name
+    from megazero.memory.measure import event_name
 
     class Garbled:
         def name(self):
@@ -343,4 +343,4 @@ def test_an_event_whose_name_torch_cannot_decode_is_skipped_not_fatal():
         def name(self):
             return "[memory]"
 
-    assert _event_name(Garbled()) == "" and _event_name(Memory()) == "[memory]"
+    assert event_name(Garbled()) == "" and event_name(Memory()) == "[memory]"

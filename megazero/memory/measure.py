@@ -125,11 +125,11 @@ class LiveTensorBytes:
     def __exit__(self, *exc) -> None:
         self._prof.__exit__(*exc)
         all_events = self._prof.profiler.kineto_results.events()
-        events = sorted((e for e in all_events if _event_name(e) == "[memory]"
+        events = sorted((e for e in all_events if event_name(e) == "[memory]"
                          and e.device_type() == torch.autograd.DeviceType.CPU), key=lambda e: e.start_ns())
         live = peak = self.alive
         if self._marked is not None:
-            marks = [e.start_ns() for e in all_events if _event_name(e) == self._MARK]
+            marks = [e.start_ns() for e in all_events if event_name(e) == self._MARK]
             if not marks:
                 raise RuntimeError("LiveTensorBytes.mark() was called but the profiler recorded no mark")
             events = [e for e in events if e.start_ns() >= max(marks)]
@@ -212,7 +212,7 @@ class LastStepLiveBytes:
             self.peak, self._probe = self._probe.peak, None
 
 
-def _event_name(event) -> str:
+def event_name(event) -> str:
     """A profiler event's name; "" where torch cannot decode it (seen for some events when the
     profiler also records stacks: ``name()`` raised UnicodeDecodeError and lost the whole count)."""
     try:
