@@ -69,22 +69,18 @@ def execute(actions, runner, comm) -> None:
             continue
         if a.kind is Kind.FORWARD:
             x = None if runner.is_first(a.chunk) else _take(inbox, (_ACT, a.chunk, a.micro), a)
-            call, tensor, step = functools.partial(runner.forward, a.chunk, a.micro, x), _ACT, +1
+            t0 = time.perf_counter() if timed else 0.0   # after _take: a receive's wait is wait_s's
+            produced(_ACT, a, runner.forward(a.chunk, a.micro, x), +1)
         elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
             dy = None if runner.is_last(a.chunk) else _take(inbox, (_GRAD, a.chunk, a.micro), a)
             run = runner.backward if a.kind is Kind.BACKWARD else runner.backward_input
-            call, tensor, step = functools.partial(run, a.chunk, a.micro, dy), _GRAD, -1
+            t0 = time.perf_counter() if timed else 0.0
+            produced(_GRAD, a, run(a.chunk, a.micro, dy), -1)
         else:
-            call, tensor, step = functools.partial(runner.backward_weight, a.chunk, a.micro), None, 0
-        t0 = time.perf_counter() if timed else 0.0       # after _take: a receive's wait is wait_s's
-        got = call()
+            t0 = time.perf_counter() if timed else 0.0
+            runner.backward_weight(a.chunk, a.micro)
         if timed:
-            k = a.kind.value
-            stats.compute_s[k] = stats.compute_s.get(k, 0.0) + time.perf_counter() - t0
-            stats.computes[k] = stats.computes.get(k, 0) + 1
-        if tensor is not None:
-            produced(tensor, a, got, step)
-        del call, got                                    # hold nothing of this micro-batch past its send
+            stats.add_compute(a.kind.value, time.perf_counter() - t0)
     if inbox or outbox:
         raise RuntimeError(f"executor bug: step ended with {len(inbox)} received tensors unused and "
                            f"{len(outbox)} computed tensors unsent")

@@ -52,6 +52,11 @@ class PipelineStats:
         self.order = []
         self.compute_s, self.computes = {}, {}
 
+    def add_compute(self, kind: str, seconds: float) -> None:
+        """One compute call of ``kind`` ("F", "B", "I", "W") that took ``seconds`` (with time_computes)."""
+        self.compute_s[kind] = self.compute_s.get(kind, 0.0) + seconds
+        self.computes[kind] = self.computes.get(kind, 0) + 1
+
 
 class StageRunner:
     """Runs this rank's chunks on the step's micro-batches, one forward or backward at a time.
