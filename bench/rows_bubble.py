@@ -7,9 +7,10 @@ Ours: every schedule of :data:`SCHEDULES` (one entry per schedule: its name and 
 the same GPT (:data:`BUBBLE_SHAPE`, untied output layer, fp32) through the trainer's own pipeline path:
 ``build_model_chunks`` for the schedule's placement, ``run_schedule`` with the ZeRO-0 grad sync, torch
 AdamW. Measured per rank: ``PipelineStats(time_waits=True)``, the executor's clock around every wait for
-a pipeline receive (and, at the step's end, for the sends), divided by the rank's time in
-``run_schedule``: its idle fraction (median over the timed rounds). The table gives each rank's and
-their mean, which is what the theory counts: the simulator's bubble (``zero_bubble.theory``: the
+a pipeline receive (and, at the step's end, for the sends), plus the time the rank is done while the
+slowest one still runs, over the slowest rank's time in ``run_schedule`` (the ranks start each step
+together, after a barrier): its idle fraction (median over the timed rounds, :func:`idle_per_rank`).
+The table gives each rank's and their mean, which is what the theory counts: the simulator's bubble (``zero_bubble.theory``: the
 schedule's own lists replayed with F = I = W = 1 and a full backward B = 2, no communication cost),
 and the same lists replayed with each rank's measured seconds per F, B, I and W call
 (``PipelineStats(time_computes=True)``), the bubble the schedule promises at this model's real costs.
@@ -93,7 +94,8 @@ def build_ours(spec: Spec, topo, name: str, m: int, record: dict):
         losses = run_schedule(chunks, _pp_micro(micro[:m]), topo.pipeline(), loss_fn=masked_mean, schedule=name,
                               tensor_shape=shape, stats=stats, grad_sync=sync)
         took = time.perf_counter() - t0
-        record.setdefault("idle", []).append(stats.wait_s / took)
+        record.setdefault("wait", []).append(stats.wait_s)
+        record.setdefault("took", []).append(took)
         record.setdefault("costs", []).append({k: stats.compute_s[k] / stats.computes[k] for k in stats.computes})
         sync.finalize_grads()
         opt.step()
@@ -171,7 +173,7 @@ def bubble_worker(rank: int, world: int, spec: Spec) -> dict:
     out = run_variants(variants, batches)
     timed = spec.rounds - WARMUP_STEPS                   # the last records are the timed rounds'
     for (n, m), rec in records.items():
-        out[_variant_name(n, m)]["idle"] = statistics.median(rec["idle"][-timed:])
+        out[_variant_name(n, m)]["wait_took"] = list(zip(rec["wait"][-timed:], rec["took"][-timed:]))
         rounds = rec["costs"][-timed:]                   # seconds per call of each compute kind
         out[_variant_name(n, m)]["costs"] = {k: statistics.median(c[k] for c in rounds) for k in rounds[0]}
     for vname, build in builds.items():                  # one more step each, under the memory probe
@@ -180,13 +182,31 @@ def bubble_worker(rank: int, world: int, spec: Spec) -> dict:
         dist.barrier()
         out[vname]["peak_act"] = _peak_step_bytes(lambda: step(batches[1]))
     every = [None] * world
-    dist.all_gather_object(every, {k: {"idle": r.get("idle"), "costs": r.get("costs"), "peak_act": r["peak_act"]}
-                                   for k, r in out.items()})
+    dist.all_gather_object(every, {k: {"wait_took": r.get("wait_took"), "costs": r.get("costs"),
+                                       "peak_act": r["peak_act"]} for k, r in out.items()})
     for k, r in out.items():
-        r["idle_per_rank"] = [e[k]["idle"] for e in every]
+        r["idle_per_rank"] = idle_per_rank([e[k]["wait_took"] for e in every])
         r["costs_per_rank"] = [e[k]["costs"] for e in every]
         r["peak_act_per_rank"] = [e[k]["peak_act"] for e in every]
     return out
+
+
+def idle_per_rank(wait_took: list) -> list:
+    """Each rank's idle fraction of the pipeline's step, median over the timed rounds, from
+    ``wait_took[rank][round] = (seconds waiting for pipeline p2p, seconds in run_schedule)``: the step
+    lasts as long as its slowest rank (the ranks start together, after a barrier, and the optimizer step
+    that follows waits for all of them), so a rank's idle time is its waits plus the tail it spends
+    done while another still computes -- the simulator's bubble (idle share of pp ranks x the
+    makespan), measured. Without the tail, a schedule whose ranks finish apart (1F1B: the last stage
+    ends a backward before the first) reads less idle than it is. None where a rank has no figures."""
+    if any(w is None for w in wait_took):
+        return [None] * len(wait_took)
+    per_rank = [[] for _ in wait_took]
+    for rounds in zip(*wait_took):
+        makespan = max(took for _, took in rounds)
+        for r, (wait, took) in enumerate(rounds):
+            per_rank[r].append((wait + makespan - took) / makespan)
+    return [statistics.median(x) for x in per_rank]
 
 
 def run_bubble(spec: Spec, pps, log=print) -> dict:
@@ -234,8 +254,10 @@ def bubble_section(runs: list) -> list[str]:
     out = ["## Pipeline bubble: measured idle time per schedule beside its theory", "",
            f"{runs[0][0].rounds} steps per variant (the first 2 untimed); gloo "
            f"on {cores} cores, one torch thread per rank ({ranks}). Idle = the rank's time waiting for pipeline "
-           "p2p (megazero's executor clock, `PipelineStats(time_waits=True)`) / its step, median over the timed "
-           "rounds, per rank (rank 0 first) and their mean; theory = the simulator's bubble of the same lists "
+           "p2p (megazero's executor clock, `PipelineStats(time_waits=True)`) plus the time it is done while the "
+           "slowest rank still runs (the ranks start each step together and the optimizer step waits for all), "
+           "over the slowest rank's step: the simulator's idle share of pp ranks x the makespan, measured; "
+           "median over the timed rounds, per rank (rank 0 first) and their mean; theory = the simulator's bubble of the same lists "
            "(F = I = W = 1, B = 2, free p2p); at measured costs = the same lists replayed with each rank's "
            "own median seconds per F, B, I and W call in this run (the costs column, ms per call, rank 0 "
            "first; free p2p): the zero-bubble paper's bubble from profiled T_F, T_B, T_W, where I costs more "
@@ -289,4 +311,5 @@ def _shape_table(spec: Spec, results: dict) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, "", "Targets (ZB-H1 against 1F1B):", *checks, ""]
 
 
-__all__ = ["BUBBLE_LARGE", "BUBBLE_SHAPE", "PEERS", "QUICK_BUBBLE", "SCHEDULES", "bubble_section", "run_bubble"]
+__all__ = ["BUBBLE_LARGE", "BUBBLE_SHAPE", "PEERS", "QUICK_BUBBLE", "SCHEDULES", "bubble_section", "idle_per_rank",
+           "run_bubble"]

@@ -229,6 +229,20 @@ def test_pipeline_bubble_targets_read_the_rows():
     assert "| 0.300 | 0.040 | 0.152 |" in zb8 and "from its theory at the measured costs 0.152" in m8, (zb8, m8)
 
 
+def test_pipeline_idle_counts_the_tail_to_the_slowest_rank():
+    """A rank's idle is its p2p waits plus the time it is done while the slowest rank still runs, over the
+    slowest rank's step (the simulator's bubble); median over rounds; None where a rank has no figures."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from rows_bubble import idle_per_rank
+
+    # round 1: rank 0 runs 10 s (waiting 2), rank 1 ends at 8 (waiting 1): idle 0.2 and (1 + 2) / 10
+    # round 2: rank 1 is the slow one, 20 s (waiting 4); rank 0 ends at 10 (waiting 0): 10 / 20 and 0.2
+    # round 3: both run 10 s, waiting 3 and 1
+    got = idle_per_rank([[(2.0, 10.0), (0.0, 10.0), (3.0, 10.0)], [(1.0, 8.0), (4.0, 20.0), (1.0, 10.0)]])
+    assert got == pytest.approx([0.3, 0.2])
+    assert idle_per_rank([[(1.0, 2.0)], None]) == [None, None]
+
+
 def test_cp_section_reads_every_variant():
     """The cp table from made-up figures: ratios to the estimate (flagged beyond 20%), to cp 1's peak and step,
     the ideal step on 2 cores, and a loss that left cp 1's is marked."""

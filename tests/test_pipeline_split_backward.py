@@ -121,6 +121,38 @@ def test_embeddings_off_the_input_path_wait_for_w():
     _assert_split_equals_full(_Embedded, "middle")
 
 
+class _OddMatmuls(nn.Module):
+    """Matrix products in every layout W computes by hand: ``addmm`` with alpha and beta (a broadcast
+    bias), a weight as the first operand, a column-major weight as the first and as the second operand,
+    and a plain ``mm`` with a row-major weight."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1, self.b1 = nn.Parameter(torch.randn(H, H, generator=g)), nn.Parameter(torch.randn(H, generator=g))
+        self.w2 = nn.Parameter(torch.randn(S * B, S * B, generator=g))
+        self.w3 = nn.Parameter(torch.randn(S * B, S * B, generator=g))
+        self.w4 = nn.Parameter(torch.randn(H, H, generator=g))
+
+    def forward(self, x):
+        h = torch.addmm(self.b1, x.reshape(S * B, H), self.w1.t(), beta=0.5, alpha=2.0)
+        h = torch.mm(self.w2, torch.tanh(h))                 # the weight first, row-major
+        h = torch.mm(self.w3.t(), h)                         # the weight first, column-major
+        h = torch.mm(torch.tanh(h), self.w4)                 # the weight second, row-major
+        return h.reshape(S, B, H)
+
+
+def test_matmul_weight_halves_by_hand_are_exact_in_every_layout(monkeypatch):
+    """W computes a plain matrix product's weight half itself (no autograd pass through the node):
+    bit for bit what autograd's backward gives, for each operand position and layout, and no pass of W
+    runs from a node of the input path."""
+    inputs = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: inputs.append(k.get("inputs")) or backward(*a, **k))
+    _assert_split_equals_full(_OddMatmuls, "middle")
+    assert len(inputs) >= 5 and all(i is None for i in inputs)      # 4 by hand + the held bias: none on the path
+
+
 def test_w_accumulates_over_micro_batches_in_any_order():
     """I0, I1, then W1 before W0 (as a zero-bubble schedule may) equals two full backwards."""
     cfg = _cfg()

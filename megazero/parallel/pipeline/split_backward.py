@@ -23,16 +23,22 @@ own: linear (column/row-parallel, sequence parallel), attention, LayerNorm/RMSNo
   their edges off the path are inputs of ``I``'s own pass beside ``x``, so ``I`` computes their weight
   halves too, and holds them for ``W``.
 
-``W`` runs each matmul boundary again from its kept gradient, down to the parameters it reaches off
+``W`` computes each matmul boundary's weight half from its kept gradient. A plain matrix product
+(``torch.mm``/``addmm``: every linear layer, column- or row-parallel, whose operands ``deferrable_saves``
+holds) is done by hand: its own backward formula on its own saved operands (``X^T dY`` for the weight,
+``dY`` for the bias, in the layout autograd's kernel would give), then one autograd pass from its
+edges off the path to the parameters. Any other matmul boundary (batched, grouped, a recomputed
+region's) runs again through autograd from its kept gradient, down to the parameters it reaches off
 the path and nothing else (``torch.autograd.backward`` from ``GradientEdge`` roots with ``inputs`` =
-those parameters: the weight half of the matmul, nothing of the input path, which ``I`` did): one
+those parameters: the weight half of the matmul, nothing of the input path, which ``I`` did). One
 pass per group of boundaries that share nothing off the path (one per weight matmul in a transformer
 layer), smallest gradient first, so the gradients go into ``.grad`` as they come, and one pass before
 them for the norms' and biases' held gradients. That accumulates through autograd's own ``AccumulateGrad``, so the
 parameters' post-accumulate-grad hooks fire as in a full backward, in ``W``: the ZeRO gradient sync
 counts its buckets down and launches their reductions from ``W`` (the caller brackets ``W`` with the
-grad sync's ``weight_grad``). The kernels are the ones the full backward runs, so ``I`` + ``W`` gives
-the full backward's gradients bit for bit (tests/test_pipeline_split_backward.py, per layer kind). A
+grad sync's ``weight_grad``). The kernels are the ones the full backward runs, on the same tensors, so
+``I`` + ``W`` gives the full backward's gradients bit for bit (tests/test_pipeline_split_backward.py, per
+layer kind and per matmul layout). A
 parameter used at two depths of one chunk (its gradient reachable from a boundary through the path)
 is refused in ``W`` with the fix (1F1B), not counted twice.
 
@@ -67,16 +73,20 @@ dropout, less with attention scores or dropout (tests, and the estimator:
 
 Cost: the kernels are the full backward's; what ``I`` + ``W`` add is Python and autograd passes -- one
 walk of the graph before ``I``, a pre-hook on each matmul boundary (no hook on the other nodes: a
-hook per node cost ~20% of a backward), the save/unpack hooks, and ``W``'s one pass per weight.
-Measured on one process (GPT 4 x 256 chunk, seq 64, batch 1, thread CPU time): I + W 1.20x the full
-backward, from 1.42x with a hook on every node and two passes per weight.
+hook per node cost ~20% of a backward), the save/unpack hooks, and ``W``'s one small pass per weight
+(from the weight's edge, not through the matmul node: by hand, ~10% less ``W`` at the bench's tiny
+shape). Measured on one process (GPT 4 x 256 last stage, seq 64, batch 1): I + W 1.04-1.10x the full
+backward, from 1.18x with ``W`` passing through the matmul nodes and 1.42x with a hook on every node
+and two passes per weight; what is left is the graph walk (~0.5 ms), the dY kept per matmul read back
+cold in ``W``, and the head's weight gradient moved into ``I``.
 
-Why this and not layer-level deferral (each linear queueing
-``(X, dY)`` and computing ``dW = dY^T X`` itself, as Megatron-core's ``delay_wgrad_compute`` does): one
-code path for every layer kind, the full backward's kernels (bit-for-bit gradients), and autograd's
-``AccumulateGrad`` firing the gradient sync's hooks in ``W``. A tensor saved inside a nested hook
-(recompute's checkpoint, activation offload) follows that hook's rules instead: a recomputed region
-keeps its input until ``W``, which recomputes it.
+Why this and not layer-level deferral (each linear queueing ``(X, dY)`` and computing ``dW = dY^T X``
+itself, as Megatron-core's ``delay_wgrad_compute`` does): the split works on the graph, so every layer
+kind splits with no layer code of its own, autograd's ``AccumulateGrad`` fires the gradient sync's
+hooks in ``W``, and the by-hand matmul above is an optimisation of a node kind autograd already
+describes (its saved operands and strides), checked bit for bit against the pass it replaces. A
+tensor saved inside a nested hook (recompute's checkpoint, activation offload) follows that hook's
+rules instead: a recomputed region keeps its input until ``W``, which recomputes it.
 """
 from __future__ import annotations
 
@@ -254,7 +264,8 @@ class WeightGradWork:
             held = [b for group in self._groups if all(node in self._early for node, _ in group) for b in group]
             with _Freeing():                    # each node's saved tensors go once it has run
                 for group in [held] + [g for g in self._groups if not all(n in self._early for n, _ in g)]:
-                    self._pass(group)
+                    if not (len(group) == 1 and self._matmul_by_hand(*group[0])):
+                        self._pass(group)
         self._out = self._grad = self._boundaries = None
         self._kept, self._early, self._groups = {}, {}, []
 
@@ -263,13 +274,14 @@ class WeightGradWork:
         backward that ``I`` skipped) or from the gradients ``I`` computed along its edges, down to the
         group's parameters only (``inputs``: the engine runs no node of the input path), into ``.grad``.
         The kept gradients are let go as they are used."""
-        roots, grads, leaves, got = [], [], {}, None
+        roots, grads, leaves, got, on_path = [], [], {}, None, False
         for node, leaving in boundaries:
             if node in self._early:
                 got = [(GradientEdge(c, nr), g) for (c, nr), g in self._early.pop(node)]
             else:
                 kept = self._kept.pop(node, None) or ()   # None: I never reached the node, nothing flows there
                 got = [(GradientEdge(node, k), g) for k, g in enumerate(kept) if g is not None]
+                on_path = on_path or bool(got)
             for edge, g in got:
                 roots.append(edge)
                 grads.append(g)
@@ -277,7 +289,89 @@ class WeightGradWork:
                 leaves.update(_leaf_parameters(leaving))
         del got
         if roots and leaves:
-            torch.autograd.backward(roots, grads, inputs=list(leaves.values()))   # each node of it runs once in W
+            # Roots on the input path (a boundary rerun from its kept gradient) need ``inputs`` to stop the
+            # engine going down the path; roots off it (edges I computed) reach this group's parameters
+            # only, and the engine's search for ``inputs`` would be wasted.
+            inputs = list(leaves.values()) if on_path else None
+            torch.autograd.backward(roots, grads, inputs=inputs)   # each node of it runs once in W
+
+    def _matmul_by_hand(self, node, leaving) -> bool:
+        """W of one boundary that is a plain matrix product (``torch.mm``/``addmm``: every linear layer,
+        column- or row-parallel), without an autograd pass through the boundary: its off-path gradients
+        (the weight's ``X^T dY``, the bias's ``dY``) computed here with the node's own formula and
+        operands, then one pass from its edges off the path, through autograd's ``AccumulateGrad`` as
+        before. The same kernels on the same tensors, so the gradients are the full backward's bit for
+        bit; what it saves is the engine's pass over the boundary (~0.4 ms a micro-batch at the bench's
+        tiny shape). False (nothing done) for any other node, or where the operands it needs are not held
+        by :func:`deferrable_saves`' slots (a recomputed region: the pass recomputes it)."""
+        formula = _BY_HAND.get(node.name())
+        if formula is None:
+            return False
+        slots = []
+        for name in formula.saved:
+            raw = getattr(node, "_raw_saved_" + name)
+            if raw.unpack_hook is not _unpack or raw.data.tensor is None:
+                return False
+            slots.append(raw.data)
+        kept = self._kept.pop(node, None)
+        dy = kept[0] if kept else None
+        if dy is None:                          # I never reached the node: nothing flows to its weights
+            _empty(s for s in slots if not s.pinned)
+            return True
+        edges, grads, g = [], [], None
+        for k, (child, nr) in enumerate(node.next_functions):
+            if child is not None and (child, nr) in leaving:
+                g = formula.grad(k, node, dy, [s.tensor for s in slots])
+                shape = child._input_metadata[nr].shape
+                edges.append(GradientEdge(child, nr))
+                grads.append(g if g.shape == shape else g.sum_to_size(shape))   # a broadcast bias: as the engine sums
+        del dy, kept, g
+        _empty(s for s in slots if not s.pinned)
+        if edges:
+            torch.autograd.backward(edges, grads)
+        return True
+
+
+def _mm_operand_grad(dy, other, sizes, strides, alpha, first: bool) -> torch.Tensor:
+    """The gradient of one operand of ``A @ B`` (``first``: of A, from B = ``other``; else of B, from A),
+    as autograd's matmul backward computes it: column-major when that operand was (a linear layer's
+    ``B`` is the weight transposed), so the result keeps the parameter's layout."""
+    column_major = strides[0] == 1 and strides[1] == sizes[0]
+    if first:
+        g = other.mm(dy.t()).t() if column_major else dy.mm(other.t())
+    else:
+        g = dy.t().mm(other).t() if column_major else other.t().mm(dy)
+    return g if alpha == 1 else g * alpha
+
+
+class _ByHand:
+    """A matrix-product node's backward, per input: ``saved`` names the node's saved operands (in the
+    order ``grad`` receives them)."""
+
+    def __init__(self, saved, grad):
+        self.saved, self.grad = saved, grad
+
+
+def _addmm_grad(k, node, dy, saved):
+    mat1, mat2 = saved
+    if k == 0:                                  # the bias (broadcast: the engine sums dY down to its shape)
+        return dy if node._saved_beta == 1 else dy * node._saved_beta
+    if k == 1:
+        return _mm_operand_grad(dy, mat2, node._saved_mat1_sym_sizes, node._saved_mat1_sym_strides,
+                                node._saved_alpha, True)
+    return _mm_operand_grad(dy, mat1, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides,
+                            node._saved_alpha, False)
+
+
+def _mm_grad(k, node, dy, saved):
+    first, second = saved
+    if k == 0:
+        return _mm_operand_grad(dy, second, node._saved_self_sym_sizes, node._saved_self_sym_strides, 1, True)
+    return _mm_operand_grad(dy, first, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides, 1, False)
+
+
+_BY_HAND = {"AddmmBackward0": _ByHand(("mat1", "mat2"), _addmm_grad),
+            "MmBackward0": _ByHand(("self", "mat2"), _mm_grad)}
 
 
 def _leaf_parameters(leaving) -> dict:
