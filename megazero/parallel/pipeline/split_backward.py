@@ -307,24 +307,25 @@ class WeightGradWork:
         formula = _BY_HAND.get(node.name())
         if formula is None:
             return False
-        slots = []
-        for name in formula.saved:
-            raw = getattr(node, "_raw_saved_" + name)
-            if raw.unpack_hook is not _unpack or raw.data.tensor is None:
+        try:                                    # the node's saved operands and its edges' shapes, as torch exposes them
+            raws = [getattr(node, "_raw_saved_" + name) for name in formula.saved]
+            if any(raw.unpack_hook is not _unpack or raw.data.tensor is None for raw in raws):
                 return False
-            slots.append(raw.data)
+            slots = [raw.data for raw in raws]
+            targets = [(k, child, nr, child._input_metadata[nr].shape) for k, (child, nr)
+                       in enumerate(node.next_functions) if child is not None and (child, nr) in leaving]
+        except (AttributeError, IndexError):    # an older torch: the pass does it
+            return False
         kept = self._kept.pop(node, None)
         dy = kept[0] if kept else None
         if dy is None:                          # I never reached the node: nothing flows to its weights
             _empty(s for s in slots if not s.pinned)
             return True
         edges, grads, g = [], [], None
-        for k, (child, nr) in enumerate(node.next_functions):
-            if child is not None and (child, nr) in leaving:
-                g = formula.grad(k, node, dy, [s.tensor for s in slots])
-                shape = child._input_metadata[nr].shape
-                edges.append(GradientEdge(child, nr))
-                grads.append(g if g.shape == shape else g.sum_to_size(shape))   # a broadcast bias: as the engine sums
+        for k, child, nr, shape in targets:
+            g = formula.grad(k, node, dy, [s.tensor for s in slots])
+            edges.append(GradientEdge(child, nr))
+            grads.append(g if g.shape == shape else g.sum_to_size(shape))   # a broadcast bias: as the engine sums
         del dy, kept, g
         _empty(s for s in slots if not s.pinned)
         if edges:
