@@ -59,7 +59,7 @@ SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}
 PEERS = {"torch-1f1b": ("Schedule1F1B", False), "torch-zbv": ("ScheduleZBVZeroBubble", True)}
 BUBBLE_SHAPE = Spec(layers=8, hidden=256, heads=4, seq=64, vocab=1024, micro_batch=1, rounds=5, untied=True)
 # 30M+ parameters: a micro-batch's compute large beside the split backward's per-call cost (graph walk,
-# hooks, W's autograd passes: ~3 ms a chunk whatever the shape), as at the sizes pipelines are used at
+# hooks: 1-2 ms a chunk whatever the shape), as at the sizes pipelines are used at
 BUBBLE_LARGE = Spec(layers=8, hidden=576, heads=8, seq=128, vocab=1024, micro_batch=1, rounds=5, untied=True)
 QUICK_BUBBLE = Spec(layers=4, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, rounds=4, untied=True)
 BASE, TARGET = "1f1b", "zb-h1"
@@ -261,9 +261,8 @@ def bubble_section(runs: list) -> list[str]:
            "(F = I = W = 1, B = 2, free p2p); at measured costs = the same lists replayed with each rank's "
            "own median seconds per F, B, I and W call in this run (the costs column, ms per call, rank 0 "
            "first; free p2p): the zero-bubble paper's bubble from profiled T_F, T_B, T_W, where I costs more "
-           "than W (attention's backward is all input gradient), I + W more than B (the split's Python and "
-           "autograd passes, a few ms per chunk and micro-batch: a large share at the tiny shape, little at "
-           "30M+), the first stage's I is empty (nothing to send back: its backward is all W) and the last "
+           "than W (attention's backward is all input gradient), I + W more than B (the split's graph walk "
+           "and hooks, 1-2 ms per chunk and micro-batch: a large share at the tiny shape, little at 30M+), the first stage's I is empty (nothing to send back: its backward is all W) and the last "
            "stage (the head and the loss) costs more than the others. The target compares the measured "
            "idle with the latter. Peak act = the largest rank's peak of bytes allocated inside one "
            "step and live at once (activations, p2p buffers, transients; live tensor bytes, not RSS): from its I to "
