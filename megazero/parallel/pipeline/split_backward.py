@@ -99,6 +99,8 @@ import threading
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from megazero.parallel.pipeline.matmul_grads import operand_grad, saved_operand_names
+
 
 class _Slot:
     """One tensor autograd saved for backward, held here so that ``I`` can let it go (unless pinned)."""
@@ -304,11 +306,11 @@ class WeightGradWork:
         bit; what it saves is the engine's pass over the boundary (~0.4 ms a micro-batch at the bench's
         tiny shape). False (nothing done) for any other node, or where the operands it needs are not held
         by :func:`deferrable_saves`' slots (a recomputed region: the pass recomputes it)."""
-        formula = _BY_HAND.get(node.name())
-        if formula is None:
+        names = saved_operand_names(node)
+        if names is None:
             return False
         try:                                    # the node's saved operands and its edges' shapes, as torch exposes them
-            raws = [getattr(node, "_raw_saved_" + name) for name in formula.saved]
+            raws = [getattr(node, "_raw_saved_" + name) for name in names]
             if any(raw.unpack_hook is not _unpack or raw.data.tensor is None for raw in raws):
                 return False
             slots = [raw.data for raw in raws]
@@ -323,7 +325,7 @@ class WeightGradWork:
             return True
         edges, grads, g = [], [], None
         for k, child, nr, shape in targets:
-            g = formula.grad(k, node, dy, [s.tensor for s in slots])
+            g = operand_grad(node, k, dy, [s.tensor for s in slots])
             edges.append(GradientEdge(child, nr))
             grads.append(g if g.shape == shape else g.sum_to_size(shape))   # a broadcast bias: as the engine sums
         del dy, kept, g
@@ -331,48 +333,6 @@ class WeightGradWork:
         if edges:
             torch.autograd.backward(edges, grads)
         return True
-
-
-def _mm_operand_grad(dy, other, sizes, strides, alpha, first: bool) -> torch.Tensor:
-    """The gradient of one operand of ``A @ B`` (``first``: of A, from B = ``other``; else of B, from A),
-    as autograd's matmul backward computes it: column-major when that operand was (a linear layer's
-    ``B`` is the weight transposed), so the result keeps the parameter's layout."""
-    column_major = strides[0] == 1 and strides[1] == sizes[0]
-    if first:
-        g = other.mm(dy.t()).t() if column_major else dy.mm(other.t())
-    else:
-        g = dy.t().mm(other).t() if column_major else other.t().mm(dy)
-    return g if alpha == 1 else g * alpha
-
-
-class _ByHand:
-    """A matrix-product node's backward, per input: ``saved`` names the node's saved operands (in the
-    order ``grad`` receives them)."""
-
-    def __init__(self, saved, grad):
-        self.saved, self.grad = saved, grad
-
-
-def _addmm_grad(k, node, dy, saved):
-    mat1, mat2 = saved
-    if k == 0:                                  # the bias (broadcast: the engine sums dY down to its shape)
-        return dy if node._saved_beta == 1 else dy * node._saved_beta
-    if k == 1:
-        return _mm_operand_grad(dy, mat2, node._saved_mat1_sym_sizes, node._saved_mat1_sym_strides,
-                                node._saved_alpha, True)
-    return _mm_operand_grad(dy, mat1, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides,
-                            node._saved_alpha, False)
-
-
-def _mm_grad(k, node, dy, saved):
-    first, second = saved
-    if k == 0:
-        return _mm_operand_grad(dy, second, node._saved_self_sym_sizes, node._saved_self_sym_strides, 1, True)
-    return _mm_operand_grad(dy, first, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides, 1, False)
-
-
-_BY_HAND = {"AddmmBackward0": _ByHand(("mat1", "mat2"), _addmm_grad),
-            "MmBackward0": _ByHand(("self", "mat2"), _mm_grad)}
 
 
 def _leaf_parameters(leaving) -> dict:
