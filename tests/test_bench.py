@@ -8,6 +8,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_run_quick_single_row(tmp_path):
     out = tmp_path / "BENCHMARKS.md"
@@ -24,6 +25,7 @@ def test_run_quick_single_row(tmp_path):
     assert "FLAG" not in theory, theory            # model states and bytes sent match the formulas
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_scale_section_splits_our_step_into_phases(tmp_path):
     """The scale section (tiny shape): pair rows with both losses equal and our step's phases, for
@@ -72,6 +74,7 @@ def test_compile_section_times_compiled_against_eager_and_fsdp2(tmp_path):
     assert "warm (" in rows["ours-pp2-compiled vs ours-pp2"].split("|")[11]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cp_section_sets_live_bytes_beside_the_estimator(tmp_path):
     """The cp section (quick shape, the single process and cp 2 allgather): the trainer at cp 2 trains as the
@@ -339,6 +342,7 @@ def test_trainer_section_computes_its_columns_and_acceptance_from_the_rows():
                              f"compute 10 ms, communication {1e3 * comm_bytes('ds-zero1', shape, 2) / 2**30:.0f} ms)")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_section_quick_runs_the_trainer_its_peer_and_the_engine(tmp_path):
     """One round of the trainer section at the quick shape, dp 2, ZeRO-3 (DeepSpeed skipped): the

@@ -343,7 +343,7 @@ LAYOUTS = {"tp2pp2dp2-zero3": (8, 2, 2, 3), "tp1pp1dp4-zero1": (4, 1, 1, 1), "tp
 
 
 @pytest.mark.parametrize("saver,loaders", [
-    ("tp2pp2dp2-zero3", ["tp1pp1dp4-zero1", "tp2dp2-zero2"]),
+    pytest.param("tp2pp2dp2-zero3", ["tp1pp1dp4-zero1", "tp2dp2-zero2"], marks=pytest.mark.slow),
     pytest.param("tp1pp1dp4-zero1", ["tp2pp2dp2-zero3"], marks=pytest.mark.slow),
     pytest.param("tp2dp2-zero2", ["tp2pp2dp2-zero3"], marks=pytest.mark.slow),
 ])

@@ -46,7 +46,7 @@ def test_flags_the_accelerate_key_and_refusals(tmp_path, monkeypatch):
         check_family(ModelConfig(model_family="no-regions-test"), ParallelConfig(), COMPILE)
 
 
-@pytest.mark.parametrize("model_kw", [{}, LLAMA_KW], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("model_kw", [pytest.param({}, marks=pytest.mark.slow), LLAMA_KW], ids=["gpt2", "llama"])
 def test_a_layer_compiles_without_graph_breaks_into_one_graph_for_all_layers(model_kw):
     """Forward and backward of the whole chunk: the compiled layers give the eager losses and gradients,
     dynamo breaks no graph, and every layer runs the one graph compiled for the first."""

@@ -53,6 +53,7 @@ def trained_tp2pp2(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_megazero_tp2pp2_to_hf_and_back_is_exact(trained_tp2pp2, tmp_path):
     rc, out = _convert("--input", trained_tp2pp2, "--output", tmp_path / "hf", "--to", "hf")
     assert rc == 0, out
@@ -187,6 +188,7 @@ def test_llama_family_export_gives_transformers_the_same_logits(variant, tmp_pat
         assert getattr(back_cfg, field) == getattr(cfg, field), field
 
 
+@pytest.mark.slow
 def test_hf_llama_imported_at_tp2pp2_gives_the_same_logits_and_generation(tmp_path):
     """A LlamaForCausalLM made by transformers (GQA: 4 heads, 2 KV heads; untied), saved sharded,
     imported at tp2 pp2: logits within 1e-4, greedy generation equal to ``model.generate``; exported
@@ -335,6 +337,7 @@ def test_round_trip_through_hf_keeps_tokenizer_ids_and_logits(family, tmp_path):
         torch.testing.assert_close(back(tokens).logits, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_gpt2_export_writes_a_tokenizer_autotokenizer_reads_as_ours(tmp_path):
     """A GPT-2 shaped run on GPT-2's BPE files exports vocab.json, merges.txt and a tokenizer_config.json
     naming GPT2Tokenizer and <|endoftext|>; AutoTokenizer then gives megazero's ids, <|endoftext|> in
@@ -359,6 +362,7 @@ def test_gpt2_export_writes_a_tokenizer_autotokenizer_reads_as_ours(tmp_path):
     assert config["bos_token_id"] == config["eos_token_id"] == 50256
 
 
+@pytest.mark.slow
 def test_check_needs_an_hf_side(trained_tp2pp2, tmp_path):
     rc, out = _convert("--input", trained_tp2pp2, "--output", tmp_path / "o", "--to", "megazero", "--check")
     assert rc == 1 and "--check compares a conversion with HF" in out and not (tmp_path / "o").exists()

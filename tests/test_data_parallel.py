@@ -20,7 +20,7 @@ def _parity_body(rank, world_size, stage, micro_batches):
     return losses, norms, params
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_dp_matches_single_process(world, stage):
     ref_losses, ref_norms, ref_params = reference_run(5, 8)
@@ -82,7 +82,7 @@ def _comm_body(rank, world_size, stage, dtype, grad_sync_cls=None, each_microbat
     return sync.comm_log.bytes(), sync.comm_log.calls(), padded, psi, len(sync.buckets)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_bytes_per_step_equal_plain_data_parallel(world):
     """Per rank per step on the dp group: 2 Psi (N-1)/N bytes for stages 0, 1 and 2."""
     for dtype, elem in ((torch.float32, 4), (torch.bfloat16, 2)):

@@ -101,7 +101,7 @@ def _assert_latest_is_finite(save: Path, want: int | None) -> None:
 @pytest.mark.parametrize("precision,reason", [
     ([], NONFINITE + r" \(first non-finite gradients: \S+"),
     pytest.param(["--bf16"], NONFINITE, marks=pytest.mark.slow),
-    (["--fp16"], OVERFLOWED),
+    pytest.param(["--fp16"], OVERFLOWED, marks=pytest.mark.slow),
 ], ids=["fp32", "bf16", "fp16"])
 def test_a_diverging_run_stops_and_keeps_only_finite_checkpoints(precision, reason, tmp_path):
     """lr 1e6: the first steps (lr 5e5 in warmup) wreck the weights. fp32/bf16: at iteration N a loss or
@@ -130,6 +130,7 @@ def test_a_diverging_run_stops_and_keeps_only_finite_checkpoints(precision, reas
         _assert_latest_is_finite(save, stopped - 1 if interval and stopped > 1 else None)
 
 
+@pytest.mark.slow
 def test_fp16_skipped_steps_are_named_by_iteration_and_stop_the_run(tmp_path):
     """A loss scale of 1e30 overflows every fp16 gradient: each skip names its own iteration and the
     precision, --max-consecutive-skipped-steps 3 stops the run at iteration 3, and no save lands on a

@@ -98,7 +98,8 @@ def reference():
 
 @pytest.mark.parametrize("tp,sp,tie,dtype", [
     (2, False, "tied", torch.float32), (2, True, "tied", torch.float32),
-    pytest.param(4, False, "untied", torch.float32, marks=pytest.mark.slow), (4, True, "tied", torch.float32),
+    pytest.param(4, False, "untied", torch.float32, marks=pytest.mark.slow),
+    pytest.param(4, True, "tied", torch.float32, marks=pytest.mark.slow),
     (2, True, "untied", torch.float64)])
 def test_tp_matches_serial(reference, tp, sp, tie, dtype):
     """Same seed at tp=1 and tp>1: bit-identical init; logits, loss, grads within 1e-5 relative; weights

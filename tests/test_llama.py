@@ -190,7 +190,7 @@ CASES = {  # id: (tp, pp, dp, virtual stages, sequence parallel, ZeRO stage, ext
     "tp4-dp2-zero1-qkv-bias": (4, 1, 2, 1, False, 1, dict(add_qkv_bias=True)),
     "pp2-dp2-zero2-tied": (1, 2, 2, 1, False, 2, dict(untie_embeddings_and_output_weights=False)),
 }
-QUICK = {"tp4-sp-kv-replicated", "pp4-interleaved", "dp2-zero3"}
+QUICK = {"pp4-interleaved", "dp2-zero3"}
 
 
 @pytest.mark.parametrize("case", [c if c in QUICK else pytest.param(c, marks=pytest.mark.slow) for c in CASES])

@@ -199,6 +199,7 @@ def test_megatron_gpt2_345m_script_runs_unchanged(tmp_path):
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
+@pytest.mark.slow
 def test_megatron_llama2_7b_script_stops_one_line_per_refused_flag_then_runs(tmp_path):
     from megazero.data.sample import default_sample, sample_tokenizer
 

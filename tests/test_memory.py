@@ -56,6 +56,7 @@ print(ok, sum(faults[2:]) // 4)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_reused_freed_memory_faults_few_pages_per_step_where_returning_it_faults_all():
     """The trainer's default on CPU (:func:`reuse_freed_memory`) serves a step's buffers from the last
@@ -265,6 +266,7 @@ def _held_body(rank, world_size, argv):
     return forward.end, backward.peak              # the backward's peak, counting what the forward held
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("llama", [False, True], ids=["gpt2-attention-dropout", "llama"])
 def test_each_activation_choice_holds_and_saves_what_the_estimate_says(llama):
     """For every recompute choice and for offload, on one process: the bytes one forward leaves held

@@ -156,6 +156,7 @@ def _assert_same_weights(path_a: Path, path_b: Path) -> None:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 def test_an_unseen_model_trains_resumes_and_is_estimated_through_the_trainer(tmp_path):
     serial = _run(tmp_path, "serial", 1, ["--train-iters", "6", "--save", str(tmp_path / "serial")])
     assert len(serial) == 6 and all(math.isfinite(r["loss"]) for r in serial)

@@ -247,6 +247,7 @@ def test_llama_experts_match_serial():
     _check(run_on_ranks(4, _parity_body, cases, timeout=600), cases)
 
 
+@pytest.mark.slow
 def test_capacity_under_sequence_parallelism_drops_what_serial_drops():
     """Found by the layout fuzzer (draw 11): at tp 2 with sequence parallelism each rank counted the
     capacity over its half of the sequence, so other tokens dropped than at tp 1 (loss 2e-4 off at the
@@ -341,6 +342,7 @@ def _engine_body(rank, world_size, runs, nvme_root=None):
 EXPERT = "layers.1.mlp.experts.3.fc1.weight"             # held by ep rank 1 only (dp ranks 1 and 3)
 
 
+@pytest.mark.slow
 def test_one_engine_offloads_experts_to_nvme_like_resident(tmp_path):
     """ep 2 at dp 4: the experts' optimizer state (and at ZeRO-3 their parameter shards) in the same
     swap files as the dense parameters', bitwise the resident run (fp32; losses, norms, parameters)."""
@@ -355,6 +357,7 @@ def test_one_engine_offloads_experts_to_nvme_like_resident(tmp_path):
     assert not list(tmp_path.iterdir()), "the swap files are removed when the engine closes"
 
 
+@pytest.mark.slow
 def test_one_engine_fp16_with_experts_one_loss_scaler_and_a_named_nonfinite_expert():
     """fp16 at ep 2, dp 4, ZeRO-1 and 3, against the single-process fp16 run of the same global batch: the
     same losses to fp16's precision, one loss scale. An overflow in one expert's gradient on the two ranks
@@ -404,6 +407,7 @@ def _resume_body(rank, world_size, tp, ep, stage, first, last, save_dir, load):
     return topo.tp_rank, tp, losses, params
 
 
+@pytest.mark.slow
 def test_save_at_ep2_resume_at_ep4_gives_the_uninterrupted_run(tmp_path):
     """3 steps at tp 2, dp 2, ep 2 (ZeRO-1), saved; 2 more at dp 4, ep 4 (ZeRO-2) from the checkpoint:
     the 5 losses and the final parameters are the serial run's (8 micro-batches a step throughout)."""

@@ -67,7 +67,8 @@ VARIANTS = [(s, (("offload_optimizer", where),)) for s in (1, 2, 3) for where in
            [(3, (("offload_optimizer", "nvme"), ("offload_params", "nvme")))]
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 2), pytest.param(2, 2, 2, marks=pytest.mark.slow)],
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 2), (2, 2, 2)],
                          ids=["dp2", "tp2pp2dp2"])
 def test_fp32_offload_is_bitwise_the_resident_run(tmp_path, tp, pp, dp):
     results = run_on_ranks(tp * pp * dp, _parity_body, tp, pp, VARIANTS, str(tmp_path), False, timeout=400)

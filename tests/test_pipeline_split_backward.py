@@ -185,8 +185,9 @@ def test_post_accumulate_grad_hooks_fire_in_w_not_in_i():
 
 def test_w_runs_one_autograd_pass_per_weight_matmul_and_i_hooks_only_them(monkeypatch):
     """What I + W add to a full backward is autograd passes and Python hooks: W makes one pass per
-    weight matmul (qkv, proj, fc1, fc2 per GPT layer) and one for the norms' and biases' gradients held
-    since I; I hooks only the matmul nodes (to keep their dY), not every node of the graph."""
+    weight matmul (qkv, proj, fc1, fc2 per GPT layer), each from the weight's own edges (its X^T dY
+    computed by hand), and one for the norms' and biases' gradients held since I; I hooks only the
+    matmul nodes (to keep their dY), not every node of the graph."""
     cfg = _cfg()
     layer = GPT(cfg, pre_process=False, post_process=False, seed=3)
     d = _data(1)
@@ -201,9 +202,10 @@ def test_w_runs_one_autograd_pass_per_weight_matmul_and_i_hooks_only_them(monkey
     work = backward_input(out, d["dy"], x)
     assert len(hooked) == 4 * cfg.num_layers
     backward = torch.autograd.backward
-    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: passes.append(1) or backward(*a, **k))
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: passes.append(k.get("inputs")) or backward(*a, **k))
     work.run()
     assert len(passes) == 4 * cfg.num_layers + 1
+    assert passes == [None] * len(passes)     # every matmul by hand: no pass starts on the input path
 
 
 def _tp_body(rank, world, sp, kind):

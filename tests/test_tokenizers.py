@@ -142,6 +142,7 @@ def test_huggingface_tokenizer_json_matches_the_library_on_the_corpus(gpt2, tmp_
     assert HuggingFaceTokenizer(str(directory / "tokenizer.json")).tokenize("Hello world") == [15496, 995]
 
 
+@pytest.mark.slow
 def test_huggingface_tokenizer_with_bos_post_processor(tmp_path):
     from tokenizers import Tokenizer
 

@@ -227,6 +227,7 @@ def _stage2_body(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_on_two_nodes_of_four():
     """One group of 8 processes, several checks: the quantized gather, the hierarchical reduce and
     the bytes per step (inter-node with all three switches at most 0.3x plain ZeRO-3's)."""
