@@ -13,18 +13,17 @@ import itertools
 import pytest
 import torch
 from helpers import run_on_ranks
-from helpers.pipeline_parity import (LR, MICRO, SEED, STEPS, batches, check_parity, full_tensor, model_cfg,
-                                     tied_copies_equal)
+from helpers.pipeline_parity import (MICRO, SEED, batches, check_parity, model_cfg,
+                                     parallel_body)
 from helpers.pipeline_sim import run_on_threads
 
-from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, validate
 from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.pipeline import (PipelineStats, get_schedule, gpipe, interleaved_one_f_one_b,
                                         interleaved_warmup, no_pipelining, one_f_one_b, run_schedule, simulate,
                                         stage_layer_ids)
 from megazero.parallel.pipeline.partition import V, placements
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import wrap_data_parallel
 
 # --------------------------------------------------------------------------------------------------
 # Pure pieces: layer split, dispatcher, config validation
@@ -126,34 +125,6 @@ def test_interleaved_simulated(pp, v, mult):
 # Parity with the serial model on gloo processes
 # --------------------------------------------------------------------------------------------------
 
-def _parallel_body(rank, world, tp, pp, schedule, v, m, sp=False, dtype=torch.float32):
-    topo = Topology(tp=tp, pp=pp)
-    cfg = model_cfg()
-    par = ParallelConfig(tp=tp, pp=pp, pipeline_schedule=schedule, virtual_stages=v, sequence_parallel=sp)
-    chunks = build_model_chunks(cfg, par, topo, seed=SEED, dtype=dtype)
-    named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-    # The trainer's gradient finalisation (ZeRO-0 grad sync): tied-embedding grads summed over the
-    # first and last stage, sequence-parallel grads over tp (and identical dp replicas averaged).
-    sync = wrap_data_parallel(chunks, topo, ZeroConfig())
-    opt = torch.optim.AdamW([p for _, p in named], lr=LR)
-    shape = activation_shape(cfg, MICRO, tp, sp)
-    losses, tied, peaks, grads = [], [], [], None
-    for step in range(STEPS):
-        stats = PipelineStats()
-        sync.zero_grad()
-        step_losses = run_schedule(chunks, batches(step, m, cfg), topo.pipeline(), loss_fn=masked_mean,
-                                   schedule=get_schedule(par), tensor_shape=shape, stats=stats, grad_sync=sync)
-        sync.finalize_grads()
-        if step == 0:
-            grads = {n: full_tensor(p.grad, p, topo) for n, p in named}
-        opt.step()
-        losses.append(torch.stack(step_losses).mean().item() if step_losses else None)
-        tied.append(tied_copies_equal(chunks, topo))
-        peaks.append(stats.peak_in_flight)
-    return {"pp_rank": topo.pp_rank, "losses": losses, "tied": tied, "peaks": peaks, "grads": grads,
-            "params": {n: full_tensor(p, p, topo) for n, p in named}}
-
-
 F32, F64 = torch.float32, torch.float64
 PARITY_CASES = [  # (tp, pp, schedule, v, m, sequence_parallel, dtype)
     (1, 2, "1f1b", 1, 4, False, F32), (1, 2, "gpipe", 1, 4, False, F32), (1, 2, "interleaved", 2, 4, False, F32),
@@ -178,7 +149,7 @@ QUICK_CASES = {(1, 2, "1f1b", 1, 4, False, F32), (1, 4, "interleaved", 2, 8, Fal
     c if c in QUICK_CASES else pytest.param(*c, marks=pytest.mark.slow) for c in PARITY_CASES],
     ids=[_case_id(c) for c in PARITY_CASES])
 def test_pipeline_matches_serial(tp, pp, schedule, v, m, sp, dtype):
-    results = run_on_ranks(tp * pp, _parallel_body, tp, pp, schedule, v, m, sp, dtype, timeout=120)
+    results = run_on_ranks(tp * pp, parallel_body, tp, pp, schedule, v, m, sp, dtype, timeout=120)
     check_parity(results, m, pp, schedule, v, dtype)
 
 
@@ -301,7 +272,7 @@ def test_wait_clock_measures_idle_time_and_costs_nothing_when_off():
 def test_pipeline_inside_a_data_parallel_grid():
     """pp=2 x dp=2 (4 ranks, pipelines [0, 2] and [1, 3]): each replica, fed the same batches, trains
     exactly like the serial model (the data-parallel gradient reduction is not part of this module)."""
-    results = run_on_ranks(4, _parallel_body, 1, 2, "interleaved", 2, 4, False, F32, timeout=120)
+    results = run_on_ranks(4, parallel_body, 1, 2, "interleaved", 2, 4, False, F32, timeout=120)
     check_parity(results, 4, 2, "interleaved", 2, F32)
 
 

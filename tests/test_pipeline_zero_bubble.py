@@ -96,48 +96,14 @@ def test_w_fills_the_cooldown():
     assert Kind.BACKWARD not in kinds and kinds.count(Kind.BACKWARD_WEIGHT) == 8
 
 
-def _zb_body(rank, world, tp, pp, m):
-    """test_pipeline's parity run with the zero-bubble lists (I and W through the ZeRO-0 grad sync:
-    bucket countdown from W, tied-embedding and sequence-parallel sums)."""
-    import torch
-
-    from megazero.config import ModelConfig, ParallelConfig, ZeroConfig
-    from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
-    from megazero.parallel.pipeline import PipelineStats, run_schedule
-    from megazero.parallel.topology import Topology
-    from megazero.parallel.zero import wrap_data_parallel
-    from helpers.pipeline_parity import LR, MICRO, SEED, STEPS, batches, full_tensor, model_cfg, tied_copies_equal
-
-    topo, cfg = Topology(tp=tp, pp=pp), model_cfg()
-    assert isinstance(cfg, ModelConfig)
-    chunks = build_model_chunks(cfg, ParallelConfig(tp=tp, pp=pp), topo, seed=SEED)
-    named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-    sync = wrap_data_parallel(chunks, topo, ZeroConfig(overlap_grad_reduce=True))
-    opt = torch.optim.AdamW([p for _, p in named], lr=LR)
-    losses, tied, peaks, grads = [], [], [], None
-    for step in range(STEPS):
-        stats = PipelineStats()
-        sync.zero_grad()
-        out = run_schedule(chunks, batches(step, m, cfg), topo.pipeline(), loss_fn=masked_mean, schedule=zb_h1,
-                           tensor_shape=activation_shape(cfg, MICRO, tp, False), stats=stats, grad_sync=sync)
-        sync.finalize_grads()
-        if step == 0:
-            grads = {n: full_tensor(p.grad, p, topo) for n, p in named}
-        opt.step()
-        losses.append(torch.stack(out).mean().item() if out else None)
-        tied.append(tied_copies_equal(chunks, topo))
-        peaks.append(stats.peak_in_flight)
-    return {"pp_rank": topo.pp_rank, "losses": losses, "tied": tied, "peaks": peaks, "grads": grads,
-            "params": {n: full_tensor(p, p, topo) for n, p in named}}
-
-
 @pytest.mark.parametrize("tp,pp,m", [(1, 2, 4), pytest.param(1, 4, 8, marks=pytest.mark.slow),
                                      pytest.param(2, 2, 4, marks=pytest.mark.slow)])
 def test_zero_bubble_matches_serial(tp, pp, m):
     from helpers import run_on_ranks
-    from helpers.pipeline_parity import check_parity
+    from helpers.pipeline_parity import check_parity, parallel_body
     import torch
-    results = run_on_ranks(tp * pp, _zb_body, tp, pp, m, timeout=180)
+    # I and W through the ZeRO-0 grad sync: bucket countdown from W, tied-embedding and sequence-parallel sums
+    results = run_on_ranks(tp * pp, parallel_body, tp, pp, "zb-h1", 1, m, False, torch.float32, True, timeout=180)
     check_parity(results, m, pp, "zb-h1", 1, torch.float32)
     for r in results:
         assert max(r["peaks"]) <= pp                           # held from F to W: 1F1B's peak

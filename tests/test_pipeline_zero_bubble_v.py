@@ -81,61 +81,14 @@ def test_rendered_picture_is_the_docs():
     assert f"```\n{picture}\n```" in docs
 
 
-def _zbv_body(rank, world, tp, pp, m):
-    """The gloo parity run of test_pipeline_zero_bubble's, with the V placement and the zb-v lists
-    (I and W through the ZeRO-0 grad sync; the tied embedding's two copies both on rank 0)."""
-    import torch
-    from helpers.pipeline_parity import (
-        LR,
-        MICRO,
-        SEED,
-        STEPS,
-        batches,
-        full_tensor,
-        model_cfg,
-        tied_copies_equal,
-    )
-
-    from megazero.config import ParallelConfig, ZeroConfig
-    from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
-    from megazero.parallel.pipeline import PipelineStats, run_schedule
-    from megazero.parallel.topology import Topology
-    from megazero.parallel.zero import wrap_data_parallel
-
-    topo, cfg = Topology(tp=tp, pp=pp), model_cfg()
-    chunks = build_model_chunks(cfg, ParallelConfig(tp=tp, pp=pp, pipeline_schedule="zb-v", virtual_stages=2),
-                                topo, seed=SEED)
-    named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-    sync = wrap_data_parallel(chunks, topo, ZeroConfig(overlap_grad_reduce=True))
-    opt = torch.optim.AdamW([p for _, p in named], lr=LR)
-    losses, tied, peaks, grads = [], [], [], None
-    for step in range(STEPS):
-        stats = PipelineStats()
-        sync.zero_grad()
-        out = run_schedule(chunks, batches(step, m, cfg), topo.pipeline(), loss_fn=masked_mean, schedule=zb_v,
-                           tensor_shape=activation_shape(cfg, MICRO, tp, False), stats=stats, grad_sync=sync)
-        sync.finalize_grads()
-        if step == 0:
-            grads = {}
-            for n, p in named:                  # rank 0's two tied copies carry the same summed gradient
-                g = full_tensor(p.grad, p, topo)
-                assert n not in grads or torch.equal(grads[n], g), n
-                grads[n] = g
-        opt.step()
-        losses.append(torch.stack(out).mean().item() if out else None)
-        tied.append(tied_copies_equal(chunks, topo))
-        peaks.append(stats.peak_in_flight)
-    return {"pp_rank": topo.pp_rank, "losses": losses, "tied": tied, "peaks": peaks, "grads": grads,
-            "params": {n: full_tensor(p, p, topo) for n, p in named}}
-
-
 @pytest.mark.parametrize("tp,pp,m", [(1, 2, 4), pytest.param(1, 4, 8, marks=pytest.mark.slow),
                                      pytest.param(2, 2, 4, marks=pytest.mark.slow)])
 def test_zb_v_matches_serial(tp, pp, m):
     import torch
     from helpers import run_on_ranks
-    from helpers.pipeline_parity import check_parity
-    results = run_on_ranks(tp * pp, _zbv_body, tp, pp, m, timeout=180)
+    from helpers.pipeline_parity import check_parity, parallel_body
+    # the V placement and the zb-v lists, I and W through the ZeRO-0 grad sync; both tied copies on rank 0
+    results = run_on_ranks(tp * pp, parallel_body, tp, pp, "zb-v", 2, m, False, torch.float32, True, timeout=180)
     check_parity(results, m, pp, "zb-v", 2, torch.float32)
 
 

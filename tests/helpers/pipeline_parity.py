@@ -8,11 +8,13 @@ import functools
 import torch
 import torch.distributed as dist
 
-from megazero.config import ModelConfig
-from megazero.models.gpt import GPT, masked_mean
+from megazero.config import ModelConfig, ParallelConfig, ZeroConfig
+from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.params import attribute, split_dim
-from megazero.parallel.pipeline import interleaved_warmup
+from megazero.parallel.pipeline import PipelineStats, get_schedule, interleaved_warmup, run_schedule
 from megazero.parallel.tensor import gather_full
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero import wrap_data_parallel
 
 SEED, STEPS, MICRO, LR = 1234, 3, 2, 1e-3
 
@@ -54,6 +56,41 @@ def serial_run(m: int, dtype: torch.dtype = torch.float32):
         opt.step()
         losses.append(loss.item())
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def parallel_body(rank, world, tp, pp, schedule, v, m, sp=False, dtype=torch.float32, overlap_grad_reduce=False):
+    """On each rank of a tp x pp group (``run_on_ranks``): STEPS steps of the parity model under the
+    ``--pipeline-schedule`` ``schedule`` (``v`` chunks per rank) with the trainer's gradient finalisation
+    (the ZeRO-0 grad sync: tied-embedding grads summed over the first and last stage, sequence-parallel
+    grads over tp) and AdamW. Returns what :func:`check_parity` compares: this rank's losses, step-0
+    gradients and final parameters (tp shards gathered), the tied copies' equality and the activation
+    sets in flight per step. A rank holding both tied copies (zb-v's rank 0) checks they carry the same
+    gradient."""
+    topo, cfg = Topology(tp=tp, pp=pp), model_cfg()
+    par = ParallelConfig(tp=tp, pp=pp, pipeline_schedule=schedule, virtual_stages=v, sequence_parallel=sp)
+    chunks = build_model_chunks(cfg, par, topo, seed=SEED, dtype=dtype)
+    named = [(n, p) for c in chunks for n, p in c.named_parameters()]
+    sync = wrap_data_parallel(chunks, topo, ZeroConfig(overlap_grad_reduce=overlap_grad_reduce))
+    opt = torch.optim.AdamW([p for _, p in named], lr=LR)
+    shape = activation_shape(cfg, MICRO, tp, sp)
+    losses, tied, peaks, grads = [], [], [], {}
+    for step in range(STEPS):
+        stats = PipelineStats()
+        sync.zero_grad()
+        out = run_schedule(chunks, batches(step, m, cfg), topo.pipeline(), loss_fn=masked_mean,
+                           schedule=get_schedule(par), tensor_shape=shape, stats=stats, grad_sync=sync)
+        sync.finalize_grads()
+        if step == 0:
+            for n, p in named:
+                g = full_tensor(p.grad, p, topo)
+                assert n not in grads or torch.equal(grads[n], g), n
+                grads[n] = g
+        opt.step()
+        losses.append(torch.stack(out).mean().item() if out else None)
+        tied.append(tied_copies_equal(chunks, topo))
+        peaks.append(stats.peak_in_flight)
+    return {"pp_rank": topo.pp_rank, "losses": losses, "tied": tied, "peaks": peaks, "grads": grads,
+            "params": {n: full_tensor(p, p, topo) for n, p in named}}
 
 
 def full_tensor(t, p, topo):

@@ -25,7 +25,7 @@ own: linear (column/row-parallel, sequence parallel), attention, LayerNorm/RMSNo
 
 ``W`` computes each matmul boundary's weight half from its kept gradient. A plain matrix product
 (``torch.mm``/``addmm``: every linear layer, column- or row-parallel, whose operands ``deferrable_saves``
-holds) is done by hand: its own backward formula on its own saved operands (``X^T dY`` for the weight,
+holds) is done by hand (``matmul_grads.py``): its own backward formula on its own saved operands (``X^T dY`` for the weight,
 ``dY`` for the bias, in the layout autograd's kernel would give), then one autograd pass from its
 edges off the path to the parameters. Any other matmul boundary (batched, grouped, a recomputed
 region's) runs again through autograd from its kept gradient, down to the parameters it reaches off
@@ -37,9 +37,8 @@ them for the norms' and biases' held gradients. That accumulates through autogra
 parameters' post-accumulate-grad hooks fire as in a full backward, in ``W``: the ZeRO gradient sync
 counts its buckets down and launches their reductions from ``W`` (the caller brackets ``W`` with the
 grad sync's ``weight_grad``). The kernels are the ones the full backward runs, on the same tensors, so
-``I`` + ``W`` gives the full backward's gradients bit for bit (tests/test_pipeline_split_backward.py, per
-layer kind and per matmul layout). A
-parameter used at two depths of one chunk (its gradient reachable from a boundary through the path)
+``I`` + ``W`` gives the full backward's gradients bit for bit (tests/test_pipeline_split_backward.py per
+layer kind and matmul layout, tests/test_pipeline_matmul_grads.py against the node). A parameter used at two depths of one chunk (its gradient reachable from a boundary through the path)
 is refused in ``W`` with the fix (1F1B), not counted twice.
 
 The output layer is the exception (the model marks its weight, :func:`weight_grad_in_input`): its dY
