@@ -55,7 +55,11 @@ def test_the_chosen_plan_fits_when_run_and_the_rejected_one_does_not(world, flag
         planned = with_plan(job, plan, world)
         plan_argv = argv + plan.flags.split() if plan.fields else argv
         assert parse_job(plan_argv, world)[0].model == planned.model
-        peaks[plan.name] = max(peak for _, peak, _ in run_on_ranks(world, measure_body, plan_argv))
+        # Live bytes at tp > 1 are an upper bound (a buffer whose last reference dies in gloo's thread
+        # stays counted, +-0.6 MiB here between runs of the same plan); the step is deterministic, so
+        # the least of three runs is the tightest upper bound of its peak.
+        peaks[plan.name] = min(max(peak for _, peak, _ in run_on_ranks(world, measure_body, plan_argv))
+                               for _ in range(1 if world == 1 else 3))
     print(f"budget {budget / 2**20:.2f} MiB:", {n: f"{p / 2**20:.2f} MiB" for n, p in peaks.items()})
     assert peaks[chosen.name] <= budget
     assert peaks[rejected[-1].name] > budget
