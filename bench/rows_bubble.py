@@ -10,9 +10,9 @@ AdamW. Measured per rank: ``PipelineStats(time_waits=True)``, the executor's clo
 a pipeline receive (and, at the step's end, for the sends), plus the time the rank is done while the
 slowest one still runs, over the slowest rank's time in ``run_schedule`` (the ranks start each step
 together, after a barrier): its idle fraction (median over the timed rounds, :func:`idle_per_rank`).
-The table gives each rank's and their mean, which is what the theory counts: the simulator's bubble (``zero_bubble.theory``: the
-schedule's own lists replayed with F = I = W = 1 and a full backward B = 2, no communication cost),
-and the same lists replayed with each rank's measured seconds per F, B, I and W call
+The table gives each rank's and their mean, which is what the theory counts: the simulator's bubble
+(``zero_bubble.theory``: the schedule's own lists replayed with F = I = W = 1 and a full backward B = 2,
+no communication cost), and the same lists replayed with each rank's measured seconds per F, B, I and W call
 (``PipelineStats(time_computes=True)``), the bubble the schedule promises at this model's real costs.
 
 Peak activation memory: one extra step per variant under the profiler's memory events
@@ -257,12 +257,14 @@ def bubble_section(runs: list) -> list[str]:
            "p2p (megazero's executor clock, `PipelineStats(time_waits=True)`) plus the time it is done while the "
            "slowest rank still runs (the ranks start each step together and the optimizer step waits for all), "
            "over the slowest rank's step: the simulator's idle share of pp ranks x the makespan, measured; "
-           "median over the timed rounds, per rank (rank 0 first) and their mean; theory = the simulator's bubble of the same lists "
-           "(F = I = W = 1, B = 2, free p2p); at measured costs = the same lists replayed with each rank's "
+           "median over the timed rounds, per rank (rank 0 first) and their mean; theory = the simulator's "
+           "bubble of the same lists (F = I = W = 1, B = 2, free p2p); at measured costs = the same lists "
+           "replayed with each rank's "
            "own median seconds per F, B, I and W call in this run (the costs column, ms per call, rank 0 "
            "first; free p2p): the zero-bubble paper's bubble from profiled T_F, T_B, T_W, where I costs more "
            "than W (attention's backward is all input gradient), I + W more than B (the split's graph walk "
-           "and hooks, 1-2 ms per chunk and micro-batch: a large share at the tiny shape, little at 30M+), the first stage's I is empty (nothing to send back: its backward is all W) and the last "
+           "and hooks, 1-2 ms per chunk and micro-batch: a large share at the tiny shape, little at 30M+), the "
+           "first stage's I is empty (nothing to send back: its backward is all W) and the last "
            "stage (the head and the loss) costs more than the others. The target compares the measured "
            "idle with the latter. Peak act = the largest rank's peak of bytes allocated inside one "
            "step and live at once (activations, p2p buffers, transients; live tensor bytes, not RSS): from its I to "

@@ -262,8 +262,9 @@ def test_between_i_and_w_a_micro_batch_keeps_only_what_w_needs():
     Without ``deferrable_saves`` the whole graph stays until W, on top of dY. Same gradients either way."""
     cfg = _cfg(hidden_dropout=0.1, attention_dropout=0.1)
     needed = cfg.num_layers * 16 * S * B * H * 4
-    _held_between_i_and_w(False, cfg, "W")                    # warm: one-time caches of the kernels (seen: 8 KiB
-    _held_between_i_and_w(True, cfg, "W")                     # in the first forward of a process) are not the micro-batch's
+    # Warm: the kernels' one-time caches (8 KiB in a process's first forward) are not the micro-batch's.
+    _held_between_i_and_w(False, cfg, "W")
+    _held_between_i_and_w(True, cfg, "W")
     forward, _ = _held_between_i_and_w(True, cfg, "F")
     after_i, _ = _held_between_i_and_w(True, cfg, "I")
     after_w, grads = _held_between_i_and_w(True, cfg, "W")

@@ -10,7 +10,8 @@ For ``Y = A @ B`` (``addmm``: ``Y = beta * bias + alpha * A @ B``), given ``dY``
 in the layout autograd's kernel gives: where the operand was column-major (a linear layer's ``B`` is its
 weight transposed), the product is formed transposed, so the gradient keeps the parameter's layout and
 ``AccumulateGrad`` takes it as it is. Same kernels, same operands, same order: the gradient is the full
-backward's bit for bit (tests/test_pipeline_split_backward.py, every operand position and layout).
+backward's bit for bit (tests/test_pipeline_matmul_grads.py against the node for every input and layout;
+tests/test_pipeline_split_backward.py through W).
 """
 from __future__ import annotations
 

@@ -25,9 +25,9 @@ own: linear (column/row-parallel, sequence parallel), attention, LayerNorm/RMSNo
 
 ``W`` computes each matmul boundary's weight half from its kept gradient. A plain matrix product
 (``torch.mm``/``addmm``: every linear layer, column- or row-parallel, whose operands ``deferrable_saves``
-holds) is done by hand (``matmul_grads.py``): its own backward formula on its own saved operands (``X^T dY`` for the weight,
-``dY`` for the bias, in the layout autograd's kernel would give), then one autograd pass from its
-edges off the path to the parameters. Any other matmul boundary (batched, grouped, a recomputed
+holds) is done by hand (``matmul_grads.py``): its own backward formula on its own saved operands
+(``X^T dY`` for the weight, ``dY`` for the bias, in the layout autograd's kernel would give), then one
+autograd pass from its edges off the path to the parameters. Any other matmul boundary (batched, grouped, a recomputed
 region's) runs again through autograd from its kept gradient, down to the parameters it reaches off
 the path and nothing else (``torch.autograd.backward`` from ``GradientEdge`` roots with ``inputs`` =
 those parameters: the weight half of the matmul, nothing of the input path, which ``I`` did). One
@@ -38,8 +38,9 @@ parameters' post-accumulate-grad hooks fire as in a full backward, in ``W``: the
 counts its buckets down and launches their reductions from ``W`` (the caller brackets ``W`` with the
 grad sync's ``weight_grad``). The kernels are the ones the full backward runs, on the same tensors, so
 ``I`` + ``W`` gives the full backward's gradients bit for bit (tests/test_pipeline_split_backward.py per
-layer kind and matmul layout, tests/test_pipeline_matmul_grads.py against the node). A parameter used at two depths of one chunk (its gradient reachable from a boundary through the path)
-is refused in ``W`` with the fix (1F1B), not counted twice.
+layer kind and matmul layout, tests/test_pipeline_matmul_grads.py against the node). A parameter used
+at two depths of one chunk (its gradient reachable from a boundary through the path) is refused in
+``W`` with the fix (1F1B), not counted twice.
 
 The output layer is the exception (the model marks its weight, :func:`weight_grad_in_input`): its dY
 is the logits gradient, tokens x vocab, the largest of the model, and under ZB-H1 the last stage holds
@@ -262,9 +263,15 @@ class WeightGradWork:
             torch.autograd.backward(self._out, self._grad)
         else:
             # the groups I computed whole (norms, biases: their gradients held) in one pass, no transient
-            held = [b for group in self._groups if all(node in self._early for node, _ in group) for b in group]
+            held, deferred = [], []
+            for group in self._groups:
+                if all(node in self._early for node, _ in group):
+                    held += group
+                else:
+                    deferred.append(group)
             with _Freeing():                    # each node's saved tensors go once it has run
-                for group in [held] + [g for g in self._groups if not all(n in self._early for n, _ in g)]:
+                self._pass(held)
+                for group in deferred:          # a lone plain matmul by hand, anything else through autograd
                     if not (len(group) == 1 and self._matmul_by_hand(*group[0])):
                         self._pass(group)
         self._out = self._grad = self._boundaries = None
@@ -322,12 +329,12 @@ class WeightGradWork:
         if dy is None:                          # I never reached the node: nothing flows to its weights
             _empty(s for s in slots if not s.pinned)
             return True
-        edges, grads, g = [], [], None
+        operands, edges, grads, g = [s.tensor for s in slots], [], [], None
         for k, child, nr, shape in targets:
-            g = operand_grad(node, k, dy, [s.tensor for s in slots])
+            g = operand_grad(node, k, dy, operands)
             edges.append(GradientEdge(child, nr))
             grads.append(g if g.shape == shape else g.sum_to_size(shape))   # a broadcast bias: as the engine sums
-        del dy, kept, g
+        del dy, kept, g, operands
         _empty(s for s in slots if not s.pinned)
         if edges:
             torch.autograd.backward(edges, grads)
