@@ -155,17 +155,18 @@ class PhaseMeter:
     def __init__(self) -> None:
         self.base = reachable_tensor_bytes()
         self.alive, self.drift = 0, 0
+        self.previous: LiveTensorBytes | None = None
         self.peaks: dict[str, int] = {}
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        with LiveTensorBytes(alive=self.alive) as probe:
+        with LiveTensorBytes(alive=self.alive, after=self.previous) as probe:
             yield
         self.peaks[name] = max(self.peaks.get(name, 0), probe.peak)
         dist.barrier()
         reachable = reachable_tensor_bytes() - self.base
         self.drift = max(self.drift, probe.end - reachable)
-        self.alive = reachable
+        self.alive, self.previous = reachable, probe
 
 
 def micro_batches(spec: CapacitySpec, count: int, step: int, rank: int) -> list[dict]:

@@ -16,7 +16,6 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from common import GPT, random_micro_batches, spawn, trainer_argv
 

@@ -320,21 +320,21 @@ def _sharded_body(rank, world_size, tp, pp, stage, steps, save_dir=None, load_di
     with LiveTensorBytes() as build:
         topo, job, chunks, engine = setup(tp, pp, stage, **WIDE)
     state, stats, losses, peaks = TrainState(), {}, [], {"build": build.peak}
-    alive = build.end
+    previous = build
     if load_dir:
-        with LiveTensorBytes(alive) as load:
+        with LiveTensorBytes(after=previous) as load:
             state = load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job, stats=stats)
-        peaks["load"], alive = load.peak, load.end
+        peaks["load"], previous = load.peak, load
     while state.iteration < steps:
-        with LiveTensorBytes(alive) as step:
+        with LiveTensorBytes(after=previous) as step:
             losses.append(train_one_step(topo, chunks, engine, state.iteration))
-        peaks["step"], alive = max(peaks.get("step", 0), step.peak), step.end
+        peaks["step"], previous = max(peaks.get("step", 0), step.peak), step
         state.iteration += 1
         state.consumed_samples += GLOBAL_MB * MB_SIZE
         if save_dir and state.iteration == 2:
-            with LiveTensorBytes(alive) as save:
+            with LiveTensorBytes(after=previous) as save:
                 save_checkpoint(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job)
-            peaks["save"], alive = save.peak, save.end
+            peaks["save"], previous = save.peak, save
     bucket = max(b.numel for b in engine.bucket_groups[0].buckets) * 4
     return dict(losses=losses, stats=stats, peaks=peaks, bucket=bucket, rank=topo.rank)
 

@@ -23,11 +23,15 @@ def test_live_tensor_bytes_follows_allocations():
         a = torch.zeros(1000, 1000)                      # 4 MB, kept
         b = torch.zeros(2000, 1000)                      # 8 MB, freed: the peak is 12 MB
         del b
-    with LiveTensorBytes(alive=first.end) as second:
+    with LiveTensorBytes(after=first) as second:
         c = torch.zeros(500, 1000)                       # 2 MB on top of the 4 MB still alive
     assert (first.peak, first.end) == (12_000_000, 4_000_000)
     assert (second.peak, second.end) == (6_000_000, 6_000_000)
-    del a, c
+    with LiveTensorBytes(after=second) as chained:
+        del a                                            # allocated in the chain: seen leaving
+    with LiveTensorBytes(alive=2_000_000) as unchained:
+        del c                                            # allocated in a block this one does not follow:
+    assert chained.end == 2_000_000 and unchained.end == 2_000_000     # not counted (the profiler reports it)
     old = torch.zeros(1000, 1000)                        # 4 MB from before, freed in the first "step"
     with LiveTensorBytes(alive=4_000_000) as third:      # one "step" early, then the mark
         del old                                          # unseen: allocated before the block
@@ -260,7 +264,7 @@ def _held_body(rank, world_size, argv):
     gc.collect()
     with LiveTensorBytes() as forward:
         loss = chunk(tokens, labels).mean()
-    with LiveTensorBytes(alive=forward.end) as backward:
+    with LiveTensorBytes(after=forward) as backward:
         loss.backward()
     del loss
     return forward.end, backward.peak              # the backward's peak, counting what the forward held
@@ -338,11 +342,11 @@ def test_an_event_whose_name_torch_cannot_decode_is_skipped_not_fatal():
     from megazero.memory.measure import event_name
 
     class Garbled:
+        @property
         def name(self):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
 
-    class Memory:
-        def name(self):
-            return "[memory]"
+    class Mark:
+        name = "megazero.LiveTensorBytes.mark"
 
-    assert event_name(Garbled()) == "" and event_name(Memory()) == "[memory]"
+    assert event_name(Garbled()) == "" and event_name(Mark()) == Mark.name

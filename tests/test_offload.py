@@ -148,11 +148,11 @@ def _memory_body(rank, world_size, nvme_dir):
         with LiveTensorBytes() as build:
             chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, device="meta")
             engine = build_engine(chunks, topo, job.zero, job.optimizer)
-        peak, alive = build.peak, build.end
+        peak, previous = build.peak, build
         for step in range(2):
-            with LiveTensorBytes(alive=alive) as probe:
+            with LiveTensorBytes(after=previous) as probe:
                 train_one_step(topo, chunks, engine, step)
-            peak, alive = max(peak, probe.peak), probe.end
+            peak, previous = max(peak, probe.peak), probe
         states = engine.model_state_bytes()
         swap = [p.stat().st_size for p in _swap_files(nvme_dir, rank)]
         engine.close()

@@ -15,8 +15,9 @@ history: a ZeRO-3 run that holds 180 MiB of tensors can show 1.5 GiB resident. T
   above the live tensors (:func:`describe_cpu_memory` says which at start).
 * :class:`LiveTensorBytes` counts the bytes of tensors alive, from the allocation events of
   torch's profiler: exact and independent of the allocator, but slow enough to be for tests and
-  benchmarks only. The profiler sees no free of a tensor allocated before it started: measure from
-  before what you care about is created, or start a step early and :meth:`LiveTensorBytes.mark`.
+  benchmarks only. A block counts no free of a tensor allocated before it started: measure from
+  before what you care about is created, chain blocks with ``after=``, or start a step early and
+  :meth:`LiveTensorBytes.mark`.
 """
 from __future__ import annotations
 
@@ -78,17 +79,24 @@ class LiveTensorBytes:
 
         with LiveTensorBytes() as build:           # what was alive before counts as 0 ...
             chunks, engine = build_model()
-        with LiveTensorBytes(alive=build.end) as step:   # ... or as ``alive`` bytes
+        with LiveTensorBytes(after=build) as step:   # ... or, chained, as what ``build`` left alive
             train_step(...)
         build.peak, step.peak, step.end
 
-    The profiler does not see the free of a tensor allocated before the block (it stays counted):
-    measure from before what you care about is created (``gc.collect()`` first), and chain blocks
-    through ``alive`` to follow phases. For the peak of one training step, whose tensors from the
-    step before (gradients, say) die inside it, open the block a step early and call :meth:`mark`
-    where the step begins with the bytes alive there (counted exactly at a quiescent point, e.g. by
-    walking the reachable tensors): counting starts over at the mark, and the frees of what the
-    step before allocated are seen::
+    A block counts the allocations it sees and the frees of the blocks it saw allocated; a free of a
+    tensor allocated before the block is not counted (it stays counted in ``alive``): measure from
+    before what you care about is created (``gc.collect()`` first). ``after=`` chains blocks that
+    follow each other: the next block starts from the previous one's ``end`` and also counts the frees
+    of what the previous one left alive (a step freeing the forward's activations, say). ``alive=``
+    sets the starting bytes instead (with ``after=``, a corrected figure). Torch's profiler itself
+    reports a free's size for any block allocated while any profiler ran, even one freed since and its
+    address reused outside a profiler; those frees would subtract bytes nothing here allocated, by a
+    different amount each run, so the frees are matched by address to this block's own allocations.
+
+    For the peak of one training step, whose tensors from the step before (gradients, say) die
+    inside it, open the block a step early and call :meth:`mark` where the step begins with the bytes
+    alive there (counted exactly at a quiescent point, e.g. by walking the reachable tensors):
+    counting starts over at the mark, and the frees of what the step before allocated are seen::
 
         with LiveTensorBytes() as probe:
             train_step(...)          # allocates what the next step frees
@@ -103,11 +111,14 @@ class LiveTensorBytes:
 
     _MARK = "megazero.LiveTensorBytes.mark"
 
-    def __init__(self, alive: int = 0) -> None:
+    def __init__(self, alive: int | None = None, after: "LiveTensorBytes | None" = None) -> None:
+        if alive is None:
+            alive = after.end if after is not None else 0
         self.alive = alive
         self.peak = self.end = alive
         self._prof = None
         self._marked: int | None = None
+        self._held: dict[int, int] = dict(after._held) if after is not None else {}   # address -> bytes
 
     def mark(self, alive: int) -> None:
         """Start counting over here, from ``alive`` bytes (see the class docstring)."""
@@ -124,20 +135,51 @@ class LiveTensorBytes:
 
     def __exit__(self, *exc) -> None:
         self._prof.__exit__(*exc)
-        all_events = self._prof.profiler.kineto_results.events()
-        events = sorted((e for e in all_events if event_name(e) == "[memory]"
-                         and e.device_type() == torch.autograd.DeviceType.CPU), key=lambda e: e.start_ns())
-        live = peak = self.alive
+        allocations, marks = _allocations_and_marks(self._prof, self._MARK)
+        before: list = []
+        start = self.alive
         if self._marked is not None:
-            marks = [e.start_ns() for e in all_events if event_name(e) == self._MARK]
             if not marks:
                 raise RuntimeError("LiveTensorBytes.mark() was called but the profiler recorded no mark")
-            events = [e for e in events if e.start_ns() >= max(marks)]
-            live = peak = self._marked
-        for e in events:
-            live += e.nbytes()
+            cut = max(marks)
+            before = [a for a in allocations if a[0] < cut]
+            allocations = [a for a in allocations if a[0] >= cut]
+            start = self._marked
+        for _, address, nbytes in before:                   # before the mark: only which blocks are held
+            self._change(address, nbytes)
+        live = peak = start
+        for _, address, nbytes in allocations:
+            live += self._change(address, nbytes)
             peak = max(peak, live)
         self.peak, self.end = peak, live
+
+    def _change(self, address: int, nbytes: int) -> int:
+        """The live bytes' change for one allocation event: an allocation adds its size, a free takes
+        off the size of the block this chain saw allocated at that address, or nothing."""
+        if nbytes > 0:
+            self._held[address] = nbytes
+            return nbytes
+        return -self._held.pop(address, 0)
+
+
+def _allocations_and_marks(prof, mark_name: str) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """The CPU allocation events a finished profiler recorded, as (time, address, bytes; negative for a
+    free) in time order, and the times of the ``record_function`` blocks named ``mark_name``."""
+    from torch._C._profiler import _EventType
+
+    allocations, marks = [], []
+    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:                                            # pre-order: a thread's events as recorded
+        node = stack.pop()
+        stack.extend(reversed(node.children))
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            if fields.device.type == "cpu":
+                allocations.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+        elif event_name(node) == mark_name:
+            marks.append(node.start_time_ns)
+    allocations.sort(key=lambda a: a[0])                    # stable: ties keep the recorded order
+    return allocations, marks
 
 
 def reachable_tensor_bytes() -> int:
@@ -213,9 +255,10 @@ class LastStepLiveBytes:
 
 
 def event_name(event) -> str:
-    """A profiler event's name; "" where torch cannot decode it (seen for some events when the
-    profiler also records stacks: ``name()`` raised UnicodeDecodeError and lost the whole count)."""
+    """A profiler event tree node's name; "" where torch cannot decode it (seen for some events when
+    the profiler also records stacks: reading the name raised UnicodeDecodeError and lost the whole
+    count)."""
     try:
-        return event.name()
+        return event.name
     except UnicodeDecodeError:
         return ""

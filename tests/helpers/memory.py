@@ -33,7 +33,7 @@ def measure_body(rank, world_size, argv):
     with LiveTensorBytes() as build:
         chunks = build_model_chunks(job.model, job.parallel, topo, seed=1, dtype=dtype, device="meta")
         engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
-    with LiveTensorBytes(alive=build.end) as step:      # one step: see LiveTensorBytes on tp > 1
+    with LiveTensorBytes(after=build) as step:      # one step: see LiveTensorBytes on tp > 1
         train_step(chunks, micro, topo, engine, job)
     inputs = sum(t.untyped_storage().nbytes() for mb in micro for t in mb.values())
     return topo.pp_rank, step.peak, reachable_tensor_bytes() - inputs   # after the step: the model states
