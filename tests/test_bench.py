@@ -340,6 +340,10 @@ def test_trainer_section_computes_its_columns_and_acceptance_from_the_rows():
     furthest = next(x for x in accept if x.startswith("- Every row beside its floor"))
     assert furthest.endswith("incomplete -- furthest: ds-zero1 at 2x128 dp 2, 15.00x its floor (compute-bound: "
                              f"compute 10 ms, communication {1e3 * comm_bytes('ds-zero1', shape, 2) / 2**30:.0f} ms)")
+    assert "- No row below its floor (a floor beaten is a floor measured too low): yes" in accept
+    runs["torch-ddp"] = [run(5, 20.0)] * 2                                         # half its 10 ms compute floor
+    below = next(x for x in trainer_section([_trainer_results(shape, 2, runs)]) if x.startswith("- No row below"))
+    assert below.endswith(": NO -- 1 of 14: torch-ddp at 2x128 dp 2 0.50x"), below
 
 
 @pytest.mark.slow
