@@ -290,7 +290,9 @@ def _ran(results: list[dict]) -> bool:
 
 
 def _median_step(results: list[dict]) -> float:
-    return statistics.median(statistics.median(r["step_s"]) for r in results) if results else math.nan
+    """The median over rounds of each round's median step; a round whose run failed twice is left out."""
+    steps = [statistics.median(r["step_s"]) for r in results if "step_s" in r]
+    return statistics.median(steps) if steps else math.nan
 
 
 def _median_of(results: list[dict], key: str) -> float:
@@ -298,7 +300,8 @@ def _median_of(results: list[dict], key: str) -> float:
 
 
 def _ratio(ours: list[dict], peer: list[dict]) -> float:
-    pairs = [statistics.median(a["step_s"]) / statistics.median(b["step_s"]) for a, b in zip(ours, peer)]
+    pairs = [statistics.median(a["step_s"]) / statistics.median(b["step_s"]) for a, b in zip(ours, peer)
+             if "step_s" in a and "step_s" in b]                # a round where either failed twice: left out
     return statistics.median(pairs) if pairs else math.nan
 
 
