@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from megazero.arguments import parse_job
-from megazero.checkpoint import CheckpointError, checkpoint_saver, resume
+from megazero.checkpoint import checkpoint_saver, resume
 from megazero.compile import CompileLog, compile_model
 from megazero.config import JobConfig
-from megazero.data.gpt_dataset import DataError
 from megazero.data.samplers import build_data_iterators
-from megazero.data.tokenizers import Tokenizer, TokenizerError, tokenizer_from_config
+from megazero.data.tokenizers import Tokenizer, tokenizer_from_config
+from megazero.errors import CheckpointError, DataError, NothingToDo, PreflightError, TokenizerError, TrainingStopped
 from megazero.kernels import describe_kernels
 from megazero.launcher import SECONDHAND, report_to_launcher
 from megazero.memory import describe_cpu_memory, return_freed_memory, reuse_freed_memory
@@ -37,10 +37,10 @@ from megazero.memory.estimate import estimate_memory
 from megazero.metrics import MetricsLog, wandb_settings
 from megazero.models.spec import build_model_chunks, get_model_spec
 from megazero.parallel.topology import Topology, init_distributed
-from megazero.preflight import NothingToDo, PreflightError, preflight
-from megazero.profiling import describe as describe_profiling
 from megazero.parallel.zero import build_engine
-from megazero.training import TrainingStopped, describe_run, gather_full_model, greedy_continuation, train
+from megazero.preflight import preflight
+from megazero.profiling import describe as describe_profiling
+from megazero.training import describe_run, gather_full_model, greedy_continuation, train
 
 SAMPLE_PROMPT = "A hacker is"
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")   # gloo, when a rank left

@@ -30,11 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-from megazero.config import BACKENDS, TOKENIZERS, ConfigError, JobConfig, flag, flag_fields, setting, validate
+from megazero.config import BACKENDS, TOKENIZERS, JobConfig, flag, flag_fields, setting, validate
 from megazero.config import megatron_flags as megatron
 from megazero.config.fields import GROUPS
-from megazero.launcher import report_to_launcher
+from megazero.errors import ConfigError
 from megazero.foreign_config import Launch, from_accelerate, from_deepspeed, load_yaml, unused_warning
+from megazero.launcher import report_to_launcher
 from megazero.models.spec import check_family
 
 
@@ -205,7 +206,7 @@ def _checkpoint_args(sources: list[tuple[str, dict]]) -> tuple[str, dict] | None
         raise ConfigError(f"{flag('use_checkpoint_args')} needs {flag('load')} DIR (the checkpoint whose model "
                           f"settings to take)")
     from megazero.checkpoint.distributed import saved_job, saved_model_settings
-    from megazero.checkpoint.format import CheckpointError
+    from megazero.errors import CheckpointError
 
     try:
         saved, job = saved_model_settings(load), saved_job(load)

@@ -18,21 +18,14 @@ from pathlib import Path
 
 import torch
 
-from megazero.checkpoint.format import INDEX, CheckpointError, checkpoint_dir, read_json, read_tracker, recover
 from megazero.checkpoint.distributed import model_mismatch
+from megazero.checkpoint.format import INDEX, checkpoint_dir, read_json, read_tracker, recover
 from megazero.checkpoint.lock import SaveLock
 from megazero.config import JobConfig, flag
 from megazero.data.indexed_dataset import IndexedDataset
+from megazero.errors import CheckpointError, NothingToDo, PreflightError
 from megazero.metrics import WANDB_MISSING
 from megazero.profiling import trace_dir
-
-class PreflightError(ValueError):
-    """An input the run cannot use; the message names the flag and the fix."""
-
-
-class NothingToDo(PreflightError):
-    """The checkpoint to resume has already reached ``--train-iters``: the run has nothing left to train
-    (the message says so; the trainer exits with status 0)."""
 
 
 def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> SaveLock | None:

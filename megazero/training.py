@@ -21,6 +21,7 @@ from megazero.checkpoint.distributed import rank_pieces
 from megazero.checkpoint.finite import first_nonfinite, first_over_ranks
 from megazero.compile import CompileLog, describe_recompiles
 from megazero.config import JobConfig, flag
+from megazero.errors import TrainingStopped
 from megazero.lr_schedule import learning_rate
 from megazero.memory.activation_offload import take_offloaded_bytes
 from megazero.memory.measure import LastStepLiveBytes
@@ -34,11 +35,6 @@ from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
 from megazero.profiling import StepProfiler
 from megazero.state import TrainState
-
-
-class TrainingStopped(RuntimeError):
-    """The run cannot go on (a non-finite loss or gradient, too many skipped steps): the message says
-    why and at which iteration; nothing of the bad state has been saved."""
 
 
 @dataclass

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_on_ranks
-from helpers.ckpt import (GLOBAL_MB, MB_SIZE, MODEL, SEED, VOCAB, full_params, make_job, run_body, setup,
-                          train_one_step)
+from helpers.ckpt import GLOBAL_MB, MB_SIZE, MODEL, SEED, VOCAB, full_params, make_job, run_body, setup, train_one_step
 
-from megazero.checkpoint import CheckpointError, CheckpointReader, latest_iteration, load_checkpoint, save_checkpoint
+from megazero.checkpoint import CheckpointReader, latest_iteration, load_checkpoint, save_checkpoint
 from megazero.checkpoint.format import checkpoint_dir, recover
 from megazero.checkpoint.offline import declarations, read_model, write_weights_checkpoint
 from megazero.config import ModelConfig
+from megazero.errors import CheckpointError
 from megazero.models.gpt import GPT, build_model_chunks
 from megazero.parallel.params import split_dim
 from megazero.parallel.topology import Topology

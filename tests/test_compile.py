@@ -8,8 +8,8 @@ from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_CFG, LLAMA_KW, SEED, check_against_reference, trainer_steps
 
 from megazero.compile import CompileLog, CompileStats, compile_model, compile_unavailable
-from megazero.config import (CompileConfig, ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig,
-                             ZeroConfig, validate)
+from megazero.config import CompileConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.errors import ConfigError
 from megazero.models.gpt import GPT
 from megazero.models.spec import ModelSpec, build_model_chunks, check_family, get_model_spec
 from megazero.parallel.topology import Topology
@@ -21,8 +21,9 @@ STEPS = 5
 
 def test_flags_the_accelerate_key_and_refusals(tmp_path, monkeypatch):
     from megazero import compile as compile_module
+    from megazero.errors import PreflightError
     from megazero.foreign_config import from_accelerate
-    from megazero.preflight import PreflightError, preflight
+    from megazero.preflight import preflight
 
     assert compile_unavailable("cpu") is None                      # this machine compiles (a C++ compiler)
     monkeypatch.setattr(compile_module.shutil, "which", lambda name: None)

@@ -3,8 +3,22 @@ flag a message names is one the command line takes."""
 import pytest
 
 from megazero.arguments import build_parser
-from megazero.config import (CheckpointConfig, ConfigError, DataConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                             PrecisionConfig, TrainConfig, ZeroConfig, flag, flag_fields, setting, validate)
+from megazero.config import (
+    CheckpointConfig,
+    DataConfig,
+    JobConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainConfig,
+    ZeroConfig,
+    flag,
+    flag_fields,
+    setting,
+    validate,
+)
+from megazero.errors import ConfigError
 
 
 def job(**sections) -> JobConfig:

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from helpers import run_on_ranks
 from helpers.trainer import LLAMA_FLAGS, TINY, assert_same_losses, main_body, read_metrics
 
-from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, validate
+from megazero.config import JobConfig, ModelConfig, ParallelConfig, validate
+from megazero.errors import ConfigError
 from megazero.parallel.context import gathered_order, rank_positions, rank_slice, unslice
-from megazero.parallel.topology import rank_grid
+from megazero.ranks import rank_grid
 
 
 # ---------------------------------------------------------------------------------------------- layout
@@ -445,8 +446,9 @@ def test_activation_bytes_per_rank_shrink_as_one_over_cp():
     score matrices of one tile of query rows in the backward (scores, p, dp, ds and a product: a fixed
     size, ring_attention.row_tiles); 10% for the allocator's rounding. Whole blocks' scores instead of
     tiles held A(2) at 12.4 MiB against A(1) 10.6 here."""
-    from megazero.parallel.ring_attention import TILE_SCORES
     from helpers.memory import measure_body
+
+    from megazero.parallel.ring_attention import TILE_SCORES
 
     def activations(cp: int, seq: int) -> int:
         flags = [f if f != "512" else str(seq) for f in CP_MEMORY] + ["--cp", str(cp)]

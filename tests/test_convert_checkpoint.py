@@ -14,10 +14,11 @@ import torch.distributed as dist
 from helpers import run_on_ranks
 from helpers.ckpt import MODEL, VOCAB, make_job, run_body
 
-from megazero.checkpoint import CheckpointError, load_checkpoint
+from megazero.checkpoint import load_checkpoint
 from megazero.checkpoint.hf import load_hf, model_config_from_hf
 from megazero.checkpoint.offline import build_full_model, read_model, write_weights_checkpoint
 from megazero.config import JobConfig, ModelConfig
+from megazero.errors import CheckpointError
 from megazero.generation import generate
 from megazero.models.gpt import GPT, build_model_chunks
 from megazero.parallel.tensor import gather_full

@@ -11,7 +11,7 @@ from helpers import run_on_ranks
 from helpers.trainer import main_body, read_metrics
 
 from megazero.arguments import parse_job
-from megazero.config import ConfigError
+from megazero.errors import ConfigError
 from megazero.foreign_config import Launch, from_accelerate, from_deepspeed
 
 # The model and run length; batch, optimizer, schedule and precision come from each config below.

@@ -4,7 +4,7 @@ import shlex
 import pytest
 
 import megazero.config
-from megazero.config import ConfigError
+from megazero.errors import ConfigError
 from megazero.fuzz.sampler import AXES, COMMON, MAX_WORLD, NOT_APPLICABLE, draw, parse_and_validate
 
 LAYOUT_FLAGS = ("--tp", "--pp", "--dp", "--zero-stage", "--sequence-parallel", "--expert-model-parallel-size",

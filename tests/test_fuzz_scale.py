@@ -6,7 +6,7 @@ import sys
 import pytest
 from helpers.trainer import ROOT, fuzz_launcher
 
-from megazero.config import ConfigError
+from megazero.errors import ConfigError
 from megazero.fuzz.scale import scale_down
 
 sys.path.insert(0, str(ROOT / "tools"))

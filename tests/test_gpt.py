@@ -5,7 +5,8 @@ import pytest
 import torch
 from helpers import run_on_ranks
 
-from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, ZeroConfig, validate
+from megazero.config import JobConfig, ModelConfig, ParallelConfig, ZeroConfig, validate
+from megazero.errors import ConfigError
 from megazero.models.gpt import GPT, masked_mean
 from megazero.parallel.groups import ModelParallelGroups, TensorParallel
 from megazero.parallel.params import split_dim

@@ -8,13 +8,21 @@ import torch
 from helpers import run_on_ranks
 
 from megazero.config import DataConfig
-from megazero.data.gpt_dataset import (BlendedDataset, DataError, GPTDataset, IndexCache, MockGPTDataset,
-                                       build_blending_indices, build_sample_idx,
-                                       build_train_valid_test_datasets, parse_data_path, split_ranges)
+from megazero.data.gpt_dataset import (
+    BlendedDataset,
+    GPTDataset,
+    IndexCache,
+    MockGPTDataset,
+    build_blending_indices,
+    build_sample_idx,
+    build_train_valid_test_datasets,
+    parse_data_path,
+    split_ranges,
+)
 from megazero.data.indexed_dataset import IndexedDataset, write_indexed_dataset
 from megazero.data.sample import default_sample, sample_documents, sample_tokenizer
-from megazero.data.samplers import (MicroBatchIterator, build_data_iterators, micro_batch_sample_ids,
-                                     samples_to_batch)
+from megazero.data.samplers import MicroBatchIterator, build_data_iterators, micro_batch_sample_ids, samples_to_batch
+from megazero.errors import DataError
 
 
 def _make(tmp_path, name="d", n_docs=50, seed=0, vocab=1000, max_len=40):
@@ -126,7 +134,9 @@ def test_index_cache_written_once_and_reused(tmp_path, monkeypatch):
 
 def _cache_body(rank, world, tmp, calls_file):
     import torch.distributed as dist
-    from megazero.data.gpt_dataset import GPTDataset as G, IndexCache as C
+
+    from megazero.data.gpt_dataset import GPTDataset as G
+    from megazero.data.gpt_dataset import IndexCache as C
     from megazero.data.indexed_dataset import IndexedDataset as I
     orig = G.build_indices
 

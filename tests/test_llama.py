@@ -8,10 +8,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import run_on_ranks
-from helpers.gpt_parity import (GPT_CFG, GPT_OPT, LLAMA_KW, MB_SIZE, MICRO, SEED, check_against_reference,
-                                gpt_batches, trainer_steps)
+from helpers.gpt_parity import (
+    GPT_CFG,
+    GPT_OPT,
+    LLAMA_KW,
+    MB_SIZE,
+    MICRO,
+    SEED,
+    check_against_reference,
+    gpt_batches,
+    trainer_steps,
+)
 
-from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.errors import ConfigError
 from megazero.models.gpt import GPT, build_model_chunks, masked_mean
 from megazero.models.rotary import RotaryEmbedding
 from megazero.models.transformer import interleaved_to_gate_up, kv_interleaved_to_blocks

@@ -19,12 +19,19 @@ from helpers.trainer import ROOT, assert_same_losses, main_body, read_metrics
 from torch import nn
 
 from megazero.checkpoint.offline import read_model
-from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.errors import ConfigError
 from megazero.memory.estimate import estimate_memory
 from megazero.models.spec import ModelSpec, build_model_chunks, get_model_spec, register_model_spec
 from megazero.parallel.params import set_tp_attributes
-from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                      mask_padded_vocab, shard, vocab_parallel_cross_entropy)
+from megazero.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    mask_padded_vocab,
+    shard,
+    vocab_parallel_cross_entropy,
+)
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 

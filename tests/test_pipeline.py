@@ -13,15 +13,24 @@ import itertools
 import pytest
 import torch
 from helpers import run_on_ranks
-from helpers.pipeline_parity import (MICRO, SEED, batches, check_parity, model_cfg,
-                                     parallel_body)
+from helpers.pipeline_parity import MICRO, SEED, batches, check_parity, model_cfg, parallel_body
 from helpers.pipeline_sim import run_on_threads
 
-from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, validate
+from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, validate
+from megazero.errors import ConfigError
 from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
-from megazero.parallel.pipeline import (PipelineStats, get_schedule, gpipe, interleaved_one_f_one_b,
-                                        interleaved_warmup, no_pipelining, one_f_one_b, run_schedule, simulate,
-                                        stage_layer_ids)
+from megazero.parallel.pipeline import (
+    PipelineStats,
+    get_schedule,
+    gpipe,
+    interleaved_one_f_one_b,
+    interleaved_warmup,
+    no_pipelining,
+    one_f_one_b,
+    run_schedule,
+    simulate,
+    stage_layer_ids,
+)
 from megazero.parallel.pipeline.partition import V, placements
 from megazero.parallel.topology import Topology
 

@@ -9,8 +9,8 @@ import torch
 from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_CFG, GPT_OPT, LLAMA_KW, SEED, check_against_reference, trainer_steps
 
-from megazero.config import (CompileConfig, ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig,
-                             ZeroConfig, validate)
+from megazero.config import CompileConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.errors import ConfigError
 from megazero.models.gpt import GPT
 from megazero.models.recompute import full_recompute_groups
 from megazero.models.spec import build_model_chunks, get_model_spec

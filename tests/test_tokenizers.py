@@ -14,8 +14,15 @@ from helpers.hf_tokenizers import bos_tokenizer_dir, gpt2_tokenizer_dir
 
 from megazero.config import DataConfig
 from megazero.data.sample import CORPUS, TOKENIZER_MODEL, sample_text
-from megazero.data.tokenizers import (GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer,
-                                      TokenizerError, build_tokenizer, bytes_to_unicode, tokenizer_from_config)
+from megazero.data.tokenizers import (
+    GPT2BPETokenizer,
+    HuggingFaceTokenizer,
+    SentencePieceTokenizer,
+    build_tokenizer,
+    bytes_to_unicode,
+    tokenizer_from_config,
+)
+from megazero.errors import TokenizerError
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_SHA = "3f942aea63845da6dc1023e5e8b942f329986b0bed2844d451b564d53498c188"

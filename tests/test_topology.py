@@ -3,7 +3,8 @@ import torch
 import torch.distributed as dist
 from helpers import run_on_ranks
 
-from megazero.parallel.topology import Topology, rank_grid
+from megazero.parallel.topology import Topology
+from megazero.ranks import rank_grid
 
 
 def test_megatron_16_rank_listing():

@@ -7,16 +7,17 @@ import torch.distributed as dist
 from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, SEED, gpt_batches
 
-from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.errors import ConfigError
 from megazero.memory.estimate import estimate_stage
 from megazero.models.gpt import build_model_chunks
 from megazero.parallel.counted_comm import CommLog, inter_fraction
-from megazero.parallel.topology import Topology, dp_partitions, rank_grid
+from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
-from megazero.parallel.zero.quantize import (QMAX, packed_columns, quantize_dequantize, quantize_rows,
-                                             dequantize_rows)
+from megazero.parallel.zero.quantize import QMAX, dequantize_rows, packed_columns, quantize_dequantize, quantize_rows
 from megazero.parallel.zero.reducers import HierarchicalReducer
 from megazero.parallel.zero.zeropp import ZeroPlusPlusGathering
+from megazero.ranks import dp_partitions, rank_grid
 from megazero.training import train_step
 
 ALL_THREE = dict(quantized_weights=True, hpz_partition_size=-1, quantized_gradients=True)   # -1: dp per node

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megazero.config import ConfigError  # noqa: E402
+from megazero.errors import ConfigError  # noqa: E402
 from megazero.fuzz.checker import check  # noqa: E402
 from megazero.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS  # noqa: E402
 from megazero.fuzz.scale import scale_down  # noqa: E402

@@ -30,12 +30,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from megazero.checkpoint import CheckpointError  # noqa: E402
-from megazero.checkpoint.hf_compare import DEFAULT_TEXT, Comparison, compare_with_hf  # noqa: E402
 from megazero.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, load_hf, save_hf  # noqa: E402
+from megazero.checkpoint.hf_compare import DEFAULT_TEXT, Comparison, compare_with_hf  # noqa: E402
 from megazero.checkpoint.hf_tokenizer import tokenizer_of  # noqa: E402
 from megazero.checkpoint.offline import read_model, saved_job, write_weights_checkpoint  # noqa: E402
-from megazero.config import ConfigError, JobConfig, ParallelConfig, check_model  # noqa: E402
+from megazero.config import JobConfig, ParallelConfig, check_model
+from megazero.errors import (
+    CheckpointError,  # noqa: E402
+    ConfigError,  # noqa: E402
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}

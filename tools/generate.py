@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from megazero.checkpoint import CheckpointError  # noqa: E402
-from megazero.config import TOKENIZERS  # noqa: E402
 from megazero.checkpoint.offline import build_full_model  # noqa: E402
+from megazero.config import TOKENIZERS  # noqa: E402
+from megazero.errors import CheckpointError  # noqa: E402
 from megazero.generation import generate  # noqa: E402
 
 

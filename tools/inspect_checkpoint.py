@@ -17,8 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megazero.checkpoint import CheckpointError, CheckpointReader  # noqa: E402
+from megazero.checkpoint import CheckpointReader
 from megazero.checkpoint.offline import check_index_shapes, resolve  # noqa: E402
+from megazero.errors import CheckpointError  # noqa: E402
 
 
 def describe(path: str, verify: bool = True) -> list[str]:

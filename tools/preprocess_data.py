@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from megazero.config import TOKENIZERS  # noqa: E402
 from megazero.data.indexed_dataset import IndexedDatasetError  # noqa: E402
 from megazero.data.preprocess import PreprocessConfig, PreprocessError, preprocess  # noqa: E402
-from megazero.data.tokenizers import TokenizerError  # noqa: E402
+from megazero.errors import TokenizerError  # noqa: E402
 
 
 def parse_args(argv=None) -> PreprocessConfig:

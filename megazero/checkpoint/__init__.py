@@ -13,9 +13,8 @@ The on-disk format is described in :mod:`megazero.checkpoint.format`; single-pro
 and write it through :mod:`megazero.checkpoint.offline` (whole tensors by stable name).
 """
 from megazero.checkpoint.distributed import check_model_compatible, latest_iteration, load_checkpoint, save_checkpoint
-from megazero.checkpoint.format import CheckpointError
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.resume import checkpoint_saver, resume
 
-__all__ = ["CheckpointError", "CheckpointReader", "check_model_compatible", "checkpoint_saver", "latest_iteration",
+__all__ = ["CheckpointReader", "check_model_compatible", "checkpoint_saver", "latest_iteration",
            "load_checkpoint", "resume", "save_checkpoint"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megazero.checkpoint.format import CheckpointError
+from megazero.errors import CheckpointError
 
 # What a rank says when it failed only because another one did (the save path's agreement).
 SECONDHAND = "failed on another rank"

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint.distributed import SavePlan, write_planned
-from megazero.checkpoint.format import CheckpointError
+from megazero.errors import CheckpointError
 
 
 class AsyncCheckpointWriter:

@@ -32,12 +32,12 @@ import torch
 from megazero.checkpoint import format as fmt
 from megazero.checkpoint.agree import raise_first_error
 from megazero.checkpoint.finite import first_nonfinite, first_over_ranks
-from megazero.checkpoint.format import CheckpointError
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.regions import numel
 from megazero.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from megazero.checkpoint.tensor_file import write_pieces
 from megazero.config import ModelConfig, flag
+from megazero.errors import CheckpointError
 from megazero.lr_schedule import learning_rate
 from megazero.models.spec import get_model_spec
 from megazero.parallel.params import attribute, counts_once, split_dim
@@ -64,7 +64,7 @@ def _layout(topo, chunks, job) -> dict:
 
 def _canonical_order(order: str) -> str:
     """The rank order with cp named (``tp-dp-pp`` and ``tp-cp-dp-pp`` are the same layout)."""
-    from megazero.parallel.topology import parse_order
+    from megazero.ranks import parse_order
 
     return "-".join(parse_order(order))
 

@@ -47,16 +47,14 @@ import os
 import shutil
 from pathlib import Path
 
+from megazero.errors import CheckpointError
+
 FORMAT_NAME = "megazero-checkpoint"
 FORMAT_VERSION = 2          # 1: one file per (tp, pp) position, whole boxes; 2: one file per rank, pieces
 INDEX = "index.json"
 MANIFEST = "manifest.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL, EXP_AVG, EXP_AVG_SQ, MASTER = "model", "optim.exp_avg", "optim.exp_avg_sq", "optim.master"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, corrupted or does not fit the model."""
 
 
 def iter_dir_name(iteration: int) -> str:

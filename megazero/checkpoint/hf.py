@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from megazero.checkpoint.format import CheckpointError
 from megazero.checkpoint.hf_tokenizer import SpecialTokens, write_tokenizer
-from megazero.config import ConfigError, DataConfig, ModelConfig
+from megazero.config import DataConfig, ModelConfig
+from megazero.errors import CheckpointError, ConfigError
 from megazero.models.spec import ModelSpec, get_model_spec, spec_for_hf
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9       # save_pretrained's default "5GB"

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from megazero.checkpoint.format import CheckpointError
 from megazero.config import DataConfig, ModelConfig
+from megazero.errors import CheckpointError
 from megazero.models.spec import get_model_spec
 from megazero.parallel.params import attribute
 

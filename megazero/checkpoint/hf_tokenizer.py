@@ -48,7 +48,8 @@ class SpecialTokens:
 def run_tokenizer(data_cfg: DataConfig):
     """megazero's tokenizer of a run's data config (the embedded sample's SentencePiece model for the
     default run), or None when it is unknown: mock data, or files that are gone."""
-    from megazero.data.tokenizers import TokenizerError, build_tokenizer
+    from megazero.data.tokenizers import build_tokenizer
+    from megazero.errors import TokenizerError
 
     kind, model = data_cfg.tokenizer_type, data_cfg.tokenizer_model
     if kind is None and not data_cfg.data_path and not data_cfg.mock_data:      # the embedded default run

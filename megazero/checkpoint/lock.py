@@ -13,7 +13,7 @@ import socket
 import time
 from pathlib import Path
 
-from megazero.checkpoint.format import CheckpointError
+from megazero.errors import CheckpointError
 
 LOCK = ".lock"
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from megazero.checkpoint import format as fmt
-from megazero.checkpoint.format import CheckpointError
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.regions import numel
 from megazero.checkpoint.tensor_file import write_pieces
 from megazero.config import JobConfig, ModelConfig
+from megazero.errors import CheckpointError
 from megazero.models.spec import get_model_spec
 from megazero.parallel.params import attribute, counts_once, split_dim
 

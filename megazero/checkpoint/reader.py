@@ -21,10 +21,18 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from megazero.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, INDEX, MANIFEST, MODEL, CheckpointError,
-                                        global_region, read_json, sha256_of)
+from megazero.checkpoint.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX,
+    MANIFEST,
+    MODEL,
+    global_region,
+    read_json,
+    sha256_of,
+)
 from megazero.checkpoint.regions import Box, intersect, numel, overlap_runs, piece_boxes, runs
-
+from megazero.errors import CheckpointError
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

@@ -17,13 +17,32 @@ from __future__ import annotations
 import dataclasses
 
 from megazero.config.checks import check_context_parallel, check_finite, fill_zero_defaults
+from megazero.config.fields import flag, flag_field, flag_fields, setting
 from megazero.config.model_checks import check_model
-from megazero.config.fields import ConfigError, flag, flag_field, flag_fields, setting
-from megazero.config.sections import (ACTIVATIONS, BACKENDS, COMPILE_MODES, DECAY_STYLES, NORMALIZATIONS,
-                                      OFFLOAD_DEVICES, POSITION_EMBEDDING_TYPES, SCHEDULES, TOKENIZERS, ZERO_STAGES,
-                                      CheckpointConfig, CompileConfig, DataConfig, JobConfig, LoggingConfig,
-                                      ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig,
-                                      ZeroConfig)
+from megazero.config.sections import (
+    ACTIVATIONS,
+    BACKENDS,
+    COMPILE_MODES,
+    DECAY_STYLES,
+    NORMALIZATIONS,
+    OFFLOAD_DEVICES,
+    POSITION_EMBEDDING_TYPES,
+    SCHEDULES,
+    TOKENIZERS,
+    ZERO_STAGES,
+    CheckpointConfig,
+    CompileConfig,
+    DataConfig,
+    JobConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainConfig,
+    ZeroConfig,
+)
+from megazero.errors import ConfigError
 
 __all__ = ["ACTIVATIONS", "BACKENDS", "COMPILE_MODES", "CompileConfig", "DECAY_STYLES", "NORMALIZATIONS",
            "OFFLOAD_DEVICES", "POSITION_EMBEDDING_TYPES",

@@ -18,12 +18,23 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
-from megazero.config.fields import ConfigError, choices, flag, setting
+from megazero.config.fields import choices, flag, setting
+from megazero.errors import ConfigError
 
 if TYPE_CHECKING:
-    from megazero.config.sections import (CheckpointConfig, CompileConfig, DataConfig, JobConfig, LoggingConfig,
-                                          ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig,
-                                          ZeroConfig)
+    from megazero.config.sections import (
+        CheckpointConfig,
+        CompileConfig,
+        DataConfig,
+        JobConfig,
+        LoggingConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelConfig,
+        PrecisionConfig,
+        TrainConfig,
+        ZeroConfig,
+    )
 
 # The --cp-comm-type values (of Megatron's, sections.CP_COMM_TYPES) built here; a2a+p2p is refused by name.
 BUILT_CP_COMM_TYPES = ("p2p", "a2a", "allgather")
@@ -93,7 +104,7 @@ def check_parallel(par: ParallelConfig, world: int) -> None:
               f"{FLAG.dp} (or leave it out to infer it)")
     if not par.distributed_timeout_minutes > 0:
         fail(f"{FLAG.distributed_timeout_minutes} must be > 0, got {par.distributed_timeout_minutes}")
-    from megazero.parallel.topology import parse_order       # the rank order's one reading
+    from megazero.ranks import parse_order  # the rank order's one reading
 
     try:
         parse_order(par.order)
@@ -270,7 +281,7 @@ def _check_zeropp(z: ZeroConfig, par: ParallelConfig, world: int) -> None:
 def _check_hpz_nodes(z: ZeroConfig, par: ParallelConfig, world: int) -> None:
     """hpZ's secondary partitions (K consecutive dp ranks) each lie on one node: that is what makes its
     backward gathers cheap. Nodes are blocks of --ranks-per-node (default torchrun's LOCAL_WORLD_SIZE)."""
-    from megazero.parallel.topology import dp_partitions, local_world_size, rank_grid
+    from megazero.ranks import dp_partitions, local_world_size, rank_grid
 
     rpn = par.ranks_per_node or local_world_size() or world
     if world % rpn:

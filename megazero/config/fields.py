@@ -25,10 +25,6 @@ GROUPS = ("parallelism", "model", "mixture of experts", "training", "optimizer",
 _BOOLEAN_ACTIONS = ("store_true", "store_false", argparse.BooleanOptionalAction)
 
 
-class ConfigError(ValueError):
-    """An invalid configuration; the message names the flag and the fix."""
-
-
 @dataclass(frozen=True)
 class Flag:
     """How one config field appears on the command line.

@@ -21,7 +21,8 @@ import difflib
 from argparse import SUPPRESS
 from dataclasses import dataclass, field
 
-from megazero.config.fields import ConfigError, dest, flag
+from megazero.config.fields import dest, flag
+from megazero.errors import ConfigError
 
 # Megatron-LM flags that are ours under the same name and meaning (each is a spelling of a config field).
 AS_IS = (

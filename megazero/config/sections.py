@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from megazero.config import checks, model_checks
 from megazero.config.checkpoint_section import CheckpointConfig  # noqa: F401 - a section of JobConfig
 from megazero.config.compile_section import COMPILE_MODES, CompileConfig  # noqa: F401 - a section of JobConfig
-from megazero.config.fields import ConfigError, flag_field, register_job
+from megazero.config.fields import flag_field, register_job
 from megazero.config.logging_config import LoggingConfig
 from megazero.config.megatron_flags import MEGATRON_TOKENIZERS
+from megazero.errors import ConfigError
 
 # The allowed values of the choice flags: one source for the command line and the checks.
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v")

@@ -32,13 +32,11 @@ import uuid
 
 import numpy as np
 
+from megazero.errors import DataError
+
 from .indexed_dataset import IndexedDataset
 
 CACHE_VERSION = "megazero-gpt-1"
-
-
-class DataError(ValueError):
-    """Unusable data options or files; the message names the flag or file and the fix."""
 
 
 # ---------------------------------------------------------------- options ---------------------------

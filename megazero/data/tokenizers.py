@@ -34,14 +34,11 @@ import os
 from typing import Sequence
 
 from megazero.config import TOKENIZERS
+from megazero.errors import TokenizerError
 
 # GPT-2's pre-tokenisation pattern (contractions, letters, numbers, other, whitespace).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOD = "<|endoftext|>"
-
-
-class TokenizerError(ValueError):
-    """A tokenizer file that is missing or unusable; the message names the flag, file and fix."""
 
 
 class Tokenizer:
@@ -148,7 +145,8 @@ class GPT2BPETokenizer(Tokenizer):
         self.detokenize = lambda ids: self._enc.decode(list(map(int, ids)))
 
     def _build_hf(self) -> None:
-        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
 
         tok = HFTokenizer(models.BPE.from_file(self.vocab_file, self.merge_file))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from megazero.config import ConfigError, setting
+from megazero.config import setting
+from megazero.errors import ConfigError
 from megazero.foreign_config.deepspeed import nvme_path, offload_device, read_deepspeed
 from megazero.foreign_config.reader import Reader, load_yaml, read_text
 

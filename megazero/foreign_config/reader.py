@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megazero.config import ConfigError
+from megazero.errors import ConfigError
 
 AUTO = "auto"
 # The reason given for a key megazero has no equivalent of (grouped: "a, b: " + this).

@@ -19,9 +19,18 @@ import itertools
 import random
 from collections import Counter
 
-from megazero.fuzz.sampler import (AXES, COMMON, MODEL_AXES, Draw, draw, draw_layout, model_flags, parse_and_validate,
-                                   pick_axes)
-from megazero.config import ConfigError
+from megazero.errors import ConfigError
+from megazero.fuzz.sampler import (
+    AXES,
+    COMMON,
+    MODEL_AXES,
+    Draw,
+    draw,
+    draw_layout,
+    model_flags,
+    parse_and_validate,
+    pick_axes,
+)
 
 Pair = tuple[tuple[str, object], tuple[str, object]]
 

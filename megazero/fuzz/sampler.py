@@ -19,8 +19,9 @@ import random
 import shlex
 from dataclasses import dataclass, field
 
-from megazero.config import OFFLOAD_DEVICES, SCHEDULES, ConfigError, JobConfig
+from megazero.config import OFFLOAD_DEVICES, SCHEDULES, JobConfig
 from megazero.config.checks import BUILT_CP_COMM_TYPES
+from megazero.errors import ConfigError
 
 MAX_WORLD = 8
 STEPS_PER_LEG = 2              # iterations before the save, and again after the resume

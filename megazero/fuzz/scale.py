@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from megazero.config import ConfigError
+from megazero.errors import ConfigError
 from megazero.fuzz.sampler import NOT_APPLICABLE, STEPS_PER_LEG, Draw, parse_and_validate
 
 # Settings a scaled copy cannot or need not keep: where data, checkpoints and logs go, and what only

@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megazero.config import ConfigError, JobConfig, validate
+from megazero.config import JobConfig, validate
+from megazero.errors import ConfigError
 from megazero.memory.estimate import StageEstimate, estimate_memory
 from megazero.models.spec import get_model_spec
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from megazero.checkpoint.format import CheckpointError
 from megazero.config import ModelConfig
+from megazero.errors import CheckpointError
 from megazero.models.transformer import qkv_blocks_to_interleaved, qkv_interleaved_to_blocks
 
 _ACT_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}

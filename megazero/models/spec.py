@@ -51,7 +51,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from megazero.config import ConfigError, JobConfig, ModelConfig, ParallelConfig
+from megazero.config import JobConfig, ModelConfig, ParallelConfig
+from megazero.errors import ConfigError
 from megazero.parallel.groups import ModelParallelGroups
 from megazero.parallel.pipeline.generators import stage_shape
 from megazero.parallel.pipeline.partition import StagePlacement, placements
