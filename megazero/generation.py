@@ -6,7 +6,7 @@
                        generator=torch.Generator().manual_seed(0))             # sampling
 
 With a KV cache (the default) the prompt is run once and every new token costs one position: each
-layer keeps the keys and values of the tokens before it (:mod:`megazero.models.kv_cache`). Without
+layer keeps the keys and values of the tokens before it (:mod:`megazero.spec.kv_cache`). Without
 one (``use_cache=False``) every new token re-runs the model over the whole context. Both give the
 same tokens. Once the context outgrows ``max_position_embeddings`` the model sees the last that many
 tokens; the cache is then refilled from that window at every step, which is what the cache-free
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megazero.models.kv_cache import KVCache
+from megazero.spec.kv_cache import KVCache
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:

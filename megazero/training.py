@@ -26,7 +26,7 @@ from megazero.lr_schedule import learning_rate
 from megazero.memory.activation_offload import take_offloaded_bytes
 from megazero.memory.measure import LastStepLiveBytes
 from megazero.metrics import MetricsLog, device_peak_tflops, duration, peak_memory_bytes, timestamp
-from megazero.models.spec import ModelSpec, get_model_spec
+from megazero.spec import ModelSpec, get_model_spec
 from megazero.parallel.context import context_parallel_loss
 from megazero.parallel.params import attribute, counts_once, split_dim
 from megazero.parallel.pipeline import get_schedule, run_schedule

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from megazero.arguments import flag_reference_markdown, parse_job
+from megazero.cli.arguments import flag_reference_markdown
+from megazero.cli.job import parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,10 +38,10 @@ def test_moe_flags_map_to_config():
 
 
 def test_every_flag_is_documented_in_the_flag_reference():
-    from megazero.arguments import ARGUMENTS
+    from megazero.cli.arguments import arguments
 
     reference = (ROOT / "docs" / "flags.md").read_text()
-    missing = [f for entries in ARGUMENTS.values() for flags, _, _ in entries for f in flags
+    missing = [f for entries in arguments(builtin_only=True).values() for flags, _, _ in entries for f in flags
                if f"`{f}`" not in reference]
     assert not missing, f"flags not documented in docs/flags.md: {missing}"
     assert "docs/flags.md" in (ROOT / "README.md").read_text(), "README.md should link the flag reference"
@@ -49,7 +50,7 @@ def test_every_flag_is_documented_in_the_flag_reference():
 def test_flag_reference_is_generated_from_the_metadata():
     page = ROOT / "docs" / "flags.md"
     assert page.is_file() and page.read_text() == flag_reference_markdown(), \
-        "docs/flags.md is stale: regenerate it with `python -m megazero.arguments --markdown > docs/flags.md`"
+        "docs/flags.md is stale: regenerate it with `python -m megazero.cli.arguments --markdown > docs/flags.md`"
 
 
 def test_model_family_flag_and_config_key(tmp_path):
@@ -117,7 +118,7 @@ def test_a_bad_value_is_one_line_without_the_usage_block(capsys):
 
 
 def test_every_flag_has_help_text_a_readable_placeholder_and_its_default():
-    from megazero.arguments import build_parser
+    from megazero.cli.arguments import build_parser
 
     parser = build_parser()
     text = parser.format_help()

@@ -33,7 +33,7 @@ def _slow_main_body(rank, world, argv, delay_s):
     import time
 
     import megazero.checkpoint.distributed as ckpt
-    import pretrain_gpt
+    from megazero.cli import main as cli
 
     real = ckpt.write_pieces
 
@@ -43,7 +43,7 @@ def _slow_main_body(rank, world, argv, delay_s):
 
     ckpt.write_pieces = slow
     try:
-        return pretrain_gpt.main(argv)
+        return cli.main(argv)
     finally:
         ckpt.write_pieces = real
 

@@ -415,9 +415,9 @@ def _hashes(root: Path) -> dict[str, str]:
 
 def _entry_point(name: str):
     if name == "pretrain":
-        import pretrain_gpt
+        from megazero.cli import main as cli
 
-        return pretrain_gpt.main
+        return cli.main
     spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -462,10 +462,10 @@ def test_wandb_project_without_wandb_is_one_line_before_any_process_group(capsys
         raise AssertionError("a process group was created before the input was refused")
 
     monkeypatch.setattr(dist, "init_process_group", tripwire)
-    import pretrain_gpt
+    from megazero.cli import main as cli
 
     with pytest.raises(SystemExit) as stopped:
-        pretrain_gpt.main([*TINY, "--train-iters", "2", "--wandb-project", "tiny"])
+        cli.main([*TINY, "--train-iters", "2", "--wandb-project", "tiny"])
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and "Traceback" not in err
     assert err.strip().splitlines() == ["pretrain_gpt.py: error: --wandb-project needs the wandb package, which is "
@@ -482,10 +482,10 @@ def test_an_empty_validation_split_is_said_at_start(workspace, capsys, monkeypat
         raise Started
 
     monkeypatch.setattr(dist, "init_process_group", started)
-    import pretrain_gpt
+    from megazero.cli import main as cli
 
     with pytest.raises(Started):
-        pretrain_gpt.main([*NO_DATA, *GPT2, "--data-path", f"{workspace}/gpt2_text_document", "--split", "1000,1,0"])
+        cli.main([*NO_DATA, *GPT2, "--data-path", f"{workspace}/gpt2_text_document", "--split", "1000,1,0"])
     out = capsys.readouterr().out
     assert "the validation split of --split '1000,1,0' holds none of the 20 documents" in out
     assert "validation will not run" in out

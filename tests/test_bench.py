@@ -289,7 +289,7 @@ def test_trainer_section_computes_its_columns_and_acceptance_from_the_rows():
     from rows_trainer import (ENGINE, GROUPS, OURS, QUICK_TRAINER, comm_bytes, floor_seconds, trainer_section,
                               variant_names)
 
-    from megazero.config import ModelConfig
+    from megazero.models.gpt import GPTConfig
     from megazero.models.gpt import GPT
 
     names = variant_names()                                      # each variant once per round, the engine included
@@ -297,7 +297,7 @@ def test_trainer_section_computes_its_columns_and_acceptance_from_the_rows():
     assert variant_names(["ours-zero1", "ours-zero2"]) == ["ours-zero1", "ours-zero2", "torch-ddp-zero", "ds-zero1",
                                                            "ds-zero2"]
     shape = QUICK_TRAINER[0]
-    psi = sum(p.numel() for p in GPT(ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=64,
+    psi = sum(p.numel() for p in GPT(GPTConfig(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=64,
                                                  vocab_size=1024, untie_embeddings_and_output_weights=True)).parameters())
     assert shape.params() == psi == 667136                                       # as the peers count it
     assert comm_bytes("ours-zero3", shape, 2) == 3 * 4 * psi / 2                   # gather x2 + reduce-scatter

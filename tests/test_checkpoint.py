@@ -18,7 +18,7 @@ from helpers.ckpt import GLOBAL_MB, MB_SIZE, MODEL, SEED, VOCAB, full_params, ma
 from megazero.checkpoint import CheckpointReader, latest_iteration, load_checkpoint, save_checkpoint
 from megazero.checkpoint.format import checkpoint_dir, recover
 from megazero.checkpoint.offline import declarations, read_model, write_weights_checkpoint
-from megazero.config import ModelConfig
+from megazero.models.gpt import GPTConfig
 from megazero.errors import CheckpointError
 from megazero.models.gpt import GPT, build_model_chunks
 from megazero.parallel.params import split_dim
@@ -146,7 +146,7 @@ def test_weights_only_checkpoint_needs_finetune(saved_tp2pp2dp2, tmp_path):
 
 def test_offline_declarations_match_the_built_model():
     """The tools' meta-device declarations agree with a real model's attributes and stage split."""
-    cfg = ModelConfig(**MODEL, untie_embeddings_and_output_weights=True)
+    cfg = GPTConfig(**MODEL, untie_embeddings_and_output_weights=True)
     decls = declarations(cfg, pp=2)
     model = GPT(cfg)
     assert set(decls) == {n for n, _ in model.named_parameters()}
@@ -163,13 +163,14 @@ _CRASH_SCRIPT = textwrap.dedent("""
     import megazero.checkpoint.distributed as ckpt
     import megazero.checkpoint.format as fmt
     from megazero.checkpoint import save_checkpoint
-    from megazero.config import JobConfig, ModelConfig
+    from megazero.config import JobConfig
+    from megazero.models.gpt import GPTConfig
     from megazero.models.gpt import build_model_chunks
     from megazero.parallel.topology import Topology
     from megazero.parallel.zero import build_engine
     from megazero.state import TrainState
     dist.init_process_group("gloo", init_method="file://{init}", rank=0, world_size=1)
-    job = JobConfig(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+    job = JobConfig(model=GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                                       vocab_size=100, make_vocab_size_divisible_by=16))
     topo = Topology()
     chunks = build_model_chunks(job.model, job.parallel, topo)

@@ -8,10 +8,11 @@ from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_CFG, LLAMA_KW, SEED, check_against_reference, trainer_steps
 
 from megazero.compile import CompileLog, CompileStats, compile_model, compile_unavailable
-from megazero.config import CompileConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.config import CompileConfig, JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
 from megazero.models.gpt import GPT
-from megazero.models.spec import ModelSpec, build_model_chunks, check_family, get_model_spec
+from megazero.spec import ModelSpec, build_model_chunks, get_model_spec, register_model_spec
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 
@@ -23,7 +24,7 @@ def test_flags_the_accelerate_key_and_refusals(tmp_path, monkeypatch):
     from megazero import compile as compile_module
     from megazero.errors import PreflightError
     from megazero.foreign_config import from_accelerate
-    from megazero.preflight import preflight
+    from megazero.cli.preflight import preflight
 
     assert compile_unavailable("cpu") is None                      # this machine compiles (a C++ compiler)
     monkeypatch.setattr(compile_module.shutil, "which", lambda name: None)
@@ -40,18 +41,18 @@ def test_flags_the_accelerate_key_and_refusals(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="dynamo_use_fullgraph: is not supported"):
         from_accelerate(yaml)
     spec = get_model_spec("gpt")
-    bare = ModelSpec("no-regions-test", spec.build_chunk, spec.boundary_shape, spec.loss, spec.flops_per_token)
-    from megazero.models.spec import register_model_spec
+    bare = ModelSpec("no-regions-test", spec.config, spec.build_chunk, spec.boundary_shape, spec.loss,
+                     spec.flops_per_token)
     register_model_spec(bare)
     with pytest.raises(ConfigError, match="names no regions to compile"):
-        check_family(ModelConfig(model_family="no-regions-test"), ParallelConfig(), COMPILE)
+        validate(JobConfig(model=GPTConfig(model_family="no-regions-test"), compilation=COMPILE), 1)
 
 
 @pytest.mark.parametrize("model_kw", [pytest.param({}, marks=pytest.mark.slow), LLAMA_KW], ids=["gpt2", "llama"])
 def test_a_layer_compiles_without_graph_breaks_into_one_graph_for_all_layers(model_kw):
     """Forward and backward of the whole chunk: the compiled layers give the eager losses and gradients,
     dynamo breaks no graph, and every layer runs the one graph compiled for the first."""
-    cfg = ModelConfig(**{**GPT_CFG, **model_kw})
+    cfg = GPTConfig(**{**GPT_CFG, **model_kw})
     eager, compiled = GPT(cfg, seed=SEED), GPT(cfg, seed=SEED)
     before = CompileStats.now()
     regions = compile_model([compiled], get_model_spec("gpt").compile_regions, COMPILE)
@@ -76,7 +77,7 @@ def _parity_body(rank, world_size, cases):
     out = []
     for tp, pp, v, sp, stage, model_kw, *zero_kw in cases:
         topo = Topology(tp=tp, pp=pp)
-        cfg = ModelConfig(**{**GPT_CFG, **model_kw})
+        cfg = GPTConfig(**{**GPT_CFG, **model_kw})
         par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, virtual_stages=v,
                              pipeline_schedule="interleaved" if v > 1 else "1f1b")
         job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=2, seed=SEED), compilation=COMPILE)
@@ -127,7 +128,7 @@ def _moe_body(rank, world_size):
     out = {}
     for compiled in (False, True):
         topo = Topology(ep=2)
-        cfg = ModelConfig(**GPT_CFG, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
+        cfg = GPTConfig(**GPT_CFG, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
         par = ParallelConfig(dp=topo.dp_size, expert_model_parallel_size=2)
         job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=2, seed=SEED),
                         compilation=CompileConfig(compile=compiled))
@@ -159,7 +160,7 @@ def _bf16_body(rank, world_size):
     out = {}
     for compiled in (False, True):
         topo = Topology()
-        job = JobConfig(model=ModelConfig(**GPT_CFG), parallel=ParallelConfig(dp=1),
+        job = JobConfig(model=GPTConfig(**GPT_CFG), parallel=ParallelConfig(dp=1),
                         train=TrainConfig(micro_batch_size=2, seed=SEED), compilation=CompileConfig(compile=compiled))
         spec = get_model_spec("gpt")
         chunks = build_model_chunks(spec, job, topo, dtype=torch.bfloat16, device="meta")
@@ -203,7 +204,7 @@ def test_the_trainer_compiles_and_logs_what_it_did(tmp_path):
 def test_compiled_layer_on_cuda_equals_eager():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cfg = ModelConfig(**GPT_CFG)
+    cfg = GPTConfig(**GPT_CFG)
     eager = GPT(cfg, seed=SEED, device="cuda")
     compiled = GPT(cfg, seed=SEED, device="cuda")
     compile_model([compiled], get_model_spec("gpt").compile_regions, COMPILE)
@@ -219,7 +220,8 @@ def test_apex_is_only_the_real_one_and_compiled_layers_get_torch_norms(monkeypat
     import types
 
     from megazero import kernels
-    from megazero.models import gpt_spec, transformer
+    from megazero.models.gpt import transformer
+    from megazero.models.gpt import spec as gpt_spec
 
     monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))           # PyPI's apex
     assert kernels.apex_norms() is None
@@ -236,7 +238,7 @@ def test_apex_is_only_the_real_one_and_compiled_layers_get_torch_norms(monkeypat
     assert not kernels.use_apex_norms(torch.device("cpu"))                  # CUDA only
     monkeypatch.setattr(transformer, "use_apex_norms", lambda device: True)
     monkeypatch.setattr(gpt_spec, "use_apex_norms", lambda device: True)
-    chunk = GPT(ModelConfig(**GPT_CFG), seed=SEED)
+    chunk = GPT(GPTConfig(**GPT_CFG), seed=SEED)
     before = dict(chunk.named_parameters())
     assert isinstance(chunk.layers["0"].input_layernorm, FusedLayerNorm)
     compile_model([chunk], gpt_spec.compile_regions, COMPILE)

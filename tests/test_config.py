@@ -2,22 +2,10 @@
 flag a message names is one the command line takes."""
 import pytest
 
-from megazero.arguments import build_parser
-from megazero.config import (
-    CheckpointConfig,
-    DataConfig,
-    JobConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    PrecisionConfig,
-    TrainConfig,
-    ZeroConfig,
-    flag,
-    flag_fields,
-    setting,
-    validate,
-)
+from megazero.cli.arguments import build_parser
+from megazero.config import (CheckpointConfig, DataConfig, JobConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
+                             TrainConfig, ZeroConfig, flag, flag_fields, setting, validate)
+from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
 
 
@@ -29,7 +17,7 @@ def job(**sections) -> JobConfig:
 
 
 def test_valid_layout_fills_derived_values():
-    j = validate(job(model=ModelConfig(num_layers=8), parallel=ParallelConfig(tp=2, pp=2,
+    j = validate(job(model=GPTConfig(num_layers=8), parallel=ParallelConfig(tp=2, pp=2,
                  num_layers_per_virtual_pipeline_stage=2), train=TrainConfig(micro_batch_size=2,
                  global_batch_size=16)), world_size=8)
     assert j.parallel.dp == 2 and j.parallel.virtual_stages == 2
@@ -40,7 +28,7 @@ def test_valid_layout_fills_derived_values():
 
 def test_zb_v_implies_two_chunks_per_rank():
     for per_virtual in (None, 2):               # unset, or the value that says the same
-        j = validate(job(model=ModelConfig(num_layers=8), parallel=ParallelConfig(
+        j = validate(job(model=GPTConfig(num_layers=8), parallel=ParallelConfig(
             pp=2, pipeline_schedule="zb-v", num_layers_per_virtual_pipeline_stage=per_virtual)), world_size=2)
         assert j.parallel.virtual_stages == 2 and j.parallel.pipeline_schedule == "zb-v"
 
@@ -52,9 +40,9 @@ def test_validate_does_not_mutate_its_input():
 
 
 def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
-    m = ModelConfig(vocab_size=50257)
+    m = GPTConfig(vocab_size=50257)
     assert m.padded_vocab_size(1) == 50304 and m.padded_vocab_size(4) == 50688
-    assert ModelConfig(vocab_size=50257, make_vocab_size_divisible_by=1).padded_vocab_size(3) == 50259
+    assert GPTConfig(vocab_size=50257, make_vocab_size_divisible_by=1).padded_vocab_size(3) == 50259
 
 
 @pytest.mark.parametrize("world,sections,pattern", [
@@ -62,32 +50,32 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
     (1, dict(checkpoint=CheckpointConfig(save_interval=10)), r"--save-interval needs --save"),
     (1, dict(checkpoint=CheckpointConfig(finetune=True)), r"--finetune needs --load"),
     (8, dict(parallel=ParallelConfig(tp=2, pp=2, dp=4)), r"does not equal the world size 8.*--dp"),
-    (2, dict(parallel=ParallelConfig(tp=2), model=ModelConfig(num_attention_heads=3, hidden_size=48)),
+    (2, dict(parallel=ParallelConfig(tp=2), model=GPTConfig(num_attention_heads=3, hidden_size=48)),
      r"--num-attention-heads 3 is not divisible by --tensor-model-parallel-size/--tp 2"),
-    (2, dict(parallel=ParallelConfig(tp=2), model=ModelConfig(ffn_hidden_size=129)),
+    (2, dict(parallel=ParallelConfig(tp=2), model=GPTConfig(ffn_hidden_size=129)),
      r"--ffn-hidden-size 129 is not divisible by --tensor-model-parallel-size/--tp 2"),
-    (3, dict(parallel=ParallelConfig(tp=3), model=ModelConfig(num_attention_heads=3, hidden_size=48,
+    (3, dict(parallel=ParallelConfig(tp=3), model=GPTConfig(num_attention_heads=3, hidden_size=48,
                                                               ffn_hidden_size=96)), None),
-    (2, dict(parallel=ParallelConfig(pp=2), model=ModelConfig(num_layers=3)),
+    (2, dict(parallel=ParallelConfig(pp=2), model=GPTConfig(num_layers=3)),
      r"--num-layers 3 is not divisible by --pipeline-model-parallel-size/--pp 2"),
     (2, dict(parallel=ParallelConfig(pp=2, num_layers_per_virtual_pipeline_stage=3),
-             model=ModelConfig(num_layers=8)), r"--num-layers 8 is not divisible by .*virtual-pipeline-stage 3"),
+             model=GPTConfig(num_layers=8)), r"--num-layers 8 is not divisible by .*virtual-pipeline-stage 3"),
     (2, dict(parallel=ParallelConfig(pp=2, num_layers_per_virtual_pipeline_stage=2),
-             model=ModelConfig(num_layers=4)), r"gives one chunk per rank"),
+             model=GPTConfig(num_layers=4)), r"gives one chunk per rank"),
     (4, dict(train=TrainConfig(micro_batch_size=3, global_batch_size=16)),
      r"--global-batch-size 16 is not divisible by --micro-batch-size 3 \* dp 4 = 12"),
-    (4, dict(parallel=ParallelConfig(pp=4), model=ModelConfig(num_layers=4),
+    (4, dict(parallel=ParallelConfig(pp=4), model=GPTConfig(num_layers=4),
              train=TrainConfig(micro_batch_size=1, global_batch_size=2)),
      r"2 micro-batches per step is fewer than 4 pipeline stages.*--global-batch-size to at least 4"),
-    (2, dict(parallel=ParallelConfig(pp=2, num_layers_per_virtual_pipeline_stage=1), model=ModelConfig(num_layers=4),
+    (2, dict(parallel=ParallelConfig(pp=2, num_layers_per_virtual_pipeline_stage=1), model=GPTConfig(num_layers=4),
              train=TrainConfig(micro_batch_size=1, global_batch_size=3)), r"interleaved schedule needs micro-batches \(3\)"),
     (2, dict(parallel=ParallelConfig(pp=2, pipeline_schedule="zb-h1", num_layers_per_virtual_pipeline_stage=1),
-             model=ModelConfig(num_layers=4)), r"--pipeline-schedule zb-h1 runs one model chunk per rank: drop"),
-    (2, dict(parallel=ParallelConfig(pp=2, pipeline_schedule="zb-v"), model=ModelConfig(num_layers=6)),
+             model=GPTConfig(num_layers=4)), r"--pipeline-schedule zb-h1 runs one model chunk per rank: drop"),
+    (2, dict(parallel=ParallelConfig(pp=2, pipeline_schedule="zb-v"), model=GPTConfig(num_layers=6)),
      r"--pipeline-schedule zb-v puts two chunks on each of the 2 pipeline ranks: --num-layers 6 must be divisible"),
     (2, dict(parallel=ParallelConfig(pp=2, pipeline_schedule="zb-v", num_layers_per_virtual_pipeline_stage=1),
-             model=ModelConfig(num_layers=8)), r"zb-v runs two chunks per rank \(2 layers each\).*drop --num-layers-per"),
-    (4, dict(parallel=ParallelConfig(pp=4, pipeline_schedule="zb-v"), model=ModelConfig(num_layers=8),
+             model=GPTConfig(num_layers=8)), r"zb-v runs two chunks per rank \(2 layers each\).*drop --num-layers-per"),
+    (4, dict(parallel=ParallelConfig(pp=4, pipeline_schedule="zb-v"), model=GPTConfig(num_layers=8),
              train=TrainConfig(micro_batch_size=1, global_batch_size=2)),
      r"2 micro-batches per step is fewer than 4 pipeline stages, which leaves the zb-v pipeline"),
     (1, dict(zero=ZeroConfig(zero_stage=4)), r"--zero-stage must be 0, 1, 2 or 3, got 4"),
@@ -98,30 +86,30 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
     (2, dict(zero=ZeroConfig(zero_stage=2, keep_params_gathered=True)),
      r"--zero3-keep-params-gathered applies to --zero-stage 3 only \(got 2\)"),
     (1, dict(precision=PrecisionConfig(bf16=True, fp16=True)), r"--bf16 and --fp16 are exclusive"),
-    (2, dict(parallel=ParallelConfig(tp=2, sequence_parallel=True), model=ModelConfig(seq_length=33,
+    (2, dict(parallel=ParallelConfig(tp=2, sequence_parallel=True), model=GPTConfig(seq_length=33,
                                                                                       max_position_embeddings=64)),
      r"--sequence-parallel needs --seq-length \(33\) divisible"),
-    (1, dict(model=ModelConfig(seq_length=128, max_position_embeddings=64)), r"--max-position-embeddings 64"),
-    (1, dict(model=ModelConfig(hidden_size=65)), r"--hidden-size 65 is not divisible by --num-attention-heads"),
+    (1, dict(model=GPTConfig(seq_length=128, max_position_embeddings=64)), r"--max-position-embeddings 64"),
+    (1, dict(model=GPTConfig(hidden_size=65)), r"--hidden-size 65 is not divisible by --num-attention-heads"),
     (1, dict(optimizer=OptimizerConfig(lr_decay_style="step")), r"--lr-decay-style must be one of"),
     (1, dict(optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-3)), r"--min-lr"),
     (1, dict(data=DataConfig(split="a,b")), r"--split 'a,b'"),
     (1, dict(data=DataConfig(mock_data=True, data_path=["x"])), r"--mock-data and --data-path are exclusive"),
     (1, dict(data=DataConfig(data_path=["0.3", "a", "b"])), r"weight-prefix pairs"),
     (1, dict(data=DataConfig(tokenizer_type="GPT2BPETokenizer")), r"needs --vocab-file and --merge-file"),
-    (1, dict(model=ModelConfig(num_layers=0)), r"--num-layers must be a positive integer"),
-    (1, dict(model=ModelConfig(hidden_dropout=1.0)), r"--hidden-dropout must be in \[0, 1\)"),
-    (4, dict(model=ModelConfig(num_experts=6), parallel=ParallelConfig(expert_model_parallel_size=4)),
+    (1, dict(model=GPTConfig(num_layers=0)), r"--num-layers must be a positive integer"),
+    (1, dict(model=GPTConfig(hidden_dropout=1.0)), r"--hidden-dropout must be in \[0, 1\)"),
+    (4, dict(model=GPTConfig(num_experts=6), parallel=ParallelConfig(expert_model_parallel_size=4)),
      r"--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
-    (6, dict(model=ModelConfig(num_experts=4), parallel=ParallelConfig(expert_model_parallel_size=4)),
+    (6, dict(model=GPTConfig(num_experts=4), parallel=ParallelConfig(expert_model_parallel_size=4)),
      r"data-parallel size 6 is not divisible by --expert-model-parallel-size 4"),
-    (1, dict(model=ModelConfig(num_experts=2, moe_router_topk=3)), r"--moe-router-topk 3 exceeds --num-experts 2"),
+    (1, dict(model=GPTConfig(num_experts=2, moe_router_topk=3)), r"--moe-router-topk 3 exceeds --num-experts 2"),
     (2, dict(parallel=ParallelConfig(expert_model_parallel_size=2)),
      r"--expert-model-parallel-size 2 needs --num-experts"),
-    (1, dict(model=ModelConfig(num_experts=4, moe_expert_capacity_factor=0.0)),
+    (1, dict(model=GPTConfig(num_experts=4, moe_expert_capacity_factor=0.0)),
      r"--moe-expert-capacity-factor must be > 0"),
-    (1, dict(model=ModelConfig(num_experts=4, moe_aux_loss_coeff=-1.0)), r"--moe-aux-loss-coeff must be >= 0"),
-    (1, dict(model=ModelConfig(num_experts=4, moe_layer_freq=0)), r"--moe-layer-freq must be a positive integer"),
+    (1, dict(model=GPTConfig(num_experts=4, moe_aux_loss_coeff=-1.0)), r"--moe-aux-loss-coeff must be >= 0"),
+    (1, dict(model=GPTConfig(num_experts=4, moe_layer_freq=0)), r"--moe-layer-freq must be a positive integer"),
 ])
 def test_invalid_configs_name_the_flag(world, sections, pattern):
     if pattern is None:  # a valid odd-sized layout: padded vocab stays divisible by tp
@@ -135,7 +123,7 @@ def test_padded_vocab_always_divisible_by_tp():
     # The divisor is multiplied by tp, so the check can only fail if the rule itself breaks.
     for tp in (1, 2, 3, 4, 8):
         for div in (1, 7, 128):
-            assert ModelConfig(vocab_size=1001, make_vocab_size_divisible_by=div).padded_vocab_size(tp) % tp == 0
+            assert GPTConfig(vocab_size=1001, make_vocab_size_divisible_by=div).padded_vocab_size(tp) % tp == 0
 
 
 def test_every_flag_names_a_parser_option_of_its_own_field():
@@ -173,11 +161,11 @@ def test_flag_shows_short_aliases_only_and_refuses_non_flags():
 def test_model_family_must_be_a_name():
     assert validate(JobConfig(), 1).model.model_family == "gpt"
     with pytest.raises(ConfigError, match=r"--model-family must name a model family, got ''"):
-        validate(job(model=ModelConfig(model_family="")), 1)
+        validate(job(model=GPTConfig(model_family="")), 1)
 
 
 def test_a_section_checks_itself():
-    """An engine holding only its own section applies the same rules as validate()."""
+    """A section's rules are its own ``check`` (what validate() runs for it), usable alone."""
     ZeroConfig(zero_stage=3, hpz_partition_size=2).check(ParallelConfig(dp=4), world_size=4)
     with pytest.raises(ConfigError, match=r"--zero-hpz-partition-size 3 must divide the data-parallel size 4"):
         ZeroConfig(zero_stage=3, hpz_partition_size=3).check(ParallelConfig(dp=4), world_size=4)

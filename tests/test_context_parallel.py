@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from helpers import run_on_ranks
 from helpers.trainer import LLAMA_FLAGS, TINY, assert_same_losses, main_body, read_metrics
 
-from megazero.config import JobConfig, ModelConfig, ParallelConfig, validate
+from megazero.config import JobConfig, ParallelConfig, validate
+from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
 from megazero.parallel.context import gathered_order, rank_positions, rank_slice, unslice
 from megazero.ranks import rank_grid
@@ -54,7 +55,7 @@ def _job(world: int, **par) -> JobConfig:
     model = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, max_position_embeddings=16,
                  vocab_size=100)
     model.update(par.pop("model", {}))
-    return JobConfig(model=ModelConfig(**model), parallel=ParallelConfig(**par))
+    return JobConfig(model=GPTConfig(**model), parallel=ParallelConfig(**par))
 
 
 @pytest.mark.parametrize("world,par,message", [
@@ -220,7 +221,7 @@ def _moe_model_body(rank, world, ep, llama):
     """A float64 MoE model (top-2 of 4 experts, both router losses) on this cp rank's slice of two sequences,
     each comm type: the gradients (router losses included), summed over cp, equal the serial model's; at
     ep 2 (the cp group itself) each expert's gradient on its one owner, which saw both slices' tokens."""
-    from megazero.config import ModelConfig
+    from megazero.models.gpt import GPTConfig
     from megazero.models.gpt import GPT, masked_mean
     from megazero.parallel.context import context_parallel_loss
     from megazero.parallel.topology import Topology
@@ -229,7 +230,7 @@ def _moe_model_body(rank, world, ep, llama):
     cp = topo.context_parallel()
     shape = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=64,
                  group_query_attention=True, num_query_groups=2, add_bias_linear=False) if llama else {}
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, max_position_embeddings=16,
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, max_position_embeddings=16,
                       vocab_size=64, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
                       **shape)
     gen = torch.Generator().manual_seed(11)
@@ -259,7 +260,7 @@ def test_experts_over_a_split_sequence_give_the_serial_gradients(ep, llama):
     """cp 2 with experts replicated over cp (ep 1) or split over it (ep 2): every gradient, router losses
     included, within 1e-12 (relative to its tensor's largest) of the serial float64 model's; the router's
     within 1e-6, as the router computes its logits, probabilities and losses in float32 by design
-    (megazero.models.moe; measured 2.8e-7)."""
+    (megazero.models.gpt.moe; measured 2.8e-7)."""
     errors = run_on_ranks(2, _moe_model_body, ep, llama)
     assert all(e < (1e-6 if router else 1e-12) for rank in errors for (_, router), e in rank.items()), errors
 
@@ -267,7 +268,7 @@ def test_experts_over_a_split_sequence_give_the_serial_gradients(ep, llama):
 # ---------------------------------------------------------------------------------------------- training
 # Parameters after the run are compared with the serial run's through their checkpoints (read layout-free by
 # megazero.checkpoint.CheckpointReader), with the project's fp32 rule for parameters
-# (megazero.fuzz.checker.TOLERANCES["fp32"]): each element within 1e-4 of its value + 1e-5 of its tensor's
+# (tools.fuzz.checker.TOLERANCES["fp32"]): each element within 1e-4 of its value + 1e-5 of its tensor's
 # largest + 2e-3 lr. The lr floor is there because Adam normalises every update: an element whose true
 # gradient is ~0 steps by the rounding noise of the summation order, either sign. The Adam moments are not
 # compared here: the Llama shape's gradient norm moves by 5e-5 relative at cp 2 from the summation order alone
@@ -290,7 +291,7 @@ def test_experts_over_a_split_sequence_give_the_serial_gradients(ep, llama):
 # alone, which the lr floor covers too.
 def assert_same_parameters(got_dir, want_dir, iteration: int = 5, lr: float = 1e-2) -> None:
     from megazero.checkpoint import CheckpointReader
-    from megazero.fuzz.checker import TOLERANCES
+    from tools.fuzz.checker import TOLERANCES
 
     tol = TOLERANCES["fp32"]
     got, want = (CheckpointReader(d / f"iter_{iteration:07d}") for d in (got_dir, want_dir))
@@ -304,7 +305,7 @@ def assert_same_parameters(got_dir, want_dir, iteration: int = 5, lr: float = 1e
                                           f"tolerance, max abs diff {float((a - b).abs().max()):.2e}")
 
 
-# Adam's epsilon as the fuzzer's checker takes it (megazero/fuzz/checker.py): at the default 1e-8 an element
+# Adam's epsilon as the fuzzer's checker takes it (tools/fuzz/checker.py): at the default 1e-8 an element
 # whose gradient is rounding noise steps by a whole lr in a layout-dependent direction (llama-cp2tp2-sp-a2a:
 # one key/value weight of 1024, 8.4e-3 lr off after 10 steps, with every loss within 1e-5).
 ADAM = ["--adam-eps", "1e-6"]

@@ -17,7 +17,8 @@ from helpers.ckpt import MODEL, VOCAB, make_job, run_body
 from megazero.checkpoint import load_checkpoint
 from megazero.checkpoint.hf import load_hf, model_config_from_hf
 from megazero.checkpoint.offline import build_full_model, read_model, write_weights_checkpoint
-from megazero.config import JobConfig, ModelConfig
+from megazero.config import JobConfig
+from megazero.models.gpt import GPTConfig
 from megazero.errors import CheckpointError
 from megazero.generation import generate
 from megazero.models.gpt import GPT, build_model_chunks
@@ -72,7 +73,7 @@ def test_megazero_tp2pp2_to_hf_and_back_is_exact(trained_tp2pp2, tmp_path):
 
 
 def test_exact_gelu_and_untied_output_export(tmp_path):
-    cfg = ModelConfig(**MODEL, activation="gelu", untie_embeddings_and_output_weights=True)
+    cfg = GPTConfig(**MODEL, activation="gelu", untie_embeddings_and_output_weights=True)
     model = GPT(cfg, seed=3)
     g = torch.Generator().manual_seed(0)
     tensors = {}
@@ -168,7 +169,7 @@ def _perturbed_checkpoint(path, cfg):
 @pytest.mark.parametrize("variant", [v if v == "gqa-untied" else pytest.param(v, marks=pytest.mark.slow)
                                      for v in VARIANTS])
 def test_llama_family_export_gives_transformers_the_same_logits(variant, tmp_path):
-    cfg = ModelConfig(**{**MODEL, **LLAMA, **VARIANTS[variant]})
+    cfg = GPTConfig(**{**MODEL, **LLAMA, **VARIANTS[variant]})
     ckpt = _perturbed_checkpoint(tmp_path / "mz", cfg)
     rc, out = _convert("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf", "--max-shard-size", "40KB")
     assert rc == 0, out
@@ -242,7 +243,7 @@ def test_llama_refusals(tmp_path):
             model_config_from_hf({**base, **extra})
     with pytest.raises(CheckpointError, match="--normalization LayerNorm"):
         from megazero.checkpoint.hf import save_hf
-        save_hf(tmp_path / "out", {}, ModelConfig(**MODEL, position_embedding_type="rope"))
+        save_hf(tmp_path / "out", {}, GPTConfig(**MODEL, position_embedding_type="rope"))
     assert not (tmp_path / "out").exists()
 
 
@@ -348,7 +349,7 @@ def test_gpt2_export_writes_a_tokenizer_autotokenizer_reads_as_ours(tmp_path):
     from megazero.config import DataConfig
     from megazero.data.tokenizers import GPT2BPETokenizer
 
-    cfg = ModelConfig(**{**MODEL, "vocab_size": 50257, "hidden_size": 16, "num_layers": 2, "num_attention_heads": 2})
+    cfg = GPTConfig(**{**MODEL, "vocab_size": 50257, "hidden_size": 16, "num_layers": 2, "num_attention_heads": 2})
     job = JobConfig(model=cfg, data=DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(GPT2_VOCAB),
                                                merge_file=str(GPT2_MERGES), data_path=["unused"]))
     tensors = {n: p.detach()[:cfg.vocab_size] if p.vocab_padded else p.detach() for n, p in GPT(cfg, seed=1).named_parameters()}
@@ -378,7 +379,7 @@ MOE = dict(num_experts=4, moe_router_topk=2, group_query_attention=True, num_que
 def test_moe_exports_as_mixtral_and_round_trips(tmp_path):
     """A Llama-family MoE model exports as MixtralForCausalLM: transformers gives its logits (1e-5), and
     importing the export gives back every tensor exactly, at tp2 pp2."""
-    cfg = ModelConfig(**{**MODEL, **LLAMA, **MOE})
+    cfg = GPTConfig(**{**MODEL, **LLAMA, **MOE})
     ckpt = _perturbed_checkpoint(tmp_path / "mz", cfg)
     rc, out = _convert("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf", "--check",
                        "--check-tolerance", 1e-5)
@@ -425,16 +426,16 @@ def test_moe_export_refuses_what_mixtral_cannot_express(flags, match, tmp_path):
     from megazero.checkpoint.hf import save_hf
 
     with pytest.raises(CheckpointError, match=match):
-        save_hf(tmp_path / "out", {}, ModelConfig(**{**MODEL, **LLAMA, **MOE, **flags}))
+        save_hf(tmp_path / "out", {}, GPTConfig(**{**MODEL, **LLAMA, **MOE, **flags}))
     assert not (tmp_path / "out").exists()
 
 
 def test_mixtral_fused_expert_layout_reads_as_the_published_one():
     """transformers 5's in-memory layout (mlp.gate, experts.gate_up_proj [E, 2f, h], experts.down_proj
     [E, h, f]) imports to the same tensors as the published per-expert w1/w2/w3 layout."""
-    from megazero.models import hf_llama
+    from megazero.models.gpt import hf_llama
 
-    cfg = ModelConfig(**{**MODEL, **LLAMA, **MOE})
+    cfg = GPTConfig(**{**MODEL, **LLAMA, **MOE})
     tensors = {n: p.detach()[:VOCAB] if p.vocab_padded else p.detach() for n, p in GPT(cfg, seed=4).named_parameters()}
     published = hf_llama.to_hf_state(tensors, cfg)
     fused = {k: v for k, v in published.items() if ".block_sparse_moe." not in k}
@@ -454,7 +455,7 @@ def test_mixtral_fused_expert_layout_reads_as_the_published_one():
 def test_fine_tuning_an_imported_model_needs_none_of_its_settings_retyped(tmp_path):
     """--use-checkpoint-args on an imported HF Llama: the shape, the sequence length and the tokenizer
     come from the checkpoint (data flags alone), and a fine-tune of it trains."""
-    from megazero.arguments import parse_job
+    from megazero.cli.job import parse_job
 
     src = tmp_path / "hf"
     cfg, cls = _llama_source(src)

@@ -247,7 +247,7 @@ def _save_fills_the_disk(rank, world, argv):
     import errno
     import io
 
-    import pretrain_gpt
+    from megazero.cli import main as cli
 
     import megazero.checkpoint.distributed as distributed
 
@@ -259,7 +259,7 @@ def _save_fills_the_disk(rank, world, argv):
         distributed.write_pieces = full
     try:
         with contextlib.redirect_stderr(err):
-            return pretrain_gpt.main(argv), err.getvalue()
+            return cli.main(argv), err.getvalue()
     except SystemExit as e:
         return e.code, err.getvalue()
     finally:

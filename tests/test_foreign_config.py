@@ -10,7 +10,7 @@ import pytest
 from helpers import run_on_ranks
 from helpers.trainer import main_body, read_metrics
 
-from megazero.arguments import parse_job
+from megazero.cli.job import parse_job
 from megazero.errors import ConfigError
 from megazero.foreign_config import Launch, from_accelerate, from_deepspeed
 

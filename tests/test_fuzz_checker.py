@@ -1,4 +1,4 @@
-"""megazero/fuzz/checker.py: fixed-seed draws equal their serial twin (trained, saved, resumed under a second
+"""tools/fuzz/checker.py: fixed-seed draws equal their serial twin (trained, saved, resumed under a second
 layout), and the comparisons name the first iteration and value that differ."""
 import sys
 
@@ -6,15 +6,8 @@ import pytest
 import torch
 from helpers.trainer import ROOT, fuzz_launcher
 
-from megazero.fuzz.checker import (
-    TOLERANCES,
-    Difference,
-    Report,
-    check,
-    compare_records,
-    tensor_difference,
-)
-from megazero.fuzz.sampler import draw
+from tools.fuzz.checker import TOLERANCES, Difference, Report, check, compare_records, tensor_difference
+from tools.fuzz.sampler import draw
 
 QUICK_SEEDS = [24]               # Llama dp2 ZeRO-1 -> cp2 a2a (Ulysses) ZeRO-3 with parameters offloaded, recompute
 FULL_SEEDS = [                   # what each draws (first layout -> resumed layout) on the current sampler
@@ -142,7 +135,7 @@ def test_a_missing_reduction_fails_a_16_bit_draw(precision):
 
 
 def test_draws_get_the_rule_of_their_precision_experts_and_int8():
-    from megazero.fuzz.checker import tolerance_for
+    from tools.fuzz.checker import tolerance_for
 
     kinds = {}
     for seed in range(6000, 6060):

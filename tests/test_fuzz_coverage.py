@@ -1,6 +1,6 @@
-"""megazero/fuzz/coverage.py: axis values and pairs of them exercised, against the pairs the rules allow."""
-from megazero.fuzz.coverage import Coverage, allowed_pairs, most_covering, pairs_of
-from megazero.fuzz.sampler import AXES, draw
+"""tools/fuzz/coverage.py: axis values and pairs of them exercised, against the pairs the rules allow."""
+from tools.fuzz.coverage import Coverage, allowed_pairs, most_covering, pairs_of
+from tools.fuzz.sampler import AXES, draw
 
 
 def test_pairs_of_one_layout():

@@ -1,4 +1,4 @@
-"""megazero/fuzz/launch.py: forked ranks run pretrain_gpt.py's own program as torchrun's ranks do, and a
+"""tools/fuzz/launch.py: forked ranks run pretrain_gpt.py's own program as torchrun's ranks do, and a
 run that fails names each rank's own error lines."""
 import time
 
@@ -6,8 +6,8 @@ import pytest
 from helpers.trainer import TINY, read_metrics
 
 from megazero.checkpoint.format import checkpoint_dir
-from megazero.fuzz.launch import GRACE_S, RunFailed, forked_launcher, program, torchrun_launcher
-from megazero.launcher import SECONDHAND
+from tools.fuzz.launch import GRACE_S, RunFailed, forked_launcher, program, torchrun_launcher
+from megazero.cli.launcher import SECONDHAND
 
 RUN = [*TINY, "--train-iters", "2", "--eval-iters", "0", "--dp", "2", "--zero-stage", "1", "--save", "ckpt",
        "--save-interval", "2", "--metrics-file", "metrics.jsonl"]
@@ -36,7 +36,10 @@ def test_a_refused_flag_is_the_runs_error(tmp_path):
 
 
 def test_a_rank_that_fails_alone_is_named_and_the_others_are_stopped(tmp_path, monkeypatch):
-    pretrain, real = program(), program().build_engine
+    from megazero.cli import run as build_step
+
+    program()
+    real = build_step.build_engine
 
     def build_engine(*args, **kwargs):           # forked ranks inherit this process's patch
         import os
@@ -44,7 +47,7 @@ def test_a_rank_that_fails_alone_is_named_and_the_others_are_stopped(tmp_path, m
             raise RuntimeError("rank 1 cannot build its engine")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pretrain, "build_engine", build_engine)
+    monkeypatch.setattr(build_step, "build_engine", build_engine)
     start = time.monotonic()
     with pytest.raises(RunFailed) as failed:
         forked_launcher(2, RUN, tmp_path)

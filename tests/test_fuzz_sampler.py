@@ -1,11 +1,11 @@
-"""megazero/fuzz/sampler.py: seeded draws, valid by the trainer's own rules only, as one-line commands."""
+"""tools/fuzz/sampler.py: seeded draws, valid by the trainer's own rules only, as one-line commands."""
 import shlex
 
 import pytest
 
 import megazero.config
 from megazero.errors import ConfigError
-from megazero.fuzz.sampler import AXES, COMMON, MAX_WORLD, NOT_APPLICABLE, draw, parse_and_validate
+from tools.fuzz.sampler import AXES, COMMON, MAX_WORLD, NOT_APPLICABLE, draw, parse_and_validate
 
 LAYOUT_FLAGS = ("--tp", "--pp", "--dp", "--zero-stage", "--sequence-parallel", "--expert-model-parallel-size",
                 "--recompute-granularity", "--cpu-offloading", "--offload-optimizer")

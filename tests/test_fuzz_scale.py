@@ -1,4 +1,4 @@
-"""megazero/fuzz/scale.py and tools/check_layout.py: a planned run scaled down keeps every axis > 1, and a
+"""tools/fuzz/scale.py and tools/check_layout.py: a planned run scaled down keeps every axis > 1, and a
 broken reduction in the scaled copy is reported as not equal, naming the first iteration and tensor."""
 import shlex
 import sys
@@ -7,7 +7,7 @@ import pytest
 from helpers.trainer import ROOT, fuzz_launcher
 
 from megazero.errors import ConfigError
-from megazero.fuzz.scale import scale_down
+from tools.fuzz.scale import scale_down
 
 sys.path.insert(0, str(ROOT / "tools"))
 import check_layout  # noqa: E402

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from megazero.checkpoint.offline import build_full_model, write_weights_checkpoint
-from megazero.config import JobConfig, ModelConfig
+from megazero.config import JobConfig
+from megazero.models.gpt import GPTConfig
 from megazero.generation import filter_logits, generate, next_token
 from megazero.models.gpt import GPT
-from megazero.models.kv_cache import KVCache
+from megazero.spec.kv_cache import KVCache
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, make_vocab_size_divisible_by=64)
@@ -23,7 +24,7 @@ LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
 
 def _checkpoint(path, vocab_size=100, **kw):
     """A weights-only checkpoint of a randomly perturbed tiny GPT (files split for tp2 pp2)."""
-    cfg = ModelConfig(**{**CFG, "vocab_size": vocab_size, **kw})
+    cfg = GPTConfig(**{**CFG, "vocab_size": vocab_size, **kw})
     model = GPT(cfg, seed=7)
     g = torch.Generator().manual_seed(1)
     tensors = {}

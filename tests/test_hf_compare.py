@@ -7,14 +7,15 @@ from helpers.ckpt import MODEL
 
 from megazero.checkpoint.hf import save_hf
 from megazero.checkpoint.hf_compare import compare_with_hf
-from megazero.config import DataConfig, ModelConfig
+from megazero.config import DataConfig
+from megazero.models.gpt import GPTConfig
 from megazero.models.gpt import GPT
 
 pytest.importorskip("transformers", reason="the HF comparison needs the test extra: pip install transformers")
 
 
 def _export(tmp_path):
-    cfg = ModelConfig(**{**MODEL, "vocab_size": 4000})
+    cfg = GPTConfig(**{**MODEL, "vocab_size": 4000})
     tensors = {n: (p.detach()[:cfg.vocab_size] if p.vocab_padded else p.detach()) + 0.01
                for n, p in GPT(cfg, seed=2).named_parameters()}
     save_hf(tmp_path / "hf", tensors, cfg, data_cfg=DataConfig())      # the embedded sample tokenizer

@@ -159,7 +159,7 @@ def test_test_modules_import_helpers_not_each_other():
 # Modules of megazero/models/ that make up the model-spec contract; every other module there is a
 # concrete model family (or part of one), which only models/ itself may import. recompute.py is the
 # meaning of the --recompute-* flags, which any family's layers and the estimator share.
-MODEL_CONTRACT = {"megazero.models", "megazero.models.spec", "megazero.models.kv_cache", "megazero.models.recompute"}
+MODEL_CONTRACT = {"megazero.models", "megazero.spec", "megazero.spec.kv_cache", "megazero.spec.recompute"}
 
 
 def _concrete_model_imports(paths) -> list[str]:
@@ -175,7 +175,7 @@ def _concrete_model_imports(paths) -> list[str]:
 
 def test_nothing_outside_models_imports_a_concrete_model():
     """The trainer, checkpoints, memory, data, tools and the entry point reach a model through its spec
-    (``megazero.models.spec``: found by ``--model-family``), never by importing the model."""
+    (``megazero.spec``: found by ``--model-family``), never by importing the model."""
     paths = [p for p in sorted(PACKAGE.rglob("*.py")) if not p.is_relative_to(PACKAGE / "models")]
     paths += sorted((ROOT / "tools").rglob("*.py")) + sorted(ROOT.glob("*.py"))
     assert not _concrete_model_imports(paths)
@@ -202,7 +202,7 @@ def test_the_new_rules_can_fail(tmp_path):
     """A synthetic concrete-model import and a synthetic duck-typed topology read are caught; the
     contract's imports are not."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from megazero.models.gpt import GPT\nfrom megazero.models.spec import get_model_spec\n")
+    bad.write_text("from megazero.models.gpt import GPT\nfrom megazero.spec import get_model_spec\n")
     assert _concrete_model_imports([bad]) == ["bad.py: megazero.models.gpt"]
     assert DUCK_TYPED_TOPOLOGY.search('ep = getattr(topo, "ep_size", 1)')
     assert DUCK_TYPED_TOPOLOGY.search("self.average_over = getattr(self.topo, 'gradient_average_size', 1)")

@@ -20,11 +20,12 @@ from helpers.gpt_parity import (
     trainer_steps,
 )
 
-from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
 from megazero.models.gpt import GPT, build_model_chunks, masked_mean
-from megazero.models.rotary import RotaryEmbedding
-from megazero.models.transformer import interleaved_to_gate_up, kv_interleaved_to_blocks
+from megazero.models.gpt.rotary import RotaryEmbedding
+from megazero.models.gpt.transformer import interleaved_to_gate_up, kv_interleaved_to_blocks
 from megazero.parallel.params import split_dim
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
@@ -33,8 +34,8 @@ from megazero.parallel.zero import build_engine, wrap_data_parallel
 STEPS = 5
 
 
-def _cfg(**kw) -> ModelConfig:
-    return ModelConfig(**{**GPT_CFG, **LLAMA_KW, **kw})
+def _cfg(**kw) -> GPTConfig:
+    return GPTConfig(**{**GPT_CFG, **LLAMA_KW, **kw})
 
 
 # --------------------------------------------------------------------------- layouts vs textbook math
@@ -61,7 +62,7 @@ def test_rope_rotates_pairs_by_position(percent):
 
 
 def test_llama3_rope_scaling_slows_only_long_wavelengths():
-    from megazero.models.rotary import inverse_frequencies
+    from megazero.models.gpt.rotary import inverse_frequencies
 
     plain = inverse_frequencies(_cfg(position_embedding_type="rope", rotary_base=500000.0, hidden_size=512,
                                      num_attention_heads=4))
@@ -163,8 +164,8 @@ def test_config_rules(kw, tp, match):
 
 
 def test_swiglu_default_ffn_is_megatrons():
-    assert ModelConfig(hidden_size=4096, swiglu=True).ffn_hidden_size == 10880
-    assert ModelConfig(hidden_size=4096).ffn_hidden_size == 16384
+    assert GPTConfig(hidden_size=4096, swiglu=True).ffn_hidden_size == 10880
+    assert GPTConfig(hidden_size=4096).ffn_hidden_size == 16384
 
 
 # --------------------------------------------------------------------------- parallel == serial

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megazero.arguments import build_parser, megatron_reference_markdown, megatron_rows, parse_job
+from megazero.cli.arguments import build_parser, megatron_reference_markdown, megatron_rows
+from megazero.cli.job import parse_job
 from megazero.config import megatron_flags as megatron
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def _parse(argv, capsys):
 def test_the_table_is_generated_from_the_module():
     page = ROOT / "docs" / "megatron-flags.md"
     assert page.read_text() == megatron_reference_markdown(), \
-        "docs/megatron-flags.md is stale: python -m megazero.arguments --megatron-markdown > docs/megatron-flags.md"
+        "docs/megatron-flags.md is stale: python -m megazero.cli.arguments --megatron-markdown > docs/megatron-flags.md"
     assert "megatron-flags.md" in (ROOT / "docs" / "flags.md").read_text()
 
 

@@ -11,8 +11,9 @@ import torch
 from helpers import run_on_ranks
 from helpers.memory import BASE, LLAMA, measure_body
 
-from megazero.arguments import parse_job
-from megazero.config import ModelConfig, OptimizerConfig, ParallelConfig, ZeroConfig
+from megazero.cli.job import parse_job
+from megazero.config import OptimizerConfig, ParallelConfig, ZeroConfig
+from megazero.models.gpt import GPTConfig
 from megazero.memory import LiveTensorBytes
 from megazero.memory.estimate import estimate_memory, paper_model_states
 
@@ -200,7 +201,7 @@ def _construction_body(rank, world_size, stage, device):
 
     gc.collect()
     topo = Topology()
-    cfg = ModelConfig(num_layers=6, hidden_size=128, num_attention_heads=4, seq_length=32, vocab_size=1000)
+    cfg = GPTConfig(num_layers=6, hidden_size=128, num_attention_heads=4, seq_length=32, vocab_size=1000)
     with LiveTensorBytes() as build:
         chunks = build_model_chunks(cfg, ParallelConfig(dp=world_size), topo, seed=3, device=device)
         engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), OptimizerConfig())
@@ -280,7 +281,7 @@ def test_each_activation_choice_holds_and_saves_what_the_estimate_says(llama):
     are printed. GPT-2 with attention dropout: core_attn then drops the s x s probabilities (without
     dropout or RoPE it saves only the softmax statistics)."""
     from megazero.memory.estimate import estimate_memory
-    from megazero.models.gpt_memory import GPTActivations
+    from megazero.models.gpt.memory import GPTActivations
     from megazero.parallel.pipeline.partition import placements
 
     model = GPTActivations()

@@ -9,9 +9,10 @@ import pytest
 from helpers import run_on_ranks
 from helpers.trainer import TINY, main_body, read_metrics
 
-from megazero.config import ModelConfig, OptimizerConfig
+from megazero.config import OptimizerConfig
+from megazero.models.gpt import GPTConfig
 from megazero.metrics import MetricsLog, duration, timestamp
-from megazero.models.gpt_spec import flops_per_token as model_flops_per_token
+from megazero.models.gpt.spec import flops_per_token as model_flops_per_token
 from megazero.lr_schedule import learning_rate
 
 
@@ -33,7 +34,7 @@ def test_linear_and_constant_decay():
 
 
 def test_flops_match_6n_plus_attention_for_gpt2_small():
-    cfg = ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024)
+    cfg = GPTConfig(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024)
     vocab = 50304
     n_matmul = 12 * (12 * 768 * 768) + 768 * vocab
     expected = 6 * n_matmul + 12 * 12 * 1024 * 768
@@ -43,7 +44,7 @@ def test_flops_match_6n_plus_attention_for_gpt2_small():
 
 def test_flops_of_a_llama_3_8b_shape():
     """Grouped-query attention (8 KV heads of 128) and SwiGLU's three MLP matrices, untied output."""
-    cfg = ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, group_query_attention=True,
+    cfg = GPTConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, group_query_attention=True,
                       num_query_groups=8, swiglu=True, ffn_hidden_size=14336, seq_length=8192)
     vocab = 128256
     n_matmul = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 4096 * vocab

@@ -1,14 +1,18 @@
 """A model family megazero has never seen, defined entirely here: a tiny post-norm transformer
-(``x = LN(x + Attn(x))``, ``x = LN(x + MLP(x))``, untied head) with its own spec, registered by name.
+(``x = LN(a x + Attn(x))``, ``x = LN(a x + MLP(x))``, untied head) with its own config class, its own
+hyperparameter (``--residual-scale``, DeepNet's alpha ``a``, a flag the GPT family does not have) and
+rules, and its own spec, registered by name.
 
-Through the real trainer (``pretrain_gpt.main --model-family postnorm``) it trains at tp 2 x pp 2 x dp 2
-under ZeRO 1 and 3 exactly as its serial run (losses, gradient norms and the saved weights), resumes
-under another layout (tp 1 x pp 2 x dp 4, ZeRO 3) from a tp 2 x pp 2 x dp 2 checkpoint as the
-uninterrupted serial run, and gets a memory estimate whose model states are the engine's. No line of
-``megazero/`` names this model.
+Through the real trainer (``megazero.cli.main --model-family postnorm --residual-scale 0.8``) it trains at
+tp 2 x pp 2 x dp 2 under ZeRO 1 and 3 exactly as its serial run (losses, gradient norms and the saved
+weights), resumes under another layout (tp 1 x pp 2 x dp 4, ZeRO 3) from a tp 2 x pp 2 x dp 2 checkpoint
+as the uninterrupted serial run, is refused by ``validate()`` alone for a bad value of its own
+hyperparameter, and gets a memory estimate whose model states are the engine's. No line of
+``megazero/`` names this model or its flag.
 """
 import hashlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,10 +23,12 @@ from helpers.trainer import ROOT, assert_same_losses, main_body, read_metrics
 from torch import nn
 
 from megazero.checkpoint.offline import read_model
-from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.cli.job import parse_job
+from megazero.config import FLAG, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, flag_field, validate
+from megazero.config.rules import fail, positive_float
 from megazero.errors import ConfigError
 from megazero.memory.estimate import estimate_memory
-from megazero.models.spec import ModelSpec, build_model_chunks, get_model_spec, register_model_spec
+from megazero.spec import ModelSpec, build_model_chunks, get_model_spec, register_model_spec
 from megazero.parallel.params import set_tp_attributes
 from megazero.parallel.tensor import (
     ColumnParallelLinear,
@@ -38,13 +44,28 @@ from megazero.parallel.zero import build_engine
 FAMILY = "postnorm"
 
 
+@dataclass
+class PostNormConfig(ModelConfig):
+    """The family's config: the sizes every family has, and its own residual scale."""
+
+    residual_scale: float = flag_field(1.0, "--residual-scale", type=float, group="model",
+                                       help="post-norm residual branch scale a: x = LN(a x + f(x)) (DeepNet's alpha)")
+
+    def check(self, parallel: ParallelConfig) -> None:
+        super().check(parallel)
+        positive_float(self.residual_scale, "residual_scale")
+        if parallel.sequence_parallel:
+            fail(f"{FLAG.model_family} {FAMILY} has no sequence-parallel layers: drop {FLAG.sequence_parallel}")
+
+
 class PostNormBlock(nn.Module):
     """One post-norm layer at tensor parallelism: heads and the MLP's width split over tp (column- then
     row-parallel linears), the norms replicated. Activations [s, b, h]."""
 
-    def __init__(self, cfg: ModelConfig, tp_group, tp: int, dtype, device):
+    def __init__(self, cfg: PostNormConfig, tp_group, tp: int, dtype, device):
         super().__init__()
         h, kw = cfg.hidden_size, dict(dtype=dtype, device=device)
+        self.alpha = cfg.residual_scale
         self.heads, self.head_dim = cfg.num_attention_heads // tp, h // cfg.num_attention_heads
         self.qkv = ColumnParallelLinear(h, 3 * h, tp_group, **kw)          # per local head: [q; k; v] rows
         self.proj = RowParallelLinear(h, h, tp_group, **kw)
@@ -59,15 +80,15 @@ class PostNormBlock(nn.Module):
         s, b, _ = x.shape
         q, k, v = self.qkv(x).view(s, b, self.heads, 3, self.head_dim).permute(3, 1, 2, 0, 4)  # each [b, n, s, d]
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, -1)
-        x = self.norm1(x + self.proj(a))
-        return self.norm2(x + self.fc2(F.gelu(self.fc1(x))))
+        x = self.norm1(self.alpha * x + self.proj(a))
+        return self.norm2(self.alpha * x + self.fc2(F.gelu(self.fc1(x))))
 
 
 class PostNorm(nn.Module):
     """A pipeline chunk: its layers (by global index), the embeddings on the first stage, the untied
     head and the per-token loss on the last."""
 
-    def __init__(self, cfg: ModelConfig, placement, groups, *, seed=1234, dtype=torch.float32, device=None,
+    def __init__(self, cfg: PostNormConfig, placement, groups, *, seed=1234, dtype=torch.float32, device=None,
                  home_device=None):
         super().__init__()
         tp = groups.tp.size
@@ -124,18 +145,14 @@ def masked_mean(per_token, mask):
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def check(cfg: ModelConfig, parallel: ParallelConfig) -> None:
-    if parallel.sequence_parallel:
-        raise ConfigError(f"--model-family {FAMILY} has no sequence-parallel layers: drop --sequence-parallel")
-
-
 SPEC = register_model_spec(ModelSpec(
-    name=FAMILY, build_chunk=PostNorm, loss=masked_mean, check=check,
+    name=FAMILY, config=PostNormConfig, build_chunk=PostNorm, loss=masked_mean,
+    checkpoint_fields=ModelSpec.checkpoint_fields + ("residual_scale",),
     boundary_shape=lambda cfg, micro_batch, groups: (cfg.seq_length, micro_batch, cfg.hidden_size),
     flops_per_token=lambda cfg, vocab, recompute: 6.0 * cfg.hidden_size * (12 * cfg.num_layers * cfg.hidden_size
                                                                             + vocab)))
 
-TINY = ["--model-family", FAMILY, "--mock-data", "--vocab-size", "90", "--make-vocab-size-divisible-by", "8",
+TINY = ["--model-family", FAMILY, "--residual-scale", "0.8", "--mock-data", "--vocab-size", "90", "--make-vocab-size-divisible-by", "8",
         "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "2e-3", "--adam-eps", "1e-6",
         "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--log-interval", "1", "--eval-interval", "100",
@@ -187,9 +204,9 @@ def _estimate_body(rank, world_size):
     """The engine's model states at tp2 pp2 dp2 (ZeRO 1 and 3) beside the estimate for the same job."""
     out = []
     for stage in (1, 3):
-        job = validate(JobConfig(model=ModelConfig(model_family=FAMILY, num_layers=4, hidden_size=32,
-                                                   num_attention_heads=4, seq_length=16, vocab_size=90,
-                                                   make_vocab_size_divisible_by=8),
+        job = validate(JobConfig(model=PostNormConfig(model_family=FAMILY, num_layers=4, hidden_size=32,
+                                                      num_attention_heads=4, seq_length=16, vocab_size=90,
+                                                      make_vocab_size_divisible_by=8, residual_scale=0.8),
                                  parallel=ParallelConfig(tp=2, pp=2), zero=ZeroConfig(zero_stage=stage),
                                  train=TrainConfig(micro_batch_size=2, global_batch_size=16)), world_size)
         topo = Topology(tp=2, pp=2)
@@ -211,15 +228,27 @@ def test_an_unseen_model_gets_a_memory_estimate_equal_to_the_engine_in_model_sta
                     assert estimated == measured, (key, estimated, measured)
 
 
-def test_the_unseen_model_is_known_only_here():
-    """Registered by name from this file: the trainer finds it, its own rule refuses what it cannot do,
-    and nothing in the package names it."""
+def test_the_unseen_model_is_known_only_here(capsys):
+    """Registered by name from this file: the trainer finds it and parses its flag, validate() alone runs
+    its rules (its own hyperparameter's and what it cannot do), another family's flag is refused for it,
+    and nothing in the package names it or its flag."""
     assert get_model_spec(FAMILY) is SPEC
-    job = JobConfig(model=ModelConfig(model_family=FAMILY), parallel=ParallelConfig(tp=2, sequence_parallel=True))
+    job, _ = parse_job(TINY + ["--train-iters", "2"], 1)
+    assert type(job.model) is PostNormConfig and job.model.residual_scale == 0.8
+    with pytest.raises(ConfigError, match=r"--residual-scale must be > 0, got -1.0"):
+        validate(JobConfig(model=PostNormConfig(model_family=FAMILY, residual_scale=-1.0)), 1)
     with pytest.raises(ConfigError, match="no sequence-parallel layers"):
-        SPEC.check(job.model, validate(job, 2).parallel)
+        validate(JobConfig(model=PostNormConfig(model_family=FAMILY),
+                           parallel=ParallelConfig(tp=2, sequence_parallel=True)), 2)
+    with pytest.raises(SystemExit):
+        parse_job(TINY + ["--residual-scale", "0"], 1)
+    assert "--residual-scale must be > 0, got 0.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_job(TINY + ["--swiglu"], 1)
+    assert f"--swiglu: not a setting of --model-family {FAMILY}" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--model-family 'nope' is not a registered model: use one of gpt"):
         get_model_spec("nope")
-    named = [str(p.relative_to(ROOT)) for p in (ROOT / "megazero").rglob("*.py") if FAMILY in p.read_text().lower()]
+    named = [str(p.relative_to(ROOT)) for p in (ROOT / "megazero").rglob("*.py")
+             if FAMILY in p.read_text().lower() or "residual-scale" in p.read_text()]
     assert not named, named
     assert math.isfinite(SPEC.flops_per_token(job.model, 96, False))

@@ -1,4 +1,4 @@
-"""Mixture of Experts (megazero/models/moe.py; the experts' bucket group: megazero/parallel/zero/engine.py):
+"""Mixture of Experts (megazero/models/gpt/moe.py; the experts' bucket group: megazero/parallel/zero/engine.py):
 routing, capacity and losses against hand-computed cases, and 5 training steps of a top-2, 4-expert,
 dropless GPT at expert parallelism 1, 2 and 4 (dp 4), with tp 2 and with pp 2, under ZeRO 0-3, each
 equal to the single-process run (fp32, 1e-5 relative); fp16 and nvme offload through the one engine."""
@@ -11,11 +11,13 @@ from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batches, trainer_steps
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
-from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig
-from megazero.memory.estimate import estimate_stage, moe_alltoall_bytes, moe_alltoall_bytes_per_step
+from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig
+from megazero.models.gpt import GPTConfig
+from megazero.memory.estimate import estimate_stage
+from megazero.models.gpt.moe import moe_alltoall_bytes, moe_alltoall_bytes_per_step
 from megazero.models.gpt import GPT, build_model_chunks, masked_mean
-from megazero.models.moe import (capacity_keep, collect_moe_metrics, load_balancing_loss, moe_layers, route,
-                                 set_aux_loss_scale, z_loss)
+from megazero.models.gpt.moe import (capacity_keep, collect_moe_metrics, load_balancing_loss, moe_layers, route,
+                                     set_aux_loss_scale, z_loss)
 from megazero.parallel.zero.adamw import weight_decay_groups
 from megazero.parallel.params import split_dim
 from megazero.parallel.tensor import shard
@@ -28,8 +30,8 @@ STEPS = 5
 MOE_KW = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
 
 
-def _cfg(**kw) -> ModelConfig:
-    return ModelConfig(**{**GPT_CFG, **MOE_KW, **kw})
+def _cfg(**kw) -> GPTConfig:
+    return GPTConfig(**{**GPT_CFG, **MOE_KW, **kw})
 
 
 # --------------------------------------------------------------------------- routing and losses by hand
@@ -506,8 +508,8 @@ def test_estimate_counts_experts_per_ep_rank():
 
 def test_flops_per_token_count_the_active_experts():
     """Training FLOPs of a top-2 MoE model = the dense model with an ffn twice as wide + the routers."""
-    from megazero.models.gpt_spec import flops_per_token as model_flops_per_token
+    from megazero.models.gpt.spec import flops_per_token as model_flops_per_token
 
-    moe, dense = _cfg(), ModelConfig(**{**GPT_CFG, "ffn_hidden_size": 2 * 4 * GPT_CFG["hidden_size"]})
+    moe, dense = _cfg(), GPTConfig(**{**GPT_CFG, "ffn_hidden_size": 2 * 4 * GPT_CFG["hidden_size"]})
     router = 3 * 2 * moe.num_layers * moe.hidden_size * moe.num_experts
     assert model_flops_per_token(moe, 256) == model_flops_per_token(dense, 256) + router

@@ -11,7 +11,8 @@ from helpers import run_on_ranks
 from helpers.ckpt import GLOBAL_MB, MB_SIZE, MODEL, OPT, SEED, full_params, train_one_step
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
-from megazero.config import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
+from megazero.config import JobConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
+from megazero.models.gpt import GPTConfig
 from megazero.models.gpt import build_model_chunks
 from megazero.parallel.zero import build_engine
 from megazero.parallel.zero.swap import SWAP_PREFIX
@@ -32,7 +33,7 @@ def _engine(tp, pp, stage, nvme_dir, bf16=False, **offload):
     topo = Topology(tp=tp, pp=pp)
     zero = ZeroConfig(zero_stage=stage, bucket_size=3000, nvme_path=nvme_dir if "nvme" in offload.values() else None,
                       offload_sub_group_size=SUB_GROUP, **offload)
-    job = JobConfig(model=ModelConfig(**MODEL), parallel=ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size), zero=zero,
+    job = JobConfig(model=GPTConfig(**MODEL), parallel=ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size), zero=zero,
                     optimizer=OPT, precision=PrecisionConfig(bf16=bf16),
                     train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=MB_SIZE * GLOBAL_MB))
     chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, device="meta",
@@ -144,7 +145,7 @@ def _memory_body(rank, world_size, nvme_dir):
         gc.collect()
         topo = Topology()
         zero = ZeroConfig(zero_stage=1, offload_optimizer=where, nvme_path=nvme_dir if where == "nvme" else None)
-        job = JobConfig(model=ModelConfig(**BIG), parallel=ParallelConfig(dp=topo.dp_size), zero=zero, optimizer=OPT)
+        job = JobConfig(model=GPTConfig(**BIG), parallel=ParallelConfig(dp=topo.dp_size), zero=zero, optimizer=OPT)
         with LiveTensorBytes() as build:
             chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, device="meta")
             engine = build_engine(chunks, topo, job.zero, job.optimizer)

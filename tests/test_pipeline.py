@@ -16,7 +16,8 @@ from helpers import run_on_ranks
 from helpers.pipeline_parity import MICRO, SEED, batches, check_parity, model_cfg, parallel_body
 from helpers.pipeline_sim import run_on_threads
 
-from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, validate
+from megazero.config import JobConfig, ParallelConfig, TrainConfig, validate
+from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
 from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.pipeline import (
@@ -70,7 +71,7 @@ def test_dispatcher_picks_by_config():
 
 
 def test_config_rejects_fewer_micro_batches_than_stages():
-    job = JobConfig(model=ModelConfig(num_layers=8), parallel=ParallelConfig(pp=4),
+    job = JobConfig(model=GPTConfig(num_layers=8), parallel=ParallelConfig(pp=4),
                     train=TrainConfig(micro_batch_size=2, global_batch_size=4))
     with pytest.raises(ConfigError, match="fewer than 4 pipeline stages"):
         validate(job, world_size=4)
@@ -81,7 +82,7 @@ def test_config_rejects_fewer_micro_batches_than_stages():
 
 
 def test_activation_shape_with_sequence_parallel():
-    cfg = ModelConfig(seq_length=16, hidden_size=32)
+    cfg = GPTConfig(seq_length=16, hidden_size=32)
     assert activation_shape(cfg, 2) == (16, 2, 32)
     assert activation_shape(cfg, 2, tp=2, sequence_parallel=True) == (8, 2, 32)
     assert activation_shape(cfg, 2, tp=2, sequence_parallel=False) == (16, 2, 32)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from helpers import run_on_ranks
 
-from megazero.config import ModelConfig
+from megazero.models.gpt import GPTConfig
 from megazero.memory.measure import LiveTensorBytes
 from megazero.models.gpt import GPT, masked_mean
 from megazero.parallel.pipeline.split_backward import backward_input, deferrable_saves
@@ -18,10 +18,10 @@ from megazero.parallel.pipeline.split_backward import backward_input, deferrable
 S, B, H = 8, 2, 32
 
 
-def _cfg(**kw) -> ModelConfig:
+def _cfg(**kw) -> GPTConfig:
     base = dict(num_layers=2, hidden_size=H, num_attention_heads=4, seq_length=S, vocab_size=64,
                 make_vocab_size_divisible_by=16)
-    return ModelConfig(**{**base, **kw})
+    return GPTConfig(**{**base, **kw})
 
 
 def _data(seed: int, shape=(S, B, H)):

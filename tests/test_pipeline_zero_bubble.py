@@ -139,11 +139,12 @@ def test_trainer_with_zb_h1_matches_serial(world, flags, serial_parity, tmp_path
 
 def test_start_line_predicts_bubble_and_peak():
     """The line a run prints at start: the schedule's bubble and peak from the simulator (pp 4, m 8)."""
-    from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, validate
+    from megazero.config import JobConfig, ParallelConfig, TrainConfig, validate
+    from megazero.models.gpt import GPTConfig
     from megazero.training import predicted_pipeline
 
     def line(schedule):
-        job = JobConfig(parallel=ParallelConfig(pp=4, pipeline_schedule=schedule), model=ModelConfig(num_layers=4),
+        job = JobConfig(parallel=ParallelConfig(pp=4, pipeline_schedule=schedule), model=GPTConfig(num_layers=4),
                         train=TrainConfig(micro_batch_size=1, global_batch_size=8))
         return predicted_pipeline(validate(job, world_size=4))
 

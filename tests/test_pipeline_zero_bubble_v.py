@@ -176,9 +176,10 @@ def test_trainer_with_zb_v_matches_serial(world, flags, serial_runs, tmp_path):
 
 def test_start_line_predicts_bubble_and_peak():
     """The line a run prints at start (pp 4, m 8): ZB-V's bubble, and its peak in chunk sets and in 1F1B's units."""
-    from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, validate
+    from megazero.config import JobConfig, ParallelConfig, TrainConfig, validate
+    from megazero.models.gpt import GPTConfig
     from megazero.training import predicted_pipeline
-    job = JobConfig(parallel=ParallelConfig(pp=4, pipeline_schedule="zb-v"), model=ModelConfig(num_layers=8),
+    job = JobConfig(parallel=ParallelConfig(pp=4, pipeline_schedule="zb-v"), model=GPTConfig(num_layers=8),
                     train=TrainConfig(micro_batch_size=1, global_batch_size=8))
     line = predicted_pipeline(validate(job, world_size=4))
     assert ("pipeline zb-v: predicted bubble 0.059 of the step, peak activations 8 chunk sets per rank "

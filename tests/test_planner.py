@@ -5,7 +5,7 @@ import pytest
 from helpers import run_on_ranks
 from helpers.memory import BASE, LLAMA, measure_body
 
-from megazero.arguments import parse_job
+from megazero.cli.job import parse_job
 from megazero.memory.planner import (
     GIB,
     NoPlanFits,
@@ -75,13 +75,16 @@ def test_a_budget_nothing_meets_names_the_layout_change_that_would():
 
 
 def test_the_trainer_takes_a_budget_and_refuses_it_beside_recompute_flags(capsys):
-    from megazero.arguments import build_parser, job_from_args
+    from megazero.cli.arguments import build_parser
+    from megazero.cli.job import job_from_args
+    from megazero.cli.plan import plan_memory
 
     argv = BASE + ["--seq-length", "256", "--zero-stage", "0"]
     job, _ = parse_job(argv, 1)
     budget = _pair(job, 1)
     parser = build_parser("pretrain_gpt.py", "")
-    planned = job_from_args(parser, parser.parse_args(argv + ["--memory-budget-gib", str(budget / GIB)]), 1)
+    planned = plan_memory(job_from_args(parser, parser.parse_args(argv + ["--memory-budget-gib", str(budget / GIB)]),
+                                        1), 1)
     assert planned.model.recompute_granularity is not None
     assert "memory plan for" in capsys.readouterr().out
     with pytest.raises(SystemExit):

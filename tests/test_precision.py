@@ -113,7 +113,7 @@ def test_bf16_zero1_tracks_fp32_with_fp32_master_weights():
 def _accumulation_body(rank, world_size, precision_flags):
     """50 steps of a one-layer GPT at dp2 ZeRO-1 with 128 micro-batches per rank per step (where
     bf16 sums lose the most); the losses and this rank's shard of the fp32 master weights."""
-    from megazero.arguments import parse_job
+    from megazero.cli.job import parse_job
     from megazero.models.gpt import build_model_chunks
     from megazero.training import train_step
 

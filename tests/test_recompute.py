@@ -1,4 +1,4 @@
-"""Activation recompute and offload (megazero/models/recompute.py, megazero/memory/activation_offload.py):
+"""Activation recompute and offload (megazero/spec/recompute.py, megazero/memory/activation_offload.py):
 every choice trains exactly as the run that keeps everything, at tp 2 + SP, pp 2 (1F1B, interleaved,
 GPipe), dp 2 under ZeRO 1, 2 (optimizer offloaded) and 3, dp 4 under ZeRO++ (hpZ, qwZ) and ep 2,
 with dropout on (the backward's recomputation replays
@@ -9,11 +9,12 @@ import torch
 from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_CFG, GPT_OPT, LLAMA_KW, SEED, check_against_reference, trainer_steps
 
-from megazero.config import CompileConfig, JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.config import CompileConfig, JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
 from megazero.models.gpt import GPT
-from megazero.models.recompute import full_recompute_groups
-from megazero.models.spec import build_model_chunks, get_model_spec
+from megazero.spec.recompute import full_recompute_groups
+from megazero.spec import build_model_chunks, get_model_spec
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 
@@ -42,7 +43,7 @@ def _choices_body(rank, world_size, layout, base_kw, names):
     out = {}
     for name in names:
         topo = Topology(tp=tp, pp=pp, ep=ep, ranks_per_node=more.get("ranks_per_node"))
-        cfg = ModelConfig(**{**GPT_CFG, **base_kw, **CHOICES[name]})
+        cfg = GPTConfig(**{**GPT_CFG, **base_kw, **CHOICES[name]})
         layers_per_chunk = cfg.num_layers // (pp * v) if v > 1 else None
         par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, expert_model_parallel_size=ep,
                              num_layers_per_virtual_pipeline_stage=layers_per_chunk,
@@ -108,12 +109,12 @@ def test_keeping_everything_and_recomputing_equal_the_single_process():
 
 
 def test_groups_follow_megatrons_methods():
-    cfg = ModelConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    cfg = GPTConfig(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
     assert full_recompute_groups(cfg, 5) == [([0, 1], True), ([2, 3], True), ([4], True)]
-    cfg = ModelConfig(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    cfg = GPTConfig(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
     assert full_recompute_groups(cfg, 5) == [([0], True), ([1], True), ([2], False), ([3], False), ([4], False)]
-    assert full_recompute_groups(ModelConfig(recompute_activations=True), 2) == [([0], True), ([1], True)]
-    assert full_recompute_groups(ModelConfig(), 2) == [([0], False), ([1], False)]
+    assert full_recompute_groups(GPTConfig(recompute_activations=True), 2) == [([0], True), ([1], True)]
+    assert full_recompute_groups(GPTConfig(), 2) == [([0], False), ([1], False)]
 
 
 @pytest.mark.parametrize("kw,message", [
@@ -132,15 +133,15 @@ def test_groups_follow_megatrons_methods():
 def test_contradictory_choices_are_refused(kw, message):
     compiled = CompileConfig(compile=kw.pop("compile", False))
     with pytest.raises(ConfigError, match=message):
-        validate(JobConfig(model=ModelConfig(**{**GPT_CFG, **kw}), compilation=compiled), 1)
+        validate(JobConfig(model=GPTConfig(**{**GPT_CFG, **kw}), compilation=compiled), 1)
 
 
 def test_offloaded_bytes_are_what_the_layers_save():
     """One process, no dropout: the bytes sent to the host are the storages of every tensor the
     offloaded layers save (counted here with torch's own saved-tensor hooks, parameters left out), and
     the gradients equal keeping everything bitwise."""
-    cfg = ModelConfig(**GPT_CFG, cpu_offloading=True, cpu_offloading_num_layers=2)
-    model, plain = GPT(cfg, seed=SEED), GPT(ModelConfig(**GPT_CFG), seed=SEED)
+    cfg = GPTConfig(**GPT_CFG, cpu_offloading=True, cpu_offloading_num_layers=2)
+    model, plain = GPT(cfg, seed=SEED), GPT(GPTConfig(**GPT_CFG), seed=SEED)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
     params = {p.untyped_storage().data_ptr() for p in plain.parameters()}
     saved = {}                                           # distinct storages: views of one are sent once
@@ -172,7 +173,7 @@ def test_offload_with_a_recomputed_output_keeps_every_saved_tensor(modules, moe)
     layer saves; offload took that tensor for another view of the freed one and read back the wrong
     bytes (gradient norm 580 instead of 1.24 with layernorm). One process: bitwise the resident run."""
     kw = dict(GPT_CFG, **moe, recompute_granularity="selective", recompute_modules=modules)
-    model, plain = GPT(ModelConfig(**kw, cpu_offloading=True), seed=SEED), GPT(ModelConfig(**kw), seed=SEED)
+    model, plain = GPT(GPTConfig(**kw, cpu_offloading=True), seed=SEED), GPT(GPTConfig(**kw), seed=SEED)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, model.cfg.seq_length),
                            generator=torch.Generator().manual_seed(0))
     model(tokens, tokens).mean().backward()
@@ -185,17 +186,17 @@ def test_offload_with_a_recomputed_output_keeps_every_saved_tensor(modules, moe)
 def test_the_flops_count_what_the_backward_runs_again():
     """The share of the layers' forward recomputed: every layer (uniform), the first of each of pp 2's
     chunks (block 1: half of 4 layers), the attention core and MLP matmuls (selective), none."""
-    from megazero.models.gpt_spec import flops_per_token, recomputed_share
+    from megazero.models.gpt.spec import flops_per_token, recomputed_share
 
     par = ParallelConfig(pp=2)
-    cfg = ModelConfig(**GPT_CFG)
+    cfg = GPTConfig(**GPT_CFG)
     h, s, f = cfg.hidden_size, cfg.seq_length, cfg.ffn_hidden_size
     layer = 2 * (4 * h * h + 2 * h * f) + 4 * s * h
-    assert recomputed_share(ModelConfig(**GPT_CFG, recompute_activations=True), par) == 1.0
+    assert recomputed_share(GPTConfig(**GPT_CFG, recompute_activations=True), par) == 1.0
     block = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
-    assert recomputed_share(ModelConfig(**GPT_CFG, **block), par) == 0.5
+    assert recomputed_share(GPTConfig(**GPT_CFG, **block), par) == 0.5
     selective = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
-    assert recomputed_share(ModelConfig(**GPT_CFG, **selective), par) == pytest.approx((4 * s * h + 4 * h * f) / layer)
+    assert recomputed_share(GPTConfig(**GPT_CFG, **selective), par) == pytest.approx((4 * s * h + 4 * h * f) / layer)
     assert recomputed_share(cfg, par) == 0.0
     assert flops_per_token(cfg, 256, 1.0) - flops_per_token(cfg, 256) == cfg.num_layers * layer
 
@@ -211,8 +212,8 @@ def test_the_trainer_logs_the_bytes_it_offloads(tmp_path):
     per iteration are the estimator's host activations per micro-batch times the micro-batches (10%)."""
     from helpers.trainer import TINY, assert_same_losses, read_metrics
 
-    from megazero.arguments import parse_job
-    from megazero.models.gpt_memory import chunk_offloaded_bytes
+    from megazero.cli.job import parse_job
+    from megazero.models.gpt.memory import chunk_offloaded_bytes
     from megazero.parallel.pipeline.partition import placements
 
     runs = {}
@@ -235,8 +236,8 @@ def test_offload_on_cuda_moves_the_saved_tensors_to_pinned_host_memory_and_back(
     offloaded bytes leave the device between forward and backward."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cfg = ModelConfig(**GPT_CFG, cpu_offloading=True)
-    model, plain = GPT(cfg, seed=SEED, device="cuda"), GPT(ModelConfig(**GPT_CFG), seed=SEED, device="cuda")
+    cfg = GPTConfig(**GPT_CFG, cpu_offloading=True)
+    model, plain = GPT(cfg, seed=SEED, device="cuda"), GPT(GPTConfig(**GPT_CFG), seed=SEED, device="cuda")
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), device="cuda")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

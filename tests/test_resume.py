@@ -36,7 +36,7 @@ def _stopping_main_body(rank, world, argv, stop_after):
     """pretrain_gpt.main, stopped (as by a scheduler's time limit) once ``stop_after`` steps have run:
     every rank leaves before the next step's first collective."""
     import megazero.training as training
-    import pretrain_gpt
+    from megazero.cli import main as cli
 
     real, calls = training.train_step, []
 
@@ -48,7 +48,7 @@ def _stopping_main_body(rank, world, argv, stop_after):
 
     training.train_step = train_step
     try:
-        return pretrain_gpt.main(argv)
+        return cli.main(argv)
     except _Stop:
         return 0
     finally:
@@ -125,7 +125,7 @@ _CRASH_ONCE = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {root!r})
     import megazero.training as training
-    import pretrain_gpt
+    from megazero.cli import main as cli
 
     real_step, calls = training.train_step, []
     def train_step(chunks, micro_batches, topo, engine, job, **kw):
@@ -136,7 +136,7 @@ _CRASH_ONCE = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)        # a hard failure mid-training, after iteration 7
         return out
     training.train_step = train_step
-    pretrain_gpt.exit_process(pretrain_gpt.run_program())   # as pretrain_gpt.py ends: groups gone, no teardown
+    cli.exit_process(cli.run_program())   # as pretrain_gpt.py ends: groups gone, no teardown
 """)
 
 

@@ -8,7 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import run_on_ranks
 
-from megazero.config import ModelConfig, ZeroConfig
+from megazero.config import ZeroConfig
+from megazero.models.gpt import GPTConfig
 from megazero.models.gpt import GPT
 from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
                                       VocabParallelEmbedding, copy_to_tp_region, gather_from_sequence_parallel_region,
@@ -228,7 +229,7 @@ def _rng_body(rank, world_size):
 
     # In the model: training with dropout keeps replicated activations identical across tp ranks
     # (so the loss agrees), the same seed reproduces the loss and another seed changes it.
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
                       make_vocab_size_divisible_by=8, attention_dropout=0.2, hidden_dropout=0.2)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
     losses = [GPT(cfg, topo.model_groups(), seed=s).train()(ids, ids).mean().item() for s in (1, 1, 2)]

@@ -11,8 +11,8 @@ def _gather_body(rank, world, layouts):
 
 
 def _gather_one(rank, world, argv):
-    from megazero.arguments import parse_job
-    from megazero.models.spec import build_model_chunks, get_model_spec
+    from megazero.cli.job import parse_job
+    from megazero.spec import build_model_chunks, get_model_spec
     from megazero.parallel.topology import Topology
     from megazero.training import gather_full_model
 

@@ -7,7 +7,8 @@ from helpers.gpt_parity import (GPT_CFG, GPT_OPT, LLAMA_KW, MB_SIZE, MICRO, SEED
                                 gpt_batches)
 from helpers.tinynet import TinyNet, reference_run, train_dp
 
-from megazero.config import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
+from megazero.config import JobConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
+from megazero.models.gpt import GPTConfig
 from megazero.memory import LiveTensorBytes
 from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.zero.adamw import adamw_update
@@ -110,7 +111,7 @@ def _counting_launches(sync, beside):
 
 def _transients_body(rank, world_size):
     topo = Topology()
-    cfg = ModelConfig(**GPT_CFG)
+    cfg = GPTConfig(**GPT_CFG)
     par = ParallelConfig(dp=topo.dp_size)
     job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
     out = {}
@@ -189,7 +190,7 @@ def _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, overlap_pa
     topo = Topology(tp=tp, pp=pp)
     par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sequence_parallel,
                          virtual_stages=virtual_stages)
-    chunks = build_model_chunks(ModelConfig(**{**GPT_CFG, **(model_kw or {})}), par, topo, seed=SEED)
+    chunks = build_model_chunks(GPTConfig(**{**GPT_CFG, **(model_kw or {})}), par, topo, seed=SEED)
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, bucket_size=3000,
                                                    overlap_param_gather=overlap_param_gather), GPT_OPT)
     losses, norms = [], []

@@ -9,7 +9,8 @@ from helpers import run_on_ranks
 from helpers.gpt_parity import (GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, check_against_reference, global_loss,
                                 gpt_batches, gpt_reference)
 
-from megazero.config import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
+from megazero.config import JobConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
+from megazero.models.gpt import GPTConfig
 from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline import run_schedule
@@ -24,7 +25,7 @@ def _train(tp, pp, steps, micro=MICRO, model_kw=None, dtype=torch.float32, preci
     (name -> tp-local tensor) and optimizer state ``opt_state`` if given; returns
     (topo, chunks, engine, losses, norms, per-step info)."""
     topo = Topology(tp=tp, pp=pp)
-    cfg = ModelConfig(**{**GPT_CFG, **(model_kw or {})})
+    cfg = GPTConfig(**{**GPT_CFG, **(model_kw or {})})
     par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, virtual_stages=v,
                          pipeline_schedule="interleaved" if v > 1 else "1f1b")
     chunks = build_model_chunks(cfg, par, topo, seed=SEED, dtype=dtype)
@@ -203,7 +204,7 @@ def _keep_release_body(rank, world_size, untie):
         return after_unit_backward
 
     topo = Topology()
-    cfg = ModelConfig(**{**GPT_CFG, "untie_embeddings_and_output_weights": untie})
+    cfg = GPTConfig(**{**GPT_CFG, "untie_embeddings_and_output_weights": untie})
     chunks = build_model_chunks(cfg, ParallelConfig(dp=topo.dp_size), topo, seed=SEED)
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=3, keep_params_gathered=True), GPT_OPT)
     sync = engine.bucket_groups[0]

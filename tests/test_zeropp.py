@@ -7,7 +7,8 @@ import torch.distributed as dist
 from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, SEED, gpt_batches
 
-from megazero.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
 from megazero.memory.estimate import estimate_stage
 from megazero.models.gpt import build_model_chunks
@@ -60,7 +61,7 @@ def test_inter_fraction_convention():
 
 def test_validate_names_flag_and_fix():
     def job(world, stage=3, tp=1, rpn=None, **z):
-        return validate(JobConfig(model=ModelConfig(**GPT_CFG), parallel=ParallelConfig(tp=tp, ranks_per_node=rpn),
+        return validate(JobConfig(model=GPTConfig(**GPT_CFG), parallel=ParallelConfig(tp=tp, ranks_per_node=rpn),
                                   zero=ZeroConfig(zero_stage=stage, **z)), world)
 
     for kw, msg in [(dict(stage=2, quantized_weights=True), "--zero-quantized-weights .* --zero-stage 3"),
@@ -101,7 +102,7 @@ def test_block_quantization_round_trip():
 # --------------------------------------------------------------------------- on 8 ranks, 2 nodes of 4
 
 def _job(tp=1, pp=1, dp=8, steps=100):
-    cfg = ModelConfig(**{**GPT_CFG, "untie_embeddings_and_output_weights": True})
+    cfg = GPTConfig(**{**GPT_CFG, "untie_embeddings_and_output_weights": True})
     par = ParallelConfig(tp=tp, pp=pp, dp=dp)
     return cfg, par, JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
 
@@ -351,7 +352,7 @@ def _experts_body(rank, world_size, steps):
     out = {}
     for name, kw in (("plain", {}), ("hpZ", dict(hpz_partition_size=2)), ("qgZ", dict(quantized_gradients=True))):
         topo = Topology(ranks_per_node=2, ep=2)
-        cfg = ModelConfig(**{**GPT_CFG, "num_experts": 4, "moe_router_topk": 2})
+        cfg = GPTConfig(**{**GPT_CFG, "num_experts": 4, "moe_router_topk": 2})
         par = ParallelConfig(dp=topo.dp_size, expert_model_parallel_size=2)
         job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
         chunks = build_model_chunks(cfg, par, topo, seed=SEED)

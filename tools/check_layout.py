@@ -1,11 +1,11 @@
 """Check a planned run's layout before spending GPU hours: a scaled-down copy on CPU processes against its
 serial twin.
 
-    python tools/check_layout.py -- --tp 8 --pp 2 --dp 2 --sequence-parallel --num-layers 32 ...   # the plan's flags
-    python tools/check_layout.py --world-size 32 -- --tp 8 --pp 2 ...                             # dp from the world
+    python -m tools.check_layout -- --tp 8 --pp 2 --dp 2 --sequence-parallel --num-layers 32 ...   # the plan's flags
+    python -m tools.check_layout --world-size 32 -- --tp 8 --pp 2 ...                             # dp from the world
 
 Every axis above 1 in the plan stays above 1 (sized 2), every switch is kept, and the model shrinks to
-a few layers of tiny width (megazero/fuzz/scale.py says exactly what changes). The copy trains two
+a few layers of tiny width (tools/fuzz/scale.py says exactly what changes). The copy trains two
 iterations, saves, resumes under the same layout for two more; each iteration's loss, gradient norm and
 every parameter and optimizer tensor are compared with the serial run of the same model, data and
 initialisation. Prints "equal" or "NOT EQUAL" with the per-iteration differences and the first
@@ -20,12 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megazero.errors import ConfigError  # noqa: E402
-from megazero.fuzz.checker import check  # noqa: E402
-from megazero.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS  # noqa: E402
-from megazero.fuzz.scale import scale_down  # noqa: E402
+from megazero.errors import ConfigError
+from tools.fuzz.checker import check
+from tools.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS
+from tools.fuzz.scale import scale_down
 
 
 def main(argv: list[str] | None = None, launch=None) -> int:
@@ -47,7 +45,7 @@ def main(argv: list[str] | None = None, launch=None) -> int:
     print("scaled command: " + d.command())
     start = time.monotonic()
     report = check(d, Path(args.workdir or tempfile.mkdtemp(prefix="megazero-check-")), launch or LAUNCHERS[args.launcher],
-                   reproduce="python tools/check_layout.py " + " ".join(own) + " -- " + " ".join(plan))
+                   reproduce="python -m tools.check_layout " + " ".join(own) + " -- " + " ".join(plan))
     print(report.summary().replace("draw 0: ", "layout check: ", 1))
     print(report.step_table())
     print(f"({time.monotonic() - start:.0f} s)")

@@ -21,23 +21,20 @@ megazero's on the written weights and compares their logits and tokenizers (docs
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-
-from megazero.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, load_hf, save_hf  # noqa: E402
-from megazero.checkpoint.hf_compare import DEFAULT_TEXT, Comparison, compare_with_hf  # noqa: E402
-from megazero.checkpoint.hf_tokenizer import tokenizer_of  # noqa: E402
-from megazero.checkpoint.offline import read_model, saved_job, write_weights_checkpoint  # noqa: E402
-from megazero.config import JobConfig, ParallelConfig, check_model
+from megazero.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, load_hf, save_hf
+from megazero.checkpoint.hf_compare import DEFAULT_TEXT, Comparison, compare_with_hf
+from megazero.checkpoint.hf_tokenizer import tokenizer_of
+from megazero.checkpoint.offline import read_model, saved_job, write_weights_checkpoint
+from megazero.config import JobConfig, ParallelConfig, flag, validate
 from megazero.errors import (
-    CheckpointError,  # noqa: E402
-    ConfigError,  # noqa: E402
+    CheckpointError,
+    ConfigError,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -114,12 +111,11 @@ def convert(args: argparse.Namespace) -> tuple[Path, Comparison | None]:
     else:
         _, tensors, index = read_model(src)
         job = saved_job(index)
-    try:
-        check_model(job.model, ParallelConfig(tp=args.target_tp, pp=args.target_pp))
-        if args.target_pp < 1 or job.model.num_layers % args.target_pp:
-            raise ConfigError(f"--target-pp {args.target_pp} must divide --num-layers {job.model.num_layers}")
+    try:       # the model at the target layout, by the trainer's own rules
+        layout = ParallelConfig(tp=args.target_tp, pp=args.target_pp)
+        validate(JobConfig(model=job.model, parallel=layout), args.target_tp * args.target_pp)
     except ConfigError as e:
-        raise CheckpointError(str(e).replace("--tensor-model-parallel-size/--tp", "--target-tp")) from None
+        raise CheckpointError(str(e).replace(flag("tp"), "--target-tp").replace(flag("pp"), "--target-pp")) from None
     tensors = {k: v.to(dtype) for k, v in tensors.items()}
     out = write_weights_checkpoint(args.output, tensors, job, tp=args.target_tp, pp=args.target_pp)
     hf_side = src if (src / "config.json").is_file() else None

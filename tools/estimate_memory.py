@@ -18,13 +18,12 @@ vocabulary is ``--vocab-size`` (the trainer takes it from the tokenizer: pass th
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from megazero.arguments import build_parser, job_from_args  # noqa: E402
-from megazero.memory.estimate import estimate_memory, paper_model_states  # noqa: E402
+from megazero.cli.arguments import build_parser
+from megazero.cli.job import job_from_args
+from megazero.cli.plan import plan_memory
+from megazero.memory.estimate import estimate_memory, paper_model_states
 
 MIB = 2 ** 20
 
@@ -40,7 +39,8 @@ def parse(argv=None):
                       help="pick the cheapest recompute / offload plan whose peak per rank fits X GiB "
                            "(megazero/memory/planner.py), print it with the plans it rejected, and estimate it")
     args = parser.parse_args(argv)
-    return job_from_args(parser, args, args.world_size), args
+    job = job_from_args(parser, args, args.world_size)
+    return plan_memory(job, args.world_size, parser.prog), args
 
 
 def recompute_words(m) -> str:

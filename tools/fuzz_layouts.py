@@ -1,10 +1,10 @@
 """Fuzz the layout space: draw layouts, train each against its serial twin, resume under a second layout.
 
-    python tools/fuzz_layouts.py --draws 30 --seed 1000            # draws 1000..1029, on CPU processes
-    python tools/fuzz_layouts.py --seed 1017 --draws 1             # reproduce one draw (printed on failure)
-    python tools/fuzz_layouts.py --draws 300 --seed 0 --dry-run    # the draws and their coverage, no training
-    python tools/fuzz_layouts.py --draws 1000 --seed 2000 --minutes 70 --results r.jsonl   # as many as fit
-    python tools/fuzz_layouts.py --draws 300 --seed 0 --candidates 8 --dry-run   # each draw the most covering of 8
+    python -m tools.fuzz_layouts --draws 30 --seed 1000            # draws 1000..1029, on CPU processes
+    python -m tools.fuzz_layouts --seed 1017 --draws 1             # reproduce one draw (printed on failure)
+    python -m tools.fuzz_layouts --draws 300 --seed 0 --dry-run    # the draws and their coverage, no training
+    python -m tools.fuzz_layouts --draws 1000 --seed 2000 --minutes 70 --results r.jsonl   # as many as fit
+    python -m tools.fuzz_layouts --draws 300 --seed 0 --candidates 8 --dry-run   # each draw the most covering of 8
 
 Draw ``i`` of a campaign is seeded ``--seed + i``, so any draw reruns alone; with ``--candidates K`` it is
 the one of seeds ``--seed + K i`` .. ``--seed + K i + K - 1`` that adds the most pairs of axis values not
@@ -22,11 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megazero.fuzz.checker import check  # noqa: E402
-from megazero.fuzz.coverage import Coverage, allowed_pairs, most_covering  # noqa: E402
-from megazero.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS  # noqa: E402
+from tools.fuzz.checker import check
+from tools.fuzz.coverage import Coverage, allowed_pairs, most_covering
+from tools.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.monotonic() - start:.0f} s; failures: {len(failures)}")
     for r in failures:
         print(f"  seed {r.draw.seed}: {r.first_difference or r.error}\n    reproduce: "
-              f"python tools/fuzz_layouts.py --seed {r.draw.seed} --draws 1")
+              f"python -m tools.fuzz_layouts --seed {r.draw.seed} --draws 1")
     return 1 if failures else 0
 
 

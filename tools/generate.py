@@ -10,17 +10,14 @@ tokenizer flags. Prints the continuation's token ids and, with a tokenizer, its 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-
-from megazero.checkpoint.offline import build_full_model  # noqa: E402
-from megazero.config import TOKENIZERS  # noqa: E402
-from megazero.errors import CheckpointError  # noqa: E402
-from megazero.generation import generate  # noqa: E402
+from megazero.checkpoint.offline import build_full_model
+from megazero.config import TOKENIZERS
+from megazero.errors import CheckpointError
+from megazero.generation import generate
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -12,14 +12,11 @@ with the files or the config.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
 from megazero.checkpoint import CheckpointReader
-from megazero.checkpoint.offline import check_index_shapes, resolve  # noqa: E402
-from megazero.errors import CheckpointError  # noqa: E402
+from megazero.checkpoint.offline import check_index_shapes, resolve
+from megazero.errors import CheckpointError
 
 
 def describe(path: str, verify: bool = True) -> list[str]:

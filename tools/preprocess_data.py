@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from megazero.config import TOKENIZERS  # noqa: E402
-from megazero.data.indexed_dataset import IndexedDatasetError  # noqa: E402
-from megazero.data.preprocess import PreprocessConfig, PreprocessError, preprocess  # noqa: E402
-from megazero.errors import TokenizerError  # noqa: E402
+from megazero.config import TOKENIZERS
+from megazero.data.indexed_dataset import IndexedDatasetError
+from megazero.data.preprocess import PreprocessConfig, PreprocessError, preprocess
+from megazero.errors import TokenizerError
 
 
 def parse_args(argv=None) -> PreprocessConfig:

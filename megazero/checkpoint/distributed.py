@@ -39,14 +39,12 @@ from megazero.checkpoint.tensor_file import write_pieces
 from megazero.config import ModelConfig, flag
 from megazero.errors import CheckpointError
 from megazero.lr_schedule import learning_rate
-from megazero.models.spec import get_model_spec
+from megazero.spec import get_model_spec
 from megazero.parallel.params import attribute, counts_once, split_dim
 from megazero.parallel.zero import StatePiece
 from megazero.state import TrainState
 
 log = logging.getLogger(__name__)
-# A checkpoint written before a field existed was saved with its default.
-_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 _KIND = {"model": fmt.MODEL, "exp_avg": fmt.EXP_AVG, "exp_avg_sq": fmt.EXP_AVG_SQ, "master": fmt.MASTER}
 
 
@@ -257,8 +255,9 @@ def model_mismatch(saved_model: dict, model_cfg: ModelConfig) -> tuple[str, obje
     """(field, saved value, this run's value) of the first model setting a checkpoint must match and does
     not: the model family, then the fields its spec lists (``ModelSpec.checkpoint_fields``); None when
     they all agree. The one list both the pre-launch check and the load use."""
+    defaults = _field_defaults(model_cfg.model_family)
     for name in ("model_family",) + get_model_spec(model_cfg.model_family).checkpoint_fields:
-        mine, theirs = getattr(model_cfg, name), saved_model.get(name, _FIELD_DEFAULTS[name])
+        mine, theirs = getattr(model_cfg, name), saved_model.get(name, defaults[name])
         if mine != theirs:
             return name, theirs, mine
     return None
@@ -279,9 +278,15 @@ def saved_model_settings(load_dir) -> dict | None:
     if job is None:
         return None
     saved = job["model"]
-    family = saved.get("model_family", _FIELD_DEFAULTS["model_family"])
-    return {name: saved.get(name, _FIELD_DEFAULTS[name])
-            for name in ("model_family",) + get_model_spec(family).checkpoint_fields}
+    family = saved.get("model_family", ModelConfig.model_family)
+    defaults = _field_defaults(family)
+    return {name: saved.get(name, defaults[name]) for name in ("model_family",) + get_model_spec(family).checkpoint_fields}
+
+
+def _field_defaults(family: str) -> dict:
+    """The defaults of a family's model fields: a checkpoint written before a field existed was saved with
+    its default."""
+    return {f.name: f.default for f in dataclasses.fields(get_model_spec(family).config)}
 
 
 def check_model_compatible(saved_model: dict, model_cfg, where) -> None:

@@ -1,12 +1,12 @@
 """HuggingFace model directories <-> megazero whole tensors: the files, and the dispatch to a model
-family's HF adapter (``ModelSpec.hf``, :mod:`megazero.models.spec`).
+family's HF adapter (``ModelSpec.hf``, :mod:`megazero.spec`).
 
     save_hf(out_dir, tensors, cfg, data_cfg=job.data)     # config.json + safetensors (+ tokenizer files)
     cfg, tensors = load_hf(path)                          # single or sharded safetensors, or pytorch_model.bin
 
 Which format: on export, the adapter of the model's family (``cfg.model_family``) writes the config and
 maps the tensors (the GPT family: GPT-2's ``GPT2LMHeadModel`` for learned positions, the Llama family's
-``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` for RoPE, :mod:`megazero.models.gpt_spec`); on import, the
+``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` for RoPE, :mod:`megazero.models.gpt.spec`); on import, the
 family whose adapter reads the config's ``model_type`` (GPT-2 when absent).
 
 Weights above ``max_shard_bytes`` are split, as ``save_pretrained`` does, into
@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from megazero.checkpoint.hf_tokenizer import SpecialTokens, write_tokenizer
 from megazero.config import DataConfig, ModelConfig
 from megazero.errors import CheckpointError, ConfigError
-from megazero.models.spec import ModelSpec, get_model_spec, spec_for_hf
+from megazero.spec import ModelSpec, get_model_spec, spec_for_hf
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9       # save_pretrained's default "5GB"
 INDEX = "model.safetensors.index.json"

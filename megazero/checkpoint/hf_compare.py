@@ -18,7 +18,7 @@ import torch
 
 from megazero.config import DataConfig, ModelConfig
 from megazero.errors import CheckpointError
-from megazero.models.spec import get_model_spec
+from megazero.spec import get_model_spec
 from megazero.parallel.params import attribute
 
 DEFAULT_TEXT = ("The hacker's dictionary was compiled over decades: it holds 2,345 entries, some  spaced\n"

@@ -22,7 +22,7 @@ from megazero.checkpoint.regions import numel
 from megazero.checkpoint.tensor_file import write_pieces
 from megazero.config import JobConfig, ModelConfig
 from megazero.errors import CheckpointError
-from megazero.models.spec import get_model_spec
+from megazero.spec import get_model_spec
 from megazero.parallel.params import attribute, counts_once, split_dim
 
 

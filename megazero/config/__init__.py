@@ -1,79 +1,45 @@
-"""Configuration: one dataclass per component, and the one :func:`validate` that rejects bad
-combinations before any process group, model or dataset exists.
+"""Configuration: one module per section, each holding its dataclass, its flags (field metadata) and its
+``check``; :func:`validate` is the one entry point that checks a job, before any process group, model or
+dataset exists.
 
-* :mod:`~megazero.config.sections`: the dataclasses; each flag's spellings, help and help group live in
-  its field's metadata, and the command line (:mod:`megazero.arguments`) is generated from them.
-* :mod:`~megazero.config.checks`: each section's rules, run by its ``check`` method (the model's in
-  :mod:`~megazero.config.model_checks`).
-* :mod:`~megazero.config.fields`: the metadata helper, :func:`flag` and :class:`ConfigError`.
+=====================  =====================================================================
+module                 section
+=====================  =====================================================================
+``model``              ``ModelConfig``: what every model family has (sizes, activation memory),
+                       and the registry of families' config classes (``--model-family``)
+``parallel``           ``ParallelConfig``: tp, cp, pp, dp, ep, the rank order, the schedule
+``zero``               ``ZeroConfig``: the ZeRO stage, offload, ZeRO++
+``precision``          ``PrecisionConfig``: bf16 / fp16 and loss scaling
+``optimizer``          ``OptimizerConfig``: AdamW and the learning-rate schedule
+``train``              ``TrainConfig``: batch sizes, length, seed, evaluation and logging rhythm
+``data``               ``DataConfig``: the data and its tokenizer
+``checkpoint``         ``CheckpointConfig``: saving and resuming
+``logging``            ``LoggingConfig``: metrics files, TensorBoard, W&B, the profiler
+``compile``            ``CompileConfig``: torch.compile
+``job``                ``JobConfig`` (every section) and ``validate``
+``fields``, ``rules``  the flag metadata (``flag_field``, ``flag``) and the vocabulary of checks
+``megatron_flags``     Megatron-LM's flags and what each is here
+=====================  =====================================================================
 
 Library components take their own section; only entry points parse command lines::
 
     job = validate(JobConfig(parallel=ParallelConfig(tp=2)), world_size=4)   # job.parallel.dp == 2
     flag("num_attention_heads") == "--num-attention-heads"                   # how messages name it
 """
-from __future__ import annotations
+from megazero.config.checkpoint import CheckpointConfig
+from megazero.config.compile import COMPILE_MODES, CompileConfig
+from megazero.config.data import TOKENIZERS, DataConfig
+from megazero.config.fields import FLAG, flag, flag_field, flag_fields, setting
+from megazero.config.job import JobConfig, validate
+from megazero.config.logging import LoggingConfig
+from megazero.config.model import ModelConfig
+from megazero.config.optimizer import DECAY_STYLES, OptimizerConfig
+from megazero.config.parallel import BACKENDS, SCHEDULES, ParallelConfig
+from megazero.config.precision import PrecisionConfig
+from megazero.config.train import TrainConfig
+from megazero.config.zero import OFFLOAD_DEVICES, ZERO_STAGES, ZeroConfig
 
-import dataclasses
-
-from megazero.config.checks import check_context_parallel, check_finite, fill_zero_defaults
-from megazero.config.fields import flag, flag_field, flag_fields, setting
-from megazero.config.model_checks import check_model
-from megazero.config.sections import (
-    ACTIVATIONS,
-    BACKENDS,
-    COMPILE_MODES,
-    DECAY_STYLES,
-    NORMALIZATIONS,
-    OFFLOAD_DEVICES,
-    POSITION_EMBEDDING_TYPES,
-    SCHEDULES,
-    TOKENIZERS,
-    ZERO_STAGES,
-    CheckpointConfig,
-    CompileConfig,
-    DataConfig,
-    JobConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    PrecisionConfig,
-    TrainConfig,
-    ZeroConfig,
-)
-from megazero.errors import ConfigError
-
-__all__ = ["ACTIVATIONS", "BACKENDS", "COMPILE_MODES", "CompileConfig", "DECAY_STYLES", "NORMALIZATIONS",
-           "OFFLOAD_DEVICES", "POSITION_EMBEDDING_TYPES",
-           "SCHEDULES", "TOKENIZERS", "ZERO_STAGES", "CheckpointConfig", "ConfigError", "DataConfig", "JobConfig",
-           "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "TrainConfig",
-           "ZeroConfig", "check_model", "flag", "flag_field", "flag_fields", "setting", "validate"]
-
-
-def validate(job: JobConfig, world_size: int) -> JobConfig:
-    """Check every field and combination; return a copy with the derived values filled in.
-
-    Raises :class:`ConfigError` naming the offending flag and the fix. Call before creating any
-    process group, model or dataset. Each section's ``check`` runs once, in this order (the first
-    broken rule is the one reported). Derived values: ``parallel.dp`` (when None), the pipeline
-    schedule and ``parallel.virtual_stages`` (interleaved with virtual pipeline stages),
-    ``train.global_batch_size`` (when None), ``optimizer.lr_decay_iters`` and ``min_lr`` (from
-    ``min_lr_ratio``), the ZeRO defaults that follow other sections (:func:`fill_zero_defaults`) and,
-    with ``--profile``, the profiled steps and ranks.
-    """
-    job = JobConfig(**{f.name: dataclasses.replace(getattr(job, f.name)) for f in dataclasses.fields(job)})
-    check_finite(job)
-    job.parallel.check(world_size)
-    job.model.check(job.parallel)
-    job.train.check(job.parallel)
-    job.precision.check()
-    job.zero.check(job.parallel, world_size)
-    job.optimizer.check(job.train)
-    fill_zero_defaults(job)
-    job.data.check()
-    job.checkpoint.check()
-    job.logging.check(job.train, world_size)
-    job.compilation.check(job.model)
-    check_context_parallel(job)
-    return job
+__all__ = ["BACKENDS", "COMPILE_MODES", "DECAY_STYLES", "FLAG", "OFFLOAD_DEVICES", "SCHEDULES", "TOKENIZERS",
+           "ZERO_STAGES", "CheckpointConfig", "CompileConfig", "DataConfig", "JobConfig", "LoggingConfig",
+           "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "TrainConfig", "ZeroConfig",
+           "flag", "flag_field", "flag_fields", "setting", "validate"]

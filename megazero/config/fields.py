@@ -6,10 +6,11 @@ A section field that is a command-line flag is declared with :func:`flag_field`:
                          help="tensor-parallel size: ranks that split each layer's weight matrices")
 
 The :class:`Flag` it stores under ``field.metadata["flag"]`` is read by :func:`flag` (the spelling an
-error message uses), by :mod:`megazero.arguments` (the parser, config-file keys) and by the generated
+error message uses), by :mod:`megazero.cli.arguments` (the parser, config-file keys) and by the generated
 ``docs/flags.md``. A field without it (a derived value such as ``virtual_stages``, a setting only a
 DeepSpeed or Accelerate config gives such as ``gradient_accumulation_steps``) is not on the command line;
-:func:`setting` names either kind.
+:func:`setting` names either kind. Messages never spell a flag by hand: ``FLAG.num_layers`` is
+``flag("num_layers")``, so renaming a flag renames it in every message (a test holds that).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import argparse
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 # The help groups of the command line, in the order ``--help`` and docs/flags.md list them.
 GROUPS = ("parallelism", "model", "mixture of experts", "training", "optimizer", "mixed precision", "data",
@@ -90,28 +91,51 @@ def flag_field(default, *spellings: str, group: str, help: str | None = None, ty
     return dataclasses.field(default=default, metadata=meta)
 
 
-_JOB: list[type] = []      # the JobConfig class, registered by sections.py (which imports this module)
+# The provider of every config section's (name, dataclass) pairs, registered by job.py (which imports
+# this module): the job's sections and every registered model family's config class under "model".
+_SECTIONS: list[Callable[[], Iterable[tuple[str, type]]]] = []
 
 
-def register_job(job_cls: type) -> type:
-    """Make the job dataclass's fields known to :func:`flag` (sections.py does this once, for JobConfig:
-    the lookup cannot import sections.py, which imports this module)."""
-    _JOB[:] = [job_cls]
+def register_sections(provider: Callable[[], Iterable[tuple[str, type]]]) -> None:
+    """Make the sections' fields known to :func:`flag` (job.py does this once: the lookup cannot import
+    the sections, which import this module)."""
+    _SECTIONS[:] = [provider]
+    fields_changed()
+
+
+def fields_changed() -> None:
+    """Forget the field table: a model family registered its config class (:mod:`megazero.config.model`)."""
     _fields_by_name.cache_clear()
-    return job_cls
 
 
 @functools.cache
 def _fields_by_name() -> dict[str, tuple[str, dataclasses.Field]]:
     """Every section field by its name -> (section, field). Names are unique over the sections, so a
-    message can name a field without its section."""
+    message can name a field without its section; two model families may declare the same field only
+    with the same flag (``num_experts`` of two MoE families)."""
     table: dict[str, tuple[str, dataclasses.Field]] = {}
-    for section in dataclasses.fields(_JOB[0]):
-        for f in dataclasses.fields(section.default_factory):
+    for section, cls in _SECTIONS[0]():
+        for f in dataclasses.fields(cls):
             if f.name in table:
-                raise RuntimeError(f"config field {f.name!r} is in both {table[f.name][0]} and {section.name}")
-            table[f.name] = (section.name, f)
+                known_section, known = table[f.name]
+                if known_section == section == "model" and known.metadata.get("flag") == f.metadata.get("flag"):
+                    continue
+                raise RuntimeError(f"config field {f.name!r} is declared by both {known_section} and {section} "
+                                   f"({cls.__name__}) with different flags: rename one")
+            table[f.name] = (section, f)
     return table
+
+
+class _Flags:
+    """``FLAG.name`` is ``flag("name")``: a flag's spelling inside an f-string."""
+
+    def __getattr__(self, name: str) -> str:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return flag(name)
+
+
+FLAG = _Flags()
 
 
 def flag_fields() -> Iterator[tuple[str, dataclasses.Field, Flag]]:

@@ -12,7 +12,7 @@ with one line for each flag that has no meaning here. Every Megatron flag this m
 ``refused``         no meaning here (:data:`REFUSED`): one line naming our equivalent, or saying it does not exist
 
 plus :data:`MEGATRON_TOKENIZERS`, Megatron's ``--tokenizer-type`` names that are not ours. The parser
-(:mod:`megazero.arguments`) and ``docs/megatron-flags.md`` (generated from here) both read these tables, and
+(:mod:`megazero.cli.arguments`) and ``docs/megatron-flags.md`` (generated from here) both read these tables, and
 ``tests/test_megatron_flags.py`` checks every row against what the parser does.
 """
 from __future__ import annotations

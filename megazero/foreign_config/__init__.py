@@ -5,7 +5,7 @@
 
 Both give ``{"section.field": value}`` (the trainer's flag destinations) and are read like a ``--config``
 file: flags on the command line, a ``--config`` file and the other foreign file may repeat a value but
-not contradict it (:func:`megazero.arguments._combine`). Each key is mapped onto a setting, accepted as
+not contradict it (:func:`megazero.cli.arguments._combine`). Each key is mapped onto a setting, accepted as
 unused (it tunes only DeepSpeed's or accelerate launch's own implementation: listed on one warning line,
 :func:`unused_warning`), or refused; a file's refused keys are named in one message. ``"auto"`` means
 "from the command line or megazero's default", as in the Hugging Face integration. The tables of keys

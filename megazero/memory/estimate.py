@@ -1,6 +1,6 @@
 """Memory per rank, estimated before launch from the job's flags: what ``tools/estimate_memory.py`` prints.
 
-Model-agnostic: the model's chunks come from its spec (:mod:`megazero.models.spec`), built on the meta
+Model-agnostic: the model's chunks come from its spec (:mod:`megazero.spec`), built on the meta
 device; the engine's layout, bounds and transients from the ZeRO components' own formulas. Three
 parts, each per pipeline stage (the binding rank is the largest):
 
@@ -15,8 +15,8 @@ parts, each per pipeline stage (the binding rank is the largest):
   (g: gradient bytes, 4 with --accumulate-allreduce-grads-in-fp32, the default under bf16)
 
 * **activations**: what the model spec's activation model says one micro-batch leaves held in each
-  chunk (the GPT family counts its implementation exactly, :mod:`megazero.models.gpt_memory`; other
-  models get Korthikanti et al.'s generic count, :mod:`megazero.memory.activations`), times the
+  chunk (the GPT family counts its implementation exactly, :mod:`megazero.models.gpt.memory`; other
+  models get Korthikanti et al.'s generic count, :mod:`megazero.spec.activations`), times the
   micro-batches held at once, which come from replaying the rank's schedule (1 without a pipeline,
   pp - rank with 1F1B, m with GPipe, the interleaved order chunk by chunk). Under context parallelism a
   rank holds ``seq_length / cp`` tokens (:func:`cp_slice_job`), and with ``--cp-comm-type allgather``
@@ -33,26 +33,25 @@ parts, each per pipeline stage (the binding rank is the largest):
 * **offloaded** (``--offload-optimizer``, ``--offload-params``): what leaves the device, counted on the
   host and on NVMe instead (:func:`offloaded_parts`; ``megazero/parallel/zero/offload.py`` has the table).
 
-:func:`moe_alltoall_bytes` gives the expert-parallel all-to-all bytes per step. The estimate is
-checked against measured live tensor bytes on CPU (``tests/test_memory.py``) and reproduces the ZeRO
+The estimate is checked against measured live tensor bytes on CPU (``tests/test_memory.py``) and reproduces the ZeRO
 paper's worked figures (:func:`paper_model_states`).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 
 from megazero.config import JobConfig
-from megazero.memory.activations import TransformerActivations
-from megazero.models.recompute import full_recompute_groups
-from megazero.models.spec import get_model_spec
+from megazero.spec.activations import TransformerActivations
+from megazero.spec import get_model_spec
 from megazero.parallel.context import allgather_held_bytes
 from megazero.parallel.groups import ExpertParallel, ModelParallelGroups
 from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline.actions import Compute, Kind
 from megazero.parallel.pipeline.generators import get_schedule, stage_shape
-from megazero.parallel.pipeline.partition import placements, stage_layer_ids
+from megazero.parallel.pipeline.partition import placements
 from megazero.parallel.zero.buckets import plan_buckets
 from megazero.parallel.zero.engine import bucket_group_filters
 from megazero.parallel.zero.offload import sub_group_elements
@@ -333,23 +332,19 @@ def _extrapolation_depths(job: JobConfig) -> tuple[int, int] | None:
     par, cfg = job.parallel, job.model
     if par.virtual_stages != 1 or cfg.num_layers // par.pp <= EXACT_LAYERS_PER_STAGE:
         return None
-    import math
-
-    period = cfg.moe_layer_freq if cfg.num_experts else 1          # the layers' pattern repeats every period
+    period = cfg.layer_period                                      # the layers' pattern repeats every period
     fixed = 16                                                     # and layer counts that do not grow with depth
-    method, n = getattr(cfg, "recompute_method", None), getattr(cfg, "recompute_num_layers", None)
+    method, n = cfg.recompute_method, cfg.recompute_num_layers
     if method == "uniform" and n:
         period = math.lcm(period, n)
     elif method == "block" and n:
         fixed = max(fixed, n)
-    fixed = max(fixed, getattr(cfg, "cpu_offloading_num_layers", None) or 0)
+    fixed = max(fixed, cfg.cpu_offloading_num_layers or 0)
     base = -(-fixed // period) * period
     return (base, 2 * base) if 2 * base < cfg.num_layers // par.pp else None
 
 
 def _with_layers(job: JobConfig, layers: int) -> JobConfig:
-    import dataclasses
-
     return dataclasses.replace(job, model=dataclasses.replace(job.model, num_layers=layers))
 
 
@@ -378,39 +373,3 @@ def describe(estimates: list[StageEstimate]) -> str:
     return (f" memory estimate per rank (MiB, pipeline stage {worst.pp_rank}; tools/estimate_memory.py): model states "
             f"{worst.model_states / mib:.1f}, activations {worst.activations / mib:.1f}, buffers "
             f"{worst.buffers / mib:.1f}, total {worst.total / mib:.1f}{offloaded}")
-
-
-def moe_alltoall_bytes(tokens: int, topk: int, hidden: int, num_experts: int, ep: int, element_bytes: int,
-                       moe_layers: int = 1, micro_batches: int = 1) -> int:
-    """Bytes one rank sends in expert-parallel all-to-alls (tag "ep") for ``micro_batches`` forward and
-    backward passes through ``moe_layers`` MoE layers, each routing ``tokens`` rows of this rank to
-    ``topk`` experts, when routing is balanced (every expert gets tokens * topk / E of them)::
-
-        per layer and micro-batch   4 * tokens * topk * (ep-1)/ep * hidden * element_bytes
-                                    (dispatch and combine, in forward and again in backward)
-                                  + 8 * (E - E/ep)        (the int64 counts sent ahead of the dispatch)
-
-    0 at ep = 1. Unbalanced routing moves what the routing says (counted exactly by the layers)."""
-    if ep == 1:
-        return 0
-    rows = tokens * topk * (ep - 1) // ep
-    return micro_batches * moe_layers * (4 * rows * hidden * element_bytes + 8 * (num_experts - num_experts // ep))
-
-
-def moe_alltoall_bytes_per_step(job: JobConfig, pp_rank: int = 0) -> int:
-    """:func:`moe_alltoall_bytes` for one step of ``job`` on a rank of pipeline stage ``pp_rank``
-    (balanced routing; a layer full recompute runs again repeats its forward's half)."""
-    cfg, par = job.model, job.parallel
-    if not cfg.num_experts:
-        return 0
-    tokens = cfg.seq_length * job.train.micro_batch_size // (par.tp if par.sequence_parallel else 1)
-    layers = again = 0                  # MoE layers of the rank's chunks; those a full recompute runs again
-    for c in range(par.virtual_stages):
-        ids = stage_layer_ids(cfg.num_layers, par.pp, pp_rank, par.virtual_stages, c, stage_shape(par))
-        layers += sum(cfg.is_moe_layer(i) for i in ids)
-        again += sum(cfg.is_moe_layer(ids[i]) for group, on in full_recompute_groups(cfg, len(ids)) if on
-                     for i in group)
-    e = 2 if (job.precision.bf16 or job.precision.fp16) else 4
-    per_layer = moe_alltoall_bytes(tokens, cfg.moe_router_topk, cfg.hidden_size, cfg.num_experts,
-                                   par.expert_model_parallel_size, e, 1, job.num_micro_batches)
-    return layers * per_layer + again * per_layer // 2       # a recomputed layer's forward half again

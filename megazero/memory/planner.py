@@ -23,13 +23,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from megazero.config import JobConfig, validate
+from megazero.config.model import ACTIVATION_MEMORY_FIELDS
 from megazero.errors import ConfigError
 from megazero.memory.estimate import StageEstimate, estimate_memory
-from megazero.models.spec import get_model_spec
+from megazero.spec import get_model_spec
 
 GIB = 2 ** 30
-CHOICE_FIELDS = ("recompute_activations", "recompute_granularity", "recompute_method", "recompute_num_layers",
-                 "recompute_modules", "cpu_offloading", "cpu_offloading_num_layers")
 
 
 class NoPlanFits(ConfigError):
@@ -51,7 +50,7 @@ class Plan:
 
 def selective_plans(job: JobConfig) -> list[Plan]:
     """The selective module sets, cheapest first (see the module docstring)."""
-    cheap = ["layernorm"] + (["moe_act"] if job.model.num_experts else [])
+    cheap = ["layernorm"] + (["moe_act"] if job.model.routed_experts else [])
     sets = [cheap, cheap + ["core_attn"], cheap + ["core_attn", "mlp"]]
     return [Plan(f"selective {' '.join(s)}", dict(recompute_granularity="selective", recompute_modules=s),
                  f"--recompute-granularity selective --recompute-modules {' '.join(s)}") for s in sets]
@@ -85,10 +84,12 @@ def _most_layers_per_chunk(job: JobConfig) -> int:
 
 
 def with_plan(job: JobConfig, plan: Plan, world_size: int) -> JobConfig:
-    """``job`` with the plan's recompute / offload fields (the others cleared), validated."""
-    cleared = {f.name: f.default for f in dataclasses.fields(job.model) if f.name in CHOICE_FIELDS}
+    """``job`` with the plan's recompute / offload fields (the others cleared) in place of the budget,
+    validated."""
+    cleared = {f.name: f.default for f in dataclasses.fields(job.model) if f.name in ACTIVATION_MEMORY_FIELDS}
     model = dataclasses.replace(job.model, **{**cleared, **plan.fields})   # __post_init__ derives the rest
-    return validate(dataclasses.replace(job, model=model), world_size)
+    train = dataclasses.replace(job.train, memory_budget_gib=None)        # the plan says what the budget chose
+    return validate(dataclasses.replace(job, model=model, train=train), world_size)
 
 
 def evaluate(job: JobConfig, plan: Plan, world_size: int, device: str) -> Plan:
@@ -149,13 +150,8 @@ def describe(plan: Plan, budget: float) -> str:
 
 
 def plan_for_budget(job: JobConfig, world_size: int, device: str) -> tuple[JobConfig, str]:
-    """``--memory-budget-gib``: the job with the chosen plan, and the lines that say so. Refuses the
-    budget beside recompute or offload flags (two sources would decide the same thing)."""
+    """``--memory-budget-gib``: the job with the chosen plan, and the lines that say so (the job is
+    validated: the budget comes without recompute or offload flags, :meth:`TrainConfig.check`)."""
     budget = job.train.memory_budget_gib
-    given = [f"--{name.replace('_', '-')}" for name in CHOICE_FIELDS
-             if getattr(job.model, name) not in (None, False) and name != "recompute_modules"]
-    if given:
-        raise ConfigError(f"--memory-budget-gib lets the planner choose recompute and offload; {given[0]} chooses "
-                          f"too: drop one of them")
     plan, _ = fit(job, budget * GIB, world_size, device)
     return with_plan(job, plan, world_size), describe(plan, budget * GIB)

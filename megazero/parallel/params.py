@@ -25,7 +25,7 @@ attribute (default)        meaning                                              
                            ``make_vocab_size_divisible_by * tp``; rows at or
                            beyond the real vocabulary size are zero and are not
                            stored in checkpoints
-``expert_parallel``        an expert of an MoE layer (:mod:`megazero.models.moe`):  the ZeRO engine (expert
+``expert_parallel``        an expert of an MoE layer (:mod:`megazero.models.gpt.moe`):  the ZeRO engine (expert
 (False)                    ep ranks hold different experts; reduced and sharded    buckets), norms
                            over the expert-data-parallel group
 =========================  ======================================================  ==========================

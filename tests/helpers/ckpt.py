@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
-from megazero.config import JobConfig, ModelConfig, OptimizerConfig, ParallelConfig, ZeroConfig
+from megazero.config import JobConfig, OptimizerConfig, ParallelConfig, ZeroConfig
+from megazero.models.gpt import GPTConfig
 from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.params import split_dim
 from megazero.parallel.pipeline import run_schedule
@@ -22,7 +23,7 @@ OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, clip_grad=0.3, adam_eps=1e-6)
 
 
 def make_job(tp, pp, dp, stage, dropout=0.0, **model_kw):
-    model = ModelConfig(**{**MODEL, **model_kw}, hidden_dropout=dropout, attention_dropout=dropout)
+    model = GPTConfig(**{**MODEL, **model_kw}, hidden_dropout=dropout, attention_dropout=dropout)
     return JobConfig(model=model, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp), zero=ZeroConfig(zero_stage=stage,
                      bucket_size=3000), optimizer=OPT)
 

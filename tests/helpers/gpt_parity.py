@@ -10,7 +10,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from megazero.config import ModelConfig, OptimizerConfig
+from megazero.config import OptimizerConfig
+from megazero.models.gpt import GPTConfig
 from megazero.models.gpt import GPT, masked_mean
 from megazero.parallel.zero.adamw import weight_decay_groups
 from megazero.parallel.tensor import shard
@@ -43,7 +44,7 @@ def gpt_reference(steps: int, dp: int, model_kw: dict | None = None):
 
 @functools.lru_cache(maxsize=8)
 def _reference(steps: int, dp: int, model_kw: tuple):
-    model = GPT(ModelConfig(**{**GPT_CFG, **dict(model_kw)}), seed=SEED)
+    model = GPT(GPTConfig(**{**GPT_CFG, **dict(model_kw)}), seed=SEED)
     opt = torch.optim.AdamW(weight_decay_groups(model.named_parameters(), GPT_OPT.weight_decay),
                             lr=GPT_OPT.lr, eps=GPT_OPT.adam_eps)
     losses, norms = [], []

@@ -3,7 +3,7 @@ import gc
 
 import torch
 
-from megazero.arguments import parse_job
+from megazero.cli.job import parse_job
 from megazero.memory import LiveTensorBytes, reachable_tensor_bytes
 
 # RoPE, RMSNorm, SwiGLU, 2 key/value groups, no biases, untied output

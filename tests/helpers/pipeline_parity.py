@@ -8,7 +8,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from megazero.config import ModelConfig, ParallelConfig, ZeroConfig
+from megazero.config import ParallelConfig, ZeroConfig
+from megazero.models.gpt import GPTConfig
 from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline import PipelineStats, get_schedule, interleaved_warmup, run_schedule
@@ -19,12 +20,12 @@ from megazero.parallel.zero import wrap_data_parallel
 SEED, STEPS, MICRO, LR = 1234, 3, 2, 1e-3
 
 
-def model_cfg() -> ModelConfig:
-    return ModelConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+def model_cfg() -> GPTConfig:
+    return GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
                        make_vocab_size_divisible_by=16)
 
 
-def batches(step: int, m: int, cfg: ModelConfig) -> list[dict]:
+def batches(step: int, m: int, cfg: GPTConfig) -> list[dict]:
     g = torch.Generator().manual_seed(100 + step)
     out = []
     for _ in range(m):

@@ -1,11 +1,9 @@
-"""End-to-end helpers: pretrain_gpt.main on n ranks, its metrics files, and loss comparisons."""
+"""End-to-end helpers: the trainer (megazero.cli.main) on n ranks, its metrics files, and loss comparisons."""
 import json
 import math
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))                    # pretrain_gpt.py lives at the repository root
 
 TINY = ["--mock-data", "--vocab-size", "100", "--make-vocab-size-divisible-by", "16", "--num-layers", "4",
         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
@@ -20,9 +18,9 @@ LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm"
 
 
 def main_body(rank, world, argv):
-    import pretrain_gpt
+    from megazero.cli import main as cli
 
-    return pretrain_gpt.main(argv)
+    return cli.main(argv)
 
 
 def read_metrics(path) -> tuple[list[dict], list[dict]]:
@@ -38,10 +36,10 @@ def assert_same_losses(got: list[dict], want: list[dict], key: str) -> None:
 
 
 def fuzz_launcher(patch=None):
-    """The fuzzer's default launcher (ranks forked from this process, megazero.fuzz.launch), optionally
+    """The fuzzer's default launcher (ranks forked from this process, tools.fuzz.launch), optionally
     with ``patch`` (a function that patches the trainer and returns an undo function) applied here while
     the ranks run: they inherit it, this process gets it back undone."""
-    from megazero.fuzz.launch import forked_launcher as launch_forked
+    from tools.fuzz.launch import forked_launcher as launch_forked
 
     def launch(world, argv, cwd):
         undo = patch() if patch else None
@@ -55,7 +53,7 @@ def fuzz_launcher(patch=None):
 
 # Trainer parity with parameters: a run of PARITY_ITERS iterations saves a checkpoint at its end, and every
 # tensor of it (parameters and Adam moments, read layout-free by name) is compared with the serial run's
-# under the project's fp32 rule (megazero.fuzz.checker.TOLERANCES, the fuzzer's): losses and gradient norms
+# under the project's fp32 rule (tools.fuzz.checker.TOLERANCES, the fuzzer's): losses and gradient norms
 # within 1e-5 relative, each parameter element within 1e-4 of its value + 1e-5 of its tensor's largest +
 # 2e-3 lr (Adam moves an element whose gradient is rounding noise by up to that much, either sign).
 PARITY_ITERS = 5
@@ -88,7 +86,7 @@ def serial_parity_runs(tmp_path_factory):
 def assert_same_checkpoints(got_dir, want_dir, iteration: int, lr: float) -> int:
     """Every tensor of checkpoint ``got_dir`` equals ``want_dir``'s (same names, fp32 rule above); returns
     how many were compared."""
-    from megazero.fuzz.checker import TOLERANCES, Report, compare_checkpoints
+    from tools.fuzz.checker import TOLERANCES, Report, compare_checkpoints
 
     report = Report(draw=None, tolerance=TOLERANCES["fp32"])
     compare_checkpoints(Path(got_dir), Path(want_dir), iteration, TOLERANCES["fp32"], lr, report)

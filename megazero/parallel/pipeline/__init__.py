@@ -2,7 +2,7 @@
 
 Typical use, on every rank of a tp x pp (x dp) job (the model spec supplies chunks, shape and loss)::
 
-    chunks = build_model_chunks(spec, job, topo)                  # megazero.models.spec
+    chunks = build_model_chunks(spec, job, topo)                  # megazero.spec
     shape = spec.boundary_shape(job.model, job.train.micro_batch_size, topo.model_groups(sp))
     losses = run_schedule(chunks, micro_batches, topo.pipeline(), loss_fn=spec.loss, schedule=job.parallel,
                           tensor_shape=shape, grad_sync=engine)   # per-micro-batch losses on the last stage

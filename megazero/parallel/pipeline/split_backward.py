@@ -69,7 +69,7 @@ run (the unpack hook asks autograd which node runs; its slots go when the next n
 and ``W`` empties each matmul's in turn; the graph's nodes, which are small, stay until ``W``. For a GPT layer a waiting micro-batch holds
 16 sbh elements (X 7, dY 9), about as much as its full activation set with fused attention and no
 dropout, less with attention scores or dropout (tests, and the estimator:
-``megazero/models/gpt_memory.py``).
+``megazero/models/gpt/memory.py``).
 
 Cost: the kernels are the full backward's; what ``I`` + ``W`` add is Python and autograd passes -- one
 walk of the graph before ``I``, a pre-hook on each matmul boundary (no hook on the other nodes: a

@@ -4,7 +4,7 @@ run ends.
 
 Swap files. ``DIR/megazero-swap-<host>-<pid>-rank<r>/{optimizer,params}.swp``: one set per rank, their
 space reserved when the engine is built (``posix_fallocate``: a full drive is an error then, not in the
-middle of a run; the trainer also checks the free space before anything starts, ``megazero/preflight.py``).
+middle of a run; the trainer also checks the free space before anything starts, ``megazero/cli/preflight.py``).
 They are removed by ``ZeroEngine.close()``, at interpreter exit (also after an error), on SIGTERM, and, for
 a process killed outright, by the next run that uses the directory (directories of dead processes on this
 host). The I/O goes through the operating system's page cache: the process's resident memory holds only

@@ -1,0 +1,101 @@
+"""From the command line to a validated job: every source of settings gathered (the flags, ``--config``,
+``--deepspeed-config``, ``--accelerate-config`` and, with ``--use-checkpoint-args``, the model settings a
+checkpoint holds), combined by the one precedence rule (:func:`megazero.cli.arguments.combine`), and
+checked by :func:`megazero.config.validate`. A refusal is one line and status 2, before any process
+group exists::
+
+    job, args = parse_job(["--tp", "2", "--num-layers", "8"], world_size=4)   # job.parallel.dp == 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megazero.checkpoint.distributed import saved_job, saved_model_settings
+from megazero.cli.arguments import (build_parser, combine, flag_settings, job_from_values, load_config_file,
+                                    stop_with)
+from megazero.config import FLAG, JobConfig, validate
+from megazero.config import megatron_flags as megatron
+from megazero.errors import CheckpointError, ConfigError
+from megazero.foreign_config import Launch, from_accelerate, from_deepspeed, unused_warning
+
+
+def parse_job(argv: list[str] | None = None, world_size: int | None = None) -> tuple[JobConfig, argparse.Namespace]:
+    """Parse the command line (and its config files), validate against the world size, return (job,
+    namespace). Unknown flags and invalid combinations exit with status 2 and a one-line message naming
+    the flag."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    return job_from_args(parser, args, world_size), args
+
+
+def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> JobConfig:
+    """The validated JobConfig of parsed flags (and their config files). An invalid one exits with
+    status 2 and a one-line message naming the flag (printed by rank 0 only under a launcher); on rank 0,
+    what the Megatron-LM flags chose and what a foreign config gave unused are said once."""
+    try:
+        cli, given = flag_settings(args)
+        notes, set_by = megatron.from_command_line(given, cli)
+        unused: list[tuple[str, str]] = []     # foreign keys accepted but not used: one warning line
+        sources = [("the command line", cli)] + foreign_sources(args, world_size, unused)
+        from_checkpoint = checkpoint_source(sources)
+        if from_checkpoint:
+            sources.append(from_checkpoint)
+        values = combine(sources, overridable={f"--config {args.config}"}, set_by=set_by)
+        megatron.check_requirements(given, values)
+        notes += megatron.canonical_tokenizer(values)
+        job = validate(job_from_values(values), world_size)
+    except (ConfigError, TypeError) as e:
+        stop_with(parser.prog, [str(e)])
+    if unused and os.environ.get("RANK", "0") == "0":
+        print(f"{parser.prog}: warning: {unused_warning(unused)}", file=sys.stderr, flush=True)
+    if notes and os.environ.get("RANK", "0") == "0":         # what the Megatron-LM flags chose, once
+        print("\n".join(notes), flush=True)
+    return job
+
+
+def foreign_sources(args: argparse.Namespace, world_size: int, unused: list) -> list[tuple[str, dict]]:
+    """The config files named on the command line, each as (its name, {dest: value}); the keys a foreign
+    config gives but nothing here uses are appended to ``unused``."""
+    sources = []
+    if args.config:
+        sources.append((f"--config {args.config}", load_config_file(args.config)))
+    if args.deepspeed_config:
+        sources.append((f"--deepspeed-config {args.deepspeed_config}", from_deepspeed(args.deepspeed_config, unused)))
+    if args.accelerate_config:
+        sources.append((f"--accelerate-config {args.accelerate_config}",
+                        from_accelerate(args.accelerate_config, Launch.from_env(world_size), unused)))
+    return sources
+
+
+def checkpoint_source(sources: list[tuple[str, dict]]) -> tuple[str, dict] | None:
+    """With ``--use-checkpoint-args``: the model settings stored in the ``--load`` checkpoint, as one more
+    source of settings (the flags may repeat them, not contradict them); None when ``--load`` holds no
+    checkpoint yet (a first start that resumes after a restart: the flags' settings then, as in Megatron)."""
+    def given(dest: str):
+        return next((values[dest] for _, values in sources if dest in values), None)
+
+    if not given("checkpoint.use_checkpoint_args"):
+        return None
+    load = given("checkpoint.load")
+    if not load:
+        raise ConfigError(f"{FLAG.use_checkpoint_args} needs {FLAG.load} DIR (the checkpoint whose model "
+                          f"settings to take)")
+    try:
+        saved, job = saved_model_settings(load), saved_job(load)
+    except (CheckpointError, KeyError) as e:
+        raise ConfigError(f"{FLAG.use_checkpoint_args}: cannot read the model settings of {load}: {e}") from None
+    if saved is None:
+        return None
+    values = {f"model.{name}": value for name, value in saved.items()}
+    # As Megatron's: the sequence length and the tokenizer too, where no flag or file gives them (a
+    # fine-tune of an imported model then needs none of its settings retyped).
+    if given("model.seq_length") is None and job["model"].get("seq_length"):
+        values["model.seq_length"] = job["model"]["seq_length"]
+    tokenizer = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+    if all(given(f"data.{name}") is None for name in tokenizer):
+        values.update({f"data.{name}": job.get("data", {}).get(name) for name in tokenizer
+                       if job.get("data", {}).get(name) is not None})
+    return f"the checkpoint in {FLAG.load} {load} ({FLAG.use_checkpoint_args})", values

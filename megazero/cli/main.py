@@ -1,0 +1,146 @@
+"""The trainer's entry point: parse -> preflight -> plan -> build -> train, and how a run ends.
+
+``pretrain_gpt.py`` calls :func:`main_process`; a launcher that forks ranks (tests, the layout fuzzer)
+calls :func:`run_program` and then :func:`exit_process`. Every step before the process groups refuses
+bad input with one line and status 2 (:mod:`megazero.cli.job`, :mod:`megazero.cli.preflight`,
+:mod:`megazero.cli.plan`); :mod:`megazero.cli.run` builds the run and trains it. The error policy is
+here, decided by the error's class (:mod:`megazero.errors`):
+
+=========================================  ========  ===================================================
+error                                      status    who says the line
+=========================================  ========  ===================================================
+a bad flag, file or tokenizer (before      2         rank 0 (another rank only a line it alone found)
+any process group)
+the checkpoint resumed has finished        0         rank 0
+``TrainingStopped``, ``CheckpointError``   1         rank 0 (every rank has the same line)
+``DataError``, ``OSError`` in the run      1         every rank that saw it, with its rank
+a peer gone, a collective timed out        1         every rank, the first to fail dated first
+=========================================  ========  ===================================================
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import time
+import traceback
+
+import torch.distributed as dist
+
+from megazero.cli.job import parse_job
+from megazero.cli.launcher import SECONDHAND, report_to_launcher
+from megazero.cli.plan import plan_memory
+from megazero.cli.preflight import preflight
+from megazero.cli.run import resolve_data, run
+from megazero.errors import CheckpointError, DataError, NothingToDo, PreflightError, TokenizerError, TrainingStopped
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")   # gloo, when a rank left
+
+
+def main(argv: list[str] | None = None) -> int:
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    job, args = parse_job(argv, world)                 # every flag validated here, once
+    rank = int(os.environ.get("RANK", "0"))
+    embedded_default = not (job.data.mock_data or job.data.data_path)
+    try:                                               # ... and every file, still before any process group
+        job, tokenizer = resolve_data(job)
+        lock = preflight(job, args.backend, rank)      # noqa: F841 - held until the run ends
+    except NothingToDo as e:                           # a finished run resumed: say so, succeed
+        if rank == 0:
+            print(f" {e}", flush=True)
+        return 0
+    except (PreflightError, TokenizerError, DataError, OSError) as e:
+        stop(f"{e}", 2, rank, after_rank0=True)        # bad input: status 2, as for a bad flag
+    job = plan_memory(job, world)                      # --memory-budget-gib: the planner's recompute / offload
+    try:
+        return run(job, args.backend, tokenizer, show_sample=embedded_default)
+    except (TrainingStopped, CheckpointError) as e:   # the same line on every rank: rank 0 says it
+        stop(f"{e}", 1, rank)
+    except (DataError, OSError) as e:                  # found by some ranks only (an index cache, a disk)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        stop(f"rank {rank}: {e}" if world > 1 else f"{e}", 1, rank, every_rank=True)
+    except RuntimeError as e:                          # gloo and NCCL say "timed out" / "Timeout"
+        if any(text in str(e) for text in PEER_GONE):  # another rank stopped first, with its own line
+            stop(f"rank {rank}: {SECONDHAND}: its error is the line "
+                 f"above (and torchrun's root cause) ({str(e).splitlines()[0][:200]})", 1, rank, every_rank=True,
+                 secondhand=True)
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        # Only the ranks waiting on the stuck one time out, and the launcher stops the rest as soon as
+        # the first exits: each rank that saw the timeout says so.
+        stop(f"rank {rank}: a collective did not complete within --distributed-timeout-minutes "
+             f"{job.parallel.distributed_timeout_minutes:g} (a rank stopped, died or is far slower): "
+             f"{str(e).splitlines()[0][:300]}", 1, rank, every_rank=True)
+
+
+def stop(message: str, status: int, rank: int, every_rank: bool = False, secondhand: bool = False,
+         after_rank0: bool = False) -> None:
+    """End the run with one line on stderr and ``status``: from rank 0 only (not one line per rank for
+    what every rank sees alike: the checkpoint code gives every rank the failing rank's line), or
+    ``every_rank`` for what only some ranks see. Under torchrun the line is also this worker's error
+    file, so the launcher's failure report shows it instead of "To enable traceback see ...";
+    ``secondhand`` (this rank stopped only because another did) dates it a second later, so the
+    report's root cause is the rank that failed first. ``after_rank0`` (before any process group, where
+    ranks cannot agree): rank 0 says it at once; another rank waits for the launcher to stop it (when
+    rank 0 failed too, as for a file every rank reads) and otherwise says its own line, which only it
+    found (a file on its node)."""
+    if after_rank0 and rank != 0:
+        time.sleep(5.0)
+        every_rank, message = True, f"rank {rank}: {message}"
+    if rank == 0 or every_rank:
+        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+        report_to_launcher(f"pretrain_gpt.py: error: {message}", message, secondhand)
+    if rank != 0 and not every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(5.0)            # rank 0 says the line: leaving first could have the launcher stop it unsaid
+    raise SystemExit(status)
+
+
+def exit_process(code: int) -> None:
+    """End the process with ``code`` once its process groups are gone, without the interpreter's teardown.
+
+    A run that stopped with an error still holds its model, engine and process groups through the
+    error's traceback. Left to the interpreter's teardown, a gloo group's worker thread may then free a
+    tensor while Python is being torn down, and the process aborts ("terminate called without an active
+    exception", status -6) after the run's one-line error. So they are freed here, while the interpreter
+    is whole; the groups are destroyed (after a barrier on success: gloo aborts a rank whose peer hangs
+    up while it still reads), the output is flushed and the process ends at once.
+    """
+    gc.collect()
+    if dist.is_initialized():
+        if code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_status(stop: SystemExit) -> int:
+    """The status a ``SystemExit`` asks for (argparse's 2, :func:`stop`'s), its message said as Python would."""
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
+def run_program(argv: list[str] | None = None) -> int:
+    """The exit status of ``python pretrain_gpt.py argv``: :func:`main`, its ``SystemExit`` and any other
+    error said as the program says them (a launcher that forks ranks runs this, then :func:`exit_process`)."""
+    try:
+        return main(argv)
+    except SystemExit as stopped:
+        return exit_status(stopped)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 130
+    except BaseException:  # noqa: BLE001 - an unforeseen error keeps its traceback
+        traceback.print_exc()
+        return 1
+
+
+def main_process() -> None:
+    """``python pretrain_gpt.py``: the program, then the process's end (:func:`exit_process`)."""
+    exit_process(run_program())

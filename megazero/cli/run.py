@@ -1,0 +1,142 @@
+"""The build and train steps of a run (its job and files checked): the topology, this rank's model chunks
+(the model spec builds them), the ZeRO engine, the data iterators, then the loop of
+:mod:`megazero.training`; with the embedded default, a greedy continuation of a prompt at the end."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from megazero.checkpoint import checkpoint_saver, resume
+from megazero.compile import CompileLog, compile_model
+from megazero.config import JobConfig
+from megazero.data.samplers import build_data_iterators
+from megazero.data.tokenizers import Tokenizer, tokenizer_from_config
+from megazero.kernels import describe_kernels
+from megazero.memory import describe_cpu_memory, return_freed_memory, reuse_freed_memory
+from megazero.memory.estimate import describe as describe_estimate
+from megazero.memory.estimate import estimate_memory
+from megazero.metrics import MetricsLog, wandb_settings
+from megazero.parallel.topology import Topology, init_distributed
+from megazero.parallel.zero import build_engine
+from megazero.profiling import describe as describe_profiling
+from megazero.spec import build_model_chunks, get_model_spec
+from megazero.training import describe_run, gather_full_model, greedy_continuation, train
+
+SAMPLE_PROMPT = "A hacker is"
+
+
+def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_sample: bool) -> int:
+    """Process groups, model, engine, data, then the training loop (the job and files are checked)."""
+    timeout_s = 60 * job.parallel.distributed_timeout_minutes
+    topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, order=job.parallel.order,
+                    device=init_distributed(backend, timeout_s), timeout_s=timeout_s,
+                    ranks_per_node=job.parallel.ranks_per_node, ep=job.parallel.expert_model_parallel_size,
+                    cp=job.parallel.cp)
+    if topo.device.type == "cpu" and job.logging.return_freed_memory:    # honest resident peaks, slower
+        return_freed_memory()
+    log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0,
+                     wandb=wandb_settings(job.logging, job.checkpoint.save, job.to_dict()))
+    torch.manual_seed(job.train.seed)
+
+    spec = get_model_spec(job.model.model_family)
+    chunks = build_model_chunks(spec, job, topo, dtype=param_dtype(job),
+                                device="meta" if job.zero.sharded_init else None)   # the engine materialises
+    regions = compile_model(chunks, spec.compile_regions, job.compilation)    # --compile: lazily, at first use
+    header = describe_run(job, topo, chunks)           # counts parameters before ZeRO moves them
+    engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    if topo.device.type == "cpu" and not job.logging.return_freed_memory:
+        reuse_freed_memory()      # from here: the long-lived states are placed, each step's buffers reuse pages
+    log.print(header + model_state_line(engine, topo) + "\n" + describe_estimate(estimate_memory(job, topo.device.type))
+              + "\n" + describe_kernels(topo.device, job.compilation.compile)
+              + "\n" + describe_cpu_memory(job.logging.return_freed_memory, topo.device)
+              + ("\n" + describe_profiling(job.logging, job.checkpoint.save) if job.logging.profile else ""))
+    state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
+
+    t = job.train
+    train_data, valid_data, _ = build_data_iterators(
+        job.data, seq_length=job.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp_size,
+        cp_rank=topo.cp_rank, cp_size=topo.cp_size,
+        train_iters=t.train_iters, eval_iters=t.eval_iters, eval_interval=t.eval_interval,
+        vocab_size=job.model.vocab_size, eod=tokenizer.eod if tokenizer else None,
+        is_writer=topo.rank == 0, barrier=dist.barrier)
+
+    def train_batches(consumed_samples: int):
+        train_data.consumed_samples = consumed_samples
+        return _steps(train_data, topo.device)
+
+    if valid_data is not None:                           # evaluations already run continue where they were
+        valid_data.consumed_samples = (state.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
+    valid_steps = _steps(valid_data, topo.device) if valid_data is not None else None
+    try:
+        state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
+                      log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print),
+                      compile_log=CompileLog(len(regions)) if regions else None)
+        if show_sample:                                  # show what the tiny GPT learnt
+            model = gather_full_model(chunks, topo, job, engine)
+            if model is not None:
+                prompt = tokenizer.tokenize(SAMPLE_PROMPT)
+                out = greedy_continuation(model, prompt, max_new_tokens=24)
+                print(f" greedy continuation after {state.iteration} iterations: "
+                      f"{SAMPLE_PROMPT!r} -> {tokenizer.detokenize(out)!r}", flush=True)
+    finally:
+        log.close()
+        engine.close()                                   # offload swap files go with the run
+    return 0
+
+
+def resolve_data(job: JobConfig) -> tuple[JobConfig, Tokenizer | None]:
+    """The tokenizer and data for this run; the model's vocab size follows the tokenizer.
+
+    No data flags at all selects the embedded default: the bundled sample corpus, tokenized once
+    into a cache with its bundled SentencePiece model. ``--mock-data`` uses ``--vocab-size``. The job
+    was validated with the flags' vocab size; nothing validate() checks depends on it (the padded
+    vocabulary is a multiple of tp by construction), so the filled-in job needs no second pass.
+    """
+    from megazero.data.sample import default_sample, sample_tokenizer
+
+    d = job.data
+    if d.mock_data:
+        return job, None
+    if d.data_path:
+        tokenizer = tokenizer_from_config(d, vocab_size=job.model.vocab_size)
+    else:
+        cache = d.data_cache_path or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                                                  "megazero")
+        tokenizer = sample_tokenizer()
+        d = dataclasses.replace(d, data_path=[default_sample(cache)], data_cache_path=cache,
+                                tokenizer_type="SentencePieceTokenizer", tokenizer_model=tokenizer.model_file)
+    model = dataclasses.replace(job.model, vocab_size=tokenizer.vocab_size)
+    return dataclasses.replace(job, model=model, data=d), tokenizer
+
+
+def param_dtype(job: JobConfig) -> torch.dtype:
+    """Model parameters are bf16/fp16 under mixed precision (fp32 masters live in the optimizer)."""
+    return torch.bfloat16 if job.precision.bf16 else torch.float16 if job.precision.fp16 else torch.float32
+
+
+def model_state_line(engine, topo: Topology) -> str:
+    """Largest per-rank model-state memory (params, grads, fp32 masters, Adam state) over all ranks, and
+    what offloading keeps on the host and on NVMe."""
+    keys = ("params", "grads", "master_weights", "optimizer_state", "total", "host_total", "nvme_total")
+    local = engine.model_state_bytes()
+    sizes = torch.tensor([float(local[k]) for k in keys], device=topo.device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    values = sizes.tolist()
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.2f}" for k, v in zip(keys[:5], values[:5]))
+    if values[5] or values[6]:
+        parts += f"; offloaded: host {values[5] / 2**20:.2f}, nvme {values[6] / 2**20:.2f}"
+    return f"\n model state per rank (MiB, max over ranks; grads allocated in backward): {parts}"
+
+
+def _steps(iterator, device):
+    """One optimizer step's micro-batches at a time, on ``device``."""
+    while True:
+        try:
+            step = iterator.next_step()
+        except StopIteration:
+            return
+        yield [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in step]

@@ -1,0 +1,104 @@
+"""The training section: batch sizes, the run's length, the seed, and the evaluation and logging rhythm.
+Its rules check the batch against the layout (micro-batches per step, enough of them to fill the
+pipeline) and fill ``global_batch_size`` and ``train_iters``.
+"""
+from __future__ import annotations
+
+from argparse import BooleanOptionalAction
+from dataclasses import dataclass
+
+from megazero.config.fields import FLAG, flag, flag_field, setting
+from megazero.config.model import ACTIVATION_MEMORY_FIELDS, ModelConfig
+from megazero.config.parallel import ParallelConfig
+from megazero.config.rules import fail, positive, positive_float
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes, iterations and the evaluation and logging rhythm."""
+
+    micro_batch_size: int = flag_field(8, "--micro-batch-size", type=int, group="training",
+                                       help="sequences per micro-batch on each rank")
+    global_batch_size: int | None = flag_field(None, "--global-batch-size", type=int, group="training",
+                                               help="sequences per step (default micro x dp x pp)")
+    gradient_accumulation_steps: int | None = None   # (DeepSpeed / Accelerate configs) global = micro * this * dp
+    train_iters: int | None = flag_field(None, "--train-iters", type=int, group="training",
+                                         help="training iterations (default 400, or from --train-samples)")
+    train_samples: int | None = flag_field(
+        None, "--train-samples", type=int, group="training",
+        help="train this many samples: that // --global-batch-size iterations (a sample-based run)")
+    seed: int = flag_field(1234, "--seed", type=int, group="training", help="the random seed")
+    eval_interval: int = flag_field(100, "--eval-interval", type=int, group="training",
+                                    help="iterations between evaluations")
+    eval_iters: int = flag_field(10, "--eval-iters", type=int, group="training",
+                                 help="batches per evaluation (0: none)")
+    log_interval: int = flag_field(10, "--log-interval", type=int, group="training",
+                                   help="iterations between log lines")
+    memory_budget_gib: float | None = flag_field(
+        None, "--memory-budget-gib", type=float, group="activation memory",
+        help="let the memory planner pick the cheapest recompute / offload plan whose estimated peak per rank fits "
+             "this many GiB (megazero/memory/planner.py); not with the recompute and offload flags")
+    check_for_nan_in_loss_and_grad: bool = flag_field(
+        True, "--check-for-nan-in-loss-and-grad", action=BooleanOptionalAction, group="training",
+        help="stop the run on a non-finite loss or gradient (default on; off: such steps are skipped)")
+
+    def check(self, par: ParallelConfig, model: ModelConfig | None = None) -> None:
+        """Batch sizes against the layout (``par.dp`` resolved); fills ``global_batch_size``. A memory
+        budget leaves recompute and offload to the planner: with ``model``, its flags for them are refused
+        beside it (two sources would decide the same thing)."""
+        positive(self.micro_batch_size, "micro_batch_size")
+        if self.memory_budget_gib is not None:
+            positive_float(self.memory_budget_gib, "memory_budget_gib")
+            given = [name for name in ACTIVATION_MEMORY_FIELDS
+                     if model is not None and getattr(model, name) not in (None, False) and name != "recompute_modules"]
+            if given:
+                fail(f"{FLAG.memory_budget_gib} lets the planner choose recompute and offload; {flag(given[0])} "
+                     f"chooses too: drop one of them")
+        steps = self.gradient_accumulation_steps              # no flag: a DeepSpeed or Accelerate config sets it
+        if steps is not None:
+            if steps < 1:
+                fail(f"{setting('gradient_accumulation_steps')} must be a positive integer, got {steps}")
+            implied = self.micro_batch_size * steps * par.dp
+            if self.global_batch_size is None:
+                self.global_batch_size = implied
+            elif self.global_batch_size != implied:
+                fail(f"{FLAG.global_batch_size} {self.global_batch_size} is not micro-batch {self.micro_batch_size} x "
+                      f"gradient accumulation steps {steps} x dp {par.dp} = {implied}: make them agree")
+        if self.global_batch_size is None:
+            self.global_batch_size = self.micro_batch_size * par.dp * par.pp
+        positive(self.global_batch_size, "global_batch_size")
+        per_step = self.micro_batch_size * par.dp
+        if self.global_batch_size % per_step:
+            fail(f"{FLAG.global_batch_size} {self.global_batch_size} is not divisible by {FLAG.micro_batch_size} "
+                  f"{self.micro_batch_size} * dp {par.dp} = {per_step}: use a multiple of {per_step}")
+        m = self.global_batch_size // per_step
+        if par.pp > 1 and par.pipeline_schedule in ("1f1b", "interleaved", "zb-h1", "zb-v") and m < par.pp:
+            fail(f"{m} micro-batches per step is fewer than {par.pp} pipeline stages, which leaves the "
+                  f"{par.pipeline_schedule} pipeline mostly idle: raise {FLAG.global_batch_size} to at least "
+                  f"{par.pp * per_step} (micro-batches = global / (micro * dp))")
+        if par.pipeline_schedule == "interleaved" and m % par.pp:
+            fail(f"the interleaved schedule needs micro-batches ({m}) divisible by {FLAG.pp} {par.pp}: "
+                  f"make {FLAG.global_batch_size} a multiple of {par.pp * per_step}")
+        self._fill_train_iters()
+        if not 0 <= self.seed < 2 ** 32:
+            fail(f"{FLAG.seed} must be in [0, 2**32), got {self.seed}: the data order and the initial weights are "
+                  f"drawn from it; pick a non-negative seed")
+        for name in ("eval_interval", "log_interval"):
+            positive(getattr(self, name), name)
+        if self.eval_iters < 0:
+            fail(f"{FLAG.eval_iters} must be >= 0, got {self.eval_iters}")
+
+    def _fill_train_iters(self) -> None:
+        """The training length: ``--train-iters`` (default 400), or ``--train-samples`` // the global batch (a
+        sample-based run, as Megatron counts it); not both."""
+        if self.train_samples is None:
+            self.train_iters = 400 if self.train_iters is None else self.train_iters
+            positive(self.train_iters, "train_iters")
+            return
+        if self.train_iters is not None:
+            fail(f"{FLAG.train_iters} and {FLAG.train_samples} are exclusive (iteration- or sample-based): keep one")
+        positive(self.train_samples, "train_samples")
+        self.train_iters = self.train_samples // self.global_batch_size
+        if self.train_iters < 1:
+            fail(f"{FLAG.train_samples} {self.train_samples} is less than one {FLAG.global_batch_size} "
+                 f"({self.global_batch_size}): no iteration to train")

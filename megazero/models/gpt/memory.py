@@ -1,0 +1,256 @@
+"""The GPT family's activation memory, counted for this implementation (what the memory estimator uses
+for ``--model-family gpt``; the generic formula and the protocol: :mod:`megazero.spec.activations`).
+
+Per layer and micro-batch, the tensors autograd keeps (:func:`layer_parts`), in units of sbh elements
+of e bytes (s sequence, b micro-batch, h hidden, f ffn, t tp, a heads)::
+
+    without sequence parallel   4 sbh + (4 sbh + 2 sbf) / t        (x, LN outputs, x after attention,
+    with sequence parallel      2 sbh + (6 sbh + 2 sbf) / t         qkv, attention out, MLP in/out; SP
+                                                                    stores the gathered inputs of the
+                                                                    column-parallel layers)
+
+for GPT-2; the Llama-family layers change the attention and MLP terms (per token: RoPE keeps the rotated
+queries and keys, grouped-query attention 2h/t + 2Gd/t (+ Gd/t rotated keys) instead of 4h/t, SwiGLU
+4f/t instead of 2f/t) and RMSNorm keeps one statistic per row instead of two; plus the layer norms'
+statistics (fp32), the attention's log-sum-exp (fp32; the fused kernel keeps no s x s scores, except
+with attention dropout, where the unfused path keeps the probabilities and the mask), dropout masks and
+the head's softmax (fp32, sbV/t). An MoE layer is counted as one dense MLP (router, top-k copies and
+all-to-all buffers left out).
+
+The recompute and offload choices (:mod:`megazero.spec.recompute`) change what a layer keeps
+(:func:`selective_savings` says what each ``--recompute-modules`` entry drops) and what a chunk holds:
+a fully recomputed group keeps its input only, and its backward brings the group's activations back
+(the working set); an offloaded layer's bytes wait in host memory (:func:`chunk_offloaded_bytes`).
+"""
+from __future__ import annotations
+
+from megazero.spec.activations import TransformerActivations
+from megazero.spec.recompute import full_recompute_groups, selective_modules
+
+
+def attention_elements(cfg, t: int) -> int:
+    """Elements per token one tp rank's attention keeps: the fused QKV output (its value part is a view
+    SDPA saves), or the query and the key/value projection outputs (G >= t groups split, one group per
+    rank when replicated); RoPE's rotated queries and keys instead of the projections' views; the output."""
+    return _attention_projection_elements(cfg, t) + _rope_elements(cfg, t)
+
+
+def _attention_projection_elements(cfg, t: int) -> int:
+    """What the attention keeps with its core recomputed: the projections' outputs (the core's inputs)
+    and the core's output (the dense layer's input)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    if not cfg.group_query_attention:
+        return 4 * h // t
+    return 2 * h // t + 2 * max(cfg.num_query_groups // t, 1) * d
+
+
+def _rope_elements(cfg, t: int) -> int:
+    """RoPE's rotated queries and keys, net of the projection outputs they replace (per token)."""
+    if cfg.position_embedding_type != "rope":
+        return 0
+    if not cfg.group_query_attention:
+        return 2 * cfg.hidden_size // t
+    return max(cfg.num_query_groups // t, 1) * cfg.head_dim
+
+
+def mlp_elements(cfg, t: int) -> int:
+    """Elements per token one tp rank's MLP keeps: GELU's input and output; or SwiGLU's fused gate/up
+    output (2 ffn), silu(gate) and the product fed to the down projection."""
+    return (4 if cfg.swiglu else 2) * cfg.ffn_hidden_size // t
+
+
+def layer_parts(job, e: int, mask: int) -> dict[str, int]:
+    """Bytes one layer keeps for backward per micro-batch, by what keeps them (recomputing nothing).
+    ``mask``: bytes per element of a dropout mask (1 for CUDA's fused dropout, e on a CPU)."""
+    cfg, par = job.model, job.parallel
+    s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
+    a = cfg.num_attention_heads
+    sp = par.sequence_parallel and t > 1
+    rows = s * b // t if sp else s * b                    # the rows a layer norm (and dropout) sees
+    stats = 2 if cfg.normalization == "LayerNorm" else 1  # LayerNorm: mean and rstd; RMSNorm: rstd
+    parts = {
+        "norm_inputs": e * 2 * rows * h,                  # x and x after attention (the norms keep them)
+        "linear_inputs": e * 2 * s * b * h,               # the norms' outputs, or (SP) their gathered copies
+        "norm_stats": 2 * stats * 4 * rows,
+        "attention_projections": e * s * b * _attention_projection_elements(cfg, t),
+        "attention_rope": e * s * b * _rope_elements(cfg, t),
+        "attention_core": (b * (a // t) * s * s * (2 * e + mask) if cfg.attention_dropout > 0
+                           else 4 * b * (a // t) * s),    # unfused probabilities, dropped, mask; or the lse
+        "mlp_inner": e * s * b * mlp_elements(cfg, t),
+        "dropout_masks": 2 * rows * h * mask if cfg.hidden_dropout > 0 else 0,
+    }
+    return parts
+
+
+def selective_savings(job, parts: dict[str, int]) -> dict[str, int]:
+    """Bytes per layer and micro-batch each ``--recompute-modules`` entry in use stops keeping:
+    core_attn the rotated queries/keys and the core's statistics (or dropout probabilities); mlp the
+    inner activations (and under SP fc1's gathered input, keeping the sbh/t chunk instead); layernorm
+    the norms' outputs (not under SP, where nothing keeps them); moe_act an MoE layer's activation
+    output (GELU's, or SwiGLU's silu(gate) and product: counted on the dense-MLP model above)."""
+    cfg, par = job.model, job.parallel
+    modules = selective_modules(cfg)
+    sp = par.sequence_parallel and par.tp > 1
+    sbh = parts["linear_inputs"] // 2
+    out = {}
+    if "core_attn" in modules:
+        out["core_attn"] = parts["attention_rope"] + parts["attention_core"]
+    if "layernorm" in modules and not sp:
+        out["layernorm"] = parts["linear_inputs"]
+    if "mlp" in modules:
+        out["mlp"] = parts["mlp_inner"] + ((sbh - sbh // par.tp) if sp else 0)
+    if "moe_act" in modules:
+        out["moe_act"] = parts["mlp_inner"] // 2
+    return out
+
+
+def layer_activation_bytes(job, e: int, mask: int, layer_id: int | None = None) -> tuple[int, int]:
+    """(bytes one layer keeps for backward, bytes of its input) per micro-batch, after the selective
+    recompute in use (moe_act only on MoE layers, mlp only on dense ones, when ``layer_id`` is given)."""
+    cfg, par = job.model, job.parallel
+    parts = layer_parts(job, e, mask)
+    savings = selective_savings(job, parts)
+    if layer_id is not None:
+        moe = cfg.is_moe_layer(layer_id)
+        savings.pop("mlp" if moe else "moe_act", None)
+    rows = cfg.seq_length * job.train.micro_batch_size // (par.tp if par.sequence_parallel and par.tp > 1 else 1)
+    return sum(parts.values()) - sum(savings.values()), e * rows * cfg.hidden_size
+
+
+def _layers(job, placement, e: int, mask: int) -> list[tuple[list[int], bool, int, int]]:
+    """The chunk's recompute groups with their bytes: (layer ids, recomputed, kept bytes, input bytes)."""
+    ids = placement.layer_ids
+    out = []
+    for indices, recomputed in full_recompute_groups(job.model, len(ids)):
+        kept = [layer_activation_bytes(job, e, mask, ids[i]) for i in indices]
+        out.append(([ids[i] for i in indices], recomputed, sum(k for k, _ in kept), kept[0][1]))
+    return out
+
+
+def _offloaded_count(job, placement) -> int:
+    cfg = job.model
+    return min(cfg.cpu_offloading_num_layers or len(placement.layer_ids), len(placement.layer_ids)) \
+        if cfg.cpu_offloading else 0
+
+
+def chunk_layer_bytes(job, placement, e: int, mask: int) -> int:
+    """Bytes the chunk's layers leave on the device per micro-batch: a recomputed group its input, a
+    kept layer what it keeps, an offloaded layer nothing."""
+    offloaded = _offloaded_count(job, placement)
+    out = position = 0
+    for ids, recomputed, kept, layer_input in _layers(job, placement, e, mask):
+        if recomputed:
+            out += layer_input
+        elif position >= offloaded:
+            out += kept
+        position += len(ids)
+    return out
+
+
+def chunk_offloaded_bytes(job, placement, e: int, mask: int) -> int:
+    """Bytes one micro-batch leaves in host memory: what the offloaded layers keep."""
+    offloaded = _offloaded_count(job, placement)
+    return sum(layer_activation_bytes(job, e, mask, i)[0] for i in placement.layer_ids[:offloaded])
+
+
+def chunk_activation_bytes(job, placement, e: int, mask: int) -> int:
+    """Bytes one micro-batch leaves held in the chunk of ``placement`` after its forward (on the device)."""
+    cfg, par = job.model, job.parallel
+    s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
+    return chunk_layer_bytes(job, placement, e, mask) + _chunk_ends(job, placement, e, mask, s, b, h, t)
+
+
+def _chunk_ends(job, placement, e, mask, s, b, h, t) -> int:
+    """What the embedding, the head and the chunk's boundary keep."""
+    cfg, par = job.model, job.parallel
+    out = 0
+    if placement.pre_process:
+        out += 2 * 8 * s * b                               # token and position ids
+        out += s * b * h * mask if cfg.hidden_dropout > 0 else 0     # the embedding's dropout mask
+    rows = s * b // t if par.sequence_parallel and t > 1 else s * b
+    if not placement.post_process:                         # the output, held by the schedule for the backward
+        out += e * rows * h
+    if placement.post_process:
+        stats = 2 if cfg.normalization == "LayerNorm" else 1
+        out += e * rows * h + stats * 4 * rows + e * s * b * h   # final norm input and stats, the logits' input
+        out += 4 * s * b * cfg.padded_vocab_size(t) // t + 9 * s * b   # softmax (fp32), target, mask
+    return out
+
+
+def weight_grad_bytes(job, placement, e: int, mask: int) -> int:
+    """Bytes one micro-batch holds on the device between its I and its W (zero-bubble schedules): what
+    W needs, each weight matmul's input X and output gradient dY (for GPT-2 at tp 1, 7 + 9 = 16 sbh per
+    layer; X of qkv, proj, fc1 (h each) and fc2 (f); dY of qkv (3h), proj (h), fc1 (f) and fc2 (h)),
+    the chunk's input; nothing of the head (the output layer's weight gradient is computed in I:
+    ``split_backward.weight_grad_in_input``, so its X and the logits' gradient go then). A recomputed
+    group keeps its input (W recomputes it) and its layers' dY; an offloaded layer keeps only dY on the
+    device. The first virtual stage's I computes nothing (its input is token ids): it holds all until W.
+    Selective recompute is counted as none (its X's come back in W)."""
+    if placement.pre_process:
+        return chunk_activation_bytes(job, placement, e, mask)
+    cfg, par = job.model, job.parallel
+    s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
+    rows = s * b // t if par.sequence_parallel and t > 1 else s * b
+    kv = 2 * max(cfg.num_query_groups // t, 1) * cfg.head_dim if cfg.group_query_attention else 2 * h // t
+    f = cfg.ffn_hidden_size // t
+    grads = e * s * b * ((h // t + kv) + h + f * (2 if cfg.swiglu else 1) + h)   # dY: qkv, proj, fc1, fc2
+    inputs = e * s * b * (h + h // t + h + f)                                      # X: qkv, proj, fc1, fc2
+    offloaded = _offloaded_count(job, placement)
+    out = e * rows * h                                                             # the chunk's input
+    position = 0
+    for ids, recomputed, kept, layer_input in _layers(job, placement, e, mask):
+        n = len(ids)
+        if recomputed:
+            out += layer_input + n * grads
+        else:
+            out += n * grads + (n * inputs if position >= offloaded else 0)
+        position += n
+    return min(out, chunk_activation_bytes(job, placement, e, mask))
+
+
+def _recompute_extra(job, placement, e: int, mask: int) -> int:
+    """The most a recomputed group of the chunk brings back at once: its layers' activations, less
+    what the kept layers after it (their backward ran first) have already freed."""
+    groups = _layers(job, placement, e, mask)
+    extra = 0
+    for k, (_, recomputed, kept, _) in enumerate(groups):
+        if recomputed:
+            extra = max(extra, kept - sum(b for _, again, b, _ in groups[k + 1:] if not again))
+    return extra
+
+
+class GPTActivations(TransformerActivations):
+    """The GPT family's activation model (the protocol of :mod:`megazero.spec.activations`)."""
+
+    def layer(self, job, e: int, mask: int) -> tuple[int, int]:
+        return layer_activation_bytes(job, e, mask)
+
+    def held(self, job, placement, e: int, mask: int) -> int:
+        return chunk_activation_bytes(job, placement, e, mask)
+
+    def offloaded(self, job, placement, e: int, mask: int) -> int:
+        return chunk_offloaded_bytes(job, placement, e, mask)
+
+    def weight_grad_held(self, job, placement, e: int, mask: int) -> int:
+        return weight_grad_bytes(job, placement, e, mask)
+
+    def working(self, job, placements, e: int, mask: int, device: str = "cpu") -> int:
+        """A backward's transient: the gradients passing between layers (two hidden-sized tensors and
+        the MLP's inner one); what recompute brings back at once (a recomputed group's activations, or
+        what a layer's recomputed modules drop: measured, they overlap within its backward); an
+        offloaded layer and the one prefetched behind it, copied back (on CUDA; on a CPU the host copy is the tensor); on the last chunk, the
+        head's held activations are gone first."""
+        cfg, par = job.model, job.parallel
+        s, b, t = cfg.seq_length, job.train.micro_batch_size, par.tp
+        layer, _ = self.layer(job, e, mask)
+        rows = s * b // t if par.sequence_parallel and t > 1 else s * b
+        mlp_width = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
+        working = e * (2 * rows * cfg.hidden_size + s * b * mlp_width // t)
+        working += max((_recompute_extra(job, pl, e, mask) for pl in placements), default=0)
+        working += sum(selective_savings(job, layer_parts(job, e, mask)).values())
+        if cfg.cpu_offloading and device == "cuda":
+            working += 2 * layer
+        last = placements[-1]
+        if last.post_process:
+            working -= self.held(job, last, e, mask) - chunk_layer_bytes(job, last, e, mask)
+        return working

@@ -1,0 +1,253 @@
+"""Seeded draws from the layout space: a tiny model and a parallel layout, as a ``pretrain_gpt.py`` command.
+
+    d = draw(17)                      # the same seed gives the same draw, on any machine
+    d.world, d.axes["zero"]           # 8, 3
+    d.command()                       # "torchrun --standalone --nproc-per-node 8 pretrain_gpt.py --mock-data ..."
+    d.resume_axes, d.resume_world     # the second layout, which resumes the first one's checkpoint
+
+Every axis is drawn independently from its values (:data:`MODEL_AXES`, :data:`LAYOUT_AXES`); the draw is
+turned into flags, parsed by the trainer's own parser and checked by the trainer's own
+:func:`~megazero.config.validate` (and the model family's rules) at its world size. A refused draw is
+drawn again: which combinations are allowed is never written down here, so a rule added to the
+configuration checks narrows the fuzzer's space by itself. The only limit of its own is the machine's:
+``tp * cp * pp * dp <= MAX_WORLD``.
+"""
+from __future__ import annotations
+
+import functools
+import random
+import shlex
+from dataclasses import dataclass, field
+
+from megazero.cli.arguments import build_parser, flag_values, job_from_values
+from megazero import config
+from megazero.config import OFFLOAD_DEVICES, SCHEDULES, JobConfig
+from megazero.config.parallel import BUILT_CP_COMM_TYPES
+from megazero.errors import ConfigError
+
+MAX_WORLD = 8
+STEPS_PER_LEG = 2              # iterations before the save, and again after the resume
+NOT_APPLICABLE = "-"           # an axis without meaning in a draw (a schedule at pp 1)
+
+# The tiny model every draw shares (the model axes below change it); fp32 runs compare to ~1e-5.
+# adam-eps 1e-6: a gradient that is analytically zero (the key bias) is rounding noise of a sign that
+# depends on the layout; a smaller epsilon would turn that noise into lr-sized updates.
+COMMON = ["--mock-data", "--vocab-size", "100", "--make-vocab-size-divisible-by", "16", "--hidden-size", "32",
+          "--num-attention-heads", "4", "--seq-length", "16", "--lr", "5e-3", "--lr-warmup-iters", "1",
+          "--lr-decay-iters", str(2 * STEPS_PER_LEG), "--adam-eps", "1e-6", "--clip-grad", "0.5",
+          "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "7"]
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64",
+         "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights"]
+
+
+
+def every(values: tuple, **weights: int) -> tuple[tuple, tuple]:
+    """(values, weights) of an axis whose values are the configuration's own list (a schedule or a device
+    added there is drawn at once), each of weight 1 unless named: ``every(OFFLOAD_DEVICES, none=6)``."""
+    return tuple(values), tuple(weights.get(v, 1) for v in values)
+
+
+# axis -> (values, weights). The model axes are shared by both layouts of a draw (and its serial twin).
+MODEL_AXES: dict[str, tuple[tuple, tuple]] = {
+    "family": (("gpt", "llama"), (1, 1)),
+    "layers": ((4, 8), (1, 1)),
+    "experts": ((0, 2, 4), (3, 1, 1)),            # 0: dense MLPs
+    "topk": ((1, 2), (1, 1)),
+    "aux_loss": ((0.0, 0.01), (2, 1)),
+    "capacity": ((0.0, 1.0, 1.25), (2, 1, 1)),   # expert capacity factor (token dropping); 0: dropless
+    "precision": (("fp32", "bf16", "fp16"), (3, 1, 1)),
+    "micro_batch": ((1, 2), (1, 1)),
+    "micro_batches": ((4, 8), (1, 1)),           # per step, before the data-parallel split
+}
+LAYOUT_AXES: dict[str, tuple[tuple, tuple]] = {
+    "tp": ((1, 2, 4), (2, 2, 1)),
+    "sp": ((False, True), (1, 1)),
+    "cp": ((1, 2, 4), (2, 2, 2)),               # cp 4 leaves tp * pp * dp <= 2: often refused
+    "cp_comm": every(BUILT_CP_COMM_TYPES),
+    "pp": ((1, 2, 4), (2, 2, 1)),
+    "schedule": every(SCHEDULES),
+    "virtual": ((2, 4), (1, 1)),                  # chunks per rank, with the interleaved schedule
+    "dp": ((1, 2, 4, 8), (1, 2, 1, 1)),
+    "order": (("tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "dp-cp-tp-pp"), (3, 1, 1, 1)),   # cp after tp unless named
+    "zero": ((0, 1, 2, 3), (1, 1, 1, 1)),
+    "keep_gathered": ((False, True), (3, 1)),
+    "reduce_each_mb": ((False, True), (3, 1)),
+    "overlap_param_gather": ((False, True), (3, 1)),
+    "small_buckets": ((False, True), (1, 1)),
+    "ep": ((1, 2, 4), (1, 1, 1)),
+    "offload_optimizer": every(OFFLOAD_DEVICES, none=6, cpu=2),   # nvme: swap files in the run's directory
+    "offload_params": every(OFFLOAD_DEVICES, none=6, cpu=2),
+    "qwz": ((False, True), (5, 1)),
+    "hpz": ((1, 2), (4, 1)),
+    "qgz": ((False, True), (5, 1)),
+    "recompute": (("none", "full-uniform", "full-block", "selective"), (3, 1, 1, 1)),
+    "recompute_modules": (("core_attn", "mlp", "layernorm", "core_attn mlp", "moe_act"), (1, 1, 1, 1, 1)),
+    "activation_offload": ((False, True), (5, 1)),
+}
+AXES = {**MODEL_AXES, **LAYOUT_AXES}
+LOSSY_SWITCHES = ("qwz", "qgz")                   # ZeRO++'s int8 transfers: not bit-faithful by design
+
+
+def model_flags(a: dict) -> list[str]:
+    """The model, precision and batch flags of model axes ``a`` (the serial twin runs exactly these)."""
+    out = ["--num-layers", str(a["layers"])] + (LLAMA if a["family"] == "llama" else [])
+    if a["experts"]:
+        out += ["--num-experts", str(a["experts"]), "--moe-router-topk", str(a["topk"])]
+        if a["aux_loss"]:
+            out += ["--moe-aux-loss-coeff", str(a["aux_loss"])]
+        if a["capacity"]:
+            out += ["--moe-expert-capacity-factor", str(a["capacity"])]
+    out += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1024"]}[a["precision"]]
+    return out + ["--micro-batch-size", str(a["micro_batch"]),
+                  "--global-batch-size", str(a["micro_batch"] * a["micro_batches"])]
+
+
+def layout_flags(a: dict, layers: int) -> list[str]:
+    """The parallelism, ZeRO and activation-memory flags of layout axes ``a``."""
+    out = ["--tp", str(a["tp"]), "--pp", str(a["pp"]), "--dp", str(a["dp"]), "--zero-stage", str(a["zero"])]
+    if a["cp"] > 1:
+        out += ["--cp", str(a["cp"]), "--cp-comm-type", a["cp_comm"]]
+    if a["order"] != "tp-dp-pp":
+        out += ["--parallel-order", a["order"]]
+    if a["sp"]:
+        out.append("--sequence-parallel")
+    if a["schedule"] == "interleaved":
+        out += ["--num-layers-per-virtual-pipeline-stage", str(max(1, layers // (a["pp"] * a["virtual"])))]
+    elif a["schedule"] != NOT_APPLICABLE:
+        out += ["--pipeline-schedule", a["schedule"]]
+    switches = {"keep_gathered": "--zero3-keep-params-gathered", "reduce_each_mb": "--zero2-reduce-each-microbatch",
+                "overlap_param_gather": "--overlap-param-gather", "qwz": "--zero-quantized-weights",
+                "qgz": "--zero-quantized-gradients", "activation_offload": "--cpu-offloading"}
+    out += [flag for name, flag in switches.items() if a[name]]
+    if a["small_buckets"]:
+        out += ["--bucket-size", "2000"]
+    if a["ep"] > 1:
+        out += ["--expert-model-parallel-size", str(a["ep"])]
+    for name in ("offload_optimizer", "offload_params"):
+        if a[name] != "none":
+            out += ["--" + name.replace("_", "-"), a[name]]
+    if "nvme" in (a["offload_optimizer"], a["offload_params"]):
+        out += ["--nvme-path", "."]             # the run's own directory (the checker's, or the user's)
+    if a["hpz"] > 1:
+        out += ["--zero-hpz-partition-size", str(a["hpz"])]
+    if a["recompute"].startswith("full"):
+        out += ["--recompute-granularity", "full", "--recompute-method", a["recompute"][5:],
+                "--recompute-num-layers", "1"]
+    elif a["recompute"] == "selective":
+        out += ["--recompute-granularity", "selective", "--recompute-modules", *a["recompute_modules"].split()]
+    return out
+
+
+@functools.cache
+def _parser():
+    """The trainer's parser, built once: building it costs ~30 times a parse, and rejection draws many."""
+    return build_parser()
+
+
+def parse_and_validate(argv: list[str], world: int) -> JobConfig:
+    """The JobConfig ``pretrain_gpt.py argv`` would run at ``world`` ranks, by the trainer's own parser,
+    :func:`~megazero.config.validate` (the model family's rules with it); :class:`ConfigError` when refused."""
+    return config.validate(job_from_values(flag_values(_parser().parse_args(argv))[0]), world)
+
+
+def pick_axes(rng: random.Random, axes: dict) -> dict:
+    """One value of each axis, independently, by the axes' weights."""
+    return {name: rng.choices(values, weights)[0] for name, (values, weights) in axes.items()}
+
+
+def _applicable(model: dict, layout: dict) -> dict:
+    """Axes that mean nothing in this draw read ``-`` (no flag is given for them), so that coverage
+    counts what was exercised: a schedule without pipeline stages, virtual stages without interleaving,
+    recompute modules without selective recompute, the router's axes without experts."""
+    model, layout = dict(model), dict(layout)
+    if layout["pp"] == 1:
+        layout["schedule"] = NOT_APPLICABLE
+    if layout["schedule"] != "interleaved":
+        layout["virtual"] = NOT_APPLICABLE
+    if layout["recompute"] != "selective":
+        layout["recompute_modules"] = NOT_APPLICABLE
+    if layout["cp"] == 1:
+        layout["cp_comm"] = NOT_APPLICABLE
+    if not model["experts"]:
+        model["topk"] = model["aux_loss"] = model["capacity"] = NOT_APPLICABLE
+    return {**model, **layout}
+
+
+def draw_layout(rng: random.Random, model: dict, max_tries: int = 20000) -> tuple[dict, int, list[str]]:
+    """A layout the configuration rules accept for model axes ``model``: (axes, world, layout flags)."""
+    for _ in range(max_tries):
+        layout = pick_axes(rng, LAYOUT_AXES)
+        world = layout["tp"] * layout["cp"] * layout["pp"] * layout["dp"]
+        if world > MAX_WORLD:
+            continue
+        axes = _applicable(model, layout)
+        flags = layout_flags(axes, model["layers"])
+        try:
+            job = parse_and_validate(COMMON + model_flags(model) + flags, world)
+        except ConfigError:
+            continue
+        if axes["schedule"] == "interleaved":
+            axes["virtual"] = job.parallel.virtual_stages      # what the flags give, not what was asked
+        return axes, world, flags
+    raise RuntimeError(f"no valid layout in {max_tries} tries for model axes {model}")
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One fuzz point: the model (shared), the layout that trains and saves, and the layout that resumes."""
+
+    seed: int
+    axes: dict
+    world: int
+    model_args: list[str]
+    layout_args: list[str]
+    resume_axes: dict = field(default_factory=dict)
+    resume_world: int = 1
+    resume_layout_args: list[str] = field(default_factory=list)
+    common: list[str] = field(default_factory=lambda: list(COMMON))     # flags before the model's
+
+    @property
+    def args(self) -> list[str]:
+        return self.common + self.model_args + self.layout_args
+
+    @property
+    def resume_args(self) -> list[str]:
+        return self.common + self.model_args + self.resume_layout_args
+
+    @property
+    def serial_args(self) -> list[str]:
+        return self.common + self.model_args
+
+    @property
+    def lossy(self) -> bool:
+        """ZeRO++ quantization in either layout: compared at the quantized tolerance."""
+        return any(a.get(s) is True for a in (self.axes, self.resume_axes) for s in LOSSY_SWITCHES)
+
+    def command(self, which: str = "first", extra: list[str] = ()) -> str:
+        """The one-line command of a layout (``first``, ``resume`` or ``serial``) as a user runs it."""
+        args, world = {"first": (self.args, self.world), "resume": (self.resume_args, self.resume_world),
+                       "serial": (self.serial_args, 1)}[which]
+        launch = ["python"] if world == 1 else ["torchrun", "--standalone", "--nproc-per-node", str(world)]
+        return shlex.join([*launch, "pretrain_gpt.py", *args, *extra])
+
+    def describe(self, which: str = "first") -> str:
+        """The non-default axes of a layout, in one short line."""
+        axes = self.axes if which == "first" else {**self.axes, **self.resume_axes}
+        defaults = {name: values[0] for name, (values, _) in AXES.items()}
+        return " ".join(f"{k}={v}" for k, v in axes.items() if v not in (defaults[k], NOT_APPLICABLE))
+
+
+def draw(seed: int) -> Draw:
+    """The draw of ``seed``: model axes, then a valid first layout and a valid resume layout for them."""
+    rng = random.Random(seed)
+    for _ in range(1000):
+        model = pick_axes(rng, MODEL_AXES)
+        try:
+            parse_and_validate(COMMON + model_flags(model), 1)      # the serial twin must run too
+        except ConfigError:
+            continue
+        axes, world, flags = draw_layout(rng, model)
+        resume_axes, resume_world, resume_flags = draw_layout(rng, model)
+        return Draw(seed, axes, world, model_flags(model), flags, resume_axes, resume_world, resume_flags)
+    raise RuntimeError(f"seed {seed}: no valid model in 1000 tries")
