@@ -1,4 +1,5 @@
-"""Text generation with a single-process GPT: greedy decoding, top-k and nucleus (top-p) sampling.
+"""Text generation with a single-process model: greedy decoding, top-k and nucleus (top-p) sampling, and
+the whole model of a distributed run gathered on rank 0 to generate from (:func:`gather_full_model`).
 
     model, job = build_full_model("checkpoints/")        # megazero.checkpoint.offline
     new_ids = generate(model, tokenizer.tokenize("Hello"), 20)                  # greedy
@@ -15,9 +16,16 @@ path computes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 
+from megazero.config import JobConfig
+from megazero.parallel.params import split_dim
+from megazero.parallel.tensor import gather_full
+from megazero.parallel.topology import Topology
+from megazero.spec import get_model_spec
 from megazero.spec.kv_cache import KVCache
 
 
@@ -110,3 +118,49 @@ def _cached_step(model):
             new = ids[cache.length:]
         return model(torch.tensor([new], dtype=torch.long, device=device), kv_cache=cache)[0, -1]
     return step
+
+
+@torch.no_grad()
+def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None) -> torch.nn.Module | None:
+    """A single-process (tp = pp = 1) model with the trained weights (the spec's ``build_full``), on
+    global rank 0; None elsewhere.
+
+    Every rank takes part: tp shards are gathered within each tp group, then the first dp replica's
+    tp rank 0 of every pipeline stage sends its tensors to rank 0 (and, with expert parallelism, the
+    other members of the first ep group in its dp x cp group their experts: the parameters the spec's
+    ``is_expert`` names). Under ZeRO stage 3 the engine's ``gathered_parameters()`` materialises the
+    shards first; the tensors taken are copies, not views of the gathered buffers it releases after.
+    """
+    spec = get_model_spec(job.model.model_family)
+    with engine.gathered_parameters() if engine is not None else nullcontext():
+        local = {}
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                local[name] = gather_full(p.detach(), split_dim(p), topo.tp_group).to("cpu", torch.float32, copy=True)
+    # Experts are carved from dp x cp in consecutive blocks of ep: members 0..ep-1 of the dp x cp group hold
+    # one copy of every expert (member 0 the dense weights too). E.g. dp 2 x cp 2, ep 2: members 0, 1.
+    member, mine = topo.data_context_parallel().rank, {}
+    if topo.tp_rank == 0 and member < topo.ep_size:
+        mine = {n: t for n, t in local.items() if member == 0 or spec.is_expert(n)}
+    everything = [None] * topo.world_size if topo.rank == 0 else None
+    dist.gather_object(mine, everything, dst=0)
+    if topo.rank != 0:
+        return None
+    model = spec.build_full(job.model, seed=job.train.seed)
+    state = {}
+    for part in everything:
+        state.update(part)
+    for name, p in model.named_parameters():      # the padded vocab differs between tp sizes
+        src = state[name]
+        if src.shape != p.shape:
+            rows = min(src.shape[0], p.shape[0])
+            src = torch.cat([src[:rows], src.new_zeros((p.shape[0] - rows,) + tuple(src.shape[1:]))])
+        p.copy_(src)
+    return model.eval()
+
+
+@torch.no_grad()
+def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The next ``max_new_tokens`` ids a single-process model predicts greedily after ``prompt_ids``
+    (:func:`megazero.generation.generate`, which also samples with top-k / top-p)."""
+    return generate(model, prompt_ids, max_new_tokens)

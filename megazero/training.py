@@ -9,41 +9,37 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 
-from megazero.checkpoint import format as fmt
-from megazero.checkpoint.distributed import rank_pieces
-from megazero.checkpoint.finite import first_nonfinite, first_over_ranks
+from megazero.checkpoint.distributed import first_nonfinite_weight
 from megazero.compile import CompileLog, describe_recompiles
 from megazero.config import JobConfig, flag
 from megazero.errors import TrainingStopped
 from megazero.lr_schedule import learning_rate
 from megazero.memory.activation_offload import take_offloaded_bytes
 from megazero.memory.measure import LastStepLiveBytes
-from megazero.metrics import MetricsLog, device_peak_tflops, duration, peak_memory_bytes, timestamp
-from megazero.spec import ModelSpec, get_model_spec
+from megazero.metrics import MetricsLog, device_peak_tflops
 from megazero.parallel.context import context_parallel_loss
-from megazero.parallel.params import attribute, counts_once, split_dim
-from megazero.parallel.pipeline import get_schedule, run_schedule
-from megazero.parallel.pipeline.zero_bubble import theory
-from megazero.parallel.tensor import gather_full
+from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
+from megazero.parallel.zero.protocol import Engine
 from megazero.profiling import StepProfiler
+from megazero.reporting import StepResult, log_eval, log_step, max_over_ranks
+from megazero.spec import ModelSpec, get_model_spec
 from megazero.state import TrainState
 
 
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    skipped: bool
-    loss_scale: float
-    params_overflowed: bool = False     # an applied step left a non-finite fp16/bf16 parameter (any rank)
+class Saver(Protocol):
+    """How the loop saves (:class:`megazero.checkpoint.resume.CheckpointSaver`): ``save(state)`` writes the
+    checkpoint of ``state`` (collective) and returns the seconds the loop was blocked; ``finish()`` waits
+    for a save still writing in the background and raises its failure."""
+
+    def __call__(self, state: TrainState) -> float | None: ...
+
+    def finish(self) -> None: ...
 
 
 def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
@@ -80,7 +76,7 @@ def _boundary_shape(spec: ModelSpec, job: JobConfig, topo: Topology) -> tuple[in
     return spec.boundary_shape(job.model, job.train.micro_batch_size, topo.model_groups(job.parallel.sequence_parallel))   # [s/cp(/tp), b, h]
 
 
-def train_step(chunks, micro_batches: list[dict], topo: Topology, engine, job: JobConfig,
+def train_step(chunks, micro_batches: list[dict], topo: Topology, engine: Engine, job: JobConfig,
                spec: ModelSpec | None = None, iteration: int | None = None) -> StepResult:
     """Forward and backward over every micro-batch, reduce gradients, clip, and step the optimizer.
     ``spec``: the model's (default: the one ``job.model.model_family`` names); ``iteration``: this
@@ -93,7 +89,7 @@ def train_step(chunks, micro_batches: list[dict], topo: Topology, engine, job: J
                           tensor_shape=_boundary_shape(spec, job, topo), loss_scale=engine.loss_scale, grad_sync=engine)
     engine.finalize_grads()
     grad_norm, skipped = engine.step(iteration)
-    overflowed = not skipped and bool(getattr(engine.optimizer, "params_overflowed", False))
+    overflowed = not skipped and engine.params_overflowed
     loss, overflowed = _global_figures(losses, topo, overflowed)
     return StepResult(loss, grad_norm, skipped, engine.loss_scale, overflowed)
 
@@ -116,9 +112,9 @@ def evaluate(chunks, batches: Iterator[list[dict]], topo: Topology, job: JobConf
     return sum(losses) / len(losses)
 
 
-def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callable[[int], Iterator[list[dict]]],
+def train(job: JobConfig, topo: Topology, chunks, engine: Engine, train_batches: Callable[[int], Iterator[list[dict]]],
           valid_batches: Callable[[], Iterator[list[dict]]] | None, log: MetricsLog, state: TrainState,
-          save: Callable[[TrainState], None] | None = None, compile_log: CompileLog | None = None) -> TrainState:
+          save: Saver | None = None, compile_log: CompileLog | None = None) -> TrainState:
     """Run from ``state.iteration`` to ``train_iters``; evaluate and save at their intervals.
 
     ``train_batches(consumed_samples)`` yields, per step, this data-parallel rank's micro-batches of the
@@ -126,12 +122,12 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
     last iteration is always saved too. A save that falls on a skipped step (an fp16 overflow) waits
     for the next applied one: a run that then stops for too many skipped steps keeps its last good
     checkpoint as the latest. ``save(state)`` may return the seconds it blocked the loop (recorded as
-    ``save_blocked_seconds``) and have a ``finish()`` (waiting for a background save), called at the end
-    and when the run stops. ``compile_log`` (``--compile``): what compiling took is printed after the
+    ``save_blocked_seconds``); its ``finish()`` (waiting for a background save) is called at the end and
+    when the run stops. ``compile_log`` (``--compile``): what compiling took is printed after the
     first step, the graphs compiled since the last line on every log line. ``--profile``: the steps of
     its window are profiled on its ranks (:class:`megazero.profiling.StepProfiler`).
     """
-    finish = getattr(save, "finish", None) or (lambda: None)
+    finish = save.finish if save is not None else (lambda: None)
     profiler = StepProfiler(job.logging, job.checkpoint.save, topo.rank, topo.device,
                             say=lambda line: print(line, flush=True))
     if job.logging.profile and state.iteration >= job.logging.profile_step_end:
@@ -155,6 +151,8 @@ def train(job: JobConfig, topo: Topology, chunks, engine, train_batches: Callabl
 def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save, compile_log, profiler):
     """:func:`train`'s loop, up to the last save (started, if it runs in the background)."""
     t, opt = job.train, job.optimizer
+    if state.iteration >= t.train_iters:          # a resumed run with nothing left: no step, no save
+        return state
     spec = get_model_spec(job.model.model_family)
     tokens_per_step = t.global_batch_size * job.model.seq_length
     flops_per_step = spec.flops_per_token(job.model, job.model.padded_vocab_size(job.parallel.tp),
@@ -199,14 +197,14 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
             if job.model.cpu_offloading:                     # --cpu-offloading: bytes sent to the host
                 extra["activation_offload_bytes"] = take_offloaded_bytes(chunks) // window_iters
                 text += f" | activations offloaded {extra['activation_offload_bytes'] / 2**20:.1f} MiB/iter"
-            _log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, extra, text,
+            log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, extra, text,
                       elapsed=time.perf_counter() - loop_start)
             window_start, window_iters = time.perf_counter(), 0
         if stop:                               # logged, never saved
             raise TrainingStopped(stop)
         if valid_batches and t.eval_iters and (state.iteration % t.eval_interval == 0
                                                or state.iteration == t.train_iters):
-            _log_eval(log, state, evaluate(chunks, valid_batches(), topo, job, t.eval_iters, spec))
+            log_eval(log, state, evaluate(chunks, valid_batches(), topo, job, t.eval_iters, spec))
             window_start = time.perf_counter()
             comm_seen = _bytes_sent(engine)     # the evaluation's gathers are not a step's
         if save and job.checkpoint.save_interval and state.iteration % job.checkpoint.save_interval == 0:
@@ -219,20 +217,19 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     return state
 
 
-def _bytes_sent(engine) -> float:
+def _bytes_sent(engine: Engine) -> float:
     """Bytes this rank has sent in the data-parallel engine's collectives so far (counted per rank)."""
-    comm_log = getattr(engine, "comm_log", None)
-    return sum(comm_log.bytes().values()) if comm_log is not None else 0.0
+    return sum(engine.comm_log.bytes().values())
 
 
-def _save(save: Callable, state: TrainState, log: MetricsLog) -> None:
+def _save(save: Saver, state: TrainState, log: MetricsLog) -> None:
     """Save, and record how long the training loop was blocked (``save_blocked_seconds``)."""
     blocked = save(state)
     if isinstance(blocked, float):
         log.record({"iteration": state.iteration, "save_blocked_seconds": blocked}, state.iteration)
 
 
-def stop_reason(job: JobConfig, engine, r: StepResult, iteration: int, skipped_in_a_row: int,
+def stop_reason(job: JobConfig, engine: Engine, r: StepResult, iteration: int, skipped_in_a_row: int,
                 topo: Topology | None = None) -> str | None:
     """Why the run must stop after this step, or None. The same on every rank (the figures are
     global): fp16/bf16 parameters left non-finite by an applied step (their fp32 masters beyond the
@@ -242,17 +239,14 @@ def stop_reason(job: JobConfig, engine, r: StepResult, iteration: int, skipped_i
     skipped with the check off). ``topo`` (a collective then) names the first overflowed parameter."""
     pr = job.precision
     if r.params_overflowed:
-        what = None
-        if topo is not None:
-            weights = [p for p in rank_pieces(None, engine, topo, job) if p[0].startswith(fmt.MODEL + "/")]
-            what = first_over_ranks(first_nonfinite(weights), topo.device)
+        what = first_nonfinite_weight(engine, topo, job) if topo is not None else None
         return (f"iteration {iteration}: {what or f'a {pr.dtype_name} parameter'} is not finite after the step was "
                 f"applied (its fp32 master weights are beyond what {pr.dtype_name} holds): the run stops without "
                 f"saving this state (the last checkpoint stays the latest). Lower --lr"
                 + (" or use --bf16" if pr.fp16 else ""))
     bad = not pr.fp16 and (not math.isfinite(r.loss) or r.skipped)     # fp16: its loss scaler's business
     if bad and job.train.check_for_nan_in_loss_and_grad:
-        names = engine.optimizer.nonfinite_parameters(everywhere=True)      # a collective: every rank is here
+        names = engine.nonfinite_parameters(everywhere=True)      # a collective: every rank is here
         where = f" (first non-finite gradients: {', '.join(names)})" if names else ""
         return (f"iteration {iteration}: loss {r.loss:g}, gradient norm {r.grad_norm:g}{where}: not finite, the "
                 f"step was not applied and the run stops without saving this state (the last checkpoint stays the "
@@ -266,142 +260,3 @@ def stop_reason(job: JobConfig, engine, r: StepResult, iteration: int, skipped_i
     return None
 
 
-def _log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, step_time: float,
-              tokens_per_step: int, flops_per_step: float, peak_tflops: float | None, topo: Topology,
-              extra: dict, extra_text: str, elapsed: float) -> None:
-    """The log line and metrics record of an iteration: ``step_time`` is the mean over the window since
-    the last line, ``elapsed`` the seconds since this process's training loop started; the ETA is the
-    window's step time times the iterations left (evaluations and saves not counted)."""
-    lr = learning_rate(state.iteration - 1, job.optimizer)
-    tflops = flops_per_step / step_time / 1e12 / topo.world_size
-    eta = step_time * (job.train.train_iters - state.iteration)
-    when = timestamp()
-    record = {"iteration": state.iteration, "timestamp": when, "elapsed_s": elapsed, "eta_s": eta,
-              "consumed_samples": state.consumed_samples, "loss": r.loss,
-              "lr": lr, "grad_norm": r.grad_norm, "loss_scale": r.loss_scale, "skipped": r.skipped,
-              "skipped_iterations": state.skipped_iterations, "step_time_s": step_time,
-              "tokens_per_sec": tokens_per_step / step_time, "tflops_per_rank": tflops,
-              "peak_memory_bytes": max_over_ranks(peak_memory_bytes(topo.device), topo), **extra}
-    if peak_tflops:
-        record["mfu"] = tflops / peak_tflops
-    log.record(record, state.iteration)
-    mfu = f" | MFU {100 * record['mfu']:.1f}%" if peak_tflops else ""
-    log.print(f" [{when[:19].replace('T', ' ')}] iteration {state.iteration:>6}/{job.train.train_iters} | consumed "
-              f"samples {state.consumed_samples:>8} | elapsed {duration(elapsed)} | ETA {duration(eta)} | "
-              f"ms/iter {1000 * step_time:8.1f} | lr {lr:.3e} | "
-              f"loss {r.loss:.4f} | grad norm {r.grad_norm:.3f} | loss scale {r.loss_scale:g} | "
-              f"skipped {state.skipped_iterations} | tokens/s {tokens_per_step / step_time:,.0f} | "
-              f"TFLOP/s/rank {tflops:.3f}{mfu} | peak mem {record['peak_memory_bytes'] / 2**20:.0f} MiB"
-              + extra_text
-              + (_skip_words(job) if r.skipped else ""))
-
-
-def _skip_words(job: JobConfig) -> str:
-    """Why a step was skipped: fp16's loss scaler found an overflow, or (the non-finite check off) the
-    gradients were not finite."""
-    if job.precision.fp16:
-        return " | step skipped: fp16 overflow, loss scale lowered"
-    return f" | step skipped: non-finite gradients ({job.precision.dtype_name})"
-
-
-def _log_eval(log: MetricsLog, state: TrainState, valid_loss: float) -> None:
-    ppl = float("inf") if valid_loss > 700 else float(torch.tensor(valid_loss).exp())
-    log.record({"iteration": state.iteration, "valid_loss": valid_loss, "valid_ppl": ppl}, state.iteration)
-    log.print(f" validation at iteration {state.iteration} | loss {valid_loss:.4f} | ppl {ppl:.2f}")
-
-
-def max_over_ranks(value: float, topo: Topology) -> int:
-    """The largest ``value`` over all ranks (a collective: every rank calls it)."""
-    t = torch.tensor([float(value)], device=topo.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def count_parameters(chunks, topo: Topology) -> int:
-    """Parameters of the whole model, each counted once whatever the layout (a collective): the
-    elements :func:`megazero.parallel.params.counts_once` picks, data-parallel replicas divided out
-    (an MoE expert has dp / ep replicas: its count is multiplied by ep before the division).
-    Call before the ZeRO engine shards the parameters (or on an unsharded model)."""
-    ep = topo.ep_size
-    local = sum(p.numel() * (ep if attribute(p, "expert_parallel") else 1)
-                for chunk in chunks for p in chunk.parameters() if counts_once(p, topo.tp_rank))
-    t = torch.tensor([float(local)], device=topo.device, dtype=torch.float64)
-    dist.all_reduce(t)
-    return int(t.item()) // (topo.dp_size * topo.cp_size)          # cp ranks hold the same weights too
-
-
-def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
-    """The first log line: the resolved layout and the model size (a collective), with the pipeline
-    schedule's prediction on rank 0, the rank that prints it."""
-    par, m = job.parallel, job.model
-    n = count_parameters(chunks, topo)
-    schedule = f"{par.pipeline_schedule} (v={par.virtual_stages})" if par.pp > 1 else "none"
-    spec = get_model_spec(m.model_family)
-    cp = f" x cp {par.cp} ({par.cp_comm_type})" if par.cp > 1 else ""
-    return (f" megazero: world {topo.world_size} = tp {par.tp}{cp} x pp {par.pp} x dp {par.dp} | zero stage "
-            f"{job.zero.zero_stage} | {job.precision.dtype_name} | pipeline {schedule} | sequence parallel "
-            f"{par.sequence_parallel} | micro-batch {job.train.micro_batch_size} x {job.num_micro_batches} "
-            f"micro-batches x dp {par.dp} = global batch {job.train.global_batch_size}\n"
-            f" model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, seq "
-            f"{m.seq_length}, vocab {m.vocab_size} (padded {m.padded_vocab_size(par.tp)}){spec.describe(m)} | "
-            f"{n:,} parameters" + (predicted_pipeline(job) if topo.rank == 0 else ""))
-
-
-def predicted_pipeline(job: JobConfig) -> str:
-    """The pipeline schedule's predicted bubble and peak activations (the simulator's timeline with unit
-    times F = I = W = 1, full backward 2), as a third line of :func:`describe_run`; empty at pp = 1."""
-    par, m = job.parallel, job.num_micro_batches
-    if par.pp == 1:
-        return ""
-    v = par.virtual_stages
-    bubble, peaks = theory(get_schedule(par), par.pp, m, v)
-    held = (f"{max(peaks)} micro-batches per rank" if v == 1 else
-            f"{max(peaks)} chunk sets per rank (= {max(peaks) / v:g} micro-batches of a rank's layers)")
-    return (f"\n pipeline {par.pipeline_schedule}: predicted bubble {bubble:.3f} of the step, peak activations "
-            f"{held}, held from F to its B or W (unit times F = I = W = 1, B = 2; by rank {list(peaks)})")
-
-
-@torch.no_grad()
-def gather_full_model(chunks, topo: Topology, job: JobConfig, engine=None):
-    """A single-process (tp = pp = 1) model with the trained weights (the spec's ``build_full``), on
-    global rank 0; None elsewhere.
-
-    Every rank takes part: tp shards are gathered within each tp group, then the first dp replica's
-    tp rank 0 of every pipeline stage sends its tensors to rank 0 (and, with expert parallelism, the
-    other members of the first ep group in its dp x cp group their experts). Under ZeRO stage 3 the engine's
-    ``gathered_parameters()`` materialises the shards first.
-    """
-    with engine.gathered_parameters() if engine is not None else nullcontext():
-        local = {}
-        for chunk in chunks:
-            for name, p in chunk.named_parameters():
-                local[name] = gather_full(p.detach(), split_dim(p), topo.tp_group).float().cpu()
-    # Experts are carved from dp x cp in consecutive blocks of ep: members 0..ep-1 of the dp x cp group hold
-    # one copy of every expert (member 0 the dense weights too). E.g. dp 2 x cp 2, ep 2: members 0, 1.
-    member, mine = topo.data_context_parallel().rank, {}
-    if topo.tp_rank == 0 and member < topo.ep_size:
-        mine = {n: t for n, t in local.items() if member == 0 or ".experts." in n}
-    everything = [None] * topo.world_size if topo.rank == 0 else None
-    dist.gather_object(mine, everything, dst=0)
-    if topo.rank != 0:
-        return None
-    model = get_model_spec(job.model.model_family).build_full(job.model, seed=job.train.seed)
-    state = {}
-    for part in everything:
-        state.update(part)
-    for name, p in model.named_parameters():      # the padded vocab differs between tp sizes
-        src = state[name]
-        if src.shape != p.shape:
-            rows = min(src.shape[0], p.shape[0])
-            src = torch.cat([src[:rows], src.new_zeros((p.shape[0] - rows,) + tuple(src.shape[1:]))])
-        p.copy_(src)
-    return model.eval()
-
-
-@torch.no_grad()
-def greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The next ``max_new_tokens`` ids a single-process model predicts greedily after ``prompt_ids``
-    (:func:`megazero.generation.generate`, which also samples with top-k / top-p)."""
-    from megazero.generation import generate
-
-    return generate(model, prompt_ids, max_new_tokens)

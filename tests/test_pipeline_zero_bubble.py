@@ -141,7 +141,7 @@ def test_start_line_predicts_bubble_and_peak():
     """The line a run prints at start: the schedule's bubble and peak from the simulator (pp 4, m 8)."""
     from megazero.config import JobConfig, ParallelConfig, TrainConfig, validate
     from megazero.models.gpt import GPTConfig
-    from megazero.training import predicted_pipeline
+    from megazero.reporting import predicted_pipeline
 
     def line(schedule):
         job = JobConfig(parallel=ParallelConfig(pp=4, pipeline_schedule=schedule), model=GPTConfig(num_layers=4),

@@ -178,7 +178,7 @@ def test_start_line_predicts_bubble_and_peak():
     """The line a run prints at start (pp 4, m 8): ZB-V's bubble, and its peak in chunk sets and in 1F1B's units."""
     from megazero.config import JobConfig, ParallelConfig, TrainConfig, validate
     from megazero.models.gpt import GPTConfig
-    from megazero.training import predicted_pipeline
+    from megazero.reporting import predicted_pipeline
     job = JobConfig(parallel=ParallelConfig(pp=4, pipeline_schedule="zb-v"), model=GPTConfig(num_layers=8),
                     train=TrainConfig(micro_batch_size=1, global_batch_size=8))
     line = predicted_pipeline(validate(job, world_size=4))

@@ -14,7 +14,7 @@ def _gather_one(rank, world, argv):
     from megazero.cli.job import parse_job
     from megazero.spec import build_model_chunks, get_model_spec
     from megazero.parallel.topology import Topology
-    from megazero.training import gather_full_model
+    from megazero.generation import gather_full_model
 
     job, _ = parse_job(argv, world)
     par = job.parallel

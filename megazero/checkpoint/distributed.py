@@ -107,6 +107,14 @@ def rank_pieces(chunks, engine, topo, job) -> list[tuple]:
     return pieces
 
 
+def first_nonfinite_weight(engine, topo, job) -> str | None:
+    """The first parameter whose weights (in the run's precision) hold a non-finite value, over all
+    ranks in rank order, as :func:`megazero.checkpoint.finite.describe` names it; None when all are
+    finite. A collective: what a run that stops after an fp16/bf16 overflow names."""
+    weights = [p for p in rank_pieces(None, engine, topo, job) if p[0].startswith(fmt.MODEL + "/")]
+    return first_over_ranks(first_nonfinite(weights), topo.device)
+
+
 @dataclass
 class SavePlan:
     """Everything one rank's part of a save writes, fixed at the save step: its pieces (views of the

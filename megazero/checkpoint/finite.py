@@ -9,7 +9,8 @@ byte tensors, nothing pickled -- so every rank knows the first one in rank order
     # "layers.0.mlp.dense_4h_to_h.weight (fp16 weights, rank 1)" or None
 
 The same two helpers name the parameter whose fp16/bf16 copy overflowed after an applied step
-(:func:`megazero.training.stop_reason`).
+(:func:`megazero.checkpoint.distributed.first_nonfinite_weight`, which the training loop's
+:func:`megazero.training.stop_reason` asks).
 """
 from __future__ import annotations
 

@@ -13,12 +13,23 @@ import os
 import sys
 
 from megazero.checkpoint.distributed import saved_job, saved_model_settings
-from megazero.cli.arguments import (build_parser, combine, flag_settings, job_from_values, load_config_file,
-                                    stop_with)
+from megazero.cli.arguments import (
+    build_parser,
+    combine,
+    flag_settings,
+    job_from_values,
+    load_config_file,
+    stop_with,
+)
 from megazero.config import FLAG, JobConfig, validate
 from megazero.config import megatron_flags as megatron
 from megazero.errors import CheckpointError, ConfigError
-from megazero.foreign_config import Launch, from_accelerate, from_deepspeed, unused_warning
+from megazero.foreign_config import (
+    Launch,
+    from_accelerate,
+    from_deepspeed,
+    unused_warning,
+)
 
 
 def parse_job(argv: list[str] | None = None, world_size: int | None = None) -> tuple[JobConfig, argparse.Namespace]:

@@ -33,7 +33,14 @@ from megazero.cli.launcher import SECONDHAND, report_to_launcher
 from megazero.cli.plan import plan_memory
 from megazero.cli.preflight import preflight
 from megazero.cli.run import resolve_data, run
-from megazero.errors import CheckpointError, DataError, NothingToDo, PreflightError, TokenizerError, TrainingStopped
+from megazero.errors import (
+    CheckpointError,
+    DataError,
+    NothingToDo,
+    PreflightError,
+    TokenizerError,
+    TrainingStopped,
+)
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")   # gloo, when a rank left
 

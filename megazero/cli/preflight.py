@@ -19,7 +19,13 @@ from pathlib import Path
 import torch
 
 from megazero.checkpoint.distributed import model_mismatch
-from megazero.checkpoint.format import INDEX, checkpoint_dir, read_json, read_tracker, recover
+from megazero.checkpoint.format import (
+    INDEX,
+    checkpoint_dir,
+    read_json,
+    read_tracker,
+    recover,
+)
 from megazero.checkpoint.lock import SaveLock
 from megazero.config import JobConfig, flag
 from megazero.data.indexed_dataset import IndexedDataset

@@ -14,6 +14,7 @@ from megazero.compile import CompileLog, compile_model
 from megazero.config import JobConfig
 from megazero.data.samplers import build_data_iterators
 from megazero.data.tokenizers import Tokenizer, tokenizer_from_config
+from megazero.generation import gather_full_model, greedy_continuation
 from megazero.kernels import describe_kernels
 from megazero.memory import describe_cpu_memory, return_freed_memory, reuse_freed_memory
 from megazero.memory.estimate import describe as describe_estimate
@@ -22,8 +23,9 @@ from megazero.metrics import MetricsLog, wandb_settings
 from megazero.parallel.topology import Topology, init_distributed
 from megazero.parallel.zero import build_engine
 from megazero.profiling import describe as describe_profiling
+from megazero.reporting import describe_run, model_state_line
 from megazero.spec import build_model_chunks, get_model_spec
-from megazero.training import describe_run, gather_full_model, greedy_continuation, train
+from megazero.training import train
 
 SAMPLE_PROMPT = "A hacker is"
 
@@ -116,20 +118,6 @@ def resolve_data(job: JobConfig) -> tuple[JobConfig, Tokenizer | None]:
 def param_dtype(job: JobConfig) -> torch.dtype:
     """Model parameters are bf16/fp16 under mixed precision (fp32 masters live in the optimizer)."""
     return torch.bfloat16 if job.precision.bf16 else torch.float16 if job.precision.fp16 else torch.float32
-
-
-def model_state_line(engine, topo: Topology) -> str:
-    """Largest per-rank model-state memory (params, grads, fp32 masters, Adam state) over all ranks, and
-    what offloading keeps on the host and on NVMe."""
-    keys = ("params", "grads", "master_weights", "optimizer_state", "total", "host_total", "nvme_total")
-    local = engine.model_state_bytes()
-    sizes = torch.tensor([float(local[k]) for k in keys], device=topo.device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-    values = sizes.tolist()
-    parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.2f}" for k, v in zip(keys[:5], values[:5]))
-    if values[5] or values[6]:
-        parts += f"; offloaded: host {values[5] / 2**20:.2f}, nvme {values[6] / 2**20:.2f}"
-    return f"\n model state per rank (MiB, max over ranks; grads allocated in backward): {parts}"
 
 
 def _steps(iterator, device):

@@ -18,7 +18,13 @@ from megazero.config.compile import CompileConfig
 from megazero.config.data import DataConfig
 from megazero.config.fields import register_sections, setting
 from megazero.config.logging import LoggingConfig
-from megazero.config.model import ModelConfig, check_family, family, model_config, registered_families
+from megazero.config.model import (
+    ModelConfig,
+    check_family,
+    family,
+    model_config,
+    registered_families,
+)
 from megazero.config.optimizer import OptimizerConfig
 from megazero.config.parallel import ParallelConfig
 from megazero.config.precision import PrecisionConfig

@@ -16,7 +16,12 @@ module              what
 ==================  ===================================================================================
 """
 from megazero.spec.model_spec import HFAdapter, ModelSpec, StepHooks
-from megazero.spec.registry import build_model_chunks, get_model_spec, register_model_spec, spec_for_hf
+from megazero.spec.registry import (
+           build_model_chunks,
+           get_model_spec,
+           register_model_spec,
+           spec_for_hf,
+)
 
 __all__ = ["HFAdapter", "ModelSpec", "StepHooks", "build_model_chunks", "get_model_spec", "register_model_spec",
            "spec_for_hf"]

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from megazero.models.gpt.config import GPTConfig
 from megazero.errors import CheckpointError
-from megazero.models.gpt.transformer import qkv_blocks_to_interleaved, qkv_interleaved_to_blocks
+from megazero.models.gpt.config import GPTConfig
+from megazero.models.gpt.transformer import (
+    qkv_blocks_to_interleaved,
+    qkv_interleaved_to_blocks,
+)
 
 _ACT_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 _ACT_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}

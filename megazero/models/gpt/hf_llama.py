@@ -40,12 +40,21 @@ from __future__ import annotations
 
 import torch
 
-from megazero.models.gpt.config import GPTConfig
 from megazero.errors import CheckpointError
-from megazero.models.gpt.rotary import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_MAX_POSITIONS
-from megazero.models.gpt.transformer import (gate_up_to_interleaved, interleaved_to_gate_up, kv_blocks_to_interleaved,
-                                             kv_interleaved_to_blocks, qkv_blocks_to_interleaved,
-                                             qkv_interleaved_to_blocks)
+from megazero.models.gpt.config import GPTConfig
+from megazero.models.gpt.rotary import (
+    LLAMA3_HIGH_FREQ_FACTOR,
+    LLAMA3_LOW_FREQ_FACTOR,
+    LLAMA3_ORIGINAL_MAX_POSITIONS,
+)
+from megazero.models.gpt.transformer import (
+    gate_up_to_interleaved,
+    interleaved_to_gate_up,
+    kv_blocks_to_interleaved,
+    kv_interleaved_to_blocks,
+    qkv_blocks_to_interleaved,
+    qkv_interleaved_to_blocks,
+)
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 _PLAIN = {"input_layernorm.weight": "input_layernorm.weight",

@@ -54,19 +54,32 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from megazero.models.gpt.config import GPTConfig
 from megazero.memory.activation_offload import ActivationOffload
-from megazero.spec.kv_cache import KVCache
-from megazero.spec.recompute import checkpointed, full_recompute_groups
-from megazero.models.gpt.transformer import (NORM_TYPES, Embedding, LayerContext, TransformerLayer,
-                                             qkv_blocks_to_interleaved, qkv_interleaved_to_blocks)
+from megazero.models.gpt.config import GPTConfig
+from megazero.models.gpt.transformer import (
+    NORM_TYPES,
+    Embedding,
+    LayerContext,
+    TransformerLayer,
+    qkv_blocks_to_interleaved,
+    qkv_interleaved_to_blocks,
+)
 from megazero.parallel.groups import ModelParallelGroups
 from megazero.parallel.pipeline.split_backward import weight_grad_in_input
 from megazero.parallel.raw_comm import group_rank
-from megazero.parallel.tensor import (ColumnParallelLinear, TensorParallelRNG, column_parallel_linear,
-                                      init_std_scaled, mask_padded_vocab, set_tp_attributes, shard,
-                                      vocab_parallel_cross_entropy)
+from megazero.parallel.tensor import (
+    ColumnParallelLinear,
+    TensorParallelRNG,
+    column_parallel_linear,
+    init_std_scaled,
+    mask_padded_vocab,
+    set_tp_attributes,
+    shard,
+    vocab_parallel_cross_entropy,
+)
 from megazero.parallel.zero.units import UnitUse, Zero3Plan, trainable
+from megazero.spec.kv_cache import KVCache
+from megazero.spec.recompute import checkpointed, full_recompute_groups
 
 __all__ = ["GPT", "activation_shape", "masked_mean", "param_seed", "qkv_blocks_to_interleaved",
            "qkv_interleaved_to_blocks"]

@@ -71,7 +71,11 @@ from megazero.parallel.pipeline.generators import stage_shape
 from megazero.parallel.pipeline.partition import stage_layer_ids
 from megazero.parallel.raw_comm import all_gather_dim0
 from megazero.parallel.tensor import new_parameter, reduce_from_tp_region
-from megazero.spec.recompute import checkpointed, free_until_backward, full_recompute_groups
+from megazero.spec.recompute import (
+    checkpointed,
+    free_until_backward,
+    full_recompute_groups,
+)
 
 
 def is_expert_parameter(name: str) -> bool:

@@ -23,12 +23,17 @@ from megazero.models.gpt import hf_gpt2, hf_llama
 from megazero.models.gpt.config import GPTConfig
 from megazero.models.gpt.memory import GPTActivations
 from megazero.models.gpt.model import GPT, activation_shape, masked_mean
-from megazero.models.gpt.moe import collect_moe_metrics, describe_moe_metrics, is_expert_parameter, set_aux_loss_scale
+from megazero.models.gpt.moe import (
+    collect_moe_metrics,
+    describe_moe_metrics,
+    is_expert_parameter,
+    set_aux_loss_scale,
+)
+from megazero.parallel.pipeline.generators import stage_shape
+from megazero.parallel.pipeline.partition import placements
 from megazero.spec import HFAdapter, ModelSpec, StepHooks, register_model_spec
 from megazero.spec import build_model_chunks as build_spec_chunks
 from megazero.spec.recompute import full_recompute_groups
-from megazero.parallel.pipeline.generators import stage_shape
-from megazero.parallel.pipeline.partition import placements
 
 # The GPTConfig fields a checkpoint of this family must match (shapes and meaning of its tensors).
 CHECKPOINT_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",

@@ -25,19 +25,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.models.gpt.config import GPTConfig
 from megazero.kernels import apex_norm, use_apex_norms
-from megazero.spec.kv_cache import LayerKVCache
+from megazero.models.gpt.config import GPTConfig
 from megazero.models.gpt.moe import MoELayer
-from megazero.spec.recompute import checkpointed, free_until_backward, selective_modules
 from megazero.models.gpt.rotary import RotaryEmbedding
-from megazero.parallel.context import context_parallel_attention, grouped_key_values, rank_positions
+from megazero.parallel.context import (
+    context_parallel_attention,
+    grouped_key_values,
+    rank_positions,
+)
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import ModelParallelGroups
 from megazero.parallel.raw_comm import group_rank, group_size
-from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
-                                      VocabParallelEmbedding, copy_to_tp_region,
-                                      gather_from_sequence_parallel_region, new_parameter, set_tp_attributes)
+from megazero.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRNG,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    new_parameter,
+    set_tp_attributes,
+)
+from megazero.spec.kv_cache import LayerKVCache
+from megazero.spec.recompute import checkpointed, free_until_backward, selective_modules
+
 
 def qkv_blocks_to_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Reorder a full fused-QKV weight [3h, ...] (or bias [3h]) from blocks [Q_all; K_all; V_all]

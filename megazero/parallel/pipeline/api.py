@@ -10,11 +10,11 @@ from megazero.parallel.pipeline.executor import checked_schedule, execute, stage
 from megazero.parallel.pipeline.partition import LOOP
 from megazero.parallel.pipeline.generators import default_schedule, get_schedule, no_pipelining, schedule_by_name
 from megazero.parallel.pipeline.p2p import StageComm
-from megazero.parallel.pipeline.runner import PipelineStats, StageRunner
+from megazero.parallel.pipeline.runner import GradSyncHooks, PipelineStats, StageRunner
 
 
 def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, forward_only: bool = False,
-                 loss_scale: float = 1.0, grad_sync=None, schedule=None, tensor_shape=None,
+                 loss_scale: float = 1.0, grad_sync: GradSyncHooks | None = None, schedule=None, tensor_shape=None,
                  stats: PipelineStats | None = None) -> list[torch.Tensor]:
     """Run forward (and backward unless ``forward_only``) of every micro-batch through this rank's chunks.
 
@@ -28,8 +28,8 @@ def run_schedule(chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, fo
         the GPT family's masked mean over the per-token losses).
     loss_scale: each micro-batch loss is backpropagated as ``loss * loss_scale / len(micro_batches)``,
         so gradients are those of the mean loss (times the fp16 loss scale).
-    grad_sync: optional object with ``before_backward(chunk_id, is_last_microbatch)``, called right
-        before each backward (data-parallel overlap of the gradient reduction).
+    grad_sync: the data-parallel engine's hooks (:class:`~megazero.parallel.pipeline.runner.GradSyncHooks`),
+        called around each backward (the gradient reductions overlap it); None: no hooks.
     schedule: a schedule generator (``generators.py``), a name (a key of ``generators.GENERATORS``), a
         ParallelConfig, or None (no pipelining at pp=1, interleaved with several chunks, else 1F1B).
         Its action lists are checked by the simulator once per (schedule, pp, m, v) in the process.

@@ -6,14 +6,33 @@ compute action of a rank's list.
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from megazero.parallel.groups import PipelineLayout
-
-from megazero.parallel.pipeline.partition import LOOP, is_first_virtual_stage, is_last_virtual_stage
+from megazero.parallel.pipeline.partition import (
+    LOOP,
+    is_first_virtual_stage,
+    is_last_virtual_stage,
+)
 from megazero.parallel.pipeline.split_backward import backward_input, deferrable_saves
+
+
+class GradSyncHooks(Protocol):
+    """What the runner calls on its ``grad_sync`` (the ZeRO engine) around a chunk's backward, so that
+    gradient buckets are reduced as the backward fills them: ``before_backward(chunk, last)`` before a
+    full backward (``last``: the step's last micro-batch through this chunk, whose gradients complete the
+    buckets); ``before_input_grad(chunk)`` before a split backward's input half (I) and, around its weight
+    half (W), ``with weight_grad(chunk, last):``."""
+
+    def before_backward(self, chunk_id: int, is_last_microbatch: bool) -> None: ...
+
+    def before_input_grad(self, chunk_id: int) -> None: ...
+
+    def weight_grad(self, chunk_id: int, is_last_microbatch: bool) -> AbstractContextManager[None]: ...
 
 
 @dataclass
@@ -67,7 +86,8 @@ class StageRunner:
     """
 
     def __init__(self, chunks, micro_batches, pipeline: PipelineLayout, *, loss_fn, forward_only: bool = False,
-                 loss_scale: float = 1.0, grad_sync=None, stats: PipelineStats | None = None, shape: str = LOOP):
+                 loss_scale: float = 1.0, grad_sync: GradSyncHooks | None = None,
+                 stats: PipelineStats | None = None, shape: str = LOOP):
         self.shape = shape
         self.chunks, self.micro_batches, self.pipeline = list(chunks), list(micro_batches), pipeline
         self.num_micro, self.v = len(self.micro_batches), len(self.chunks)

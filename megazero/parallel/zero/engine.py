@@ -199,6 +199,16 @@ class ZeroEngine:
     def loss_scale(self) -> float:
         return self.optimizer.loss_scale
 
+    @property
+    def params_overflowed(self) -> bool:
+        """Did the last applied step leave a non-finite fp16/bf16 parameter (its master beyond the type)?"""
+        return self.optimizer.params_overflowed
+
+    def nonfinite_parameters(self, limit: int = 3, everywhere: bool = False) -> list[str]:
+        """Names of parameters whose reduced gradient is not finite (``everywhere``: over all ranks, a
+        collective; :meth:`BucketAdamW.nonfinite_parameters`)."""
+        return self.optimizer.nonfinite_parameters(limit, everywhere)
+
     def model_state_bytes(self) -> dict[str, int]:
         """:func:`model_state_bytes`, and at stage 3 the temporaries: ``gathered_params`` (now),
         ``gathered_params_peak`` bytes and ``gathered_units_peak`` units gathered at once so far, and
