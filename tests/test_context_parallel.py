@@ -12,7 +12,8 @@ from helpers.trainer import LLAMA_FLAGS, TINY, assert_same_losses, main_body, re
 from megazero.config import JobConfig, ParallelConfig, validate
 from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
-from megazero.parallel.context import gathered_order, rank_positions, rank_slice, unslice
+from megazero.parallel.context_layout import rank_positions
+from megazero.parallel.context_layout import gathered_order, rank_slice, unslice
 from megazero.ranks import rank_grid
 
 

@@ -12,7 +12,12 @@ host snapshot while training goes on (:mod:`megazero.checkpoint.async_save`).
 The on-disk format is described in :mod:`megazero.checkpoint.format`; single-process tools read
 and write it through :mod:`megazero.checkpoint.offline` (whole tensors by stable name).
 """
-from megazero.checkpoint.distributed import check_model_compatible, latest_iteration, load_checkpoint, save_checkpoint
+from megazero.checkpoint.distributed import (
+           check_model_compatible,
+           latest_iteration,
+           load_checkpoint,
+           save_checkpoint,
+)
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.resume import checkpoint_saver, resume
 

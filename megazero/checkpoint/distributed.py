@@ -39,9 +39,10 @@ from megazero.checkpoint.tensor_file import write_pieces
 from megazero.config import ModelConfig, flag
 from megazero.errors import CheckpointError
 from megazero.lr_schedule import learning_rate
-from megazero.spec import get_model_spec
 from megazero.parallel.params import attribute, counts_once, split_dim
 from megazero.parallel.zero import StatePiece
+from megazero.ranks import parse_order
+from megazero.spec import get_model_spec
 from megazero.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,6 @@ def _layout(topo, chunks, job) -> dict:
 
 def _canonical_order(order: str) -> str:
     """The rank order with cp named (``tp-dp-pp`` and ``tp-cp-dp-pp`` are the same layout)."""
-    from megazero.ranks import parse_order
-
     return "-".join(parse_order(order))
 
 

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megazero.checkpoint.hf_tokenizer import SpecialTokens, write_tokenizer
+from megazero.checkpoint.offline import check_shapes, declarations
 from megazero.config import DataConfig, ModelConfig
 from megazero.errors import CheckpointError, ConfigError
 from megazero.spec import ModelSpec, get_model_spec, spec_for_hf
@@ -156,8 +157,6 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 def load_hf(path: str | os.PathLike, seq_length: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(ModelConfig, megazero whole tensors) of an HF directory a registered family reads (GPT-2,
     Llama, Mistral, Qwen2 for the GPT family); every tensor of the model must be there and nothing else."""
-    from megazero.checkpoint.offline import check_shapes, declarations
-
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
+from megazero.checkpoint.hf_tokenizer import run_tokenizer
 from megazero.config import DataConfig, ModelConfig
 from megazero.errors import CheckpointError
-from megazero.spec import get_model_spec
 from megazero.parallel.params import attribute
+from megazero.spec import get_model_spec
 
 DEFAULT_TEXT = ("The hacker's dictionary was compiled over decades: it holds 2,345 entries, some  spaced\n"
                 "oddly, with accents (café) and symbols like <-> or {}. Nothing here is special.")
@@ -74,8 +75,6 @@ def compare_with_hf(hf_dir: str | Path, cfg: ModelConfig, tensors: dict[str, tor
 
 def _tokenize(hf_dir: Path, source: DataConfig | None, text: str, transformers) -> tuple[list[int] | None, bool | None]:
     """(megazero's ids of ``text`` or None, whether AutoTokenizer of ``hf_dir`` agrees or None)."""
-    from megazero.checkpoint.hf_tokenizer import run_tokenizer
-
     tokenizer = run_tokenizer(source) if source is not None else None
     ours = tokenizer.tokenize(text) if tokenizer is not None else None
     has_tokenizer = any((hf_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))

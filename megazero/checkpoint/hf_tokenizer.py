@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megazero.config import DataConfig
+from megazero.data.sample import TOKENIZER_MODEL
+from megazero.data.tokenizers import GPT2_EOD, build_tokenizer
+from megazero.errors import TokenizerError
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
@@ -40,7 +43,6 @@ BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
 @dataclass(frozen=True)
 class SpecialTokens:
     """The ids an HF ``config.json`` records (None: the tokenizer has no such token)."""
-
     bos: int | None = None
     eos: int | None = None
 
@@ -48,12 +50,8 @@ class SpecialTokens:
 def run_tokenizer(data_cfg: DataConfig):
     """megazero's tokenizer of a run's data config (the embedded sample's SentencePiece model for the
     default run), or None when it is unknown: mock data, or files that are gone."""
-    from megazero.data.tokenizers import build_tokenizer
-    from megazero.errors import TokenizerError
-
     kind, model = data_cfg.tokenizer_type, data_cfg.tokenizer_model
     if kind is None and not data_cfg.data_path and not data_cfg.mock_data:      # the embedded default run
-        from megazero.data.sample import TOKENIZER_MODEL
         kind, model = "SentencePieceTokenizer", str(TOKENIZER_MODEL)
     try:
         return build_tokenizer(kind, vocab_file=data_cfg.vocab_file, merge_file=data_cfg.merge_file,
@@ -81,8 +79,6 @@ def _write_config(out: Path, config: dict) -> None:
 
 
 def _write_gpt2(tok, out: Path, common: dict) -> SpecialTokens:
-    from megazero.data.tokenizers import GPT2_EOD
-
     shutil.copyfile(tok.vocab_file, out / "vocab.json")
     shutil.copyfile(tok.merge_file, out / "merges.txt")
     _write_config(out, {"tokenizer_class": "GPT2Tokenizer", "bos_token": GPT2_EOD, "eos_token": GPT2_EOD,

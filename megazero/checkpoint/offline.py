@@ -22,8 +22,8 @@ from megazero.checkpoint.regions import numel
 from megazero.checkpoint.tensor_file import write_pieces
 from megazero.config import JobConfig, ModelConfig
 from megazero.errors import CheckpointError
-from megazero.spec import get_model_spec
 from megazero.parallel.params import attribute, counts_once, split_dim
+from megazero.spec import get_model_spec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,14 @@ from megazero.checkpoint.format import (
     read_json,
     sha256_of,
 )
-from megazero.checkpoint.regions import Box, intersect, numel, overlap_runs, piece_boxes, runs
+from megazero.checkpoint.regions import (
+    Box,
+    intersect,
+    numel,
+    overlap_runs,
+    piece_boxes,
+    runs,
+)
 from megazero.errors import CheckpointError
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

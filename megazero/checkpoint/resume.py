@@ -26,7 +26,12 @@ from typing import Callable
 
 from megazero.checkpoint.agree import raise_first_error
 from megazero.checkpoint.async_save import AsyncCheckpointWriter
-from megazero.checkpoint.distributed import latest_iteration, load_checkpoint, plan_save, save_checkpoint
+from megazero.checkpoint.distributed import (
+    latest_iteration,
+    load_checkpoint,
+    plan_save,
+    save_checkpoint,
+)
 from megazero.checkpoint.format import iter_dir_name, write_failed
 from megazero.errors import CheckpointError
 from megazero.state import TrainState

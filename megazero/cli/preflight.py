@@ -27,9 +27,12 @@ from megazero.checkpoint.format import (
     recover,
 )
 from megazero.checkpoint.lock import SaveLock
+from megazero.compile import compile_unavailable
 from megazero.config import JobConfig, flag
+from megazero.data.gpt_dataset import split_ranges
 from megazero.data.indexed_dataset import IndexedDataset
 from megazero.errors import CheckpointError, NothingToDo, PreflightError
+from megazero.memory.estimate import estimate_memory
 from megazero.metrics import WANDB_MISSING
 from megazero.profiling import trace_dir
 
@@ -86,8 +89,6 @@ def _compile(job: JobConfig, backend: str | None) -> None:
     """``--compile`` needs a torch that compiles on this machine (on a CPU, inductor needs a C++ compiler)."""
     if not job.compilation.compile:
         return
-    from megazero.compile import compile_unavailable
-
     cuda = backend != "gloo" and torch.cuda.is_available()
     why = compile_unavailable("cuda" if cuda else "cpu")
     if why:
@@ -132,7 +133,6 @@ def _nvme_path(job: JobConfig) -> None:
     except OSError as e:
         raise PreflightError(f"--nvme-path {path} is not writable ({e.strerror}): choose a directory you can "
                              f"write") from None
-    from megazero.memory.estimate import estimate_memory
 
     per_rank = max(e.nvme for e in estimate_memory(job))
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
@@ -219,8 +219,6 @@ def _splits(job: JobConfig, prefix: str, ds: IndexedDataset, say) -> None:
     """Each split of ``--split`` that the run draws samples from holds more than ``--seq-length`` tokens
     (one sample); an empty validation split is said, since no evaluation will run."""
     import numpy as np
-
-    from megazero.data.gpt_dataset import split_ranges
 
     d, seq = job.data, job.model.seq_length
     wanted = {"training": True, "validation": job.train.eval_iters > 0, "test": job.train.eval_iters > 0}

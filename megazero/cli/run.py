@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megazero.checkpoint import checkpoint_saver, resume
 from megazero.compile import CompileLog, compile_model
 from megazero.config import JobConfig
+from megazero.data.sample import default_sample, sample_tokenizer
 from megazero.data.samplers import build_data_iterators
 from megazero.data.tokenizers import Tokenizer, tokenizer_from_config
 from megazero.generation import gather_full_model, greedy_continuation
@@ -98,8 +99,6 @@ def resolve_data(job: JobConfig) -> tuple[JobConfig, Tokenizer | None]:
     was validated with the flags' vocab size; nothing validate() checks depends on it (the padded
     vocabulary is a multiple of tp by construction), so the filled-in job needs no second pass.
     """
-    from megazero.data.sample import default_sample, sample_tokenizer
-
     d = job.data
     if d.mock_data:
         return job, None

@@ -15,8 +15,18 @@ from megazero.data.tokenizers import (
                                        tokenizer_from_config,
 )
 
-from .indexed_dataset import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, best_dtype
-from .samplers import MicroBatchIterator, build_data_iterators, micro_batch_sample_ids, samples_to_batch
+from .indexed_dataset import (
+                                       IndexedDataset,
+                                       IndexedDatasetError,
+                                       IndexedDatasetWriter,
+                                       best_dtype,
+)
+from .samplers import (
+                                       MicroBatchIterator,
+                                       build_data_iterators,
+                                       micro_batch_sample_ids,
+                                       samples_to_batch,
+)
 
 __all__ = ["BlendedDataset", "GPTDataset", "IndexCache", "MockGPTDataset",
            "build_train_valid_test_datasets", "IndexedDataset", "IndexedDatasetError", "IndexedDatasetWriter",

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from megazero.data.gpt_dataset import build_train_valid_test_datasets
+from megazero.parallel.context_layout import rank_slice
+
 
 def micro_batch_sample_ids(consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                            global_batch_size: int) -> list[np.ndarray]:
@@ -41,7 +44,7 @@ def samples_to_batch(samples: np.ndarray, eod: int | None = None, eod_mask_loss:
     positions whose input token is ``eod``: the model is not asked to guess the first token of the
     next, unrelated document.
     """
-    import torch   # imported here so that preprocessing tools never load torch
+    import torch  # imported here so that preprocessing tools never load torch
 
     data = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.int64))
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
@@ -81,8 +84,6 @@ class MicroBatchIterator:
                    for m in ids]
         self.consumed_samples += self.global_batch_size
         if self.cp_size > 1:
-            from megazero.parallel.context import rank_slice
-
             batches = [{key: rank_slice(t, 1, self.cp_rank, self.cp_size) for key, t in batch.items()}
                        for batch in batches]
         return batches
@@ -113,8 +114,6 @@ def build_data_iterators(data_cfg, *, seq_length: int, seed: int, micro_batch_si
     test iterators wrap around. ``is_writer``/``barrier``: see ``build_train_valid_test_datasets``;
     ``cp_rank``/``cp_size``: each micro-batch cut to this context-parallel rank's slice.
     """
-    from .gpt_dataset import build_train_valid_test_datasets
-
     evals = train_iters // eval_interval + 1
     num_samples = (train_iters * global_batch_size, evals * eval_iters * global_batch_size,
                    eval_iters * global_batch_size)

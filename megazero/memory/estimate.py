@@ -44,8 +44,6 @@ import sys
 from dataclasses import dataclass, field
 
 from megazero.config import JobConfig
-from megazero.spec.activations import TransformerActivations
-from megazero.spec import get_model_spec
 from megazero.parallel.context import allgather_held_bytes
 from megazero.parallel.groups import ExpertParallel, ModelParallelGroups
 from megazero.parallel.params import attribute, split_dim
@@ -59,6 +57,8 @@ from megazero.parallel.zero.param_sync import gathered_unit_bytes
 from megazero.parallel.zero.reducers import HierarchicalReducer, ReduceScatter
 from megazero.parallel.zero.sharded_grads import backward_grad_bytes
 from megazero.parallel.zero.units import plan_of
+from megazero.spec import get_model_spec
+from megazero.spec.activations import TransformerActivations
 
 GIB = 1e9
 

@@ -7,8 +7,8 @@ Worked example, S = 16, cp = 2 (chunks of 4)::
 
     cp rank 0: positions 0-3 and 12-15        cp rank 1: positions 4-7 and 8-11
 
-The data loader hands each cp rank its slice of the same samples (:func:`rank_slice`; tokens, labels and
-loss mask alike), the model's positions (learned or RoPE) are :func:`rank_positions`, and each rank's
+The data loader hands each cp rank its slice of the same samples (:func:`~megazero.parallel.context_layout.rank_slice`; tokens, labels and
+loss mask alike), the model's positions (learned or RoPE) are :func:`~megazero.parallel.context_layout.rank_positions`, and each rank's
 loss is its share ``sum(loss * mask over its slice) / sum(mask over the whole sequence)``
 (:func:`context_parallel_loss`), so the shares add up to the sequence's masked mean and the gradients,
 summed over dp x cp and divided by dp, are the serial ones.
@@ -39,9 +39,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.parallel import counted_comm
-from megazero.parallel.context_layout import rank_positions
+from megazero.parallel.context_layout import gathered_order
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import ContextParallel
+from megazero.parallel.ring_attention import ring_attention
 from megazero.parallel.tensor import gather_from_sequence_parallel_region
 
 # F.scaled_dot_product_attention shares key/value heads between query heads itself from torch 2.5.
@@ -60,25 +61,6 @@ def grouped_key_values(k: torch.Tensor, v: torch.Tensor, heads: int, kw: dict) -
 
 
 # ---------------------------------------------------------------------------------------------- layout
-def rank_slice(t: torch.Tensor, dim: int, cp_rank: int, cp: int) -> torch.Tensor:
-    """cp rank ``cp_rank``'s part of the whole-sequence tensor ``t`` (the sequence along ``dim``)."""
-    if cp == 1:
-        return t
-    return t.index_select(dim, rank_positions(t.shape[dim], cp_rank, cp, t.device)).contiguous()
-
-
-def unslice(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """The whole sequence from every cp rank's part (``parts[r]`` of rank r): the inverse of :func:`rank_slice`."""
-    cp = len(parts)
-    order = gathered_order(parts[0].shape[dim] * cp, cp, parts[0].device)
-    return torch.cat(parts, dim).index_select(dim, torch.argsort(order))
-
-
-def gathered_order(seq_length: int, cp: int, device=None) -> torch.Tensor:
-    """Positions of the rows of the cp ranks' parts concatenated in rank order."""
-    return torch.cat([rank_positions(seq_length, r, cp, device) for r in range(cp)])
-
-
 # ---------------------------------------------------------------------------------------------- loss
 def context_parallel_loss(loss_fn: Callable, cp: ContextParallel) -> Callable:
     """``loss_fn(per_token_loss, loss_mask)`` (a masked mean over the tokens it is given) turned into this
@@ -106,7 +88,6 @@ def context_parallel_attention(q, k, v, cp: ContextParallel, comm_type: str,
     if comm_type == "allgather":
         return allgather_attention(q, k, v, cp, log)
     if comm_type == "p2p":
-        from megazero.parallel.ring_attention import ring_attention
 
         return ring_attention(q, k, v, cp, log)
     if comm_type == "a2a":
@@ -127,7 +108,6 @@ def sdpa(q, k, v, mask: torch.Tensor | None = None, causal: bool = False) -> tor
 class _CountBothWays(torch.autograd.Function):
     """Identity on ``x`` that records ``nbytes`` under "cp" in ``log`` forward, and again backward (the
     gradient's collective mirrors the forward's: an all-gather's is a reduce-scatter of the same size)."""
-
     @staticmethod
     def forward(ctx, x, log: CommLog, nbytes: float, group):
         ctx.log, ctx.nbytes, ctx.group = log, nbytes, group
@@ -179,7 +159,6 @@ def allgather_held_bytes(seq: int, cp: int, b: int, heads: int, kv_heads: int, d
 
 class _AllToAll(torch.autograd.Function):
     """Sequence-split -> head-split (``to_heads``) or back, over the cp group; backward is the other way."""
-
     @staticmethod
     def forward(ctx, x, group, size: int, to_heads: bool, log: CommLog | None):
         ctx.group, ctx.size, ctx.to_heads, ctx.log = group, size, to_heads, log

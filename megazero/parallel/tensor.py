@@ -48,9 +48,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.parallel.raw_comm import (all_gather_dim0, all_gather_last_dim, all_reduce, group_rank,
-                                    group_size, reduce_scatter_dim0)
 from megazero.parallel.params import set_tp_attributes
+from megazero.parallel.raw_comm import (
+    all_gather_dim0,
+    all_gather_last_dim,
+    all_reduce,
+    group_rank,
+    group_size,
+    reduce_scatter_dim0,
+)
 from megazero.parallel.rng import TensorParallelRNG  # noqa: F401  (re-exported: part of this API)
 
 __all__ = [

@@ -66,7 +66,7 @@ def trainer_steps(chunks, topo, engine, job, steps: int):
     :func:`gpt_batches` (each cut to this cp rank's slice of the sequence, as the data loader does):
     (losses, clipped norms, {name: (tp-local value, split dim)}) as :func:`check_against_reference`
     takes them."""
-    from megazero.parallel.context import rank_slice
+    from megazero.parallel.context_layout import rank_slice
     from megazero.parallel.params import split_dim
     from megazero.training import train_step
 

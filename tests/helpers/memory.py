@@ -16,7 +16,7 @@ BASE = ["--mock-data", "--vocab-size", "500", "--num-layers", "4", "--hidden-siz
 def measure_body(rank, world_size, argv):
     """Peak live tensor bytes of construction + one training step on this rank."""
     from megazero.models.gpt import build_model_chunks
-    from megazero.parallel.context import rank_slice
+    from megazero.parallel.context_layout import rank_slice
     from megazero.parallel.topology import Topology
     from megazero.parallel.zero import build_engine
     from megazero.training import train_step

@@ -15,7 +15,12 @@ import hashlib
 import os
 from pathlib import Path
 
-from ..indexed_dataset import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, best_dtype
+from ..indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetError,
+    IndexedDatasetWriter,
+    best_dtype,
+)
 from ..tokenizers import SentencePieceTokenizer
 
 HERE = Path(__file__).resolve().parent

@@ -66,7 +66,7 @@ from torch import nn
 
 from megazero.config import JobConfig
 from megazero.parallel import counted_comm
-from megazero.parallel.context import gathered_order
+from megazero.parallel.context_layout import gathered_order
 from megazero.parallel.pipeline.generators import stage_shape
 from megazero.parallel.pipeline.partition import stage_layer_ids
 from megazero.parallel.raw_comm import all_gather_dim0

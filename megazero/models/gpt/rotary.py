@@ -20,7 +20,7 @@ Where positions come from, per layout:
   boundary but the hidden states.
 - **generation with a KV cache**: new tokens start at the cache's length (``offset``).
 - **context parallel**: a cp rank holds two chunks of the sequence (:mod:`megazero.parallel.context`);
-  its positions are :func:`megazero.parallel.context.rank_positions`, passed as ``positions``.
+  its positions are :func:`megazero.parallel.context_layout.rank_positions`, passed as ``positions``.
 
 The cos/sin table is not a parameter and not in the state dict: it is computed on first use, per
 device and dtype, for the training sequence length (longer when generation asks for more positions,

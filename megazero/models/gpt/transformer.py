@@ -29,11 +29,8 @@ from megazero.kernels import apex_norm, use_apex_norms
 from megazero.models.gpt.config import GPTConfig
 from megazero.models.gpt.moe import MoELayer
 from megazero.models.gpt.rotary import RotaryEmbedding
-from megazero.parallel.context import (
-    context_parallel_attention,
-    grouped_key_values,
-    rank_positions,
-)
+from megazero.parallel.context import context_parallel_attention, grouped_key_values
+from megazero.parallel.context_layout import rank_positions
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import ModelParallelGroups
 from megazero.parallel.raw_comm import group_rank, group_size

@@ -18,18 +18,43 @@ micro-batch) and ``p2p`` (batched isend/irecv); ``api``'s ``run_schedule`` ties 
 on the autograd graph; ``zero_bubble`` (ZB-H1) and ``zero_bubble_v`` (ZB-V, two chunks per rank in
 the V shape of ``partition``) write lists with I and W (``--pipeline-schedule zb-h1`` / ``zb-v``).
 """
-from megazero.parallel.pipeline.actions import Action, Compute, Exchange, Kind, Op, P2P
+from megazero.parallel.pipeline.actions import P2P, Action, Compute, Exchange, Kind, Op
 from megazero.parallel.pipeline.api import run_schedule
 from megazero.parallel.pipeline.executor import checked_schedule, execute
-from megazero.parallel.pipeline.generators import (GENERATORS, default_schedule, get_schedule, gpipe, no_pipelining,
-                                                   one_f_one_b, schedule_by_name)
-from megazero.parallel.pipeline.interleaved import chunk_of, interleaved_one_f_one_b, interleaved_warmup, micro_of
+from megazero.parallel.pipeline.generators import (
+                                                   GENERATORS,
+                                                   default_schedule,
+                                                   get_schedule,
+                                                   gpipe,
+                                                   no_pipelining,
+                                                   one_f_one_b,
+                                                   schedule_by_name,
+)
+from megazero.parallel.pipeline.interleaved import (
+                                                   chunk_of,
+                                                   interleaved_one_f_one_b,
+                                                   interleaved_warmup,
+                                                   micro_of,
+)
 from megazero.parallel.pipeline.p2p import StageComm
-from megazero.parallel.pipeline.partition import (LOOP, V, StagePlacement, is_first_virtual_stage,
-                                                  is_last_virtual_stage, placements, stage_layer_ids, stage_position,
-                                                  virtual_stage)
+from megazero.parallel.pipeline.partition import (
+                                                   LOOP,
+                                                   StagePlacement,
+                                                   V,
+                                                   is_first_virtual_stage,
+                                                   is_last_virtual_stage,
+                                                   placements,
+                                                   stage_layer_ids,
+                                                   stage_position,
+                                                   virtual_stage,
+)
 from megazero.parallel.pipeline.runner import PipelineStats, StageRunner
-from megazero.parallel.pipeline.simulate import ScheduleError, Timeline, render, simulate
+from megazero.parallel.pipeline.simulate import (
+                                                   ScheduleError,
+                                                   Timeline,
+                                                   render,
+                                                   simulate,
+)
 from megazero.parallel.pipeline.zero_bubble import zb_h1
 from megazero.parallel.pipeline.zero_bubble_v import zb_v
 

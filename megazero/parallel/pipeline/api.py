@@ -4,12 +4,20 @@ from __future__ import annotations
 import torch
 
 from megazero.parallel.groups import PipelineLayout
-
 from megazero.parallel.pipeline.actions import Compute, Kind
-from megazero.parallel.pipeline.executor import checked_schedule, execute, stage_shape_of
-from megazero.parallel.pipeline.partition import LOOP
-from megazero.parallel.pipeline.generators import default_schedule, get_schedule, no_pipelining, schedule_by_name
+from megazero.parallel.pipeline.executor import (
+    checked_schedule,
+    execute,
+    stage_shape_of,
+)
+from megazero.parallel.pipeline.generators import (
+    default_schedule,
+    get_schedule,
+    no_pipelining,
+    schedule_by_name,
+)
 from megazero.parallel.pipeline.p2p import StageComm
+from megazero.parallel.pipeline.partition import LOOP
 from megazero.parallel.pipeline.runner import GradSyncHooks, PipelineStats, StageRunner
 
 

@@ -16,7 +16,12 @@ import functools
 import time
 
 from megazero.parallel.pipeline.actions import Action, Compute, Exchange, Kind, Op
-from megazero.parallel.pipeline.partition import LOOP, runs_backwards, stage_position, virtual_stage
+from megazero.parallel.pipeline.partition import (
+    LOOP,
+    runs_backwards,
+    stage_position,
+    virtual_stage,
+)
 from megazero.parallel.pipeline.simulate import simulate
 
 _ACT, _GRAD = "activation", "gradient"

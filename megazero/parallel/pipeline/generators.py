@@ -22,7 +22,7 @@ pictures of all three are in docs/parallelism.md).
 """
 from __future__ import annotations
 
-from megazero.parallel.pipeline.actions import Action, B, F, Op, P2P, batch
+from megazero.parallel.pipeline.actions import P2P, Action, B, F, Op, batch
 from megazero.parallel.pipeline.executor import stage_shape_of
 from megazero.parallel.pipeline.interleaved import interleaved_one_f_one_b
 from megazero.parallel.pipeline.zero_bubble import zb_h1

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from megazero.parallel.pipeline.actions import Action, B, F, Op, P2P, batch
+from megazero.parallel.pipeline.actions import P2P, Action, B, F, Op, batch
 
 
 def chunk_of(k: int, pp: int, v: int, forward: bool = True) -> int:

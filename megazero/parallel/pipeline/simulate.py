@@ -34,7 +34,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from megazero.parallel.pipeline.actions import Compute, Exchange, Kind, Op
-from megazero.parallel.pipeline.partition import LOOP, runs_backwards, stage_position, virtual_stage
+from megazero.parallel.pipeline.partition import (
+    LOOP,
+    runs_backwards,
+    stage_position,
+    virtual_stage,
+)
 
 
 class ScheduleError(ValueError):

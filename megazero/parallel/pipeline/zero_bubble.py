@@ -34,7 +34,9 @@ m 1-16). pp = 4, m = 8 (``simulate.render``, one unit per F, I, W)::
 """
 from __future__ import annotations
 
-from megazero.parallel.pipeline.actions import Action, Compute, Kind, Op, P2P, batch
+from megazero.parallel.pipeline.actions import P2P, Action, Compute, Kind, Op, batch
+from megazero.parallel.pipeline.executor import stage_shape_of
+from megazero.parallel.pipeline.simulate import simulate
 
 
 def zb_h1(pp: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[Action]]:
@@ -66,7 +68,6 @@ def zb_h1(pp: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[
 
 class _RankState:
     """What one rank has done and holds at the start of a step of :func:`zb_h1`'s lockstep."""
-
     def __init__(self, r: int, pp: int, m: int, forward_only: bool):
         self.r, self.pp, self.m, self.fo = r, pp, m, forward_only
         self.first, self.last = r == 0, r == pp - 1
@@ -124,8 +125,6 @@ def theory(generator, pp: int, m: int, v: int = 1, durations=None):
     and ZB-H1 compare; what a run prints at start), or with ``durations``: measured costs, one dict
     per rank ({Kind: seconds}; the zero-bubble paper's bubble from profiled T_F, T_B, T_W, where
     the input-gradient half costs more than the weight half and the last stage more than the others)."""
-    from megazero.parallel.pipeline.executor import stage_shape_of
-    from megazero.parallel.pipeline.simulate import simulate
     costs = UNIT_COSTS if durations is None else durations
     tl = simulate(generator(pp, m, v, False), m, v, False, costs, stage_shape_of(generator))
     return tl.bubble_fraction, tl.peak_in_flight

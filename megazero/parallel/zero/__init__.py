@@ -20,17 +20,36 @@
 Each file imports only the ones listed above it.
 """
 from megazero.parallel.zero.buckets import PAD_MULTIPLE, Bucket, ParamSlot, plan_buckets
-from megazero.parallel.zero.engine import (STAGES, StatePiece, ZeroEngine, bucket_group_filters, bucket_group_views,
-                                           build_engine, build_grad_sync, build_optimizer, model_state_bytes,
+from megazero.parallel.zero.engine import (
+                                           STAGES,
+                                           StatePiece,
+                                           ZeroEngine,
+                                           bucket_group_filters,
+                                           bucket_group_views,
+                                           build_engine,
+                                           build_grad_sync,
+                                           build_optimizer,
+                                           model_state_bytes,
                                            wrap_data_parallel,
-                                           zero_paper_bytes)
-from megazero.parallel.zero.grad_sync import AllReduceGradSync, BucketedGradSync, ReduceScatterGradSync
+                                           zero_paper_bytes,
+)
+from megazero.parallel.zero.grad_sync import (
+                                           AllReduceGradSync,
+                                           BucketedGradSync,
+                                           ReduceScatterGradSync,
+)
 from megazero.parallel.zero.offload import OffloadStats
 from megazero.parallel.zero.optimizer import BucketAdamW, merge_optimizer_states
 from megazero.parallel.zero.param_sync import ShardedParamSync
 from megazero.parallel.zero.sharded_grads import ShardedGradSync, reductions_in_flight
 from megazero.parallel.zero.swap import OffloadError, SwapDir
-from megazero.parallel.zero.units import ParamSubset, UnitUse, Zero3Plan, trainable, whole_module_plan
+from megazero.parallel.zero.units import (
+                                           ParamSubset,
+                                           UnitUse,
+                                           Zero3Plan,
+                                           trainable,
+                                           whole_module_plan,
+)
 
 __all__ = ["AllReduceGradSync", "Bucket", "BucketAdamW", "BucketedGradSync", "OffloadError", "OffloadStats",
            "PAD_MULTIPLE", "ParamSlot", "ParamSubset", "ReduceScatterGradSync", "STAGES", "ShardedGradSync",

@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 
 
-
 def decays(shape: torch.Size | tuple[int, ...]) -> bool:
     """True for weights (>= 2-D: linear, embedding); False for biases and norm parameters (1-D)."""
     return len(shape) >= 2

@@ -34,7 +34,14 @@ from megazero.parallel import counted_comm as comm
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import DataParallel, PipelineLayout, TensorParallel
 from megazero.parallel.params import attribute
-from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype, weak_grad_hook
+from megazero.parallel.zero.buckets import (
+    Bucket,
+    ParamSlot,
+    nbytes,
+    plan_params,
+    single_dtype,
+    weak_grad_hook,
+)
 from megazero.parallel.zero.materialize import initial_value, is_meta, swap_in
 
 

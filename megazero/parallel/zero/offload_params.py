@@ -16,6 +16,7 @@ import torch
 from megazero.parallel.zero.offload import Mover, OffloadStats, wait_event
 from megazero.parallel.zero.swap import SwapDir, io_thread
 
+
 class HostShards:
     """ZeRO-3's parameter shards in host memory (``--offload-params cpu``): ``bucket.shard`` is a host
     tensor; gathering copies it into a device staging buffer first."""

@@ -47,7 +47,10 @@ from megazero.parallel.zero.adamw import adamw_update, decays, merge_ranges
 from megazero.parallel.zero.buckets import Bucket
 from megazero.parallel.zero.grad_norm import squared_norm
 from megazero.parallel.zero.grad_sync import BucketedGradSync
-from megazero.parallel.zero.offload import OffloadedOptimizerState, build_optimizer_state
+from megazero.parallel.zero.offload import (
+    OffloadedOptimizerState,
+    build_optimizer_state,
+)
 from megazero.parallel.zero.publish import Replicated
 from megazero.parallel.zero.swap import SwapDir
 from megazero.precision import DynamicLossScaler

@@ -90,7 +90,13 @@ import torch.nn as nn
 from megazero.config import ZeroConfig
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.groups import DataParallel
-from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype
+from megazero.parallel.zero.buckets import (
+    Bucket,
+    ParamSlot,
+    nbytes,
+    plan_params,
+    single_dtype,
+)
 from megazero.parallel.zero.materialize import initial_value, swap_in
 from megazero.parallel.zero.sharded_grads import ShardedGradSync
 from megazero.parallel.zero.units import plan_of
