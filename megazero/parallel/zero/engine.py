@@ -44,7 +44,7 @@ from megazero.parallel.zero.buckets import nbytes
 from megazero.parallel.zero.grad_sync import AllReduceGradSync, BucketedGradSync, ReduceScatterGradSync
 from megazero.parallel.zero.offload_params import build_param_shards
 from megazero.parallel.zero.optimizer import BucketAdamW
-from megazero.parallel.zero.param_sync import DeviceShards, ShardedParamSync
+from megazero.parallel.zero.param_sync import ShardedParamSync
 from megazero.parallel.zero.publish import AllGatherShards, Replicated, WriteShards
 from megazero.parallel.zero.reducers import build_reducer
 from megazero.parallel.zero.sharded_grads import ShardedGradSync
@@ -334,8 +334,7 @@ def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: Optimize
     shards = None
     try:
         if z.zero_stage == 3:
-            shards = (DeviceShards() if z.offload_params == "none" else
-                      build_param_shards(z.offload_params, topo.device, z.offload_pin_memory, swap))
+            shards = build_param_shards(z.offload_params, topo.device, z.offload_pin_memory, swap)
         has_experts = any(is_expert(p) for c in chunks for p in c.parameters())
         syncs = []
         for _, dp, keep in bucket_group_views(topo, has_experts):

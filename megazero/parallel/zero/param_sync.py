@@ -74,12 +74,11 @@ write parameter values inside ``engine.gathered_parameters()``.
 Components (passed in, so the variants compose instead of multiplying classes): ``gathering`` fills a
 unit's buckets from the shards (:class:`AllGather`: a plain all-gather; ZeRO++'s qwZ/hpZ,
 :mod:`.zeropp`, sends int8 or gathers a node-local secondary shard instead), ``shards`` says where the
-shards live (:class:`DeviceShards`, or host memory / swap files, :mod:`.offload_params`), and
+shards live (:mod:`.offload_params`: the device, host memory or swap files), and
 ``reducer`` reduces the gradients (:mod:`.reducers`).
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 from dataclasses import dataclass, field
 from functools import partial
@@ -92,8 +91,9 @@ from megazero.parallel import counted_comm as comm
 from megazero.parallel.groups import DataParallel
 from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype
 from megazero.parallel.zero.materialize import initial_value, swap_in
+from megazero.parallel.zero.offload_params import DeviceShards
 from megazero.parallel.zero.sharded_grads import ShardedGradSync
-from megazero.parallel.zero.units import plan_of
+from megazero.parallel.zero.units import in_backward, plan_of
 
 
 @dataclass
@@ -134,46 +134,6 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.sync.after_unit_backward(ctx.trigger)
         return None, None, grad
-
-
-class DeviceShards:
-    """Where the parameter shards live without offloading: ``bucket.shard``, on the device. The
-    offloaded variants (host memory, swap files) are in :mod:`megazero.parallel.zero.offload`."""
-
-    offloaded = False
-
-    def allocate(self, bucket: Bucket, n: int, dtype: torch.dtype, device) -> None:
-        bucket.shard = torch.zeros(n, dtype=dtype, device=device)
-
-    @contextlib.contextmanager
-    def filling(self, bucket: Bucket):
-        yield bucket.shard
-
-    def view(self, bucket: Bucket) -> torch.Tensor:
-        return bucket.shard
-
-    def source(self, bucket: Bucket) -> torch.Tensor:
-        return bucket.shard
-
-    def prefetch(self, bucket: Bucket) -> None:
-        pass
-
-    def write(self, bucket: Bucket, lo: int, hi: int, values: torch.Tensor) -> None:
-        bucket.shard[lo:hi].copy_(values, non_blocking=True)
-
-    def flush(self) -> None:
-        pass
-
-    def offloaded_bytes(self) -> dict[str, int]:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward (a forward here is activation recomputation)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class AllGather:

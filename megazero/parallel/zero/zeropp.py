@@ -35,8 +35,9 @@ import torch
 
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.zero.buckets import Bucket, nbytes
-from megazero.parallel.zero.param_sync import AllGather, in_backward
+from megazero.parallel.zero.param_sync import AllGather
 from megazero.parallel.zero.quantize import pack_rows, packed_columns, unpack_rows
+from megazero.parallel.zero.units import in_backward
 
 
 class ZeroPlusPlusGathering(AllGather):
