@@ -8,7 +8,8 @@
 One store serves every bucket group of an engine (dense parameters and experts share the swap file).
 With nvme the shard is read by an I/O thread one unit ahead of the gathers the prefetch already launches,
 and the optimizer's writes of the new values go through the same thread (so a read never overtakes a
-write).
+write). Stages 0-2 hold no shards: the engine builds the store from the config all the same, and only
+stage 3's parameters use it.
 """
 from __future__ import annotations
 
