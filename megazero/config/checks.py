@@ -197,7 +197,8 @@ def check_precision(pr: PrecisionConfig) -> None:
 
 def check_zero(z: ZeroConfig, par: ParallelConfig, world: int) -> None:
     """The ZeRO stage, and what each switch (stage-specific options, offload, ZeRO++) needs of it and
-    of the layout. Changes nothing: an engine may call it on the config it is given."""
+    of the layout. Changes nothing. Run by :func:`megazero.config.validate`; the ZeRO engine trusts
+    the validated job and does not run it again."""
     stage, stages = z.zero_stage, choices("zero_stage")
     if stage not in stages:
         fail(f"{FLAG.zero_stage} must be {', '.join(map(str, stages[:-1]))} or {stages[-1]}, got {stage}")

@@ -35,6 +35,10 @@ another's. The switches are components or arguments passed to those parts, not s
 its prefetch and keep-gathered mode and where its shards live (:mod:`.offload_params`), where the
 optimizer state lives (:mod:`.offload`), the overlapped parameter gather of stages 1-2 (:mod:`.publish`).
 
+The engine trusts its job: the ZeRO config was checked against the layout by
+:func:`megazero.config.validate` (which refuses, for instance, ``--zero3-keep-params-gathered`` below
+stage 3), and is not checked again here.
+
 With ``--offload-optimizer`` / ``--offload-params`` nvme the engine owns this rank's swap directory:
 ``engine.close()`` removes it (so does interpreter exit).
 """
@@ -47,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megazero.config import OptimizerConfig, ParallelConfig, PrecisionConfig, ZeroConfig
+from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import DataParallel
 from megazero.parallel.params import attribute
@@ -362,12 +366,11 @@ def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: Optimize
                  precision: PrecisionConfig | None = None, *, grad_sync_cls: type | None = None) -> ZeroEngine:
     """Wrap this rank's model chunks for ``zero_cfg.zero_stage`` and build the one optimizer over every
     bucket group, from the parts :data:`STAGES` lists. Build it after the model and before the first
-    forward: parameters move into the engine's buffers. ``grad_sync_cls``: see :func:`build_grad_sync`."""
+    forward: parameters move into the engine's buffers. ``zero_cfg`` is a validated job's
+    (:func:`megazero.config.validate`): nothing is checked again. ``grad_sync_cls``: see
+    :func:`build_grad_sync`."""
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     z = zero_cfg
-    z.check(ParallelConfig(tp=topo.tp_size, pp=topo.pp_size, dp=topo.dp_size, expert_model_parallel_size=topo.ep_size,
-                           cp=topo.cp_size),
-            topo.world_size)                     # validate()'s rules for the stage and its switches
     comm_log = CommLog(topo.ranks_per_node)
     swap = _swap_dir(z, topo.rank)
     try:
