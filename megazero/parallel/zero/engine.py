@@ -23,11 +23,11 @@ per stage names its grad sync class, its parameter component, whether the grad s
 a reducer, when it reduces, and the optimizer's publish policy. :func:`build_grad_sync`,
 :func:`build_engine` and :func:`build_optimizer` read everything from it::
 
-    stage  grad sync              parameters                          reducer  reduces each micro-batch  publish
-    0      AllReduceGradSync      ReplicatedParams (whole everywhere)  -        no                        Replicated
-    1      ReduceScatterGradSync  ReplicatedParams                     -        no                        AllGatherShards
-    2      ShardedGradSync        ReplicatedParams                     yes      with the flag             AllGatherShards
-    3      ShardedGradSync        ShardedParams (shard, per unit)      yes      unless kept gathered      WriteShards
+    stage  grad sync              parameters                           reducer  each micro-batch      publish
+    0      AllReduceGradSync      ReplicatedParams (whole everywhere)  -        no                    Replicated
+    1      ReduceScatterGradSync  ReplicatedParams                     -        no                    AllGatherShards
+    2      ShardedGradSync        ReplicatedParams                     yes      with the flag         AllGatherShards
+    3      ShardedGradSync        ShardedParams (a shard, per unit)    yes      unless kept gathered  WriteShards
 
 So stage 3 is stage 2's gradient sync composed with sharded parameters; no stage's class derives from
 another's. The switches are components or arguments passed to those parts, not subclasses: the reducer

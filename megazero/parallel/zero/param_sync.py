@@ -201,14 +201,14 @@ class ShardedParams:
 
     # ----------------------------------------------------------------- layout
     def build_chunk(self, chunk_id: int, chunk: nn.Module, first_index: int) -> list[Bucket]:
-        """Lay the chunk's declared units out in buckets (one per unit, numbered from ``first_index``)
-        holding only this rank's shard; record its uses (triggers). Returns the buckets."""
+        """Lay the chunk's declared units out in buckets (each unit its own, numbered from ``first_index``)
+        of which this rank holds only its shard; record the units' uses (triggers). Returns the buckets."""
         plan = plan_of(chunk)
         single_dtype([m for members in plan.units.values() for m in members], chunk_id)
         by_name, built = {}, []
         for name, members in plan.units.items():
             unit = by_name[name] = Unit(name, chunk_id)
-            built += self._build_unit(chunk, unit, members[::-1], first_index + len(built))   # reverse: roughly backward order
+            built += self._build_unit(chunk, unit, members[::-1], first_index + len(built))   # reverse: backward order
             self.units.append(unit)
         self.triggers.append([Trigger(use.name, chunk_id, i, [by_name[u] for u in use.units])
                               for i, use in enumerate(plan.uses)])
