@@ -18,7 +18,7 @@ Per-phase split of our step (slowest rank's figures are not combined: rank 0's, 
     forward     the micro-batches' forwards, less the time waiting for parameter gathers (ZeRO-3)
     backward    the backwards, less the gather waits; includes launching the gradient reductions
     gather wait time waiting for a parameter all-gather that was not done yet: ZeRO-3's
-                ``ShardedParamSync.wait``; ZeRO-1/2 (run with ``--overlap-param-gather``) the forward's
+                ``ShardedParams.wait``; ZeRO-1/2 (run with ``--overlap-param-gather``) the forward's
                 waits for the previous step's gathers and the wait at the end of a block
     grad wait   ``finalize_grads``: waiting for the last gradient reductions
     optimizer   ``engine.step``: clipping, the AdamW update of this rank's shard and, at ZeRO-1/2,
@@ -90,7 +90,7 @@ def build_ours_phased(spec: Spec, topo, stage: int, clock: PhaseClock, keep_para
     engine = build_engine(model, topo, ZeroConfig(zero_stage=stage, keep_params_gathered=keep_params_gathered,
                                                   overlap_param_gather=stage in (1, 2)), spec.opt_cfg())
     if stage == 3:
-        engine.bucket_groups[0].wait = clock.timed_wait(engine.bucket_groups[0].wait)
+        engine.bucket_groups[0].params.wait = clock.timed_wait(engine.bucket_groups[0].params.wait)
     else:
         overlap = engine.optimizer.publish.overlap
         if overlap is not None:

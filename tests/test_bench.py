@@ -286,11 +286,18 @@ def test_trainer_section_computes_its_columns_and_acceptance_from_the_rows():
     rows' figures, trainer / engine is the median of per-round ratios, and the acceptance lines judge
     exactly those (an over-target pair and a heavier one make them NOT MET; the furthest row is named)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from rows_trainer import (ENGINE, GROUPS, OURS, QUICK_TRAINER, comm_bytes, floor_seconds, trainer_section,
-                              variant_names)
+    from rows_trainer import (
+        ENGINE,
+        GROUPS,
+        OURS,
+        QUICK_TRAINER,
+        comm_bytes,
+        floor_seconds,
+        trainer_section,
+        variant_names,
+    )
 
-    from megazero.models.gpt import GPTConfig
-    from megazero.models.gpt import GPT
+    from megazero.models.gpt import GPT, GPTConfig
 
     names = variant_names()                                      # each variant once per round, the engine included
     assert len(names) == len(set(names)) == len(OURS) + len({p for ps in GROUPS.values() for p in ps}) + 1

@@ -18,9 +18,8 @@ from helpers.ckpt import GLOBAL_MB, MB_SIZE, MODEL, SEED, VOCAB, full_params, ma
 from megazero.checkpoint import CheckpointReader, latest_iteration, load_checkpoint, save_checkpoint
 from megazero.checkpoint.format import checkpoint_dir, recover
 from megazero.checkpoint.offline import declarations, read_model, write_weights_checkpoint
-from megazero.models.gpt import GPTConfig
 from megazero.errors import CheckpointError
-from megazero.models.gpt import GPT, build_model_chunks
+from megazero.models.gpt import GPT, GPTConfig, build_model_chunks
 from megazero.parallel.params import split_dim
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine

@@ -9,12 +9,11 @@ from helpers.gpt_parity import GPT_CFG, LLAMA_KW, SEED, check_against_reference,
 
 from megazero.compile import CompileLog, CompileStats, compile_model, compile_unavailable
 from megazero.config import CompileConfig, JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
-from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
-from megazero.models.gpt import GPT
-from megazero.spec import ModelSpec, build_model_chunks, get_model_spec, register_model_spec
+from megazero.models.gpt import GPT, GPTConfig
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
+from megazero.spec import ModelSpec, build_model_chunks, get_model_spec, register_model_spec
 
 COMPILE = CompileConfig(compile=True)
 STEPS = 5
@@ -22,9 +21,9 @@ STEPS = 5
 
 def test_flags_the_accelerate_key_and_refusals(tmp_path, monkeypatch):
     from megazero import compile as compile_module
+    from megazero.cli.preflight import preflight
     from megazero.errors import PreflightError
     from megazero.foreign_config import from_accelerate
-    from megazero.cli.preflight import preflight
 
     assert compile_unavailable("cpu") is None                      # this machine compiles (a C++ compiler)
     monkeypatch.setattr(compile_module.shutil, "which", lambda name: None)
@@ -220,8 +219,8 @@ def test_apex_is_only_the_real_one_and_compiled_layers_get_torch_norms(monkeypat
     import types
 
     from megazero import kernels
-    from megazero.models.gpt import transformer
     from megazero.models.gpt import spec as gpt_spec
+    from megazero.models.gpt import transformer
 
     monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))           # PyPI's apex
     assert kernels.apex_norms() is None

@@ -3,10 +3,22 @@ flag a message names is one the command line takes."""
 import pytest
 
 from megazero.cli.arguments import build_parser
-from megazero.config import (CheckpointConfig, DataConfig, JobConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
-                             TrainConfig, ZeroConfig, flag, flag_fields, setting, validate)
-from megazero.models.gpt import GPTConfig
+from megazero.config import (
+    CheckpointConfig,
+    DataConfig,
+    JobConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainConfig,
+    ZeroConfig,
+    flag,
+    flag_fields,
+    setting,
+    validate,
+)
 from megazero.errors import ConfigError
+from megazero.models.gpt import GPTConfig
 
 
 def job(**sections) -> JobConfig:

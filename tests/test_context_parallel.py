@@ -10,10 +10,9 @@ from helpers import run_on_ranks
 from helpers.trainer import LLAMA_FLAGS, TINY, assert_same_losses, main_body, read_metrics
 
 from megazero.config import JobConfig, ParallelConfig, validate
-from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
-from megazero.parallel.context_layout import rank_positions
-from megazero.parallel.context_layout import gathered_order, rank_slice, unslice
+from megazero.models.gpt import GPTConfig
+from megazero.parallel.context_layout import gathered_order, rank_positions, rank_slice, unslice
 from megazero.ranks import rank_grid
 
 
@@ -222,8 +221,7 @@ def _moe_model_body(rank, world, ep, llama):
     """A float64 MoE model (top-2 of 4 experts, both router losses) on this cp rank's slice of two sequences,
     each comm type: the gradients (router losses included), summed over cp, equal the serial model's; at
     ep 2 (the cp group itself) each expert's gradient on its one owner, which saw both slices' tokens."""
-    from megazero.models.gpt import GPTConfig
-    from megazero.models.gpt import GPT, masked_mean
+    from megazero.models.gpt import GPT, GPTConfig, masked_mean
     from megazero.parallel.context import context_parallel_loss
     from megazero.parallel.topology import Topology
 

@@ -18,10 +18,9 @@ from megazero.checkpoint import load_checkpoint
 from megazero.checkpoint.hf import load_hf, model_config_from_hf
 from megazero.checkpoint.offline import build_full_model, read_model, write_weights_checkpoint
 from megazero.config import JobConfig
-from megazero.models.gpt import GPTConfig
 from megazero.errors import CheckpointError
 from megazero.generation import generate
-from megazero.models.gpt import GPT, build_model_chunks
+from megazero.models.gpt import GPT, GPTConfig, build_model_chunks
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology
 

@@ -8,10 +8,15 @@ from helpers import run_on_ranks
 from helpers.tinynet import OPT, TinyNet, make_batches, reference_run, train_dp
 
 from megazero.config import PrecisionConfig, ZeroConfig
-from megazero.parallel.zero.adamw import weight_decay_groups
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import (AllReduceGradSync, build_optimizer, plan_buckets, reductions_in_flight,
-                                   wrap_data_parallel)
+from megazero.parallel.zero import (
+    AllReduceGradSync,
+    build_optimizer,
+    plan_buckets,
+    reductions_in_flight,
+    wrap_data_parallel,
+)
+from megazero.parallel.zero.adamw import weight_decay_groups
 
 
 def _parity_body(rank, world_size, stage, micro_batches):

@@ -247,9 +247,8 @@ def _save_fills_the_disk(rank, world, argv):
     import errno
     import io
 
-    from megazero.cli import main as cli
-
     import megazero.checkpoint.distributed as distributed
+    from megazero.cli import main as cli
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

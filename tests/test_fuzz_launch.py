@@ -6,8 +6,8 @@ import pytest
 from helpers.trainer import TINY, read_metrics
 
 from megazero.checkpoint.format import checkpoint_dir
-from tools.fuzz.launch import GRACE_S, RunFailed, forked_launcher, program, torchrun_launcher
 from megazero.cli.launcher import SECONDHAND
+from tools.fuzz.launch import GRACE_S, RunFailed, forked_launcher, program, torchrun_launcher
 
 RUN = [*TINY, "--train-iters", "2", "--eval-iters", "0", "--dp", "2", "--zero-stage", "1", "--save", "ckpt",
        "--save-interval", "2", "--metrics-file", "metrics.jsonl"]

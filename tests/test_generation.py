@@ -10,9 +10,8 @@ import torch
 
 from megazero.checkpoint.offline import build_full_model, write_weights_checkpoint
 from megazero.config import JobConfig
-from megazero.models.gpt import GPTConfig
 from megazero.generation import filter_logits, generate, next_token
-from megazero.models.gpt import GPT
+from megazero.models.gpt import GPT, GPTConfig
 from megazero.spec.kv_cache import KVCache
 
 ROOT = Path(__file__).resolve().parents[1]

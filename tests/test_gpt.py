@@ -6,9 +6,8 @@ import torch
 from helpers import run_on_ranks
 
 from megazero.config import JobConfig, ParallelConfig, ZeroConfig, validate
-from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
-from megazero.models.gpt import GPT, masked_mean
+from megazero.models.gpt import GPT, GPTConfig, masked_mean
 from megazero.parallel.params import split_dim
 from megazero.parallel.tensor import gather_full
 from megazero.parallel.topology import Topology

@@ -8,8 +8,7 @@ from helpers.ckpt import MODEL
 from megazero.checkpoint.hf import save_hf
 from megazero.checkpoint.hf_compare import compare_with_hf
 from megazero.config import DataConfig
-from megazero.models.gpt import GPTConfig
-from megazero.models.gpt import GPT
+from megazero.models.gpt import GPT, GPTConfig
 
 pytest.importorskip("transformers", reason="the HF comparison needs the test extra: pip install transformers")
 

@@ -6,8 +6,13 @@ import warnings
 import numpy as np
 import pytest
 
-from megazero.data.indexed_dataset import (IndexedDataset, IndexedDatasetError, IndexedDatasetWriter,
-                                           best_dtype, write_indexed_dataset)
+from megazero.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetError,
+    IndexedDatasetWriter,
+    best_dtype,
+    write_indexed_dataset,
+)
 
 DOCS = [[5, 6, 7], [8, 9], [], [1] * 10, list(range(300, 320))]
 

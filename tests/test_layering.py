@@ -13,8 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megazero"
-ZERO_ORDER = ["buckets", "grad_norm", "materialize", "swap", "adamw", "offload", "offload_params", "quantize",
-              "reducers", "grad_sync", "units", "sharded_grads", "param_sync", "zeropp", "publish", "optimizer", "engine"]
+ZERO_ORDER = ["protocol", "buckets", "grad_norm", "materialize", "swap", "adamw", "offload", "offload_params", "quantize",
+              "reducers", "replicated_params", "grad_sync", "units", "sharded_grads", "zeropp", "param_sync", "publish",
+              "optimizer", "engine"]
 
 
 def _module_name(path: Path) -> str:

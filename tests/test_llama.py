@@ -21,9 +21,8 @@ from helpers.gpt_parity import (
 )
 
 from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
-from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
-from megazero.models.gpt import GPT, build_model_chunks, masked_mean
+from megazero.models.gpt import GPT, GPTConfig, build_model_chunks, masked_mean
 from megazero.models.gpt.rotary import RotaryEmbedding
 from megazero.models.gpt.transformer import interleaved_to_gate_up, kv_interleaved_to_blocks
 from megazero.parallel.params import split_dim

@@ -13,9 +13,9 @@ from helpers.memory import BASE, LLAMA, measure_body
 
 from megazero.cli.job import parse_job
 from megazero.config import OptimizerConfig, ParallelConfig, ZeroConfig
-from megazero.models.gpt import GPTConfig
 from megazero.memory import LiveTensorBytes
 from megazero.memory.estimate import estimate_memory, paper_model_states
+from megazero.models.gpt import GPTConfig
 
 
 def test_live_tensor_bytes_follows_allocations():
@@ -206,7 +206,7 @@ def _construction_body(rank, world_size, stage, device):
         chunks = build_model_chunks(cfg, ParallelConfig(dp=world_size), topo, seed=3, device=device)
         engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), OptimizerConfig())
     sync = engine.bucket_groups[0]
-    unit = max((sum(b.numel for b in u.buckets) for u in getattr(sync, "units", [])), default=0) * 4
+    unit = max((sum(b.numel for b in u.buckets) for u in getattr(sync.params, "units", [])), default=0) * 4
     param = max(s.end - s.start for s in sync.slots) * 4
     with engine.gathered_parameters():
         params = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}

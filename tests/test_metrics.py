@@ -10,10 +10,10 @@ from helpers import run_on_ranks
 from helpers.trainer import TINY, main_body, read_metrics
 
 from megazero.config import OptimizerConfig
-from megazero.models.gpt import GPTConfig
-from megazero.metrics import MetricsLog, duration, timestamp
-from megazero.models.gpt.spec import flops_per_token as model_flops_per_token
 from megazero.lr_schedule import learning_rate
+from megazero.metrics import MetricsLog, duration, timestamp
+from megazero.models.gpt import GPTConfig
+from megazero.models.gpt.spec import flops_per_token as model_flops_per_token
 
 
 def test_warmup_then_cosine_to_min_lr():

@@ -28,7 +28,6 @@ from megazero.config import FLAG, JobConfig, ModelConfig, ParallelConfig, TrainC
 from megazero.config.rules import fail, positive_float
 from megazero.errors import ConfigError
 from megazero.memory.estimate import estimate_memory
-from megazero.spec import ModelSpec, build_model_chunks, get_model_spec, register_model_spec
 from megazero.parallel.params import set_tp_attributes
 from megazero.parallel.tensor import (
     ColumnParallelLinear,
@@ -40,6 +39,7 @@ from megazero.parallel.tensor import (
 )
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
+from megazero.spec import ModelSpec, build_model_chunks, get_model_spec, register_model_spec
 
 FAMILY = "postnorm"
 

@@ -12,17 +12,24 @@ from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batch
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig
-from megazero.models.gpt import GPTConfig
 from megazero.memory.estimate import estimate_stage
-from megazero.models.gpt.moe import moe_alltoall_bytes, moe_alltoall_bytes_per_step
-from megazero.models.gpt import GPT, build_model_chunks, masked_mean
-from megazero.models.gpt.moe import (capacity_keep, collect_moe_metrics, load_balancing_loss, moe_layers, route,
-                                     set_aux_loss_scale, z_loss)
-from megazero.parallel.zero.adamw import weight_decay_groups
+from megazero.models.gpt import GPT, GPTConfig, build_model_chunks, masked_mean
+from megazero.models.gpt.moe import (
+    capacity_keep,
+    collect_moe_metrics,
+    load_balancing_loss,
+    moe_alltoall_bytes,
+    moe_alltoall_bytes_per_step,
+    moe_layers,
+    route,
+    set_aux_loss_scale,
+    z_loss,
+)
 from megazero.parallel.params import split_dim
 from megazero.parallel.tensor import shard
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
+from megazero.parallel.zero.adamw import weight_decay_groups
 from megazero.state import TrainState
 from megazero.training import train_step
 

@@ -12,11 +12,10 @@ from helpers.ckpt import GLOBAL_MB, MB_SIZE, MODEL, OPT, SEED, full_params, trai
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import JobConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
-from megazero.models.gpt import GPTConfig
-from megazero.models.gpt import build_model_chunks
+from megazero.models.gpt import GPTConfig, build_model_chunks
+from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 from megazero.parallel.zero.swap import SWAP_PREFIX
-from megazero.parallel.topology import Topology
 from megazero.state import TrainState
 
 STEPS = 4

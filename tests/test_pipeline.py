@@ -17,9 +17,8 @@ from helpers.pipeline_parity import MICRO, SEED, batches, check_parity, model_cf
 from helpers.pipeline_sim import run_on_threads
 
 from megazero.config import JobConfig, ParallelConfig, TrainConfig, validate
-from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
-from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
+from megazero.models.gpt import GPT, GPTConfig, activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.pipeline import (
     PipelineStats,
     get_schedule,

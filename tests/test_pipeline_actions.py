@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from megazero.parallel.pipeline.actions import B, Compute, Exchange, F, Kind, Op, P2P, batch
+from megazero.parallel.pipeline.actions import P2P, B, Compute, Exchange, F, Kind, Op, batch
 
 
 def test_a_batch_posts_at_most_one_op_of_each_kind_in_the_fixed_order():

@@ -7,8 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from megazero.parallel.pipeline import (GENERATORS, Exchange, Op, P2P, gpipe, interleaved_one_f_one_b,
-                                        interleaved_warmup, no_pipelining, one_f_one_b, render, simulate)
+from megazero.parallel.pipeline import (
+    GENERATORS,
+    P2P,
+    Exchange,
+    Op,
+    gpipe,
+    interleaved_one_f_one_b,
+    interleaved_warmup,
+    no_pipelining,
+    one_f_one_b,
+    render,
+    simulate,
+)
 from megazero.parallel.pipeline.actions import B, F
 
 

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from megazero.parallel.pipeline import (Compute, Exchange, Kind, Op, P2P, ScheduleError, gpipe, one_f_one_b,
-                                        render, simulate)
+from megazero.parallel.pipeline import (
+    P2P,
+    Compute,
+    Exchange,
+    Kind,
+    Op,
+    ScheduleError,
+    gpipe,
+    one_f_one_b,
+    render,
+    simulate,
+)
 from megazero.parallel.pipeline.actions import B, F
 
 

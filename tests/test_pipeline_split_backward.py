@@ -10,9 +10,8 @@ import torch
 import torch.nn as nn
 from helpers import run_on_ranks
 
-from megazero.models.gpt import GPTConfig
 from megazero.memory.measure import LiveTensorBytes
-from megazero.models.gpt import GPT, masked_mean
+from megazero.models.gpt import GPT, GPTConfig, masked_mean
 from megazero.parallel.pipeline.split_backward import backward_input, deferrable_saves
 
 S, B, H = 8, 2, 32

@@ -99,9 +99,9 @@ def test_w_fills_the_cooldown():
 @pytest.mark.parametrize("tp,pp,m", [(1, 2, 4), pytest.param(1, 4, 8, marks=pytest.mark.slow),
                                      pytest.param(2, 2, 4, marks=pytest.mark.slow)])
 def test_zero_bubble_matches_serial(tp, pp, m):
+    import torch
     from helpers import run_on_ranks
     from helpers.pipeline_parity import check_parity, parallel_body
-    import torch
     # I and W through the ZeRO-0 grad sync: bucket countdown from W, tied-embedding and sequence-parallel sums
     results = run_on_ranks(tp * pp, parallel_body, tp, pp, "zb-h1", 1, m, False, torch.float32, True, timeout=180)
     check_parity(results, m, pp, "zb-h1", 1, torch.float32)

@@ -10,13 +10,12 @@ from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_CFG, GPT_OPT, LLAMA_KW, SEED, check_against_reference, trainer_steps
 
 from megazero.config import CompileConfig, JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
-from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
-from megazero.models.gpt import GPT
-from megazero.spec.recompute import full_recompute_groups
-from megazero.spec import build_model_chunks, get_model_spec
+from megazero.models.gpt import GPT, GPTConfig
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
+from megazero.spec import build_model_chunks, get_model_spec
+from megazero.spec.recompute import full_recompute_groups
 
 STEPS = 5
 DROPOUT = dict(attention_dropout=0.1, hidden_dropout=0.1)

@@ -9,14 +9,22 @@ import torch.nn.functional as F
 from helpers import run_on_ranks
 
 from megazero.config import ZeroConfig
-from megazero.models.gpt import GPTConfig
-from megazero.models.gpt import GPT
-from megazero.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallelRNG,
-                                      VocabParallelEmbedding, copy_to_tp_region, gather_from_sequence_parallel_region,
-                                      gather_from_tp_region, gather_full, reduce_from_tp_region,
-                                      reduce_scatter_to_sequence_parallel_region,
-                                      scatter_to_sequence_parallel_region, scatter_to_tp_region,
-                                      vocab_parallel_cross_entropy)
+from megazero.models.gpt import GPT, GPTConfig
+from megazero.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRNG,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    gather_full,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+    vocab_parallel_cross_entropy,
+)
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import wrap_data_parallel
 

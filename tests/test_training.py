@@ -12,9 +12,9 @@ def _gather_body(rank, world, layouts):
 
 def _gather_one(rank, world, argv):
     from megazero.cli.job import parse_job
-    from megazero.spec import build_model_chunks, get_model_spec
-    from megazero.parallel.topology import Topology
     from megazero.generation import gather_full_model
+    from megazero.parallel.topology import Topology
+    from megazero.spec import build_model_chunks, get_model_spec
 
     job, _ = parse_job(argv, world)
     par = job.parallel

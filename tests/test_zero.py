@@ -3,19 +3,27 @@ tensor and pipeline parallelism (tp2 x pp2 x dp2) against the single-process run
 import pytest
 import torch
 from helpers import run_on_ranks
-from helpers.gpt_parity import (GPT_CFG, GPT_OPT, LLAMA_KW, MB_SIZE, MICRO, SEED, check_against_reference, global_loss,
-                                gpt_batches)
+from helpers.gpt_parity import (
+    GPT_CFG,
+    GPT_OPT,
+    LLAMA_KW,
+    MB_SIZE,
+    MICRO,
+    SEED,
+    check_against_reference,
+    global_loss,
+    gpt_batches,
+)
 from helpers.tinynet import TinyNet, reference_run, train_dp
 
 from megazero.config import JobConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
-from megazero.models.gpt import GPTConfig
 from megazero.memory import LiveTensorBytes
-from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
-from megazero.parallel.zero.adamw import adamw_update
+from megazero.models.gpt import GPTConfig, activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.params import split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine, merge_optimizer_states, model_state_bytes, zero_paper_bytes
+from megazero.parallel.zero.adamw import adamw_update
 from megazero.training import train_step
 
 

@@ -1,4 +1,4 @@
-"""ZeRO stage 3 (megazero/parallel/zero/param_sync.py): parity with the single-process run for dp, tp x dp,
+"""ZeRO stage 3 (stage 2's sharded gradients with megazero/parallel/zero/param_sync.py's sharded parameters): parity with the single-process run for dp, tp x dp,
 pp x dp and tp x pp x dp; model-state bytes (16Ψ/N), bytes communicated per step, the bound on
 gathered units set by the prefetch limit, and fp16 overflow skips."""
 import contextlib
@@ -6,16 +6,24 @@ import contextlib
 import pytest
 import torch
 from helpers import run_on_ranks
-from helpers.gpt_parity import (GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, check_against_reference, global_loss,
-                                gpt_batches, gpt_reference)
+from helpers.gpt_parity import (
+    GPT_CFG,
+    GPT_OPT,
+    MB_SIZE,
+    MICRO,
+    SEED,
+    check_against_reference,
+    global_loss,
+    gpt_batches,
+    gpt_reference,
+)
 
 from megazero.config import JobConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
-from megazero.models.gpt import GPTConfig
-from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
+from megazero.models.gpt import GPTConfig, activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import ShardedParamSync, build_engine, merge_optimizer_states, zero_paper_bytes
+from megazero.parallel.zero import ShardedParams, build_engine, merge_optimizer_states, zero_paper_bytes
 from megazero.training import train_step
 
 
@@ -36,7 +44,7 @@ def _train(tp, pp, steps, micro=MICRO, model_kw=None, dtype=torch.float32, preci
                 for n, p in c.named_parameters():
                     p.copy_(init[n])
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, **zero_kw), GPT_OPT, precision)
-    assert isinstance(engine.bucket_groups[0], ShardedParamSync) == (stage == 3) == (engine.stage == 3)
+    assert isinstance(engine.bucket_groups[0].params, ShardedParams) == (stage == 3) == (engine.stage == 3)
     if opt_state is not None:
         engine.load_state_dict(opt_state)
     losses, norms, info = [], [], []
@@ -169,7 +177,7 @@ def test_model_state_bytes_are_16_psi_over_n(world, pp):
 def _window_bound(engine, k):
     """Most units (and bytes) in any k + 1 consecutive units' triggers of one chunk."""
     units, nbytes = 0, 0
-    for trigs in engine.bucket_groups[0].triggers:
+    for trigs in engine.bucket_groups[0].params.triggers:
         for i in range(len(trigs)):
             window = {id(u): u for t in trigs[i:i + k + 1] for u in t.units}.values()
             units = max(units, len(window))
@@ -180,7 +188,7 @@ def _window_bound(engine, k):
 def _prefetch_body(rank, world_size, untie, k):
     _, _, engine, _, _, info = _train(1, 1, 2, micro=2, prefetch_layers=k,
                                       model_kw=dict(untie_embeddings_and_output_weights=untie))
-    return engine.model_state_bytes(), _window_bound(engine, k), len(engine.bucket_groups[0].units)
+    return engine.model_state_bytes(), _window_bound(engine, k), len(engine.bucket_groups[0].params.units)
 
 
 @pytest.mark.parametrize("untie,k", [(True, 0), (True, 1), (True, 3), (False, 1)])
@@ -200,7 +208,7 @@ def _keep_release_body(rank, world_size, untie):
     def record(sync, original):
         def after_unit_backward(trig):
             original(trig)
-            seen.append((sync._reducing[trig.chunk_id], trig.index, sync.live_units))
+            seen.append((sync._reducing[trig.chunk_id], trig.index, sync.params.live_units))
         return after_unit_backward
 
     topo = Topology()
@@ -208,11 +216,11 @@ def _keep_release_body(rank, world_size, untie):
     chunks = build_model_chunks(cfg, ParallelConfig(dp=topo.dp_size), topo, seed=SEED)
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=3, keep_params_gathered=True), GPT_OPT)
     sync = engine.bucket_groups[0]
-    sync.after_unit_backward = record(sync, sync.after_unit_backward)
+    sync.params.after_unit_backward = record(sync, sync.params.after_unit_backward)
     job = JobConfig(model=cfg, parallel=ParallelConfig(dp=topo.dp_size), train=TrainConfig(micro_batch_size=MB_SIZE))
     train_step(chunks, gpt_batches(1, 2 * topo.dp_size)[0][2 * rank:2 * rank + 2], topo, engine, job)
-    first = len(sync.triggers[0][0].units)
-    return seen, len(sync.units), first, sync.live_units
+    first = len(sync.params.triggers[0][0].units)
+    return seen, len(sync.params.units), first, sync.params.live_units
 
 
 @pytest.mark.parametrize("untie", [False, True])

@@ -8,10 +8,9 @@ from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, SEED, gpt_batches
 
 from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
-from megazero.models.gpt import GPTConfig
 from megazero.errors import ConfigError
 from megazero.memory.estimate import estimate_stage
-from megazero.models.gpt import build_model_chunks
+from megazero.models.gpt import GPTConfig, build_model_chunks
 from megazero.parallel.counted_comm import CommLog, inter_fraction
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
@@ -157,23 +156,24 @@ def _quantized_gather_body(rank, world_size, block):
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=3, quantized_weights=True,
                                                    quantization_block_size=block), GPT_OPT)
     sync = engine.bucket_groups[0]
-    assert isinstance(sync.gathering, ZeroPlusPlusGathering)
+    params = sync.params
+    assert isinstance(params.gathering, ZeroPlusPlusGathering)
     shards_before = [b.shard.clone() for b in sync.buckets]
     worst = 0.0
-    for unit in sync.units:
-        sync.gather(unit, exact=True)
-        sync.wait(unit)
+    for unit in params.units:
+        params.gather(unit, exact=True)
+        params.wait(unit)
         exact = [b.param_data.clone() for b in unit.buckets]
-        sync.release(unit)
-        sync.gather(unit)
-        sync.wait(unit)
+        params.release(unit)
+        params.gather(unit)
+        params.wait(unit)
         for b, full in zip(unit.buckets, exact):
             assert b.shard_size % block == 0
             expected = torch.cat([quantize_dequantize(s, block) for s in full.view(8, -1)])
             assert torch.equal(b.param_data, expected), unit.name
             assert not torch.equal(b.param_data, full) or full.abs().max() == 0
             worst = max(worst, float((b.param_data - full).abs().max()))
-        sync.release(unit)
+        params.release(unit)
     assert all(torch.equal(a, b.shard) for a, b in zip(shards_before, sync.buckets))
     return worst
 
@@ -358,7 +358,7 @@ def _experts_body(rank, world_size, steps):
         chunks = build_model_chunks(cfg, par, topo, seed=SEED)
         engine = build_engine(chunks, topo, ZeroConfig(zero_stage=3, quantization_block_size=32, **kw), GPT_OPT)
         experts = engine.bucket_groups[1]
-        groups = (experts.gathering.hpz_group, experts.dp.partition(2).ranks) if name == "hpZ" else None
+        groups = (experts.params.gathering.hpz_group, experts.dp.partition(2).ranks) if name == "hpZ" else None
         losses = [train_step(chunks, batches[2 * topo.dp_rank:2 * topo.dp_rank + 2], topo, engine, job).loss
                   for batches in _learnable_batches(steps, topo.dp_size * 2)]
         out[name] = (losses, groups and list(groups[1]), list(experts.dp.ranks))

@@ -6,8 +6,7 @@ import torch.distributed as dist
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.config import JobConfig, OptimizerConfig, ParallelConfig, ZeroConfig
-from megazero.models.gpt import GPTConfig
-from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
+from megazero.models.gpt import GPTConfig, activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.params import split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.tensor import gather_full

@@ -11,10 +11,9 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import OptimizerConfig
-from megazero.models.gpt import GPTConfig
-from megazero.models.gpt import GPT, masked_mean
-from megazero.parallel.zero.adamw import weight_decay_groups
+from megazero.models.gpt import GPT, GPTConfig, masked_mean
 from megazero.parallel.tensor import shard
+from megazero.parallel.zero.adamw import weight_decay_groups
 
 VOCAB, SEED, MICRO, MB_SIZE = 200, 4321, 4, 2
 GPT_CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,

@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import ParallelConfig, ZeroConfig
-from megazero.models.gpt import GPTConfig
-from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
+from megazero.models.gpt import GPT, GPTConfig, activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.params import attribute, split_dim
 from megazero.parallel.pipeline import PipelineStats, get_schedule, interleaved_warmup, run_schedule
 from megazero.parallel.tensor import gather_full

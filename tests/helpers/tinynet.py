@@ -9,8 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
-from megazero.parallel.zero.adamw import weight_decay_groups
 from megazero.parallel.zero import build_optimizer, wrap_data_parallel
+from megazero.parallel.zero.adamw import weight_decay_groups
 
 VOCAB, HIDDEN, SEQ = 32, 16, 8
 OPT = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5)

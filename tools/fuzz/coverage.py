@@ -20,8 +20,17 @@ import random
 from collections import Counter
 
 from megazero.errors import ConfigError
-from tools.fuzz.sampler import (AXES, COMMON, MODEL_AXES, Draw, draw, draw_layout, model_flags, parse_and_validate,
-                                pick_axes)
+from tools.fuzz.sampler import (
+    AXES,
+    COMMON,
+    MODEL_AXES,
+    Draw,
+    draw,
+    draw_layout,
+    model_flags,
+    parse_and_validate,
+    pick_axes,
+)
 
 Pair = tuple[tuple[str, object], tuple[str, object]]
 

@@ -19,8 +19,8 @@ import random
 import shlex
 from dataclasses import dataclass, field
 
-from megazero.cli.arguments import build_parser, flag_values, job_from_values
 from megazero import config
+from megazero.cli.arguments import build_parser, flag_values, job_from_values
 from megazero.config import OFFLOAD_DEVICES, SCHEDULES, JobConfig
 from megazero.config.parallel import BUILT_CP_COMM_TYPES
 from megazero.errors import ConfigError

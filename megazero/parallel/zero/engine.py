@@ -18,11 +18,26 @@ the norm over both (each element once), clips, steps every owned range, and each
 over its own ranks. A non-finite gradient is named whichever group holds it; fp16's overflow check,
 the checkpoint's step count and loss scale are the one optimizer's.
 
-The stage table (:data:`STAGES`) maps a ``--zero-stage`` to its grad sync class and its optimizer
-policy; the switches are components passed to them, not subclasses: the reducer of stages 2-3
-(:mod:`.reducers`, qgZ), reducing every micro-batch (stage 2), stage 3's gathering (:mod:`.zeropp`:
-qwZ, hpZ) and where its shards live (:mod:`.offload_params`), where the optimizer state lives
-(:mod:`.offload`), the overlapped parameter gather of stages 1-2 (:mod:`.publish`).
+The stage table (:data:`STAGES`) is where a ``--zero-stage`` becomes parts: one frozen :class:`Stage`
+per stage names its grad sync class, its parameter component, whether the grad sync sums buckets with
+a reducer, when it reduces, and the optimizer's publish policy. :func:`build_grad_sync`,
+:func:`build_engine` and :func:`build_optimizer` read everything from it::
+
+    stage  grad sync              parameters                           reducer  each micro-batch      publish
+    0      AllReduceGradSync      ReplicatedParams (whole everywhere)  -        no                    Replicated
+    1      ReduceScatterGradSync  ReplicatedParams                     -        no                    AllGatherShards
+    2      ShardedGradSync        ReplicatedParams                     yes      with the flag         AllGatherShards
+    3      ShardedGradSync        ShardedParams (a shard, per unit)    yes      unless kept gathered  WriteShards
+
+So stage 3 is stage 2's gradient sync composed with sharded parameters; no stage's class derives from
+another's. The switches are components or arguments passed to those parts, not subclasses: the reducer
+(:mod:`.reducers`, qgZ), reducing every micro-batch, stage 3's gathering (:mod:`.zeropp`: qwZ, hpZ),
+its prefetch and keep-gathered mode and where its shards live (:mod:`.offload_params`), where the
+optimizer state lives (:mod:`.offload`), the overlapped parameter gather of stages 1-2 (:mod:`.publish`).
+
+The engine trusts its job: the ZeRO config was checked against the layout by
+:func:`megazero.config.validate` (which refuses, for instance, ``--zero3-keep-params-gathered`` below
+stage 3), and is not checked again here.
 
 With ``--offload-optimizer`` / ``--offload-params`` nvme the engine owns this rank's swap directory:
 ``engine.close()`` removes it (so does interpreter exit).
@@ -30,12 +45,13 @@ With ``--offload-optimizer`` / ``--offload-params`` nvme the engine owns this ra
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from megazero.config import OptimizerConfig, ParallelConfig, PrecisionConfig, ZeroConfig
+from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import DataParallel
 from megazero.parallel.params import attribute
@@ -48,28 +64,49 @@ from megazero.parallel.zero.grad_sync import (
 )
 from megazero.parallel.zero.offload_params import build_param_shards
 from megazero.parallel.zero.optimizer import BucketAdamW
-from megazero.parallel.zero.param_sync import DeviceShards, ShardedParamSync
+from megazero.parallel.zero.param_sync import ShardedParams
 from megazero.parallel.zero.publish import AllGatherShards, Replicated, WriteShards
 from megazero.parallel.zero.reducers import build_reducer
-from megazero.parallel.zero.sharded_grads import ShardedGradSync
+from megazero.parallel.zero.replicated_params import ReplicatedParams
+from megazero.parallel.zero.sharded_grads import ShardedGradSync, reductions_in_flight
 from megazero.parallel.zero.swap import SwapDir
 from megazero.parallel.zero.units import ParamSubset
-from megazero.parallel.zero.zeropp import build_gathering
+
+
+def when_flagged(zero_cfg: ZeroConfig) -> bool:
+    """Stage 2 reduces every micro-batch with ``--zero2-reduce-each-microbatch``."""
+    return zero_cfg.reduce_each_microbatch
+
+
+def unless_kept_gathered(zero_cfg: ZeroConfig) -> bool:
+    """Stage 3 reduces every micro-batch (its backward releases the parameters) unless
+    ``--zero3-keep-params-gathered`` holds them, and the full gradients, until the step's last."""
+    return not zero_cfg.keep_params_gathered
 
 
 @dataclass(frozen=True)
 class Stage:
-    """What a ZeRO stage is made of: how each bucket group synchronises gradients (and, at stage 3,
-    parameters) over its data-parallel group, and the optimizer's policy (owned ranges, publishing)."""
+    """What a ZeRO stage is made of, for each bucket group and the one optimizer.
+
+    ``grad_sync``: the class that reduces and holds the gradients over the group's dp; ``params``: its
+    parameter component (whole parameters, or a shard gathered per unit), built by its ``from_config``;
+    ``reducer``: the grad sync sums a bucket with a reducer component (:func:`build_reducer`: the plain
+    reduce-scatter or qgZ's), at most ``reductions_in_flight`` at once; ``reduce_each_microbatch``: when
+    it reduces after every micro-batch's backward rather than the step's last (None: a grad sync without
+    that switch); ``publish``: the optimizer's policy (owned ranges, how new weights reach the model),
+    built by its ``from_config``."""
 
     grad_sync: type
+    params: type
+    reducer: bool
+    reduce_each_microbatch: Callable[[ZeroConfig], bool] | None
     publish: type
 
 
-STAGES = {0: Stage(AllReduceGradSync, Replicated),
-          1: Stage(ReduceScatterGradSync, AllGatherShards),
-          2: Stage(ShardedGradSync, AllGatherShards),
-          3: Stage(ShardedParamSync, WriteShards)}
+STAGES = {0: Stage(AllReduceGradSync, ReplicatedParams, False, None, Replicated),
+          1: Stage(ReduceScatterGradSync, ReplicatedParams, False, None, AllGatherShards),
+          2: Stage(ShardedGradSync, ReplicatedParams, True, when_flagged, AllGatherShards),
+          3: Stage(ShardedGradSync, ShardedParams, True, unless_kept_gathered, WriteShards)}
 
 
 @dataclass
@@ -125,7 +162,7 @@ def model_state_bytes(syncs, optimizer: BucketAdamW | None = None, shards=None) 
     offload; on a CPU run "device" and "host" are the same memory, counted apart all the same)."""
     syncs = list(syncs) if isinstance(syncs, (list, tuple)) else [syncs]
     out = {
-        "params": sum(nbytes(b) for s in syncs for b in s.param_buffers),
+        "params": sum(nbytes(b) for s in syncs for b in s.params.buffers),
         "grads": sum(nbytes(t) for s in syncs for t in s.held_grad_tensors()),
         "master_weights": optimizer.master_bytes() if optimizer is not None else 0,
         "optimizer_state": optimizer.state_bytes() if optimizer is not None else 0,
@@ -214,16 +251,14 @@ class ZeroEngine:
         return self.optimizer.nonfinite_parameters(limit, everywhere)
 
     def model_state_bytes(self) -> dict[str, int]:
-        """:func:`model_state_bytes`, and at stage 3 the temporaries: ``gathered_params`` (now),
-        ``gathered_params_peak`` bytes and ``gathered_units_peak`` units gathered at once so far, and
-        ZeRO++ hpZ's ``hpz_secondary_params`` (within ``params``)."""
+        """:func:`model_state_bytes`, and what the parameter components add, summed over the bucket
+        groups: at stage 3 the temporaries, ``gathered_params`` (now), ``gathered_params_peak`` bytes and
+        ``gathered_units_peak`` units gathered at once so far, and ZeRO++ hpZ's ``hpz_secondary_params``
+        (within ``params``)."""
         out = model_state_bytes(self.bucket_groups, self.optimizer, self.shards)
-        if self.stage == 3:
-            syncs = self.bucket_groups
-            out["gathered_params"] = sum(s.gathered_bytes for s in syncs)
-            out["gathered_params_peak"] = sum(s.gathered_bytes_peak for s in syncs)
-            out["gathered_units_peak"] = sum(s.live_units_peak for s in syncs)
-            out["hpz_secondary_params"] = sum(s.gathering.held_bytes() for s in syncs)
+        for sync in self.bucket_groups:
+            for key, value in sync.params.accounting().items():
+                out[key] = out.get(key, 0) + value
         return out
 
     def state_dict(self) -> dict:
@@ -241,7 +276,7 @@ class ZeroEngine:
                 a, b = max(lo, slot.start), min(hi, slot.end)
                 if a >= b:
                     continue
-                tensors = {"model": sync.param_values(bucket, a, b)} if weights else {}
+                tensors = {"model": sync.params.values(bucket, a, b)} if weights else {}
                 if optimizer:
                     tensors.update(self.optimizer.state_views(bucket, a, b))
                 out.append(StatePiece(slot.name, slot.param, slot.shape, a - slot.start, b - slot.start, tensors))
@@ -261,8 +296,7 @@ class ZeroEngine:
         self.optimizer.wait_params()
         pieces = []
         for sync in self.bucket_groups:
-            weight_ranges = [(b, *(sync.shard_range(b) if self.stage == 3 else (0, b.numel))) for b in sync.buckets]
-            pieces += self._pieces(sync, weight_ranges, True, False)
+            pieces += self._pieces(sync, [(b, *sync.params.held_range(b)) for b in sync.buckets], True, False)
         if not weights_only:
             for sync in self.bucket_groups:
                 pieces += self._pieces(sync, [(r.bucket, r.lo, r.hi) for r in self.optimizer.ranges
@@ -273,7 +307,7 @@ class ZeroEngine:
         """After the pieces were filled: the optimizer's step count and loss scaler, or (weights only)
         fresh fp32 masters from the loaded weights. Gathered copies of the old values (stage 3) go first."""
         for sync in self.bucket_groups:
-            sync.release_all()
+            sync.params.release_all()
         if weights_only:
             self.optimizer.refresh_masters()
             return
@@ -289,7 +323,7 @@ class ZeroEngine:
         normal exit the (possibly modified in place) values become the truth -- each rank copies its
         slice into its shard and refreshes its fp32 masters."""
         self.optimizer.wait_params()
-        newly = [(sync, sync.gather_all()) for sync in self.bucket_groups]
+        newly = [(sync.params, sync.params.gather_all()) for sync in self.bucket_groups]
         ok = False
         try:
             yield
@@ -297,11 +331,11 @@ class ZeroEngine:
         finally:
             if ok and write_back:
                 for sync in self.bucket_groups:
-                    sync.write_back()
+                    sync.params.write_back()
                 self.optimizer.refresh_masters()
-            for sync, units in newly:
+            for params, units in newly:
                 for u in units:
-                    sync.release(u)
+                    params.release(u)
 
 
 def _swap_dir(zero_cfg: ZeroConfig, rank: int) -> SwapDir | None:
@@ -311,53 +345,57 @@ def _swap_dir(zero_cfg: ZeroConfig, rank: int) -> SwapDir | None:
     return SwapDir(zero_cfg.nvme_path, rank)
 
 
+def _reduction_parts(stage: Stage, zero_cfg: ZeroConfig, dp: DataParallel, comm_log: CommLog) -> dict:
+    """The arguments the stage's table entry gives its grad sync beyond the common ones: the reducer, its
+    bound in flight and when it reduces (none for stages 0 and 1)."""
+    z, parts = zero_cfg, {}
+    if stage.reducer:
+        parts["reducer"] = build_reducer(dp, comm_log, z.quantized_gradients, z.quantization_block_size)
+        parts["max_in_flight"] = reductions_in_flight(z.zero_stage, z.overlap_grad_reduce)
+    if stage.reduce_each_microbatch is not None:
+        parts["reduce_each_microbatch"] = stage.reduce_each_microbatch(z)
+    return parts
+
+
 def build_grad_sync(chunks, dp: DataParallel, topo: Topology, zero_cfg: ZeroConfig, comm_log: CommLog, *,
                     grad_sync_cls: type | None = None, shards=None) -> BucketedGradSync:
-    """One bucket group's grad sync for ``zero_cfg.zero_stage`` over ``dp``, with the stage's components.
-    ``grad_sync_cls`` overrides the stage's class at stages 0-2; the one useful override is
-    ``AllReduceGradSync`` at stage 1 (the ZeRO-1 optimizer only reads its shard, so an all-reduce works
-    as well as a reduce-scatter, at 2Ψ(N-1)/N instead of Ψ(N-1)/N; bench/bench_zero.py measures both)."""
+    """One bucket group's grad sync over ``dp``, made of the parts :data:`STAGES` lists for
+    ``zero_cfg.zero_stage``; ``shards``: stage 3's shard store (shared by the bucket groups; default the
+    device). ``grad_sync_cls`` replaces the stage's class (with its default components) where the
+    parameters are replicated; the one useful override is ``AllReduceGradSync`` at stage 1 (the ZeRO-1
+    optimizer only reads its shard, so an all-reduce works as well as a reduce-scatter, at 2Ψ(N-1)/N
+    instead of Ψ(N-1)/N; bench/bench_zero.py measures both)."""
     z = zero_cfg
     stage = STAGES[z.zero_stage]
     kw = dict(tp=topo.tensor_parallel(), pipeline=topo.pipeline(), comm_log=comm_log)
     if grad_sync_cls is not None:
-        if z.zero_stage == 3:
+        if stage.params is not ReplicatedParams:
             raise ValueError("grad_sync_cls applies to ZeRO stages 0-2, not --zero-stage 3")
         return grad_sync_cls(chunks, dp, z, **kw)
-    if z.zero_stage < 2:
-        return stage.grad_sync(chunks, dp, z, **kw)
-    reducer = build_reducer(dp, comm_log, z.quantized_gradients, z.quantization_block_size)
-    if z.zero_stage == 2:
-        return ShardedGradSync(chunks, dp, z, reducer=reducer, reduce_each_microbatch=z.reduce_each_microbatch, **kw)
-    gathering = build_gathering(z.quantized_weights, z.quantization_block_size, z.hpz_partition_size)
-    return ShardedParamSync(chunks, dp, z, reducer=reducer, shards=shards, gathering=gathering, **kw)
+    parts = _reduction_parts(stage, z, dp, comm_log)
+    return stage.grad_sync(chunks, dp, z, params=stage.params.from_config(z, shards), **parts, **kw)
 
 
 def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: OptimizerConfig,
                  precision: PrecisionConfig | None = None, *, grad_sync_cls: type | None = None) -> ZeroEngine:
     """Wrap this rank's model chunks for ``zero_cfg.zero_stage`` and build the one optimizer over every
-    bucket group. Build it after the model and before the first forward: parameters move into the
-    engine's buffers. ``grad_sync_cls``: see :func:`build_grad_sync`."""
+    bucket group, from the parts :data:`STAGES` lists. Build it after the model and before the first
+    forward: parameters move into the engine's buffers. ``zero_cfg`` is a validated job's
+    (:func:`megazero.config.validate`): nothing is checked again. ``grad_sync_cls``: see
+    :func:`build_grad_sync`."""
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     z = zero_cfg
-    z.check(ParallelConfig(tp=topo.tp_size, pp=topo.pp_size, dp=topo.dp_size, expert_model_parallel_size=topo.ep_size,
-                           cp=topo.cp_size),
-            topo.world_size)                     # validate()'s rules for the stage and its switches
     comm_log = CommLog(topo.ranks_per_node)
     swap = _swap_dir(z, topo.rank)
-    shards = None
     try:
-        if z.zero_stage == 3:
-            shards = (DeviceShards() if z.offload_params == "none" else
-                      build_param_shards(z.offload_params, topo.device, z.offload_pin_memory, swap))
+        # Stage 3's shard store, one for every bucket group (stages 0-2 hold no shards: the device's, unused).
+        shards = build_param_shards(z.offload_params, topo.device, z.offload_pin_memory, swap)
         has_experts = any(is_expert(p) for c in chunks for p in c.parameters())
         syncs = []
         for _, dp, keep in bucket_group_views(topo, has_experts):
             members = chunks if keep is None else [ParamSubset(c, keep) for c in chunks]
             syncs.append(build_grad_sync(members, dp, topo, z, comm_log, grad_sync_cls=grad_sync_cls, shards=shards))
-        publish_cls = STAGES[z.zero_stage].publish
-        publish = (publish_cls(syncs, overlap=z.overlap_param_gather) if publish_cls is AllGatherShards
-                   else publish_cls(syncs))
+        publish = STAGES[z.zero_stage].publish.from_config(syncs, z)
         optimizer = BucketAdamW(syncs, opt_cfg, precision, publish=publish, replica=topo.model_replica(), swap=swap)
         for sync in syncs:
             sync.reset_peaks()
@@ -370,10 +408,10 @@ def build_engine(chunks, topo: Topology, zero_cfg: ZeroConfig, opt_cfg: Optimize
 
 def wrap_data_parallel(chunks, topo: Topology, zero_cfg: ZeroConfig, *, comm_log: CommLog | None = None,
                        grad_sync_cls: type | None = None) -> BucketedGradSync:
-    """A single grad sync over all of ``chunks`` and ``topo``'s data-parallel group (stages 0-2): for
-    code that drives the sync without the engine (tests, benchmarks, a gradient finalisation at dp 1); over
-    dp x cp under context parallelism."""
-    if zero_cfg.zero_stage == 3:
+    """A single grad sync over all of ``chunks`` and ``topo``'s data-parallel group (stages 0-2, whose
+    parameters are replicated): for code that drives the sync without the engine (tests, benchmarks, a
+    gradient finalisation at dp 1); over dp x cp under context parallelism."""
+    if STAGES[zero_cfg.zero_stage].params is not ReplicatedParams:
         raise ValueError(f"--zero-stage {zero_cfg.zero_stage}: wrap_data_parallel builds stages 0, 1 and 2")
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     comm_log = comm_log if comm_log is not None else CommLog(topo.ranks_per_node)
@@ -382,13 +420,12 @@ def wrap_data_parallel(chunks, topo: Topology, zero_cfg: ZeroConfig, *, comm_log
 
 def build_optimizer(syncs, opt_cfg: OptimizerConfig, precision: PrecisionConfig | None = None,
                     stage: int | None = None, *, swap: SwapDir | None = None, replica=None) -> BucketAdamW:
-    """The optimizer over grad syncs built by :func:`wrap_data_parallel`, with the policy of ``stage``
-    (default: the syncs' ``zero_stage``); ``swap``: where ``--offload-optimizer nvme`` keeps its file."""
+    """The optimizer over grad syncs built by :func:`wrap_data_parallel`, with the publish policy
+    :data:`STAGES` lists for ``stage`` (default: the syncs' ``zero_stage``); ``swap``: where
+    ``--offload-optimizer nvme`` keeps its file."""
     syncs = list(syncs) if isinstance(syncs, (list, tuple)) else [syncs]
     stage = syncs[0].cfg.zero_stage if stage is None else stage
     if stage not in STAGES:
         raise ValueError(f"--zero-stage {stage}: only 0, 1, 2 and 3 are implemented")
-    publish_cls = STAGES[stage].publish
-    publish = (publish_cls(syncs, overlap=syncs[0].cfg.overlap_param_gather) if publish_cls is AllGatherShards
-               else publish_cls(syncs))
+    publish = STAGES[stage].publish.from_config(syncs, syncs[0].cfg)
     return BucketAdamW(syncs, opt_cfg, precision, publish=publish, replica=replica, swap=swap)

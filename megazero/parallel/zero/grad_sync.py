@@ -1,5 +1,5 @@
 """Gradient synchronisation over a data-parallel group: the machinery every ZeRO stage shares, and
-stages 0 and 1 (stages 2 and 3: :mod:`.sharded_grads`, :mod:`.param_sync`).
+stages 0 and 1 (the sharded gradients of stages 2 and 3: :mod:`.sharded_grads`).
 
 The pipeline schedule calls ``before_backward(chunk_id, is_last_microbatch)`` before every backward.
 A hook on each parameter counts down its bucket (:mod:`~megazero.parallel.zero.buckets`); when the
@@ -14,12 +14,19 @@ pipeline-parallel sums.
     AllReduceGradSync     0      last micro-batch            the full averaged gradients
     ReduceScatterGradSync 1      last micro-batch            full-size buffer; only its shard is valid
     ShardedGradSync       2      last (or every) micro-batch only its 1/dp shard (sharded_grads.py)
-    ShardedParamSync      3      every (or last) micro-batch only its 1/dp shard (param_sync.py)
+    ShardedGradSync       3      every (or last) micro-batch only its 1/dp shard, with ShardedParams
 
 A grad sync works over one :class:`~megazero.parallel.groups.DataParallel` view: the ZeRO engine builds
 one per bucket group (dense parameters over dp, experts over the expert-data-parallel group), each over
 the parameters of its group. Stages 0 and 1 keep one persistent gradient buffer per chunk, as
 ``param.grad`` views, so autograd accumulates micro-batches in place.
+
+Parameters are not the grad sync's: it is composed with a parameter component (``params``) that lays
+the chunks out in buckets and holds their values, :class:`~.replicated_params.ReplicatedParams` at
+stages 0-2 (always whole) or :class:`~.param_sync.ShardedParams` at stage 3 (a shard, gathered per
+unit). The grad sync calls it where a step could need parameters gathered or released: at the end of
+each backward (``after_backward``), around the W of a split backward (``before_weight_grad``,
+``after_weight_grad``) and once the step's reductions are done (``after_grad_sync``).
 """
 from __future__ import annotations
 
@@ -34,15 +41,8 @@ from megazero.parallel import counted_comm as comm
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import DataParallel, PipelineLayout, TensorParallel
 from megazero.parallel.params import attribute
-from megazero.parallel.zero.buckets import (
-    Bucket,
-    ParamSlot,
-    nbytes,
-    plan_params,
-    single_dtype,
-    weak_grad_hook,
-)
-from megazero.parallel.zero.materialize import initial_value, is_meta, swap_in
+from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, weak_grad_hook
+from megazero.parallel.zero.replicated_params import ReplicatedParams
 
 
 class BucketedGradSync:
@@ -51,14 +51,15 @@ class BucketedGradSync:
     Subclasses say how a bucket is reduced (:meth:`_launch`), where its gradient storage lives
     (:meth:`_grad_storage`) and where the reduced gradient of a bucket range is read
     (:meth:`reduced_grad`). ``dp``: the group to reduce over; ``tp`` and ``pipeline`` (default: one
-    rank) for :meth:`finalize_grads`' sums of sequence-parallel and tied-embedding gradients.
+    rank) for :meth:`finalize_grads`' sums of sequence-parallel and tied-embedding gradients;
+    ``params``: the parameter component (default: :class:`ReplicatedParams`, see the module doc).
     """
 
     reduce_every_backward = False          # True: every backward reduces (not only the step's last)
     average_after = False                  # True: scale by 1/dp after the reduction, this rank's range only
 
     def __init__(self, chunks: nn.Module | list[nn.Module], dp: DataParallel, zero_cfg: ZeroConfig | None = None,
-                 *, tp: TensorParallel | None = None, pipeline: PipelineLayout | None = None,
+                 *, params=None, tp: TensorParallel | None = None, pipeline: PipelineLayout | None = None,
                  comm_log: CommLog | None = None):
         self.chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
         self.dp = dp
@@ -74,7 +75,6 @@ class BucketedGradSync:
         self.buckets: list[Bucket] = []
         self.slots: list[ParamSlot] = []
         self._slot_of: dict[int, ParamSlot] = {}
-        self.param_buffers: list[torch.Tensor] = []
         self.grad_buffers: list[torch.Tensor | None] = []
         self._reducing = [True] * len(self.chunks)
         self._fp32_grads = bool(self.cfg.accumulate_allreduce_grads_in_fp32)
@@ -85,57 +85,36 @@ class BucketedGradSync:
         self._synced = False
         self.on_reduced = None     # f(bucket, lo, hi): the reduced gradient of bucket elements [lo, hi) held
                                    # here just changed (an offloading optimizer copies it to the host)
+        self.params = params if params is not None else ReplicatedParams()
+        self.params.attach(self)
         for chunk_id, chunk in enumerate(self.chunks):
-            self._build_chunk(chunk_id, chunk)
+            self._add_chunk(chunk_id, self.params.build_chunk(chunk_id, chunk, len(self.buckets)))
+        self.params.install()
         self._reset_countdown()
 
     # ----------------------------------------------------------------- layout
-    def _build_chunk(self, chunk_id: int, chunk: nn.Module) -> None:
-        named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad][::-1]
-        if not named:
-            self.param_buffers.append(torch.empty(0))
-            self.grad_buffers.append(None)
-            return
-        dtype, device = single_dtype(named, chunk_id), self.device_of(named[0][1])
-        plan = plan_params(named, self.cfg.bucket_size, self.dp_size)
-        total = sum(padded for _, padded in plan)
-        pbuf = torch.zeros(total, dtype=dtype, device=device)
-        offset = 0
-        for members, padded in plan:
-            bucket = Bucket(chunk_id, len(self.buckets), offset, padded, padded // self.dp_size)
-            bucket.param_data = pbuf[offset:offset + padded]
-            for i, start, end in members:
-                name, p = named[i]
-                view = bucket.param_data[start:end].view(p.shape)
-                with torch.no_grad():
-                    view.copy_(initial_value(chunk, name, p))
-                p = swap_in(chunk, name, p, view)            # the parameter now lives in the bucket
-                self._add_slot(ParamSlot(name, p, bucket, start, end, p.shape))
+    def _add_chunk(self, chunk_id: int, buckets: list[Bucket]) -> None:
+        """Take a chunk's buckets as the parameter component laid them out: a gradient hook on every
+        parameter, and the chunk's gradient storage."""
+        for bucket in buckets:
             self.buckets.append(bucket)
-            offset += padded
-        self.param_buffers.append(pbuf)
-        self.grad_buffers.append(self._make_grad_buffer(total, self.grad_dtype(dtype), device))
-        for bucket in self.buckets:
-            if bucket.chunk_id == chunk_id:
-                self._attach_grads(bucket)
-
-    def device_of(self, p: nn.Parameter) -> torch.device:
-        """Where a parameter's storage goes: its own device, or this rank's for a meta parameter."""
-        return self.dp.device if is_meta(p) else p.device
-
-    def _add_slot(self, slot: ParamSlot) -> None:
-        slot.bucket.slots.append(slot)
-        self.slots.append(slot)
-        self._slot_of[id(slot.param)] = slot
-        slot.param.register_post_accumulate_grad_hook(weak_grad_hook(self))
+            for slot in bucket.slots:
+                self.slots.append(slot)
+                self._slot_of[id(slot.param)] = slot
+                slot.param.register_post_accumulate_grad_hook(weak_grad_hook(self))
+        self.grad_buffers.append(self._make_grad_buffer(buckets) if buckets else None)
+        for bucket in buckets:
+            self._attach_grads(bucket)
 
     def grad_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """Gradients are accumulated and reduced in fp32 with ``accumulate_allreduce_grads_in_fp32``
         (Megatron's main grads), else in the parameters' dtype."""
         return torch.float32 if self._fp32_grads else param_dtype
 
-    def _make_grad_buffer(self, total: int, dtype, device) -> torch.Tensor | None:
-        return torch.zeros(total, dtype=dtype, device=device)
+    def _make_grad_buffer(self, buckets: list[Bucket]) -> torch.Tensor | None:
+        """One persistent buffer for the chunk's buckets, laid out as its parameter buffer."""
+        first = buckets[0].param_data
+        return torch.zeros(sum(b.numel for b in buckets), dtype=self.grad_dtype(first.dtype), device=first.device)
 
     def _attach_grads(self, bucket: Bucket) -> None:
         """Point ``bucket.grad_data`` (and every ``param.grad`` of the bucket, when the dtypes agree, so
@@ -191,17 +170,12 @@ class BucketedGradSync:
         self._input_only.discard(chunk_id)
         self.before_backward(chunk_id, is_last_microbatch)
         self._weight_pass.add(chunk_id)
-        self._prepare_weight_grad(chunk_id)
+        self.params.before_weight_grad(chunk_id)          # stage 3 gathers the chunk's parameters again
         try:
             yield
         finally:
             self._weight_pass.discard(chunk_id)
-        self._end_of_weight_grad(chunk_id, is_last_microbatch)
-
-    def _prepare_weight_grad(self, chunk_id: int) -> None:
-        """What W needs before it runs (stage 3 gathers the chunk's parameters)."""
-
-    def _end_of_weight_grad(self, chunk_id: int, is_last_microbatch: bool) -> None:
+        self.params.after_weight_grad(chunk_id, is_last_microbatch)
         self._end_of_backward(chunk_id)
 
     def on_grad_ready(self, param: nn.Parameter) -> None:
@@ -209,7 +183,7 @@ class BucketedGradSync:
         slot = self._slot_of[id(param)]
         bucket = slot.bucket
         if bucket.chunk_id not in self._input_only:  # in an I (its marked weights, a nested backward): I's own end counts
-            self._watch_backward(bucket.chunk_id)
+            self.watch_backward(bucket.chunk_id)
         storage = self._grad_storage(bucket)
         if param.grad is not None and param.grad.data_ptr() != storage[slot.start:slot.end].data_ptr():
             self._fold(slot, storage, param.grad)    # a fresh .grad: into the bucket
@@ -219,7 +193,7 @@ class BucketedGradSync:
             if bucket.pending == 0:
                 self._start(bucket)
 
-    def _watch_backward(self, chunk_id: int) -> None:
+    def watch_backward(self, chunk_id: int) -> None:
         """Have :meth:`_end_of_backward` run once the backward in progress on ``chunk_id`` ends."""
         if chunk_id in self._weight_pass:
             return
@@ -228,8 +202,14 @@ class BucketedGradSync:
             self._backward_of[chunk_id] = task
             torch.autograd.Variable._execution_engine.queue_callback(partial(self._end_of_backward, chunk_id))
 
+    def is_reducing(self, chunk_id: int) -> bool:
+        """Does the backward in progress (or the last one) on ``chunk_id`` reduce its gradients?"""
+        return self._reducing[chunk_id]
+
     def _end_of_backward(self, chunk_id: int) -> None:
-        """Launch what the countdown did not, and start the countdown over for the next backward."""
+        """Tell the parameters, launch what the countdown did not, and start the countdown over for
+        the next backward."""
+        self.params.after_backward(chunk_id)
         self._backward_of.pop(chunk_id, None)
         if chunk_id in self._input_only:             # the I of a split backward: no gradient yet
             return
@@ -273,6 +253,7 @@ class BucketedGradSync:
             self._reduced(bucket, lo, hi)
         self._reset_countdown()
         self._synced = True
+        self.params.after_grad_sync()
 
     def _reduced(self, bucket: Bucket, lo: int, hi: int) -> None:
         if self.on_reduced is not None and lo < hi:
@@ -283,10 +264,6 @@ class BucketedGradSync:
             bucket.pending, bucket.launched = len(bucket.slots), False
 
     # ------------------------------------------------------- after the sync
-    def param_values(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
-        """View of the model's values of bucket elements [lo, hi)."""
-        return bucket.param_data[lo:hi]
-
     def shard_range(self, bucket: Bucket) -> tuple[int, int]:
         """The bucket elements this DP rank owns in ZeRO: [dp_rank * shard, (dp_rank + 1) * shard)."""
         return bucket.shard_range(self.dp_rank)
@@ -376,24 +353,11 @@ class BucketedGradSync:
         return sum(nbytes(t) for t in self.held_grad_tensors())
 
     def close(self) -> None:
-        """Release what outlives the object's memory (hooks: ``param_sync``)."""
-
-    # Stage 3 gathers parameters (param_sync.py); at stages 0-2 every parameter is always whole.
-    def gather_all(self) -> list:
-        """Gather every parameter now; returns what :meth:`release` should free afterwards."""
-        return []
-
-    def release(self, unit) -> None:
-        pass
-
-    def release_all(self, chunk_id: int | None = None) -> None:
-        pass
-
-    def write_back(self) -> None:
-        """Make the whole parameters' current values the truth (stage 3 copies them into its shards)."""
+        """Release what outlives the object's memory (nothing here)."""
 
     def reset_peaks(self) -> None:
-        """Restart the peak counts from now (stage 3)."""
+        """Restart the peak counts from now (the parameters' own; the sharded stages' gradient bytes)."""
+        self.params.reset_peaks()
 
 
 class AllReduceGradSync(BucketedGradSync):

@@ -1,8 +1,9 @@
 """Sharded construction: a model built on the meta device gets each parameter's values where they live.
 
 DeepSpeed's ``zero.Init`` and FSDP's meta-device init, for megazero: the trainer builds its chunks
-with ``device="meta"`` (nothing allocated), and the grad sync, while it lays the parameters out in
-buckets, swaps every meta parameter for a real one whose storage is its place in the bucket (stages
+with ``device="meta"`` (nothing allocated), and the grad sync's parameter component
+(:mod:`.replicated_params`, :mod:`.param_sync`), while it lays the parameters out in buckets, swaps
+every meta parameter for a real one whose storage is its place in the bucket (stages
 0-2) or an empty tensor (stage 3), and asks the model for its initial value
 (``chunk.initial_value(name)``, the model contract: the tp-local value, drawn layout-independently).
 
@@ -19,6 +20,11 @@ from torch import nn
 
 def is_meta(p: torch.Tensor) -> bool:
     return p.device.type == "meta"
+
+
+def storage_device(p: torch.Tensor, rank_device: torch.device) -> torch.device:
+    """Where a parameter's storage goes: its own device, or ``rank_device`` (this rank's) for a meta one."""
+    return rank_device if is_meta(p) else p.device
 
 
 def initial_value(chunk: nn.Module, name: str, p: nn.Parameter) -> torch.Tensor:

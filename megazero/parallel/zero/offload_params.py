@@ -1,9 +1,15 @@
-"""ZeRO-3's parameter shards off the device (``--offload-params cpu|nvme``).
+"""Where ZeRO-3's parameter shards live: the shard stores of stage 3's parameters (:mod:`.param_sync`).
 
-Parameters (``--offload-params``, ZeRO-3): each bucket's shard lives on the host (pinned) or in the swap
-file; gathering a unit copies the shard into a device staging buffer and all-gathers from it. With nvme
-the shard is read by an I/O thread one unit ahead of the gathers the prefetch already launches, and the
-optimizer's writes of the new values go through the same thread (so a read never overtakes a write).
+    store          --offload-params   rank r's shard of every bucket       gathering a unit
+    DeviceShards   none (default)     ``bucket.shard``, device memory       all-gathers from it
+    HostShards     cpu                ``bucket.shard``, pinned host memory  copies it to a device staging buffer
+    SwappedShards  nvme               a page-aligned region of params.swp  reads it (an I/O thread), then as cpu
+
+One store serves every bucket group of an engine (dense parameters and experts share the swap file).
+With nvme the shard is read by an I/O thread one unit ahead of the gathers the prefetch already launches,
+and the optimizer's writes of the new values go through the same thread (so a read never overtakes a
+write). Stages 0-2 hold no shards: the engine builds the store from the config all the same, and only
+stage 3's parameters use it.
 """
 from __future__ import annotations
 
@@ -15,6 +21,40 @@ import torch
 
 from megazero.parallel.zero.offload import Mover, OffloadStats, wait_event
 from megazero.parallel.zero.swap import SwapDir, io_thread
+
+
+class DeviceShards:
+    """The parameter shards without offloading: ``bucket.shard``, on the device (the default store)."""
+
+    offloaded = False
+
+    def allocate(self, bucket, n: int, dtype: torch.dtype, device) -> None:
+        bucket.shard = torch.zeros(n, dtype=dtype, device=device)
+
+    @contextlib.contextmanager
+    def filling(self, bucket):
+        yield bucket.shard
+
+    def view(self, bucket) -> torch.Tensor:
+        return bucket.shard
+
+    def source(self, bucket) -> torch.Tensor:
+        return bucket.shard
+
+    def prefetch(self, bucket) -> None:
+        pass
+
+    def write(self, bucket, lo: int, hi: int, values: torch.Tensor) -> None:
+        bucket.shard[lo:hi].copy_(values, non_blocking=True)
+
+    def flush(self) -> None:
+        pass
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 class HostShards:
@@ -154,6 +194,8 @@ class SwappedShards(HostShards):
         self._io.shutdown(wait=True)
 
 
-def build_param_shards(where: str, device, pin: bool, swap: SwapDir | None) -> HostShards:
-    """``--offload-params cpu`` or ``nvme``."""
+def build_param_shards(where: str, device, pin: bool, swap: SwapDir | None):
+    """The shard store ``--offload-params`` asks for: ``none``, ``cpu`` or ``nvme``."""
+    if where == "none":
+        return DeviceShards()
     return {"cpu": HostShards, "nvme": SwappedShards}[where](device, pin, swap)

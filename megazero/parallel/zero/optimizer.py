@@ -92,7 +92,7 @@ class ResidentState:
         self.opt = opt
         for k, r in enumerate(opt.ranges):
             params = opt.range_params(r)
-            on_device = opt.publish.params_on_device(r.sync)
+            on_device = r.sync.params.on_device
             r.master_is_param = r.param_fp32 and on_device
             if r.master_is_param:
                 r.master = params
@@ -199,12 +199,14 @@ class BucketAdamW:
         return isinstance(self.states, OffloadedOptimizerState)
 
     def range_params(self, r: RangeState) -> torch.Tensor:
-        """The model's values of range ``r``'s elements (stage 3: the rank's persistent shard)."""
-        return self.publish.range_params(r.sync, r.bucket, r.lo, r.hi)
+        """The model's values of range ``r``'s elements, from its grad sync's parameter component (stage 3:
+        the rank's persistent shard)."""
+        return r.sync.params.values(r.bucket, r.lo, r.hi)
 
     def _write_params(self, k: int, a: int, b: int, values: torch.Tensor) -> None:
         """Store ``values`` as the parameters of range k's elements [a, b) (relative to the range)."""
-        self.publish.write(self.ranges[k], a, b, values)
+        r = self.ranges[k]
+        r.sync.params.write(r.bucket, r.lo + a, r.lo + b, values)
 
     def wait_params(self) -> None:
         """Return once the parameters hold the last step's values (stages 1-2 with
@@ -295,7 +297,7 @@ class BucketAdamW:
     def _local_params_overflowed(self) -> bool:
         """Whether an fp16/bf16 parameter value this rank owns (and has just written) is not finite.
         Parameters kept off the device (ZeRO-3 ``--offload-params``) are left to the checkpoint's check."""
-        ranges = [r for r in self.ranges if not r.param_fp32 and self.publish.params_on_device(r.sync)]
+        ranges = [r for r in self.ranges if not r.param_fp32 and r.sync.params.on_device]
         if not ranges:
             return False
         bad = torch.zeros((), dtype=torch.int32, device=self.device)

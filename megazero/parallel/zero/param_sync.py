@@ -1,4 +1,7 @@
-"""ZeRO stage 3: parameters, gradients, fp32 master weights and Adam state all sharded over dp.
+"""ZeRO stage 3's parameter component: parameters sharded over dp, gathered per unit around forward and
+backward. Stage 3 is stage 2's sharded gradient sync (:class:`.sharded_grads.ShardedGradSync`) composed
+with :class:`ShardedParams` (the engine's stage table): gradients, fp32 master weights and Adam state
+are sharded as at stage 2, and the parameters too.
 
 Flags: ``--zero-stage 3``, ``--zero3-prefetch-layers K`` (``ZeroConfig.prefetch_layers``, default 1),
 ``--zero3-keep-params-gathered`` (``ZeroConfig.keep_params_gathered``). With tp and pp, every
@@ -28,7 +31,7 @@ a multiple of 64 N elements). Temporary buffers on top of it, per rank:
 * gradients: the full-size gradient of a unit from its first gradient in a backward until its
   reduce-scatter is retired (at most ``reductions_in_flight(3)`` = 1 reduction in flight; the
   unit being computed holds its own), plus a 1/N scratch shard when the shard already holds
-  earlier micro-batches (``grads_peak``; the mechanism is stage 2's, :mod:`.sharded_grads`). The tied
+  earlier micro-batches (``grads_peak``; the grad sync is stage 2's, :mod:`.sharded_grads`). The tied
   word embedding on a pp = 1 chunk holds its full gradient from the head's backward to the
   embedding's, since both add to it.
 
@@ -56,13 +59,14 @@ embedding unit and again by the head, so it is gathered twice in forward and twi
 3Ψ + 2Ψ_emb (N-1)/N per micro-batch. With pp > 1 each stage uses its copy once: exactly 3Ψ.
 
 Units are the model's declaration (``zero3_plan()``, :mod:`megazero.parallel.zero.units`).
-Hooks (installed by :class:`ShardedParamSync`, nothing to call from the model):
+Hooks (installed by :class:`ShardedParams`, nothing to call from the model):
 forward pre-hook of a unit's module -> gather (or wait for the prefetch), prefetch the next
 ``prefetch_layers`` units, and route the input through an identity autograd function whose
 backward releases the unit once its backward is done; forward post-hook -> free the gathered
 buffers and hook the output's gradient, which gathers the unit again before its backward and
-prefetches the units before it. An end-of-backward callback frees whatever is left and launches
-the reduce-scatters of buckets whose gradients were not all produced. Releasing frees the full
+prefetches the units before it. The grad sync's end-of-backward callback calls
+:meth:`ShardedParams.after_backward`, which frees whatever is left, and then launches the
+reduce-scatters of buckets whose gradients were not all produced. Releasing frees the full
 buffer's storage in place (``untyped_storage().resize_(0)``, as PyTorch FSDP2 does) rather than
 replacing it, so views of a weight that autograd saved in forward (``weight.t()`` in a matmul)
 read the re-gathered values in backward instead of pinning the forward's copy in memory.
@@ -72,14 +76,21 @@ Outside forward/backward a released parameter is an empty tensor (``p.numel() ==
 write parameter values inside ``engine.gathered_parameters()``.
 
 Components (passed in, so the variants compose instead of multiplying classes): ``gathering`` fills a
-unit's buckets from the shards (:class:`AllGather`: a plain all-gather; ZeRO++'s qwZ/hpZ,
-:mod:`.zeropp`, sends int8 or gathers a node-local secondary shard instead), ``shards`` says where the
-shards live (:class:`DeviceShards`, or host memory / swap files, :mod:`.offload_params`), and
-``reducer`` reduces the gradients (:mod:`.reducers`).
+unit's buckets from the shards (:mod:`.zeropp`: ``AllGather``, a plain all-gather; ZeRO++'s qwZ/hpZ
+send int8 or gather a node-local secondary shard instead), ``shards`` says where the shards live
+(:mod:`.offload_params`: the device, host memory or swap files). The gradients' own components (the
+``reducer``, :mod:`.reducers`, qgZ) are the grad sync's.
+
+Who calls what, one micro-batch on a chunk (default mode): the unit's forward hooks gather, prefetch
+and release it; its output's gradient hook gathers it again and calls the grad sync's
+``watch_backward``; the gradients arrive in the grad sync's buckets, which reduce-scatters them as they
+fill; ``_PostBackward`` releases each unit after its backward; at the end of the backward the grad sync
+calls :meth:`ShardedParams.after_backward` (release what is left), and after the step's last
+reduction :meth:`ShardedParams.after_grad_sync`. The optimizer reads and writes the shards through
+:meth:`ShardedParams.values` and :meth:`ShardedParams.write` (:mod:`.publish`'s ``WriteShards``).
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 from dataclasses import dataclass, field
 from functools import partial
@@ -87,19 +98,11 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from megazero.config import ZeroConfig
-from megazero.parallel import counted_comm as comm
-from megazero.parallel.groups import DataParallel
-from megazero.parallel.zero.buckets import (
-    Bucket,
-    ParamSlot,
-    nbytes,
-    plan_params,
-    single_dtype,
-)
-from megazero.parallel.zero.materialize import initial_value, swap_in
-from megazero.parallel.zero.sharded_grads import ShardedGradSync
-from megazero.parallel.zero.units import plan_of
+from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, plan_params, single_dtype
+from megazero.parallel.zero.materialize import initial_value, storage_device, swap_in
+from megazero.parallel.zero.offload_params import DeviceShards
+from megazero.parallel.zero.units import in_backward, plan_of
+from megazero.parallel.zero.zeropp import AllGather, build_gathering
 
 
 @dataclass
@@ -132,77 +135,14 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a unit's input; its backward runs once the unit's backward is done."""
 
     @staticmethod
-    def forward(ctx, sync, trigger, x):
-        ctx.sync, ctx.trigger = sync, trigger
+    def forward(ctx, params, trigger, x):
+        ctx.params, ctx.trigger = params, trigger
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.sync.after_unit_backward(ctx.trigger)
+        ctx.params.after_unit_backward(ctx.trigger)
         return None, None, grad
-
-
-class DeviceShards:
-    """Where the parameter shards live without offloading: ``bucket.shard``, on the device. The
-    offloaded variants (host memory, swap files) are in :mod:`megazero.parallel.zero.offload`."""
-
-    offloaded = False
-
-    def allocate(self, bucket: Bucket, n: int, dtype: torch.dtype, device) -> None:
-        bucket.shard = torch.zeros(n, dtype=dtype, device=device)
-
-    @contextlib.contextmanager
-    def filling(self, bucket: Bucket):
-        yield bucket.shard
-
-    def view(self, bucket: Bucket) -> torch.Tensor:
-        return bucket.shard
-
-    def source(self, bucket: Bucket) -> torch.Tensor:
-        return bucket.shard
-
-    def prefetch(self, bucket: Bucket) -> None:
-        pass
-
-    def write(self, bucket: Bucket, lo: int, hi: int, values: torch.Tensor) -> None:
-        bucket.shard[lo:hi].copy_(values, non_blocking=True)
-
-    def flush(self) -> None:
-        pass
-
-    def offloaded_bytes(self) -> dict[str, int]:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward (a forward here is activation recomputation)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class AllGather:
-    """How a unit's bucket is filled from every rank's shard: a plain all-gather over dp (the default
-    gathering; ZeRO++'s is in :mod:`.zeropp`). ``launch`` starts it, ``finish`` completes it."""
-
-    def attach(self, sync: "ShardedParamSync") -> None:
-        self.sync = sync
-
-    def launch(self, bucket: Bucket, source: torch.Tensor, exact: bool):
-        sync = self.sync
-        return comm.all_gather(bucket.param_data, source, sync.dp_group, sync.comm_log, sync.dp.tag, async_op=True)
-
-    def finish(self, bucket: Bucket, pending) -> None:
-        if pending is not None:
-            pending.wait()
-
-    def invalidate(self) -> None:
-        """New shard values were written (nothing cached here)."""
-
-    def held_bytes(self) -> int:
-        """Device bytes this gathering keeps beside the shards (hpZ's secondaries; none here)."""
-        return 0
 
 
 def gathered_unit_bytes(unit_sizes: list[list[int]], elem_bytes: int, prefetch_layers: int, keep: bool) -> int:
@@ -215,41 +155,60 @@ def gathered_unit_bytes(unit_sizes: list[list[int]], elem_bytes: int, prefetch_l
     return elem_bytes * max((sum(cu[i:i + window]) for cu in unit_sizes for i in range(len(cu))), default=0)
 
 
-class ShardedParamSync(ShardedGradSync):
-    """Stage 3 parameter and gradient sharding over the ``dp`` view (see the module docstring).
+class ShardedParams:
+    """Stage 3's parameters over one bucket group's ``dp`` view (see the module docstring): the shards,
+    the units and their hooks, prefetch, gather and release.
 
-    Gradients are stage 2's (:class:`ShardedGradSync`), reduced every micro-batch by default (only
-    on the last one with ``keep_params_gathered``); parameters live as shards too, gathered per
-    unit around its forward and its backward.
+    The parameter component of a :class:`~megazero.parallel.zero.sharded_grads.ShardedGradSync` (its
+    ``params``; the protocol is :class:`~megazero.parallel.zero.replicated_params.ReplicatedParams`'):
+    the grad sync calls it at the points of a step where stage 3 differs from stage 2, and the hooks
+    here call back into the grad sync (``watch_backward``, ``is_reducing``). Components: ``shards``,
+    where the shards live (:mod:`.offload_params`), and ``gathering``, how a unit is filled from them
+    (:mod:`.zeropp`). ``prefetch_layers`` uses are gathered ahead; ``keep_gathered``
+    (``--zero3-keep-params-gathered``) holds each unit from its first use to its last backward of
+    the step.
     """
 
-    stage = 3
-
-    def __init__(self, chunks, dp: DataParallel, zero_cfg: ZeroConfig | None = None, *, shards=None,
-                 gathering=None, **kwargs):
-        cfg = zero_cfg or ZeroConfig(zero_stage=3)
+    def __init__(self, shards=None, gathering=None, *, prefetch_layers: int = 1, keep_gathered: bool = False):
         self.shards = shards if shards is not None else DeviceShards()
         self.gathering = gathering if gathering is not None else AllGather()
-        self.keep = bool(cfg.keep_params_gathered)
+        self.prefetch_layers, self.keep = prefetch_layers, bool(keep_gathered)
         self.units: list[Unit] = []
         self.triggers: list[list[Trigger]] = []
+        self.buckets: list[Bucket] = []
+        self.buffers: list[torch.Tensor] = []       # device memory held: the shards (not offloaded), hpZ's
         self.live_units = self.live_units_peak = 0
         self.gathered_bytes = self.gathered_bytes_peak = 0
         self._hooks = []                   # forward hook handles (remove() to unwrap)
         self._trigger_modules: list[list[tuple[nn.Module, nn.Module]]] = []
-        super().__init__(chunks, dp, cfg, reduce_each_microbatch=not self.keep, **kwargs)
-        self.gathering.attach(self)
-        for chunk_id in range(len(self.chunks)):
-            self._install_hooks(chunk_id)
+
+    @classmethod
+    def from_config(cls, zero_cfg, shards=None) -> "ShardedParams":
+        """The component for a ZeRO config, over the engine's shard store ``shards`` (shared by its
+        bucket groups): the gathering it asks for (qwZ, hpZ), its prefetch and keep-gathered switches."""
+        z = zero_cfg
+        return cls(shards, build_gathering(z.quantized_weights, z.quantization_block_size, z.hpz_partition_size),
+                   prefetch_layers=z.prefetch_layers, keep_gathered=z.keep_params_gathered)
+
+    def attach(self, sync) -> None:
+        """The grad sync this holds the parameters of: its dp view and byte log, and its backward state."""
+        self.sync, self.dp, self.comm_log = sync, sync.dp, sync.comm_log
+
+    @property
+    def on_device(self) -> bool:
+        """The shards (the optimizer's ranges) are device memory, not offloaded."""
+        return not self.shards.offloaded
 
     # ----------------------------------------------------------------- layout
-    def _build_chunk(self, chunk_id: int, chunk: nn.Module) -> None:
+    def build_chunk(self, chunk_id: int, chunk: nn.Module, first_index: int) -> list[Bucket]:
+        """Lay the chunk's declared units out in buckets (each unit its own, numbered from ``first_index``)
+        of which this rank holds only its shard; record the units' uses (triggers). Returns the buckets."""
         plan = plan_of(chunk)
         single_dtype([m for members in plan.units.values() for m in members], chunk_id)
-        by_name = {}
+        by_name, built = {}, []
         for name, members in plan.units.items():
             unit = by_name[name] = Unit(name, chunk_id)
-            self._build_unit(chunk, unit, members[::-1])    # reverse: roughly backward order
+            built += self._build_unit(chunk, unit, members[::-1], first_index + len(built))   # reverse: backward order
             self.units.append(unit)
         self.triggers.append([Trigger(use.name, chunk_id, i, [by_name[u] for u in use.units])
                               for i, use in enumerate(plan.uses)])
@@ -257,19 +216,21 @@ class ShardedParamSync(ShardedGradSync):
             for u in trig.units:
                 u.first_use = trig.index
         self._trigger_modules.append([(use.pre_module, use.post_module) for use in plan.uses])
-        self.grad_buffers.append(None)
+        return built
 
-    def _build_unit(self, chunk: nn.Module, unit: Unit, named: list[tuple[str, nn.Parameter]]) -> None:
+    def _build_unit(self, chunk: nn.Module, unit: Unit, named: list[tuple[str, nn.Parameter]],
+                    first_index: int) -> list[Bucket]:
         """Lay the unit out in buckets and fill this rank's shard of each, one parameter at a time (its
         current value, or its initial value for a meta parameter): the unit is never whole here."""
-        for members, padded in plan_params(named, sys.maxsize, self.dp_size):
+        n, rank = self.dp.size, self.dp.rank
+        for members, padded in plan_params(named, sys.maxsize, n):
             first = named[members[0][0]][1]
-            dtype, device = first.dtype, self.device_of(first)
-            bucket = Bucket(unit.chunk_id, len(self.buckets), 0, padded, padded // self.dp_size)
+            dtype, device = first.dtype, storage_device(first, self.dp.device)
+            bucket = Bucket(unit.chunk_id, first_index + len(unit.buckets), 0, padded, padded // n)
             bucket.param_data = torch.empty(padded, dtype=dtype, device=device)   # storage only while gathered
             bucket.param_data.untyped_storage().resize_(0)
             bucket.empty = torch.empty(0, dtype=dtype, device=device)
-            lo, hi = self.shard_range(bucket)
+            lo, hi = bucket.shard_range(rank)
             self.shards.allocate(bucket, hi - lo, dtype, device)
             with self.shards.filling(bucket) as shard:
                 for i, start, end in members:
@@ -280,11 +241,18 @@ class ShardedParamSync(ShardedGradSync):
                         with torch.no_grad():
                             shard[a - lo:b - lo].copy_(initial_value(chunk, name, p).reshape(-1)[a - start:b - start])
                     p = swap_in(chunk, name, p, bucket.empty)
-                    self._add_slot(ParamSlot(name, p, bucket, start, end, shape))
+                    bucket.slots.append(ParamSlot(name, p, bucket, start, end, shape))
             if not self.shards.offloaded:               # device memory only (offloaded: offloaded_bytes)
-                self.param_buffers.append(bucket.shard)
+                self.buffers.append(bucket.shard)
             self.buckets.append(bucket)
             unit.buckets.append(bucket)
+        return unit.buckets
+
+    def install(self) -> None:
+        """Every chunk is laid out: the gathering's own buffers (hpZ), then the forward hooks."""
+        self.gathering.attach(self)
+        for chunk_id in range(len(self.triggers)):
+            self._install_hooks(chunk_id)
 
     # ---------------------------------------------------------- gather/release
     def gather(self, unit: Unit, exact: bool = False) -> None:
@@ -334,29 +302,6 @@ class ShardedParamSync(ShardedGradSync):
         if count:
             self.live_units -= 1
 
-    def param_values(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
-        """View of the values of bucket elements [lo, hi), which must lie in this rank's shard."""
-        base, end = self.shard_range(bucket)
-        if lo < base or hi > end:
-            raise IndexError(f"rank {self.dp_rank} holds the parameters of bucket elements [{base}, {end}), "
-                             f"asked for [{lo}, {hi})")
-        return self.shards.view(bucket)[lo - base:hi - base]
-
-    def shard_values(self, bucket: Bucket) -> torch.Tensor:
-        """This rank's whole shard of ``bucket`` (a view: on the device, on the host, or of the swap file)."""
-        return self.shards.view(bucket)
-
-    def write_params(self, bucket: Bucket, lo: int, hi: int, values: torch.Tensor) -> None:
-        """Store ``values`` as the parameters of bucket elements [lo, hi), which lie in this rank's shard
-        (the optimizer publishing; the next gather reads them). ``flush_params`` completes the writes."""
-        base = self.shard_range(bucket)[0]
-        self.shards.write(bucket, lo - base, hi - base, values)
-
-    def flush_params(self) -> None:
-        """The optimizer published new shards: finish the writes; cached copies (hpZ) are stale."""
-        self.shards.flush()
-        self.gathering.invalidate()
-
     def gather_all(self) -> list[Unit]:
         """Gather every unit now (blocking); returns the ones that were released before."""
         newly = [u for u in self.units if u.state == "released"]
@@ -371,9 +316,41 @@ class ShardedParamSync(ShardedGradSync):
             if chunk_id is None or u.chunk_id == chunk_id:
                 self.release(u)
 
+    # ---------------------------------------------- the optimizer, the engine
+    def values(self, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
+        """View of the values of bucket elements [lo, hi), which must lie in this rank's shard (on the
+        device, on the host, or of the swap file)."""
+        base, end = self.held_range(bucket)
+        if lo < base or hi > end:
+            raise IndexError(f"rank {self.dp.rank} holds the parameters of bucket elements [{base}, {end}), "
+                             f"asked for [{lo}, {hi})")
+        return self.shards.view(bucket)[lo - base:hi - base]
+
+    def held_range(self, bucket: Bucket) -> tuple[int, int]:
+        """The bucket elements whose values this rank holds: its shard."""
+        return bucket.shard_range(self.dp.rank)
+
+    def write(self, bucket: Bucket, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Store ``values`` as the parameters of bucket elements [lo, hi), which lie in this rank's shard
+        (the optimizer publishing; the next gather reads them). :meth:`flush` completes the writes."""
+        base = self.held_range(bucket)[0]
+        self.shards.write(bucket, lo - base, hi - base, values)
+
+    def flush(self) -> None:
+        """New shards were published: finish the writes; cached copies (hpZ) are stale."""
+        self.shards.flush()
+        self.gathering.invalidate()
+
     def reset_peaks(self) -> None:
-        """Restart the peak counts of gathered units / bytes and of gradient bytes from now."""
-        self.live_units_peak, self.gathered_bytes_peak, self._peak = self.live_units, self.gathered_bytes, self._held
+        """Restart the peak counts of gathered units and bytes from now."""
+        self.live_units_peak, self.gathered_bytes_peak = self.live_units, self.gathered_bytes
+
+    def accounting(self) -> dict[str, int]:
+        """What ``model_state_bytes`` adds: ``gathered_params`` (now), ``gathered_params_peak`` bytes and
+        ``gathered_units_peak`` units gathered at once so far, hpZ's ``hpz_secondary_params`` (within
+        ``params``)."""
+        return {"gathered_params": self.gathered_bytes, "gathered_params_peak": self.gathered_bytes_peak,
+                "gathered_units_peak": self.live_units_peak, "hpz_secondary_params": self.gathering.held_bytes()}
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -383,10 +360,9 @@ class ShardedParamSync(ShardedGradSync):
             if u.state != "released":
                 self.wait(u)
                 for b in u.buckets:
-                    lo, hi = self.shard_range(b)
+                    lo, hi = self.held_range(b)
                     self.shards.write(b, 0, hi - lo, b.param_data[lo:hi])
-        self.shards.flush()
-        self.gathering.invalidate()
+        self.flush()
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self, chunk_id: int) -> None:
@@ -397,12 +373,12 @@ class ShardedParamSync(ShardedGradSync):
     def _prefetch(self, trig: Trigger, direction: int) -> None:
         """Launch the gathers of the next ``prefetch_layers`` triggers (forward: +1, backward: -1)."""
         trigs = self.triggers[trig.chunk_id]
-        for j in range(1, self.cfg.prefetch_layers + 1):
+        for j in range(1, self.prefetch_layers + 1):
             idx = trig.index + direction * j
             if 0 <= idx < len(trigs):
                 for u in trigs[idx].units:
                     self.gather(u)
-        idx = trig.index + direction * (self.cfg.prefetch_layers + 1)   # offloaded shards: read one further ahead
+        idx = trig.index + direction * (self.prefetch_layers + 1)   # offloaded shards: read one further ahead
         if self.shards.offloaded and 0 <= idx < len(trigs):
             for u in trigs[idx].units:
                 if u.state == "released":
@@ -431,7 +407,7 @@ class ShardedParamSync(ShardedGradSync):
 
     def _pre_backward(self, trig: Trigger, grad) -> None:
         """Gradient of the trigger's output is ready: its backward is next. Gather it, prefetch."""
-        self._watch_backward(trig.chunk_id)
+        self.sync.watch_backward(trig.chunk_id)
         for u in trig.units:
             self.wait(u)
         self._prefetch(trig, -1)
@@ -444,27 +420,21 @@ class ShardedParamSync(ShardedGradSync):
         this step, so the gathered parameters shrink through that backward as FSDP's do."""
         if not self.keep:
             done = trig.units
-        elif self._reducing[trig.chunk_id]:
+        elif self.sync.is_reducing(trig.chunk_id):
             done = [u for u in trig.units if u.first_use == trig.index]
         else:
             done = []
         for u in done:
             self.release(u)
 
-    def _end_of_backward(self, chunk_id: int) -> None:
-        """After each backward of a chunk: free what is still gathered (default mode), then reduce."""
+    # -------------------------------------------------- the points of a step
+    def after_backward(self, chunk_id: int) -> None:
+        """After each backward of a chunk, before its reductions are launched: free what is still
+        gathered (default mode)."""
         if not self.keep:
             self.release_all(chunk_id)
-        super()._end_of_backward(chunk_id)
 
-    def _end_of_weight_grad(self, chunk_id: int, is_last_microbatch: bool) -> None:
-        """After a W: as after a backward; ``keep_params_gathered`` frees the chunk after the step's
-        last W (its I released nothing: :meth:`before_input_grad` marks it as not reducing)."""
-        if self.keep and is_last_microbatch:
-            self.release_all(chunk_id)
-        super()._end_of_weight_grad(chunk_id, is_last_microbatch)
-
-    def _prepare_weight_grad(self, chunk_id: int) -> None:
+    def before_weight_grad(self, chunk_id: int) -> None:
         """Gather the chunk's units again for W (a zero-bubble schedule's weight-gradient pass). W
         re-runs the backward nodes that take a weight (for the weight's half only), and those nodes
         hold views of the weights that releasing emptied; holding every unit from I until W instead
@@ -479,7 +449,13 @@ class ShardedParamSync(ShardedGradSync):
             if u.chunk_id == chunk_id:
                 self.wait(u)
 
-    def finish_grad_sync(self) -> None:
-        """Reduce what is left, wait for every reduction, release all gathered parameters."""
-        super().finish_grad_sync()
+    def after_weight_grad(self, chunk_id: int, is_last_microbatch: bool) -> None:
+        """After a W, before its end of backward (:meth:`after_backward`): ``keep_params_gathered``
+        frees the chunk after the step's last W (its I released nothing: the grad sync's
+        ``before_input_grad`` marks it as not reducing)."""
+        if self.keep and is_last_microbatch:
+            self.release_all(chunk_id)
+
+    def after_grad_sync(self) -> None:
+        """Every reduction of the step is done: release all gathered parameters."""
         self.release_all()

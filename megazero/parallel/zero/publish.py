@@ -1,19 +1,21 @@
 """What differs between the ZeRO stages on the optimizer's side, as one small policy object per stage:
 which range of every bucket a rank owns (and steps), how many ranks hold each reduced gradient element
-(for the global norm), where the parameters of that range are read, and how the updated weights reach
-the model afterwards. The step itself is :class:`megazero.parallel.zero.optimizer.BucketAdamW`'s.
+(for the global norm), and how the updated weights reach the model afterwards. The step itself is
+:class:`megazero.parallel.zero.optimizer.BucketAdamW`'s; it reads and writes the parameters of a range
+through the range's grad sync's parameter component (``r.sync.params``: whole parameters at stages
+0-2, this rank's shards at stage 3).
 
     policy            stage  owns             gradient held by     after the step
     Replicated        0      whole bucket     all N dp ranks       write the masters into the params
     AllGatherShards   1, 2   shard r          rank r alone         write the shard, all-gather it over dp
     WriteShards       3      shard r          rank r alone         write the shard; the next forward gathers
 
-Every method takes the range's own grad sync (``r.sync``), so one optimizer steps bucket groups over
-different data-parallel groups (dense parameters over dp, experts over the expert-data-parallel group).
+The engine's stage table names the policy; ``from_config`` builds it from the ZeRO config. Each derives
+from :class:`PublishPolicy` (what they share), none from another stage's. Every method takes the
+range's own grad sync (``r.sync``), so one optimizer steps bucket groups over different data-parallel
+groups (dense parameters over dp, experts over the expert-data-parallel group).
 """
 from __future__ import annotations
-
-import torch
 
 from megazero.compile import in_compiled_region, parent_map
 from megazero.parallel import counted_comm as comm
@@ -21,39 +23,34 @@ from megazero.parallel.zero.buckets import Bucket
 from megazero.parallel.zero.units import ParamSubset
 
 
-class Replicated:
-    """Stage 0: every dp rank keeps fp32 masters and Adam state for every parameter."""
+class PublishPolicy:
+    """What the stages' policies share (not a stage itself): the bucket groups' grad syncs, ownership of
+    this rank's shard of every bucket (``sharded``), and nothing to wait for or to close."""
 
-    sharded = False
+    sharded = True
+    overlap = None                            # the overlapped parameter gather (stages 1-2 with the flag)
 
     def __init__(self, syncs):
         self.syncs = syncs
-        self.overlap = None                   # the overlapped parameter gather (stages 1-2 only)
+
+    @classmethod
+    def from_config(cls, syncs, zero_cfg) -> "PublishPolicy":
+        """The policy over ``syncs`` for a ZeRO config (the switches it takes, if any)."""
+        return cls(syncs)
 
     def owned_range(self, sync, bucket: Bucket) -> tuple[int, int]:
-        return 0, bucket.numel
+        """The bucket elements this rank steps: its shard."""
+        return sync.shard_range(bucket)
 
     def replicas(self, sync) -> int:
         """Ranks holding each reduced gradient element this rank holds (its norm is divided by this)."""
-        return sync.dp_size
-
-    def range_params(self, sync, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
-        """The model's values of bucket elements [lo, hi) (stage 3: the rank's persistent shard)."""
-        return bucket.param_data[lo:hi]
-
-    def params_on_device(self, sync) -> bool:
-        """The parameters of the owned ranges are device memory (stage 3 may offload them)."""
-        return True
-
-    def write(self, r, a: int, b: int, values: torch.Tensor) -> None:
-        """Store ``values`` as the parameters of range ``r``'s elements [a, b) (relative to the range)."""
-        r.bucket.param_data[r.lo + a:r.lo + b].copy_(values, non_blocking=True)
+        return 1
 
     def before_write(self) -> None:
         """Called before new parameter values are stored."""
 
     def share(self, ranges) -> None:
-        """Make the stored values the model's everywhere (nothing to do: every rank stepped them all)."""
+        """Make the stored values the model's everywhere."""
 
     def wait(self) -> None:
         """Return once the parameters hold the last step's values."""
@@ -62,23 +59,32 @@ class Replicated:
         pass
 
 
-class AllGatherShards(Replicated):
+class Replicated(PublishPolicy):
+    """Stage 0: every dp rank keeps fp32 masters and Adam state for every parameter, steps them all and
+    writes them into its parameters: nothing to share."""
+
+    sharded = False
+
+    def owned_range(self, sync, bucket: Bucket) -> tuple[int, int]:
+        return 0, bucket.numel
+
+    def replicas(self, sync) -> int:
+        return sync.dp_size
+
+
+class AllGatherShards(PublishPolicy):
     """ZeRO-1/2: rank r keeps fp32 masters and Adam state for shard r of every bucket, steps it and
     all-gathers the updated parameters over its bucket group's dp, in the order the forward uses the
     buckets (the last bucket holds the first layers). With ``--overlap-param-gather`` the gathers finish
     behind the next forward (:class:`OverlappedParamGather`)."""
 
-    sharded = True
-
     def __init__(self, syncs, overlap: bool = False):
         super().__init__(syncs)
         self.overlap = OverlappedParamGather(syncs) if overlap else None
 
-    def owned_range(self, sync, bucket: Bucket) -> tuple[int, int]:
-        return sync.shard_range(bucket)
-
-    def replicas(self, sync) -> int:
-        return 1
+    @classmethod
+    def from_config(cls, syncs, zero_cfg) -> "AllGatherShards":
+        return cls(syncs, overlap=zero_cfg.overlap_param_gather)
 
     def share(self, ranges) -> None:
         handles = {}
@@ -185,26 +191,14 @@ def _distinct_chunks(syncs):
     return out
 
 
-class WriteShards(AllGatherShards):
+class WriteShards(PublishPolicy):
     """ZeRO-3: AdamW on this rank's shard of every bucket; publishing = writing the shard (no
     all-gather: the next forward gathers)."""
 
-    def __init__(self, syncs):
-        Replicated.__init__(self, syncs)
-
-    def range_params(self, sync, bucket: Bucket, lo: int, hi: int) -> torch.Tensor:
-        return sync.shard_values(bucket)
-
-    def params_on_device(self, sync) -> bool:
-        return not sync.shards.offloaded
-
     def before_write(self) -> None:
         for sync in self.syncs:
-            sync.release_all()                    # gathered copies would be stale
-
-    def write(self, r, a: int, b: int, values: torch.Tensor) -> None:
-        r.sync.write_params(r.bucket, r.lo + a, r.lo + b, values)
+            sync.params.release_all()             # gathered copies would be stale
 
     def share(self, ranges) -> None:
         for sync in self.syncs:
-            sync.flush_params()                   # the next forward gathers from the shards
+            sync.params.flush()                   # the next forward gathers from the shards

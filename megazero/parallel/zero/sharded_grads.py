@@ -1,5 +1,6 @@
-"""Stage 2's gradient sharding (also stage 3's, :mod:`.param_sync`): each rank keeps only its 1/dp
-shard of the reduced gradients.
+"""The sharded gradients of stages 2 and 3: each rank keeps only its 1/dp shard of the reduced gradients.
+Stage 3 is this same grad sync composed with sharded parameters (:class:`.param_sync.ShardedParams`,
+the engine's stage table); stage 2's parameters are replicated (:class:`.replicated_params.ReplicatedParams`).
 
 A bucket's full-size storage is allocated by its first gradient and detached from the parameters as
 its reduction is launched (the next backward accumulates into fresh storage). The first reduction of a
@@ -57,36 +58,38 @@ def backward_grad_bytes(bucket_sizes: list[int], grad_bytes: int, n: int, stage:
 
 
 class ShardedGradSync(BucketedGradSync):
-    """Stage 2: each rank keeps only its 1/dp shard of the reduced gradients (see the module doc).
+    """Stages 2 and 3: each rank keeps only its 1/dp shard of the reduced gradients (see the module doc).
 
     Components: ``reducer`` sums a bucket into this rank's shard (:mod:`.reducers`: the plain
     reduce-scatter, or qgZ's quantized hierarchical one); ``reduce_each_microbatch`` reduces after every
-    micro-batch's backward instead of the step's last (DeepSpeed's stage 2).
+    micro-batch's backward instead of the step's last (DeepSpeed's stage 2, and stage 3 unless its
+    parameters are kept gathered); ``max_in_flight`` bounds the reductions in flight (default
+    ``reductions_in_flight(2, ...)``); ``params``, the parameter component (:mod:`.grad_sync`).
 
     Lifetimes, per bucket: the full-size storage from the bucket's first gradient until its
     reduce-scatter is retired; the gradient shard from the step's first reduction until
     ``zero_grad``. So the optimizer step holds only shards, the next forward holds no gradients at
     all, and backward holds the full storage of buckets not yet reduced. A retired storage is kept
     for the next bucket of its size until the backward's reductions are finished (fresh memory costs
-    a page fault at every first touch): at most ``reductions_in_flight(2)`` + 1 are kept, and they
-    are freed before a storage of another size is allocated, so they never raise the peak.
+    a page fault at every first touch): at most ``max_in_flight`` + 1 are kept, and they are freed
+    before a storage of another size is allocated, so they never raise the peak.
     ``peak_grad_bytes`` records the most held at once.
     """
 
     average_after = True
-    stage = 2
 
     def __init__(self, chunks, dp: DataParallel, zero_cfg: ZeroConfig | None = None, *, reducer=None,
-                 reduce_each_microbatch: bool = False, **kwargs):
+                 reduce_each_microbatch: bool = False, max_in_flight: int | None = None, **kwargs):
         self._in_flight: deque = deque()       # (bucket, handle, full storage, scratch shard or None)
         self._held = self._peak = 0
         self._spare: list[torch.Tensor] = []     # retired full-size storage for the next buckets of this backward
         self.reduce_every_backward = reduce_each_microbatch
         super().__init__(chunks, dp, zero_cfg, **kwargs)
         self.reducer = reducer if reducer is not None else ReduceScatter(dp, self.comm_log)
-        self._max_in_flight = reductions_in_flight(self.stage, self.cfg.overlap_grad_reduce)
+        self._max_in_flight = (max_in_flight if max_in_flight is not None
+                               else reductions_in_flight(2, self.cfg.overlap_grad_reduce))
 
-    def _make_grad_buffer(self, total: int, dtype, device) -> None:
+    def _make_grad_buffer(self, buckets: list[Bucket]) -> None:
         return None
 
     def _attach_grads(self, bucket: Bucket) -> None:
@@ -196,7 +199,8 @@ class ShardedGradSync(BucketedGradSync):
 
     def finish_grad_sync(self) -> None:
         """Reduce what is left (gradients not yet reduced; buckets that got none this step reduce
-        zeros, so every rank holds a shard and every rank makes the same collectives), wait."""
+        zeros, so every rank holds a shard and every rank makes the same collectives), wait; then the
+        parameters are told (stage 3's release what is still gathered)."""
         for bucket in self.buckets:
             if bucket.grad_data is not None or bucket.grad_shard is None:
                 self._start(bucket)
@@ -204,6 +208,7 @@ class ShardedGradSync(BucketedGradSync):
         self._drop_spares()
         self._reset_countdown()
         self._synced = True
+        self.params.after_grad_sync()
 
     def grad_range(self, bucket: Bucket) -> tuple[int, int]:
         return self.shard_range(bucket)
@@ -238,3 +243,7 @@ class ShardedGradSync(BucketedGradSync):
     @property
     def peak_grad_bytes(self) -> int:
         return self._peak
+
+    def reset_peaks(self) -> None:
+        self._peak = self._held
+        super().reset_peaks()

@@ -46,6 +46,11 @@ class Zero3Plan:
     uses: list[UnitUse] = field(default_factory=list)
 
 
+def in_backward() -> bool:
+    """True while autograd runs a backward (a use's forward then is activation recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def trainable(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Parameter]]:
     """``module``'s parameters that require gradients, named with ``prefix``."""
     return [(prefix + n, p) for n, p in module.named_parameters() if p.requires_grad]

@@ -1,4 +1,7 @@
-"""ZeRO++ (arXiv 2306.10209): ZeRO's communication made node-aware, in three switches, each a component.
+"""Stage 3's gathering component: how a unit's buckets are filled from every rank's shard. The plain
+all-gather (:class:`AllGather`), or ZeRO++'s node-aware one.
+
+ZeRO++ (arXiv 2306.10209): ZeRO's communication made node-aware, in three switches, each a component.
 
 * qwZ, ``--zero-quantized-weights``: stage 3's parameter all-gathers send block-wise int8 values with
   one fp32 scale per block (:mod:`.quantize`), dequantized on arrival. Each rank quantizes a copy of
@@ -13,8 +16,11 @@
   two quantized all-to-alls, first inside the node, then across nodes
   (:class:`megazero.parallel.zero.reducers.HierarchicalReducer`, the grad sync's reducer component).
 
-qwZ and hpZ are one gathering component, :class:`ZeroPlusPlusGathering`, which stage 3's
-:class:`megazero.parallel.zero.param_sync.ShardedParamSync` takes in place of its plain all-gather.
+qwZ and hpZ are one gathering component, :class:`ZeroPlusPlusGathering`, which stage 3's parameter
+component (:class:`megazero.parallel.zero.param_sync.ShardedParams`) takes in place of the plain
+all-gather; :func:`build_gathering` picks one from the config. A gathering is attached to one bucket
+group's parameters (``attach``): it gathers over that group's data-parallel view, so the experts'
+hpZ blocks are cut from the expert-data-parallel group.
 
 Who holds what, hpZ, dp = 8 on 2 nodes of 4, K = 4, a unit of 8 x 64 elements::
 
@@ -35,8 +41,33 @@ import torch
 
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.zero.buckets import Bucket, nbytes
-from megazero.parallel.zero.param_sync import AllGather, in_backward
 from megazero.parallel.zero.quantize import pack_rows, packed_columns, unpack_rows
+from megazero.parallel.zero.units import in_backward
+
+
+class AllGather:
+    """How a unit's bucket is filled from every rank's shard: a plain all-gather over the bucket group's
+    dp (the default gathering). ``launch`` starts it, ``finish`` completes it."""
+
+    def attach(self, params) -> None:
+        """``params``: the :class:`~megazero.parallel.zero.param_sync.ShardedParams` whose buckets this fills
+        (its ``dp`` view, ``comm_log``, ``buckets`` and ``buffers``)."""
+        self.params = params
+
+    def launch(self, bucket: Bucket, source: torch.Tensor, exact: bool):
+        dp = self.params.dp
+        return comm.all_gather(bucket.param_data, source, dp.group, self.params.comm_log, dp.tag, async_op=True)
+
+    def finish(self, bucket: Bucket, pending) -> None:
+        if pending is not None:
+            pending.wait()
+
+    def invalidate(self) -> None:
+        """New shard values were written (nothing cached here)."""
+
+    def held_bytes(self) -> int:
+        """Device bytes this gathering keeps beside the shards (hpZ's secondaries; none here)."""
+        return 0
 
 
 class ZeroPlusPlusGathering(AllGather):
@@ -48,17 +79,17 @@ class ZeroPlusPlusGathering(AllGather):
         self.hpz_size = hpz_partition_size if hpz_partition_size > 1 else 0
         self.secondaries: list[torch.Tensor] = []
 
-    def attach(self, sync) -> None:
-        """Once the sync's buckets exist: the hpZ group and one secondary shard per bucket, allocated once
-        (part of the steady model state)."""
-        super().attach(sync)
-        self.hpz_group = sync.dp.partition(self.hpz_size).group if self.hpz_size else None
+    def attach(self, params) -> None:
+        """Once the buckets exist: the hpZ group and one secondary shard per bucket, allocated once
+        (part of the steady model state, among the parameters' buffers)."""
+        super().attach(params)
+        self.hpz_group = params.dp.partition(self.hpz_size).group if self.hpz_size else None
         if self.hpz_size:
-            for b in sync.buckets:
+            for b in params.buckets:
                 b.secondary = torch.zeros(b.numel // self.hpz_size, dtype=b.param_data.dtype,
                                           device=b.param_data.device)
                 b.secondary_valid = False
-                sync.param_buffers.append(b.secondary)
+                params.buffers.append(b.secondary)
                 self.secondaries.append(b.secondary)
 
     def held_bytes(self) -> int:
@@ -68,35 +99,34 @@ class ZeroPlusPlusGathering(AllGather):
     def launch(self, bucket: Bucket, source: torch.Tensor, exact: bool):
         """Backward with a valid secondary: gather it over the hpZ block. Otherwise all dp ranks, int8
         with qwZ (``exact``: the plain values, for ``gathered_parameters``)."""
-        sync = self.sync
+        dp, comm_log = self.params.dp, self.params.comm_log
         if self.hpz_size and not exact and in_backward() and bucket.secondary_valid:
             return ("secondary", comm.all_gather(bucket.param_data, bucket.secondary, self.hpz_group,
-                                                 sync.comm_log, sync.dp.tag, async_op=True))
+                                                 comm_log, dp.tag, async_op=True))
         if not self.quantize_weights or exact:
             return ("plain", super().launch(bucket, source, exact))
         packed = pack_rows(source.reshape(1, -1), self.block).reshape(-1)
-        staging = torch.empty(sync.dp_size * packed.numel(), dtype=torch.uint8, device=packed.device)
-        return ("int8", comm.all_gather(staging, packed, sync.dp_group, sync.comm_log, sync.dp.tag, async_op=True),
-                staging)
+        staging = torch.empty(dp.size * packed.numel(), dtype=torch.uint8, device=packed.device)
+        return ("int8", comm.all_gather(staging, packed, dp.group, comm_log, dp.tag, async_op=True), staging)
 
     def finish(self, bucket: Bucket, pending) -> None:
-        sync = self.sync
+        dp = self.params.dp
         kind, handle = pending[0], pending[1]
         if handle is not None:
             handle.wait()
         if kind == "int8":
-            rows = pending[2].view(sync.dp_size, packed_columns(bucket.shard_size, self.block))
+            rows = pending[2].view(dp.size, packed_columns(bucket.shard_size, self.block))
             bucket.param_data.copy_(unpack_rows(rows, bucket.shard_size, self.block, bucket.param_data.dtype).view(-1))
         if self.hpz_size and kind != "secondary" and not in_backward():
             size = bucket.secondary.numel()
-            lo = (sync.dp_rank % self.hpz_size) * size
+            lo = (dp.rank % self.hpz_size) * size
             bucket.secondary.copy_(bucket.param_data[lo:lo + size])
             bucket.secondary_valid = True
 
     def invalidate(self) -> None:
         """New shards were published (optimizer step, ``write_back``): secondaries are stale until the
         next forward gather."""
-        for b in self.sync.buckets if self.hpz_size else ():
+        for b in self.params.buckets if self.hpz_size else ():
             b.secondary_valid = False
 
 
