@@ -1,10 +1,9 @@
 """tools/fuzz/checker.py: fixed-seed draws equal their serial twin (trained, saved, resumed under a second
 layout), and the comparisons name the first iteration and value that differ."""
-import sys
 
 import pytest
 import torch
-from helpers.trainer import ROOT, fuzz_launcher
+from helpers.trainer import fuzz_launcher
 
 from tools.fuzz.checker import TOLERANCES, Difference, Report, check, compare_records, tensor_difference
 from tools.fuzz.sampler import draw
@@ -56,12 +55,12 @@ def test_records_out_of_tolerance_name_their_iteration():
 
 
 def test_the_summary_of_a_failure_gives_the_seed_and_a_reproducing_line():
-    report = Report(draw(12), TOLERANCES["fp32"], reproduce="python tools/fuzz_layouts.py --seed 12 --draws 1")
+    report = Report(draw(12), TOLERANCES["fp32"], reproduce="python -m tools.fuzz_layouts --seed 12 --draws 1")
     report.differences = [Difference(3, "tensor model/final_norm.weight[5]", 1.0, 1.1), Difference(2, "loss", 4.0, 4.1)]
     text = report.summary()
     assert text.startswith("draw 12: NOT EQUAL") and "first difference: iteration 2: loss" in text
     assert "first tensor that differs: iteration 3: tensor model/final_norm.weight[5]" in text
-    assert "reproduce: python tools/fuzz_layouts.py --seed 12 --draws 1" in text
+    assert "reproduce: python -m tools.fuzz_layouts --seed 12 --draws 1" in text
 
 
 @pytest.mark.slow
@@ -80,8 +79,7 @@ def test_zero_over_dp_x_cp_with_dp_before_cp_equals_serial(tmp_path, capsys):
     """cp 2, dp 2, ZeRO-1, --parallel-order dp-cp-tp-pp on 4 ranks (the smallest reproduction of the
     fuzzer's draws 2004, 2010 and 2013): the gradient norm was 7.7e-3 off at the first step, ZeRO owning
     one shard and reduce-scattering into another (the dp x cp view's rank was not torch's group rank)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import check_layout
+    from tools import check_layout
 
     plan = ["--cp", "2", "--dp", "2", "--zero-stage", "1", "--parallel-order", "dp-cp-tp-pp", "--num-layers", "4",
             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",

@@ -1,24 +1,21 @@
-"""tools/fuzz/scale.py and tools/check_layout.py: a planned run scaled down keeps every axis > 1, and a
+"""tools/fuzz/scale.py and tools/check_layout.py (python -m tools.check_layout): a planned run scaled down keeps every axis > 1, and a
 broken reduction in the scaled copy is reported as not equal, naming the first iteration and tensor."""
 import shlex
-import sys
 
 import pytest
 from helpers.trainer import ROOT, fuzz_launcher
 
 from megazero.errors import ConfigError
+from tools import check_layout
 from tools.fuzz.scale import scale_down
-
-sys.path.insert(0, str(ROOT / "tools"))
-import check_layout  # noqa: E402
 
 
 def llama3_8b_32gpu_plan() -> list[str]:
     """The plan flags of docs/training.md's Llama-3-8B 32-GPU block (the check_layout command users copy)."""
     text = (ROOT / "docs" / "training.md").read_text().split("<!-- llama3-8b-32gpu -->")[1]
     argv = shlex.split(text.split("```bash")[1].split("```")[0].replace("\\\n", " "))
-    assert argv[:3] == ["python", "tools/check_layout.py", "--"]
-    return argv[3:]
+    assert argv[:4] == ["python", "-m", "tools.check_layout", "--"]
+    return argv[4:]
 
 
 LLAMA3_8B_32GPU = llama3_8b_32gpu_plan()

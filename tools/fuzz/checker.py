@@ -298,7 +298,7 @@ def check(d: Draw, workdir: Path, launch: Launcher = LAUNCHERS[DEFAULT_LAUNCHER]
     """Run and compare draw ``d`` in ``workdir/draw-<seed>`` (removed when the draw passes)."""
     report = Report(d, tolerance_for(d))
     first, second = leg_args(d)
-    report.reproduce = reproduce or (f"python tools/fuzz_layouts.py --seed {d.seed} --draws 1   # or by hand, in an "
+    report.reproduce = reproduce or (f"python -m tools.fuzz_layouts --seed {d.seed} --draws 1   # or by hand, in an "
                                      f"empty directory: {d.command('first', first)} && "
                                      f"{d.command('resume', second)}; then compare with: "
                                      f"{d.command('serial', ['--train-iters', str(2 * STEPS_PER_LEG)])}")
