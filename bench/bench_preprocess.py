@@ -67,7 +67,8 @@ def child(args) -> None:
     cfg = PreprocessConfig(input=args.input, output_prefix=args.output, tokenizer_type="GPT2BPETokenizer",
                            vocab_file=os.path.join(args.vocab_dir, "vocab.json"),
                            merge_file=os.path.join(args.vocab_dir, "merges.txt"),
-                           append_eod=True, workers=args.workers, log_interval=0)
+                           append_eod=True, workers=args.workers, log_interval=0,
+                           overwrite=True)          # every run writes the same scratch prefix
     import resource
     res = preprocess(cfg, log=lambda s: None)
     stop.set()
