@@ -1,8 +1,8 @@
 """Measure the pipeline bubble: time per step of 1F1B, GPipe and interleaved 1F1B against the analytic
 bubble, for pp = 2 and 4 and m = 4, 8, 16 micro-batches.
 
-    python bench/bench_pipeline.py                     # spawns its own gloo processes (CPU)
-    python bench/bench_pipeline.py --pp 2 --micro-batches 8 16 --reps 7
+    python -m bench.bench_pipeline                     # spawns its own gloo processes (CPU)
+    python -m bench.bench_pipeline --pp 2 --micro-batches 8 16 --reps 7
 
 Method. For each pp a fresh group of pp processes (one torch thread each) builds a small GPT, split
 into pp stages (v = 2 chunks per rank for interleaved). Then:
@@ -39,34 +39,29 @@ its measured bubble is usually no better than 1F1B's.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megazero.config import ModelConfig, ParallelConfig, ZeroConfig  # noqa: E402
-from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean  # noqa: E402
-from megazero.parallel.pipeline import PipelineStats, run_schedule  # noqa: E402
-from megazero.parallel.topology import Topology  # noqa: E402
-from megazero.parallel.zero import wrap_data_parallel  # noqa: E402
+from bench.common import cores, spawn
+from megazero.config import ParallelConfig, ZeroConfig
+from megazero.models.gpt import GPTConfig, activation_shape, build_model_chunks, masked_mean
+from megazero.parallel.pipeline import PipelineStats, run_schedule
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero import wrap_data_parallel
 
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2))
 
 
-def _model_cfg(a) -> ModelConfig:
-    return ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+def _model_cfg(a) -> GPTConfig:
+    return GPTConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                        seq_length=a.seq, vocab_size=a.vocab, make_vocab_size_divisible_by=64)
 
 
-def _batches(cfg: ModelConfig, m: int, b: int) -> list[dict]:
+def _batches(cfg: GPTConfig, m: int, b: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     return [{"tokens": torch.randint(0, cfg.vocab_size, (b, cfg.seq_length), generator=g),
              "labels": torch.randint(0, cfg.vocab_size, (b, cfg.seq_length), generator=g),
@@ -122,12 +117,19 @@ def order_bubble(orders: list[list[tuple]], pp: int, v: int, t_f: float = 1.0, t
     return max(free) / (m * (t_f + t_b)) - 1
 
 
-_BUSY = [0.0]        # seconds this process spent in forward/backward during the current step
+class BusyClock:
+    """Seconds this process spent in pipeline forward and backward calls since the last reset."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
 
 
-def _instrument_compute() -> None:
-    """Time every StageRunner.forward/backward (bench-only; CPU wall time, meaningful without CUDA)."""
+def instrument_compute() -> BusyClock:
+    """Time every StageRunner.forward/backward of this process (bench-only; CPU wall time, meaningful
+    without CUDA) into the clock returned."""
     from megazero.parallel.pipeline.runner import StageRunner
+
+    clock = BusyClock()
 
     def timed(fn):
         def wrapper(self, *args):
@@ -135,10 +137,11 @@ def _instrument_compute() -> None:
             try:
                 return fn(self, *args)
             finally:
-                _BUSY[0] += time.perf_counter() - t0
+                clock.seconds += time.perf_counter() - t0
         return wrapper
 
     StageRunner.forward, StageRunner.backward = timed(StageRunner.forward), timed(StageRunner.backward)
+    return clock
 
 
 def _max_over_ranks(x: float) -> float:
@@ -147,13 +150,11 @@ def _max_over_ranks(x: float) -> float:
     return t.item()
 
 
-def _worker(rank, pp, port, a, out_queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=pp, timeout=datetime.timedelta(seconds=600))
+def _worker(rank: int, pp: int, a) -> dict | None:
+    """Every configuration on this rank; rank 0 returns the medians, the others None."""
     topo = Topology(pp=pp)
     cfg = _model_cfg(a)
-    _instrument_compute()
+    busy = instrument_compute()
     chunks_of = {name: build_model_chunks(cfg, ParallelConfig(pp=pp, pipeline_schedule=name, virtual_stages=v),
                                           topo, seed=1234) for name, v in SCHEDULES}
     syncs = {name: wrap_data_parallel(chunks, topo, ZeroConfig()) for name, chunks in chunks_of.items()}
@@ -167,49 +168,28 @@ def _worker(rank, pp, port, a, out_queue):
             stage = _max_over_ranks(_stage_compute_time(chunks, syncs[name], cfg, a.micro_batch_size, 3))
             mbs = _batches(cfg, m, a.micro_batch_size)
             dist.barrier()
-            _BUSY[0] = 0.0
+            busy.seconds = 0.0
             t0 = time.perf_counter()
             stats = PipelineStats()
             run_schedule(chunks, mbs, topo.pipeline(), loss_fn=masked_mean, schedule=name, tensor_shape=shape, stats=stats,
                          grad_sync=syncs[name])
             syncs[name].finalize_grads()          # the tied-embedding sum, as the trainer does
             step = _max_over_ranks(time.perf_counter() - t0)
-            busy = _max_over_ranks(_BUSY[0])
+            busy_s = _max_over_ranks(busy.seconds)
             syncs[name].zero_grad()
             if rep:
-                rows[(name, v, m)].append((step, m * stage, busy))
+                rows[(name, v, m)].append((step, m * stage, busy_s))
             else:
                 every = [None] * pp
                 dist.all_gather_object(every, stats.order)
                 orders[(name, v, m)] = order_bubble(every, pp, v)
-    if rank == 0:
-        med = statistics.median
-        out_queue.put({c: dict(step=med(s for s, _, _ in r), ideal=med(i for _, i, _ in r),
-                               busy=med(b for _, _, b in r), vs_ideal=med(s / i - 1 for s, i, _ in r),
-                               vs_busy=med(s / b - 1 for s, _, b in r), order=orders[c])
-                       for c, r in rows.items()})
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_pp(pp, a) -> dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, pp, port, a, q)) for r in range(pp)]
-    for p in procs:
-        p.start()
-    result = q.get(timeout=a.timeout)
-    for p in procs:
-        p.join(timeout=60)
-        if p.exitcode not in (0, None):
-            raise RuntimeError(f"a pp={pp} worker exited with code {p.exitcode}")
-    return result
+    if rank != 0:
+        return None
+    med = statistics.median
+    return {c: dict(step=med(s for s, _, _ in r), ideal=med(i for _, i, _ in r), busy=med(b for _, _, b in r),
+                    vs_ideal=med(s / i - 1 for s, i, _ in r), vs_busy=med(s / b - 1 for s, _, b in r),
+                    order=orders[c])
+            for c, r in rows.items()}
 
 
 def main(argv=None) -> None:
@@ -225,22 +205,22 @@ def main(argv=None) -> None:
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=1200.0)
     a = ap.parse_args(argv)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n_cores = cores()
     print(f"GPT {a.layers} layers, hidden {a.hidden}, seq {a.seq}, vocab {a.vocab}, micro-batch "
-          f"{a.micro_batch_size}; gloo on CPU, 1 thread per rank, {cores} cores; medians of {a.reps} rounds")
+          f"{a.micro_batch_size}; gloo on CPU, 1 thread per rank, {n_cores} cores; medians of {a.reps} rounds")
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"{'pp':>3} {'schedule':>12} {'v':>2} {'m':>3} {'step ms':>8} {'ideal ms':>9} {'bubble':>7} "
           f"{'busy ms':>8} {'bubble':>7} {'order':>6} {'analytic':>9}")
     for pp in a.pp:
-        res = _run_pp(pp, a)
+        res = spawn(pp, _worker, a, timeout=a.timeout)[0]
         for m in a.micro_batches:
             for name, v in SCHEDULES:
                 r = res[(name, v, m)]
                 print(f"{pp:>3} {name:>12} {v:>2} {m:>3} {r['step'] * 1e3:>8.1f} {r['ideal'] * 1e3:>9.1f} "
                       f"{r['vs_ideal']:>7.3f} {r['busy'] * 1e3:>8.1f} {r['vs_busy']:>7.3f} {r['order']:>6.3f} "
                       f"{(pp - 1) / (v * m):>9.3f}")
-        if pp > cores:
-            print(f"    note: pp={pp} runs {pp} processes on {cores} cores (oversubscribed): ranks time-share "
+        if pp > n_cores:
+            print(f"    note: pp={pp} runs {pp} processes on {n_cores} cores (oversubscribed): ranks time-share "
                   f"cores, so compute times include waiting for a core, idle stages lend theirs to busy "
                   f"ones, and the measured bubbles are distorted (in either direction)")
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")

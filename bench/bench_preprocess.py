@@ -1,6 +1,6 @@
 """Preprocessing throughput (MB/s, 1 and 2 workers) and peak memory at two input sizes.
 
-    python bench/bench_preprocess.py [--sizes-mb 5 20] [--workers 1 2] [--vocab-dir ../shared/data/gpt2]
+    python -m bench.bench_preprocess [--sizes-mb 5 20] [--workers 1 2] [--vocab-dir ../shared/data/gpt2]
 
 The corpus is the embedded 1 MB Jargon File as JSON lines (one lexicon entry per line), repeated to
 the requested size. Each run is a fresh process (``--child``), so its peak RSS (``ru_maxrss``) is its
@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def make_corpus(path: Path, size_mb: float) -> int:
@@ -55,6 +54,7 @@ def child(args) -> None:
     carries over from the parent that forked us."""
     import multiprocessing as mp
     import threading
+
     from megazero.data.preprocess import PreprocessConfig, preprocess
     peaks: dict[int, float] = {}
     stop = threading.Event()
@@ -68,7 +68,8 @@ def child(args) -> None:
     cfg = PreprocessConfig(input=args.input, output_prefix=args.output, tokenizer_type="GPT2BPETokenizer",
                            vocab_file=os.path.join(args.vocab_dir, "vocab.json"),
                            merge_file=os.path.join(args.vocab_dir, "merges.txt"),
-                           append_eod=True, workers=args.workers, log_interval=0)
+                           append_eod=True, workers=args.workers, log_interval=0,
+                           overwrite=True)          # every run writes the same scratch prefix
     import resource
     res = preprocess(cfg, log=lambda s: None)
     stop.set()
@@ -79,7 +80,7 @@ def child(args) -> None:
 
 
 def run_child(inp: Path, out: Path, workers: int, vocab_dir: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--input", str(inp), "--output", str(out),
+    cmd = [sys.executable, "-m", "bench.bench_preprocess", "--child", "--input", str(inp), "--output", str(out),
            "--workers", str(workers), "--vocab-dir", vocab_dir]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(res.stdout.strip().splitlines()[-1])

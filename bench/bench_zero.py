@@ -1,6 +1,6 @@
 """dp = 2 on one machine: megazero's data parallelism / ZeRO against torch's own, same tiny GPT.
 
-    OMP_NUM_THREADS=1 python bench/bench_zero.py [--rounds 8] [--layers 4 --hidden 256]
+    OMP_NUM_THREADS=1 python -m bench.bench_zero [--rounds 8] [--layers 4 --hidden 256]
 
 Pairs compared:
 
@@ -29,21 +29,14 @@ import argparse
 import os
 import resource
 import statistics
-import sys
-import tempfile
 import time
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from common import Spec, rss_mib, step_batches  # noqa: E402
-from rows_dp import build_ddp, build_fsdp2, build_ours  # noqa: E402
-
-from megazero.parallel.topology import Topology  # noqa: E402
-from megazero.parallel.zero import AllReduceGradSync  # noqa: E402
+from bench.common import Spec, rss_mib, spawn, step_batches
+from bench.rows_dp import build_ddp, build_fsdp2, build_ours
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero import AllReduceGradSync
 
 VARIANTS = ["ours-zero0", "torch-ddp", "ours-zero1", "torch-ddp-zero", "ours-zero1-allreduce", "ours-zero2",
             "ours-zero3", "torch-fsdp2", "ours-zero3-keep", "torch-fsdp2-keep"]
@@ -74,13 +67,11 @@ def _build(variant: str, args, topo):
     return step, (lambda: (extra()["total"], extra()["grads"]))
 
 
-def _timing_worker(rank: int, variants: list[str], args, init_file: str, queue) -> None:
-    """All variants in one process pair, one step each per round, rotated order."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    topo = Topology(dp=2)
+def _timing_worker(rank: int, world: int, variants: list[str], args) -> tuple:
+    """All variants in one process pair, one step each per round, rotated order: (rank, times, losses)."""
+    topo = Topology(dp=world)
     steps = {v: _build(v, args, topo)[0] for v in variants}
-    batches = step_batches(_spec(args), args.rounds, 2, rank)
+    batches = step_batches(_spec(args), args.rounds, world, rank)
     times = {v: [] for v in variants}
     losses = {v: [] for v in variants}
     for i, micro in enumerate(batches):
@@ -90,37 +81,18 @@ def _timing_worker(rank: int, variants: list[str], args, init_file: str, queue) 
             t0 = time.perf_counter()
             losses[v].append(steps[v](micro))
             times[v].append(time.perf_counter() - t0)
-    queue.put((rank, times, losses))
-    dist.destroy_process_group()
+    return rank, times, losses
 
 
-def _memory_worker(rank: int, variant: str, args, init_file: str, queue) -> None:
-    """One variant alone: peak RSS and model-state bytes."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    topo = Topology(dp=2)
+def _memory_worker(rank: int, world: int, variant: str, args) -> tuple:
+    """One variant alone: (rank, peak RSS, its growth from after the model is built, model-state bytes)."""
+    topo = Topology(dp=world)
     rss_model = rss_mib()
     step, state_bytes = _build(variant, args, topo)
-    for micro in step_batches(_spec(args), 3, 2, rank):
+    for micro in step_batches(_spec(args), 3, world, rank):
         step(micro)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    queue.put((rank, peak, peak - rss_model, state_bytes()))
-    dist.destroy_process_group()
-
-
-def _spawn(target, payload, args) -> list:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    fd, init_file = tempfile.mkstemp(prefix="bench_zero_")
-    os.close(fd)
-    os.unlink(init_file)
-    procs = [ctx.Process(target=target, args=(r, payload, args, init_file, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = sorted((queue.get(timeout=900) for _ in procs), key=lambda x: x[0])
-    for p in procs:
-        p.join()
-    return out
+    return rank, peak, peak - rss_model, state_bytes()
 
 
 def main() -> None:
@@ -137,8 +109,8 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     variants = args.variants.split(",")
     t0 = time.perf_counter()
-    timing = _spawn(_timing_worker, variants, args)
-    memory = {v: _spawn(_memory_worker, v, args) for v in variants}
+    timing = spawn(2, _timing_worker, variants, args)
+    memory = {v: spawn(2, _memory_worker, v, args) for v in variants}
     report(variants, timing, memory, args)
     print(f"(benchmark wall time {time.perf_counter() - t0:.0f} s)")
 

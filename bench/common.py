@@ -1,5 +1,6 @@
 """What every benchmark shares: the model and data, the plain-PyTorch twin of our GPT, the process
-launcher, memory probes, the alternating timing loop and the theory formulas.
+launchers, memory probes, the alternating timing loop, folding every rank's results, the theory formulas
+and the markdown table.
 
 Conventions used by every row of ``bench/run.py``:
 
@@ -25,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import importlib
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,17 +43,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megazero.config import ModelConfig, OptimizerConfig  # noqa: E402
-from megazero.memory.measure import (  # noqa: E402
-    LiveTensorBytes,
-    reachable_tensor_bytes,
-    return_freed_memory,
-    reuse_freed_memory,
-)
-from megazero.models.gpt import GPT, masked_mean  # noqa: E402
-from megazero.parallel.zero.adamw import weight_decay_groups  # noqa: E402
+from megazero.config import OptimizerConfig
+from megazero.memory.measure import LiveTensorBytes, reachable_tensor_bytes, return_freed_memory, reuse_freed_memory
+from megazero.models.gpt import GPT, GPTConfig, build_model_chunks, masked_mean
+from megazero.parallel.zero import build_engine
+from megazero.parallel.zero.adamw import weight_decay_groups
 
 WARMUP_STEPS = 2         # untimed; memory is measured over them (lazy optimizer state appears in step 1,
                          # so only the second step shows a peer's steady-state peak)
@@ -75,8 +72,8 @@ class Spec:
     lr: float = 1e-3
     untied: bool = False           # a separate output layer (--untie-embeddings-and-output-weights)
 
-    def model_cfg(self, **over) -> ModelConfig:
-        cfg = ModelConfig(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
+    def model_cfg(self, **over) -> GPTConfig:
+        cfg = GPTConfig(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
                           seq_length=self.seq, vocab_size=self.vocab, make_vocab_size_divisible_by=128,
                           untie_embeddings_and_output_weights=self.untied)
         return replace(cfg, **over) if over else cfg
@@ -130,6 +127,41 @@ def random_micro_batches(vocab: int, micro_batch: int, seq: int, count: int, ste
              "loss_mask": torch.ones(shape)} for _ in range(count)]
 
 
+@dataclass(frozen=True)
+class TrainerRun:
+    """A GPT shape and batch on ``dp`` CPU ranks, trained through the trainer's own flags and step:
+    ``micro_batches`` micro-batches of ``micro_batch`` sequences per rank and step, fp32."""
+
+    layers: int = 12
+    hidden: int = 512
+    heads: int = 8
+    seq: int = 64
+    vocab: int = 50257
+    micro_batch: int = 1
+    micro_batches: int = 2
+    dp: int = 2
+
+    def trainer_flags(self, *extra) -> list[str]:
+        """The trainer's flags for this shape and its global batch, then ``extra``."""
+        return trainer_argv(self.layers, self.hidden, self.heads, self.seq, self.vocab, self.micro_batch,
+                            "--global-batch-size", self.micro_batch * self.micro_batches * self.dp, *extra)
+
+    def batch(self, step: int, rank: int) -> list[dict]:
+        """Rank ``rank``'s micro-batches of step ``step`` (seeded: every variant sees the same)."""
+        return random_micro_batches(self.vocab, self.micro_batch, self.seq, self.micro_batches, step, rank)
+
+    def model(self) -> str:
+        return (f"GPT {self.layers} layers x {self.hidden} hidden, {self.heads} heads, seq {self.seq}, "
+                f"vocab {self.vocab}")
+
+
+def trainer_engine(job, topo) -> tuple[list, object]:
+    """The trainer's model chunks for ``job`` (built on the meta device from seed 1234; the engine
+    materialises each parameter where it lives) and its engine."""
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=1234, device="meta")
+    return chunks, build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+
+
 def deepspeed_config(opt_cfg: OptimizerConfig, micro_batch: int, accumulation: int, zero: dict,
                      torch_adam: bool = True) -> dict:
     """DeepSpeed's config for our AdamW, clipping and batch (fp32) with ``zero`` as its
@@ -149,18 +181,6 @@ def deepspeed_param_groups(model: nn.Module, opt_cfg: OptimizerConfig) -> list[d
             for g in torch_adamw(model.named_parameters(), opt_cfg).param_groups]
 
 
-def deepspeed_step(engine, micro: list[dict]) -> float:
-    """One step of a DeepSpeed engine over ``micro`` (dicts as :func:`random_micro_batches` makes);
-    the mean loss of this rank's micro-batches."""
-    total = 0.0
-    for mb in micro:
-        loss = masked_mean(engine(mb["tokens"], mb["labels"]), mb["loss_mask"])
-        engine.backward(loss)          # DeepSpeed divides by gradient_accumulation_steps
-        engine.step()                  # and steps the optimizer on the accumulation boundary only
-        total += loss.item() / len(micro)
-    return total
-
-
 def torch_adamw(named_params, opt_cfg: OptimizerConfig, **kw) -> torch.optim.AdamW:
     """torch AdamW with our weight-decay rule and hyper-parameters."""
     return torch.optim.AdamW(weight_decay_groups(named_params, opt_cfg.weight_decay), lr=opt_cfg.lr,
@@ -169,7 +189,7 @@ def torch_adamw(named_params, opt_cfg: OptimizerConfig, **kw) -> torch.optim.Ada
 
 # ------------------------------------------------------------------------------- plain twin model
 class _PlainBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: GPTConfig, dtype, device):
         super().__init__()
         h, kw = cfg.hidden_size, dict(dtype=dtype, device=device)
         self.input_layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon, **kw)
@@ -199,7 +219,7 @@ class PlainGPT(nn.Module):
     ``megazero.models.GPT``; :meth:`load_from` copies a tp=1 GPT's weights in.
     forward(ids, labels) -> mean cross-entropy."""
 
-    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device=None):
+    def __init__(self, cfg: GPTConfig, dtype=torch.float32, device=None):
         super().__init__()
         self.cfg = cfg
         kw = dict(dtype=dtype, device=device)
@@ -315,6 +335,65 @@ def spawn(world: int, fn, *args, timeout: float = 900.0) -> list:
     return [results[r] for r in range(world)]
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # the repository root
+
+
+def torchrun(world: int, target: list[str], args, timeout: float = 1800) -> subprocess.CompletedProcess:
+    """``target`` (``[script path]``, or ``["-m", module]`` for a module of this repository) under
+    torchrun on ``world`` local processes from the repository root, one torch thread each; its output
+    captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), *target,
+           *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, check=False)
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def deepspeed_error() -> Exception | None:
+    """None when DeepSpeed imports here (on its CPU accelerator), else the import's exception."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        importlib.import_module("deepspeed")
+    except Exception as e:  # noqa: BLE001 -- any import failure means it cannot run here
+        return e
+    return None
+
+
+# -------------------------------------------------------------------------------- every rank's results
+def largest_over_ranks(per_rank: list[dict], keys: tuple[str, ...], keep: int = 0) -> dict:
+    """Rank ``keep``'s results (:func:`run_variants`' dict), each variant that ran with the largest
+    value over the ranks of each of ``keys`` (peak memory, say)."""
+    res = per_rank[keep]
+    for name, r in res.items():
+        if isinstance(r, dict) and "losses" in r:
+            for key in keys:
+                r[key] = max(pr[name][key] for pr in per_rank)
+    return res
+
+
+def losses_over_ranks(res: dict, per_rank: list[dict], early_steps: int = 0) -> dict:
+    """``res`` with every rank's final loss of each variant that ran (``rank_final_losses``) and, for
+    ``early_steps`` > 0, every rank's first that many losses (``rank_early_losses``)."""
+    for name, r in res.items():
+        if isinstance(r, dict) and "losses" in r:
+            if early_steps:
+                r["rank_early_losses"] = [pr[name]["losses"][:early_steps] for pr in per_rank]
+            r["rank_final_losses"] = [pr[name]["losses"][-1] for pr in per_rank]
+    return res
+
+
+def loss_diffs(a: dict, b: dict) -> tuple[float, float]:
+    """(largest difference of any rank's early losses, of any rank's final loss) of two variants, from
+    the fields :func:`losses_over_ranks` adds."""
+    early = max(abs(x - y) for xs, ys in zip(a["rank_early_losses"], b["rank_early_losses"]) for x, y in zip(xs, ys))
+    final = max(abs(x - y) for x, y in zip(a["rank_final_losses"], b["rank_final_losses"]))
+    return early, final
+
+
 # ---------------------------------------------------------------------------------------- timing
 @dataclass
 class Variant:
@@ -416,7 +495,7 @@ def run_variants(variants: list[Variant], batches: list[list[tuple]], group=None
 def _primer(group=None) -> None:
     """Pay the one-time costs (autograd engine, thread pools, gloo buffers) before any variant is
     measured, so the first variant's peak memory is not inflated by them."""
-    model = GPT(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=8, vocab_size=128))
+    model = GPT(GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=8, vocab_size=128))
     ids = torch.zeros(1, 8, dtype=torch.long)
     model(ids, ids).mean().backward()
     t = torch.ones(4)
@@ -437,6 +516,12 @@ def median(xs) -> float:
 def ratio_of_medians_per_round(a: list[float], b: list[float]) -> float:
     """Median over rounds of a[i] / b[i] (both timed in the same round)."""
     return median([x / y for x, y in zip(a, b) if y > 0])
+
+
+def ratio_range(a: list[float], b: list[float]) -> str:
+    """`` (lo-hi)``: the smallest and largest per-round ratio a[i] / b[i]; empty without a round."""
+    rounds = [x / y for x, y in zip(a, b) if y > 0]
+    return f" ({min(rounds):.2f}-{max(rounds):.2f})" if rounds else ""
 
 
 # ---------------------------------------------------------------------------------------- theory
@@ -471,9 +556,9 @@ def flag(measured: float, theory: float) -> str:
     return f"{100 * d:+.1f}%" + (" **FLAG >10%**" if abs(d) > THEORY_TOL else "")
 
 
-def num_params(cfg: ModelConfig) -> int:
-    """Ψ: parameters of the whole (tp=1, tied) model."""
-    return sum(p.numel() for p in GPT(cfg, seed=1234).parameters())
+def num_params(cfg: GPTConfig) -> int:
+    """Ψ: parameters of the whole (tp=1) model (built on the meta device: no memory)."""
+    return sum(p.numel() for p in GPT(cfg, device="meta").parameters())
 
 
 def loss_check(a: float, b: float) -> str:
@@ -482,7 +567,16 @@ def loss_check(a: float, b: float) -> str:
     return "same" if abs(a - b) <= LOSS_TOL else f"DIVERGED ({abs(a - b):.1e})"
 
 
-__all__ = ["Spec", "QUICK", "step_batches", "PlainGPT", "torch_adamw", "spawn", "Variant", "run_variants",
-           "Unavailable", "median", "ratio_of_medians_per_round", "zero_fp32_bytes", "dp_comm_bytes",
-           "tp_layer_comm_bytes", "flag", "deviation", "num_params", "loss_check", "masked_mean", "GPT",
-           "rss_mib", "peak_rss_mib", "reachable_tensor_bytes", "reset_peak_rss", "LOSS_TOL", "THEORY_TOL"]
+def table(head: str, rows: list[list[str]]) -> list[str]:
+    """A markdown table: the ``| a | b |`` head, its rule, a line per row of cells."""
+    n = head.count("|") - 1
+    return [head, "|" + "---|" * n] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+__all__ = ["Spec", "QUICK", "TrainerRun", "step_batches", "random_micro_batches", "trainer_argv", "trainer_engine",
+           "deepspeed_config", "deepspeed_param_groups", "deepspeed_error", "torch_adamw", "PlainGPT", "spawn",
+           "torchrun", "REPO", "cores", "largest_over_ranks", "losses_over_ranks", "loss_diffs", "Variant",
+           "run_variants", "Unavailable", "median", "ratio_of_medians_per_round", "ratio_range", "zero_fp32_bytes",
+           "dp_comm_bytes", "tp_layer_comm_bytes", "flag", "deviation", "num_params", "loss_check", "table",
+           "masked_mean", "GPT", "rss_mib", "peak_rss_mib", "reachable_tensor_bytes", "reset_peak_rss", "WARMUP_STEPS",
+           "LOSS_TOL", "THEORY_TOL"]

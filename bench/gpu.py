@@ -18,12 +18,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import GPT, PlainGPT, median, ratio_of_medians_per_round
-
-from megazero.config import ModelConfig, OptimizerConfig, PrecisionConfig, ZeroConfig
+from bench.common import GPT, PlainGPT, median, ratio_of_medians_per_round
+from bench.steps import engine_step
+from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.metrics import device_peak_tflops
-from megazero.models.gpt_spec import flops_per_token as model_flops_per_token
-from megazero.models.gpt import masked_mean
+from megazero.models.gpt import GPTConfig
+from megazero.models.gpt.spec import flops_per_token as model_flops_per_token
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 
@@ -36,8 +36,8 @@ def skip_reason() -> str | None:
     return None if torch.cuda.is_available() else "skipped: no CUDA device on this machine"
 
 
-def _cfg(name: str, seq: int) -> ModelConfig:
-    return ModelConfig(seq_length=seq, vocab_size=50257, **MODELS[name])
+def _cfg(name: str, seq: int) -> GPTConfig:
+    return GPTConfig(seq_length=seq, vocab_size=50257, **MODELS[name])
 
 
 def _run_model(name: str, micro_batch: int, seq: int, steps: int) -> dict:
@@ -66,15 +66,7 @@ def _run_model(name: str, micro_batch: int, seq: int, steps: int) -> dict:
         model = GPT(cfg, topo.model_groups(), seed=1234, dtype=torch.bfloat16, device=dev)
         engine = build_engine(model, topo, ZeroConfig(0), opt_cfg, PrecisionConfig(bf16=True))
 
-        def step(tok):
-            engine.zero_grad()
-            engine.before_backward(0, True)
-            loss = masked_mean(model(tok[:, :-1], tok[:, 1:]), mask)
-            loss.backward()
-            engine.finalize_grads()
-            engine.step()
-            return loss
-        return step
+        return lambda tok: engine_step(model, engine, [(tok[:, :-1], tok[:, 1:], mask)])
 
     def build_plain():
         plain = PlainGPT(cfg, dtype=torch.bfloat16, device=dev).load_from(GPT(cfg, seed=1234))
@@ -98,7 +90,7 @@ def _run_model(name: str, micro_batch: int, seq: int, steps: int) -> dict:
             loss = steps[label](tok)
             torch.cuda.synchronize()
             times[label].append(time.perf_counter() - t0)
-            losses[label] = loss.item()
+            losses[label] = float(loss)           # ours returns a float, the plain step its loss tensor
     tokens = micro_batch * seq
     flops = model_flops_per_token(cfg, cfg.padded_vocab_size(1)) * tokens
     peak = device_peak_tflops(dev, "bf16")

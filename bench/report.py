@@ -4,9 +4,22 @@ from __future__ import annotations
 import math
 import os
 
-from common import (LOSS_TOL, Spec, deviation, dp_comm_bytes, flag, median, ratio_of_medians_per_round,
-                    tp_layer_comm_bytes, zero_fp32_bytes)
-from rows_dp import PAIRS as DP_PAIRS
+from bench.common import (
+    LOSS_TOL,
+    WARMUP_STEPS,
+    Spec,
+    deviation,
+    dp_comm_bytes,
+    flag,
+    median,
+    num_params,
+    ratio_of_medians_per_round,
+    ratio_range,
+    table,
+    tp_layer_comm_bytes,
+    zero_fp32_bytes,
+)
+from bench.rows_dp import PAIRS as DP_PAIRS
 
 MIB = 2**20
 MEM_SLACK_MIB = 1.0     # RSS is counted in pages and moves by ~1 MiB between identical runs
@@ -48,11 +61,6 @@ PAIR_HEAD = ("| ours ms | peer ms | ours/peer | ours tok/s | peer tok/s | ours p
              "| peer peak RSS/rank MiB | final loss ours / peer | same loss (1e-4) |")
 
 
-def _table(head: str, rows: list[list[str]]) -> list[str]:
-    n = head.count("|") - 1
-    return [head, "|" + "---|" * n] + ["| " + " | ".join(r) + " |" for r in rows]
-
-
 def dp_section(spec: Spec, results: dict, psi: int, targets: list) -> list[str]:
     out = ["## Data parallel (ZeRO) vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed", ""]
     rows, theory = [], []
@@ -87,7 +95,7 @@ def dp_section(spec: Spec, results: dict, psi: int, targets: list) -> list[str]:
                 note = f" (gradients reduced in each of the m = {spec.micro_batches} micro-batches: (m+1)Ψ)"
             theory.append([str(dp), ours, f"{state / MIB:.2f}", f"{t_state / MIB:.2f}", flag(state, t_state),
                            f"{comm / MIB:.2f}", f"{t_comm / MIB:.2f}", flag(comm, t_comm) + note])
-    out += _table("| dp | pair " + PAIR_HEAD, rows)
+    out += table("| dp | pair " + PAIR_HEAD, rows)
     out += ["", f"Global tokens per step: dp x {spec.micro_batches} micro-batches x {spec.micro_batch} x "
                 f"{spec.seq}. Timing: all variants of a dp size in the same processes, one step each per "
                 f"round in a rotated order; median over rounds; ratio = median of per-round ratios.", "",
@@ -98,8 +106,8 @@ def dp_section(spec: Spec, results: dict, psi: int, targets: list) -> list[str]:
             f"paid by each of the m = {spec.micro_batches} micro-batches since parameters are re-gathered; the "
             f"tied word embedding, Ψ_emb = {psi_emb:,}, is gathered again for the output layer). Measured: `engine.model_state_bytes()` after a step (bucket padding included) and the "
             f"engine's CommLog for one step (ring convention).", ""]
-    out += _table("| dp | variant | model states MiB | formula MiB | deviation | comm MiB/step | formula MiB "
-                  "| deviation |", theory)
+    out += table("| dp | variant | model states MiB | formula MiB | deviation | comm MiB/step | formula MiB "
+                 "| deviation |", theory)
     return out + [""]
 
 
@@ -115,14 +123,14 @@ def tp_section(spec: Spec, results: dict, targets: list) -> list[str]:
             meas = res["_theory"][f"sp={sp}"]
             th = tp_layer_comm_bytes(spec.micro_batch, spec.seq, spec.hidden, tp)
             theory.append([str(tp), "yes" if sp else "no", f"{meas / 1024:.1f}", f"{th / 1024:.1f}", flag(meas, th)])
-    out += _table("| tp | sequence parallel " + PAIR_HEAD, rows)
+    out += table("| tp | sequence parallel " + PAIR_HEAD, rows)
     out += ["", "torch side: the plain twin (`PlainGPT`, same weights) under `parallelize_module` with "
                 "ColwiseParallel/RowwiseParallel (+ SequenceParallel on the norms), vocab-parallel tied output "
                 "with `loss_parallel`. No clipping on either side.", "",
             "### Theory beside measurement: bytes per layer and micro-batch (forward + backward)", "",
             "8bsh(t-1)/t elements x 4 bytes; measured: megazero's collectives counted during one forward + "
             "backward, (L-layer model - L/2-layer model) / (L/2).", ""]
-    out += _table("| tp | sequence parallel | measured KiB/layer | 8bsh(t-1)/t KiB | deviation |", theory)
+    out += table("| tp | sequence parallel | measured KiB/layer | 8bsh(t-1)/t KiB | deviation |", theory)
     return out + [""]
 
 
@@ -142,7 +150,7 @@ def pp_section(spec: Spec, results: dict, targets: list) -> list[str]:
         if pp > (os.cpu_count() or 1):
             rows.append([str(pp), "note", str(m)] + ["-"] * 8 + [f"{pp} processes on {os.cpu_count()} cores: "
                                                                   "oversubscribed, timings distorted"])
-    out += _table("| pp | schedule | m " + PAIR_HEAD, rows)
+    out += table("| pp | schedule | m " + PAIR_HEAD, rows)
     out += ["", "Both sides run the same stage modules (`build_model_chunks`; v = 2 chunks per rank for "
                 "interleaved), sum the tied-embedding grads of the first and last stage, and step torch AdamW.",
             "", "### Theory beside measurement: pipeline bubble", "",
@@ -150,7 +158,7 @@ def pp_section(spec: Spec, results: dict, targets: list) -> list[str]:
             "with F=1, B=2 and free communication. measured = step / busy - 1 (busy: the slowest rank's "
             "forward + backward time inside the step); it also holds p2p time and stage imbalance, and on "
             "a tiny CPU model the p2p round trips dominate.", ""]
-    out += _table("| pp | schedule | m | analytic | order | deviation | measured | deviation |", theory)
+    out += table("| pp | schedule | m | analytic | order | deviation | measured | deviation |", theory)
     return out + [""]
 
 
@@ -163,7 +171,7 @@ def scaling_section(spec: Spec, memory: dict, step_time: dict, psi: int, plots: 
             th = zero_fp32_bytes(psi, dp, stage)
             cells.append("pending" if isinstance(v, str) else f"{v / MIB:.2f} / {th / MIB:.2f} ({flag(v, th)})")
         rows.append(cells)
-    out += _table("| dp | ZeRO-0 | ZeRO-1 | ZeRO-2 | ZeRO-3 |", rows)
+    out += table("| dp | ZeRO-0 | ZeRO-1 | ZeRO-2 | ZeRO-3 |", rows)
     if plots.get("memory"):
         out += ["", f"![model-state memory vs dp]({plots['memory']})"]
     out += ["", "### Step time as the model grows (one process; megazero vs the plain PyTorch twin)", ""]
@@ -174,7 +182,7 @@ def scaling_section(spec: Spec, memory: dict, step_time: dict, psi: int, plots: 
         rows.append([str(layers), str(hidden), _ms(o["times"]), _ms(p["times"]),
                      f"{ratio_of_medians_per_round(o['times'], p['times']):.2f}x",
                      "same" if diff <= LOSS_TOL else f"**DIVERGED** ({diff:.1e})"])
-    out += _table("| layers | hidden | megazero ms | plain torch ms | ratio | same loss |", rows)
+    out += table("| layers | hidden | megazero ms | plain torch ms | ratio | same loss |", rows)
     if plots.get("step_time"):
         out += ["", f"![step time vs model size]({plots['step_time']})"]
     if plots.get("missing"):
@@ -200,8 +208,8 @@ def llama_section(results: list) -> list[str]:
             rows.append([name, f"{x['params']:,}", str(x["ffn"]), f"{x['flops_per_token'] / 1e6:.2f}",
                          _ms(r["times"]), f"{tokens / median(r['times']):,.0f}", f"{r['peak_rss_mib']:.0f}",
                          f"{r['losses'][-1]:.4f}"])
-        out += _table("| model | parameters | ffn | MFLOP/token (train) | ms/step | tokens/s | peak RSS MiB | "
-                      "final loss |", rows)
+        out += table("| model | parameters | ffn | MFLOP/token (train) | ms/step | tokens/s | peak RSS MiB | "
+                     "final loss |", rows)
         ratio = ratio_of_medians_per_round(llama["times"], gpt2["times"])
         out += ["", f"Llama / GPT-2 step time: **{ratio:.2f}x**", ""]
     return out
@@ -229,8 +237,8 @@ def offload_section(spec, res: dict) -> list[str]:
         io = f"{(st['bytes_read'] + st['bytes_written']) / len(r['times']) / 2**20:.0f}" if st else "-"
         rows.append([name, f"{1000 * t:.0f}", versus, share("update_s"),
                      share("to_device_s"), share("io_wait_s"), io, f"{r['loss']:.4f}"])
-    out += _table("| variant | ms/step | vs resident | host update | copy back | swap wait | swap MiB/step | loss |",
-                  rows)
+    out += table("| variant | ms/step | vs resident | host update | copy back | swap wait | swap MiB/step | loss |",
+                 rows)
     return out + ["", "Every megazero variant reaches the same loss: fp32 offload is bitwise the resident run "
                       "(tests/test_offload.py). DeepSpeed's rows are its ZeRO-1 with torch's AdamW and with "
                       "`offload_optimizer: cpu` (DeepSpeedCPUAdam); their loss is rank 0's own micro-batches, ours "
@@ -255,7 +263,10 @@ def _compile_cost(name: str, r: dict, eager_first: float) -> tuple[str, str, str
 
 def _compile_row(group, compiled: str, other: str, res: dict, psi: int, met: list) -> list[str]:
     """One pair of the compile section: compiled vs the eager step or the compiled peer."""
-    from rows_compile import EARLY_LOSS_TOL, FINAL_LOSS_TOL, TARGETS
+    # Here, not at the top: the ranks every section spawns import this module (through bench.run, their
+    # main), and only the compile section needs its machinery.
+    from bench.rows_compile import TARGETS
+    from bench.rows_scale import same_training
 
     s = group.spec
     label = [f"{s.layers}x{s.hidden}", group.layout(), f"{compiled} vs {other}"]
@@ -263,9 +274,7 @@ def _compile_row(group, compiled: str, other: str, res: dict, psi: int, met: lis
     if "unavailable" in a or "unavailable" in b:
         return label + ["-"] * 10 + [a.get("unavailable") or b.get("unavailable")]
     ratio = ratio_of_medians_per_round(a["times"], b["times"])
-    early = max(abs(x - y) for xs, ys in zip(a["rank_early_losses"], b["rank_early_losses"]) for x, y in zip(xs, ys))
-    final = max(abs(x - y) for x, y in zip(a["rank_final_losses"], b["rank_final_losses"]))
-    same = early <= EARLY_LOSS_TOL and final <= FINAL_LOSS_TOL
+    early, final, same = same_training(a, b)
     target = "-"
     if (compiled, other) in TARGETS:
         op, bound, min_params = TARGETS[(compiled, other)]
@@ -280,8 +289,7 @@ def _compile_row(group, compiled: str, other: str, res: dict, psi: int, met: lis
     eager_first = res[group.eager]["first"]["seconds"]
     ca, cb = _compile_cost(compiled, a, eager_first), _compile_cost(other, b, eager_first)
     both = [x if y == "-" else f"{x} / {y}" for x, y in zip(ca, cb)]      # "ours / peer" when both compile
-    rounds = [x / y for x, y in zip(a["times"], b["times"]) if y > 0]
-    spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if rounds else ""
+    spread = ratio_range(a["times"], b["times"])
     return label + [f"{1e3 * median(a['times']):.0f}", f"{1e3 * median(b['times']):.0f}", f"{ratio:.3f}x{spread}",
                     target,
                     f"{a['peak_live_mib']:.0f} / {b['peak_live_mib']:.0f}",
@@ -290,8 +298,7 @@ def _compile_row(group, compiled: str, other: str, res: dict, psi: int, met: lis
 
 def compile_section(results: list) -> list[str]:
     """BENCHMARKS.md lines from ``rows_compile.run_compile(...)``: ``[(group, results), ...]``."""
-    from common import WARMUP_STEPS, num_params
-    from rows_compile import EARLY_LOSS_TOL, EARLY_STEPS, FINAL_LOSS_TOL, PEER, TARGETS
+    from bench.rows_compile import EARLY_LOSS_TOL, EARLY_STEPS, FINAL_LOSS_TOL, PEER, TARGETS  # as in _compile_row
 
     out = ["## Compile: regional torch.compile vs eager, and vs FSDP2 + torch.compile", ""]
     shapes = {(g.spec.layers, g.spec.hidden): g.spec for g, _ in results}
@@ -338,9 +345,9 @@ def compile_section(results: list) -> list[str]:
             "graphs compiled in the first step, graph breaks, graphs compiled in any later step (recompiles). "
             "Two figures in a cell: ours / the peer's.",
             ""]
-    out += _table("| shape | layout | pair | compiled ms | other ms | compiled/other (per-round range) | speed target "
-                  "| peak live MiB compiled / other | peak RSS MiB compiled / other | compile s (dynamo s) "
-                  "| inductor cache | graphs, breaks, recompiles | loss diff, first 3 steps | final loss diff |", rows)
+    out += table("| shape | layout | pair | compiled ms | other ms | compiled/other (per-round range) | speed target "
+                 "| peak live MiB compiled / other | peak RSS MiB compiled / other | compile s (dynamo s) "
+                 "| inductor cache | graphs, breaks, recompiles | loss diff, first 3 steps | final loss diff |", rows)
     return out + [""]
 
 
@@ -357,7 +364,7 @@ def gpu_section(gpu: dict, outdir: str) -> list[str]:
     out = ["## GPU: GPT-2 124M / 350M, bf16, single GPU, vs plain nanoGPT-style PyTorch", ""]
     if "skipped" in gpu:
         elsewhere = (f" Figures from a GPU machine: [{os.path.basename(GPU_REPORT)}]({_link(GPU_REPORT, outdir)}), "
-                     f"generated there by `python bench/run.py --sections gpu --out bench/results/BENCHMARKS_GPU.md`."
+                     f"generated there by `python -m bench.run --sections gpu --out bench/results/BENCHMARKS_GPU.md`."
                      if os.path.exists(GPU_REPORT) else "")
         return out + [gpu["skipped"] + " (the section is coded in bench/gpu.py and runs when CUDA is present)."
                       + elsewhere, ""]
@@ -373,7 +380,7 @@ def gpu_section(gpu: dict, outdir: str) -> list[str]:
         diff = abs(r["ours"]["loss"] - r["plain"]["loss"])
         rows.append([name, "ratio ours/plain", f"{r['ratio']:.2f}x", "", "", "",
                      f"|d| {diff:.1e} ({'same within bf16 tolerance 2e-2' if diff <= 2e-2 else '**DIVERGED**'})"])
-    return out + _table("| model | side | step ms | tokens/s | MFU | peak alloc MiB | loss |", rows) + [""]
+    return out + table("| model | side | step ms | tokens/s | MFU | peak alloc MiB | loss |", rows) + [""]
 
 
 CAPACITY_HEAD = ("| variant | largest L within budget | parameters at L | measured peak MiB at L (phase) "
@@ -416,14 +423,14 @@ def capacity_section(spec, rows: list, plot: dict) -> list[str]:
            f"{spec.steps} training step{'s' if spec.steps != 1 else ''}, a checkpoint save and a load into the live model and optimizer -- is at "
            f"most the budget. L is the largest layer count measured to fit with L + 1 measured not to; every "
            f"figure below is measured except the estimator's.", ""]
-    out += _table(CAPACITY_HEAD, [_capacity_row(r) for r in rows])
+    out += table(CAPACITY_HEAD, [_capacity_row(r) for r in rows])
     done = {r.name: r.layers for r in rows if not r.unavailable}
     if done.get("ours-zero0") and done.get("ours-zero3"):
         out += ["", f"ZeRO-3 fits {done['ours-zero3'] / done['ours-zero0']:.1f}x the layers of ZeRO-0 in the "
                     f"same budget."]
     out += ["", "### Per phase at the answer L (peak live MiB per rank, largest over ranks)", ""]
-    out += _table("| variant | L | construct | steps | save | load | profiler drift corrected MiB | final loss "
-                  "| run s |", _capacity_phases(rows))
+    out += table("| variant | L | construct | steps | save | load | profiler drift corrected MiB | final loss "
+                 "| run s |", _capacity_phases(rows))
     out += ["", "How to read it:", "",
             "- Memory is **live tensor bytes** (`megazero.memory.LiveTensorBytes`: every CPU tensor alive, from the "
             "torch profiler's allocation events), not resident memory: the allocator's cache, the interpreter and "
@@ -461,7 +468,7 @@ def capacity_plot(spec, rows: list, outdir: str, filename: str = "bench_capacity
         import matplotlib.pyplot as plt
     except ImportError:
         return {"missing": "not drawn: matplotlib is not installed (pip install matplotlib, an optional extra)"}
-    from rows_capacity import estimated_peak
+    from bench.rows_capacity import estimated_peak  # only the capacity section needs its machinery
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     top = max([L for r in rows for L in r.runs] + [1]) + 1
@@ -519,7 +526,7 @@ def targets_section(targets: list) -> list[str]:
     rows = [[label, f"{r:.2f}x", f"{'<' if t < 1 else '<='} {t}x", "met" if (r < t if t < 1 else r <= t) else "MISSED",
              "met" if mem else "MISSED"] for label, r, t, mem in targets]
     met = sum(1 for row in rows if row[3] == "met")
-    out += _table("| pair | ours/peer | target | speed | memory |", rows)
+    out += table("| pair | ours/peer | target | speed | memory |", rows)
     return out + ["", f"Speed target met on {met} of {len(rows)} counted pairs.", ""]
 
 

@@ -33,17 +33,16 @@ measured idle fraction mixes the schedule's bubble with time-sharing (the sectio
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from common import WARMUP_STEPS, Spec, Variant, num_params, run_variants, step_batches, torch_adamw
-
+from bench.common import WARMUP_STEPS, Spec, Variant, cores, num_params, run_variants, spawn, step_batches, torch_adamw
+from bench.rows_pp import pipelining_loss
+from bench.steps import as_dicts
 from megazero.config import ParallelConfig, ZeroConfig
 from megazero.memory.measure import LiveTensorBytes
 from megazero.models.gpt import GPT, activation_shape, build_model_chunks, masked_mean
@@ -67,10 +66,6 @@ THEORY_PP = 0.10              # target: ZB-H1's measured bubble within 10 points
 MEMORY_TOL = 0.10             # target: ZB-H1's peak activation bytes within 10% of 1F1B's
 
 
-def _pp_micro(micro) -> list[dict]:
-    return [{"tokens": x, "labels": y, "loss_mask": m} for x, y, m in micro]
-
-
 def _peak_step_bytes(fn) -> int:
     """Peak bytes allocated inside ``fn()`` and live at once (the step's activations and transients)."""
     with LiveTensorBytes() as probe:
@@ -91,7 +86,7 @@ def build_ours(spec: Spec, topo, name: str, m: int, record: dict):
         sync.zero_grad()
         stats = PipelineStats(time_waits=True, time_computes=True)
         t0 = time.perf_counter()
-        losses = run_schedule(chunks, _pp_micro(micro[:m]), topo.pipeline(), loss_fn=masked_mean, schedule=name,
+        losses = run_schedule(chunks, as_dicts(micro[:m]), topo.pipeline(), loss_fn=masked_mean, schedule=name,
                               tensor_shape=shape, stats=stats, grad_sync=sync)
         took = time.perf_counter() - t0
         record.setdefault("wait", []).append(stats.wait_s)
@@ -117,12 +112,6 @@ class _Stage(nn.Module):
         return self.gpt(x)
 
 
-def _ce(logits, target):
-    if not logits.is_contiguous():                 # [b, s, V] as a view of [s, b, V] storage
-        logits, target = logits.transpose(0, 1), target.t()
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
-
-
 def build_peer(spec: Spec, topo, name: str, m: int):
     """``torch.distributed.pipelining``'s schedule ``name`` (:data:`PEERS`) over the first m micro-batches."""
     import torch.distributed.pipelining as tp
@@ -136,7 +125,7 @@ def build_peer(spec: Spec, topo, name: str, m: int):
     pipe = [tp.PipelineStage(mod, k, stages, torch.device("cpu"), group=topo.pp_group,
                              input_args=(torch.zeros(b, s, dtype=torch.long) if k == 0 else torch.zeros(s, b, h),))
             for mod, k in zip(mods, ids)]
-    sched = getattr(tp, cls)(pipe if v_shape else pipe[0], m, loss_fn=_ce)
+    sched = getattr(tp, cls)(pipe if v_shape else pipe[0], m, loss_fn=pipelining_loss)
     opt = torch_adamw([(n, p) for mod in mods for n, p in mod.named_parameters()], spec.opt_cfg(clip=0.0))
     holds_first, holds_last = 0 in ids, stages - 1 in ids
 
@@ -211,8 +200,6 @@ def idle_per_rank(wait_took: list) -> list:
 
 def run_bubble(spec: Spec, pps, log=print) -> dict:
     """{pp: {variant name: figures}} for each pp in ``pps`` (a fresh group of pp processes each)."""
-    from common import spawn
-
     res = {}
     for pp in pps:
         log(f"pipeline-bubble: pp={pp}, m={pp} and {4 * pp}")
@@ -248,12 +235,12 @@ def _target_line(pp: int, m: int, zb: dict, one: dict) -> str:
 def bubble_section(runs: list) -> list[str]:
     """The BENCHMARKS.md section: for each (spec, results) of ``runs``, a table with one row per (pp, m,
     variant), then the targets."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n_cores = cores()
     pps = sorted({pp for _, results in runs for pp in results})
-    ranks = ", ".join(f"pp {pp}: {pp} ranks on {cores} cores" for pp in pps)
+    ranks = ", ".join(f"pp {pp}: {pp} ranks on {n_cores} cores" for pp in pps)
     out = ["## Pipeline bubble: measured idle time per schedule beside its theory", "",
            f"{runs[0][0].rounds} steps per variant (the first 2 untimed); gloo "
-           f"on {cores} cores, one torch thread per rank ({ranks}). Idle = the rank's time waiting for pipeline "
+           f"on {n_cores} cores, one torch thread per rank ({ranks}). Idle = the rank's time waiting for pipeline "
            "p2p (megazero's executor clock, `PipelineStats(time_waits=True)`) plus the time it is done while the "
            "slowest rank still runs (the ranks start each step together and the optimizer step waits for all), "
            "over the slowest rank's step: the simulator's idle share of pp ranks x the makespan, measured; "

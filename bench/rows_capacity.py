@@ -58,16 +58,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import (GPT, deepspeed_config, deepspeed_param_groups, deepspeed_step, masked_mean, random_micro_batches,
-                    reachable_tensor_bytes, spawn, torch_adamw, trainer_argv)
-
-from megazero.arguments import parse_job
+from bench.common import (
+    GPT,
+    deepspeed_config,
+    deepspeed_error,
+    deepspeed_param_groups,
+    num_params,
+    random_micro_batches,
+    reachable_tensor_bytes,
+    spawn,
+    torch_adamw,
+    trainer_argv,
+    trainer_engine,
+)
+from bench.steps import as_tuples, deepspeed_step, torch_step
 from megazero.checkpoint import load_checkpoint, save_checkpoint
+from megazero.cli.job import parse_job
 from megazero.memory import LiveTensorBytes
 from megazero.memory.estimate import estimate_memory
-from megazero.models.gpt import build_model_chunks
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import build_engine
 from megazero.state import TrainState
 from megazero.training import train_step
 
@@ -121,9 +130,9 @@ class CapacitySpec:
 QUICK_CAPACITY = CapacitySpec(hidden=64, heads=4, seq=32, vocab=512, dp=2, steps=2, budget_mib=4.0, max_layers=12)
 
 
-def num_params(spec: CapacitySpec, layers: int) -> int:
-    """Parameters of the whole model at ``layers`` layers (meta device: no memory)."""
-    return sum(p.numel() for p in GPT(spec.job(layers, 0).model, device="meta").parameters())
+def params_at(spec: CapacitySpec, layers: int) -> int:
+    """Parameters of the whole model at ``layers`` layers."""
+    return num_params(spec.job(layers, 0).model)
 
 
 def estimated_peak(spec: CapacitySpec, layers: int, stage: int) -> int:
@@ -182,8 +191,7 @@ class Ours:
     def __init__(self, spec: CapacitySpec, layers: int, stage: int):
         self.job = spec.job(layers, stage)
         self.topo = Topology(dp=spec.dp)
-        self.chunks = build_model_chunks(self.job.model, self.job.parallel, self.topo, seed=SEED, device="meta")
-        self.engine = build_engine(self.chunks, self.topo, self.job.zero, self.job.optimizer, self.job.precision)
+        self.chunks, self.engine = trainer_engine(self.job, self.topo)
         self.micro = self.job.num_micro_batches
 
     def step(self, micro: list[dict]) -> float:
@@ -195,20 +203,6 @@ class Ours:
 
     def load(self, path: str) -> None:
         load_checkpoint(path, chunks=self.chunks, engine=self.engine, topo=self.topo, job=self.job)
-
-
-def torch_train_step(model, opt, micro: list[dict], clip: float) -> float:
-    """One step of a torch-wrapped GPT: forward/backward per micro-batch, clip, AdamW."""
-    opt.zero_grad(set_to_none=True)
-    total = 0.0
-    for mb in micro:
-        loss = masked_mean(model(mb["tokens"], mb["labels"]), mb["loss_mask"])
-        (loss / len(micro)).backward()
-        total += loss.item() / len(micro)
-    if clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
-    return total
 
 
 def norm_parameter_names(model: nn.Module) -> set[str]:
@@ -249,7 +243,7 @@ class Fsdp2:
         self.model, self.opt = model, torch_adamw(model.named_parameters(), job.optimizer)
 
     def step(self, micro: list[dict]) -> float:
-        return torch_train_step(self.model, self.opt, micro, self.clip)
+        return torch_step(self.model, self.opt, as_tuples(micro), self.clip, set_to_none=True)
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -325,7 +319,7 @@ class DeepSpeedZero3:
             model, job.optimizer), config=config)
 
     def step(self, micro: list[dict]) -> float:
-        return deepspeed_step(self.engine, micro)
+        return deepspeed_step(self.engine, as_tuples(micro))
 
     def save(self, path: str, steps: int) -> None:
         self.engine.save_checkpoint(path, tag=self.TAG)
@@ -467,12 +461,8 @@ class CapacityRow:
 
 def deepspeed_unavailable() -> str | None:
     """None when DeepSpeed imports here, else why not."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed  # noqa: F401
-    except Exception as e:  # noqa: BLE001 -- any import failure means it cannot run here
-        return f"DeepSpeed not installed / not importable ({type(e).__name__}: {str(e)[:100]})"
-    return None
+    e = deepspeed_error()
+    return None if e is None else f"DeepSpeed not installed / not importable ({type(e).__name__}: {str(e)[:100]})"
 
 
 def measured_slope(row: "CapacityRow") -> float | None:
@@ -503,7 +493,7 @@ def search_variant(name: str, spec: CapacitySpec, guess: int, slope: float | Non
     except RuntimeError as e:                       # a rank failed: report why, do not invent numbers
         row.unavailable = f"failed: {str(e).strip().splitlines()[-1][:160]}"
         return row
-    row.params = num_params(spec, max(row.layers, 1))
+    row.params = params_at(spec, max(row.layers, 1))
     if name in OURS and row.layers:
         row.estimated_peak = estimated_peak(spec, row.layers, int(name[-1]))
     return row

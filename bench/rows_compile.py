@@ -43,15 +43,26 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from common import GPT, WARMUP_STEPS, Spec, Variant, run_variants, step_batches, torch_adamw, trainer_argv
-from rows_dp import torch_step
-from rows_scale import EARLY_LOSS_TOL, EARLY_STEPS, FINAL_LOSS_TOL, SCALE_SHAPES
-
-from megazero.arguments import parse_job
+from bench.common import (
+    GPT,
+    WARMUP_STEPS,
+    Spec,
+    Variant,
+    largest_over_ranks,
+    losses_over_ranks,
+    run_variants,
+    spawn,
+    step_batches,
+    torch_adamw,
+    trainer_argv,
+)
+from bench.rows_scale import EARLY_LOSS_TOL, EARLY_STEPS, FINAL_LOSS_TOL, SCALE_SHAPES
+from bench.steps import as_dicts, torch_step
+from megazero.cli.job import parse_job
 from megazero.compile import CompileStats, compile_model
-from megazero.models.spec import build_model_chunks, get_model_spec
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
+from megazero.spec import build_model_chunks, get_model_spec
 from megazero.training import train_step
 
 COMPILE_SHAPES = SCALE_SHAPES
@@ -163,10 +174,6 @@ class FirstStep:
         return run
 
 
-def _micro_dicts(micro) -> list[dict]:
-    return [{"tokens": x, "labels": y, "loss_mask": m} for x, y, m in micro]
-
-
 def build_ours(group: Group, topo: Topology, compiled: bool, first: FirstStep):
     """Our trainer's path, as ``pretrain_gpt.py`` takes it: chunks, ``compile_model`` (with
     ``--compile``), the engine, ``train_step``."""
@@ -177,7 +184,7 @@ def build_ours(group: Group, topo: Topology, compiled: bool, first: FirstStep):
     engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
 
     def step(micro) -> float:
-        return train_step(chunks, _micro_dicts(micro), topo, engine, job, spec).loss
+        return train_step(chunks, as_dicts(micro), topo, engine, job, spec).loss
 
     return first.wrap(step), (lambda: {"state": engine.model_state_bytes()})
 
@@ -233,19 +240,11 @@ def compile_worker(rank: int, world: int, group: Group) -> dict:
 def run_group(group: Group) -> dict:
     """Rank 0's results of the group's variants, with the figures every rank has folded in: the early
     and final losses of each rank, the largest peaks, the slowest first step, the most graphs."""
-    from common import spawn
-
     per_rank = spawn(group.world, compile_worker, group)
-    res = per_rank[0]
-    for name, r in res.items():
-        if "losses" not in r:
-            continue
-        every = [pr[name] for pr in per_rank]
-        r["rank_early_losses"] = [e["losses"][:EARLY_STEPS] for e in every]
-        r["rank_final_losses"] = [e["losses"][-1] for e in every]
-        for key in ("peak_live_mib", "peak_rss_mib", "recompiles"):
-            r[key] = max(e[key] for e in every)
-        r["first"] = {k: max(e["first"][k] for e in every) for k in r["first"]}
+    res = largest_over_ranks(per_rank, ("peak_live_mib", "peak_rss_mib", "recompiles"))
+    for name, r in losses_over_ranks(res, per_rank, EARLY_STEPS).items():
+        if "losses" in r:
+            r["first"] = {k: max(pr[name]["first"][k] for pr in per_rank) for k in r["first"]}
     return res
 
 

@@ -29,19 +29,14 @@ import gc
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 
-from common import median, random_micro_batches, reachable_tensor_bytes, spawn
-
-from megazero.arguments import parse_job
+from bench.common import REPO, cores, median, random_micro_batches, reachable_tensor_bytes, spawn, table, torchrun
+from megazero.cli.job import parse_job
 from megazero.memory.estimate import estimate_memory
 from megazero.memory.measure import LiveTensorBytes
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 MIB = 2**20
 LOSS_RTOL = 1e-5           # the parity tests' tolerance: a cp run trains as the single process does
 ESTIMATE_TOL = 0.20        # measured / estimated beyond 1 +- this is flagged
@@ -90,10 +85,6 @@ CP_SHAPE = CPShape()
 QUICK_CP = CPShape(hidden=64, seq=256, vocab=512, cps=(1, 2), rounds=1)
 
 
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
 # ------------------------------------------------------------------------------------------- estimate
 def estimate(shape: CPShape, cp: int, comm_type: str | None) -> dict:
     """The estimator's figures per rank (bytes) for the variant's flags."""
@@ -111,10 +102,10 @@ def _cp_bytes(chunks) -> float:
 def memory_worker(rank: int, world: int, shape: CPShape, comm_type: str | None) -> dict:
     """This rank's peak live bytes of a step (the second), its model states after it and the cp bytes it sent
     in it, through the trainer's path (see the module docstring)."""
-    from megazero.models.spec import build_model_chunks, get_model_spec
-    from megazero.parallel.context import rank_slice
+    from megazero.parallel.context_layout import rank_slice
     from megazero.parallel.topology import Topology
     from megazero.parallel.zero import build_engine
+    from megazero.spec import build_model_chunks, get_model_spec
     from megazero.training import train_step
 
     job, _ = parse_job(shape.argv(world, comm_type), world)
@@ -152,10 +143,7 @@ def run_trainer(shape: CPShape, cp: int, comm_type: str | None) -> dict:
         metrics = os.path.join(d, "metrics.jsonl")
         flags = shape.argv(cp, comm_type) + ["--train-iters", str(shape.steps), "--log-interval", "1", "--eval-iters",
                                              "0", "--eval-interval", str(10**6), "--metrics-file", metrics]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp),
-               os.path.join(ROOT, "pretrain_gpt.py"), *flags]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT, check=False)
+        run = torchrun(cp, [os.path.join(REPO, "pretrain_gpt.py")], flags)
         if run.returncode != 0:
             return {"unavailable": (run.stderr.strip().splitlines() or ["failed"])[-1][:200]}
         with open(metrics) as f:
@@ -230,8 +218,6 @@ def _row(name: str, res: dict, base: dict, n_cores: int) -> list[str]:
 
 def cp_section(shape: CPShape, results: dict) -> list[str]:
     """BENCHMARKS.md lines from :func:`run_cp`."""
-    from report import _table
-
     n_cores = cores()
     base = results.get("cp1")
     rows = [_row(name, res, base, n_cores) for name, res in results.items()]
@@ -250,9 +236,9 @@ def cp_section(shape: CPShape, results: dict) -> list[str]:
                "evenly, ranks sharing cores); RSS: the trainer's own `peak_memory_bytes` (resident set, glibc "
                f"keeping freed memory), not live bytes. Loss diff: largest relative difference to cp 1's loss at any "
                f"step (must be <= {LOSS_RTOL:g}).", ""]
-    out += _table("| variant | ranks/core | peak live MiB | estimated total MiB | measured/est. | peak - states MiB "
-                  "| est. activations MiB | est. activations + buffers MiB | measured/est. | peak vs cp1 "
-                  "| cp MiB/step | ms/step | vs cp1 | ideal ms | RSS MiB | loss diff vs cp1 |", rows)
+    out += table("| variant | ranks/core | peak live MiB | estimated total MiB | measured/est. | peak - states MiB "
+                 "| est. activations MiB | est. activations + buffers MiB | measured/est. | peak vs cp1 "
+                 "| cp MiB/step | ms/step | vs cp1 | ideal ms | RSS MiB | loss diff vs cp1 |", rows)
     return out + [""]
 
 

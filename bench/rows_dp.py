@@ -10,14 +10,26 @@ its gradient shard; ``ours-zero2-each-mb`` (``--zero2-reduce-each-microbatch``) 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 
 import torch
 
-from common import (GPT, Spec, Unavailable, Variant, deepspeed_config, deepspeed_param_groups, masked_mean,
-                    run_variants, step_batches, torch_adamw)
-
+from bench.common import (
+    GPT,
+    Spec,
+    Unavailable,
+    Variant,
+    deepspeed_config,
+    deepspeed_error,
+    deepspeed_param_groups,
+    largest_over_ranks,
+    losses_over_ranks,
+    run_variants,
+    spawn,
+    step_batches,
+    torch_adamw,
+)
+from bench.steps import deepspeed_step, engine_step, torch_step
 from megazero.config import ZeroConfig
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import AllReduceGradSync, build_engine
@@ -29,35 +41,6 @@ PAIRS = [("ours-zero0", "torch-ddp"), ("ours-zero1", "torch-ddp-zero"), ("ours-z
 
 # Reducing every micro-batch saves memory only if a bucket is smaller than the model: ~1/4 of it here.
 EACH_MB_BUCKET = 500_000
-
-
-def ours_step(model, engine, micro) -> float:
-    """One megazero step on a whole-model chunk (dp only): micro-batches, finalize, step."""
-    engine.zero_grad()
-    total = 0.0
-    for i, (x, y, m) in enumerate(micro):
-        engine.before_backward(0, i == len(micro) - 1)
-        loss = masked_mean(model(x, y), m)
-        (loss / len(micro)).backward()
-        total += loss.item() / len(micro)
-    engine.finalize_grads()
-    engine.step()
-    return total
-
-
-def torch_step(model, opt, micro, clip: float, *, no_sync=None, params=None) -> float:
-    """One step of a torch-wrapped model; ``no_sync(last: bool)`` returns the context for a micro-batch."""
-    opt.zero_grad(set_to_none=False)
-    total = 0.0
-    for i, (x, y, m) in enumerate(micro):
-        with (no_sync(i == len(micro) - 1) if no_sync else contextlib.nullcontext()):
-            loss = masked_mean(model(x, y), m)
-            (loss / len(micro)).backward()
-        total += loss.item() / len(micro)
-    if clip > 0:
-        torch.nn.utils.clip_grad_norm_(params if params is not None else model.parameters(), clip)
-    opt.step()
-    return total
 
 
 def _nbytes(ts) -> int:
@@ -90,7 +73,7 @@ def build_ours(spec: Spec, topo, stage: int, grad_sync_cls=None, keep_params_gat
 
     def step(micro):
         engine.comm_log.reset()
-        return ours_step(model, engine, micro)
+        return engine_step(model, engine, micro)
 
     def extra():
         return {"state": engine.model_state_bytes(), "comm": dict(engine.comm_log.bytes())}
@@ -144,12 +127,8 @@ def build_fsdp2(spec: Spec, world: int, reshard_after_forward: bool = True):
 
 def deepspeed_status() -> str | None:
     """None when DeepSpeed can run here, else the reason it cannot."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        importlib.import_module("deepspeed")
-    except Exception as e:  # noqa: BLE001 -- any import failure means "cannot run here.
-        return f"not installed / not importable ({type(e).__name__}: {str(e)[:80]})"
-    return None
+    e = deepspeed_error()
+    return None if e is None else f"not installed / not importable ({type(e).__name__}: {str(e)[:80]})"
 
 
 def build_deepspeed(spec: Spec, stage: int, **zero_options):
@@ -167,16 +146,7 @@ def build_deepspeed(spec: Spec, stage: int, **zero_options):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=deepspeed_param_groups(model, opt_cfg),
                                       config=config)
 
-    def step(micro):
-        total = 0.0
-        for x, y, m in micro:
-            loss = masked_mean(engine(x, y), m)
-            engine.backward(loss)           # DeepSpeed divides by gradient_accumulation_steps
-            engine.step()                   # steps the optimizer on the accumulation boundary only
-            total += loss.item() / len(micro)
-        return total
-
-    return step, None
+    return (lambda micro: deepspeed_step(engine, micro)), None
 
 
 def variants(spec: Spec, topo, world: int, with_deepspeed: bool = True) -> list[Variant]:
@@ -205,13 +175,7 @@ def dp_worker(rank: int, world: int, spec: Spec, only: list[str] | None, with_de
 
 
 def run_dp(spec: Spec, dp: int, only=None, with_deepspeed: bool = True) -> dict:
-    """Rank 0's per-variant results for a dp-rank job; losses are checked on every rank."""
-    from common import spawn
-
+    """Rank 0's per-variant results for a dp-rank job, with every rank's final loss (the pairs must agree
+    on every rank) and the largest peak RSS."""
     per_rank = spawn(dp, dp_worker, spec, only, with_deepspeed)
-    res = per_rank[0]
-    for name, r in res.items():       # the final loss must agree between pairs on every rank, keep them all
-        if "losses" in r:
-            r["rank_final_losses"] = [pr[name]["losses"][-1] for pr in per_rank]
-            r["peak_rss_mib"] = max(pr[name]["peak_rss_mib"] for pr in per_rank)
-    return res
+    return losses_over_ranks(largest_over_ranks(per_rank, ("peak_rss_mib",)), per_rank)

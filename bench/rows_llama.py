@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from common import GPT, Spec, Variant, run_variants, step_batches
-from rows_dp import ours_step
-
-from megazero.config import ModelConfig, ZeroConfig
-from megazero.models.gpt_spec import flops_per_token as model_flops_per_token
+from bench.common import GPT, Spec, Variant, num_params, run_variants, spawn, step_batches
+from bench.steps import engine_step
+from megazero.config import ZeroConfig
+from megazero.models.gpt import GPTConfig
+from megazero.models.gpt.spec import flops_per_token as model_flops_per_token
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 
@@ -27,23 +27,19 @@ LLAMA_FLAGS = dict(position_embedding_type="rope", normalization="RMSNorm", swig
 LLAMA_LARGE = Spec(layers=10, hidden=512, heads=8, seq=128, vocab=8192, micro_batch=1, micro_batches=2, rounds=8)
 
 
-def count(cfg: ModelConfig) -> int:
-    return sum(p.numel() for p in GPT(cfg, device="meta").parameters())
-
-
-def llama_cfg(spec: Spec) -> ModelConfig:
+def llama_cfg(spec: Spec) -> GPTConfig:
     """The Llama-style config whose parameter count is closest to the GPT-2 spec's."""
-    gpt2 = count(spec.model_cfg())
+    gpt2 = num_params(spec.model_cfg())
     probe = replace(spec.model_cfg(), **LLAMA_FLAGS, ffn_hidden_size=1)
     per_unit = 3 * spec.hidden * spec.layers                      # SwiGLU: 3 matrices of h x ffn per layer
-    ffn = max(1, round((gpt2 - count(probe) + per_unit) / per_unit))
+    ffn = max(1, round((gpt2 - num_params(probe) + per_unit) / per_unit))
     return replace(probe, ffn_hidden_size=ffn)
 
 
-def _build(cfg: ModelConfig, spec: Spec, topo):
+def _build(cfg: GPTConfig, spec: Spec, topo):
     model = GPT(cfg, seed=1234)
     engine = build_engine(model, topo, ZeroConfig(zero_stage=0), spec.opt_cfg())
-    return lambda micro: ours_step(model, engine, micro)
+    return lambda micro: engine_step(model, engine, micro)
 
 
 def worker(rank: int, world: int, spec: Spec) -> dict:
@@ -52,12 +48,10 @@ def worker(rank: int, world: int, spec: Spec) -> dict:
     variants = [Variant(name, lambda c=c: _build(c, spec, topo)) for name, c in cfgs.items()]
     res = run_variants(variants, step_batches(spec, spec.rounds, 1, 0))
     for name, c in cfgs.items():
-        res[name]["extra"] = {"params": count(c), "ffn": c.ffn_hidden_size,
+        res[name]["extra"] = {"params": num_params(c), "ffn": c.ffn_hidden_size,
                               "flops_per_token": model_flops_per_token(c, c.padded_vocab_size(1))}
     return res
 
 
 def run_llama(spec: Spec) -> dict:
-    from common import spawn
-
     return spawn(1, worker, spec)[0]

@@ -16,12 +16,13 @@ measured here.
 from __future__ import annotations
 
 import torch
-from common import Spec, Unavailable, Variant, median, run_variants, step_batches
 from torch import nn
 
+from bench.common import Spec, Unavailable, Variant, median, run_variants, spawn, step_batches
+from bench.steps import engine_step
 from megazero.config import ParallelConfig, ZeroConfig
-from megazero.models.gpt import build_model_chunks, masked_mean
-from megazero.models.moe import moe_layers, set_aux_loss_scale
+from megazero.models.gpt import GPT, build_model_chunks
+from megazero.models.gpt.moe import moe_layers, set_aux_loss_scale
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 
@@ -38,22 +39,6 @@ def dense_cfg(spec: Spec):
     return spec.model_cfg(ffn_hidden_size=TOPK * 4 * spec.hidden)
 
 
-def _step(chunk, engine):
-    def step(micro) -> float:
-        engine.zero_grad()
-        set_aux_loss_scale(chunk, 1.0 / len(micro))
-        total = 0.0
-        for i, (x, y, m) in enumerate(micro):
-            engine.before_backward(0, i == len(micro) - 1)
-            loss = masked_mean(chunk(x, y), m)
-            (loss / len(micro)).backward()
-            total += loss.item() / len(micro)
-        engine.finalize_grads()
-        engine.step()
-        return total
-    return step
-
-
 def _build(cfg, ep: int, spec: Spec, swap=None):
     topo = Topology(ep=ep)
     par = ParallelConfig(dp=topo.dp_size, expert_model_parallel_size=ep)
@@ -61,7 +46,12 @@ def _build(cfg, ep: int, spec: Spec, swap=None):
     if swap is not None:
         swap(chunk)
     engine = build_engine([chunk], topo, ZeroConfig(zero_stage=1), spec.opt_cfg())
-    return _step(chunk, engine)
+
+    def step(micro) -> float:
+        set_aux_loss_scale(chunk, 1.0 / len(micro))     # the MoE losses' gradient, as the main loss's
+        return engine_step(chunk, engine, micro)
+
+    return step
 
 
 class _DeepSpeedMLP(nn.Module):
@@ -130,15 +120,11 @@ def worker(rank: int, world: int, spec: Spec) -> dict:
 
 
 def run_moe(spec: Spec) -> dict:
-    from common import spawn
-
     return spawn(WORLD, worker, spec)[0]
 
 
 def count(cfg) -> tuple[int, int]:
     """(total, active per token) parameters: active counts TOPK of each MoE layer's experts."""
-    from megazero.models.gpt import GPT
-
     model = GPT(cfg, device="meta")
     total = sum(p.numel() for p in model.parameters())
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
@@ -149,7 +135,7 @@ def count(cfg) -> tuple[int, int]:
 
 def moe_section(spec: Spec, res: dict) -> list[str]:
     """The BENCHMARKS.md section of :func:`run_moe`'s results."""
-    from megazero.memory.estimate import moe_alltoall_bytes
+    from megazero.models.gpt.moe import moe_alltoall_bytes
 
     tokens = WORLD * spec.micro_batches * spec.micro_batch * spec.seq
     moe_total, moe_active = count(moe_cfg(spec))

@@ -18,37 +18,24 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from common import (GPT, deepspeed_config, deepspeed_param_groups, deepspeed_step, random_micro_batches, spawn,
-                    trainer_argv)
-
-from megazero.arguments import parse_job
-from megazero.models.gpt import build_model_chunks
+from bench.common import TrainerRun, deepspeed_config, deepspeed_param_groups, num_params, spawn, trainer_engine
+from bench.steps import as_tuples, deepspeed_step
+from megazero.cli.job import parse_job
+from megazero.models.gpt import GPT
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import build_engine
 from megazero.training import train_step
 
 
 @dataclass(frozen=True)
-class OffloadSpec:
-    layers: int = 12
-    hidden: int = 512
-    heads: int = 8
-    seq: int = 64
-    vocab: int = 50257
-    micro_batch: int = 1
-    micro_batches: int = 2
-    dp: int = 2
+class OffloadSpec(TrainerRun):
     warmup: int = 1
     steps: int = 4
 
     def argv(self, stage: int, flags: tuple[str, ...]) -> list[str]:
-        return trainer_argv(self.layers, self.hidden, self.heads, self.seq, self.vocab, self.micro_batch,
-                            "--global-batch-size", self.micro_batch * self.micro_batches * self.dp,
-                            "--zero-stage", stage, *flags)
+        return self.trainer_flags("--zero-stage", stage, *flags)
 
     def describe(self) -> str:
-        return (f"GPT {self.layers} layers x {self.hidden} hidden, {self.heads} heads, seq {self.seq}, vocab "
-                f"{self.vocab}, {self.micro_batches} micro-batches of {self.micro_batch} per rank, fp32, dp = "
+        return (f"{self.model()}, {self.micro_batches} micro-batches of {self.micro_batch} per rank, fp32, dp = "
                 f"{self.dp} CPU ranks; {self.warmup} untimed step{'s' if self.warmup != 1 else ''}, then "
                 f"{self.steps} timed")
 
@@ -66,26 +53,20 @@ VARIANTS = {     # name: (ZeRO stage, flags)
 }
 
 
-def batches(spec: OffloadSpec, step: int, rank: int) -> list[dict]:
-    return random_micro_batches(spec.vocab, spec.micro_batch, spec.seq, spec.micro_batches, step, rank)
-
-
 def worker(rank: int, world: int, spec: OffloadSpec, stage: int, flags: tuple, swap_dir: str) -> dict:
     argv = spec.argv(stage, flags) + (["--nvme-path", swap_dir] if "nvme" in flags else [])
     job, _ = parse_job(argv, world)
     topo = Topology(dp=world)
-    chunks = build_model_chunks(job.model, job.parallel, topo, seed=1234, device="meta")
-    engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    chunks, engine = trainer_engine(job, topo)
     stats = getattr(engine.optimizer, "offload_stats", None)
     times, losses = [], []
     for step in range(spec.warmup + spec.steps):
         if step == spec.warmup and stats is not None:
             stats.reset()
         t0 = time.perf_counter()
-        losses.append(train_step(chunks, batches(spec, step, rank), topo, engine, job).loss)
+        losses.append(train_step(chunks, spec.batch(step, rank), topo, engine, job).loss)
         times.append(time.perf_counter() - t0)
-    out = {"times": times[spec.warmup:], "loss": losses[-1],
-           "params": sum(p.numel() for p in GPT(job.model, device="meta").parameters())}
+    out = {"times": times[spec.warmup:], "loss": losses[-1], "params": num_params(job.model)}
     if stats is not None:
         out["stats"] = {k: getattr(stats, k) for k in ("update_s", "to_device_s", "io_wait_s", "bytes_read",
                                                        "bytes_written")}
@@ -113,7 +94,7 @@ def deepspeed_worker(rank: int, world: int, spec: OffloadSpec, offload: bool) ->
     times, loss = [], 0.0
     for step in range(spec.warmup + spec.steps):
         t0 = time.perf_counter()
-        loss = deepspeed_step(engine, batches(spec, step, rank))
+        loss = deepspeed_step(engine, as_tuples(spec.batch(step, rank)))
         times.append(time.perf_counter() - t0)
     return {"times": times[spec.warmup:], "loss": loss, "params": sum(p.numel() for p in model.parameters())}
 

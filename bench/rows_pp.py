@@ -16,14 +16,16 @@ step (the definition of bench/bench_pipeline.py).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from bench_pipeline import _BUSY, _instrument_compute, order_bubble
-from common import Spec, Variant, run_variants, step_batches, torch_adamw
-
+from bench.bench_pipeline import BusyClock, instrument_compute, order_bubble
+from bench.common import Spec, Variant, largest_over_ranks, run_variants, spawn, step_batches, torch_adamw
+from bench.steps import as_dicts
 from megazero.config import ParallelConfig, ZeroConfig
 from megazero.models.gpt import activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.pipeline import PipelineStats, run_schedule
@@ -42,11 +44,7 @@ def _named(chunks):
     return [(n, p) for c in chunks for n, p in c.named_parameters()]
 
 
-def _pp_micro(micro) -> list[dict]:
-    return [{"tokens": x, "labels": y, "loss_mask": m} for x, y, m in micro]
-
-
-def build_ours(spec: Spec, topo, name: str, v: int, record: dict):
+def build_ours(spec: Spec, topo, name: str, v: int, record: dict, busy: BusyClock):
     chunks = _chunks(spec, topo, name, v)
     sync = wrap_data_parallel(chunks, topo, ZeroConfig())      # dp = 1: the tied-embedding sum only
     opt = torch_adamw(_named(chunks), spec.opt_cfg(clip=0.0))
@@ -55,23 +53,18 @@ def build_ours(spec: Spec, topo, name: str, v: int, record: dict):
     def step(micro):
         sync.zero_grad()
         stats = PipelineStats()
-        _BUSY[0] = 0.0
-        t0 = _now()
-        losses = run_schedule(chunks, _pp_micro(micro), topo.pipeline(), loss_fn=masked_mean, schedule=name,
+        busy.seconds = 0.0
+        t0 = time.perf_counter()
+        losses = run_schedule(chunks, as_dicts(micro), topo.pipeline(), loss_fn=masked_mean, schedule=name,
                               tensor_shape=shape, stats=stats, grad_sync=sync)
         sync.finalize_grads()
-        record.setdefault("step", []).append(_now() - t0)
-        record.setdefault("busy", []).append(_BUSY[0])
+        record.setdefault("step", []).append(time.perf_counter() - t0)
+        record.setdefault("busy", []).append(busy.seconds)
         record["order"] = stats.order
         opt.step()
         return sum(x.item() for x in losses) / len(losses) if losses else float("nan")
 
     return step, None
-
-
-def _now() -> float:
-    import time
-    return time.perf_counter()
 
 
 class _StageModule(nn.Module):
@@ -85,9 +78,10 @@ class _StageModule(nn.Module):
         return self.chunk(x)
 
 
-def _ce(logits, target):
-    """Mean cross-entropy of [b, s, V] logits; the chunk returns them as a view of [s, b, V]
-    storage, so they are flattened in that order (no copy) with the targets to match."""
+def pipelining_loss(logits, target):
+    """``torch.distributed.pipelining``'s loss_fn on our last stage: the mean cross-entropy of [b, s, V]
+    logits; the chunk returns them as a view of [s, b, V] storage, so they are flattened in that order
+    (no copy) with the targets to match."""
     if not logits.is_contiguous():
         logits, target = logits.transpose(0, 1), target.t()
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
@@ -108,9 +102,9 @@ def build_torch(spec: Spec, topo, name: str, v: int):
     sync = wrap_data_parallel(chunks, topo, ZeroConfig())      # dp = 1: the tied-embedding sum only
     m = spec.pp_micro_batches
     if name == "interleaved":
-        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=_ce)
+        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=pipelining_loss)
     else:
-        sched = (Schedule1F1B if name == "1f1b" else ScheduleGPipe)(stages[0], m, loss_fn=_ce)
+        sched = (Schedule1F1B if name == "1f1b" else ScheduleGPipe)(stages[0], m, loss_fn=pipelining_loss)
     opt = torch_adamw(_named(chunks), spec.opt_cfg(clip=0.0))
 
     def step(micro):
@@ -133,11 +127,11 @@ def build_torch(spec: Spec, topo, name: str, v: int):
 
 def pp_worker(rank: int, world: int, spec: Spec) -> dict:
     topo = Topology(pp=world)
-    _instrument_compute()
+    busy = instrument_compute()
     records = {n: {} for n, _ in SCHEDULES}
     vs = []
     for name, v in SCHEDULES:
-        vs += [Variant(f"ours-{name}", lambda n=name, v=v: build_ours(spec, topo, n, v, records[n])),
+        vs += [Variant(f"ours-{name}", lambda n=name, v=v: build_ours(spec, topo, n, v, records[n], busy)),
                Variant(f"torch-{name}", lambda n=name, v=v: build_torch(spec, topo, n, v))]
     out = run_variants(vs, step_batches(spec, spec.rounds, 1, 0, micro=spec.pp_micro_batches))
     theory = {}
@@ -159,11 +153,5 @@ def pp_worker(rank: int, world: int, spec: Spec) -> dict:
 
 
 def run_pp(spec: Spec, pp: int) -> dict:
-    from common import spawn
-
-    per_rank = spawn(pp, pp_worker, spec)
-    res = dict(per_rank[-1])                       # the last stage holds the losses
-    for name, r in res.items():
-        if isinstance(r, dict) and "peak_rss_mib" in r:
-            r["peak_rss_mib"] = max(pr[name]["peak_rss_mib"] for pr in per_rank)
-    return res
+    """The last stage's results (it holds the losses) with the largest peak RSS over the ranks."""
+    return largest_over_ranks(spawn(pp, pp_worker, spec), ("peak_rss_mib",), keep=-1)

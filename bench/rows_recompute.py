@@ -45,17 +45,32 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from common import (GPT, WARMUP_STEPS, Spec, Variant, median, ratio_of_medians_per_round, run_variants, step_batches,
-                    torch_adamw, trainer_argv)
-from rows_dp import torch_step
-from rows_scale import EARLY_LOSS_TOL, EARLY_STEPS, FINAL_LOSS_TOL
-
-from megazero.arguments import parse_job
+from bench.common import (
+    GPT,
+    WARMUP_STEPS,
+    Spec,
+    Variant,
+    largest_over_ranks,
+    losses_over_ranks,
+    median,
+    num_params,
+    ratio_of_medians_per_round,
+    ratio_range,
+    run_variants,
+    spawn,
+    step_batches,
+    table,
+    torch_adamw,
+    trainer_argv,
+)
+from bench.rows_scale import EARLY_LOSS_TOL, EARLY_STEPS, FINAL_LOSS_TOL, same_training
+from bench.steps import as_dicts, torch_step
+from megazero.cli.job import parse_job
 from megazero.memory.activation_offload import take_offloaded_bytes
 from megazero.memory.estimate import estimate_memory
-from megazero.models.spec import build_model_chunks, get_model_spec
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
+from megazero.spec import build_model_chunks, get_model_spec
 from megazero.training import train_step
 
 RECOMPUTE_SHAPE = Spec(layers=4, hidden=256, heads=4, seq=2048, vocab=2048, micro_batch=1, micro_batches=1,
@@ -120,10 +135,6 @@ def estimate(group: Group, variant: str) -> dict:
 
 
 # -------------------------------------------------------------------------------------- variants
-def _micro_dicts(micro) -> list[dict]:
-    return [{"tokens": x, "labels": y, "loss_mask": m} for x, y, m in micro]
-
-
 def build_ours(group: Group, topo: Topology, variant: str):
     """The trainer's path with ``variant``'s flags; extra: the bytes sent to the host in the last step."""
     job, _ = parse_job(group.argv(variant), group.dp)
@@ -133,7 +144,7 @@ def build_ours(group: Group, topo: Topology, variant: str):
     moved = {"offloaded_bytes": 0}
 
     def step(micro) -> float:
-        loss = train_step(chunks, _micro_dicts(micro), topo, engine, job, spec).loss
+        loss = train_step(chunks, as_dicts(micro), topo, engine, job, spec).loss
         moved["offloaded_bytes"] = take_offloaded_bytes(chunks)
         return loss
 
@@ -182,17 +193,12 @@ def recompute_worker(rank: int, world: int, group: Group) -> dict:
 
 def run_group(group: Group) -> dict:
     """Rank 0's results per variant with every rank's losses, the largest peaks and the estimator's figures."""
-    from common import spawn
-
     per_rank = spawn(group.dp, recompute_worker, group)
-    res = per_rank[0]
+    res = losses_over_ranks(largest_over_ranks(per_rank, ("peak_live_mib", "peak_rss_mib")), per_rank, EARLY_STEPS)
     for name, r in res.items():
         if "losses" not in r:
             continue
-        every = [pr[name] for pr in per_rank]
-        r["rank_losses"] = [e["losses"] for e in every]
-        for key in ("peak_live_mib", "peak_rss_mib"):
-            r[key] = max(e[key] for e in every)
+        r["rank_losses"] = [pr[name]["losses"] for pr in per_rank]
         if name in FLAGS:
             r["estimate"] = estimate(group, name)
     return res
@@ -209,22 +215,14 @@ def run_recompute(spec: Spec, only: list[str] | None = None, rounds: int | None 
 
 
 # ---------------------------------------------------------------------------------------- report
-def _loss_diffs(a: dict, b: dict) -> tuple[float, float]:
-    """(largest difference over the first EARLY_STEPS losses, over all losses) of two variants, any rank."""
-    pairs = list(zip(a["rank_losses"], b["rank_losses"]))
-    early = max(abs(x - y) for xs, ys in pairs for x, y in zip(xs[:EARLY_STEPS], ys[:EARLY_STEPS]))
-    every = max(abs(x - y) for xs, ys in pairs for x, y in zip(xs, ys))
-    return early, every
+def _every_step_diff(a: dict, b: dict) -> float:
+    """The largest difference of any step's loss of two variants, any rank."""
+    return max(abs(x - y) for xs, ys in zip(a["rank_losses"], b["rank_losses"]) for x, y in zip(xs, ys))
 
 
 def _mib(x: float) -> str:
     """MiB with a decimal where the figure is small (the quick shape's few MiB)."""
     return f"{x:.1f}" if abs(x) < 100 else f"{x:.0f}"
-
-
-def _spread(a: list[float], b: list[float]) -> str:
-    rounds = [x / y for x, y in zip(a, b) if y > 0]
-    return f" ({min(rounds):.2f}-{max(rounds):.2f})" if rounds else ""
 
 
 def _variant_row(group: Group, name: str, res: dict, met: list) -> list[str]:
@@ -234,7 +232,7 @@ def _variant_row(group: Group, name: str, res: dict, met: list) -> list[str]:
         return label + ["-"] * 11 + [r.get("unavailable") or base.get("unavailable")]
     ratio = ratio_of_medians_per_round(r["times"], base["times"])
     est, est_base = r["estimate"], base["estimate"]
-    _, diff = _loss_diffs(r, base)
+    diff = _every_step_diff(r, base)
     same = diff <= LOSS_TOL
     measured = base["peak_live_mib"] - r["peak_live_mib"]
     predicted = (est_base["total"] - est["total"]) / MIB
@@ -254,7 +252,7 @@ def _variant_row(group: Group, name: str, res: dict, met: list) -> list[str]:
     saving = "-" if name == BASE else f"{measured:.1f} / {predicted:.1f}"
     on_host = name == BASE or est["host_activations"]        # a device saving the CPU cannot show
     return label + [f"{1e3 * median(r['times']):.0f}",
-                    "1.00x" if name == BASE else f"{ratio:.2f}x{_spread(r['times'], base['times'])}",
+                    "1.00x" if name == BASE else f"{ratio:.2f}x{ratio_range(r['times'], base['times'])}",
                     _mib(r["peak_live_mib"]), _mib(est["total"] / MIB), activations, saving,
                     "-" if on_host else f"{share:.2f}", target,
                     _mib(moved / MIB) if moved else "-", f"{r['peak_rss_mib']:.0f}",
@@ -267,19 +265,14 @@ def _peer_row(group: Group, res: dict) -> list[str]:
     if "unavailable" in a or "unavailable" in b:
         return label + ["-"] * 6 + [a.get("unavailable") or b.get("unavailable")]
     ratio = ratio_of_medians_per_round(a["times"], b["times"])
-    early, _ = _loss_diffs(a, b)
-    final = max(abs(xs[-1] - ys[-1]) for xs, ys in zip(a["rank_losses"], b["rank_losses"]))
-    same = early <= EARLY_LOSS_TOL and final <= FINAL_LOSS_TOL
+    early, final, same = same_training(a, b)
     return label + [f"{1e3 * median(a['times']):.0f}", f"{1e3 * median(b['times']):.0f}",
-                    f"{ratio:.2f}x{_spread(a['times'], b['times'])}" + ("" if same else " (void: losses differ)"),
+                    f"{ratio:.2f}x{ratio_range(a['times'], b['times'])}" + ("" if same else " (void: losses differ)"),
                     f"{_mib(a['peak_live_mib'])} / {_mib(b['peak_live_mib'])}", f"{early:.1e}", f"{final:.1e}"]
 
 
 def recompute_section(results: list) -> list[str]:
     """BENCHMARKS.md lines from ``run_recompute(...)``: ``[(group, results), ...]``."""
-    from common import num_params
-    from report import _table
-
     spec = results[0][0].spec if results else RECOMPUTE_SHAPE
     out = ["## Recompute: activation memory saved vs step time, beside the estimator, and vs torch.utils.checkpoint",
            "", f"- {spec.describe()}, {num_params(spec.model_cfg()) / 1e6:.1f}M parameters, {spec.micro_batches} "
@@ -304,9 +297,9 @@ def recompute_section(results: list) -> list[str]:
             "estimator counts the same), so its row checks the estimator on a small figure. Recompute replays the same "
             f"operations: every variant's losses equal `none`'s to {LOSS_TOL:g} at every step, else the row is "
             "void.", ""]
-    out += _table("| layout | variant | ms/step | vs none | peak live MiB | estimated total MiB "
-                  "| estimated activations MiB | saving MiB measured / estimated | measured / estimated "
-                  "| target | offloaded MiB/step | peak RSS MiB | largest loss diff vs none |", rows)
+    out += table("| layout | variant | ms/step | vs none | peak live MiB | estimated total MiB "
+                 "| estimated activations MiB | saving MiB measured / estimated | measured / estimated "
+                 "| target | offloaded MiB/step | peak RSS MiB | largest loss diff vs none |", rows)
     out += ["", "### Full recompute: ours vs `torch.utils.checkpoint`", "",
             f"`{PEER}`: the same GPT (same init) with each transformer layer wrapped in a module whose forward "
             "is `torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)`, torch AdamW with the same "
@@ -316,8 +309,8 @@ def recompute_section(results: list) -> list[str]:
             "arithmetic, so it shows the overhead around it, not the price of recomputing, which the first "
             f"table's `vs none` gives. Same training: the scale section's rule ({EARLY_LOSS_TOL:g} over the first "
             f"{EARLY_STEPS} steps, {FINAL_LOSS_TOL:g} at the end).", ""]
-    out += _table("| layout | pair | ours ms | peer ms | ours/peer (per-round range) | peak live MiB ours / peer "
-                  "| loss diff, first 3 steps | final loss diff |", peers)
+    out += table("| layout | pair | ours ms | peer ms | ours/peer (per-round range) | peak live MiB ours / peer "
+                 "| loss diff, first 3 steps | final loss diff |", peers)
     return out + [""]
 
 

@@ -17,41 +17,27 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from common import GPT, random_micro_batches, spawn, trainer_argv
-
-from megazero.arguments import parse_job
+from bench.common import TrainerRun, num_params, spawn, trainer_engine
 from megazero.checkpoint import checkpoint_saver
 from megazero.checkpoint.format import checkpoint_dir
-from megazero.models.gpt import build_model_chunks
+from megazero.cli.job import parse_job
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import build_engine
 from megazero.state import TrainState
 from megazero.training import train_step
 
 
 @dataclass(frozen=True)
-class SaveSpec:
-    layers: int = 12
-    hidden: int = 512
-    heads: int = 8
-    seq: int = 64
-    vocab: int = 50257
-    micro_batch: int = 1
-    micro_batches: int = 2
-    dp: int = 2
+class SaveSpec(TrainerRun):
     stage: int = 1
     saves: int = 3
     steps_between: int = 2
 
     def argv(self, save_dir: str, async_save: bool) -> list[str]:
-        return trainer_argv(self.layers, self.hidden, self.heads, self.seq, self.vocab, self.micro_batch,
-                            "--global-batch-size", self.micro_batch * self.micro_batches * self.dp,
-                            "--zero-stage", self.stage, "--save", save_dir,
-                            *(["--async-save"] if async_save else []))
+        return self.trainer_flags("--zero-stage", self.stage, "--save", save_dir,
+                                  *(["--async-save"] if async_save else []))
 
     def describe(self) -> str:
-        return (f"GPT {self.layers} layers x {self.hidden} hidden, {self.heads} heads, seq {self.seq}, vocab "
-                f"{self.vocab}, fp32, ZeRO-{self.stage}, dp = {self.dp} CPU ranks, {self.micro_batches} "
+        return (f"{self.model()}, fp32, ZeRO-{self.stage}, dp = {self.dp} CPU ranks, {self.micro_batches} "
                 f"micro-batches of {self.micro_batch} per rank; 1 untimed step, then {self.saves} x "
                 f"({self.steps_between} steps + a save)")
 
@@ -63,16 +49,14 @@ VARIANTS = {"sync": False, "async": True}
 def worker(rank: int, world: int, spec: SaveSpec, async_save: bool, save_dir: str) -> dict:
     job, _ = parse_job(spec.argv(save_dir, async_save), world)
     topo = Topology(dp=world)
-    chunks = build_model_chunks(job.model, job.parallel, topo, seed=1234, device="meta")
-    engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    chunks, engine = trainer_engine(job, topo)
     saver = checkpoint_saver(job, chunks, engine, topo, say=lambda msg: None)
     state, times, blocked, losses = TrainState(), [], [], []
 
     def step() -> float:
         t0 = time.perf_counter()
-        batches = random_micro_batches(spec.vocab, spec.micro_batch, spec.seq, spec.micro_batches, state.iteration,
-                                       rank)
-        losses.append(train_step(chunks, batches, topo, engine, job, iteration=state.iteration + 1).loss)
+        losses.append(train_step(chunks, spec.batch(state.iteration, rank), topo, engine, job,
+                                 iteration=state.iteration + 1).loss)
         state.iteration += 1
         return time.perf_counter() - t0
 
@@ -87,7 +71,7 @@ def worker(rank: int, world: int, spec: SaveSpec, async_save: bool, save_dir: st
     size = sum(p.stat().st_size for p in last.rglob("*") if p.is_file()) if rank == 0 else 0
     engine.close()
     return {"blocked": blocked, "times": times, "final_wait": final_wait, "bytes": size, "loss": losses[-1],
-            "params": sum(p.numel() for p in GPT(job.model, device="meta").parameters())}
+            "params": num_params(job.model)}
 
 
 def run_save(spec: SaveSpec, log=print) -> dict:

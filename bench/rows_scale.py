@@ -30,12 +30,28 @@ gradients are freed; ``run_variants(live_memory=True)``), beside the peak RSS.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
-from common import GPT, WARMUP_STEPS, Spec, Variant, masked_mean, run_variants, step_batches
-from rows_dp import build_ddp, build_deepspeed, build_fsdp2, deepspeed_status
-
+from bench.common import (
+    GPT,
+    WARMUP_STEPS,
+    Spec,
+    Variant,
+    largest_over_ranks,
+    loss_diffs,
+    losses_over_ranks,
+    median,
+    num_params,
+    ratio_of_medians_per_round,
+    run_variants,
+    spawn,
+    step_batches,
+    table,
+)
+from bench.rows_dp import build_ddp, build_deepspeed, build_fsdp2, deepspeed_status
+from bench.steps import engine_step
 from megazero.config import ZeroConfig
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
@@ -69,9 +85,19 @@ PHASES = ("forward", "backward", "gather wait", "grad wait", "optimizer")
 EARLY_STEPS, EARLY_LOSS_TOL, FINAL_LOSS_TOL = 3, 1e-5, 1e-2
 
 
+def same_training(a: dict, b: dict) -> tuple[float, float, bool]:
+    """(early loss difference, final loss difference, whether both are within this rule) of two variants
+    whose results carry every rank's losses (:func:`bench.common.losses_over_ranks` with EARLY_STEPS)."""
+    early, final = loss_diffs(a, b)
+    return early, final, early <= EARLY_LOSS_TOL and final <= FINAL_LOSS_TOL
+
+
 @dataclass
 class PhaseClock:
-    """Seconds per phase of each timed step of one of our variants."""
+    """Seconds per phase (:data:`PHASES`) of each step of one of our variants: :meth:`start` opens a
+    step's record, :meth:`phase` times a part of it (the engine step's ``phase``), and the gather waits
+    inside the forward and backward (counted by the engine's wrapped ``wait``, :meth:`timed_wait`) are
+    taken out of those two and counted as ``gather wait``."""
 
     steps: list[dict] = field(default_factory=list)
     gather_wait: float = 0.0
@@ -82,6 +108,21 @@ class PhaseClock:
             wait(unit)
             self.gather_wait += time.perf_counter() - t0
         return run
+
+    def start(self) -> None:
+        self.steps.append(dict.fromkeys(PHASES, 0.0))
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        t0, w0 = time.perf_counter(), self.gather_wait
+        yield
+        took, waited = time.perf_counter() - t0, self.gather_wait - w0
+        step = self.steps[-1]
+        if name in ("forward", "backward"):
+            step[name] += took - waited
+            step["gather wait"] += waited
+        else:
+            step[name] += took
 
 
 def build_ours_phased(spec: Spec, topo, stage: int, clock: PhaseClock, keep_params_gathered: bool = False):
@@ -97,29 +138,9 @@ def build_ours_phased(spec: Spec, topo, stage: int, clock: PhaseClock, keep_para
             overlap.wait = clock.timed_wait(overlap.wait)
 
     def step(micro) -> float:
-        t = dict.fromkeys(PHASES, 0.0)
-        clock.gather_wait = 0.0
+        clock.start()
         engine.comm_log.reset()
-        engine.zero_grad()
-        total = 0.0
-        for i, (x, y, m) in enumerate(micro):
-            engine.before_backward(0, i == len(micro) - 1)
-            t0, w0 = time.perf_counter(), clock.gather_wait
-            loss = masked_mean(model(x, y), m)
-            t1, w1 = time.perf_counter(), clock.gather_wait
-            (loss / len(micro)).backward()
-            t2, w2 = time.perf_counter(), clock.gather_wait
-            t["forward"] += (t1 - t0) - (w1 - w0)
-            t["backward"] += (t2 - t1) - (w2 - w1)
-            total += loss.item() / len(micro)
-        t["gather wait"] = clock.gather_wait
-        t0 = time.perf_counter()
-        engine.finalize_grads()
-        t1 = time.perf_counter()
-        engine.step()
-        t["grad wait"], t["optimizer"] = t1 - t0, time.perf_counter() - t1
-        clock.steps.append(t)
-        return total
+        return engine_step(model, engine, micro, clock.phase)
 
     def extra():
         return {"state": engine.model_state_bytes(), "comm": dict(engine.comm_log.bytes())}
@@ -172,38 +193,27 @@ def scale_worker(rank: int, world: int, spec: Spec, ours: str, with_deepspeed: b
 
 
 def run_scale(spec: Spec, dp: int, only: list[str] | None = None, with_deepspeed: bool = True, log=print) -> dict:
-    """{ours variant: rank 0's results of it and its peers} for one shape at ``dp`` ranks."""
-    from common import spawn
-
+    """{ours variant: rank 0's results of it and its peers} for one shape at ``dp`` ranks, with every
+    rank's early and final losses and the largest peaks."""
     out = {}
     for ours in GROUPS:
         if only and ours not in only:
             continue
         log(f"scale {spec.layers}x{spec.hidden} dp={dp}: {ours} vs {', '.join(GROUPS[ours])}")
         per_rank = spawn(dp, scale_worker, spec, ours, with_deepspeed)
-        res = per_rank[0]
-        for name, r in res.items():
-            if "losses" in r:
-                r["rank_early_losses"] = [pr[name]["losses"][:EARLY_STEPS] for pr in per_rank]
-                r["rank_final_losses"] = [pr[name]["losses"][-1] for pr in per_rank]
-                r["peak_live_mib"] = max(pr[name]["peak_live_mib"] for pr in per_rank)
-                r["peak_rss_mib"] = max(pr[name]["peak_rss_mib"] for pr in per_rank)
-        out[ours] = res
+        out[ours] = losses_over_ranks(largest_over_ranks(per_rank, ("peak_live_mib", "peak_rss_mib")), per_rank,
+                                      EARLY_STEPS)
     return out
 
 
 # ---------------------------------------------------------------------------------------- report
 def _row(spec: Spec, dp: int, ours: str, peer: str, target: float, res: dict) -> list[str]:
-    from common import median, ratio_of_medians_per_round
-
     label = [f"{spec.layers}x{spec.hidden}", str(dp), f"{ours} vs {peer}"]
     a, b = res[ours], res[peer]
     if "unavailable" in a or "unavailable" in b:
         return label + ["-"] * 9 + [a.get("unavailable") or b.get("unavailable")]
     ratio = ratio_of_medians_per_round(a["times"], b["times"])
-    diff = max(abs(x - y) for x, y in zip(a["rank_final_losses"], b["rank_final_losses"]))
-    early = max(abs(x - y) for xs, ys in zip(a["rank_early_losses"], b["rank_early_losses"]) for x, y in zip(xs, ys))
-    same = early <= EARLY_LOSS_TOL and diff <= FINAL_LOSS_TOL
+    early, diff, same = same_training(a, b)
     speed = ("met" if ratio <= target else "MISSED") if same else "void (losses differ)"
     memory = "met" if a["peak_live_mib"] <= b["peak_live_mib"] else "MISSED"
     return label + [f"{1e3 * median(a['times']):.0f}", f"{1e3 * median(b['times']):.0f}", f"{ratio:.2f}x",
@@ -217,13 +227,11 @@ def _peer_spread(spec: Spec, dp: int, results: list[dict], names: list[str]) -> 
     if len(ran) < 2:
         return []
     (na, a), (nb, b) = ran[:2]
-    diff = max(abs(x - y) for x, y in zip(a["rank_final_losses"], b["rank_final_losses"]))
+    _, diff = loss_diffs(a, b)
     return [f"{na} vs {nb} at {spec.layers}x{spec.hidden} dp {dp}, {len(a['losses'])} steps: {diff:.1e}"]
 
 
 def _phase_row(spec: Spec, dp: int, ours: str, r: dict) -> list[str]:
-    from common import median
-
     head = [f"{spec.layers}x{spec.hidden}", str(dp), ours]
     if "unavailable" in r or not r.get("phases"):
         return head + ["-"] * (len(PHASES) + 2)
@@ -234,9 +242,6 @@ def _phase_row(spec: Spec, dp: int, ours: str, r: dict) -> list[str]:
 
 def scale_section(results: list) -> list[str]:
     """BENCHMARKS.md lines from ``[(spec, dp, run_scale(...)), ...]``."""
-    from common import num_params
-    from report import _table
-
     out = ["## Scale: ZeRO at 30M+ parameters vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed", ""]
     shapes = {(s.layers, s.hidden): s for s, _, _ in results}
     for s in shapes.values():
@@ -266,8 +271,8 @@ def scale_section(results: list) -> list[str]:
                      if peer in res[ours]]
             spread += _peer_spread(spec, dp, [res[ours][p] for p in peers if p in res[ours]], list(peers))
             phases.append(_phase_row(spec, dp, ours, res[ours][ours]))
-    out += _table("| shape | dp | pair | ours ms | peer ms | ours/peer | speed target | ours peak live MiB "
-                  "| peer peak live MiB | peak RSS MiB ours / peer | memory | loss diff, first 3 steps | final loss diff |", rows)
+    out += table("| shape | dp | pair | ours ms | peer ms | ours/peer | speed target | ours peak live MiB "
+                 "| peer peak live MiB | peak RSS MiB ours / peer | memory | loss diff, first 3 steps | final loss diff |", rows)
     if spread:
         out += ["", "The peers against each other (the fp32 noise floor of the final loss, same run): " + "; ".join(spread)
                 + "."]
@@ -279,5 +284,5 @@ def scale_section(results: list) -> list[str]:
             "moves it ((N-1)/N of the buffer for an all-gather or reduce-scatter, twice that for an all-reduce); on "
             "gloo ours runs its all-gather as broadcasts and ZeRO-2/3's gradient reduce-scatter as point-to-point "
             "messages, the same bytes (ZeRO-1's as an all-reduce of the bucket, twice the bytes).", ""]
-    out += _table("| shape | dp | variant | ms/step | " + " | ".join(PHASES) + " | comm MiB/step |", phases)
+    out += table("| shape | dp | variant | ms/step | " + " | ".join(PHASES) + " | comm MiB/step |", phases)
     return out + [""]

@@ -14,9 +14,9 @@ from dataclasses import replace
 
 import torch
 
-from common import GPT, PlainGPT, Spec, Unavailable, Variant, run_variants, step_batches, torch_adamw
-from rows_dp import build_ours, torch_step
-
+from bench.common import GPT, PlainGPT, Spec, Unavailable, Variant, run_variants, spawn, step_batches, torch_adamw
+from bench.rows_dp import build_ours
+from bench.steps import torch_step
 from megazero.parallel.topology import Topology
 
 STAGES = (0, 1, 2, 3)
@@ -39,8 +39,6 @@ def mem_worker(rank: int, world: int, spec: Spec) -> dict:
 
 
 def run_memory(spec: Spec, dps=(1, 2, 4, 8)) -> dict:
-    from common import spawn
-
     res = {}
     for dp in dps:
         per_rank = spawn(dp, mem_worker, spec)
@@ -73,6 +71,4 @@ def time_worker(rank: int, world: int, spec: Spec) -> dict:
 
 
 def run_step_time(spec: Spec) -> dict:
-    from common import spawn
-
     return spawn(1, time_worker, spec)[0]

@@ -22,8 +22,19 @@ import contextlib
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import GPT, PlainGPT, Spec, Variant, masked_mean, run_variants, step_batches, torch_adamw
-
+from bench.common import (
+    GPT,
+    PlainGPT,
+    Spec,
+    Variant,
+    largest_over_ranks,
+    masked_mean,
+    run_variants,
+    spawn,
+    step_batches,
+    torch_adamw,
+)
+from bench.steps import engine_step
 from megazero.config import ZeroConfig
 from megazero.parallel import raw_comm as mz_comm
 from megazero.parallel.topology import Topology
@@ -34,19 +45,7 @@ def build_ours(spec: Spec, topo, sp: bool):
     model = GPT(spec.model_cfg(), topo.model_groups(sp), seed=1234)
     engine = build_engine(model, topo, ZeroConfig(zero_stage=0), spec.opt_cfg(clip=0.0))
 
-    def step(micro):
-        engine.zero_grad()
-        total = 0.0
-        for i, (x, y, m) in enumerate(micro):
-            engine.before_backward(0, i == len(micro) - 1)
-            loss = masked_mean(model(x, y), m)
-            (loss / len(micro)).backward()
-            total += loss.item() / len(micro)
-        engine.finalize_grads()
-        engine.step()
-        return total
-
-    return step, (lambda: {"state": engine.model_state_bytes()})
+    return (lambda micro: engine_step(model, engine, micro)), (lambda: {"state": engine.model_state_bytes()})
 
 
 def _plan(model: PlainGPT, sp: bool) -> dict:
@@ -168,11 +167,5 @@ def tp_worker(rank: int, world: int, spec: Spec) -> dict:
 
 
 def run_tp(spec: Spec, tp: int) -> dict:
-    from common import spawn
-
-    per_rank = spawn(tp, tp_worker, spec)
-    res = per_rank[0]
-    for name, r in res.items():
-        if isinstance(r, dict) and "peak_rss_mib" in r:
-            r["peak_rss_mib"] = max(pr[name]["peak_rss_mib"] for pr in per_rank)
-    return res
+    """Rank 0's per-variant results with the largest peak RSS over the ranks."""
+    return largest_over_ranks(spawn(tp, tp_worker, spec), ("peak_rss_mib",))

@@ -45,18 +45,25 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 
-from common import Spec, Variant, dp_comm_bytes, num_params, run_variants, spawn, step_batches
-from peers.plain import MEASURED_STEPS
-
+from bench.common import (
+    REPO,
+    Spec,
+    Variant,
+    cores,
+    dp_comm_bytes,
+    num_params,
+    run_variants,
+    spawn,
+    step_batches,
+    torchrun,
+)
+from bench.peers.plain import MEASURED_STEPS
+from bench.rows_scale import PhaseClock, build_ours_phased
 from megazero.config import ZeroConfig
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-PEERS = os.path.join(HERE, "peers")
+from megazero.parallel.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -121,10 +128,10 @@ ENGINE, ENGINE_TARGET = "engine-zero3", 1.10      # the engine-only harness; tra
 # Our variants (extra trainer flags) and the peers each is compared with, with the ratio to reach.
 OURS = {"ours-zero0": ["--zero-stage", 0], "ours-zero1": ["--zero-stage", 1], "ours-zero2": ["--zero-stage", 2],
         "ours-zero3": ["--zero-stage", 3], "ours-zero3-keep": ["--zero-stage", 3, "--zero3-keep-params-gathered"]}
-PEER_SCRIPTS = {"torch-ddp": ["ddp.py"], "torch-ddp-zero": ["ddp.py", "--zero-redundancy"],
-                "torch-fsdp2": ["fsdp2.py"], "torch-fsdp2-noreshard": ["fsdp2.py", "--no-reshard"],
-                "ds-zero1": ["deepspeed_zero.py", "--stage", 1], "ds-zero2": ["deepspeed_zero.py", "--stage", 2],
-                "ds-zero3": ["deepspeed_zero.py", "--stage", 3]}
+PEER_SCRIPTS = {"torch-ddp": ["ddp"], "torch-ddp-zero": ["ddp", "--zero-redundancy"],
+                "torch-fsdp2": ["fsdp2"], "torch-fsdp2-noreshard": ["fsdp2", "--no-reshard"],
+                "ds-zero1": ["deepspeed_zero", "--stage", 1], "ds-zero2": ["deepspeed_zero", "--stage", 2],
+                "ds-zero3": ["deepspeed_zero", "--stage", 3]}        # modules of bench/peers/ and their flags
 GROUPS = {"ours-zero0": {"torch-ddp": 1.0}, "ours-zero1": {"torch-ddp-zero": 0.9, "ds-zero1": 0.9},
           "ours-zero2": {"torch-ddp-zero": 0.9, "ds-zero2": 0.9}, "ours-zero3": {"torch-fsdp2": 0.8, "ds-zero3": 0.8},
           "ours-zero3-keep": {"torch-fsdp2-noreshard": 0.8}}
@@ -134,18 +141,21 @@ STAGE_OF = {"ours-zero0": 0, "torch-ddp": 0, "ours-zero1": 1, "torch-ddp-zero": 
             "torch-fsdp2-noreshard": None}
 
 
-def _torchrun(world: int, script: str, args: list, timeout: float = 1800) -> subprocess.CompletedProcess:
-    """``script`` under torchrun on ``world`` processes. A failed run is run once more (a run that fails
-    twice is reported; one transient failure, such as a rendezvous port taken by the previous run's
-    teardown, once left a peer's row empty for the whole section): the retry's result is returned."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), script,
-           *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu"}
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+def _torchrun(world: int, target: list[str], args: list, timeout: float = 1800) -> subprocess.CompletedProcess:
+    """``target`` (a script path, or ``-m`` and a module) under torchrun on ``world`` processes
+    (:func:`bench.common.torchrun`). A failed run is run once more (a run that fails twice is reported;
+    one transient failure, such as a rendezvous port taken by the previous run's teardown, once left a
+    peer's row empty for the whole section): the retry's result is returned."""
+    run = torchrun(world, target, args, timeout)
     if run.returncode != 0 and "No module named" not in run.stderr:
-        print(f"  {os.path.basename(script)} failed ({failure_line(run.stderr)}); once more", flush=True)
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        print(f"  {os.path.basename(target[-1])} failed ({failure_line(run.stderr)}); once more", flush=True)
+        run = torchrun(world, target, args, timeout)
     return run
+
+
+def _peer(module: str) -> list[str]:
+    """The torchrun target of the peer script ``bench/peers/<module>.py``."""
+    return ["-m", f"bench.peers.{module}"]
 
 
 def failure_line(stderr: str) -> str:
@@ -167,7 +177,7 @@ def run_ours(shape: TrainerShape, world: int, extra: list, measure_live: bool = 
     more = MEASURED_STEPS if measure_live else 0
     with tempfile.TemporaryDirectory() as d:
         metrics = os.path.join(d, "m.jsonl")
-        run = _torchrun(world, os.path.join(ROOT, "pretrain_gpt.py"),
+        run = _torchrun(world, [os.path.join(REPO, "pretrain_gpt.py")],
                         shape.trainer_flags(world, shape.steps + more) + ["--dp", world, *extra, "--metrics-file",
                                                                            metrics]
                         + (["--measure-live-bytes"] if measure_live else []))
@@ -185,11 +195,11 @@ def run_ours(shape: TrainerShape, world: int, extra: list, measure_live: bool = 
 
 def run_peer(shape: TrainerShape, world: int, name: str, with_deepspeed: bool = True) -> dict:
     script, *flags = PEER_SCRIPTS[name]
-    if script == "deepspeed_zero.py":
+    if script == "deepspeed_zero":
         if not with_deepspeed:
             return {"unavailable": "skipped (--no-deepspeed)"}
         flags += ["--bucket-size", ZeroConfig.bucket_size]
-    run = _torchrun(world, os.path.join(PEERS, script), [*flags, *shape.peer_flags()])
+    run = _torchrun(world, _peer(script), [*flags, *shape.peer_flags()])
     lines = [x for x in run.stdout.splitlines() if x.startswith("{")]
     if run.returncode != 0 or not lines:
         why = failure_line(run.stderr)
@@ -199,10 +209,6 @@ def run_peer(shape: TrainerShape, world: int, name: str, with_deepspeed: bool = 
 
 def engine_worker(rank: int, world: int, spec: Spec) -> dict:
     """One rank of the engine-only harness: ``rows_scale``'s ZeRO-3 engine alone in ``run_variants``."""
-    from rows_scale import PhaseClock, build_ours_phased
-
-    from megazero.parallel.topology import Topology
-
     topo = Topology(dp=world)
     res = run_variants([Variant(ENGINE, lambda: build_ours_phased(spec, topo, 3, PhaseClock()))],
                        step_batches(spec, spec.rounds, world, rank))
@@ -221,7 +227,7 @@ def measure_floors(shape: TrainerShape, world: int) -> dict:
     best gloo rate on ``world`` ranks, with messages of the trainer's bucket size."""
     serial = run_ours(shape, 1, [], measure_live=False)
     bucket_mib = ZeroConfig.bucket_size * 4 / 2**20
-    bw = _torchrun(world, os.path.join(PEERS, "gloo_bandwidth.py"), ["--mib", bucket_mib])
+    bw = _torchrun(world, _peer("gloo_bandwidth"), ["--mib", bucket_mib])
     rates = json.loads([x for x in bw.stdout.splitlines() if x.startswith("{")][-1])["bytes_per_s"]
     return {"serial_s": statistics.median(serial["step_s"]), "bytes_per_s": max(rates.values())}
 
@@ -230,7 +236,7 @@ def combine_floors(rounds: list[dict]) -> dict:
     """The floors of a (shape, world): the medians over its rounds, and the cores they share."""
     return {"serial_s": statistics.median(r["serial_s"] for r in rounds),
             "bytes_per_s": statistics.median(r["bytes_per_s"] for r in rounds), "rounds": len(rounds),
-            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+            "cores": cores()}
 
 
 def comm_bytes(name: str, shape: TrainerShape, world: int) -> float:

@@ -15,31 +15,24 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from common import random_micro_batches, spawn, trainer_argv
-
-from megazero.arguments import parse_job
-from megazero.models.gpt import build_model_chunks
+from bench.common import TrainerRun, spawn, trainer_engine
+from megazero.cli.job import parse_job
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import build_engine
 from megazero.training import train_step
 
 
 @dataclass(frozen=True)
-class ZeroPPSpec:
+class ZeroPPSpec(TrainerRun):
     layers: int = 4
     hidden: int = 256
     heads: int = 4
-    seq: int = 64
     vocab: int = 4096
-    micro_batch: int = 1
-    micro_batches: int = 2
     dp: int = 8
     ranks_per_node: int = 4
     rounds: int = 6
 
     def describe(self) -> str:
-        return (f"GPT {self.layers} layers x {self.hidden} hidden, {self.heads} heads, seq {self.seq}, vocab "
-                f"{self.vocab}, fp32, {self.micro_batches} micro-batches of {self.micro_batch} per rank; dp = "
+        return (f"{self.model()}, fp32, {self.micro_batches} micro-batches of {self.micro_batch} per rank; dp = "
                 f"{self.dp} CPU ranks as {self.dp // self.ranks_per_node} nodes of {self.ranks_per_node}; "
                 f"{self.rounds} rounds, the first untimed")
 
@@ -58,16 +51,13 @@ VARIANTS = {
 def worker(rank: int, world: int, spec: ZeroPPSpec) -> dict:
     runs = {}
     for name, flags in VARIANTS.items():
-        argv = trainer_argv(spec.layers, spec.hidden, spec.heads, spec.seq, spec.vocab, spec.micro_batch,
-                            "--global-batch-size", spec.micro_batch * spec.micro_batches * world,
-                            "--zero-stage", 3, "--ranks-per-node", spec.ranks_per_node, *flags)
-        job, _ = parse_job(argv, world)
+        job, _ = parse_job(spec.trainer_flags("--zero-stage", 3, "--ranks-per-node", spec.ranks_per_node, *flags),
+                           world)
         topo = Topology(dp=world, ranks_per_node=spec.ranks_per_node)
-        chunks = build_model_chunks(job.model, job.parallel, topo, seed=1234, device="meta")
-        runs[name] = (job, topo, chunks, build_engine(chunks, topo, job.zero, job.optimizer, job.precision))
+        runs[name] = (job, topo, *trainer_engine(job, topo))
     out = {name: {"times": [], "losses": []} for name in VARIANTS}
     for step in range(spec.rounds):
-        batches = random_micro_batches(spec.vocab, spec.micro_batch, spec.seq, spec.micro_batches, step, rank)
+        batches = spec.batch(step, rank)
         for name, (job, topo, chunks, engine) in runs.items():
             engine.comm_log.reset()
             t0 = time.perf_counter()

@@ -1,9 +1,13 @@
 """Run every side-by-side benchmark and write BENCHMARKS.md (+ PNG plots in bench/results/).
 
-    OMP_NUM_THREADS=1 python bench/run.py                  # the full set (about 20 min on 2 cores)
-    python bench/run.py --quick                            # tiny model, dp/tp/pp = 2 only, no capacity search
-    python bench/run.py --quick --sections dp --dp 2 --variants ours-zero0,torch-ddp --out /tmp/b.md
-    python bench/run.py --sections capacity --update          # rerun one section of BENCHMARKS.md, keep the rest
+    OMP_NUM_THREADS=1 python -m bench.run                  # the full set (about 20 min on 2 cores)
+    python -m bench.run --quick                            # tiny model, dp/tp/pp = 2 only, no capacity search
+    python -m bench.run --quick --sections dp --dp 2 --variants ours-zero0,torch-ddp --out /tmp/b.md
+    python -m bench.run --sections capacity --update          # rerun one section of BENCHMARKS.md, keep the rest
+
+From the repository root (bench is a package there; megazero is installed). Each section's module is
+imported when its section runs: the ranks every section spawns import this module as their main, and
+should load no other section's code.
 
 Sections (see each module's docstring for the method):
     dp       rows_dp.py       ZeRO 0/1/2/3 vs DDP, DDP + ZeroRedundancyOptimizer, FSDP2, DeepSpeed 1/2/3
@@ -45,18 +49,17 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore")     # inherited by the spawned ranks
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-import report  # noqa: E402
-from common import QUICK, WARMUP_STEPS, Spec, num_params  # noqa: E402
+from bench import report  # noqa: E402
+from bench.common import QUICK, REPO, WARMUP_STEPS, Spec, cores, num_params  # noqa: E402
 
 SECTIONS = ("dp", "tp", "pp", "pipeline-bubble", "scaling", "llama", "moe", "offload", "zeropp", "gpu", "capacity",
             "scale", "compile", "recompute", "cp", "save", "trainer")
@@ -69,7 +72,6 @@ def _machine() -> list[str]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
         import deepspeed
         ds = deepspeed.__version__
@@ -77,16 +79,15 @@ def _machine() -> list[str]:
         ds = "not installed"
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     try:
-        here = os.path.dirname(HERE)
-        commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True).stdout.strip()
         code = f"commit {commit}" + (" with uncommitted changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         code = "not a git checkout"
     return [f"- Code: {code}",
-            f"- Machine: {platform.node()}, {cpu}, {cores} cores usable, {platform.system()} {platform.release()}",
+            f"- Machine: {platform.node()}, {cpu}, {cores()} cores usable, {platform.system()} {platform.release()}",
             f"- Python {platform.python_version()}, torch {torch.__version__}, DeepSpeed {ds}, GPU: {gpu}",
             f"- Load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (shared machine: "
             f"compare the two sides of a pair, measured alternately in one run, not runs with each other)"]
@@ -110,7 +111,7 @@ def parse(argv=None):
     ap.add_argument("--rounds", type=int, default=None,
                     help="steps per variant, the first untimed (the rows of the common Spec; the compile section's); "
                          "cp: rounds of trainer runs")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "BENCHMARKS.md"))
+    ap.add_argument("--out", default=os.path.join(REPO, "BENCHMARKS.md"))
     ap.add_argument("--update", action="store_true",
                     help="replace only the sections this run measures in --out (an existing file), keeping the rest")
     a = ap.parse_args(argv)
@@ -127,6 +128,206 @@ def parse(argv=None):
     return a
 
 
+@dataclass
+class Run:
+    """What the sections of one run share: the arguments, the CPU rows' spec, the log, the pairs the
+    summary sets against their targets (the dp, tp and pp sections add them) and the dp rows' results
+    (the scaling section reuses their model-state figures)."""
+
+    a: argparse.Namespace
+    spec: Spec
+    log: Callable[[str], None]
+    targets: list = field(default_factory=list)
+    dp_res: dict = field(default_factory=dict)
+
+    @property
+    def only(self) -> list[str] | None:
+        return self.a.variants.split(",") if self.a.variants else None
+
+    @property
+    def outdir(self) -> str:
+        return os.path.dirname(os.path.abspath(self.a.out))
+
+
+def _sweep(run: Run, axis: str, sizes: list[int], measure) -> dict:
+    """{size: measure(size)} for each size of ``axis`` (dp, tp or pp), logged."""
+    res = {}
+    for n in sizes:
+        run.log(f"{axis}={n}")
+        res[n] = measure(n)
+    return res
+
+
+def dp(run: Run) -> list[str]:
+    from bench.rows_dp import run_dp
+
+    run.dp_res = _sweep(run, "dp", run.a.dp,
+                        lambda n: run_dp(run.spec, n, run.only, with_deepspeed=not run.a.no_deepspeed))
+    return report.dp_section(run.spec, run.dp_res, num_params(run.spec.model_cfg()), run.targets)
+
+
+def tp(run: Run) -> list[str]:
+    from bench.rows_tp import run_tp
+
+    return report.tp_section(run.spec, _sweep(run, "tp", run.a.tp, lambda n: run_tp(run.spec, n)), run.targets)
+
+
+def pp(run: Run) -> list[str]:
+    from bench.rows_pp import run_pp
+
+    return report.pp_section(run.spec, _sweep(run, "pp", run.a.pp, lambda n: run_pp(run.spec, n)), run.targets)
+
+
+def pipeline_bubble(run: Run) -> list[str]:
+    from bench.rows_bubble import BUBBLE_LARGE, BUBBLE_SHAPE, QUICK_BUBBLE, bubble_section, run_bubble
+
+    shapes = [QUICK_BUBBLE] if run.a.quick else [BUBBLE_SHAPE, BUBBLE_LARGE]   # tiny, then 30M+
+    shapes = [replace(s, rounds=run.a.rounds) for s in shapes] if run.a.rounds else shapes
+    return bubble_section([(shape, run_bubble(shape, run.a.pp, run.log)) for shape in shapes])
+
+
+def scaling(run: Run) -> list[str]:
+    from bench.rows_scaling import STAGES, run_memory, run_step_time
+
+    memory = {}
+    for n in run.a.memory_dp:            # reuse the dp rows' engines where they were measured
+        res = run.dp_res.get(n, {})
+        if all(f"ours-zero{s}" in res for s in STAGES):
+            memory[n] = {s: res[f"ours-zero{s}"].get("unavailable") or res[f"ours-zero{s}"]["extra"]["state"]["total"]
+                         for s in STAGES}
+    missing = [n for n in run.a.memory_dp if n not in memory]
+    run.log(f"memory sweep dp={missing}")
+    memory.update(run_memory(run.spec, missing) if missing else {})
+    run.log("step time sweep")
+    step_time = run_step_time(run.spec)
+    psi = num_params(run.spec.model_cfg())
+    plot_files = report.plots(dict(sorted(memory.items())), step_time, psi, run.outdir)
+    return report.scaling_section(run.spec, memory, step_time, psi, plot_files)
+
+
+def llama(run: Run) -> list[str]:
+    from bench.rows_llama import LLAMA_LARGE, run_llama
+
+    results = []
+    for shape in [run.spec] if run.a.quick else [run.spec, LLAMA_LARGE]:
+        run.log(f"gpt2-style vs llama-style, {shape.layers} x {shape.hidden}")
+        results.append((shape, run_llama(shape)))
+    return report.llama_section(results)
+
+
+def moe(run: Run) -> list[str]:
+    from bench.rows_moe import moe_section, run_moe
+
+    run.log("moe: dense vs ep 1/2/4, DeepSpeed MoE")
+    return moe_section(run.spec, run_moe(run.spec))
+
+
+def capacity(run: Run) -> list[str]:
+    from bench.rows_capacity import QUICK_CAPACITY, CapacitySpec, run_capacity
+
+    cap = QUICK_CAPACITY if run.a.quick else CapacitySpec()
+    cap = replace(cap, budget_mib=run.a.capacity_budget) if run.a.capacity_budget else cap
+    run.log(f"capacity: budget {cap.budget_mib:g} MiB per rank, dp={cap.dp}")
+    rows = run_capacity(cap, run.only, with_deepspeed=not run.a.no_deepspeed, log=run.log)
+    plot = report.capacity_plot(cap, rows, run.outdir,
+                                "bench_capacity_quick.png" if run.a.quick else "bench_capacity.png")
+    return report.capacity_section(cap, rows, plot)
+
+
+def offload(run: Run) -> list[str]:
+    from bench.rows_offload import QUICK_OFFLOAD, OffloadSpec, run_offload
+
+    off = QUICK_OFFLOAD if run.a.quick else OffloadSpec()
+    run.log("offload")
+    return report.offload_section(off, run_offload(off, run.log))
+
+
+def zeropp(run: Run) -> list[str]:
+    from bench.rows_zeropp import QUICK_ZEROPP, ZeroPPSpec, run_zeropp, zeropp_section
+
+    zpp = QUICK_ZEROPP if run.a.quick else ZeroPPSpec()
+    run.log("zeropp")
+    return zeropp_section(zpp, run_zeropp(zpp, run.log))
+
+
+def scale(run: Run) -> list[str]:
+    from bench.rows_scale import QUICK_SCALE, SCALE_SHAPES, run_scale, scale_section
+
+    return scale_section([(shape, n, run_scale(shape, n, run.only, not run.a.no_deepspeed, run.log))
+                          for shape in (QUICK_SCALE if run.a.quick else SCALE_SHAPES) for n in run.a.dp])
+
+
+def compile_(run: Run) -> list[str]:
+    from bench.rows_compile import COMPILE_SHAPES, QUICK_COMPILE, TP_PP_SHAPE, run_compile
+
+    shapes, tp_pp = (QUICK_COMPILE, QUICK_COMPILE[0]) if run.a.quick else (COMPILE_SHAPES, TP_PP_SHAPE)
+    return report.compile_section(run_compile(shapes, tp_pp, run.a.dp, run.only, run.a.rounds, run.log))
+
+
+def recompute(run: Run) -> list[str]:
+    from bench.rows_recompute import QUICK_RECOMPUTE, RECOMPUTE_SHAPE, recompute_section, run_recompute
+
+    shape = QUICK_RECOMPUTE if run.a.quick else RECOMPUTE_SHAPE
+    return recompute_section(run_recompute(shape, run.only, run.a.rounds, run.log))
+
+
+def cp(run: Run) -> list[str]:
+    from bench.rows_cp import CP_SHAPE, QUICK_CP, cp_section, run_cp
+
+    shape = QUICK_CP if run.a.quick else CP_SHAPE
+    shape = replace(shape, rounds=run.a.rounds) if run.a.rounds else shape
+    return cp_section(shape, run_cp(shape, run.only, run.log))
+
+
+def save(run: Run) -> list[str]:
+    from bench.rows_save import QUICK_SAVE, SaveSpec, run_save, save_section
+
+    save_spec = QUICK_SAVE if run.a.quick else SaveSpec()
+    run.log("save: sync vs --async-save")
+    return save_section(save_spec, run_save(save_spec, run.log))
+
+
+def trainer(run: Run) -> list[str]:
+    from bench.rows_trainer import QUICK_TRAINER, TRAINER_SHAPES, run_trainer, trainer_section
+
+    return trainer_section(run_trainer(QUICK_TRAINER if run.a.quick else TRAINER_SHAPES, run.a.dp, 3, run.log,
+                                       run.only, with_deepspeed=not run.a.no_deepspeed))
+
+
+def gpu(run: Run) -> list[str]:
+    from bench.gpu import run_gpu
+
+    run.log("gpu")
+    return report.gpu_section(run_gpu(), run.outdir)
+
+
+# Each section's runner, in the order BENCHMARKS.md lists them.
+RUNNERS = {"dp": dp, "tp": tp, "pp": pp, "pipeline-bubble": pipeline_bubble, "scaling": scaling, "llama": llama,
+           "moe": moe, "capacity": capacity, "offload": offload, "zeropp": zeropp, "scale": scale, "compile": compile_,
+           "recompute": recompute, "cp": cp, "save": save, "trainer": trainer, "gpu": gpu}
+OWN_MODELS = {"gpu", "capacity", "scale", "compile", "recompute", "cp", "save", "pipeline-bubble"}   # not the Spec's
+
+
+def _head(run: Run, sections: list[str], command: str, started, wall: float, machine: list[str],
+          load: str) -> list[str]:
+    """The lines above the sections: how the file was made, on what, and the CPU rows' model."""
+    spec = run.spec
+    head = ["# megazero benchmarks", "",
+            "Generated by `bench/run.py`; do not edit by hand (rerun the command instead).", "",
+            f"- Command: `OMP_NUM_THREADS=1 {command}`",
+            f"- Date: {started:%Y-%m-%d %H:%M} UTC, wall time {wall:.0f} s", *machine,
+            ""]
+    if set(sections) - OWN_MODELS:
+        head[-1:-1] = [
+            f"- Model (CPU rows): {spec.describe()}; {spec.micro_batches} micro-batches per rank and step "
+            f"(dp, tp rows), {spec.pp_micro_batches} (pp rows); {spec.rounds} steps per variant, the first "
+            f"{WARMUP_STEPS} untimed; gloo, one torch thread per rank.",
+            "- Peak RSS per rank: the process's high-water mark over the variant's build and two warm-up steps, "
+            "on top of the process baseline (see bench/common.py). 'ours/peer' < 1 means megazero is faster."]
+    head.insert(-1, f"- {load[0].upper()}{load[1:]}")
+    return head
+
+
 def main(argv=None) -> None:
     a = parse(argv)
     spec = QUICK if a.quick else Spec()
@@ -134,148 +335,26 @@ def main(argv=None) -> None:
         spec = replace(spec, rounds=a.rounds)
     sections = a.sections.split(",")
     started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
-    header = _machine()
-    psi = num_params(spec.model_cfg())
-    targets, body = [], []
+    machine = _machine()
 
     def log(msg):
         print(f"[{time.perf_counter() - t0:6.0f} s] {msg}", flush=True)
 
-    dp_res = {}
-    if "dp" in sections:
-        from rows_dp import run_dp
-        only = a.variants.split(",") if a.variants else None
-        for dp in a.dp:
-            log(f"dp={dp}")
-            dp_res[dp] = run_dp(spec, dp, only, with_deepspeed=not a.no_deepspeed)
-        body += report.dp_section(spec, dp_res, psi, targets)
-    if "tp" in sections:
-        from rows_tp import run_tp
-        tp_res = {}
-        for tp in a.tp:
-            log(f"tp={tp}")
-            tp_res[tp] = run_tp(spec, tp)
-        body += report.tp_section(spec, tp_res, targets)
-    if "pp" in sections:
-        from rows_pp import run_pp
-        pp_res = {}
-        for pp in a.pp:
-            log(f"pp={pp}")
-            pp_res[pp] = run_pp(spec, pp)
-        body += report.pp_section(spec, pp_res, targets)
-    if "pipeline-bubble" in sections:
-        from rows_bubble import BUBBLE_LARGE, BUBBLE_SHAPE, QUICK_BUBBLE, bubble_section, run_bubble
-        shapes = [QUICK_BUBBLE] if a.quick else [BUBBLE_SHAPE, BUBBLE_LARGE]   # tiny, then 30M+
-        shapes = [replace(s, rounds=a.rounds) for s in shapes] if a.rounds else shapes
-        body += bubble_section([(shape, run_bubble(shape, a.pp, log)) for shape in shapes])
-    if "scaling" in sections:
-        from rows_scaling import STAGES, run_memory, run_step_time
-        memory = {}
-        for dp in a.memory_dp:            # reuse the dp rows' engines where they were measured
-            res = dp_res.get(dp, {})
-            if all(f"ours-zero{s}" in res for s in STAGES):
-                memory[dp] = {s: res[f"ours-zero{s}"].get("unavailable") or res[f"ours-zero{s}"]["extra"]["state"]["total"]
-                              for s in STAGES}
-        missing = [dp for dp in a.memory_dp if dp not in memory]
-        log(f"memory sweep dp={missing}")
-        memory.update(run_memory(spec, missing) if missing else {})
-        log("step time sweep")
-        step_time = run_step_time(spec)
-        plot_files = report.plots(dict(sorted(memory.items())), step_time, psi,
-                                  os.path.dirname(os.path.abspath(a.out)))
-        body += report.scaling_section(spec, memory, step_time, psi, plot_files)
-    if "llama" in sections:
-        from rows_llama import LLAMA_LARGE, run_llama
-        shapes = [spec] if a.quick else [spec, LLAMA_LARGE]
-        results = []
-        for shape in shapes:
-            log(f"gpt2-style vs llama-style, {shape.layers} x {shape.hidden}")
-            results.append((shape, run_llama(shape)))
-        body += report.llama_section(results)
-    if "moe" in sections:
-        from rows_moe import moe_section, run_moe
-        log("moe: dense vs ep 1/2/4, DeepSpeed MoE")
-        body += moe_section(spec, run_moe(spec))
-    if "capacity" in sections:
-        from rows_capacity import QUICK_CAPACITY, CapacitySpec, run_capacity
-        cap = QUICK_CAPACITY if a.quick else CapacitySpec()
-        cap = replace(cap, budget_mib=a.capacity_budget) if a.capacity_budget else cap
-        log(f"capacity: budget {cap.budget_mib:g} MiB per rank, dp={cap.dp}")
-        rows = run_capacity(cap, a.variants.split(",") if a.variants else None, with_deepspeed=not a.no_deepspeed,
-                            log=log)
-        plot = report.capacity_plot(cap, rows, os.path.dirname(os.path.abspath(a.out)),
-                                    "bench_capacity_quick.png" if a.quick else "bench_capacity.png")
-        body += report.capacity_section(cap, rows, plot)
-    if "offload" in sections:
-        from rows_offload import QUICK_OFFLOAD, OffloadSpec, run_offload
-        off = QUICK_OFFLOAD if a.quick else OffloadSpec()
-        log("offload")
-        body += report.offload_section(off, run_offload(off, log))
-    if "zeropp" in sections:
-        from rows_zeropp import QUICK_ZEROPP, ZeroPPSpec, run_zeropp, zeropp_section
-        zpp = QUICK_ZEROPP if a.quick else ZeroPPSpec()
-        log("zeropp")
-        body += zeropp_section(zpp, run_zeropp(zpp, log))
-    if "scale" in sections:
-        from rows_scale import QUICK_SCALE, SCALE_SHAPES, run_scale, scale_section
-        only = a.variants.split(",") if a.variants else None
-        scale = [(shape, dp, run_scale(shape, dp, only, not a.no_deepspeed, log)) for shape in (QUICK_SCALE if a.quick else SCALE_SHAPES)
-                 for dp in a.dp]
-        body += scale_section(scale)
-    if "compile" in sections:
-        from rows_compile import COMPILE_SHAPES, QUICK_COMPILE, TP_PP_SHAPE, run_compile
-        only = a.variants.split(",") if a.variants else None
-        shapes, tp_pp = (QUICK_COMPILE, QUICK_COMPILE[0]) if a.quick else (COMPILE_SHAPES, TP_PP_SHAPE)
-        body += report.compile_section(run_compile(shapes, tp_pp, a.dp, only, a.rounds, log))
-    if "recompute" in sections:
-        from rows_recompute import QUICK_RECOMPUTE, RECOMPUTE_SHAPE, recompute_section, run_recompute
-        only = a.variants.split(",") if a.variants else None
-        shape = QUICK_RECOMPUTE if a.quick else RECOMPUTE_SHAPE
-        body += recompute_section(run_recompute(shape, only, a.rounds, log))
-    if "cp" in sections:
-        from rows_cp import CP_SHAPE, QUICK_CP, cp_section, run_cp
-        only = a.variants.split(",") if a.variants else None
-        shape = QUICK_CP if a.quick else CP_SHAPE
-        shape = replace(shape, rounds=a.rounds) if a.rounds else shape
-        body += cp_section(shape, run_cp(shape, only, log))
-    if "save" in sections:
-        from rows_save import QUICK_SAVE, SaveSpec, run_save, save_section
-        save_spec = QUICK_SAVE if a.quick else SaveSpec()
-        log("save: sync vs --async-save")
-        body += save_section(save_spec, run_save(save_spec, log))
-    if "trainer" in sections:
-        from rows_trainer import QUICK_TRAINER, TRAINER_SHAPES, run_trainer, trainer_section
-        only = a.variants.split(",") if a.variants else None
-        body += trainer_section(run_trainer(QUICK_TRAINER if a.quick else TRAINER_SHAPES, a.dp, 3, log, only,
-                                            with_deepspeed=not a.no_deepspeed))
-    if "gpu" in sections:
-        from gpu import run_gpu
-        log("gpu")
-        body += report.gpu_section(run_gpu(), os.path.dirname(os.path.abspath(a.out)))
+    run = Run(a, spec, log)
+    body = [line for name, section in RUNNERS.items() if name in sections for line in section(run)]
     wall = time.perf_counter() - t0
-    command = "python bench/run.py" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(
+    command = "python -m bench.run" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(
         argv if argv is not None else sys.argv[1:]))
-    head = ["# megazero benchmarks", "",
-            "Generated by `bench/run.py`; do not edit by hand (rerun the command instead).", "",
-            f"- Command: `OMP_NUM_THREADS=1 {command}`",
-            f"- Date: {started:%Y-%m-%d %H:%M} UTC, wall time {wall:.0f} s", *header,
-            ""]
-    if set(sections) - {"gpu", "capacity", "scale", "compile", "recompute", "cp", "save", "pipeline-bubble"}:  # own models
-        head[-1:-1] = [
-            f"- Model (CPU rows): {spec.describe()}; {spec.micro_batches} micro-batches per rank and step "
-            f"(dp, tp rows), {spec.pp_micro_batches} (pp rows); {spec.rounds} steps per variant, the first "
-            f"{WARMUP_STEPS} untimed; gloo, one torch thread per rank.",
-            "- Peak RSS per rank: the process's high-water mark over the variant's build and two warm-up steps, "
-            "on top of the process baseline (see bench/common.py). 'ours/peer' < 1 means megazero is faster."]
     load = f"load average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
-    head.insert(-1, f"- {load[0].upper()}{load[1:]}")
     if a.update:
         note = (f"_This section was rerun alone: `OMP_NUM_THREADS=1 {command}`, {started:%Y-%m-%d %H:%M} UTC, "
                 f"wall time {wall:.0f} s, {load}._")
         with open(a.out) as f:
-            text = report.update_sections(f.read(), (report.targets_section(targets) if targets else []) + body, note)
+            text = report.update_sections(f.read(), (report.targets_section(run.targets) if run.targets else [])
+                                          + body, note)
     else:
-        text = "\n".join(head + report.targets_section(targets) + body)
+        head = _head(run, sections, command, started, wall, machine, load)
+        text = "\n".join(head + report.targets_section(run.targets) + body)
     with open(a.out, "w") as f:
         f.write(text + "\n")
     log(f"wrote {a.out}")

@@ -1,4 +1,4 @@
-"""bench/run.py keeps working: one tiny dp=2 row (megazero ZeRO-0 vs torch DDP) end to end."""
+"""``python -m bench.run`` keeps working: one tiny dp=2 row (megazero ZeRO-0 vs torch DDP) end to end."""
 import os
 import subprocess
 import sys
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_run_quick_single_row(tmp_path):
     out = tmp_path / "BENCHMARKS.md"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--sections", "dp",
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--sections", "dp",
                            "--dp", "2", "--variants", "ours-zero0,torch-ddp", "--no-deepspeed", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -31,7 +31,7 @@ def test_scale_section_splits_our_step_into_phases(tmp_path):
     """The scale section (tiny shape): pair rows with both losses equal and our step's phases, for
     ZeRO-3 and for ZeRO-1 (timed in blocks of two steps, its overlapped gathers settled in its time)."""
     out = tmp_path / "BENCHMARKS.md"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--sections", "scale",
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--sections", "scale",
                            "--dp", "2", "--variants", "ours-zero1,ours-zero3", "--no-deepspeed", "--out", str(out)],
                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=170)
@@ -55,7 +55,7 @@ def test_compile_section_times_compiled_against_eager_and_fsdp2(tmp_path):
     ZeRO-3 vs FSDP2 + torch.compile trained alike, each compiled variant compiled one graph without
     graph breaks or recompiles, and the first compile of a shape is reported cold, a later one warm."""
     out = tmp_path / "BENCHMARKS.md"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--sections", "compile",
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--sections", "compile",
                            "--variants", "ours-zero3,ours-pp2", "--out", str(out)],
                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=230)
@@ -81,7 +81,7 @@ def test_cp_section_sets_live_bytes_beside_the_estimator(tmp_path):
     single process does, its peak live bytes per rank are below the single process's, and the peak and the
     activations agree with the estimator within its 20% flag."""
     out = tmp_path / "BENCHMARKS.md"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--sections", "cp",
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--sections", "cp",
                            "--variants", "cp1,cp2-allgather", "--out", str(out)],
                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=290)
@@ -99,8 +99,7 @@ def test_cp_section_sets_live_bytes_beside_the_estimator(tmp_path):
 
 
 def test_theory_formulas():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from common import dp_comm_bytes, flag, tp_layer_comm_bytes, zero_fp32_bytes
+    from bench.common import dp_comm_bytes, flag, tp_layer_comm_bytes, zero_fp32_bytes
 
     psi, n = 1000, 4
     assert zero_fp32_bytes(psi, 1, 0) == zero_fp32_bytes(psi, 1, 1) == zero_fp32_bytes(psi, 1, 2) == 16 * psi
@@ -115,8 +114,7 @@ def test_theory_formulas():
 def test_capacity_search_pins_the_boundary_with_few_measurements():
     """The capacity search finds the largest L under the budget with L + 1 measured over, whatever
     the first guess, and measures far fewer points than a sweep."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from rows_capacity import largest_fitting
+    from bench.rows_capacity import largest_fitting
 
     def peak(layers):                    # 10 MiB fixed + 3 MiB per layer, a little noise-free curvature
         return 10 + 3 * layers + layers * layers // 20
@@ -130,13 +128,12 @@ def test_capacity_search_pins_the_boundary_with_few_measurements():
         assert len(calls) <= 6 and len(set(calls)) == len(calls), calls          # no point measured twice
     assert largest_fitting(peak, 5, 3, 40)[0] == 0                          # L = 1 is already over
     assert largest_fitting(peak, 10**6, 3, 40)[0] == 40                     # the cap fits
-    from rows_capacity import QUICK_CAPACITY, CapacitySpec
+    from bench.rows_capacity import QUICK_CAPACITY, CapacitySpec
     assert min(QUICK_CAPACITY.steps, CapacitySpec().steps) >= 2     # a step beside lazily made optimizer states
 
 
 def test_update_replaces_only_the_rerun_sections():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from report import update_sections
+    from bench.report import update_sections
 
     old = "# megazero benchmarks\n\n- Command: x\n\n## A\n\nold a\n\n## B\n\nold b\n"
     new = update_sections(old, ["## B", "", "new b", "", "## C", "", "new c"], "_rerun alone_")
@@ -146,9 +143,8 @@ def test_update_replaces_only_the_rerun_sections():
 
 
 def test_offload_section_reads_every_variant():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from report import offload_section
-    from rows_offload import QUICK_OFFLOAD, VARIANTS
+    from bench.report import offload_section
+    from bench.rows_offload import QUICK_OFFLOAD, VARIANTS
 
     stats = {"update_s": 0.5, "to_device_s": 0.1, "io_wait_s": 0.2, "bytes_read": 2**20, "bytes_written": 2**20}
     res = {name: {"times": [1.0, 2.0], "loss": 5.0, "params": 1000,
@@ -162,8 +158,7 @@ def test_offload_section_reads_every_variant():
 
 
 def test_zeropp_section_reads_every_variant():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from rows_zeropp import QUICK_ZEROPP, VARIANTS, zeropp_section
+    from bench.rows_zeropp import QUICK_ZEROPP, VARIANTS, zeropp_section
 
     res = {name: {"times": [1.0, 2.0], "losses": [5.0], "links": {"intra": 2**20, "inter": 2**21}} for name in VARIANTS}
     res["qwZ+hpZ+qgZ"] = {"times": [3.0, 3.0], "losses": [5.0], "links": {"intra": 2**20, "inter": 2**19}}
@@ -178,14 +173,13 @@ def test_zeropp_section_reads_every_variant():
 def test_pipeline_bubble_section_measures_every_schedule(tmp_path):
     """The pipeline-bubble section (tiny shape, pp 2): a row per schedule and peer at m = 2 and 8, each of
     ours with every rank's idle fraction in [0, 1) and the simulator's bubble beside it, and the targets."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from rows_bubble import PEERS, SCHEDULES
+    from bench.rows_bubble import PEERS, SCHEDULES
 
     from megazero.parallel.pipeline import schedule_by_name
     from megazero.parallel.pipeline.zero_bubble import theory
 
     out = tmp_path / "BENCHMARKS.md"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--sections",
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--sections",
                            "pipeline-bubble", "--pp", "2", "--rounds", "3", "--out", str(out)],
                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=230)
@@ -207,8 +201,7 @@ def test_pipeline_bubble_section_measures_every_schedule(tmp_path):
 
 
 def test_pipeline_bubble_targets_read_the_rows():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from rows_bubble import PEERS, QUICK_BUBBLE, SCHEDULES, bubble_section
+    from bench.rows_bubble import PEERS, QUICK_BUBBLE, SCHEDULES, bubble_section
 
     def row(idle, act, costs=({"F": 0.001, "B": 0.002}, {"F": 0.001, "B": 0.002})):
         return {"times": [0.1, 0.1], "idle_per_rank": idle, "peak_act_per_rank": [act, act / 2],
@@ -235,8 +228,7 @@ def test_pipeline_bubble_targets_read_the_rows():
 def test_pipeline_idle_counts_the_tail_to_the_slowest_rank():
     """A rank's idle is its p2p waits plus the time it is done while the slowest rank still runs, over the
     slowest rank's step (the simulator's bubble); median over rounds; None where a rank has no figures."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from rows_bubble import idle_per_rank
+    from bench.rows_bubble import idle_per_rank
 
     # round 1: rank 0 runs 10 s (waiting 2), rank 1 ends at 8 (waiting 1): idle 0.2 and (1 + 2) / 10
     # round 2: rank 1 is the slow one, 20 s (waiting 4); rank 0 ends at 10 (waiting 0): 10 / 20 and 0.2
@@ -249,8 +241,7 @@ def test_pipeline_idle_counts_the_tail_to_the_slowest_rank():
 def test_cp_section_reads_every_variant():
     """The cp table from made-up figures: ratios to the estimate (flagged beyond 20%), to cp 1's peak and step,
     the ideal step on 2 cores, and a loss that left cp 1's is marked."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import rows_cp
+    from bench import rows_cp
 
     mib = 2**20
     shape = rows_cp.QUICK_CP
@@ -285,17 +276,8 @@ def test_trainer_section_computes_its_columns_and_acceptance_from_the_rows():
     """The trainer section on given rounds: each pair's ratio, floor distance and live bytes are the
     rows' figures, trainer / engine is the median of per-round ratios, and the acceptance lines judge
     exactly those (an over-target pair and a heavier one make them NOT MET; the furthest row is named)."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from rows_trainer import (
-        ENGINE,
-        GROUPS,
-        OURS,
-        QUICK_TRAINER,
-        comm_bytes,
-        floor_seconds,
-        trainer_section,
-        variant_names,
-    )
+    from bench.rows_trainer import (ENGINE, GROUPS, OURS, QUICK_TRAINER, comm_bytes, floor_seconds, trainer_section,
+                                    variant_names)
 
     from megazero.models.gpt import GPT, GPTConfig
 
@@ -359,8 +341,7 @@ def test_trainer_section_quick_runs_the_trainer_its_peer_and_the_engine(tmp_path
     """One round of the trainer section at the quick shape, dp 2, ZeRO-3 (DeepSpeed skipped): the
     trainer, FSDP2 and the engine-only harness each run, with live bytes on both sides, the trainer's
     bytes sent equal to the formula's, the trainer / engine line and the acceptance lines."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from rows_trainer import QUICK_TRAINER, comm_bytes, run_trainer, trainer_section
+    from bench.rows_trainer import QUICK_TRAINER, comm_bytes, run_trainer, trainer_section
 
     [res] = run_trainer(QUICK_TRAINER, [2], 1, lambda msg: None, only=["ours-zero3"], with_deepspeed=False)
     runs = res["runs"]
@@ -381,8 +362,7 @@ def test_ddp_bucket_bytes_counts_the_buckets_python_cannot_reach(tmp_path):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    sys.path.insert(0, os.path.join(ROOT, "bench", "peers"))
-    from plain import ddp_bucket_bytes
+    from bench.peers.plain import ddp_bucket_bytes
 
     from megazero.memory.measure import reachable_tensor_bytes
 
@@ -400,8 +380,7 @@ def test_ddp_bucket_bytes_counts_the_buckets_python_cannot_reach(tmp_path):
 
 
 def test_a_failed_runs_reason_is_its_error_line_not_torchruns_rule():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from rows_trainer import failure_line
+    from bench.rows_trainer import failure_line
 
     stderr = ("Traceback (most recent call last):\n  File \"x.py\", line 3\nRuntimeError: address already in use\n"
               "E1126 torch.distributed.elastic.multiprocessing.api: failed (exitcode: 1)\n"

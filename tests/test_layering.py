@@ -280,25 +280,10 @@ def test_no_component_reads_the_topology_by_duck_typing():
     assert not bad, bad
 
 
-def _sys_path_edits(paths) -> list[str]:
-    """Every ``sys.path`` change (insert, append, extend, assignment) in ``paths``."""
-    bad = []
-    for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
-            target = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None
-            if isinstance(node, (ast.Assign, ast.AugAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                target = next((t for t in targets if ast.unparse(t) == "sys.path"), None)
-            if target is not None and ast.unparse(target) == "sys.path":
-                bad.append(f"{_where(path)}:{node.lineno}")
-    return bad
-
-
-@pytest.mark.parametrize("where", ["tools", "bench"])
-def test_tools_and_benchmarks_run_as_packages_without_editing_sys_path(where):
-    """``python -m tools.X`` / ``python -m bench.run`` from the repository, the library pip-installed."""
-    assert not _sys_path_edits(sorted((ROOT / where).rglob("*.py")))
-    assert (ROOT / where / "__init__.py").is_file()
+def test_tools_run_as_a_package_without_editing_sys_path():
+    """``python -m tools.X`` from the repository, the library pip-installed (bench/'s rule is below)."""
+    assert not _sys_path_edits(sorted((ROOT / "tools").rglob("*.py")))
+    assert (ROOT / "tools" / "__init__.py").is_file()
 
 
 def _undocumented(paths) -> list[str]:
@@ -352,3 +337,160 @@ def test_the_checker_sees_what_it_should(tmp_path):
     assert _outside_imports([bad]) == []
     assert DUCK_TYPED_TOPOLOGY.search('ep = getattr(topo, "ep_size", 1)')
     assert not DUCK_TYPED_TOPOLOGY.search("topology = getattr(module, 'topology_name', None)")
+
+
+# ------------------------------------------------------------------------------------------------ bench/
+# bench/ is a package run from the repository root (`python -m bench.run`): no import cycle among its
+# modules, no module importing another's underscore name (from bench or megazero), no sys.path edits,
+# nothing imported from tests/. Read with ast by the small readers below, which serve these rules only.
+
+BENCH_REPO = ROOT
+TEST_PACKAGES = {"tests", "helpers", "conftest"}     # tests/helpers is importable as `helpers` under pytest
+
+
+def _bench_name(path: Path, repo: Path) -> str:
+    parts = list(path.relative_to(repo).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _bench_paths(repo: Path) -> dict[str, Path]:
+    return {_bench_name(p, repo): p for p in sorted((repo / "bench").rglob("*.py"))}
+
+
+def _bench_imports(path: Path, repo: Path) -> list[tuple[str, str | None]]:
+    """(module, name) for each import in ``path``, relative ones resolved: ``import a.b`` -> ("a.b", None),
+    ``from a import b`` -> ("a", "b"), at any depth (function-level imports count too)."""
+    own = _bench_name(path, repo).split(".")
+    package = own if path.name == "__init__.py" else own[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module.split(".") if node.module else []
+            module = ".".join(package[:len(package) - node.level + 1] + base) if node.level else node.module
+            found += [(module, alias.name) for alias in node.names]
+    return found
+
+
+def _bench_graph(repo: Path) -> dict[str, set[str]]:
+    """Each bench module -> the bench modules it imports (``from bench import report`` names the module)."""
+    paths = _bench_paths(repo)
+    graph = {}
+    for name, path in paths.items():
+        deps = set()
+        for module, imported in _bench_imports(path, repo):
+            target = f"{module}.{imported}" if imported and f"{module}.{imported}" in paths else module
+            if target in paths and target != name:
+                deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def _bench_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    import graphlib
+
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        return e.args[1]
+    return None
+
+
+def _bench_underscore_imports(paths, repo: Path) -> list[str]:
+    bad = []
+    for path in paths:
+        for module, imported in _bench_imports(path, repo):
+            if module.split(".")[0] not in ("bench", "megazero"):
+                continue
+            hidden = [p for p in module.split(".") if p.startswith("_") and p != "__init__"]
+            if hidden or (imported or "").startswith("_"):
+                bad.append(f"{path.name}: {module}" + (f".{imported}" if imported else ""))
+    return bad
+
+
+SYS_PATH_METHODS = {"insert", "append", "extend", "remove", "pop", "clear", "__setitem__", "__iadd__"}
+
+
+def _is_sys_path(node: ast.AST) -> bool:
+    node = node.value if isinstance(node, ast.Subscript) else node
+    return (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+            and node.value.id == "sys")
+
+
+def _sys_path_edits(paths) -> list[str]:
+    """``sys.path.insert(...)`` and the like, assignments to ``sys.path`` (or an item of it), ``from sys
+    import path``: each as 'file:line'."""
+    bad = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            edit = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in SYS_PATH_METHODS and _is_sys_path(node.func.value))
+            edit |= isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and any(
+                _is_sys_path(t) for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))
+            edit |= isinstance(node, ast.ImportFrom) and node.module == "sys" and any(
+                a.name == "path" for a in node.names)
+            if edit:
+                bad.append((path.name, node.lineno))
+    return [f"{name}:{line}" for name, line in sorted(bad)]
+
+
+def _test_imports(paths, repo: Path) -> list[str]:
+    return [f"{path.name}: {module}" for path in paths for module, _ in _bench_imports(path, repo)
+            if module.split(".")[0] in TEST_PACKAGES]
+
+
+def test_bench_has_no_import_cycle():
+    """Function-level imports count: a cycle through one still re-enters a module that is initialising
+    when that function first runs."""
+    graph = _bench_graph(BENCH_REPO)
+    assert "bench.run" in graph and "bench.common" in graph["bench.run"], sorted(graph)
+    cycle = _bench_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_bench_imports_no_underscore_name():
+    paths = sorted((BENCH_REPO / "bench").rglob("*.py"))
+    assert not _bench_underscore_imports(paths, BENCH_REPO)
+
+
+def test_bench_edits_no_sys_path():
+    """bench is imported as a package from the repository root and megazero as installed; the peer scripts
+    run as ``torchrun -m bench.peers.<script>``."""
+    assert not _sys_path_edits(sorted((BENCH_REPO / "bench").rglob("*.py")))
+
+
+def test_bench_imports_nothing_from_tests():
+    assert not _test_imports(sorted((BENCH_REPO / "bench").rglob("*.py")), BENCH_REPO)
+
+
+def test_the_bench_rules_can_fail(tmp_path):
+    """Each bench rule on a synthetic package: a cycle (through an absolute, a package-form and a relative
+    import), underscore names from bench and megazero, sys.path edits and imports from tests are caught;
+    their allowed neighbours are not."""
+    (tmp_path / "bench" / "peers").mkdir(parents=True)
+    files = {"__init__.py": "", "a.py": "from bench.b import thing\n", "b.py": "from bench import c\n",
+             "c.py": "def f():\n    from .a import g\n", "d.py": "import bench.a\nfrom bench.peers import p\n",
+             "peers/__init__.py": "", "peers/p.py": "from ..a import x\n"}
+    for rel, text in files.items():
+        (tmp_path / "bench" / rel).write_text(text)
+    graph = _bench_graph(tmp_path)
+    assert graph["bench.d"] == {"bench.a", "bench.peers.p"} and graph["bench.peers.p"] == {"bench.a"}
+    assert set(_bench_cycle(graph)) == {"bench.a", "bench.b", "bench.c"}
+    assert _bench_cycle({**graph, "bench.c": set()}) is None
+
+    bad = tmp_path / "bench" / "bad.py"
+    bad.write_text("from bench.common import table, _private\nfrom megazero.models.gpt import GPT\n"
+                   "from megazero.parallel.zero.buckets import _hidden\nimport bench._secret\n"
+                   "from ._own import x\nfrom __future__ import annotations\nimport torch._dynamo\n")
+    assert _bench_underscore_imports([bad], tmp_path) == [
+        "bad.py: bench.common._private", "bad.py: megazero.parallel.zero.buckets._hidden", "bad.py: bench._secret",
+        "bad.py: bench._own.x"]
+
+    bad.write_text("import sys\nfrom sys import path\nsys.path.insert(0, 'x')\nsys.path += ['y']\n"
+                   "sys.path[0] = 'z'\nsys.path = []\nprint(sys.path, sys.argv)\nsys.argv.append('--flag')\n")
+    assert _sys_path_edits([bad]) == ["bad.py:2", "bad.py:3", "bad.py:4", "bad.py:5", "bad.py:6"]
+
+    bad.write_text("from tests.helpers import run_on_ranks\nimport helpers.data\nfrom helpers import tinynet\n"
+                   "from bench.common import table\nimport testing_tools\n")
+    assert _test_imports([bad], tmp_path) == ["bad.py: tests.helpers", "bad.py: helpers.data", "bad.py: helpers"]

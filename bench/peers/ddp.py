@@ -1,7 +1,7 @@
 """DDP as its users write it, optionally with ``ZeroRedundancyOptimizer`` (torch's ZeRO-1): torch
 AdamW, ``no_sync`` on all but the last micro-batch, ``clip_grad_norm_``.
 
-    torchrun --nproc-per-node 4 bench/peers/ddp.py [--zero-redundancy] [shape flags]
+    torchrun --nproc-per-node 4 -m bench.peers.ddp [--zero-redundancy] [shape flags]
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from plain import ddp_bucket_bytes, init, masked_mean_loss, parse, plain_model, timed_loop
+from bench.peers.plain import ddp_bucket_bytes, init, masked_mean_loss, parse, plain_model, timed_loop
 
 sys.argv, ZERO = [x for x in sys.argv if x != "--zero-redundancy"], "--zero-redundancy" in sys.argv
 a = parse(__doc__)

@@ -2,7 +2,7 @@
 AdamW with weight decay off for biases and norms, clipping, the batch), then ``engine.backward`` /
 ``engine.step`` per micro-batch. On a CPU it runs over the gloo group torchrun's environment gives.
 
-    torchrun --nproc-per-node 4 bench/peers/deepspeed_zero.py --stage 3 [--bucket-size N] [shape flags]
+    torchrun --nproc-per-node 4 -m bench.peers.deepspeed_zero --stage 3 [--bucket-size N] [shape flags]
 
 ``--bucket-size``: the reduce / all-gather (and stage-3 prefetch) bucket in elements; DeepSpeed's default
 reduce bucket, 5e8 elements, is a 1.9 GiB fp32 buffer whatever the model's size, so the benchmark sets
@@ -17,7 +17,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
 
-from plain import init, masked_mean_loss, parse, plain_model, timed_loop  # noqa: E402
+from bench.peers.plain import init, masked_mean_loss, parse, plain_model, timed_loop  # noqa: E402
 
 
 def _take(flag: str, default: int) -> int:

@@ -1,7 +1,7 @@
 """FSDP2 as its users write it: ``fully_shard`` on each transformer block, then on the root; torch
 AdamW; gradient accumulation with ``set_requires_gradient_sync``; ``clip_grad_norm_``.
 
-    torchrun --nproc-per-node 4 bench/peers/fsdp2.py [--no-reshard] [shape flags]
+    torchrun --nproc-per-node 4 -m bench.peers.fsdp2 [--no-reshard] [shape flags]
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from plain import init, masked_mean_loss, parse, plain_model, timed_loop
+from bench.peers.plain import init, masked_mean_loss, parse, plain_model, timed_loop
 
 sys.argv, NO_RESHARD = [x for x in sys.argv if x != "--no-reshard"], "--no-reshard" in sys.argv
 a = parse(__doc__)

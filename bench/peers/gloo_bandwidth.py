@@ -7,7 +7,7 @@ reduce-scatter, twice that for all-reduce), each the median of ``--repeats``. Th
 best: a time no trainer sending those bytes can beat on this machine. Rank 0 prints one JSON line
 with every way's rate and the best.
 
-    torchrun --nproc-per-node 4 bench/peers/gloo_bandwidth.py --mib 16 --in-flight 1 2 4
+    torchrun --nproc-per-node 4 -m bench.peers.gloo_bandwidth --mib 16 --in-flight 1 2 4
 """
 from __future__ import annotations
 

@@ -14,16 +14,13 @@ import json
 import os
 import re
 import resource
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))                 # bench/ (common.py)
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from common import GPT, LiveTensorBytes, PlainGPT, Spec, reachable_tensor_bytes, step_batches  # noqa: E402
+from bench.common import GPT, PlainGPT, Spec, step_batches
+from megazero.memory.measure import LiveTensorBytes, reachable_tensor_bytes
 
 
 def parse(description: str) -> argparse.Namespace:
