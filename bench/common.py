@@ -507,7 +507,6 @@ class Unavailable(Exception):
     """Raised by a variant's build when the feature is not there (the row says why)."""
 
 
-
 def median(xs) -> float:
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     return statistics.median(xs) if xs else float("nan")

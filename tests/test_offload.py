@@ -127,7 +127,6 @@ def test_checkpoints_move_between_offloaded_and_resident_runs(tmp_path, stage, f
     assert _swap_files(tmp_path) == []
 
 
-
 BIG = dict(num_layers=12, hidden_size=512, num_attention_heads=8, seq_length=16, vocab_size=50257)   # 63.6M
 
 

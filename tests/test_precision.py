@@ -109,7 +109,6 @@ def test_bf16_zero1_tracks_fp32_with_fp32_master_weights():
             torch.testing.assert_close(params[name], ref, rtol=2e-2, atol=2e-2, msg=name)
 
 
-
 def _accumulation_body(rank, world_size, precision_flags):
     """50 steps of a one-layer GPT at dp2 ZeRO-1 with 128 micro-batches per rank per step (where
     bf16 sums lose the most); the losses and this rank's shard of the fp32 master weights."""

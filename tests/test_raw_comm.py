@@ -63,6 +63,7 @@ def _body(rank, world_size):
         expect.append(total[4 * me:4 * (me + 1)])
     shards = [torch.empty(4) for _ in range(3)]
     gathered, gather_expect = torch.empty(5 * n), torch.empty(5 * n)
+
     def scatter(k):
         return reduce_scatter_into(shards[k], mine[k].clone(), group, True, input_is_scratch=True, inbox=True)
     handles = [scatter(0), all_gather_into(gathered, local, group, async_op=True), scatter(1), scatter(2)]

@@ -12,6 +12,7 @@ from megazero.config.train import TrainConfig
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 
+
 def iterations_of(samples: float, global_batch_size: int) -> int:
     """The iterations ``samples`` samples last at ``global_batch_size`` a step, rounded up: the iteration at
     which Megatron's sample-counting schedule reaches that point (a float's last bit never adds one)."""

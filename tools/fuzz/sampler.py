@@ -41,7 +41,6 @@ LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--s
          "--untie-embeddings-and-output-weights"]
 
 
-
 def every(values: tuple, **weights: int) -> tuple[tuple, tuple]:
     """(values, weights) of an axis whose values are the configuration's own list (a schedule or a device
     added there is drawn at once), each of weight 1 unless named: ``every(OFFLOAD_DEVICES, none=6)``."""

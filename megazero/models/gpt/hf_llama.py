@@ -115,6 +115,7 @@ def _decoder_fields(cfg: GPTConfig) -> dict:
             "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
             "use_cache": True, "torch_dtype": "float32"}
 
+
 def _rope_scaling(cfg: GPTConfig) -> dict | None:
     if not cfg.use_rope_scaling:
         return None

@@ -69,7 +69,6 @@ def sub_group_elements(requested: int | None, total: int) -> int:
     return round_up(max(requested, 1), ALIGN)
 
 
-
 @dataclass
 class OffloadStats:
     """Host-side wall time and bytes of the offloaded work since the last ``reset`` (what the benchmark

@@ -57,6 +57,7 @@ from megazero.precision import DynamicLossScaler
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class RangeState:
     """Optimizer state of elements [lo, hi) of one bucket of grad sync ``sync`` (ranges below are

@@ -40,7 +40,6 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(bytearray())
 
 
-
 _LIVE_DIRS: set[str] = set()       # this process's swap directories, removed on exit or SIGTERM
 _SIGTERM_LOCK = threading.Lock()
 _SIGTERM_INSTALLED = False
@@ -197,7 +196,6 @@ class SwapDir:
 def _remove_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
     _LIVE_DIRS.discard(path)
-
 
 
 def io_thread(name: str) -> ThreadPoolExecutor:
