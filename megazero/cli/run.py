@@ -1,10 +1,12 @@
-"""The build and train steps of a run (its job and files checked): the topology, this rank's model chunks
-(the model spec builds them), the ZeRO engine, the data iterators, then the loop of
-:mod:`megazero.training`; with the embedded default, a greedy continuation of a prompt at the end."""
+"""The build and train steps of a run (its job and files checked): :func:`build` makes the topology, this
+rank's model chunks (the model spec builds them) and the ZeRO engine; :func:`train_built` resumes, lays
+out the data and runs the loop of :mod:`megazero.training`, with the embedded default a greedy
+continuation of a prompt at the end."""
 from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ from megazero.memory.estimate import estimate_memory
 from megazero.metrics import MetricsLog, wandb_settings
 from megazero.parallel.topology import Topology, init_distributed
 from megazero.parallel.zero import build_engine
+from megazero.parallel.zero.protocol import Engine
 from megazero.profiling import describe as describe_profiling
 from megazero.reporting import describe_run, model_state_line
 from megazero.spec import build_model_chunks, get_model_spec
@@ -31,8 +34,33 @@ from megazero.training import train
 SAMPLE_PROMPT = "A hacker is"
 
 
+@dataclass
+class Built:
+    """What the build step hands the train step: this rank's groups, its model chunks (and the regions
+    ``--compile`` compiles in them), the ZeRO engine over them, and the run's log."""
+
+    topo: Topology
+    log: MetricsLog
+    chunks: list
+    regions: list
+    engine: Engine
+
+
 def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_sample: bool) -> int:
-    """Process groups, model, engine, data, then the training loop (the job and files are checked)."""
+    """Build, then train (the job and files are checked); the engine and the log are closed however the
+    run ends."""
+    built = build(job, backend)
+    try:
+        train_built(job, built, tokenizer, show_sample)
+    finally:
+        built.log.close()
+        built.engine.close()                             # offload swap files go with the run
+    return 0
+
+
+def build(job: JobConfig, backend: str | None) -> Built:
+    """Process groups, this rank's chunks (built on the meta device with ``--sharded-init``: the engine
+    materialises them), the engine; rank 0 prints the run's first lines."""
     timeout_s = 60 * job.parallel.distributed_timeout_minutes
     topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, order=job.parallel.order,
                     device=init_distributed(backend, timeout_s), timeout_s=timeout_s,
@@ -43,7 +71,6 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0,
                      wandb=wandb_settings(job.logging, job.checkpoint.save, job.to_dict()))
     torch.manual_seed(job.train.seed)
-
     spec = get_model_spec(job.model.model_family)
     chunks = build_model_chunks(spec, job, topo, dtype=param_dtype(job),
                                 device="meta" if job.zero.sharded_init else None)   # the engine materialises
@@ -56,8 +83,14 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
               + "\n" + describe_kernels(topo.device, job.compilation.compile)
               + "\n" + describe_cpu_memory(job.logging.return_freed_memory, topo.device)
               + ("\n" + describe_profiling(job.logging, job.checkpoint.save) if job.logging.profile else ""))
-    state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
+    return Built(topo, log, chunks, regions, engine)
 
+
+def train_built(job: JobConfig, built: Built, tokenizer: Tokenizer | None, show_sample: bool) -> None:
+    """Resume (``--load``, ``--finetune``, or the latest checkpoint of ``--save``), the data from where the
+    run stands, the loop; with ``show_sample``, what the model learnt, on rank 0."""
+    topo, chunks, engine, log = built.topo, built.chunks, built.engine, built.log
+    state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
     t = job.train
     train_data, valid_data, _ = build_data_iterators(
         job.data, seq_length=job.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
@@ -74,21 +107,16 @@ def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_s
     if valid_data is not None:                           # evaluations already run continue where they were
         valid_data.consumed_samples = (state.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
     valid_steps = _steps(valid_data, topo.device) if valid_data is not None else None
-    try:
-        state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
-                      log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print),
-                      compile_log=CompileLog(len(regions)) if regions else None)
-        if show_sample:                                  # show what the tiny GPT learnt
-            model = gather_full_model(chunks, topo, job, engine)
-            if model is not None:
-                prompt = tokenizer.tokenize(SAMPLE_PROMPT)
-                out = greedy_continuation(model, prompt, max_new_tokens=24)
-                print(f" greedy continuation after {state.iteration} iterations: "
-                      f"{SAMPLE_PROMPT!r} -> {tokenizer.detokenize(out)!r}", flush=True)
-    finally:
-        log.close()
-        engine.close()                                   # offload swap files go with the run
-    return 0
+    state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
+                  log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print),
+                  compile_log=CompileLog(len(built.regions)) if built.regions else None)
+    if show_sample:                                      # show what the tiny GPT learnt
+        model = gather_full_model(chunks, topo, job, engine)
+        if model is not None:
+            prompt = tokenizer.tokenize(SAMPLE_PROMPT)
+            out = greedy_continuation(model, prompt, max_new_tokens=24)
+            print(f" greedy continuation after {state.iteration} iterations: "
+                  f"{SAMPLE_PROMPT!r} -> {tokenizer.detokenize(out)!r}", flush=True)
 
 
 def resolve_data(job: JobConfig) -> tuple[JobConfig, Tokenizer | None]:
