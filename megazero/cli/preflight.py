@@ -33,7 +33,7 @@ from megazero.data.gpt_dataset import split_ranges
 from megazero.data.indexed_dataset import IndexedDataset
 from megazero.errors import CheckpointError, NothingToDo, PreflightError
 from megazero.memory.estimate import estimate_memory
-from megazero.metrics import WANDB_MISSING
+from megazero.metrics import wandb_missing
 from megazero.profiling import trace_dir
 
 
@@ -79,7 +79,7 @@ def _watching(job: JobConfig) -> None:
     """``--wandb-project`` needs wandb installed; the profiler's and W&B's directories can be written."""
     lg = job.logging
     if lg.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise PreflightError(WANDB_MISSING)
+        raise PreflightError(wandb_missing())
     if lg.profile:
         _writable_dir(trace_dir(lg, job.checkpoint.save), FLAG.profile_dir)    # the default's fix is this flag
     _writable_dir(lg.wandb_save_dir, FLAG.wandb_save_dir)
