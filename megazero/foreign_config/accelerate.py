@@ -37,7 +37,7 @@ def _other_sections() -> dict[str, str]:
     """Sections for other engines or launchers, accepted empty or at their defaults (what `accelerate config`
     writes): each one's key -> what to do instead, said when it holds settings."""
     return {"fsdp_config": "megazero shards with ZeRO: use distributed_type DEEPSPEED with a zero_stage",
-            "megatron_lm_config": f"give {FLAG.tp} / {FLAG.pp} / {FLAG.sequence_parallel} as flags",
+            "megatron_lm_config": f"give {FLAG.tp}, {FLAG.pp} and {FLAG.sequence_parallel} as flags",
             "ipex_config": "megazero does not use IPEX", "mpirun_config": "torchrun starts megazero",
             "fp8_config": "megazero trains in fp32, bf16 or fp16", "parallelism_config": "use the flags"}
 
@@ -45,7 +45,7 @@ def _other_sections() -> dict[str, str]:
 def _other_engines() -> dict[str, str]:
     """Accelerate's distributed_type values megazero refuses -> what to use instead."""
     return {"FSDP": "megazero shards with ZeRO: use DEEPSPEED with a zero_stage (3 shards the parameters)",
-            "MEGATRON_LM": f"megazero is the parallelism: use DEEPSPEED and give {FLAG.tp} / {FLAG.pp} as flags",
+            "MEGATRON_LM": f"megazero is the parallelism: use DEEPSPEED and give {FLAG.tp} and {FLAG.pp} as flags",
             "XLA": "megazero runs on CPUs and CUDA GPUs", "TPU": "megazero runs on CPUs and CUDA GPUs"}
 
 
