@@ -15,7 +15,12 @@ import sys
 
 import torch
 
-WANDB_MISSING = "--wandb-project needs the wandb package, which is not installed: pip install wandb"
+from megazero.config import FLAG
+
+
+def wandb_missing() -> str:
+    """What a run with ``--wandb-project`` says where wandb is not installed."""
+    return f"{FLAG.wandb_project} needs the wandb package, which is not installed: pip install wandb"
 
 
 def timestamp() -> str:
@@ -78,7 +83,7 @@ class MetricsLog:
             try:
                 import wandb as wandb_module
             except ImportError as e:  # the preflight said it before any process group; a library caller here
-                raise SystemExit(WANDB_MISSING) from e
+                raise SystemExit(wandb_missing()) from e
             if wandb.get("dir"):
                 os.makedirs(wandb["dir"], exist_ok=True)
             self._wandb = wandb_module.init(**wandb)
@@ -89,7 +94,7 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # tensorboard is an optional extra
-                raise SystemExit("--tensorboard-dir needs the tensorboard package: "
+                raise SystemExit(f"{FLAG.tensorboard_dir} needs the tensorboard package: "
                                  "pip install 'megazero[tensorboard]'") from e
             self._tb = SummaryWriter(tensorboard_dir)
 

@@ -14,16 +14,16 @@ Example: initial 2**16, hysteresis 1 -> overflow -> 2**15 -> 1000 clean steps ->
 """
 from __future__ import annotations
 
-from megazero.config import PrecisionConfig
+from megazero.config import FLAG, PrecisionConfig
 
 
 class DynamicLossScaler:
     def __init__(self, initial_scale: float = 2.0 ** 16, growth_interval: int = 1000, hysteresis: int = 2,
                  min_scale: float = 1.0, growth_factor: float = 2.0, backoff_factor: float = 0.5):
         if initial_scale <= 0 or min_scale <= 0:
-            raise ValueError("--initial-loss-scale and --min-loss-scale must be > 0")
+            raise ValueError(f"{FLAG.initial_loss_scale} and {FLAG.min_loss_scale} must be > 0")
         if growth_interval < 1 or hysteresis < 1:
-            raise ValueError("--loss-scale-window and --hysteresis must be >= 1")
+            raise ValueError(f"{FLAG.loss_scale_window} and {FLAG.hysteresis} must be >= 1")
         self.scale = float(initial_scale)
         self.min_scale = float(min_scale)
         self.growth_interval = growth_interval

@@ -208,8 +208,7 @@ def _split_by_node(data: list[list[int]], world_size: int, ranks_per_node: int |
     when some data-parallel group holds different numbers of ranks on different nodes."""
     rpn = ranks_per_node or world_size
     if rpn < 1 or world_size % rpn:
-        raise ValueError(f"ranks per node ({rpn}) must divide the world size ({world_size}): "
-                         f"set --ranks-per-node to a divisor of {world_size}")
+        raise ValueError(f"ranks per node ({rpn}) must divide the world size ({world_size})")
     intra, inter = [], []
     for group in data:
         by_node: dict[int, list[int]] = {}
@@ -232,7 +231,7 @@ def dp_partitions(grid: RankGrid, k: int, kind: str = "data") -> list[list[int]]
     groups = getattr(grid, kind)
     size = len(groups[0])
     if k < 1 or size % k:
-        raise ValueError(f"--zero-hpz-partition-size {k} must divide the data-parallel size {size}")
+        raise ValueError(f"hpZ's secondary partition size ({k}) must divide the data-parallel size ({size})")
     return sorted(g[i:i + k] for g in groups for i in range(0, len(g), k))
 
 

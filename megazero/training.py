@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megazero.checkpoint.distributed import first_nonfinite_weight
 from megazero.compile import CompileLog, describe_recompiles
-from megazero.config import JobConfig, flag
+from megazero.config import FLAG, JobConfig, flag
 from megazero.errors import TrainingStopped
 from megazero.lr_schedule import learning_rate
 from megazero.memory.activation_offload import take_offloaded_bytes
@@ -242,21 +242,22 @@ def stop_reason(job: JobConfig, engine: Engine, r: StepResult, iteration: int, s
         what = first_nonfinite_weight(engine, topo, job) if topo is not None else None
         return (f"iteration {iteration}: {what or f'a {pr.dtype_name} parameter'} is not finite after the step was "
                 f"applied (its fp32 master weights are beyond what {pr.dtype_name} holds): the run stops without "
-                f"saving this state (the last checkpoint stays the latest). Lower --lr"
-                + (" or use --bf16" if pr.fp16 else ""))
+                f"saving this state (the last checkpoint stays the latest). Lower {FLAG.lr}"
+                + (f" or use {FLAG.bf16}" if pr.fp16 else ""))
     bad = not pr.fp16 and (not math.isfinite(r.loss) or r.skipped)     # fp16: its loss scaler's business
     if bad and job.train.check_for_nan_in_loss_and_grad:
         names = engine.nonfinite_parameters(everywhere=True)      # a collective: every rank is here
         where = f" (first non-finite gradients: {', '.join(names)})" if names else ""
         return (f"iteration {iteration}: loss {r.loss:g}, gradient norm {r.grad_norm:g}{where}: not finite, the "
                 f"step was not applied and the run stops without saving this state (the last checkpoint stays the "
-                f"latest). Lower --lr, check the data, or use --no-check-for-nan-in-loss-and-grad to skip such steps")
+                f"latest). Lower {FLAG.lr}, check the data, or use --no-check-for-nan-in-loss-and-grad to skip "
+                "such steps")
     if pr.fp16 and r.skipped and r.loss_scale <= pr.min_loss_scale:
         return (f"iteration {iteration}: fp16 overflow at the minimum loss scale {pr.min_loss_scale:g}: the scale "
-                f"can go no lower; lower --lr, use --bf16, or lower --min-loss-scale")
+                f"can go no lower; lower {FLAG.lr}, use {FLAG.bf16}, or lower {FLAG.min_loss_scale}")
     if skipped_in_a_row >= pr.max_consecutive_skipped_steps:
         return (f"iteration {iteration}: {skipped_in_a_row} steps skipped in a row (overflowing or non-finite "
-                f"gradients): the run is not training; see --max-consecutive-skipped-steps")
+                f"gradients): the run is not training; see {FLAG.max_consecutive_skipped_steps}")
     return None
 
 

@@ -1,5 +1,10 @@
-"""Every invalid layout or shape is rejected by validate() with a message naming the flag, and every
-flag a message names is one the command line takes."""
+"""Every invalid layout or shape is rejected by validate() with a message naming the flag, every
+flag a message names is one the command line takes, and no message outside megazero/config/ spells a
+flag by hand."""
+import ast
+import re
+from pathlib import Path
+
 import pytest
 
 from megazero.cli.arguments import build_parser
@@ -168,6 +173,74 @@ def test_flag_shows_short_aliases_only_and_refuses_non_flags():
         with pytest.raises(KeyError):
             flag(name)
     assert setting("gradient_accumulation_steps") == "gradient_accumulation_steps" and setting("tp") == flag("tp")
+
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megazero"
+SPELLING = re.compile(r"--[a-z][a-z0-9-]*")
+DECLARING_CALLS = ("flag_field", "add_argument")      # their positional strings declare a flag's spellings
+DECLARING_TABLES = ("OTHER_OPTIONS",)                 # the parser's options that are no config field
+
+
+def _not_messages(tree: ast.Module) -> set[int]:
+    """ids of the string constants of ``tree`` that are no message: docstrings, the spellings given to
+    ``flag_field(...)`` / ``add_argument(...)``, and the OTHER_OPTIONS table."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                skip.add(id(first.value))
+        elif isinstance(node, ast.Call):
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if called in DECLARING_CALLS:
+                skip |= {id(arg) for arg in node.args if isinstance(arg, ast.Constant)}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if node.value is not None and any(getattr(t, "id", None) in DECLARING_TABLES for t in targets):
+                skip |= {id(n) for n in ast.walk(node.value)}
+    return skip
+
+
+def hand_spelled_flags(paths, spellings: set[str]) -> list[str]:
+    """``"file:line: --flag"`` for every string constant of ``paths`` (f-string parts included) that spells
+    one of ``spellings`` by hand instead of through ``flag()`` / ``FLAG``."""
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skip = _not_messages(tree)
+        where = path.relative_to(PACKAGE.parent) if path.is_relative_to(PACKAGE.parent) else path.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+                found += [f"{where}:{node.lineno}: {s}" for s in SPELLING.findall(node.value) if s in spellings]
+    return sorted(found)
+
+
+def every_flag_spelling() -> set[str]:
+    return {s for _, _, meta in flag_fields() for s in meta.spellings}
+
+
+def test_no_message_outside_config_spells_a_flag_by_hand():
+    """A message names a flag through ``flag()`` / ``FLAG``, so renaming the flag renames it everywhere;
+    megazero/config/ declares the flags, and a model family's config class its own."""
+    paths = [p for p in sorted(PACKAGE.rglob("*.py")) if not p.is_relative_to(PACKAGE / "config")]
+    assert len(paths) > 100
+    assert not hand_spelled_flags(paths, every_flag_spelling())
+
+
+def test_the_hand_spelled_flag_rule_can_fail(tmp_path):
+    bad, good = tmp_path / "bad.py", tmp_path / "good.py"
+    bad.write_text('def check(n):\n'
+                   '    """Refuse --num-layers below 1 (a docstring documents)."""\n'
+                   '    if n < 1:\n'
+                   '        raise ValueError("--num-layers must be positive")\n'
+                   '    return f"--hidden-size {n}"\n')
+    good.write_text('def check(n):\n'
+                    '    if n < 1:\n'
+                    '        raise ValueError(f"{flag(\'num_layers\')} must be positive")\n'
+                    'layers = flag_field(1, "--num-layers", group="model", help="transformer layers")\n')
+    spellings = every_flag_spelling()
+    assert hand_spelled_flags([bad], spellings) == ["bad.py:4: --num-layers", "bad.py:5: --hidden-size"]
+    assert hand_spelled_flags([good], spellings) == []
 
 
 def test_model_family_must_be_a_name():

@@ -41,7 +41,7 @@ def test_rank_grid_nodes_worked_example():
     assert rank_grid(12, 3, 1, 4, order="dp-tp-pp", ranks_per_node=3).dp_intra == []
     with pytest.raises(ValueError, match="ranks per node"):
         rank_grid(8, 1, 1, 8, ranks_per_node=3)
-    with pytest.raises(ValueError, match="--zero-hpz-partition-size 3 must divide"):
+    with pytest.raises(ValueError, match=r"secondary partition size \(3\) must divide"):
         dp_partitions(g, 3)
 
 

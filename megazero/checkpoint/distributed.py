@@ -36,7 +36,7 @@ from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.regions import numel
 from megazero.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from megazero.checkpoint.tensor_file import write_pieces
-from megazero.config import ModelConfig, flag
+from megazero.config import FLAG, ModelConfig, flag
 from megazero.errors import CheckpointError
 from megazero.lr_schedule import learning_rate
 from megazero.parallel.params import attribute, counts_once, split_dim
@@ -177,7 +177,7 @@ def plan_save(save_dir, state, *, chunks, engine, topo, job, extra_rng: dict | N
         latest = fmt.read_tracker(save_dir)
         kept = f"{fmt.iter_dir_name(latest)} stays the latest" if latest is not None else "none was saved before"
         raise NonFiniteState(f"iteration {state.iteration}: {bad} is not finite: checkpoint {final.name} is not "
-                             f"written ({kept}) and the run stops. Lower --lr or check the data")
+                             f"written ({kept}) and the run stops. Lower {FLAG.lr} or check the data")
     index = None
     if topo.rank == 0:
         opt = engine.optimizer if engine is not None else None
@@ -229,7 +229,7 @@ def write_planned(plan: SavePlan, device, group=None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)      # left over by a crashed save
             (tmp / "rng").mkdir(parents=True)
         except OSError as e:
-            error = CheckpointError(f"cannot create {tmp} for --save: {e}")
+            error = CheckpointError(f"cannot create {tmp} for {FLAG.save}: {e}")
     _agree(error is None, f"creating {tmp}", error, device, group)
     try:
         _write_rank_files(plan)
@@ -349,7 +349,7 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
         check_model_compatible(reader.index["job"]["model"], job.model, directory)
         if not weights_only and load_optim and reader.index.get("optimizer") is None:
             raise CheckpointError(f"{directory} holds weights only (no optimizer state): load it with "
-                                  f"--finetune (weights only, iteration 0)")
+                                  f"{FLAG.finetune} (weights only, iteration 0)")
         owned = _read_rank(reader, chunks, engine, topo, job, weights_only or not load_optim)
         if stats is not None:
             stats.update(bytes_read=reader.bytes_read, bytes_owned=owned)

@@ -13,6 +13,7 @@ import socket
 import time
 from pathlib import Path
 
+from megazero.config import FLAG
 from megazero.errors import CheckpointError
 
 LOCK = ".lock"
@@ -35,7 +36,7 @@ class SaveLock:
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise CheckpointError(f"--save {save_dir} is in use by another run ({holder}): wait for it to end, or "
+            raise CheckpointError(f"{FLAG.save} {save_dir} is in use by another run ({holder}): wait for it to end, or "
                                   f"save this run elsewhere") from None
         previous = os.pread(fd, 200, 0).decode(errors="replace").strip()
         os.ftruncate(fd, 0)

@@ -20,7 +20,7 @@ from megazero.checkpoint import format as fmt
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.regions import numel
 from megazero.checkpoint.tensor_file import write_pieces
-from megazero.config import JobConfig, ModelConfig
+from megazero.config import FLAG, JobConfig, ModelConfig
 from megazero.errors import CheckpointError
 from megazero.parallel.params import attribute, counts_once, split_dim
 from megazero.spec import get_model_spec
@@ -77,7 +77,7 @@ def resolve(path: str | os.PathLike) -> Path:
     iteration = fmt.read_tracker(path)
     if iteration is None:
         raise CheckpointError(f"{path} is neither a checkpoint directory (no {fmt.MANIFEST}) nor a save "
-                              f"directory (no {fmt.TRACKER}): pass --save's directory or an iter_* directory")
+                              f"directory (no {fmt.TRACKER}): pass {FLAG.save}'s directory or an iter_* directory")
     return fmt.checkpoint_dir(path, iteration)
 
 

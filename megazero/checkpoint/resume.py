@@ -33,6 +33,7 @@ from megazero.checkpoint.distributed import (
     save_checkpoint,
 )
 from megazero.checkpoint.format import iter_dir_name, write_failed
+from megazero.config import FLAG
 from megazero.errors import CheckpointError
 from megazero.state import TrainState
 
@@ -54,23 +55,24 @@ def resume(job, chunks, engine, topo, extra_rng: dict | None = None, say: Callab
         return state
     if ck.load is None:
         if ck.finetune:
-            raise CheckpointError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
+            raise CheckpointError(f"{FLAG.finetune} needs {FLAG.load} DIR (the checkpoint whose weights to start from)")
         return TrainState()
     if latest_iteration(ck.load) is None:
         if _same_dir(ck.load, ck.save):
-            say(f" no checkpoint in {ck.load} yet (--load equals --save): starting fresh")
+            say(f" no checkpoint in {ck.load} yet ({FLAG.load} equals {FLAG.save}): starting fresh")
             return TrainState()
         what = "does not exist" if not os.path.isdir(ck.load) else "holds no checkpoint (no latest_checkpointed_iteration.txt)"
-        raise CheckpointError(f"--load {ck.load} {what}: point --load at a --save directory of an earlier run, "
-                              f"or set --load equal to --save to start fresh and resume automatically after a restart")
+        raise CheckpointError(f"{FLAG.load} {ck.load} {what}: point {FLAG.load} at a {FLAG.save} directory of an "
+                              f"earlier run, or set {FLAG.load} equal to {FLAG.save} to start fresh and resume "
+                              f"automatically after a restart")
     state = load_checkpoint(ck.load, weights_only=ck.finetune, load_optim=not ck.no_load_optim,
                             load_rng=not ck.no_load_rng, **kw)
     if ck.finetune:
-        say(f" loaded weights only from {ck.load} (--finetune): iteration 0, fresh optimizer")
+        say(f" loaded weights only from {ck.load} ({FLAG.finetune}): iteration 0, fresh optimizer")
     else:
         fresh = [what for what, on in (("optimizer", ck.no_load_optim), ("random states", ck.no_load_rng)) if on]
         say(f" resumed from {ck.load} at iteration {state.iteration} ({state.consumed_samples} samples consumed)"
-            + (f"; fresh {' and '.join(fresh)} (--no-load-optim / --no-load-rng)" if fresh else ""))
+            + (f"; fresh {' and '.join(fresh)} ({FLAG.no_load_optim} / {FLAG.no_load_rng})" if fresh else ""))
     return state
 
 

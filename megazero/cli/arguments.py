@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from megazero.cli.launcher import report_to_launcher
-from megazero.config import BACKENDS, TOKENIZERS, JobConfig, flag, flag_fields, setting
+from megazero.config import BACKENDS, FLAG, TOKENIZERS, JobConfig, flag, flag_fields, setting
 from megazero.config import megatron_flags as megatron
 from megazero.config.fields import GROUPS
 from megazero.config.model import BUILTIN_FAMILIES, family
@@ -329,12 +329,14 @@ def megatron_reference_markdown() -> str:
              "  of, and the run says in one line at start what runs here.",
              "* **refused**: the run stops before any work with one line per such flag, naming our equivalent or",
              "  saying it does not exist here. A flag in no row is refused as unknown, with the closest names.", "",
-             "Sample-based runs (`--train-samples`, `--lr-decay-samples`, `--lr-warmup-samples`) become iterations",
-             "of `--global-batch-size` samples: `--train-samples` // the global batch, the schedule's lengths rounded",
+             f"Sample-based runs (`{FLAG.train_samples}`, `{FLAG.lr_decay_samples}`, `{FLAG.lr_warmup_samples}`) "
+             "become iterations",
+             f"of `{FLAG.global_batch_size}` samples: `{FLAG.train_samples}` // the global batch, the schedule's "
+             "lengths rounded",
              "up; as in Megatron-LM a run is iteration- or sample-based, not both.", "",
              "| Megatron-LM flag | status | here |", "|---|---|---|"]
     lines += [f"| `{name}` | {status} | {detail.replace('|', '/')} |" for name, status, detail in megatron_rows()]
-    lines += ["", "## Tokenizer types", "", "| `--tokenizer-type` | here |", "|---|---|"]
+    lines += ["", "## Tokenizer types", "", f"| `{FLAG.tokenizer_type}` | here |", "|---|---|"]
     lines += [f"| `{name}` | accepted as-is |" for name in TOKENIZERS]
     lines += [f"| `{name}` | {f'read as `{ours}`: ' + note if ours else 'refused: ' + note} |"
               for name, (ours, note) in megatron.MEGATRON_TOKENIZERS.items()]

@@ -33,6 +33,7 @@ from megazero.cli.launcher import SECONDHAND, report_to_launcher
 from megazero.cli.plan import plan_memory
 from megazero.cli.preflight import preflight
 from megazero.cli.run import resolve_data, run
+from megazero.config import FLAG
 from megazero.errors import (
     CheckpointError,
     DataError,
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # Only the ranks waiting on the stuck one time out, and the launcher stops the rest as soon as
         # the first exits: each rank that saw the timeout says so.
-        stop(f"rank {rank}: a collective did not complete within --distributed-timeout-minutes "
+        stop(f"rank {rank}: a collective did not complete within {FLAG.distributed_timeout_minutes} "
              f"{job.parallel.distributed_timeout_minutes:g} (a rank stopped, died or is far slower): "
              f"{str(e).splitlines()[0][:300]}", 1, rank, every_rank=True)
 

@@ -28,12 +28,12 @@ from megazero.checkpoint.format import (
 )
 from megazero.checkpoint.lock import SaveLock
 from megazero.compile import compile_unavailable
-from megazero.config import JobConfig, flag
+from megazero.config import FLAG, JobConfig, flag
 from megazero.data.gpt_dataset import split_ranges
 from megazero.data.indexed_dataset import IndexedDataset
 from megazero.errors import CheckpointError, NothingToDo, PreflightError
 from megazero.memory.estimate import estimate_memory
-from megazero.metrics import WANDB_MISSING
+from megazero.metrics import wandb_missing
 from megazero.profiling import trace_dir
 
 
@@ -44,10 +44,10 @@ def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> Save
         raise PreflightError("--backend nccl needs CUDA, and this machine has no usable GPU: use --backend gloo "
                              "(or leave --backend out)")
     _compile(job, backend)
-    _writable_file(job.logging.metrics_file, "--metrics-file")
-    _writable_dir(job.logging.tensorboard_dir, "--tensorboard-dir")
+    _writable_file(job.logging.metrics_file, FLAG.metrics_file)
+    _writable_dir(job.logging.tensorboard_dir, FLAG.tensorboard_dir)
     _watching(job)
-    _writable_dir(job.data.data_cache_path, "--data-cache-path")
+    _writable_dir(job.data.data_cache_path, FLAG.data_cache_path)
     _nvme_path(job)
     try:
         _checkpoints(job)
@@ -60,7 +60,7 @@ def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> Save
         if finished is not None:
             raise finished
         return None
-    _writable_dir(job.checkpoint.save, "--save")
+    _writable_dir(job.checkpoint.save, FLAG.save)
     try:
         lock = SaveLock.acquire(job.checkpoint.save)
     except (CheckpointError, OSError) as e:
@@ -69,9 +69,9 @@ def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> Save
         lock.release()
         raise finished
     if lock.previous:
-        say(f" took over the lock of --save {job.checkpoint.save} left by a run that has ended ({lock.previous})")
+        say(f" took over the lock of {FLAG.save} {job.checkpoint.save} left by a run that has ended ({lock.previous})")
     for line in recover(job.checkpoint.save):
-        say(f" --save {job.checkpoint.save}: {line}")
+        say(f" {FLAG.save} {job.checkpoint.save}: {line}")
     return lock
 
 
@@ -79,10 +79,10 @@ def _watching(job: JobConfig) -> None:
     """``--wandb-project`` needs wandb installed; the profiler's and W&B's directories can be written."""
     lg = job.logging
     if lg.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise PreflightError(WANDB_MISSING)
+        raise PreflightError(wandb_missing())
     if lg.profile:
-        _writable_dir(trace_dir(lg, job.checkpoint.save), "--profile-dir")    # the default's fix is this flag
-    _writable_dir(lg.wandb_save_dir, "--wandb-save-dir")
+        _writable_dir(trace_dir(lg, job.checkpoint.save), FLAG.profile_dir)    # the default's fix is this flag
+    _writable_dir(lg.wandb_save_dir, FLAG.wandb_save_dir)
 
 
 def _compile(job: JobConfig, backend: str | None) -> None:
@@ -92,7 +92,7 @@ def _compile(job: JobConfig, backend: str | None) -> None:
     cuda = backend != "gloo" and torch.cuda.is_available()
     why = compile_unavailable("cuda" if cuda else "cpu")
     if why:
-        raise PreflightError(f"--compile: {why}: drop --compile (the run is the same, uncompiled)")
+        raise PreflightError(f"{FLAG.compile}: {why}: drop {FLAG.compile} (the run is the same, uncompiled)")
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -122,23 +122,24 @@ def _nvme_path(job: JobConfig) -> None:
         return
     p = Path(path)
     if not p.exists():
-        raise PreflightError(f"--nvme-path {path} does not exist: give an existing directory on a fast local drive "
-                             f"(the run creates and removes its swap files under it)")
+        raise PreflightError(f"{FLAG.nvme_path} {path} does not exist: give an existing directory on a fast local "
+                             f"drive (the run creates and removes its swap files under it)")
     if not p.is_dir():
-        raise PreflightError(f"--nvme-path {path} is a file, not a directory: give a directory on a fast local drive")
+        raise PreflightError(f"{FLAG.nvme_path} {path} is a file, not a directory: give a directory on a fast local "
+                             f"drive")
     try:                                      # a real file, not os.access: read-only mounts, root on NFS
         fd, probe = tempfile.mkstemp(dir=p, prefix=".megazero-probe-")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise PreflightError(f"--nvme-path {path} is not writable ({e.strerror}): choose a directory you can "
+        raise PreflightError(f"{FLAG.nvme_path} {path} is not writable ({e.strerror}): choose a directory you can "
                              f"write") from None
 
     per_rank = max(e.nvme for e in estimate_memory(job))
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     free = shutil.disk_usage(p).free
     if per_rank * ranks > free:
-        raise PreflightError(f"--nvme-path {path} has {free / 2**30:.2f} GiB free, the swap files need "
+        raise PreflightError(f"{FLAG.nvme_path} {path} has {free / 2**30:.2f} GiB free, the swap files need "
                              f"{per_rank * ranks / 2**30:.2f} GiB ({per_rank / 2**30:.2f} GiB per rank x {ranks} ranks on "
                              f"this node): free space there, choose a larger drive, or offload to cpu")
 
@@ -169,12 +170,14 @@ def _checkpoints(job: JobConfig) -> None:
     except CheckpointError as e:
         raise PreflightError(str(e)) from None
     if saved is not None and not same and not ck.finetune:
-        raise PreflightError(f"--save {ck.save} already holds another run's checkpoints (latest iteration {saved}): "
-                             f"add --load {ck.save} to resume that run, or choose a new --save directory")
+        raise PreflightError(f"{FLAG.save} {ck.save} already holds another run's checkpoints (latest iteration "
+                             f"{saved}): add {FLAG.load} {ck.save} to resume that run, or choose a new {FLAG.save} "
+                             f"directory")
     if ck.load and not same and loaded is None:
         what = "does not exist" if not os.path.isdir(ck.load) else "holds no checkpoint"
-        raise PreflightError(f"--load {ck.load} {what}: point --load at a --save directory of an earlier run, or set "
-                             f"--load equal to --save to start fresh and resume automatically after a restart")
+        raise PreflightError(f"{FLAG.load} {ck.load} {what}: point {FLAG.load} at a {FLAG.save} directory of an "
+                             f"earlier run, or set {FLAG.load} equal to {FLAG.save} to start fresh and resume "
+                             f"automatically after a restart")
     for path, iteration in ((ck.save, saved), (ck.load, loaded)):
         if iteration is None:
             continue
@@ -189,9 +192,10 @@ def _checkpoints(job: JobConfig) -> None:
                                  f"checkpoint's model settings or another directory")
     resumed = (saved if same else loaded) if ck.load else None
     if resumed is not None and not ck.finetune and resumed >= job.train.train_iters:
-        raise NothingToDo(f"--load {ck.load} holds a checkpoint at iteration {resumed}, and {flag('train_iters')} is "
-                          f"{job.train.train_iters}: nothing is left to train (raise {flag('train_iters')} to train "
-                          f"further, or add {flag('finetune')} to start a new run from its weights)")
+        raise NothingToDo(f"{FLAG.load} {ck.load} holds a checkpoint at iteration {resumed}, and "
+                          f"{FLAG.train_iters} is {job.train.train_iters}: nothing is left to train (raise "
+                          f"{FLAG.train_iters} to train further, or add {FLAG.finetune} to start a new run from "
+                          f"its weights)")
 
 
 def _data(job: JobConfig, scan: bool, say=print) -> None:
@@ -204,15 +208,15 @@ def _data(job: JobConfig, scan: bool, say=print) -> None:
         try:
             ds = IndexedDataset(prefix)
         except (OSError, ValueError) as e:
-            raise PreflightError(f"--data-path {prefix}: {e}") from None
+            raise PreflightError(f"{FLAG.data_path} {prefix}: {e}") from None
         _splits(job, prefix, ds, say)
         if not scan or ds.num_tokens == 0:
             continue
         low, high = ds.token_range()
         if low < 0 or high >= job.model.vocab_size:
-            raise PreflightError(f"--data-path {prefix}: token ids span [{low}, {high}] but the tokenizer's vocabulary "
-                                 f"has {job.model.vocab_size} entries: the data was made with another tokenizer; "
-                                 f"preprocess it with this one (tools/preprocess_data.py)")
+            raise PreflightError(f"{FLAG.data_path} {prefix}: token ids span [{low}, {high}] but the tokenizer's "
+                                 f"vocabulary has {job.model.vocab_size} entries: the data was made with another "
+                                 f"tokenizer; preprocess it with this one (tools/preprocess_data.py)")
 
 
 def _splits(job: JobConfig, prefix: str, ds: IndexedDataset, say) -> None:
@@ -228,14 +232,14 @@ def _splits(job: JobConfig, prefix: str, ds: IndexedDataset, say) -> None:
             continue
         if begin == end and name != "training":
             if name == "validation":
-                say(f" note: the validation split of --split {d.split!r} holds none of the {ds.num_documents} "
-                    f"documents of --data-path {prefix}: validation will not run (give --split a larger "
-                    f"validation weight, or --eval-iters 0)")
+                say(f" note: the validation split of {FLAG.split} {d.split!r} holds none of the "
+                    f"{ds.num_documents} documents of {FLAG.data_path} {prefix}: validation will not run (give "
+                    f"{FLAG.split} a larger validation weight, or {FLAG.eval_iters} 0)")
             continue
         first, last = int(ds.document_indices[begin]), int(ds.document_indices[end])
         tokens = int(sizes[first:last].sum(dtype=np.int64))
         if tokens <= seq:
-            raise PreflightError(f"--data-path {prefix}: the {name} split of --split {d.split!r} (documents "
-                                 f"{begin}..{end}) holds {tokens} tokens, too few for one sample of --seq-length "
-                                 f"{seq} + 1: give that split a larger weight in --split, use more data, or lower "
-                                 f"--seq-length")
+            raise PreflightError(f"{FLAG.data_path} {prefix}: the {name} split of {FLAG.split} {d.split!r} "
+                                 f"(documents {begin}..{end}) holds {tokens} tokens, too few for one sample of "
+                                 f"{FLAG.seq_length} {seq} + 1: give that split a larger weight in {FLAG.split}, use "
+                                 f"more data, or lower {FLAG.seq_length}")

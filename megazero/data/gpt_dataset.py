@@ -32,6 +32,7 @@ import uuid
 
 import numpy as np
 
+from megazero.config import FLAG
 from megazero.errors import DataError
 
 from .indexed_dataset import IndexedDataset
@@ -48,7 +49,7 @@ def parse_split(split: str) -> list[float]:
     except ValueError:
         w = []
     if not w or len(w) > 3 or any(x < 0 for x in w) or sum(w) <= 0:
-        raise DataError(f"--split {split!r} must be up to three non-negative weights like 969,30,1")
+        raise DataError(f"{FLAG.split} {split!r} must be up to three non-negative weights like 969,30,1")
     w += [0.0] * (3 - len(w))
     return [x / sum(w) for x in w]
 
@@ -65,14 +66,14 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float]]:
     if len(data_path) == 1:
         return [data_path[0]], [1.0]
     if not data_path or len(data_path) % 2:
-        raise DataError("--data-path takes one prefix or weight-prefix pairs: "
-                        "--data-path 0.3 a_text_document 0.7 b_text_document")
+        raise DataError(f"{FLAG.data_path} takes one prefix or weight-prefix pairs: "
+                        f"{FLAG.data_path} 0.3 a_text_document 0.7 b_text_document")
     try:
         weights = [float(w) for w in data_path[0::2]]
     except ValueError:
-        raise DataError(f"--data-path weights {data_path[0::2]} must be numbers (weight-prefix pairs)") from None
+        raise DataError(f"{FLAG.data_path} weights {data_path[0::2]} must be numbers (weight-prefix pairs)") from None
     if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise DataError(f"--data-path weights {weights} must be non-negative with a positive sum")
+        raise DataError(f"{FLAG.data_path} weights {weights} must be non-negative with a positive sum")
     return list(data_path[1::2]), [w / sum(weights) for w in weights]
 
 
@@ -156,7 +157,7 @@ class IndexCache:
             os.makedirs(os.path.dirname(base), exist_ok=True)
         except OSError as e:
             raise DataError(f"cannot create the index cache directory {os.path.dirname(base)} ({e}): "
-                            f"pass a writable --data-cache-path") from e
+                            f"pass a writable {FLAG.data_cache_path}") from e
         tmp = f".tmp{os.getpid()}-{uuid.uuid4().hex[:8]}"   # unique even across hosts
         for n, a in arrays.items():
             with open(f"{base}-{n}.npy{tmp}", "wb") as f:
@@ -183,7 +184,8 @@ def check_vocab(indexed: IndexedDataset, vocab_size: int, cache: IndexCache | No
     if top >= vocab_size:
         raise DataError(f"{indexed.prefix}.bin holds token id {top} but the tokenizer's vocab has only "
                         f"{vocab_size} ids: the data was made with another tokenizer; pass the same "
-                        f"--tokenizer-type/--vocab-file/--tokenizer-model used by tools/preprocess_data.py")
+                        f"{FLAG.tokenizer_type}/{FLAG.vocab_file}/{FLAG.tokenizer_model} used by "
+                        f"tools/preprocess_data.py")
 
 
 # ---------------------------------------------------------------- datasets --------------------------
@@ -201,8 +203,8 @@ class GPTDataset:
         tokens = int(sizes[seq_begin:seq_end].sum(dtype=np.int64))
         if tokens <= seq_length and num_samples > 0:
             raise DataError(f"{indexed.prefix}: the {name} split (documents {begin}..{end}) has {tokens} tokens, "
-                            f"too few for one sample of --seq-length {seq_length} + 1: give it more data "
-                            f"(--split) or lower --seq-length")
+                            f"too few for one sample of {FLAG.seq_length} {seq_length} + 1: give it more data "
+                            f"({FLAG.split}) or lower {FLAG.seq_length}")
         description = {**_file_identity(indexed.prefix), "docs": [begin, end], "seq_length": seq_length,
                        "num_samples": num_samples, "seed": seed, "split": name}
 
@@ -291,18 +293,18 @@ def build_train_valid_test_datasets(cfg, *, seq_length: int, seed: int, num_samp
     """
     if cfg.mock_data:
         if vocab_size is None:
-            raise DataError("--mock-data needs the vocab size (from the tokenizer or --vocab-size)")
+            raise DataError(f"{FLAG.mock_data} needs the vocab size (from the tokenizer or {FLAG.vocab_size})")
         return [MockGPTDataset(n, seq_length, vocab_size, seed + 1000 * k) if n else None
                 for k, n in enumerate(num_samples)]
     if not cfg.data_path:
-        raise DataError("no data: pass --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+        raise DataError(f"no data: pass {FLAG.data_path} PREFIX (from tools/preprocess_data.py) or {FLAG.mock_data}")
     prefixes, weights = parse_data_path(list(cfg.data_path))
     cache = IndexCache(cfg.data_cache_path or default_cache_dir(prefixes[0]), is_writer, barrier)
     indexed = []
     for p in prefixes:
         for ext in (".idx", ".bin"):
             if not os.path.isfile(p + ext):
-                raise DataError(f"--data-path {p!r}: {p + ext} not found (give the prefix without .bin/.idx, "
+                raise DataError(f"{FLAG.data_path} {p!r}: {p + ext} not found (give the prefix without .bin/.idx, "
                                 f"e.g. my_corpus_text_document)")
         ds = IndexedDataset(p)
         if vocab_size is not None:

@@ -27,6 +27,8 @@ from array import array
 
 import numpy as np
 
+from megazero.config import FLAG
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")   # magic, version, dtype code, sequences, document boundaries
@@ -156,7 +158,7 @@ def _read_index(path: str):
     """Parse and check an .idx file; returns (dtype, lengths, pointers, doc_bounds) as read-only arrays."""
     if not os.path.isfile(path):
         raise IndexedDatasetError(f"{path}: index file not found (expected a Megatron .idx next to the .bin; "
-                                  f"pass --data-path without the .bin/.idx suffix)")
+                                  f"pass {FLAG.data_path} without the .bin/.idx suffix)")
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(_HEADER.size)

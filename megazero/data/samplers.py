@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megazero.config import FLAG
 from megazero.data.gpt_dataset import build_train_valid_test_datasets
 from megazero.parallel.context_layout import rank_slice
 
@@ -28,8 +29,8 @@ def micro_batch_sample_ids(consumed_samples: int, micro_batch_size: int, dp_rank
     """Sample ids of this rank's micro-batches for the step that starts after ``consumed_samples``."""
     per_micro_step = micro_batch_size * dp_size
     if global_batch_size % per_micro_step:
-        raise ValueError(f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size "
-                         f"{micro_batch_size} * dp {dp_size}")
+        raise ValueError(f"{FLAG.global_batch_size} {global_batch_size} is not divisible by "
+                         f"{FLAG.micro_batch_size} {micro_batch_size} * dp {dp_size}")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
     first = consumed_samples + dp_rank * micro_batch_size

@@ -33,7 +33,7 @@ import json
 import os
 from typing import Sequence
 
-from megazero.config import TOKENIZERS
+from megazero.config import FLAG, TOKENIZERS
 from megazero.errors import TokenizerError
 
 # GPT-2's pre-tokenisation pattern (contractions, letters, numbers, other, whitespace).
@@ -86,9 +86,9 @@ def _load_gpt2_files(vocab_file: str, merge_file: str) -> tuple[dict[str, int], 
         with open(vocab_file, encoding="utf-8") as f:
             vocab = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"--vocab-file {vocab_file!r} is not a JSON token->id map ({e})") from e
+        raise TokenizerError(f"{FLAG.vocab_file} {vocab_file!r} is not a JSON token->id map ({e})") from e
     if not isinstance(vocab, dict) or not vocab:
-        raise TokenizerError(f"--vocab-file {vocab_file!r} must hold a non-empty JSON object token->id")
+        raise TokenizerError(f"{FLAG.vocab_file} {vocab_file!r} must hold a non-empty JSON object token->id")
     merges = []
     with open(merge_file, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -97,7 +97,7 @@ def _load_gpt2_files(vocab_file: str, merge_file: str) -> tuple[dict[str, int], 
                 continue
             parts = line.split(" ")
             if len(parts) != 2:
-                raise TokenizerError(f"--merge-file {merge_file!r} line {n}: expected two tokens, got {line!r}")
+                raise TokenizerError(f"{FLAG.merge_file} {merge_file!r} line {n}: expected two tokens, got {line!r}")
             merges.append((parts[0], parts[1]))
     return vocab, merges
 
@@ -116,11 +116,11 @@ class GPT2BPETokenizer(Tokenizer):
     name = "GPT2BPETokenizer"
 
     def __init__(self, vocab_file: str, merge_file: str, backend: str = "auto"):
-        self.vocab_file = _check_file(vocab_file, "--vocab-file")
-        self.merge_file = _check_file(merge_file, "--merge-file")
+        self.vocab_file = _check_file(vocab_file, FLAG.vocab_file)
+        self.merge_file = _check_file(merge_file, FLAG.merge_file)
         vocab, merges = _load_gpt2_files(vocab_file, merge_file)
         if GPT2_EOD not in vocab:
-            raise TokenizerError(f"--vocab-file {vocab_file!r} has no {GPT2_EOD!r} token (the end-of-document id)")
+            raise TokenizerError(f"{FLAG.vocab_file} {vocab_file!r} has no {GPT2_EOD!r} token (the end-of-document id)")
         self.eod = vocab[GPT2_EOD]
         self.vocab_size = max(vocab.values()) + 1
         if backend == "auto":
@@ -166,11 +166,11 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model_file: str):
         import sentencepiece as spm
 
-        self.model_file = _check_file(model_file, "--tokenizer-model")
+        self.model_file = _check_file(model_file, FLAG.tokenizer_model)
         try:     # the SentencePieceProcessor itself (the HF export reads its pieces)
             self.processor = spm.SentencePieceProcessor(model_file=model_file)
         except (RuntimeError, OSError) as e:
-            raise TokenizerError(f"--tokenizer-model {model_file!r} is not a SentencePiece model ({e})") from e
+            raise TokenizerError(f"{FLAG.tokenizer_model} {model_file!r} is not a SentencePiece model ({e})") from e
         n = self.processor.get_piece_size()
         eos = self.processor.eos_id()
         self.eod = eos if eos >= 0 else n
@@ -199,19 +199,19 @@ class HuggingFaceTokenizer(Tokenizer):
         try:
             from tokenizers import Tokenizer as HFTokenizer
         except ImportError as e:
-            raise TokenizerError("--tokenizer-type HuggingFaceTokenizer needs the tokenizers library: "
+            raise TokenizerError(f"{FLAG.tokenizer_type} HuggingFaceTokenizer needs the tokenizers library: "
                                  "pip install tokenizers") from e
         if not path:
-            raise TokenizerError("--tokenizer-model is required for this tokenizer type (a directory with "
+            raise TokenizerError(f"{FLAG.tokenizer_model} is required for this tokenizer type (a directory with "
                                  "tokenizer.json, or the file)")
         directory = path if os.path.isdir(path) else os.path.dirname(path)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        self.model_file = _check_file(file, "--tokenizer-model")
+        self.model_file = _check_file(file, FLAG.tokenizer_model)
         self.directory = directory
         try:     # the tokenizers.Tokenizer itself (the HF export reads its special tokens)
             self.tokenizer = HFTokenizer.from_file(file)
         except Exception as e:  # noqa: BLE001  (the library raises a bare Exception on bad files)
-            raise TokenizerError(f"--tokenizer-model {file!r} is not a HuggingFace tokenizer.json ({e})") from e
+            raise TokenizerError(f"{FLAG.tokenizer_model} {file!r} is not a HuggingFace tokenizer.json ({e})") from e
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.eod = self._find_eos(directory)
 
@@ -229,8 +229,8 @@ class HuggingFaceTokenizer(Tokenizer):
         for token in EOS_CANDIDATES:
             if self.tokenizer.token_to_id(token) is not None:
                 return self.tokenizer.token_to_id(token)
-        raise TokenizerError(f"--tokenizer-model {self.model_file!r}: no end-of-sequence token found (no eos_token "
-                             f"in tokenizer_config.json, no eos_token_id in config.json, none of "
+        raise TokenizerError(f"{FLAG.tokenizer_model} {self.model_file!r}: no end-of-sequence token found (no "
+                             f"eos_token in tokenizer_config.json, no eos_token_id in config.json, none of "
                              f"{', '.join(EOS_CANDIDATES)}): put a tokenizer_config.json naming eos_token beside it")
 
     def tokenize(self, text: str) -> list[int]:
@@ -275,7 +275,8 @@ def build_tokenizer(tokenizer_type: str | None, *, vocab_file: str | None = None
     takes ``vocab_size`` (``--vocab-size``) instead."""
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
-            raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size N (the ids the data holds)")
+            raise TokenizerError(f"{FLAG.tokenizer_type} NullTokenizer needs {FLAG.vocab_size} N (the ids the data "
+                                 f"holds)")
         return NullTokenizer(vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
@@ -283,7 +284,7 @@ def build_tokenizer(tokenizer_type: str | None, *, vocab_file: str | None = None
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
-    raise TokenizerError(f"--tokenizer-type must be one of {', '.join(TOKENIZERS)}, got {tokenizer_type!r}")
+    raise TokenizerError(f"{FLAG.tokenizer_type} must be one of {', '.join(TOKENIZERS)}, got {tokenizer_type!r}")
 
 
 def tokenizer_from_config(cfg, vocab_size: int | None = None) -> Tokenizer:

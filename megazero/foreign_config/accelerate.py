@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from megazero.config import setting
+from megazero.config import FLAG, setting
 from megazero.errors import ConfigError
 from megazero.foreign_config.deepspeed import nvme_path, offload_device, read_deepspeed
 from megazero.foreign_config.reader import Reader, load_yaml, read_text
@@ -28,17 +28,25 @@ _LAUNCHER = {"compute_environment": "LOCAL_MACHINE", "debug": False, "downcast_b
              "use_cpu": False}
 _DS_LAUNCHER = {"deepspeed_multinode_launcher": "standard", "deepspeed_hostfile": None,
                 "deepspeed_exclusion_filter": None, "deepspeed_inclusion_filter": None}
-# Sections for other engines or launchers: accepted empty or at their defaults (what `accelerate config` writes).
-_OTHER_SECTIONS = {"fsdp_config": "megazero shards with ZeRO: use distributed_type DEEPSPEED with a zero_stage",
-                   "megatron_lm_config": "give --tp / --pp / --sequence-parallel as flags",
-                   "ipex_config": "megazero does not use IPEX", "mpirun_config": "torchrun starts megazero",
-                   "fp8_config": "megazero trains in fp32, bf16 or fp16", "parallelism_config": "use the flags"}
-# Accelerate's distributed_type values megazero runs as its own data/ZeRO parallelism, and those it refuses.
+# Accelerate's distributed_type values megazero runs as its own data/ZeRO parallelism.
 _DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU",
                       "DEEPSPEED")
-_OTHER_ENGINES = {"FSDP": "megazero shards with ZeRO: use DEEPSPEED with a zero_stage (3 shards the parameters)",
-                  "MEGATRON_LM": "megazero is the parallelism: use DEEPSPEED and give --tp / --pp as flags",
-                  "XLA": "megazero runs on CPUs and CUDA GPUs", "TPU": "megazero runs on CPUs and CUDA GPUs"}
+
+
+def _other_sections() -> dict[str, str]:
+    """Sections for other engines or launchers, accepted empty or at their defaults (what `accelerate config`
+    writes): each one's key -> what to do instead, said when it holds settings."""
+    return {"fsdp_config": "megazero shards with ZeRO: use distributed_type DEEPSPEED with a zero_stage",
+            "megatron_lm_config": f"give {FLAG.tp}, {FLAG.pp} and {FLAG.sequence_parallel} as flags",
+            "ipex_config": "megazero does not use IPEX", "mpirun_config": "torchrun starts megazero",
+            "fp8_config": "megazero trains in fp32, bf16 or fp16", "parallelism_config": "use the flags"}
+
+
+def _other_engines() -> dict[str, str]:
+    """Accelerate's distributed_type values megazero refuses -> what to use instead."""
+    return {"FSDP": "megazero shards with ZeRO: use DEEPSPEED with a zero_stage (3 shards the parameters)",
+            "MEGATRON_LM": f"megazero is the parallelism: use DEEPSPEED and give {FLAG.tp} and {FLAG.pp} as flags",
+            "XLA": "megazero runs on CPUs and CUDA GPUs", "TPU": "megazero runs on CPUs and CUDA GPUs"}
 
 
 @dataclass(frozen=True)
@@ -81,10 +89,10 @@ def from_accelerate(path: str | Path, launch: Launch | None = None,
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected keys and values (a mapping) at the top, got {type(data).__name__}")
     r = Reader(source, data)
-    r.only("", {*_LAUNCHER, *_OTHER_SECTIONS, "deepspeed_config", "mixed_precision", "dynamo_config", "dynamo_backend",
-                "distributed_type", "num_processes", "num_machines", "machine_rank"})
+    r.only("", {*_LAUNCHER, *_other_sections(), "deepspeed_config", "mixed_precision", "dynamo_config",
+                "dynamo_backend", "distributed_type", "num_processes", "num_machines", "machine_rank"})
     _defaults_only(r, "", _LAUNCHER)
-    for key, instead in _OTHER_SECTIONS.items():
+    for key, instead in _other_sections().items():
         if not _is_default(r.raw(key), None):
             r.fail(key, f"has settings megazero cannot use ({instead}): remove them, or the section")
     _launch(r, launch)
@@ -172,8 +180,9 @@ def _launch(r: Reader, launch: Launch | None) -> None:
     """``distributed_type`` is one megazero runs as (unknown values refused); ``num_processes``,
     ``num_machines`` and ``machine_rank`` agree with the launch (torchrun's, not Accelerate's, starts it)."""
     kind = r.get("distributed_type")
-    if kind is not None and str(kind).upper() in _OTHER_ENGINES:
-        r.fail("distributed_type", f"{kind} is not supported: {_OTHER_ENGINES[str(kind).upper()]}")
+    refused = _other_engines()
+    if kind is not None and str(kind).upper() in refused:
+        r.fail("distributed_type", f"{kind} is not supported: {refused[str(kind).upper()]}")
     elif kind is not None and str(kind).upper() not in _DISTRIBUTED_TYPES:
         r.fail("distributed_type", f"must be one of {', '.join(_DISTRIBUTED_TYPES)}, got {kind!r}")
     counts = {key: r.get(key, int) for key in ("num_processes", "num_machines", "machine_rank")}

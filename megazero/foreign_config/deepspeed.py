@@ -16,24 +16,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megazero.config import OFFLOAD_DEVICES
+from megazero.config import FLAG, OFFLOAD_DEVICES
 from megazero.foreign_config.reader import Reader, read_json
 
 # Top-level keys that tune only DeepSpeed's engine (logging, its optimizer checks, gradient pre-division).
 _TOP_UNUSED = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
                "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor", "aio",
                "sparse_gradients", "checkpoint"}
-# DeepSpeed features kept off with {"enabled": false} (unused); on, each is refused with what megazero offers.
-_FEATURES = {
-    "flops_profiler": "megazero reports throughput and MFU on its log line",
-    "comms_logger": "megazero has no communication logger",
-    "tensorboard": "use --tensorboard-dir", "csv_monitor": "use --metrics-file",
-    "wandb": "use the trainer's logging flags (--tensorboard-dir, --metrics-file)",
-    "autotuning": "megazero has no autotuner (--memory-budget-gib picks recompute and offload)",
-    "curriculum_learning": "megazero has no curriculum learning", "data_efficiency": "megazero has no data efficiency",
-    "elasticity": "megazero has no elastic batch size", "progressive_layer_drop": "megazero has no layer drop",
-    "amp": "use --fp16 or --bf16", "nebula": "megazero writes its own checkpoints (--save)",
-}
 _ZERO_MAPPED = {"stage", "reduce_bucket_size", "overlap_comm", "contiguous_gradients", "reduce_scatter",
                 "allgather_partitions", "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "offload_optimizer",
                 "offload_param", "sub_group_size", "zero_quantized_weights", "zero_hpz_partition_size",
@@ -56,6 +45,22 @@ _SCHEDULERS = {"WarmupLR": ("constant", {"warmup_min_lr", "warmup_max_lr", "warm
 _DTYPES = {"fp32": True, "fp16": False, "bf16": False, "bfp16": False}   # reduce in fp32, or in the training dtype
 
 
+def _feature_offers() -> dict[str, str]:
+    """DeepSpeed's features kept off with {"enabled": false} (unused): each one's key -> what megazero offers
+    instead, said when it is on (refused)."""
+    return {
+        "flops_profiler": "megazero reports throughput and MFU on its log line",
+        "comms_logger": "megazero has no communication logger",
+        "tensorboard": f"use {FLAG.tensorboard_dir}", "csv_monitor": f"use {FLAG.metrics_file}",
+        "wandb": f"use the trainer's logging flags ({FLAG.tensorboard_dir}, {FLAG.metrics_file})",
+        "autotuning": f"megazero has no autotuner ({FLAG.memory_budget_gib} picks recompute and offload)",
+        "curriculum_learning": "megazero has no curriculum learning",
+        "data_efficiency": "megazero has no data efficiency",
+        "elasticity": "megazero has no elastic batch size", "progressive_layer_drop": "megazero has no layer drop",
+        "amp": f"use {FLAG.fp16} or {FLAG.bf16}", "nebula": f"megazero writes its own checkpoints ({FLAG.save})",
+    }
+
+
 def from_deepspeed(path: str | Path, unused: list[tuple[str, str]] | None = None) -> dict:
     """The settings a DeepSpeed JSON config asks for; its unused keys are appended to ``unused`` as
     ``(source, key path)``. Every problem of the file is refused in one ConfigError."""
@@ -72,7 +77,7 @@ def read_deepspeed(path: Path, source: str) -> Reader:
     r = Reader(source, read_json(path, source))
     r.only("", {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "gradient_clipping", "fp16", "bf16", "zero_optimization", "optimizer", "scheduler",
-                "communication_data_type", "data_types", "activation_checkpointing", *_FEATURES}, _TOP_UNUSED)
+                "communication_data_type", "data_types", "activation_checkpointing", *_feature_offers()}, _TOP_UNUSED)
     r.set("train.global_batch_size", r.get("train_batch_size", int))
     r.set("train.micro_batch_size", r.get("train_micro_batch_size_per_gpu", int))
     r.set("train.gradient_accumulation_steps", r.get("gradient_accumulation_steps", int))
@@ -87,7 +92,7 @@ def read_deepspeed(path: Path, source: str) -> Reader:
 
 def _features(r: Reader) -> None:
     """DeepSpeed's optional features: off is unused, on is refused (with megazero's nearest offer)."""
-    for key, instead in _FEATURES.items():
+    for key, instead in _feature_offers().items():
         if not r.given(key):
             continue
         enabled = r.get(f"{key}.enabled", bool, default=False)
@@ -103,8 +108,8 @@ def _features(r: Reader) -> None:
     on = [k for k, v in section.items() if k != "number_checkpoints" and v not in (False, None)]
     if on:
         r.fail("activation_checkpointing", f"{', '.join(on)}: DeepSpeed's checkpointing API is not used here: use "
-                                           f"--recompute-activations (or --recompute-granularity full) and "
-                                           f"--cpu-offloading, and remove this section")
+                                           f"{FLAG.recompute_activations} (or {FLAG.recompute_granularity} full) and "
+                                           f"{FLAG.cpu_offloading}, and remove this section")
     elif section:
         r.unused.append("activation_checkpointing")
 
@@ -234,8 +239,8 @@ def _scheduler(r: Reader) -> None:
     p = "scheduler.params"
     r.only(p, allowed | {"last_batch_iteration"})
     if r.get(f"{p}.last_batch_iteration", int) not in (None, -1):
-        r.fail(f"{p}.last_batch_iteration", "the schedule follows the iteration megazero resumes from (--load): "
-                                            "set -1 or remove it")
+        r.fail(f"{p}.last_batch_iteration", "the schedule follows the iteration megazero resumes from "
+                                            f"({FLAG.load}): set -1 or remove it")
     warmup = r.get(f"{p}.warmup_type", default="log")
     if warmup not in (None, "log", "linear"):
         r.fail(f"{p}.warmup_type", f"must be log or linear, got {warmup!r}")

@@ -28,6 +28,8 @@ import sys
 
 import torch
 
+from megazero.config import FLAG
+
 M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1
 
 
@@ -65,13 +67,13 @@ def describe_cpu_memory(returning: bool, device: torch.device) -> str:
     """The start-of-run line saying what the ``peak mem`` figure of the log lines measures."""
     if device.type == "cuda":
         return (" GPU memory: peak mem is the peak of allocated CUDA memory (live tensors)"
-                + ("; --return-freed-memory concerns CPU runs only and does nothing here" if returning else ""))
+                + (f"; {FLAG.return_freed_memory} concerns CPU runs only and does nothing here" if returning else ""))
     if returning:
-        return (" CPU memory: freed memory returned to the system at once (--return-freed-memory): peak mem "
+        return (f" CPU memory: freed memory returned to the system at once ({FLAG.return_freed_memory}): peak mem "
                 "follows the live tensors (plus the interpreter), at a cost in step time")
     return (" CPU memory: freed memory kept by glibc for reuse (fastest: allocations under 32 MiB reuse the heap): "
-            "peak mem is the resident set, above the live tensors; --return-freed-memory makes it follow them, at "
-            "a cost in step time")
+            f"peak mem is the resident set, above the live tensors; {FLAG.return_freed_memory} makes it follow them, "
+            "at a cost in step time")
 
 
 class LiveTensorBytes:

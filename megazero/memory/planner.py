@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megazero.config import JobConfig, validate
+from megazero.config import FLAG, JobConfig, validate
 from megazero.config.model import ACTIVATION_MEMORY_FIELDS
 from megazero.errors import ConfigError
 from megazero.memory.estimate import StageEstimate, estimate_memory
@@ -53,12 +53,12 @@ def selective_plans(job: JobConfig) -> list[Plan]:
     cheap = ["layernorm"] + (["moe_act"] if job.model.routed_experts else [])
     sets = [cheap, cheap + ["core_attn"], cheap + ["core_attn", "mlp"]]
     return [Plan(f"selective {' '.join(s)}", dict(recompute_granularity="selective", recompute_modules=s),
-                 f"--recompute-granularity selective --recompute-modules {' '.join(s)}") for s in sets]
+                 f"{FLAG.recompute_granularity} selective {FLAG.recompute_modules} {' '.join(s)}") for s in sets]
 
 
 def full_recompute() -> Plan:
     """The last resort: every layer keeps only its input."""
-    return Plan("full recompute", dict(recompute_activations=True), "--recompute-activations")
+    return Plan("full recompute", dict(recompute_activations=True), FLAG.recompute_activations)
 
 
 def candidate_plans(job: JobConfig, device: str) -> list[Plan]:
@@ -67,13 +67,14 @@ def candidate_plans(job: JobConfig, device: str) -> list[Plan]:
     plans = [Plan("no recompute", {}, "(no recompute flags)")] + selective_plans(job)
     plans += [Plan(f"full recompute, block {n}", dict(recompute_granularity="full", recompute_method="block",
                                                        recompute_num_layers=n),
-                   f"--recompute-granularity full --recompute-method block --recompute-num-layers {n}")
+                   f"{FLAG.recompute_granularity} full {FLAG.recompute_method} block {FLAG.recompute_num_layers} {n}")
               for n in range(1, layers)]
     if device == "cuda":
         base = selective_plans(job)[0]
         plans += [Plan(f"offload {n} layers + {base.name}", dict(base.fields, cpu_offloading=True,
                                                                   cpu_offloading_num_layers=n),
-                       f"{base.flags} --cpu-offloading --cpu-offloading-num-layers {n}") for n in range(1, layers + 1)]
+                       f"{base.flags} {FLAG.cpu_offloading} {FLAG.cpu_offloading_num_layers} {n}")
+                  for n in range(1, layers + 1)]
     plans.append(full_recompute())
     return plans
 
@@ -117,11 +118,11 @@ def _nothing_fits(job: JobConfig, budget: float, world_size: int, device: str, l
     par, zero = job.parallel, job.zero
     changes = []
     if zero.zero_stage < 3:
-        changes.append(("--zero-stage 3", dict(zero=dataclasses.replace(zero, zero_stage=3))))
+        changes.append((f"{FLAG.zero_stage} 3", dict(zero=dataclasses.replace(zero, zero_stage=3))))
     if par.tp * 2 * par.pp <= world_size:
-        changes.append((f"--tp {par.tp * 2}", dict(parallel=dataclasses.replace(par, tp=par.tp * 2, dp=None))))
+        changes.append((f"{FLAG.tp} {par.tp * 2}", dict(parallel=dataclasses.replace(par, tp=par.tp * 2, dp=None))))
     if par.pp * 2 * par.tp <= world_size and par.pp * 2 <= job.model.num_layers:
-        changes.append((f"--pp {par.pp * 2}", dict(parallel=dataclasses.replace(par, pp=par.pp * 2, dp=None))))
+        changes.append((f"{FLAG.pp} {par.pp * 2}", dict(parallel=dataclasses.replace(par, pp=par.pp * 2, dp=None))))
     fits = []
     for flag, change in changes:
         try:

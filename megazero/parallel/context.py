@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megazero.config import FLAG
 from megazero.parallel import counted_comm
 from megazero.parallel.context_layout import gathered_order
 from megazero.parallel.counted_comm import CommLog
@@ -92,7 +93,7 @@ def context_parallel_attention(q, k, v, cp: ContextParallel, comm_type: str,
         return ring_attention(q, k, v, cp, log)
     if comm_type == "a2a":
         return ulysses_attention(q, k, v, cp, log)
-    raise ValueError(f"--cp-comm-type {comm_type!r} is not built (allgather, p2p, a2a)")
+    raise ValueError(f"{FLAG.cp_comm_type} {comm_type!r} is not built (allgather, p2p, a2a)")
 
 
 def sdpa(q, k, v, mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
@@ -190,7 +191,7 @@ def ulysses_attention(q, k, v, cp: ContextParallel, log: CommLog | None = None) 
     key/value heads: query head block j uses key/value block j), causal attention in sequence order, and
     all-to-all back. Needs heads and kv_heads divisible by cp (validate() says so up front)."""
     if q.shape[2] % cp.size or k.shape[2] % cp.size:
-        raise ValueError(f"--cp-comm-type a2a needs heads ({q.shape[2]}) and key/value heads ({k.shape[2]}) "
+        raise ValueError(f"{FLAG.cp_comm_type} a2a needs heads ({q.shape[2]}) and key/value heads ({k.shape[2]}) "
                          f"divisible by cp {cp.size}")
     seq = q.shape[0] * cp.size
     gathered = gathered_order(seq, cp.size, q.device)

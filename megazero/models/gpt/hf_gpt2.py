@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from megazero.config import FLAG
 from megazero.errors import CheckpointError
 from megazero.models.gpt.config import GPTConfig
 from megazero.models.gpt.transformer import (
@@ -53,13 +54,13 @@ def hf_config(cfg: GPTConfig) -> dict:
     if cfg.activation not in _ACT_TO_HF:
         raise CheckpointError(f"activation {cfg.activation!r} has no GPT-2 equivalent: cannot export to HF")
     if cfg.num_experts:
-        raise CheckpointError(f"--num-experts {cfg.num_experts} has no GPT-2 equivalent: an MoE model exports as "
-                              f"MixtralForCausalLM, which needs --position-embedding-type rope --normalization "
-                              f"RMSNorm --swiglu --disable-bias-linear")
+        raise CheckpointError(f"{FLAG.num_experts} {cfg.num_experts} has no GPT-2 equivalent: an MoE model exports "
+                              f"as MixtralForCausalLM, which needs {FLAG.position_embedding_type} rope "
+                              f"{FLAG.normalization} RMSNorm {FLAG.swiglu} {FLAG.add_bias_linear}")
     unlike = [what for what, differs in (
-        ("--normalization RMSNorm", cfg.normalization != "LayerNorm"), ("--swiglu", cfg.swiglu),
-        ("--group-query-attention", cfg.group_query_attention), ("--disable-bias-linear", not cfg.add_bias_linear),
-        ("--position-embedding-type rope", cfg.position_embedding_type != "learned_absolute")) if differs]
+        (f"{FLAG.normalization} RMSNorm", cfg.normalization != "LayerNorm"), (FLAG.swiglu, cfg.swiglu),
+        (FLAG.group_query_attention, cfg.group_query_attention), (FLAG.add_bias_linear, not cfg.add_bias_linear),
+        (f"{FLAG.position_embedding_type} rope", cfg.position_embedding_type != "learned_absolute")) if differs]
     if unlike:
         raise CheckpointError(f"{', '.join(unlike)} has no GPT-2 equivalent: cannot export to GPT2LMHeadModel")
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from megazero.config import FLAG
 from megazero.errors import CheckpointError
 from megazero.models.gpt.config import GPTConfig
 from megazero.models.gpt.rotary import (
@@ -73,9 +74,10 @@ def _refuse(why: str):
 def hf_config(cfg: GPTConfig) -> dict:
     """LlamaConfig (Qwen2Config with --add-qkv-bias alone) fields for a megazero model."""
     unlike = [what for what, differs in (
-        ("--position-embedding-type learned_absolute", cfg.position_embedding_type != "rope"),
-        ("--normalization LayerNorm", cfg.normalization != "RMSNorm"), ("an MLP without --swiglu", not cfg.swiglu),
-        (f"--rotary-percent {cfg.rotary_percent}", cfg.rotary_percent != 1.0)) if differs]
+        (f"{FLAG.position_embedding_type} learned_absolute", cfg.position_embedding_type != "rope"),
+        (f"{FLAG.normalization} LayerNorm", cfg.normalization != "RMSNorm"),
+        (f"an MLP without {FLAG.swiglu}", not cfg.swiglu),
+        (f"{FLAG.rotary_percent} {cfg.rotary_percent}", cfg.rotary_percent != 1.0)) if differs]
     if unlike:
         _refuse(f"{', '.join(unlike)} has no Llama equivalent")
     if cfg.num_experts:
@@ -93,10 +95,11 @@ def hf_config(cfg: GPTConfig) -> dict:
 def _mixtral_config(cfg: GPTConfig) -> dict:
     """MixtralConfig fields of an MoE model; refuses what Mixtral cannot express (see the module docstring)."""
     unlike = [what for what, differs in (
-        (f"--moe-layer-freq {cfg.moe_layer_freq} (Mixtral's every layer is MoE)", cfg.moe_layer_freq != 1),
-        ("--moe-router-topk 1 (Mixtral renormalises the top-k gates, so its top-1 gate is always 1; megazero's "
+        (f"{FLAG.moe_layer_freq} {cfg.moe_layer_freq} (Mixtral's every layer is MoE)", cfg.moe_layer_freq != 1),
+        (f"{FLAG.moe_router_topk} 1 (Mixtral renormalises the top-k gates, so its top-1 gate is always 1; megazero's "
          "keeps the softmax probability)", cfg.moe_router_topk == 1),
-        ("biases (drop --add-qkv-bias; use --disable-bias-linear)", cfg.add_bias_linear or cfg.add_qkv_bias)) if differs]
+        (f"biases (drop {FLAG.add_qkv_bias}; use {FLAG.add_bias_linear})", cfg.add_bias_linear or cfg.add_qkv_bias))
+        if differs]
     if unlike:
         _refuse(f"an MoE model exports as MixtralForCausalLM, which has no {', '.join(unlike)}")
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **_decoder_fields(cfg),

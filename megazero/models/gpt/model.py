@@ -54,6 +54,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from megazero.config import FLAG
 from megazero.memory.activation_offload import ActivationOffload
 from megazero.models.gpt.config import GPTConfig
 from megazero.models.gpt.transformer import (
@@ -311,6 +312,6 @@ def activation_shape(model_cfg: GPTConfig, micro_batch_size: int, tp: int = 1,
     seq = model_cfg.seq_length // cp
     if sequence_parallel and tp > 1:
         if seq % tp:
-            raise ValueError(f"--sequence-parallel needs --seq-length {seq} divisible by tp {tp}")
+            raise ValueError(f"{FLAG.sequence_parallel} needs {FLAG.seq_length} {seq} divisible by tp {tp}")
         seq //= tp
     return (seq, micro_batch_size, model_cfg.hidden_size)

@@ -35,6 +35,7 @@ import math
 import torch
 from torch import nn
 
+from megazero.config import FLAG
 from megazero.models.gpt.config import GPTConfig
 
 # Llama 3.1's scaling constants (Megatron's ``apply_rope_scaling`` fixes the same values).
@@ -94,7 +95,7 @@ class RotaryEmbedding(nn.Module):
         s = x.shape[0]
         end = int(positions.max()) + 1 if positions is not None else offset + s
         if end > self.cfg.max_position_embeddings:
-            raise ValueError(f"positions up to {end} exceed --max-position-embeddings "
+            raise ValueError(f"positions up to {end} exceed {FLAG.max_position_embeddings} "
                              f"{self.cfg.max_position_embeddings}")
         cos, sin = self.table(x.device, x.dtype, end)
         if positions is not None:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.config import FLAG
 from megazero.kernels import apex_norm, use_apex_norms
 from megazero.models.gpt.config import GPTConfig
 from megazero.models.gpt.moe import MoELayer
@@ -207,7 +208,7 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         ctx, s = self.ctx, ids.shape[1]
         if offset + s > ctx.cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {offset + s} exceeds --max-position-embeddings "
+            raise ValueError(f"sequence length {offset + s} exceeds {FLAG.max_position_embeddings} "
                              f"{ctx.cfg.max_position_embeddings}")
         if ctx.sp:
             words = self.word_embeddings(ids)      # [s/tp, b, h]: this rank's sequence chunk

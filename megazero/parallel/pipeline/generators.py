@@ -22,6 +22,7 @@ pictures of all three are in docs/parallelism.md).
 """
 from __future__ import annotations
 
+from megazero.config import FLAG
 from megazero.parallel.pipeline.actions import P2P, Action, B, F, Op, batch
 from megazero.parallel.pipeline.executor import stage_shape_of
 from megazero.parallel.pipeline.interleaved import interleaved_one_f_one_b
@@ -100,7 +101,7 @@ def _send_grad(first: bool, i: int) -> list:
 def _one_chunk(v: int, name: str) -> None:
     if v != 1:
         raise ValueError(f"the {name} schedule runs one model chunk per rank, got {v}: use the "
-                         f"interleaved schedule (--num-layers-per-virtual-pipeline-stage) for several")
+                         f"interleaved schedule ({FLAG.num_layers_per_virtual_pipeline_stage}) for several")
 
 
 GENERATORS = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_one_f_one_b, "zb-h1": zb_h1,
@@ -110,7 +111,7 @@ GENERATORS = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_on
 def schedule_by_name(name: str):
     """The generator that ``--pipeline-schedule NAME`` asks for."""
     if name not in GENERATORS:
-        raise ValueError(f"--pipeline-schedule must be one of {', '.join(n for n in GENERATORS if n != 'none')}; "
+        raise ValueError(f"{FLAG.pipeline_schedule} must be one of {', '.join(n for n in GENERATORS if n != 'none')}; "
                          f"got {name!r}")
     return GENERATORS[name]
 

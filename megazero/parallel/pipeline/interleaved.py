@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from megazero.config import FLAG
 from megazero.parallel.pipeline.actions import P2P, Action, B, F, Op, batch
 
 
@@ -75,7 +76,7 @@ def interleaved_one_f_one_b(pp: int, m: int, v: int, forward_only: bool = False)
     """Interleaved 1F1B over v chunks per rank (the p2p wraps around: last rank -> rank 0)."""
     if m % pp:
         raise ValueError(f"the interleaved schedule needs micro-batches ({m}) divisible by pp ({pp}): "
-                         f"make --global-batch-size a multiple of pp * micro-batch * dp")
+                         f"make {FLAG.global_batch_size} a multiple of pp * micro-batch * dp")
     return [_interleaved_rank(pp, m, v, r, forward_only) for r in range(pp)]
 
 

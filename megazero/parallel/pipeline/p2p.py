@@ -34,6 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megazero.config import FLAG
 from megazero.parallel.groups import PipelineLayout
 
 
@@ -135,8 +136,8 @@ class StageComm:
     def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
         if tuple(t.shape) != self.shape or t.dtype != self.dtype:
             raise RuntimeError(f"pipeline {what}: tensor {tuple(t.shape)} {t.dtype} does not match the "
-                               f"configured stage boundary {self.shape} {self.dtype}; check --seq-length, "
-                               f"--micro-batch-size, --hidden-size and --sequence-parallel")
+                               f"configured stage boundary {self.shape} {self.dtype}; check {FLAG.seq_length}, "
+                               f"{FLAG.micro_batch_size}, {FLAG.hidden_size} and {FLAG.sequence_parallel}")
         return t.detach().contiguous()
 
     # Named exchanges, as the schedules use them (Megatron's vocabulary).

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megazero.config import FLAG
+
 LOOP, V = "loop", "v"
 SHAPES = (LOOP, V)
 
@@ -104,7 +106,7 @@ def stage_layer_ids(num_layers: int, pp: int, pp_rank: int, virtual_stages: int 
         raise ValueError(f"chunk {chunk} is outside [0, {virtual_stages}) model chunks")
     stages = pp * virtual_stages
     if num_layers % stages:
-        raise ValueError(f"--num-layers {num_layers} is not divisible by pp {pp} * virtual stages "
+        raise ValueError(f"{FLAG.num_layers} {num_layers} is not divisible by pp {pp} * virtual stages "
                          f"{virtual_stages} = {stages}: every virtual stage needs the same layer count")
     per_stage = num_layers // stages
     first = virtual_stage(pp_rank, pp, chunk, shape) * per_stage

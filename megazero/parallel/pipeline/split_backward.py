@@ -99,6 +99,7 @@ import threading
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from megazero.config import FLAG
 from megazero.parallel.pipeline.matmul_grads import operand_grad, saved_operand_names
 
 
@@ -189,7 +190,7 @@ def _unpack(slot: _Slot) -> torch.Tensor:
     if slot.tensor is None:
         raise RuntimeError("split backward: W reached a node of the input path again, whose saved tensors its I "
                            "freed. A parameter used at two depths of one model chunk (its gradient reachable through "
-                           "the input path) cannot be split into I and W: use --pipeline-schedule 1f1b for this model")
+                           f"the input path) cannot be split into I and W: use {FLAG.pipeline_schedule} 1f1b instead")
     if _open is not None and not slot.pinned:
         _open.saw(slot)
     return slot.tensor

@@ -34,6 +34,7 @@ m 1-16). pp = 4, m = 8 (``simulate.render``, one unit per F, I, W)::
 """
 from __future__ import annotations
 
+from megazero.config import FLAG
 from megazero.parallel.pipeline.actions import P2P, Action, Compute, Kind, Op, batch
 from megazero.parallel.pipeline.executor import stage_shape_of
 from megazero.parallel.pipeline.simulate import simulate
@@ -43,7 +44,7 @@ def zb_h1(pp: int, m: int, v: int = 1, forward_only: bool = False) -> list[list[
     """ZB-H1 over one chunk per rank (see the module docstring)."""
     if v != 1:
         raise ValueError(f"the zb-h1 schedule runs one model chunk per rank, got {v}: drop "
-                         f"--num-layers-per-virtual-pipeline-stage")
+                         f"{FLAG.num_layers_per_virtual_pipeline_stage}")
     ranks = [_RankState(r, pp, m, forward_only) for r in range(pp)]
     lists: list[list[Action]] = [[] for _ in range(pp)]
     while not all(st.finished for st in ranks):

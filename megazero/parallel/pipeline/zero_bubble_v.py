@@ -29,6 +29,7 @@ against 0.115), still below ZB-H1's (0.206). pp = 4, m = 8 (``simulate.render``;
 """
 from __future__ import annotations
 
+from megazero.config import FLAG
 from megazero.parallel.pipeline.actions import P2P, Action, Compute, Kind, Op, batch
 from megazero.parallel.pipeline.partition import V, stage_position, virtual_stage
 
@@ -37,7 +38,7 @@ def zb_v(pp: int, m: int, v: int = 2, forward_only: bool = False) -> list[list[A
     """ZB-V over two chunks per rank in the V shape (see the module docstring)."""
     if v != 2:
         raise ValueError(f"the zb-v schedule runs two model chunks per rank in a V, got {v}: leave "
-                         f"--num-layers-per-virtual-pipeline-stage unset (or num-layers / (2 * pp))")
+                         f"{FLAG.num_layers_per_virtual_pipeline_stage} unset (or num-layers / (2 * pp))")
     ranks = [_RankState(r, pp, m, forward_only) for r in range(pp)]
     lists: list[list[Action]] = [[] for _ in range(pp)]
     while not all(st.finished for st in ranks):

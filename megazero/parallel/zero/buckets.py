@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from megazero.config import FLAG
 from megazero.parallel.params import attribute
 
 PAD_MULTIPLE = 64  # elements per shard are a multiple of this (128-byte aligned in half precision)
@@ -110,7 +111,7 @@ def single_dtype(named: list[tuple[str, nn.Parameter]], chunk_id: int) -> torch.
     dtypes = {p.dtype for _, p in named}
     if len(dtypes) != 1:
         raise ValueError(f"model chunk {chunk_id} mixes parameter dtypes {sorted(map(str, dtypes))}: "
-                         f"build the model in one dtype (--bf16 / --fp16 or fp32)")
+                         f"build the model in one dtype ({FLAG.bf16} / {FLAG.fp16} or fp32)")
     return dtypes.pop()
 
 

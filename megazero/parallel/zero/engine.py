@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
+from megazero.config import FLAG, OptimizerConfig, PrecisionConfig, ZeroConfig
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import DataParallel
 from megazero.parallel.params import attribute
@@ -370,7 +370,7 @@ def build_grad_sync(chunks, dp: DataParallel, topo: Topology, zero_cfg: ZeroConf
     kw = dict(tp=topo.tensor_parallel(), pipeline=topo.pipeline(), comm_log=comm_log)
     if grad_sync_cls is not None:
         if stage.params is not ReplicatedParams:
-            raise ValueError("grad_sync_cls applies to ZeRO stages 0-2, not --zero-stage 3")
+            raise ValueError(f"grad_sync_cls applies to ZeRO stages 0-2, not {FLAG.zero_stage} 3")
         return grad_sync_cls(chunks, dp, z, **kw)
     parts = _reduction_parts(stage, z, dp, comm_log)
     return stage.grad_sync(chunks, dp, z, params=stage.params.from_config(z, shards), **parts, **kw)
@@ -412,7 +412,7 @@ def wrap_data_parallel(chunks, topo: Topology, zero_cfg: ZeroConfig, *, comm_log
     parameters are replicated): for code that drives the sync without the engine (tests, benchmarks, a
     gradient finalisation at dp 1); over dp x cp under context parallelism."""
     if STAGES[zero_cfg.zero_stage].params is not ReplicatedParams:
-        raise ValueError(f"--zero-stage {zero_cfg.zero_stage}: wrap_data_parallel builds stages 0, 1 and 2")
+        raise ValueError(f"{FLAG.zero_stage} {zero_cfg.zero_stage}: wrap_data_parallel builds stages 0, 1 and 2")
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     comm_log = comm_log if comm_log is not None else CommLog(topo.ranks_per_node)
     return build_grad_sync(chunks, topo.data_context_parallel(), topo, zero_cfg, comm_log, grad_sync_cls=grad_sync_cls)
@@ -426,6 +426,6 @@ def build_optimizer(syncs, opt_cfg: OptimizerConfig, precision: PrecisionConfig 
     syncs = list(syncs) if isinstance(syncs, (list, tuple)) else [syncs]
     stage = syncs[0].cfg.zero_stage if stage is None else stage
     if stage not in STAGES:
-        raise ValueError(f"--zero-stage {stage}: only 0, 1, 2 and 3 are implemented")
+        raise ValueError(f"{FLAG.zero_stage} {stage}: only 0, 1, 2 and 3 are implemented")
     publish = STAGES[stage].publish.from_config(syncs, syncs[0].cfg)
     return BucketAdamW(syncs, opt_cfg, precision, publish=publish, replica=replica, swap=swap)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megazero.config import FLAG
 from megazero.parallel.zero.adamw import adamw_update
 from megazero.parallel.zero.swap import SwapDir, io_thread, round_up
 
@@ -323,7 +324,7 @@ class SwappedOptimizerState(OffloadedOptimizerState):
 
     def _allocate(self, swap: SwapDir | None) -> None:
         if swap is None:
-            raise ValueError("offloading the optimizer to nvme needs a swap directory (--nvme-path)")
+            raise ValueError(f"offloading the optimizer to nvme needs a swap directory ({FLAG.nvme_path})")
         self.file = swap.file("optimizer.swp")
         self.region = [self.file.reserve(4 * self.total) for _ in range(3)]   # zero-filled: moments start at 0
         width = max((e - s for s, e in self.subgroups), default=0)

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 
 import torch
 
+from megazero.config import FLAG
 from megazero.parallel.zero.offload import Mover, OffloadStats, wait_event
 from megazero.parallel.zero.swap import SwapDir, io_thread
 
@@ -123,7 +124,7 @@ class SwappedShards(HostShards):
     def __init__(self, device: torch.device, pin: bool = True, swap: SwapDir | None = None):
         super().__init__(device, pin, swap)
         if swap is None:
-            raise ValueError("offloading the parameters to nvme needs a swap directory (--nvme-path)")
+            raise ValueError(f"offloading the parameters to nvme needs a swap directory ({FLAG.nvme_path})")
         self.file = swap.file("params.swp")
         self._io = io_thread("param-io")
         self._where: dict[int, tuple[int, int, torch.dtype]] = {}

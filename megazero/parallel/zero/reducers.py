@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from megazero.config import FLAG
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import DataParallel
@@ -63,9 +64,9 @@ class HierarchicalReducer:
         node_start = (dp.rank // self.local) * self.local if self.local else 0
         if not self.local or self.local * self.nodes != dp.size or \
                 intra.ranks != dp.ranks[node_start:node_start + self.local]:
-            raise ValueError(f"--zero-quantized-gradients needs each data-parallel group split evenly over its "
+            raise ValueError(f"{FLAG.zero_quantized_gradients} needs each data-parallel group split evenly over its "
                              f"nodes in blocks of consecutive ranks (group {list(dp.ranks)}, "
-                             f"{dp.ranks_per_node} ranks per node): change --ranks-per-node or the layout")
+                             f"{dp.ranks_per_node} ranks per node): change {FLAG.ranks_per_node} or the layout")
         self.intra, self.inter = intra.group, inter.group
 
     def reduce_into(self, target: torch.Tensor, grad: torch.Tensor) -> None:

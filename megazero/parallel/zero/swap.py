@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from megazero.config import FLAG
+
 REGION_ALIGN = 4096          # bytes: every region of a swap file starts on a page
 SWAP_PREFIX = "megazero-swap-"
 
@@ -158,10 +160,11 @@ class SwapFile:
 
 
 class SwapDir:
-    """This rank's directory of swap files under ``--nvme-path`` (see the module docstring)."""
+    """This rank's directory of swap files under ``--nvme-path`` (see the module docstring); ``flag``: the
+    option its messages name (default that one)."""
 
-    def __init__(self, root: str | os.PathLike, rank: int, flag: str = "--nvme-path"):
-        root = Path(root)
+    def __init__(self, root: str | os.PathLike, rank: int, flag: str | None = None):
+        root, flag = Path(root), flag or FLAG.nvme_path
         if not root.is_dir():
             raise OffloadError(f"{flag} {root} is not a directory: give an existing directory on a fast local drive")
         remove_stale_swap_dirs(root)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megazero.config import FLAG
+
 
 @dataclass
 class UnitUse:
@@ -69,7 +71,7 @@ def plan_of(chunk: nn.Module) -> Zero3Plan:
     missing = [n for n, p in chunk.named_parameters() if p.requires_grad and id(p) not in covered]
     if missing:
         raise ValueError(f"ZeRO-3 does not know when parameters {missing} are used: the model's "
-                         f"zero3_plan() must put every trainable parameter in a unit (--zero-stage 3)")
+                         f"zero3_plan() must put every trainable parameter in a unit ({FLAG.zero_stage} 3)")
     return plan
 
 
