@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megazero.checkpoint.distributed import first_nonfinite_weight
 from megazero.compile import CompileLog, describe_recompiles
-from megazero.config import FLAG, JobConfig, flag
+from megazero.config import FLAG, JobConfig, flag, flag_off
 from megazero.errors import TrainingStopped
 from megazero.lr_schedule import learning_rate
 from megazero.memory.activation_offload import take_offloaded_bytes
@@ -250,8 +250,8 @@ def stop_reason(job: JobConfig, engine: Engine, r: StepResult, iteration: int, s
         where = f" (first non-finite gradients: {', '.join(names)})" if names else ""
         return (f"iteration {iteration}: loss {r.loss:g}, gradient norm {r.grad_norm:g}{where}: not finite, the "
                 f"step was not applied and the run stops without saving this state (the last checkpoint stays the "
-                f"latest). Lower {FLAG.lr}, check the data, or use --no-check-for-nan-in-loss-and-grad to skip "
-                "such steps")
+                f"latest). Lower {FLAG.lr}, check the data, or use {flag_off('check_for_nan_in_loss_and_grad')} "
+                f"to skip such steps")
     if pr.fp16 and r.skipped and r.loss_scale <= pr.min_loss_scale:
         return (f"iteration {iteration}: fp16 overflow at the minimum loss scale {pr.min_loss_scale:g}: the scale "
                 f"can go no lower; lower {FLAG.lr}, use {FLAG.bf16}, or lower {FLAG.min_loss_scale}")

@@ -216,7 +216,8 @@ def hand_spelled_flags(paths, spellings: set[str]) -> list[str]:
 
 
 def every_flag_spelling() -> set[str]:
-    return {s for _, _, meta in flag_fields() for s in meta.spellings}
+    """Every spelling of every flag, a ``--no-x`` of a ``--x`` / ``--no-x`` pair included."""
+    return {s for _, _, meta in flag_fields() for s in meta.spellings + meta.negations}
 
 
 def test_no_message_outside_config_spells_a_flag_by_hand():

@@ -287,7 +287,8 @@ def saved_model_settings(load_dir) -> dict | None:
     saved = job["model"]
     family = saved.get("model_family", ModelConfig.model_family)
     defaults = _field_defaults(family)
-    return {name: saved.get(name, defaults[name]) for name in ("model_family",) + get_model_spec(family).checkpoint_fields}
+    names = ("model_family",) + get_model_spec(family).checkpoint_fields
+    return {name: saved.get(name, defaults[name]) for name in names}
 
 
 def _field_defaults(family: str) -> dict:

@@ -55,6 +55,13 @@ class Flag:
         return "/".join([canonical, *(s for s in self.spellings[1:] if len(s) < len(canonical))])
 
     @property
+    def negations(self) -> tuple[str, ...]:
+        """The ``--no-x`` spellings of a ``--x`` / ``--no-x`` pair (none for any other flag)."""
+        if self.action is not argparse.BooleanOptionalAction:
+            return ()
+        return tuple("--no-" + s[2:] for s in self.spellings)
+
+    @property
     def placeholder(self) -> str | None:
         """The value's name in ``--help`` (``--num-layers N``, ``--lr LR``, ``--save DIR``): the declared
         ``metavar``, else N for an integer, X for a number, TEXT otherwise; None for a switch or a choice
@@ -159,6 +166,16 @@ def flag(name: str) -> str:
         why = "is not a config field" if f is None else f"({section}) has no command-line flag: use setting()"
         raise KeyError(f"{name!r} {why}")
     return f.metadata["flag"].display
+
+
+def flag_off(name: str) -> str:
+    """The spelling that turns a ``--x`` / ``--no-x`` field off: ``flag_off("overlap_grad_reduce") ==
+    "--no-overlap-grad-reduce"``; a KeyError for a flag of another kind."""
+    flag(name)                                          # a KeyError for a field that is not a flag
+    negations = _fields_by_name()[name][1].metadata["flag"].negations
+    if not negations:
+        raise KeyError(f"{name!r} is not a --x / --no-x flag")
+    return negations[0]
 
 
 def dest(name: str) -> str:

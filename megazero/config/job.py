@@ -109,7 +109,8 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     process group, model or dataset. The order: finite numbers, the layout against the world size,
     the model's rules (its family's own included) and its layers over the pipeline stages, the family
     (registered, the section of its class, what its layers can take: a split sequence, compilation),
-    then training, precision, ZeRO, the optimizer, data, checkpoints, logging and compilation. Derived values: ``parallel.dp`` (when None), the pipeline schedule and
+    then training, precision, ZeRO, the optimizer, data, checkpoints, logging and compilation. Derived
+    values: ``parallel.dp`` (when None), the pipeline schedule and
     ``parallel.virtual_stages`` (interleaved with virtual pipeline stages), ``train.global_batch_size``
     and ``train_iters``, ``optimizer.lr_decay_iters`` and ``min_lr`` (from ``min_lr_ratio``), the ZeRO
     defaults that follow other sections (:meth:`ZeroConfig.fill_defaults`) and, with ``--profile``, the

@@ -68,7 +68,8 @@ class LoggingConfig:
             positive_float(self.peak_tflops, "peak_tflops")
         for name in ("wandb_exp_name", "wandb_save_dir"):
             if getattr(self, name) and not self.wandb_project:
-                fail(f"{flag(name)} applies with {FLAG.wandb_project}: add {FLAG.wandb_project} NAME or drop {flag(name)}")
+                fail(f"{flag(name)} applies with {FLAG.wandb_project}: add {FLAG.wandb_project} NAME or drop "
+                     f"{flag(name)}")
         if not self.profile:
             for name in (*PROFILE_DEFAULTS, "profile_dir"):
                 if getattr(self, name) is not None:
@@ -84,14 +85,17 @@ class LoggingConfig:
             fail(f"{FLAG.profile_step_end} {end} must be above {FLAG.profile_step_start} {start}: the steps after "
                  f"iteration {start} up to iteration {end} are profiled")
         if train is not None and start >= train.train_iters:
-            fail(f"{FLAG.profile_step_start} {start} is not below {FLAG.train_iters} {train.train_iters}: nothing would "
+            fail(f"{FLAG.profile_step_start} {start} is not below {FLAG.train_iters} {train.train_iters}: nothing "
+                 f"would "
                  f"be profiled; choose a smaller {FLAG.profile_step_start} (and {FLAG.profile_step_end})")
         if world_size is not None:
             outside = [r for r in self.profile_ranks if not 0 <= r < world_size]
             if outside:
-                fail(f"{FLAG.profile_ranks} {' '.join(map(str, self.profile_ranks))}: rank(s) {', '.join(map(str, outside))} "
+                ranks = " ".join(map(str, self.profile_ranks))
+                fail(f"{FLAG.profile_ranks} {ranks}: rank(s) {', '.join(map(str, outside))} "
                      f"not in this world of {world_size} (ranks 0-{world_size - 1})")
         if self.measure_live_bytes and train is not None and start < train.train_iters and end > train.train_iters - 2:
             fail(f"{FLAG.measure_live_bytes} and {FLAG.profile} would both run torch's profiler over iterations "
-                 f"{train.train_iters - 1}-{train.train_iters} (live bytes: the last two; profiled: {start + 1}-{end}): "
+                 f"{train.train_iters - 1}-{train.train_iters} (live bytes: the last two; profiled: "
+                 f"{start + 1}-{end}): "
                  f"end the profiled window before iteration {train.train_iters - 1} or drop one of them")

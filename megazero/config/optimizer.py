@@ -49,7 +49,8 @@ class OptimizerConfig:
     adam_beta1: float = flag_field(0.9, "--adam-beta1", type=float, group="optimizer", help="AdamW's beta1")
     adam_beta2: float = flag_field(0.999, "--adam-beta2", type=float, group="optimizer", help="AdamW's beta2")
     adam_eps: float = flag_field(1e-8, "--adam-eps", type=float, group="optimizer", help="AdamW's epsilon")
-    clip_grad: float = flag_field(1.0, "--clip-grad", type=float, group="optimizer", help="gradient norm clip (0: none)")
+    clip_grad: float = flag_field(1.0, "--clip-grad", type=float, group="optimizer",
+                                  help="gradient norm clip (0: none)")
 
     def check(self, t: TrainConfig) -> None:
         """AdamW's settings and the schedule; fills ``min_lr`` from ``min_lr_ratio`` (a DeepSpeed setting,

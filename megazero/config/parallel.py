@@ -43,15 +43,16 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = flag_field(
         None, "--num-layers-per-virtual-pipeline-stage", type=int, group=_PAR,
         help="interleaved 1F1B: layers per model chunk")
-    pipeline_schedule: str = flag_field("1f1b", "--pipeline-schedule", choices=SCHEDULES, group=_PAR,
-                                        help="interleaved is implied by virtual pipeline stages; zb-h1: zero-bubble ZB-H1 "
-                                             "(1F1B's memory, a third of its bubble); zb-v: zero-bubble ZB-V "
-                                             "(two chunks per rank in a V, 1F1B's memory, about half ZB-H1's "
-                                             "bubble)")
+    pipeline_schedule: str = flag_field(
+        "1f1b", "--pipeline-schedule", choices=SCHEDULES, group=_PAR,
+        help="interleaved is implied by virtual pipeline stages; zb-h1: zero-bubble ZB-H1 (1F1B's memory, a third "
+             "of its bubble); zb-v: zero-bubble ZB-V (two chunks per rank in a V, 1F1B's memory, about half ZB-H1's "
+             "bubble)")
     sequence_parallel: bool = flag_field(False, "--sequence-parallel", action="store_true", group=_PAR,
                                          help="split the activations outside the tensor-parallel regions "
                                               "along the sequence over the tp ranks")
-    expert_model_parallel_size: int = flag_field(1, "--expert-model-parallel-size", type=int, group="mixture of experts",
+    expert_model_parallel_size: int = flag_field(1, "--expert-model-parallel-size", type=int,
+                                                 group="mixture of experts",
                                                  help="experts split over this many dp ranks (default 1)")
     virtual_stages: int = 1                     # model chunks per rank (v); derived by validate()
     distributed_timeout_minutes: float = flag_field(

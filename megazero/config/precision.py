@@ -36,7 +36,8 @@ class PrecisionConfig:
         for name in ("initial_loss_scale", "min_loss_scale"):
             positive_float(getattr(self, name), name)
         if self.min_loss_scale > self.initial_loss_scale:
-            fail(f"{FLAG.min_loss_scale} {self.min_loss_scale} is above {FLAG.initial_loss_scale} {self.initial_loss_scale}")
+            fail(f"{FLAG.min_loss_scale} {self.min_loss_scale} is above {FLAG.initial_loss_scale} "
+                 f"{self.initial_loss_scale}")
         for name in ("loss_scale_window", "hysteresis", "max_consecutive_skipped_steps"):
             positive(getattr(self, name), name)
 

@@ -7,8 +7,9 @@ Worked example, S = 16, cp = 2 (chunks of 4)::
 
     cp rank 0: positions 0-3 and 12-15        cp rank 1: positions 4-7 and 8-11
 
-The data loader hands each cp rank its slice of the same samples (:func:`~megazero.parallel.context_layout.rank_slice`; tokens, labels and
-loss mask alike), the model's positions (learned or RoPE) are :func:`~megazero.parallel.context_layout.rank_positions`, and each rank's
+The data loader hands each cp rank its slice of the same samples
+(:func:`~megazero.parallel.context_layout.rank_slice`; tokens, labels and loss mask alike), the model's
+positions (learned or RoPE) are :func:`~megazero.parallel.context_layout.rank_positions`, and each rank's
 loss is its share ``sum(loss * mask over its slice) / sum(mask over the whole sequence)``
 (:func:`context_parallel_loss`), so the shares add up to the sequence's masked mean and the gradients,
 summed over dp x cp and divided by dp, are the serial ones.
