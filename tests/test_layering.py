@@ -336,6 +336,7 @@ def test_the_checker_sees_what_it_should(tmp_path):
     assert _long_functions([bad], 2) == ["bad.py:f"]
     assert _outside_imports([bad]) == []
     assert DUCK_TYPED_TOPOLOGY.search('ep = getattr(topo, "ep_size", 1)')
+    assert DUCK_TYPED_TOPOLOGY.search("self.average_over = getattr(self.topo, 'gradient_average_size', 1)")
     assert not DUCK_TYPED_TOPOLOGY.search("topology = getattr(module, 'topology_name', None)")
 
 
