@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))  # `from helpers import run_on_ranks`
@@ -16,6 +17,12 @@ os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 # AVX-512 kernels against an allowance of 1.2e-5, and passes with AVX2's. Before torch is imported; the
 # worker processes and torchrun ranks inherit it.
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+
+# torch.compile's on-disk cache does not key its compiled graphs on ATEN_CPU_CAPABILITY: a graph compiled by a
+# process with AVX-512 kernels (any run outside this suite, which leaves the variable unset) is reloaded here
+# with AVX2's vector width and computes NaN. The suite keeps its own cache, one per capability.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_tests_{os.getuid()}_{os.environ['ATEN_CPU_CAPABILITY']}"))
 
 
 def _gpu_tier(config) -> bool:
