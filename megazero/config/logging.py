@@ -86,8 +86,7 @@ class LoggingConfig:
                  f"iteration {start} up to iteration {end} are profiled")
         if train is not None and start >= train.train_iters:
             fail(f"{FLAG.profile_step_start} {start} is not below {FLAG.train_iters} {train.train_iters}: nothing "
-                 f"would "
-                 f"be profiled; choose a smaller {FLAG.profile_step_start} (and {FLAG.profile_step_end})")
+                 f"would be profiled; choose a smaller {FLAG.profile_step_start} (and {FLAG.profile_step_end})")
         if world_size is not None:
             outside = [r for r in self.profile_ranks if not 0 <= r < world_size]
             if outside:
@@ -97,5 +96,5 @@ class LoggingConfig:
         if self.measure_live_bytes and train is not None and start < train.train_iters and end > train.train_iters - 2:
             fail(f"{FLAG.measure_live_bytes} and {FLAG.profile} would both run torch's profiler over iterations "
                  f"{train.train_iters - 1}-{train.train_iters} (live bytes: the last two; profiled: "
-                 f"{start + 1}-{end}): "
-                 f"end the profiled window before iteration {train.train_iters - 1} or drop one of them")
+                 f"{start + 1}-{end}): end the profiled window before iteration {train.train_iters - 1} or drop "
+                 f"one of them")

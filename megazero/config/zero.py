@@ -108,8 +108,7 @@ class ZeroConfig:
                   f"{FLAG.zero_stage} 1, 2 or 3 (or drop the flag)")
         if self.offload_params != "none" and self.zero_stage != 3:
             fail(f"{FLAG.offload_params} {self.offload_params} applies to {FLAG.zero_stage} 3 only "
-                 f"(got {self.zero_stage}): "
-                  f"use {FLAG.zero_stage} 3 or drop the flag")
+                 f"(got {self.zero_stage}): use {FLAG.zero_stage} 3 or drop the flag")
         nvme = "nvme" in (self.offload_optimizer, self.offload_params)
         if nvme and not self.nvme_path:
             fail(f"offloading to nvme needs {FLAG.nvme_path} DIR (a directory on a fast local drive for the swap "
@@ -144,8 +143,8 @@ class ZeroConfig:
                       f"from it; use a divisor of {par.dp // ep}")
         if self.quantized_gradients and self.zero_stage not in (2, 3):
             fail(f"{FLAG.quantized_gradients} replaces the gradient reduce-scatter of {FLAG.zero_stage} 2 or 3 "
-                  f"(got {self.zero_stage}; DeepSpeed applies it to stage 3): use {FLAG.zero_stage} 2 or 3 or drop "
-                  f"the flag")
+                 f"(got {self.zero_stage}; DeepSpeed applies it to stage 3): use {FLAG.zero_stage} 2 or 3 or drop "
+                 f"the flag")
         if self.quantization_block_size < 1:
             fail(f"{FLAG.quantization_block_size} must be >= 1, got {self.quantization_block_size}")
         if self.hpz_partition_size > 1 and par.dp is not None and not par.dp % self.hpz_partition_size:
@@ -164,9 +163,8 @@ class ZeroConfig:
         for part in dp_partitions(grid, self.hpz_partition_size):
             if len({r // rpn for r in part}) > 1:
                 fail(f"{FLAG.hpz_partition_size} {self.hpz_partition_size} puts ranks {part} of nodes of {rpn} "
-                     f"ranks in "
-                      f"one secondary partition, which spans nodes: use the number of dp ranks per node "
-                      f"(or fewer), or drop the flag")
+                     f"ranks in one secondary partition, which spans nodes: use the number of dp ranks per node "
+                     f"(or fewer), or drop the flag")
 
     def fill_defaults(self, model: ModelConfig, precision: PrecisionConfig, tp: int) -> None:
         """ZeRO settings whose defaults come from other sections: fp32 gradient buckets on with bf16
