@@ -235,8 +235,9 @@ class PlainGPT(nn.Module):
               "mlp.dense_4h_to_h": "fc2"}
 
     @torch.no_grad()
-    def load_from(self, gpt: GPT) -> "PlainGPT":
-        src = dict(gpt.named_parameters())
+    def load_from(self, gpt: GPT | dict) -> "PlainGPT":
+        """Copy in a tp=1 GPT's weights (the model, or its ``named_parameters`` as a dict)."""
+        src = gpt if isinstance(gpt, dict) else dict(gpt.named_parameters())
         for name, p in self.named_parameters():
             if name.startswith("blocks."):
                 _, i, rest = name.split(".", 2)

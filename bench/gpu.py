@@ -2,8 +2,10 @@
 350M in bf16, megazero against the same model written plainly in PyTorch (nanoGPT style), in the
 same run, alternating steps.
 
-    ours:   GPT(cfg, dtype=bf16) (attention via F.scaled_dot_product_attention, flash on GPU)
-            + build_engine(stage 0, bf16: fp32 master weights and Adam state in the engine)
+    ours:   the trainer's path, as ``pretrain_gpt.py --bf16`` builds and steps it: ``parse_job`` of the
+            trainer's flags, ``build_model_chunks`` (bf16 parameters; attention via
+            F.scaled_dot_product_attention, flash on GPU), ``build_engine`` (ZeRO-0: fp32 master weights
+            and Adam state in the engine), ``train_step``
     plain:  PlainGPT in bf16 + torch.optim.AdamW(fused=True) (bf16 weights and state, nanoGPT's
             usual setup: cheaper in memory, less exact than fp32 masters)
 
@@ -18,14 +20,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.common import GPT, PlainGPT, median, ratio_of_medians_per_round
-from bench.steps import engine_step
-from megazero.config import OptimizerConfig, PrecisionConfig, ZeroConfig
+from bench.common import PlainGPT, median, ratio_of_medians_per_round, trainer_argv
+from megazero.cli.job import parse_job
 from megazero.metrics import device_peak_tflops
-from megazero.models.gpt import GPTConfig
 from megazero.models.gpt.spec import flops_per_token as model_flops_per_token
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
+from megazero.spec import build_model_chunks, get_model_spec
+from megazero.training import train_step
 
 MODELS = {"gpt2-124M": dict(num_layers=12, hidden_size=768, num_attention_heads=12),
           "gpt2-350M": dict(num_layers=24, hidden_size=1024, num_attention_heads=16)}
@@ -36,13 +38,20 @@ def skip_reason() -> str | None:
     return None if torch.cuda.is_available() else "skipped: no CUDA device on this machine"
 
 
-def _cfg(name: str, seq: int) -> GPTConfig:
-    return GPTConfig(seq_length=seq, vocab_size=50257, **MODELS[name])
+def _job(name: str, micro_batch: int, seq: int):
+    """The trainer's job for this shape: bf16, lr 3e-4, weight decay 0.1, clipping at 1.0, seed 1234."""
+    shape = MODELS[name]
+    argv = trainer_argv(shape["num_layers"], shape["hidden_size"], shape["num_attention_heads"], seq, 50257,
+                        micro_batch, "--bf16", "--lr", "3e-4", "--weight-decay", "0.1", "--clip-grad", "1.0",
+                        "--seed", "1234")
+    job, _ = parse_job(argv, 1)
+    return job
 
 
 def _run_model(name: str, micro_batch: int, seq: int, steps: int) -> dict:
     dev = torch.device("cuda", 0)
-    cfg, opt_cfg = _cfg(name, seq), OptimizerConfig(lr=3e-4, weight_decay=0.1, clip_grad=1.0)
+    job = _job(name, micro_batch, seq)
+    cfg, opt_cfg = job.model, job.optimizer
     gen = torch.Generator().manual_seed(0)
     data = [torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=gen).to(dev) for _ in range(steps)]
     mask = torch.ones(micro_batch, seq, device=dev)
@@ -62,14 +71,22 @@ def _run_model(name: str, micro_batch: int, seq: int, steps: int) -> dict:
         peaks[label] = torch.cuda.max_memory_allocated() - before
         return step
 
-    def build_ours():
-        model = GPT(cfg, topo.model_groups(), seed=1234, dtype=torch.bfloat16, device=dev)
-        engine = build_engine(model, topo, ZeroConfig(0), opt_cfg, PrecisionConfig(bf16=True))
+    spec = get_model_spec(job.model.model_family)
+    first_weights = {}
 
-        return lambda tok: engine_step(model, engine, [(tok[:, :-1], tok[:, 1:], mask)])
+    def build_ours():
+        torch.manual_seed(job.train.seed)
+        chunks = build_model_chunks(spec, job, topo, dtype=torch.bfloat16)
+        first_weights["chunk"] = {k: v.detach().to("cpu", copy=True) for k, v in chunks[0].named_parameters()}
+        engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+
+        def step(tok):
+            micro = [{"tokens": tok[:, :-1], "labels": tok[:, 1:], "loss_mask": mask}]
+            return train_step(chunks, micro, topo, engine, job, spec).loss
+        return step
 
     def build_plain():
-        plain = PlainGPT(cfg, dtype=torch.bfloat16, device=dev).load_from(GPT(cfg, seed=1234))
+        plain = PlainGPT(cfg, dtype=torch.bfloat16, device=dev).load_from(first_weights.pop("chunk"))
         popt = torch.optim.AdamW(plain.parameters(), lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay, fused=True)
 
         def step(tok):
@@ -78,7 +95,7 @@ def _run_model(name: str, micro_batch: int, seq: int, steps: int) -> dict:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(plain.parameters(), opt_cfg.clip_grad)
             popt.step()
-            return loss
+            return loss.detach()
         return step
 
     steps = {"ours": measured_build("ours", build_ours), "plain": measured_build("plain", build_plain)}

@@ -368,7 +368,8 @@ def gpu_section(gpu: dict, outdir: str) -> list[str]:
                      if os.path.exists(GPU_REPORT) else "")
         return out + [gpu["skipped"] + " (the section is coded in bench/gpu.py and runs when CUDA is present)."
                       + elsewhere, ""]
-    out += ["Ours keeps fp32 master weights and Adam state (Megatron's mixed precision); the plain side "
+    out += ["Ours is the trainer's path (`parse_job` of `--bf16` flags, `build_model_chunks`, `build_engine`, "
+            "`train_step`) and keeps fp32 master weights and Adam state (Megatron's mixed precision); the plain side "
             "keeps bf16 weights and state in torch's fused AdamW (nanoGPT's usual setup: less memory, less "
             "exact). Step time is the whole step: forward, backward, clipping and the optimizer.", ""]
     rows = []

@@ -52,6 +52,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+if not __package__:           # `python bench/run.py`: the package's imports need the repository root on the path
+    sys.exit(f"bench is a package: run `{' '.join(['python -m bench.run', *sys.argv[1:]])}` from the repository root")
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PYTHONWARNINGS", "ignore")     # inherited by the spawned ranks
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
