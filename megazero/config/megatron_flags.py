@@ -355,11 +355,13 @@ def refusal_lines(argv: list[str], extras: list[str], given: dict[str, object], 
 
 def close_flags(name: str, known: list[str]) -> list[str]:
     """Up to three of the ``known`` flags that ``name`` is plausibly a misspelling of: a near-identical spelling
-    (difflib ratio 0.8 or more: a typo, a letter missing), a flag ``name`` begins (``--hidden`` ->
+    (difflib ratio 0.85 or more, or a letter in four, at most two, changed, added, dropped or swapped), a flag ``name`` begins (``--hidden`` ->
     ``--hidden-size``), or a flag holding all of ``name``'s words in order (``--tensor-parallel`` ->
     ``--tensor-model-parallel-size``). Flags that merely share a word or a few letters
     are not suggested."""
-    close = difflib.get_close_matches(name, known, n=3, cutoff=0.8)
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.85)
+    bare = name.lstrip("-")
+    close += [c for c in known if c not in close and _edits(bare, c.lstrip("-")) <= min(2, len(bare) // 4)]
     words = name.lstrip("-").split("-")
     holding = [c for c in known if c not in close and (c.startswith(name + "-") or len(words) >= 2 and
                                                        _in_order(words, c.lstrip("-").split("-")))]
@@ -371,3 +373,16 @@ def _in_order(words: list[str], candidate: list[str]) -> bool:
     """Whether every one of ``words`` appears in ``candidate``, in the same order."""
     rest = iter(candidate)
     return all(word in rest for word in words)
+
+
+def _edits(a: str, b: str) -> int:
+    """The number of single-letter insertions, deletions, substitutions and adjacent swaps from ``a`` to ``b``."""
+    previous, row = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        before, row = row, [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(before[j] + 1, row[j - 1] + 1, before[j - 1] + (a[i - 1] != b[j - 1]))
+            if previous and i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], previous[j - 2] + 1)
+        previous = before
+    return row[-1]
