@@ -379,8 +379,9 @@ def test_per_token_loss_is_a_no_op_only_with_equal_loss_tokens_per_micro_batch(c
 def test_ckpt_format_is_a_no_op_only_for_megatrons_default(capsys):
     assert _parse(["--ckpt-format", "torch_dist"], capsys)[1] == 0
     _, code, _, err = _parse(["--ckpt-format", "torch"], capsys)
-    assert code == 2 and err == ["pretrain_gpt.py: error: --ckpt-format torch: Megatron-LM's torch format is not "
-                                 "written here; checkpoints are in megazero's own format (docs/checkpoints.md): drop it"]
+    assert code == 2 and err == ["pretrain_gpt.py: error: --ckpt-format torch: Megatron-LM's other checkpoint formats "
+                                 "are not written here; checkpoints are in megazero's own format (docs/checkpoints.md): "
+                                 "drop it"]
 
 
 @pytest.mark.parametrize("unknown,suggested", [

@@ -310,8 +310,13 @@ def megatron_rows() -> list[tuple[str, str, str]]:
     rows += [(name, "mapped", m.help) for name, m in megatron.MAPPED.items()]
     for name, impl in megatron.IMPLEMENTATION.items():
         values = f"{' / '.join(impl.choices)}: " if impl.choices else ""
-        refused = "; ".join(f"refused {v}: {why}" for v, why in impl.refused.items())
-        rows.append((name, "implementation choice", values + impl.note + (f"; {refused}" if refused else "")))
+        by_reason: dict[str, list[str]] = {}
+        for value, why in impl.refused.items():
+            by_reason.setdefault(why, []).append(value)
+        limits = [f"refused {' / '.join(v)}: {why}" for why, v in by_reason.items()]
+        limits += [f"refused with {flag(f)}: {impl.why}" if want is False else f"needs {flag(f)} {want}: {impl.why}"
+                   for f, want in impl.requires.items()]
+        rows.append((name, "implementation choice", "; ".join([values + impl.note, *limits])))
     rows += [(name, "restated", r.help) for name, r in megatron.RESTATED.items()]
     rows += [(name, "refused", why) for name, why in megatron.REFUSED.items()]
     return rows

@@ -158,10 +158,11 @@ IMPLEMENTATION: dict[str, Implementation] = {
         why="masked tokens make micro-batches hold different numbers of loss tokens, and a mean over all the "
             "step's tokens instead of over each micro-batch does not exist here"),
     "--ckpt-format": Implementation(
-        "Megatron-LM's default; checkpoints are written in megazero's own format (docs/checkpoints.md)",
+        "torch_dist, Megatron-LM's default: checkpoints are written in megazero's own format (docs/checkpoints.md)",
         choices=("torch_dist", "torch", "torch_dcp", "fsdp_dtensor", "zarr"),
-        refused={v: f"Megatron-LM's {v} format is not written here; checkpoints are in megazero's own format "
-                    f"(docs/checkpoints.md): drop it" for v in ("torch", "torch_dcp", "fsdp_dtensor", "zarr")}),
+        refused=dict.fromkeys(("torch", "torch_dcp", "fsdp_dtensor", "zarr"),
+                              "Megatron-LM's other checkpoint formats are not written here; checkpoints are in "
+                              "megazero's own format (docs/checkpoints.md): drop it")),
 }
 
 
