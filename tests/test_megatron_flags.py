@@ -348,7 +348,7 @@ def test_gpt3_175b_script_stops_only_on_the_batch_size_schedule(capsys):
                               "128 / --num-attention-heads 4 = 32), and another does not exist: drop it or give 32"),
 ])
 def test_kv_channels_is_accepted_when_it_is_the_head_size(argv, line, capsys):
-    job, code, _, err = _parse(argv, capsys)
+    _, code, _, err = _parse(argv, capsys)
     assert (code, err) == ((0, []) if line is None else (2, [f"pretrain_gpt.py: error: {line}"]))
 
 
