@@ -98,9 +98,6 @@ CASES = [
      "--num-layers-per-virtual-pipeline-stage needs"),
     ("bad-parallel-order", mock("--parallel-order", "tp-tp-dp"), 2, "--parallel-order 'tp-tp-dp' must name"),
     ("bf16-and-fp16", mock("--bf16", "--fp16"), 2, "--bf16 and --fp16 are exclusive"),
-    ("sequence-parallel-tp1", mock("--sequence-parallel"), 2,
-     "--sequence-parallel splits activations over the tensor-parallel ranks and does nothing at "
-     "--tensor-model-parallel-size/--tp 1"),
     ("moe-flag-without-experts", mock("--moe-router-topk", "1"), 2,
      "--moe-router-topk 1 applies to Mixture-of-Experts layers and this model has none: add --num-experts N"),
     ("moe-capacity-without-experts", mock("--moe-expert-capacity-factor", "1.5"), 2,

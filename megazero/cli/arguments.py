@@ -272,8 +272,9 @@ def flag_values(args: argparse.Namespace) -> tuple[dict[str, object], list[str]]
     :class:`ConfigError` when refused."""
     cli, given = flag_settings(args)
     notes, _ = megatron.from_command_line(given, cli)
-    megatron.check_requirements(given, cli)
-    return cli, notes + megatron.canonical_tokenizer(cli)
+    notes += megatron.canonical_tokenizer(cli)
+    megatron.check_requirements(given, job_from_values(cli))
+    return cli, notes
 
 
 def flag_reference_markdown() -> str:
@@ -303,14 +304,20 @@ def flag_reference_markdown() -> str:
 
 def megatron_rows() -> list[tuple[str, str, str]]:
     """``(Megatron-LM flag, status, what it is here)`` for every flag of megazero/config/megatron_flags.py, the
-    status one of ``accepted as-is``, ``mapped``, ``implementation choice``, ``refused``."""
+    status one of ``accepted as-is``, ``mapped``, ``implementation choice``, ``restated``, ``refused``."""
     rows = [(name, "accepted as-is", "") for name in megatron.AS_IS]
     rows += [(name, "mapped", f"`{ours}`") for name, ours in megatron.ALIASES.items()]
     rows += [(name, "mapped", m.help) for name, m in megatron.MAPPED.items()]
     for name, impl in megatron.IMPLEMENTATION.items():
         values = f"{' / '.join(impl.choices)}: " if impl.choices else ""
-        refused = "; ".join(f"refused {v}: {why}" for v, why in impl.refused.items())
-        rows.append((name, "implementation choice", values + impl.note + (f"; {refused}" if refused else "")))
+        by_reason: dict[str, list[str]] = {}
+        for value, why in impl.refused.items():
+            by_reason.setdefault(why, []).append(value)
+        limits = [f"refused {' / '.join(v)}: {why}" for why, v in by_reason.items()]
+        limits += [f"refused with {flag(f)}: {impl.why}" if want is False else f"needs {flag(f)} {want}: {impl.why}"
+                   for f, want in impl.requires.items()]
+        rows.append((name, "implementation choice", "; ".join([values + impl.note, *limits])))
+    rows += [(name, "restated", r.help) for name, r in megatron.RESTATED.items()]
     rows += [(name, "refused", why) for name, why in megatron.REFUSED.items()]
     return rows
 
@@ -325,8 +332,10 @@ def megatron_reference_markdown() -> str:
              "row against the parser. Our own flags: [flags.md](flags.md).", "",
              "* **accepted as-is**: the same flag and meaning here.",
              "* **mapped**: accepted, and sets the setting named (a contradicting flag is refused in one line).",
-             "* **implementation choice**: accepted; it only picks among implementations Megatron-LM has several",
-             "  of, and the run says in one line at start what runs here.",
+             "* **implementation choice**: accepted; it only tunes Megatron-LM's implementation (kernels, fusions,",
+             "  loaders) and ignoring it cannot change the numbers. One line at start names every such flag given;",
+             "  the row says what runs instead.",
+             "* **restated**: accepted when it equals what the model already is, refused in one line otherwise.",
              "* **refused**: the run stops before any work with one line per such flag, naming our equivalent or",
              "  saying it does not exist here. A flag in no row is refused as unknown, with the closest names.", "",
              f"Sample-based runs (`{FLAG.train_samples}`, `{FLAG.lr_decay_samples}`, `{FLAG.lr_warmup_samples}`) "
@@ -334,6 +343,8 @@ def megatron_reference_markdown() -> str:
              f"of `{FLAG.global_batch_size}` samples: `{FLAG.train_samples}` // the global batch, the schedule's "
              "lengths rounded",
              "up; as in Megatron-LM a run is iteration- or sample-based, not both.", "",
+             f"`{FLAG.sequence_parallel}` at `{FLAG.tp}` 1 is turned off with a one-line warning, as Megatron-LM "
+             "does.", "",
              "| Megatron-LM flag | status | here |", "|---|---|---|"]
     lines += [f"| `{name}` | {status} | {detail.replace('|', '/')} |" for name, status, detail in megatron_rows()]
     lines += ["", "## Tokenizer types", "", f"| `{FLAG.tokenizer_type}` | here |", "|---|---|"]

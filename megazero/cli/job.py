@@ -55,13 +55,16 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
         if from_checkpoint:
             sources.append(from_checkpoint)
         values = combine(sources, overridable={f"--config {args.config}"}, set_by=set_by)
-        megatron.check_requirements(given, values)
         notes += megatron.canonical_tokenizer(values)
+        warnings = megatron.sequence_parallel_at_tp1(values)
         job = validate(job_from_values(values), world_size)
+        megatron.check_requirements(given, job)
     except (ConfigError, TypeError) as e:
         stop_with(parser.prog, [str(e)])
-    if unused and os.environ.get("RANK", "0") == "0":
-        print(f"{parser.prog}: warning: {unused_warning(unused)}", file=sys.stderr, flush=True)
+    if unused:
+        warnings.append(unused_warning(unused))
+    if warnings and os.environ.get("RANK", "0") == "0":
+        print("".join(f"{parser.prog}: warning: {w}\n" for w in warnings), end="", file=sys.stderr, flush=True)
     if notes and os.environ.get("RANK", "0") == "0":         # what the Megatron-LM flags chose, once
         print("\n".join(notes), flush=True)
     return job

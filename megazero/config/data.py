@@ -13,13 +13,21 @@ from megazero.config.rules import fail, one_of
 TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 
+def unquoted(text: str) -> str:
+    """``text`` without one pair of matching quotes around it: a launch script that passes ``"--split '99,1,0'"``
+    inside a bash string hands the quotes on (``'99,1,0'`` -> ``99,1,0``)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
 @dataclass
 class DataConfig:
     """The training data and its tokenizer."""
 
     data_path: list[str] = flag_field([], "--data-path", nargs="+", group="data", metavar="PREFIX",
                                       help="the dataset's path prefix (PREFIX.bin, PREFIX.idx), or weight prefix pairs")
-    split: str = flag_field("969,30,1", "--split", group="data", metavar="T,V,T",
+    split: str = flag_field("969,30,1", "--split", type=unquoted, group="data", metavar="T,V,T",
                             help="train, validation and test weights over the documents")
     mock_data: bool = flag_field(False, "--mock-data", action="store_true", group="data",
                                  help="synthetic tokens, no files")

@@ -7,8 +7,11 @@ with one line for each flag that has no meaning here. Every Megatron flag this m
                     :mod:`megazero.config.sections`; :data:`AS_IS` lists them so the table is complete)
 ``mapped``          the flag sets our settings under other names (:data:`MAPPED`:
                     ``--use-distributed-optimizer`` is ``--zero-stage 1``)
-``implementation``  the flag only chooses among implementations Megatron has several of (:data:`IMPLEMENTATION`):
-                    accepted, and what runs here is said in one line at start
+``implementation``  the flag only tunes Megatron's implementation (kernels, fusions, loaders, allocator) and ignoring
+                    it cannot change the numbers (:data:`IMPLEMENTATION`): accepted, all of them named in one
+                    line at start
+``restated``        accepted when it restates what the model already is (:data:`RESTATED`: ``--kv-channels``
+                    equal to hidden size / attention heads), refused in one line otherwise
 ``refused``         no meaning here (:data:`REFUSED`): one line naming our equivalent, or saying it does not exist
 
 plus :data:`MEGATRON_TOKENIZERS`, Megatron's ``--tokenizer-type`` names that are not ours. The parser
@@ -68,6 +71,9 @@ MAPPED: dict[str, Mapped] = {
     "--use-distributed-optimizer": Mapped(
         {"zero_stage": 1}, "Megatron's distributed optimizer (optimizer state sharded over the data-parallel ranks): "
                            "--zero-stage 1", "for ZeRO stage 2 or 3 drop --use-distributed-optimizer"),
+    "--grad-reduce-in-bf16": Mapped(
+        {"accumulate_allreduce_grads_in_fp32": False}, "gradients reduced in bf16, as Megatron's: "
+                                                       "--no-accumulate-allreduce-grads-in-fp32"),
     "--checkpoint-activations": Mapped(
         {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
         "older Megatron's full recompute: --recompute-granularity full --recompute-method uniform "
@@ -81,15 +87,17 @@ ALIASES = {"--distributed-backend": "--backend"}
 
 @dataclass(frozen=True)
 class Implementation:
-    """A Megatron flag that only picks an implementation. ``note``: the line said at start (``{value}`` is the
-    value given); a switch when ``choices`` and ``type`` are None. ``refused``: values that are not an
-    implementation choice here ({value: why}); ``requires``: {config field: value} it needs."""
+    """A Megatron flag that only tunes Megatron's implementation. ``note``: what runs here instead (its row in
+    docs/megatron-flags.md and its help); a switch when ``choices`` and ``type`` are None. ``refused``: values
+    that are not an implementation choice here ({value: why}); ``requires``: {config field: value} under which
+    ignoring it cannot change the numbers, ``why`` the reason said when the job has another value."""
 
     note: str
     choices: tuple | None = None
     type: type | None = None
     refused: dict = field(default_factory=dict)
     requires: dict = field(default_factory=dict)
+    why: str = ""
 
     def why_refused(self, value) -> str | None:
         """Why ``value`` is refused, or None when it is accepted."""
@@ -136,25 +144,68 @@ IMPLEMENTATION: dict[str, Implementation] = {
     "--optimizer": Implementation("AdamW with decoupled weight decay (Megatron's adam)", choices=("adam", "sgd"),
                                   refused={"sgd": "SGD does not exist here (AdamW only): drop --optimizer sgd"}),
     "--no-position-embedding": Implementation("RoPE uses no position-embedding table",
-                                              requires={"position_embedding_type": "rope"}),
+                                              requires={"position_embedding_type": "rope"},
+                                              why="a model with no positions does not exist here"),
+    "--manual-gc": Implementation("Python's garbage collector runs on its own schedule"),
+    "--tiktoken-pattern": Implementation("only TikTokenizer reads it, and that tokenizer is refused here",
+                                         choices=("v1", "v2")),
+    "--no-create-attention-mask-in-dataloader": Implementation("attention is causal inside the kernel; the loader "
+                                                               "builds no mask tensor"),
+    "--no-mmap-bin-files": Implementation("indexed datasets are read memory-mapped (the same tokens)"),
+    "--calculate-per-token-loss": Implementation(
+        "every micro-batch holds seq-length x micro-batch loss tokens, so the mean over the step's tokens is the "
+        "mean of the micro-batch means used here", requires={"eod_mask_loss": False},
+        why="masked tokens make micro-batches hold different numbers of loss tokens, and a mean over all the "
+            "step's tokens instead of over each micro-batch does not exist here"),
+    "--ckpt-format": Implementation(
+        "torch_dist, Megatron-LM's default: checkpoints are written in megazero's own format (docs/checkpoints.md)",
+        choices=("torch_dist", "torch", "torch_dcp", "fsdp_dtensor", "zarr"),
+        refused=dict.fromkeys(("torch", "torch_dcp", "fsdp_dtensor", "zarr"),
+                              "Megatron-LM's other checkpoint formats are not written here; checkpoints are in "
+                              "megazero's own format (docs/checkpoints.md): drop it")),
+}
+
+
+@dataclass(frozen=True)
+class Restated:
+    """A Megatron flag that restates a property of the model (``model_property``, read on the model config);
+    accepted when equal, refused with ``why`` otherwise."""
+
+    model_property: str
+    help: str
+    why: str
+
+
+RESTATED: dict[str, Restated] = {
+    "--kv-channels": Restated("head_dim", "the head size: accepted when it equals --hidden-size / "
+                                          "--num-attention-heads, refused otherwise",
+                              "the head size here is hidden size / attention heads"),
 }
 
 _NO_TB_CHOICE = "TensorBoard (--tensorboard-dir) receives the log line's metrics; choosing them does not exist here"
-_FP8 = "fp8 training does not exist here: use --bf16"
+_FP8 = "FP8 training is not built yet: drop the --fp8-* flags and train with --bf16"
+_DECOUPLED = "a separate learning rate for the input embedding and output layer does not exist here (every parameter " \
+             "follows --lr and --min-lr): drop it"
 REFUSED: dict[str, str] = {
     "--rampup-batch-size": "a batch-size ramp-up does not exist here: train at --global-batch-size",
+    "--step-batch-size-schedule": "a batch size that grows in steps during training does not exist here (nor "
+                                  "--rampup-batch-size): drop it and train at --global-batch-size (Megatron-LM "
+                                  "itself refuses it together with --global-batch-size)",
     "--fp8-format": _FP8, "--fp8-hybrid": _FP8, "--fp8-margin": _FP8, "--fp8-interval": _FP8,
-    "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8, "--fp8-recipe": _FP8,
+    "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8, "--fp8-recipe": _FP8, "--fp8-param-gather": _FP8,
+    "--decoupled-lr": _DECOUPLED, "--decoupled-min-lr": _DECOUPLED,
+    "--exit-duration-in-mins": "a wall-clock limit on the run does not exist here: drop it and bound the run with "
+                               "--train-iters or --train-samples (a checkpoint every --save-interval)",
     "--use-torch-fsdp2": "use --zero-stage 3 (parameters, gradients and optimizer state sharded, as FSDP does)",
     "--no-save-optim": "checkpoints here always hold the optimizer state (to load without it: --no-load-optim)",
     "--no-save-rng": "checkpoints here always hold the random states (to load without them: --no-load-rng)",
-    "--ckpt-format": "megazero writes checkpoints in its own format (docs/checkpoints.md): drop it",
     "--exit-on-missing-checkpoint": "--load without a checkpoint stops the run here already, except --load equal "
                                     "to --save (a first start that resumes after a restart): drop it",
     "--train-data-path": "separate training / validation / test data do not exist here: --data-path with --split",
     "--valid-data-path": "separate training / validation / test data do not exist here: --data-path with --split",
     "--test-data-path": "separate training / validation / test data do not exist here: --data-path with --split",
-    "--apply-layernorm-1p": "zero-centred norm weights do not exist here",
+    "--apply-layernorm-1p": "zero-centred norm weights (stored as weight - 1) do not exist here: drop it to train "
+                            "ordinary norm weights (the same function, rounded and checkpointed differently)",
     "--attention-softmax-in-fp32": "the softmax precision is scaled_dot_product_attention's: drop it",
     "--apply-query-key-layer-scaling": "the attention scale is 1/sqrt(head size) with no per-layer factor: drop it",
     "--distribute-saved-activations": "does not exist here (see --recompute-granularity and --cpu-offloading)",
@@ -178,7 +229,7 @@ MEGATRON_TOKENIZERS: dict[str, tuple[str | None, str]] = {
 
 
 def add_arguments(parser) -> None:
-    """The mapped and implementation flags, in a help group of their own; each stores under the dest
+    """The mapped, implementation and restated flags, in a help group of their own; each stores under the dest
     ``megatron:<flag>`` only when given (read back by :func:`from_command_line`)."""
     group = parser.add_argument_group("Megatron-LM compatibility (docs/megatron-flags.md)")
     for name, m in MAPPED.items():
@@ -190,14 +241,16 @@ def add_arguments(parser) -> None:
         else:
             kwargs.update(choices=impl.choices, type=impl.type, metavar=None if impl.choices else "N")
         group.add_argument(name, **kwargs)
+    for name, r in RESTATED.items():
+        group.add_argument(name, dest=f"megatron:{name}", type=int, metavar="N", default=SUPPRESS, help=r.help)
 
 
 def from_command_line(given: dict[str, object], cli: dict[str, object]) -> tuple[list[str], dict[str, str]]:
     """Apply the Megatron flags ``given`` ({flag: value}) to the command line's settings ``cli``
-    ({"section.field": value}, changed in place). Returns the lines to say at start (one per implementation
-    flag) and {dest: the Megatron flag that set it} for messages. A mapped flag whose setting the command
-    line also gives with another value, and a refused value, raise :class:`ConfigError`."""
-    notes, set_by = [], {}
+    ({"section.field": value}, changed in place). Returns the lines to say at start (one naming every
+    implementation flag given) and {dest: the Megatron flag that set it} for messages. A mapped flag whose
+    setting the command line also gives with another value, and a refused value, raise :class:`ConfigError`."""
+    taken, set_by = [], {}
     for name, value in given.items():
         if name in MAPPED:
             for name_of_field, target in MAPPED[name].sets.items():
@@ -207,11 +260,13 @@ def from_command_line(given: dict[str, object], cli: dict[str, object]) -> tuple
                                       f"{cli[key]} is given: {MAPPED[name].hint}")
                 cli[key], set_by[key] = target, name
             continue
-        impl = IMPLEMENTATION[name]
-        if impl.why_refused(value):
+        if name in RESTATED:
+            continue
+        if IMPLEMENTATION[name].why_refused(value):
             raise ConfigError(value_refusals({name: value})[name])
-        shown = "" if value is True else f" {value}"
-        notes.append(f" {name}{shown}: {impl.note}")
+        taken.append(name if value is True else f"{name} {value}")
+    notes = [f" Megatron-LM implementation flags taken as no-ops here (what runs instead: docs/megatron-flags.md): "
+             f"{', '.join(taken)}"] if taken else []
     return notes, set_by
 
 
@@ -221,13 +276,42 @@ def value_refusals(given: dict[str, object]) -> dict[str, str]:
             if name in IMPLEMENTATION and IMPLEMENTATION[name].why_refused(value)}
 
 
-def check_requirements(given: dict[str, object], values: dict[str, object]) -> None:
-    """The settings an implementation flag needs, in the combined settings of every source."""
-    for name in given:
-        for name_of_field, want in getattr(IMPLEMENTATION.get(name), "requires", {}).items():
-            if values.get(dest(name_of_field)) != want:
-                raise ConfigError(f"{name} needs {flag(name_of_field)} {want} (a model with no positions does not "
-                                  f"exist here): add it or drop {name}")
+def check_requirements(given: dict[str, object], job) -> None:
+    """The settings of the job (a :class:`~megazero.config.JobConfig` of every source's settings) under which
+    the implementation flags ``given`` change nothing, and the restated flags equal to what the model is."""
+    for name, value in given.items():
+        if name in RESTATED:
+            r = RESTATED[name]
+            ours = getattr(job.model, r.model_property) if job.model.num_attention_heads > 0 else value
+            if value != ours:
+                raise ConfigError(f"{name} {value}: {r.why} ({flag('hidden_size')} {job.model.hidden_size} / "
+                                  f"{flag('num_attention_heads')} {job.model.num_attention_heads} = {ours}), and "
+                                  f"another does not exist: drop it or give {ours}")
+            continue
+        impl = IMPLEMENTATION.get(name)
+        for name_of_field, want in getattr(impl, "requires", {}).items():
+            if _setting_of(job, name_of_field) == want:
+                continue
+            if want is False:
+                raise ConfigError(f"{name} and {flag(name_of_field)} do not go together here ({impl.why}): drop one")
+            raise ConfigError(f"{name} needs {flag(name_of_field)} {want} ({impl.why}): add it or drop {name}")
+
+
+def _setting_of(job, name_of_field: str):
+    """The value of the config field ``name_of_field`` in whichever section of ``job`` has it."""
+    sections = (getattr(job, s) for s in vars(job))
+    return next(getattr(s, name_of_field) for s in sections if hasattr(s, name_of_field))
+
+
+def sequence_parallel_at_tp1(values: dict[str, object]) -> list[str]:
+    """Megatron-LM's rule for ``--sequence-parallel`` at tensor-parallel size 1: turned off (in ``values``,
+    the combined settings, in place) with the warning line returned, as Megatron-LM does."""
+    sp, tp = dest("sequence_parallel"), dest("tp")
+    if not values.get(sp) or values.get(tp, 1) != 1:
+        return []
+    values[sp] = False
+    return [f"{flag('sequence_parallel')} turned off: it splits activations over the tensor-parallel ranks and "
+            f"{flag('tp')} is 1 (as Megatron-LM does)"]
 
 
 def canonical_tokenizer(values: dict[str, object]) -> list[str]:
@@ -264,7 +348,42 @@ def refusal_lines(argv: list[str], extras: list[str], given: dict[str, object], 
         elif name in REFUSED:
             lines.append(f"{name}: {REFUSED[name]}")
         else:
-            close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+            close = close_flags(name, known)
             hint = f": did you mean {' or '.join(close)}?" if close else " (pretrain_gpt.py --help lists the flags)"
             lines.append(f"unrecognized argument {name}{hint}")
     return lines
+
+
+def close_flags(name: str, known: list[str]) -> list[str]:
+    """Up to three of the ``known`` flags that ``name`` is plausibly a misspelling of: a near-identical spelling
+    (difflib ratio 0.85 or more, or a letter in four, at most two, changed, added, dropped or swapped), a flag ``name`` begins (``--hidden`` ->
+    ``--hidden-size``), or a flag holding all of ``name``'s words in order (``--tensor-parallel`` ->
+    ``--tensor-model-parallel-size``). Flags that merely share a word or a few letters
+    are not suggested."""
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.85)
+    bare = name.lstrip("-")
+    close += [c for c in known if c not in close and _edits(bare, c.lstrip("-")) <= min(2, len(bare) // 4)]
+    words = name.lstrip("-").split("-")
+    holding = [c for c in known if c not in close and (c.startswith(name + "-") or len(words) >= 2 and
+                                                       _in_order(words, c.lstrip("-").split("-")))]
+    close += sorted(holding, key=lambda c: -difflib.SequenceMatcher(None, name, c).ratio())
+    return close[:3]
+
+
+def _in_order(words: list[str], candidate: list[str]) -> bool:
+    """Whether every one of ``words`` appears in ``candidate``, in the same order."""
+    rest = iter(candidate)
+    return all(word in rest for word in words)
+
+
+def _edits(a: str, b: str) -> int:
+    """The number of single-letter insertions, deletions, substitutions and adjacent swaps from ``a`` to ``b``."""
+    previous, row = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        before, row = row, [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(before[j] + 1, row[j - 1] + 1, before[j - 1] + (a[i - 1] != b[j - 1]))
+            if previous and i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], previous[j - 2] + 1)
+        previous = before
+    return row[-1]
