@@ -29,7 +29,7 @@ import traceback
 import torch.distributed as dist
 
 from megazero.cli.job import parse_job
-from megazero.cli.launcher import SECONDHAND, report_to_launcher
+from megazero.cli.launcher import SECONDHAND, end_launch_after_refusal, report_to_launcher
 from megazero.cli.plan import plan_memory
 from megazero.cli.preflight import preflight
 from megazero.cli.run import resolve_data, run
@@ -92,13 +92,15 @@ def stop(message: str, status: int, rank: int, every_rank: bool = False, secondh
     report's root cause is the rank that failed first. ``after_rank0`` (before any process group, where
     ranks cannot agree): rank 0 says it at once; another rank waits for the launcher to stop it (when
     rank 0 failed too, as for a file every rank reads) and otherwise says its own line, which only it
-    found (a file on its node)."""
+    found (a file on its node). There, under a single-node torchrun, rank 0 ends the launch once it has
+    said the line (:func:`megazero.cli.launcher.end_launch_after_refusal`): the line is all the job prints."""
     if after_rank0 and rank != 0:
         time.sleep(5.0)
         every_rank, message = True, f"rank {rank}: {message}"
     if rank == 0 or every_rank:
         print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
-        report_to_launcher(f"pretrain_gpt.py: error: {message}", message, secondhand)
+        if not (after_rank0 and end_launch_after_refusal()):        # before any group: the line is all
+            report_to_launcher(f"pretrain_gpt.py: error: {message}", message, secondhand)
     if rank != 0 and not every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(5.0)            # rank 0 says the line: leaving first could have the launcher stop it unsaid
     raise SystemExit(status)
