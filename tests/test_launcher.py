@@ -42,3 +42,17 @@ def test_a_refusal_only_another_rank_finds_names_that_rank(monkeypatch, capsys):
         arguments.stop_with("pretrain_gpt.py", ["--config run.yaml does not exist"])
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err == "pretrain_gpt.py: error: rank 1: --config run.yaml does not exist\n"
+
+
+def test_a_lost_peer_is_said_to_have_died_silently_unless_it_counted_its_own_error(monkeypatch):
+    """A rank SIGKILLed (out of memory) leaves no line: the rank that lost it must not point at one."""
+    import torch.distributed as dist
+
+    from megazero.cli import main
+
+    store = dist.HashStore()
+    monkeypatch.setattr(main.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(main.dist.distributed_c10d, "_get_default_store", lambda: store)
+    assert main.what_the_other_rank_said().startswith("it died without an error message (killed by a signal")
+    main.note_own_error()                                   # what a rank stopping with its own line does first
+    assert main.what_the_other_rank_said() == "its error is the line above (and torchrun's root cause)"

@@ -70,9 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         stop(f"rank {rank}: {e}" if world > 1 else f"{e}", 1, rank, every_rank=True)
     except RuntimeError as e:                          # gloo and NCCL say "timed out" / "Timeout"
         if any(text in str(e) for text in PEER_GONE):  # another rank stopped first, with its own line
-            stop(f"rank {rank}: {SECONDHAND}: its error is the line "
-                 f"above (and torchrun's root cause) ({str(e).splitlines()[0][:200]})", 1, rank, every_rank=True,
-                 secondhand=True)
+            stop(f"rank {rank}: {SECONDHAND}: {what_the_other_rank_said()} ({str(e).splitlines()[0][:200]})",
+                 1, rank, every_rank=True, secondhand=True)
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
         # Only the ranks waiting on the stuck one time out, and the launcher stops the rest as soon as
@@ -97,6 +96,8 @@ def stop(message: str, status: int, rank: int, every_rank: bool = False, secondh
     if after_rank0 and rank != 0:
         time.sleep(5.0)
         every_rank, message = True, f"rank {rank}: {message}"
+    if not secondhand:
+        note_own_error()
     if rank == 0 or every_rank:
         print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
         if not (after_rank0 and end_launch_after_refusal()):        # before any group: the line is all
@@ -104,6 +105,38 @@ def stop(message: str, status: int, rank: int, every_rank: bool = False, secondh
     if rank != 0 and not every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(5.0)            # rank 0 says the line: leaving first could have the launcher stop it unsaid
     raise SystemExit(status)
+
+
+def _errors_said_key() -> str:
+    return f"megazero/errors-said/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"    # one per torchrun attempt
+
+
+def note_own_error() -> None:
+    """Count, in the run's store, a rank that stops with an error of its own (its line, or a traceback),
+    before it leaves: a rank that then loses its connection to it can tell such a stop from a death
+    without a word (:func:`what_the_other_rank_said`). Nothing before the process groups exist."""
+    if dist.is_initialized():
+        try:
+            dist.distributed_c10d._get_default_store().add(_errors_said_key(), 1)
+        except Exception:  # noqa: BLE001 - the store's host is gone too: nothing to tell anyone
+            pass
+
+
+def what_the_other_rank_said() -> str:
+    """For a rank that lost its connection to another: where that rank's error is. A rank that stopped
+    with an error of its own counted it in the store before leaving; none counted means it died
+    without one (a signal: SIGKILL from the out-of-memory killer or from outside), and its exit status
+    is only the launcher's to know."""
+    try:
+        said = dist.distributed_c10d._get_default_store().add(_errors_said_key(), 0)
+    except Exception:  # noqa: BLE001 - the store lived in the rank that is gone (rank 0 outside torchrun)
+        said = None
+    if said:
+        return "its error is the line above (and torchrun's root cause)"
+    if said is None:
+        return "it left no word this rank can read (its error, if it said one, is above)"
+    return ("it died without an error message (killed by a signal: likely out of memory, or killed from "
+            "outside); torchrun's failure report names the rank and the signal")
 
 
 def exit_process(code: int) -> None:
@@ -148,6 +181,7 @@ def run_program(argv: list[str] | None = None) -> int:
         return 130
     except BaseException:  # noqa: BLE001 - an unforeseen error keeps its traceback
         traceback.print_exc()
+        note_own_error()
         return 1
 
 
