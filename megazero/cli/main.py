@@ -19,6 +19,7 @@ a peer gone, a collective timed out        1         every rank, the first to fa
 """
 from __future__ import annotations
 
+import datetime
 import gc
 import logging
 import os
@@ -107,8 +108,11 @@ def stop(message: str, status: int, rank: int, every_rank: bool = False, secondh
     raise SystemExit(status)
 
 
-def _errors_said_key() -> str:
-    return f"megazero/errors-said/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"    # one per torchrun attempt
+def _errors_said():
+    """(the run's store, with a short timeout: the process is ending; the key counting errors said)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(datetime.timedelta(seconds=10))
+    return store, f"megazero/errors-said/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"   # per attempt
 
 
 def note_own_error() -> None:
@@ -117,7 +121,8 @@ def note_own_error() -> None:
     without a word (:func:`what_the_other_rank_said`). Nothing before the process groups exist."""
     if dist.is_initialized():
         try:
-            dist.distributed_c10d._get_default_store().add(_errors_said_key(), 1)
+            store, key = _errors_said()
+            store.add(key, 1)
         except Exception:  # noqa: BLE001 - the store's host is gone too: nothing to tell anyone
             pass
 
@@ -128,7 +133,8 @@ def what_the_other_rank_said() -> str:
     without one (a signal: SIGKILL from the out-of-memory killer or from outside), and its exit status
     is only the launcher's to know."""
     try:
-        said = dist.distributed_c10d._get_default_store().add(_errors_said_key(), 0)
+        store, key = _errors_said()
+        said = store.add(key, 0)
     except Exception:  # noqa: BLE001 - the store lived in the rank that is gone (rank 0 outside torchrun)
         said = None
     if said:
