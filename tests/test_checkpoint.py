@@ -143,6 +143,41 @@ def test_weights_only_checkpoint_needs_finetune(saved_tp2pp2dp2, tmp_path):
     assert "--finetune" in msg
 
 
+def _random_weights():
+    """A weights-only model of the checkpoint tests' shape, by name, and its job."""
+    job, g = make_job(1, 1, 1, 0), torch.Generator().manual_seed(0)
+    return job, {name: 0.02 * torch.randn(d.shape, generator=g) for name, d in declarations(job.model).items()}
+
+
+def test_nonfinite_weights_are_refused_at_load_naming_the_tensors(tmp_path):
+    job, tensors = _random_weights()
+    tensors["layers.1.mlp.dense_4h_to_h.weight"][0, 0] = float("nan")
+    tensors["final_norm.weight"][3] = float("inf")
+    write_weights_checkpoint(tmp_path, tensors, job)
+    [msg] = run_on_ranks(1, _refuses_body, str(tmp_path), True)         # --finetune's load
+    assert msg.startswith(f"{checkpoint_dir(tmp_path, 0)} holds NaN or inf values in 2 tensors ("), msg
+    assert "layers.1.mlp.dense_4h_to_h.weight (fp32 weights)" in msg and "final_norm.weight (fp32 weights)" in msg
+
+
+def test_an_hf_model_with_nonfinite_weights_is_refused_at_import(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from megazero.checkpoint.hf import save_hf
+    from tools.convert_checkpoint import main as convert
+
+    job, tensors = _random_weights()
+    save_hf(tmp_path / "hf", tensors, job.model)
+    state = load_file(tmp_path / "hf" / "model.safetensors")
+    bad = [name for name in state if name.endswith(".weight")][:4]
+    for name in bad:
+        state[name].view(-1)[0] = float("nan")
+    save_file(state, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    assert convert(["--input", str(tmp_path / "hf"), "--output", str(tmp_path / "out"), "--to", "megazero"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"holds NaN or inf values in 4 tensors ({', '.join(bad[:3])}, ...): " in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_offline_declarations_match_the_built_model():
     """The tools' meta-device declarations agree with a real model's attributes and stage split."""
     cfg = GPTConfig(**MODEL, untie_embeddings_and_output_weights=True)

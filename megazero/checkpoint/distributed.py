@@ -31,7 +31,7 @@ import torch
 
 from megazero.checkpoint import format as fmt
 from megazero.checkpoint.agree import raise_first_error
-from megazero.checkpoint.finite import first_nonfinite, first_over_ranks
+from megazero.checkpoint.finite import describe, first_nonfinite, first_over_ranks, listed, nonfinite_names
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.regions import numel
 from megazero.checkpoint.rng_state import capture_rng_state, restore_rng_state
@@ -311,7 +311,7 @@ def _read_rank(reader: CheckpointReader, chunks, engine, topo, job, weights_only
     returns the bytes filled. A bf16/fp16 run loading an fp32 checkpoint takes its masters from the
     fp32 weights."""
     pieces = engine.loaded_pieces(weights_only) if engine is not None else _whole_params(chunks)
-    owned = 0
+    owned, filled = 0, []
     with torch.no_grad():
         for piece in pieces:
             _, box, (a, b) = _where(piece, topo, job.model.vocab_size)
@@ -322,6 +322,12 @@ def _read_rank(reader: CheckpointReader, chunks, engine, topo, job, weights_only
                 if a < b:
                     reader.read_piece(key, box, (a, b), view[:b - a])
                     owned += (b - a) * view.element_size()
+                    filled.append((describe(key, view.dtype), view[:b - a]))
+    damaged = nonfinite_names(filled)
+    if damaged:
+        raise CheckpointError(f"{reader.dir} holds NaN or inf values in {listed(damaged)}: a run cannot train "
+                              f"from them; load an earlier checkpoint, or convert the model again from intact "
+                              f"weights")
     return owned
 
 

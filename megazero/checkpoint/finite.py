@@ -10,7 +10,8 @@ byte tensors, nothing pickled -- so every rank knows the first one in rank order
 
 The same two helpers name the parameter whose fp16/bf16 copy overflowed after an applied step
 (:func:`megazero.checkpoint.distributed.first_nonfinite_weight`, which the training loop's
-:func:`megazero.training.stop_reason` asks).
+:func:`megazero.training.stop_reason` asks). :func:`nonfinite_names` and :func:`listed` name every
+non-finite tensor of what comes in: an HF model imported, a checkpoint's pieces a rank loaded.
 """
 from __future__ import annotations
 
@@ -51,6 +52,26 @@ def first_nonfinite(pieces) -> str | None:
     if not bad.item():
         return None
     return next((describe(key, t.dtype) for key, t in floats if not bool(torch.isfinite(t).all())), None)
+
+
+def nonfinite_names(named_tensors) -> list[str]:
+    """The names, in order, of the floating-point tensors among ``[(name, tensor)]`` that hold a NaN or
+    an inf. One host sync when all are finite (the usual case)."""
+    floats = [(name, t) for name, t in named_tensors if t.is_floating_point() and t.numel()]
+    if not floats:
+        return []
+    bad = torch.zeros((), dtype=torch.int32, device=floats[0][1].device)
+    for _, t in floats:
+        bad += maybe_nonfinite(t).to(bad.device)
+    if not bad.item():
+        return []
+    return [name for name, t in floats if not bool(torch.isfinite(t).all())]
+
+
+def listed(names: list[str], shown: int = 3) -> str:
+    """``"2 tensors (a, b)"`` or ``"5 tensors (a, b, c, ...)"``: how many, and the first few by name."""
+    more = ", ..." if len(names) > shown else ""
+    return f"{len(names)} tensor{'s' if len(names) != 1 else ''} ({', '.join(names[:shown])}{more})"
 
 
 def first_over_ranks(text: str | None, device, group=None) -> str | None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from megazero.checkpoint.finite import listed, nonfinite_names
 from megazero.checkpoint.hf_tokenizer import SpecialTokens, write_tokenizer
 from megazero.checkpoint.offline import check_shapes, declarations
 from megazero.config import DataConfig, ModelConfig
@@ -168,6 +169,10 @@ def load_hf(path: str | os.PathLike, seq_length: int | None = None) -> tuple[Mod
         raise CheckpointError(f"{config_path} is not a usable model config ({type(e).__name__}: {e}): "
                               f"fix config.json") from None
     weights = read_weights(path)
+    damaged = nonfinite_names(weights.items())
+    if damaged:
+        raise CheckpointError(f"{path} holds NaN or inf values in {listed(damaged)}: a model cannot be trained or "
+                              f"run from them; convert an intact copy of the weights")
     try:
         tensors = adapter_of(cfg).from_hf_state(weights, cfg)
     except (KeyError, RuntimeError, ValueError) as e:

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from megazero.cli.launcher import report_to_launcher
+from megazero.cli.launcher import end_launch_after_refusal, report_to_launcher
 from megazero.config import BACKENDS, FLAG, TOKENIZERS, JobConfig, flag, flag_fields, setting
 from megazero.config import megatron_flags as megatron
 from megazero.config.fields import GROUPS
@@ -86,11 +86,15 @@ class TrainerArgumentParser(argparse.ArgumentParser):
 def stop_with(prog: str, lines: list[str]) -> None:
     """Exit with status 2 after one ``prog: error: ...`` line per item of ``lines``: printed by rank 0 only under
     a launcher (the launcher stops the others while they wait; a rank still alive after the wait prints them)."""
-    if os.environ.get("RANK", "0") != "0":
+    rank = os.environ.get("RANK", "0")
+    if rank != "0":
         time.sleep(5.0)
+        lines = [f"rank {rank}: {line}" for line in lines]    # rank 0 did not stop it: found here alone
     text = "".join(f"{prog}: error: {line}\n" for line in lines)
     sys.stderr.write(text)
-    report_to_launcher(text.rstrip("\n"), "; ".join(lines))     # under torchrun: again after its report
+    sys.stderr.flush()
+    if not end_launch_after_refusal():
+        report_to_launcher(text.rstrip("\n"), "; ".join(lines))     # under torchrun: again after its report
     raise SystemExit(2)
 
 

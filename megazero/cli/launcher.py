@@ -13,11 +13,20 @@ Under torchrun a worker that exits nonzero is followed by some 25 lines of the l
 
 Outside torchrun (one process, or a launcher without torchelastic's environment) it does nothing: the
 line printed by the caller is already the last one.
+
+A refusal before any process group (a bad flag or file, which every rank finds alike) needs no report at
+all: torch.distributed.elastic dresses every nonzero worker exit in some 40 lines (its SIGTERM notices, a
+``ChildFailedError`` traceback, the failure report) and has no exit status it leaves plain. So under a
+single-node torchrun rank 0, once it has said the line, ends the launch itself
+(:func:`end_launch_after_refusal`): the launcher by ``SIGUSR1``, which it does not handle (it ends at
+once, without a word; the job's status is 128 + 10 = 138), then the other workers. The line is then all
+the job prints.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -83,3 +92,52 @@ def report_to_launcher(line: str, message: str | None = None, secondhand: bool =
                          close_fds=True, env={"PATH": os.environ.get("PATH", "")})
     except OSError:
         pass                                           # the line was printed once already
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (read from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == pid:
+                found.append(int(entry))
+    return found
+
+
+def _is_torchrun(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            words = f.read().split(b"\0")
+    except OSError:
+        return False
+    return any(w.endswith(b"torchrun") or w in (b"torch.distributed.run", b"torch.distributed.launch") for w in words)
+
+
+def end_launch_after_refusal() -> bool:
+    """End a single-node torchrun launch quietly once rank 0 has printed a refusal found before any process
+    group: the launcher (this process's parent) by ``SIGUSR1``, then its other workers (those still
+    waiting for this line, or past it in their own start) by ``SIGKILL``. Returns whether it did; it does
+    nothing elsewhere (no torchrun, another rank, several nodes, whose launchers would lose their
+    rendezvous instead, or a parent that is not torchrun), and the caller reports as usual."""
+    if (not under_torchrun() or os.environ.get("RANK", "0") != "0" or not sys.platform.startswith("linux")
+            or os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE")):
+        return False
+    launcher = os.getppid()
+    if not _is_torchrun(launcher):
+        return False
+    others = [pid for pid in _children(launcher) if pid != os.getpid()]
+    try:
+        os.kill(launcher, signal.SIGUSR1)
+    except OSError:
+        return False
+    for pid in others:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass                                       # already gone
+    return True

@@ -19,6 +19,7 @@ a peer gone, a collective timed out        1         every rank, the first to fa
 """
 from __future__ import annotations
 
+import datetime
 import gc
 import logging
 import os
@@ -29,7 +30,7 @@ import traceback
 import torch.distributed as dist
 
 from megazero.cli.job import parse_job
-from megazero.cli.launcher import SECONDHAND, report_to_launcher
+from megazero.cli.launcher import SECONDHAND, end_launch_after_refusal, report_to_launcher
 from megazero.cli.plan import plan_memory
 from megazero.cli.preflight import preflight
 from megazero.cli.run import resolve_data, run
@@ -70,9 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         stop(f"rank {rank}: {e}" if world > 1 else f"{e}", 1, rank, every_rank=True)
     except RuntimeError as e:                          # gloo and NCCL say "timed out" / "Timeout"
         if any(text in str(e) for text in PEER_GONE):  # another rank stopped first, with its own line
-            stop(f"rank {rank}: {SECONDHAND}: its error is the line "
-                 f"above (and torchrun's root cause) ({str(e).splitlines()[0][:200]})", 1, rank, every_rank=True,
-                 secondhand=True)
+            stop(f"rank {rank}: {SECONDHAND}: {what_the_other_rank_said()} ({str(e).splitlines()[0][:200]})",
+                 1, rank, every_rank=True, secondhand=True)
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
         # Only the ranks waiting on the stuck one time out, and the launcher stops the rest as soon as
@@ -92,16 +92,57 @@ def stop(message: str, status: int, rank: int, every_rank: bool = False, secondh
     report's root cause is the rank that failed first. ``after_rank0`` (before any process group, where
     ranks cannot agree): rank 0 says it at once; another rank waits for the launcher to stop it (when
     rank 0 failed too, as for a file every rank reads) and otherwise says its own line, which only it
-    found (a file on its node)."""
+    found (a file on its node). There, under a single-node torchrun, rank 0 ends the launch once it has
+    said the line (:func:`megazero.cli.launcher.end_launch_after_refusal`): the line is all the job prints."""
     if after_rank0 and rank != 0:
         time.sleep(5.0)
         every_rank, message = True, f"rank {rank}: {message}"
+    if not secondhand:
+        note_own_error()
     if rank == 0 or every_rank:
         print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
-        report_to_launcher(f"pretrain_gpt.py: error: {message}", message, secondhand)
+        if not (after_rank0 and end_launch_after_refusal()):        # before any group: the line is all
+            report_to_launcher(f"pretrain_gpt.py: error: {message}", message, secondhand)
     if rank != 0 and not every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(5.0)            # rank 0 says the line: leaving first could have the launcher stop it unsaid
     raise SystemExit(status)
+
+
+def _errors_said():
+    """(the run's store, with a short timeout: the process is ending; the key counting errors said)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(datetime.timedelta(seconds=10))
+    return store, f"megazero/errors-said/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"   # per attempt
+
+
+def note_own_error() -> None:
+    """Count, in the run's store, a rank that stops with an error of its own (its line, or a traceback),
+    before it leaves: a rank that then loses its connection to it can tell such a stop from a death
+    without a word (:func:`what_the_other_rank_said`). Nothing before the process groups exist."""
+    if dist.is_initialized():
+        try:
+            store, key = _errors_said()
+            store.add(key, 1)
+        except Exception:  # noqa: BLE001 - the store's host is gone too: nothing to tell anyone
+            pass
+
+
+def what_the_other_rank_said() -> str:
+    """For a rank that lost its connection to another: where that rank's error is. A rank that stopped
+    with an error of its own counted it in the store before leaving; none counted means it died
+    without one (a signal: SIGKILL from the out-of-memory killer or from outside), and its exit status
+    is only the launcher's to know."""
+    try:
+        store, key = _errors_said()
+        said = store.add(key, 0)
+    except Exception:  # noqa: BLE001 - the store lived in the rank that is gone (rank 0 outside torchrun)
+        said = None
+    if said:
+        return "its error is the line above (and torchrun's root cause)"
+    if said is None:
+        return "it left no word this rank can read (its error, if it said one, is above)"
+    return ("it died without an error message (killed by a signal: likely out of memory, or killed from "
+            "outside); torchrun's failure report names the rank and the signal")
 
 
 def exit_process(code: int) -> None:
@@ -146,6 +187,7 @@ def run_program(argv: list[str] | None = None) -> int:
         return 130
     except BaseException:  # noqa: BLE001 - an unforeseen error keeps its traceback
         traceback.print_exc()
+        note_own_error()
         return 1
 
 
