@@ -108,8 +108,8 @@ class ParallelConfig:
         if self.cp_comm_type not in BUILT_CP_COMM_TYPES:
             fail(f"{FLAG.cp_comm_type} {self.cp_comm_type} is not built: use p2p (ring), a2a (Ulysses) or allgather")
         if self.cp == 1:
-            fail(f"{FLAG.cp_comm_type} {self.cp_comm_type} chooses how context-parallel ranks share keys and values and "
-                 f"does nothing at {FLAG.cp} 1: drop it, or use {FLAG.cp} 2 or more")
+            fail(f"{FLAG.cp_comm_type} {self.cp_comm_type} chooses how context-parallel ranks share keys and values "
+                 f"and does nothing at {FLAG.cp} 1: drop it, or use {FLAG.cp} 2 or more")
 
     def _fill_dp(self, world: int) -> None:
         mp = self.tp * self.cp * self.pp
