@@ -62,6 +62,14 @@ def test_the_context_parallel_comm_type_is_filled_only_where_it_means_something(
     assert j.model.cpu_offloading_num_layers == 2
 
 
+def test_nvme_offload_with_expert_parallelism_is_accepted():
+    """docs/memory.md: with experts split over ep 2, optimizer state and parameters offload to nvme too."""
+    j = validate(job(model=GPTConfig(num_experts=4), parallel=ParallelConfig(expert_model_parallel_size=2),
+                     zero=ZeroConfig(zero_stage=3, offload_optimizer="nvme", offload_params="nvme", nvme_path="."),
+                     train=TrainConfig(micro_batch_size=1, global_batch_size=2)), world_size=2)
+    assert j.parallel.expert_model_parallel_size == 2 and j.zero.offload_params == "nvme"
+
+
 def test_validate_does_not_mutate_its_input():
     original = job(parallel=ParallelConfig(tp=2))
     validate(original, world_size=4)
