@@ -479,7 +479,8 @@ def test_a_checkpoint_recomputing_every_layer_converts_to_more_stages(tmp_path):
     cfg = GPTConfig(**MODEL, recompute_granularity="full", recompute_method="block", recompute_num_layers=4)
     tensors = {n: p.detach()[:VOCAB] if p.vocab_padded else p.detach() for n, p in GPT(cfg, seed=3).named_parameters()}
     write_weights_checkpoint(tmp_path / "pp1", tensors, JobConfig(model=cfg), tp=1, pp=1)
-    rc, out = _convert("--input", tmp_path / "pp1", "--output", tmp_path / "pp2", "--to", "megazero", "--target-pp", "2")
+    rc, out = _convert("--input", tmp_path / "pp1", "--output", tmp_path / "pp2", "--to", "megazero",
+                       "--target-pp", "2")
     assert rc == 0, out
     assert torch.equal(read_model(tmp_path / "pp2")[1]["layers.3.mlp.dense_4h_to_h.weight"],
                        tensors["layers.3.mlp.dense_4h_to_h.weight"])
