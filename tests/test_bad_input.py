@@ -310,6 +310,8 @@ CASES = [
      "--results {W}/no_such_folder/r.jsonl: the folder {W}/no_such_folder does not exist"),
     ("estimate-fit-beside-recompute", tool("estimate_memory", *TINY, "--fit-gib", "1", "--recompute-activations"), 2,
      "--fit-gib lets the planner choose recompute and offload; --recompute-activations chooses too: drop one"),
+    ("estimate-world-size-zero", tool("estimate_memory", *TINY, "--world-size", "0"), 2,
+     "--world-size must be >= 1, got 0"),
     ("estimate-fit-beside-budget", tool("estimate_memory", *TINY, "--fit-gib", "1", "--memory-budget-gib", "2"), 2,
      "--fit-gib and --memory-budget-gib both ask the memory planner for a plan: keep one"),
     ("zero-bubble-at-pp1", mock("--pipeline-schedule", "zb-v"), 2,

@@ -41,6 +41,8 @@ def parse(argv=None):
                       help="pick the cheapest recompute / offload plan whose peak per rank fits X GiB "
                            "(megazero/memory/planner.py), print it with the plans it rejected, and estimate it")
     args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
     job = job_from_args(parser, args, args.world_size)
     if args.fit_gib is not None:
         refusal = fit_refusal(job, args.fit_gib)
