@@ -308,6 +308,8 @@ CASES = [
      "--workdir {W}/corpus.jsonl/runs: {W}/corpus.jsonl is a file, not a directory"),
     ("fuzz-results-in-a-missing-folder", tool("fuzz_layouts", "--results", "{W}/no_such_folder/r.jsonl"), 2,
      "--results {W}/no_such_folder/r.jsonl: the folder {W}/no_such_folder does not exist"),
+    ("fuzz-results-of-a-dry-run", tool("fuzz_layouts", "--results", "{W}/r.jsonl", "--dry-run"), 2,
+     "--results records checked draws and --dry-run checks none: drop one of them"),
     ("estimate-fit-beside-recompute", tool("estimate_memory", *TINY, "--fit-gib", "1", "--recompute-activations"), 2,
      "--fit-gib lets the planner choose recompute and offload; --recompute-activations chooses too: drop one"),
     ("estimate-world-size-zero", tool("estimate_memory", *TINY, "--world-size", "0"), 2,

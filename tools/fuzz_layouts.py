@@ -98,6 +98,8 @@ def refusal(args: argparse.Namespace) -> str | None:
     problem = unusable_workdir(args.workdir)
     if problem or args.results is None:
         return problem
+    if args.dry_run:
+        return "--results records checked draws and --dry-run checks none: drop one of them"
     results = Path(args.results)
     if results.is_dir():
         return f"--results {args.results} is a directory: give a file (one JSON line per draw is appended)"
