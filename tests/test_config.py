@@ -50,6 +50,26 @@ def test_zb_v_implies_two_chunks_per_rank():
         assert j.parallel.virtual_stages == 2 and j.parallel.pipeline_schedule == "zb-v"
 
 
+def test_the_context_parallel_comm_type_is_filled_only_where_it_means_something():
+    """Left out, --cp-comm-type is p2p at cp above 1 and stays unset at cp 1 (where giving it is refused), so a
+    validated job validates again; a count of layers up to a chunk's is kept."""
+    j = validate(job(parallel=ParallelConfig(cp=2), model=GPTConfig(seq_length=16)), world_size=2)
+    assert j.parallel.cp_comm_type == "p2p" and validate(j, 2).parallel.cp_comm_type == "p2p"
+    j = validate(job(), world_size=1)
+    assert j.parallel.cp_comm_type is None and validate(j, 1).parallel.cp_comm_type is None
+    j = validate(job(parallel=ParallelConfig(pp=2), model=GPTConfig(num_layers=4, cpu_offloading=True,
+                                                                      cpu_offloading_num_layers=2)), world_size=2)
+    assert j.model.cpu_offloading_num_layers == 2
+
+
+def test_nvme_offload_with_expert_parallelism_is_accepted():
+    """docs/memory.md: with experts split over ep 2, optimizer state and parameters offload to nvme too."""
+    j = validate(job(model=GPTConfig(num_experts=4), parallel=ParallelConfig(expert_model_parallel_size=2),
+                     zero=ZeroConfig(zero_stage=3, offload_optimizer="nvme", offload_params="nvme", nvme_path="."),
+                     train=TrainConfig(micro_batch_size=1, global_batch_size=2)), world_size=2)
+    assert j.parallel.expert_model_parallel_size == 2 and j.zero.offload_params == "nvme"
+
+
 def test_validate_does_not_mutate_its_input():
     original = job(parallel=ParallelConfig(tp=2))
     validate(original, world_size=4)
@@ -95,6 +115,32 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
     (4, dict(parallel=ParallelConfig(pp=4, pipeline_schedule="zb-v"), model=GPTConfig(num_layers=8),
              train=TrainConfig(micro_batch_size=1, global_batch_size=2)),
      r"2 micro-batches per step is fewer than 4 pipeline stages, which leaves the zb-v pipeline"),
+    (2, dict(parallel=ParallelConfig(pp=2, pipeline_schedule="gpipe", num_layers_per_virtual_pipeline_stage=1),
+             model=GPTConfig(num_layers=4)),
+     r"--pipeline-schedule gpipe runs one model chunk per rank: drop --num-layers-per-virtual-pipeline-stage, or use "
+     r"a schedule with virtual stages \(interleaved or zb-v\)"),
+    (1, dict(parallel=ParallelConfig(pipeline_schedule="zb-h1")),
+     r"--pipeline-schedule zb-h1 is a zero-bubble pipeline schedule and does nothing at --pipeline-model-parallel-"
+     r"size/--pp 1: drop it, or use --pipeline-model-parallel-size/--pp 2 or more"),
+    (1, dict(parallel=ParallelConfig(pipeline_schedule="zb-v")), r"--pipeline-schedule zb-v is a zero-bubble"),
+    (1, dict(parallel=ParallelConfig(cp_comm_type="a2a")),
+     r"--cp-comm-type a2a chooses how context-parallel ranks share keys and values and does nothing at "
+     r"--context-parallel-size/--cp 1: drop it"),
+    (1, dict(parallel=ParallelConfig(cp_comm_type="p2p")), r"--cp-comm-type p2p chooses how"),
+    (2, dict(parallel=ParallelConfig(pp=2), model=GPTConfig(num_layers=4, cpu_offloading=True,
+                                                              cpu_offloading_num_layers=3)),
+     r"--cpu-offloading-num-layers 3 counts layers of each model chunk, which holds 2 \(--num-layers 4 over "
+     r"--pipeline-model-parallel-size/--pp 2\): use at most 2"),
+    (2, dict(parallel=ParallelConfig(pp=2), model=GPTConfig(num_layers=4, recompute_granularity="full",
+                                                              recompute_method="block", recompute_num_layers=3)),
+     r"--recompute-num-layers 3 counts layers of each model chunk, which holds 2"),
+    (2, dict(parallel=ParallelConfig(pp=2, num_layers_per_virtual_pipeline_stage=2),
+             model=GPTConfig(num_layers=8, recompute_granularity="full", recompute_method="uniform",
+                             recompute_num_layers=4)),
+     r"--recompute-num-layers 4 counts layers of each model chunk, which holds 2 \(--num-layers 8 over "
+     r"--pipeline-model-parallel-size/--pp 2 x 2 virtual stages\): use at most 2"),
+    (1, dict(model=GPTConfig(num_layers=4, recompute_granularity="full", recompute_method="block",
+                             recompute_num_layers=0)), r"--recompute-num-layers must be a positive integer, got 0"),
     (1, dict(zero=ZeroConfig(zero_stage=4)), r"--zero-stage must be 0, 1, 2 or 3, got 4"),
     (2, dict(zero=ZeroConfig(zero_stage=1, reduce_each_microbatch=True)),
      r"--zero2-reduce-each-microbatch applies to --zero-stage 2 only \(got 1\)"),

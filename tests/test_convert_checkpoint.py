@@ -471,3 +471,16 @@ def test_fine_tuning_an_imported_model_needs_none_of_its_settings_retyped(tmp_pa
                           "--global-batch-size", "1", "--eval-iters", "0"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0 and "iteration      2/2" in run.stdout, run.stderr[-2000:]
+
+
+def test_a_checkpoint_recomputing_every_layer_converts_to_more_stages(tmp_path):
+    """The run's recompute choice (block recompute of its 4 layers at pp 1) is no part of the weights: the
+    conversion to pp 2 (2 layers a stage, where that count would be refused) is not refused for it."""
+    cfg = GPTConfig(**MODEL, recompute_granularity="full", recompute_method="block", recompute_num_layers=4)
+    tensors = {n: p.detach()[:VOCAB] if p.vocab_padded else p.detach() for n, p in GPT(cfg, seed=3).named_parameters()}
+    write_weights_checkpoint(tmp_path / "pp1", tensors, JobConfig(model=cfg), tp=1, pp=1)
+    rc, out = _convert("--input", tmp_path / "pp1", "--output", tmp_path / "pp2", "--to", "megazero",
+                       "--target-pp", "2")
+    assert rc == 0, out
+    assert torch.equal(read_model(tmp_path / "pp2")[1]["layers.3.mlp.dense_4h_to_h.weight"],
+                       tensors["layers.3.mlp.dense_4h_to_h.weight"])

@@ -102,3 +102,128 @@ def test_the_checker_sees_what_it_should():
     assert resolves("megazero.config.validate") and not resolves("megazero.config.no_such_name")
     assert LINK.findall(text) == ["flags.md"]
     assert set(FILE.findall("zero/engine.py and schedules.py")) == {"zero/engine.py", "schedules.py"}
+
+
+# ---- every refusal docs/faults.md and docs/memory.md promise is exercised ----------------------------------
+# (page, a phrase of the promise as the page words it, how it is exercised): ("flags", argv, world, the
+# refusal's text), validated in-process by the trainer's parser and validate(); ("config", {file name: text},
+# argv with {D} for their folder, the refusal's text); ("bad input", case id of tests/test_bad_input.py) or
+# ("test", "tests/<file>.py::<function>") for a refusal only a file, a machine or a run can show.
+SMALL = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--micro-batch-size", "1", "--global-batch-size", "4"]
+REFUSALS = [
+    ("faults.md", "torchrun --nproc-per-node 3 pretrain_gpt.py --tp 2",
+     ("flags", ["--tp", "2"], 3, "world size 3 is not divisible by tp*pp = 2*1 = 2")),
+    ("faults.md", '`bf16 = "false"` is refused',
+     ("config", {"c.toml": 'bf16 = "false"\n'}, ["--config", "{D}/c.toml"], "'bf16' must be true or false")),
+    ("faults.md", "a setting given twice is refused",
+     ("config", {"c.toml": "num-layers = 4\nnum_layers = 4\n"}, ["--config", "{D}/c.toml"],
+      "'num_layers' sets what 'num-layers'")),
+    ("faults.md", "`--nvme-path` that is missing, unwritable or too small is refused",
+     ("bad input", "nvme-path-missing", "nvme-path-not-writable", "nvme-path-too-small")),
+    ("faults.md", "`--sequence-parallel` at tp 1",
+     ("flags", ["--sequence-parallel"], 1, "--sequence-parallel splits activations over the tensor-parallel ranks")),
+    ("faults.md", "MoE\nflags without `--num-experts`",
+     ("flags", ["--moe-router-topk", "1"], 1, "--num-experts")),
+    ("faults.md", "`--lr-decay-iters 0`",
+     ("flags", ["--lr-decay-iters", "0"], 1, "--lr-decay-iters must be a positive")),
+    ("faults.md", "an hpZ partition that spans nodes",
+     ("flags", ["--global-batch-size", "16", "--zero-stage", "3", "--zero-hpz-partition-size", "4",
+                "--ranks-per-node", "2"], 8, "spans nodes")),
+    ("faults.md", "a zero-bubble\n`--pipeline-schedule` (`zb-h1`, `zb-v`) at pp 1",
+     ("flags", ["--pipeline-schedule", "zb-h1"], 1, "--pipeline-schedule zb-h1 is a zero-bubble pipeline schedule")),
+    ("faults.md", "virtual pipeline stages with a schedule that runs one\nchunk per rank (`gpipe`, `zb-h1`)",
+     ("flags", ["--pp", "2", "--pipeline-schedule", "gpipe", "--num-layers-per-virtual-pipeline-stage", "1"], 2,
+      "--pipeline-schedule gpipe runs one model chunk per rank")),
+    ("faults.md", "a `--cp-comm-type` given at cp 1",
+     ("flags", ["--cp-comm-type", "a2a"], 1, "--cp-comm-type a2a chooses how context-parallel ranks")),
+    ("faults.md", "a `--recompute-num-layers` or\n`--cpu-offloading-num-layers` larger than a model chunk's layers",
+     ("flags", ["--pp", "2", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                "--recompute-num-layers", "3"], 2, "--recompute-num-layers 3 counts layers of each model chunk")),
+    ("faults.md", "a `--recompute-num-layers` or\n`--cpu-offloading-num-layers` larger than a model chunk's layers",
+     ("flags", ["--pp", "2", "--cpu-offloading", "--cpu-offloading-num-layers", "3"], 2,
+      "--cpu-offloading-num-layers 3 counts layers of each model chunk")),
+    ("faults.md", "two config files that disagree are refused naming both",
+     ("config", {"c.toml": "clip-grad = 0.5\n", "ds.json": '{"gradient_clipping": 1.0}'},
+      ["--config", "{D}/c.toml", "--deepspeed-config", "{D}/ds.json"], "--deepspeed-config {D}/ds.json")),
+    ("faults.md", "Two things are said rather than refused",
+     ("test", "tests/test_bad_input.py::test_an_empty_validation_split_is_said_at_start")),
+    ("faults.md", "a\n  second run on the same directory is refused", ("bad input", "save-locked")),
+    ("faults.md", "A save the file system refuses",
+     ("test", "tests/test_faults.py::test_a_full_disk_during_a_save_is_one_line_and_leaves_no_tmp")),
+    ("faults.md", "refuse an\n  existing output unless `--overwrite` is given",
+     ("bad input", "convert-existing-output", "preprocess-existing-output")),
+    ("faults.md", "A non-finite value anywhere refuses the save on every rank",
+     ("test", "tests/test_checkpoint.py::test_a_save_of_non_finite_state_is_refused_and_the_latest_stays")),
+    ("faults.md", "`tests/test_bad_input.py` is the table of what is refused",
+     ("test", "tests/test_bad_input.py::test_bad_input_is_refused")),
+    ("faults.md", "`tests/test_checkpoint.py` refuses saves of non-finite state",
+     ("test", "tests/test_checkpoint.py::test_a_save_of_non_finite_state_is_refused_and_the_latest_stays")),
+    ("memory.md", "`--compile`\ncompiles whole layers and takes full recompute only",
+     ("flags", ["--compile", "--recompute-granularity", "selective"], 1, "--compile compiles whole layers, which")),
+    ("memory.md", "`--compile`\ncompiles whole layers and takes full recompute only",
+     ("flags", ["--compile", "--cpu-offloading"], 1, "--compile compiles whole layers, which")),
+    ("memory.md", "Full recompute and offload together are refused",
+     ("flags", ["--recompute-activations", "--cpu-offloading"], 1,
+      "--cpu-offloading with --recompute-granularity full")),
+    ("memory.md", "The budget\nflag and a recompute or offload flag together are refused",
+     ("flags", ["--memory-budget-gib", "1", "--recompute-activations"], 1,
+      "--memory-budget-gib lets the planner choose recompute and offload; --recompute-activations chooses too")),
+    ("memory.md", "the flag and a `--profile` window over the\nlast two iterations are refused together",
+     ("bad input", "live-bytes-under-the-profiler")),
+    ("memory.md", "A missing, unwritable or too small DIR is refused",
+     ("bad input", "nvme-path-missing", "nvme-path-not-writable", "nvme-path-too-small")),
+]
+
+
+def trainer_refusal(argv: list[str], world: int) -> str | None:
+    """The trainer's one-line refusal of ``argv`` at ``world`` ranks (parser and validate(), in this process),
+    or None when it is accepted."""
+    import contextlib
+    import io
+
+    from megazero.cli.arguments import build_parser
+    from megazero.cli.job import job_from_args
+
+    parser, err = build_parser(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            job_from_args(parser, parser.parse_args(argv), world)
+    except SystemExit:
+        lines = err.getvalue().strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+    return None
+
+
+@pytest.mark.parametrize("page,phrase,how", REFUSALS, ids=[f"{p}:{h[0]}:{i}" for i, (p, _, h) in enumerate(REFUSALS)])
+def test_every_refusal_a_page_promises_happens(page, phrase, how, tmp_path):
+    assert phrase in (ROOT / "docs" / page).read_text(), f"{page} no longer says {phrase!r}: update the table"
+    kind = how[0]
+    if kind in ("flags", "config"):
+        if kind == "flags":
+            argv, world, expected = [*SMALL, *how[1]], how[2], how[3]
+        else:
+            for name, text in how[1].items():
+                (tmp_path / name).write_text(text)
+            argv, world, expected = [*SMALL, *(a.replace("{D}", str(tmp_path)) for a in how[2])], 1, \
+                how[3].replace("{D}", str(tmp_path))
+        refusal = trainer_refusal(argv, world)
+        assert refusal is not None and expected in refusal, (argv, refusal)
+    elif kind == "bad input":
+        table = (ROOT / "tests" / "test_bad_input.py").read_text()
+        assert all(f'("{case}",' in table for case in how[1:]), how
+    else:
+        file, _, function = how[1].partition("::")
+        assert re.search(rf"^def {function}\(", (ROOT / file).read_text(), re.MULTILINE), how
+
+
+def test_every_refusal_a_page_states_is_in_the_table():
+    """Each paragraph or list item of docs/faults.md and docs/memory.md that says something is refused holds
+    a phrase of the table above, so a new promise comes with its check."""
+    for page in ("faults.md", "memory.md"):
+        phrases = [phrase for p, phrase, _ in REFUSALS if p == page]
+        blocks = re.split(r"\n\s*\n|\n(?=\s*- )", (ROOT / "docs" / page).read_text())
+        untested = [b.strip()[:80] for b in blocks
+                    if re.search(r"\brefus", b) and not any(phrase in b for phrase in phrases)]
+        assert not untested, (page, untested)

@@ -119,7 +119,7 @@ def test_groups_follow_megatrons_methods():
 @pytest.mark.parametrize("kw,message", [
     (dict(recompute_granularity="full"), "--recompute-granularity full needs --recompute-method"),
     (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=9),
-     "--recompute-num-layers must be between 1 and --num-layers 4"),
+     "--recompute-num-layers 9 counts layers of each model chunk, which holds 4"),
     (dict(recompute_granularity="selective", recompute_num_layers=1), "apply with --recompute-granularity full"),
     (dict(recompute_modules=["mlp"]), "apply with --recompute-granularity: add it"),
     (dict(recompute_activations=True, recompute_granularity="selective"), "--recompute-activations is full"),

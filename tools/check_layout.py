@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from megazero.errors import ConfigError
-from tools.fuzz.checker import check
+from tools.fuzz.checker import check, unusable_workdir
 from tools.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS
 from tools.fuzz.scale import scale_down
 
@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None, launch=None) -> int:
     p.add_argument("--workdir", help="where the runs go (default: a temporary directory)")
     p.add_argument("--launcher", choices=sorted(LAUNCHERS), default=DEFAULT_LAUNCHER, help=LAUNCHER_HELP)
     args = p.parse_args(own)
+    if args.world_size is not None and args.world_size < 1:
+        p.error(f"--world-size must be >= 1, got {args.world_size}")
+    problem = unusable_workdir(args.workdir)
+    if problem:
+        p.error(problem)
     try:
         d, notes = scale_down(plan, args.world_size)
     except ConfigError as e:

@@ -21,6 +21,7 @@ megazero's on the written weights and compares their logits and tokenizers (docs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ from megazero.checkpoint.hf_compare import DEFAULT_TEXT, Comparison, compare_wit
 from megazero.checkpoint.hf_tokenizer import tokenizer_of
 from megazero.checkpoint.offline import read_model, saved_job, write_weights_checkpoint
 from megazero.config import JobConfig, ParallelConfig, flag, validate
+from megazero.config.model import ACTIVATION_MEMORY_FIELDS
 from megazero.errors import (
     CheckpointError,
     ConfigError,
@@ -111,9 +113,11 @@ def convert(args: argparse.Namespace) -> tuple[Path, Comparison | None]:
     else:
         _, tensors, index = read_model(src)
         job = saved_job(index)
-    try:       # the model at the target layout, by the trainer's own rules
-        layout = ParallelConfig(tp=args.target_tp, pp=args.target_pp)
-        validate(JobConfig(model=job.model, parallel=layout), args.target_tp * args.target_pp)
+    try:       # the model at the target layout, by the trainer's own rules; how a run keeps its activations
+        layout = ParallelConfig(tp=args.target_tp, pp=args.target_pp)          # is that run's, not the weights'
+        kept = {f.name: f.default for f in dataclasses.fields(job.model) if f.name in ACTIVATION_MEMORY_FIELDS}
+        validate(JobConfig(model=dataclasses.replace(job.model, **kept), parallel=layout),
+                 args.target_tp * args.target_pp)
     except ConfigError as e:
         raise CheckpointError(str(e).replace(flag("tp"), "--target-tp").replace(flag("pp"), "--target-pp")) from None
     tensors = {k: v.to(dtype) for k, v in tensors.items()}

@@ -23,6 +23,8 @@ import sys
 from megazero.cli.arguments import build_parser
 from megazero.cli.job import job_from_args
 from megazero.cli.plan import plan_memory
+from megazero.config.fields import FLAG
+from megazero.config.train import planner_conflict
 from megazero.memory.estimate import estimate_memory, paper_model_states
 
 MIB = 2 ** 20
@@ -39,8 +41,24 @@ def parse(argv=None):
                       help="pick the cheapest recompute / offload plan whose peak per rank fits X GiB "
                            "(megazero/memory/planner.py), print it with the plans it rejected, and estimate it")
     args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
     job = job_from_args(parser, args, args.world_size)
+    if args.fit_gib is not None:
+        refusal = fit_refusal(job, args.fit_gib)
+        if refusal:
+            parser.error(refusal)
     return plan_memory(job, args.world_size, parser.prog), args
+
+
+def fit_refusal(job, fit_gib: float) -> str | None:
+    """Why ``--fit-gib`` cannot plan this job (a budget that is not positive, a second budget, the job's own
+    recompute or offload flags), or None."""
+    if not fit_gib > 0:
+        return f"--fit-gib must be > 0, got {fit_gib}"
+    if job.train.memory_budget_gib is not None:
+        return f"--fit-gib and {FLAG.memory_budget_gib} both ask the memory planner for a plan: keep one"
+    return planner_conflict(job.model, "--fit-gib")
 
 
 def recompute_words(m) -> str:
@@ -69,9 +87,6 @@ def plan(job, args) -> object:
     """``--fit-gib``: the job with the chosen plan, after printing the plans tried; None when none fits."""
     from megazero.memory.planner import GIB, NoPlanFits, describe, fit, with_plan
 
-    if not args.fit_gib or args.fit_gib <= 0:
-        print(f"tools/estimate_memory.py: error: --fit-gib must be > 0, got {args.fit_gib}", file=sys.stderr)
-        return None
     try:
         chosen, rejected = fit(job, args.fit_gib * GIB, args.world_size, args.device)
     except NoPlanFits as e:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tools.fuzz.checker import check
+from tools.fuzz.checker import check, unusable_workdir
 from tools.fuzz.coverage import Coverage, allowed_pairs, most_covering
 from tools.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS
 
@@ -43,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, help="start no draw after this many minutes (a campaign sized by "
                                                  "the time the machine gives); the summary covers the draws run")
     args = p.parse_args(argv)
-    if args.draws < 1 or args.candidates < 1:
-        p.error("--draws and --candidates must be >= 1")
+    problem = refusal(args)
+    if problem:
+        p.error(problem)
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="megazero-fuzz-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -81,6 +83,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  seed {r.draw.seed}: {r.first_difference or r.error}\n    reproduce: "
               f"python -m tools.fuzz_layouts --seed {r.draw.seed} --draws 1")
     return 1 if failures else 0
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why the campaign's arguments cannot run as given (a count that is not positive, a time limit that
+    starts no draw, a work directory or results file that cannot be written), said before any draw; or None."""
+    for name in ("draws", "candidates"):
+        if getattr(args, name) < 1:
+            return f"--{name} must be >= 1, got {getattr(args, name)}"
+    if args.reference_samples < 0:
+        return f"--reference-samples must be >= 0 (0: no pairwise estimate), got {args.reference_samples}"
+    if args.minutes is not None and not args.minutes > 0:
+        return f"--minutes must be > 0 (the time within which draws start), got {args.minutes}"
+    problem = unusable_workdir(args.workdir)
+    if problem or args.results is None:
+        return problem
+    if args.dry_run:
+        return "--results records checked draws and --dry-run checks none: drop one of them"
+    results = Path(args.results)
+    if results.is_dir():
+        return f"--results {args.results} is a directory: give a file (one JSON line per draw is appended)"
+    folder = results.parent if str(results.parent) else Path(".")
+    if not folder.is_dir():
+        return f"--results {args.results}: the folder {folder} does not exist: create it or give another path"
+    if not os.access(results if results.exists() else folder, os.W_OK):
+        return f"--results {args.results} is not writable: give a file you can write"
+    return None
 
 
 if __name__ == "__main__":

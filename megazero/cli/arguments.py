@@ -359,10 +359,15 @@ def megatron_reference_markdown() -> str:
 
 
 def _value_kind(kwargs: dict) -> str:
+    """The value column: a switch, the choices offered, or the kind of number or text. A flag whose metavar
+    lists values (``{p2p,a2a,allgather}``) offers those: its parser takes more, each refused by name
+    (Megatron-LM's values not built here)."""
     if kwargs.get("action") is not None:
         return "switch"
     if kwargs.get("choices") is not None:
-        return " / ".join(f"`{c}`" for c in kwargs["choices"])
+        metavar = kwargs.get("metavar") or ""
+        offered = metavar[1:-1].split(",") if metavar.startswith("{") else kwargs["choices"]
+        return " / ".join(f"`{c}`" for c in offered)
     kind = {int: "integer", float: "number"}.get(kwargs.get("type"), "text")
     return f"{kind}..." if kwargs.get("nargs") == "+" else kind
 

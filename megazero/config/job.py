@@ -121,6 +121,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     job.parallel.check(world_size)
     job.model.check(job.parallel)
     job.parallel.check_layers(job.model.num_layers)
+    job.model.check_chunk_layers(job.parallel)
     check_family(job)
     job.train.check(job.parallel, job.model)
     job.precision.check()

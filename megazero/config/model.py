@@ -251,14 +251,26 @@ class ModelConfig:
                 fail(f"{FLAG.cpu_offloading_num_layers} must be a positive integer, got "
                      f"{self.cpu_offloading_num_layers}")
 
+    def check_chunk_layers(self, parallel) -> None:
+        """The per-chunk layer counts of the recompute and activation-offload flags fit a model chunk
+        (``parallel``: after :meth:`~megazero.config.parallel.ParallelConfig.check_layers`, which fills
+        ``virtual_stages``): counting past a chunk's last layer means nothing."""
+        chunk = self.num_layers // (parallel.pp * parallel.virtual_stages)
+        where = (f"{FLAG.num_layers} {self.num_layers} over {FLAG.pp} {parallel.pp}"
+                 + (f" x {parallel.virtual_stages} virtual stages" if parallel.virtual_stages > 1 else ""))
+        for name in ("recompute_num_layers", "cpu_offloading_num_layers"):
+            n = getattr(self, name)
+            if n is not None and n > chunk:
+                fail(f"{flag(name)} {n} counts layers of each model chunk, which holds {chunk} ({where}): "
+                     f"use at most {chunk}")
+
     def _check_full_recompute(self) -> None:
         if self.recompute_method is None or self.recompute_num_layers is None:
             fail(f"{FLAG.recompute_granularity} full needs {FLAG.recompute_method} (uniform or block) and "
                  f"{FLAG.recompute_num_layers} N (or use {FLAG.recompute_activations} for every layer)")
         one_of(self, "recompute_method")
-        if not isinstance(self.recompute_num_layers, int) or not 1 <= self.recompute_num_layers <= self.num_layers:
-            fail(f"{FLAG.recompute_num_layers} must be between 1 and {FLAG.num_layers} {self.num_layers}, got "
-                 f"{self.recompute_num_layers}")
+        if not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
+            fail(f"{FLAG.recompute_num_layers} must be a positive integer, got {self.recompute_num_layers}")
         if self.recompute_modules:
             fail(f"{FLAG.recompute_modules} applies with {FLAG.recompute_granularity} selective; full recompute "
                  f"recomputes every module of the chosen layers")

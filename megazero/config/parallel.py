@@ -15,8 +15,10 @@ from megazero.config.rules import fail, one_of, positive
 from megazero.ranks import parse_order
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v")
-CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")     # Megatron's --cp-comm-type values
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")     # Megatron's --cp-comm-type values (the parser's choices)
 BUILT_CP_COMM_TYPES = ("p2p", "a2a", "allgather")          # of those, built here; a2a+p2p is refused by name
+ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zb-v")
+VIRTUAL_STAGE_SCHEDULES = ("interleaved", "zb-v")           # the schedules that run several chunks per rank
 BACKENDS = ("gloo", "nccl")
 
 _PAR = "parallelism"
@@ -37,17 +39,19 @@ class ParallelConfig:
     cp: int = flag_field(1, "--context-parallel-size", "--cp", type=int, group=_PAR,
                          help="context-parallel size: ranks that split each sequence (2 chunks each, causal "
                               "load balancing)")
-    cp_comm_type: str = flag_field("p2p", "--cp-comm-type", choices=CP_COMM_TYPES, group=_PAR,
-                                   help="context-parallel attention: p2p (ring), a2a (Ulysses all-to-all), "
-                                        "allgather (gather keys/values)")
+    cp_comm_type: str | None = flag_field(
+        None, "--cp-comm-type", choices=CP_COMM_TYPES, metavar="{" + ",".join(BUILT_CP_COMM_TYPES) + "}", group=_PAR,
+        help="context-parallel attention (default p2p; with --context-parallel-size above 1): p2p (ring), a2a "
+             "(Ulysses all-to-all), allgather (gather keys/values); Megatron's a2a+p2p is not built and is refused")
     num_layers_per_virtual_pipeline_stage: int | None = flag_field(
         None, "--num-layers-per-virtual-pipeline-stage", type=int, group=_PAR,
         help="interleaved 1F1B: layers per model chunk")
     pipeline_schedule: str = flag_field(
         "1f1b", "--pipeline-schedule", choices=SCHEDULES, group=_PAR,
-        help="interleaved is implied by virtual pipeline stages; zb-h1: zero-bubble ZB-H1 (1F1B's memory, a third "
-             "of its bubble); zb-v: zero-bubble ZB-V (two chunks per rank in a V, 1F1B's memory, about half ZB-H1's "
-             "bubble)")
+        help="interleaved is implied by virtual pipeline stages (gpipe and zb-h1 run one chunk per rank and refuse "
+             "them); zb-h1: zero-bubble ZB-H1 (1F1B's memory, a third of its bubble); zb-v: zero-bubble ZB-V (two "
+             "chunks per rank in a V, 1F1B's memory, about half ZB-H1's bubble); the zero-bubble ones need pp 2 or "
+             "more")
     sequence_parallel: bool = flag_field(False, "--sequence-parallel", action="store_true", group=_PAR,
                                          help="split the activations outside the tensor-parallel regions "
                                               "along the sequence over the tp ranks")
@@ -75,7 +79,7 @@ class ParallelConfig:
         positive(self.pp, "pp")
         positive(self.cp, "cp")
         positive(self.expert_model_parallel_size, "expert_model_parallel_size")
-        one_of(self, "cp_comm_type")
+        self._check_cp_comm_type()
         self._fill_dp(world_size)
         if not self.distributed_timeout_minutes > 0:
             fail(f"{FLAG.distributed_timeout_minutes} must be > 0, got {self.distributed_timeout_minutes}")
@@ -87,13 +91,25 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp < 2:
             fail(f"{FLAG.sequence_parallel} splits activations over the tensor-parallel ranks and does nothing at "
                  f"{FLAG.tp} {self.tp}: drop it, or use {FLAG.tp} 2 or more")
-        if self.cp_comm_type not in BUILT_CP_COMM_TYPES:
-            fail(f"{FLAG.cp_comm_type} {self.cp_comm_type} is not built: use p2p (ring), a2a (Ulysses) or allgather")
         ep, cp = self.expert_model_parallel_size, self.cp
         if self.dp_x_cp % ep:
             over = f"data-parallel size {self.dp}" if cp == 1 else f"dp x cp = {self.dp} x {cp} = {self.dp_x_cp}"
             fail(f"{over} is not divisible by {FLAG.expert_model_parallel_size} {ep}: expert groups are carved out "
                  f"of the data{'' if cp == 1 else ' x context'}-parallel group; choose EP dividing {self.dp_x_cp}")
+
+    def _check_cp_comm_type(self) -> None:
+        """A given ``--cp-comm-type`` is a built one and has a split sequence to act on (at cp 1 it means
+        nothing); fills the default, p2p, where there is one (cp above 1; at cp 1 it stays None, so a
+        validated job validates again)."""
+        if self.cp_comm_type is None:
+            self.cp_comm_type = "p2p" if self.cp > 1 else None
+            return
+        one_of(self, "cp_comm_type")
+        if self.cp_comm_type not in BUILT_CP_COMM_TYPES:
+            fail(f"{FLAG.cp_comm_type} {self.cp_comm_type} is not built: use p2p (ring), a2a (Ulysses) or allgather")
+        if self.cp == 1:
+            fail(f"{FLAG.cp_comm_type} {self.cp_comm_type} chooses how context-parallel ranks share keys and values "
+                 f"and does nothing at {FLAG.cp} 1: drop it, or use {FLAG.cp} 2 or more")
 
     def _fill_dp(self, world: int) -> None:
         mp = self.tp * self.cp * self.pp
@@ -116,12 +132,16 @@ class ParallelConfig:
         one_of(self, "pipeline_schedule")
         per_virtual = self.num_layers_per_virtual_pipeline_stage
         virtual = FLAG.num_layers_per_virtual_pipeline_stage
-        if self.pipeline_schedule == "zb-v" and self.pp > 1:      # at pp = 1 every schedule is no pipelining
+        if self.pipeline_schedule in ZERO_BUBBLE_SCHEDULES and self.pp < 2:
+            fail(f"{FLAG.pipeline_schedule} {self.pipeline_schedule} is a zero-bubble pipeline schedule and does "
+                 f"nothing at {FLAG.pp} {self.pp}: drop it, or use {FLAG.pp} 2 or more")
+        if self.pipeline_schedule == "zb-v":
             self._check_zb_v(num_layers)
         elif per_virtual is not None:
             positive(per_virtual, "num_layers_per_virtual_pipeline_stage")
-            if self.pipeline_schedule == "zb-h1":
-                fail(f"{FLAG.pipeline_schedule} zb-h1 runs one model chunk per rank: drop {virtual}")
+            if self.pipeline_schedule in ("gpipe", "zb-h1"):
+                fail(f"{FLAG.pipeline_schedule} {self.pipeline_schedule} runs one model chunk per rank: drop "
+                     f"{virtual}, or use a schedule with virtual stages ({' or '.join(VIRTUAL_STAGE_SCHEDULES)})")
             if self.pp < 2:
                 fail(f"{virtual} needs {FLAG.pp} >= 2 (got {self.pp}): drop it or use pipeline parallelism")
             if num_layers % (self.pp * per_virtual):

@@ -49,11 +49,9 @@ class TrainConfig:
         positive(self.micro_batch_size, "micro_batch_size")
         if self.memory_budget_gib is not None:
             positive_float(self.memory_budget_gib, "memory_budget_gib")
-            given = [name for name in ACTIVATION_MEMORY_FIELDS
-                     if model is not None and getattr(model, name) not in (None, False) and name != "recompute_modules"]
-            if given:
-                fail(f"{FLAG.memory_budget_gib} lets the planner choose recompute and offload; {flag(given[0])} "
-                     f"chooses too: drop one of them")
+            conflict = model is not None and planner_conflict(model, FLAG.memory_budget_gib)
+            if conflict:
+                fail(conflict)
         steps = self.gradient_accumulation_steps              # no flag: a DeepSpeed or Accelerate config sets it
         if steps is not None:
             if steps < 1:
@@ -102,3 +100,14 @@ class TrainConfig:
         if self.train_iters < 1:
             fail(f"{FLAG.train_samples} {self.train_samples} is less than one {FLAG.global_batch_size} "
                  f"({self.global_batch_size}): no iteration to train")
+
+
+def planner_conflict(model: ModelConfig, budget: str) -> str | None:
+    """Why a memory budget (``budget``: the flag that gave it) cannot stand beside ``model``'s recompute or
+    activation-offload flags -- the planner chooses those, so two sources would decide the same thing --
+    or None when the model gives none."""
+    given = [name for name in ACTIVATION_MEMORY_FIELDS
+             if getattr(model, name) not in (None, False) and name != "recompute_modules"]
+    if not given:
+        return None
+    return f"{budget} lets the planner choose recompute and offload; {flag(given[0])} chooses too: drop one of them"

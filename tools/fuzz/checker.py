@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -267,6 +268,20 @@ def tensor_difference(name: str, got: torch.Tensor, want: torch.Tensor, tol: Tol
         if rest > tol.rest_rtol:
             return "", float(got.norm()), float(want.norm()), \
                 f"(norms; the {want.numel() - n_out} elements within bound differ by {rest:.1e} > {tol.rest_rtol:g})"
+    return None
+
+
+def unusable_workdir(workdir: str | None) -> str | None:
+    """Why ``--workdir`` cannot hold the runs (a file, or a directory that cannot be created or written),
+    said before any draw trains; None when it can (or is not given: a temporary directory is made)."""
+    if workdir is None:
+        return None
+    path = Path(workdir)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"--workdir {workdir}: {existing} is a file, not a directory: give a directory (made when missing)"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--workdir {workdir}: {existing} is not writable: give a directory you can write"
     return None
 
 

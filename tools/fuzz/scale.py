@@ -78,10 +78,11 @@ def _read_plan(argv: list[str], world_size: int | None) -> tuple[dict, object, l
         raise ConfigError("check_layout takes the plan's flags; give the config file's settings as flags")
     plan, _ = flag_values(args)
     tp, pp, cp = plan.get("parallel.tp", 1), plan.get("parallel.pp", 1), plan.get("parallel.cp", 1)
-    dp = plan.get("parallel.dp") or (world_size // (tp * cp * pp) if world_size else None)
-    if dp is None:
+    if world_size is None and plan.get("parallel.dp") is None:
         raise ConfigError("the plan gives no --dp: pass --world-size (its number of processes)")
-    full = parse_and_validate(argv if plan.get("parallel.dp") else [*argv, "--dp", str(dp)], tp * cp * pp * dp)
+    world = world_size if world_size is not None else tp * cp * pp * plan["parallel.dp"]
+    full = parse_and_validate(argv, world)          # the trainer's own refusals, the world size's among them
+    dp = full.parallel.dp
     notes = [f"plan: {tp * cp * pp * dp} ranks (tp {tp}, {f'cp {cp}, ' if cp > 1 else ''}pp {pp}, dp {dp}), "
              f"{full.model.num_layers} layers, hidden "
              f"{full.model.hidden_size}, vocab {full.model.vocab_size}, sequence {full.model.seq_length}"]
