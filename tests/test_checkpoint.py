@@ -466,12 +466,13 @@ def test_a_clean_release_leaves_nothing_to_take_over_and_a_crashed_holder_is_nam
     third.release()
 
 
-@pytest.mark.parametrize("what", ["deleted", "lock deleted", "replaced", "deleted before the commit"])
+@pytest.mark.parametrize("what", ["deleted", "lock deleted", "replaced", "deleted before the commit",
+                                  "deleted as written"])
 def test_a_save_into_a_deleted_or_replaced_save_directory_writes_nothing(what, tmp_path):
     """``--save`` deleted (or its ``.lock``, or replaced by another run's directory) under a run: its next
     save stops with one line naming ``--save`` and what happened, before writing anything (the deleted
     directory is not made again; the other run's directory gains nothing); so does a deletion while
-    the save is written, before its commit."""
+    the save is written (caught before the commit, or by its files vanishing before the lock does)."""
     import megazero.checkpoint.distributed as distributed
     from megazero.checkpoint.distributed import write_planned
     from megazero.checkpoint.lock import SaveDirectoryLost, SaveLock
@@ -488,6 +489,8 @@ def test_a_save_into_a_deleted_or_replaced_save_directory_writes_nothing(what, t
         other = SaveLock.acquire(save)                 # a second run takes the new directory
     if what == "deleted before the commit":
         distributed._write_rank_files = lambda plan: (real(plan), shutil.rmtree(save))
+    if what == "deleted as written":                    # rmtree reached the save's files, not yet .lock
+        distributed._write_rank_files = lambda plan: (shutil.rmtree(plan.tmp), real(plan))
     try:
         with pytest.raises(SaveDirectoryLost) as e:
             write_planned(_tiny_plan(save, 10), torch.device("cpu"), lock=lock)
@@ -495,14 +498,16 @@ def test_a_save_into_a_deleted_or_replaced_save_directory_writes_nothing(what, t
         distributed._write_rank_files = real
     said = {"deleted": "was deleted while this run was using it", "deleted before the commit": "was deleted",
             "lock deleted": "lost its .lock while this run was using it",
-            "replaced": "was replaced while this run was using it (its .lock is another file"}[what]
+            "replaced": "was replaced while this run was using it (its .lock is another file",
+            "deleted as written": "is being deleted while this run uses it (.iter_0000010.tmp vanished"}[what]
     assert str(e.value).startswith(f"--save {save} {said}"), str(e.value)
     assert "iter_0000010 is not written there and the run stops" in str(e.value)
-    if what.startswith("deleted"):
+    if what in ("deleted", "deleted before the commit"):
         assert not save.exists()
     else:
-        assert sorted(p.name for p in save.iterdir()) == (
-            [".lock"] if what == "replaced" else ["iter_0000005", "latest_checkpointed_iteration.txt"])
+        kept = {"replaced": [".lock"], "lock deleted": ["iter_0000005", "latest_checkpointed_iteration.txt"],
+                "deleted as written": [".lock", "iter_0000005", "latest_checkpointed_iteration.txt"]}[what]
+        assert sorted(p.name for p in save.iterdir()) == kept
     if other is not None:
         assert other.path.read_text().startswith(f"pid {os.getpid()} ")    # its holder line untouched
         other.release()

@@ -32,7 +32,7 @@ import torch
 from megazero.checkpoint import format as fmt
 from megazero.checkpoint.agree import raise_first_error
 from megazero.checkpoint.finite import first_nonfinite, first_over_ranks
-from megazero.checkpoint.lock import SaveDirectoryLost, SaveLock
+from megazero.checkpoint.lock import SaveDirectoryLost, SaveLock, directory_lost
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.regions import numel
 from megazero.checkpoint.rng_state import capture_rng_state, restore_rng_state
@@ -246,6 +246,17 @@ def _lost(lock: SaveLock | None, final: Path) -> SaveDirectoryLost | None:
     return None
 
 
+def _vanished(plan: SavePlan, error: BaseException) -> SaveDirectoryLost | None:
+    """On rank 0, which made the temporary directory and its subdirectories, the error of a save whose
+    files vanished as they were written (``--save`` being deleted, its lock file not yet); None for any
+    other failure, and on other ranks (there a missing directory can also be a ``--save`` that is not
+    on a shared file system)."""
+    if plan.rank == 0 and isinstance(error, FileNotFoundError):
+        return directory_lost(plan.save_dir, f"is being deleted while this run uses it ({plan.tmp.name} vanished "
+                              f"as it was written)", plan.final.name)
+    return None
+
+
 def _write_and_commit(plan: SavePlan, device, group, lock: SaveLock | None) -> Path:
     tmp, final, error = plan.tmp, plan.final, None
     if plan.rank == 0:
@@ -261,7 +272,7 @@ def _write_and_commit(plan: SavePlan, device, group, lock: SaveLock | None) -> P
     try:
         _write_rank_files(plan)
     except Exception as e:  # noqa: BLE001 - re-raised by _agree after every rank has reported
-        error = _lost(lock, final) or e                 # a directory deleted mid-write: say that
+        error = _lost(lock, final) or _vanished(plan, e) or e       # a directory deleted mid-write: say that
     _agree(error is None, f"saving {final}", error, device, group)
     if plan.rank == 0:
         try:
@@ -269,7 +280,7 @@ def _write_and_commit(plan: SavePlan, device, group, lock: SaveLock | None) -> P
             if error is None:
                 _commit(plan.save_dir, tmp, final, plan.world_size, plan.index)
         except Exception as e:  # noqa: BLE001 - re-raised by _agree after every rank has reported
-            error = e
+            error = _lost(lock, final) or _vanished(plan, e) or e
     _agree(error is None, f"committing {final}", error, device, group)
     return final
 

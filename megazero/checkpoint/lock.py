@@ -31,6 +31,14 @@ class SaveDirectoryLost(CheckpointError):
     this run's to write or tidy any more."""
 
 
+def directory_lost(save_dir: str | os.PathLike, what: str, checkpoint: str) -> SaveDirectoryLost:
+    """The one line of a run that stops because ``--save`` ``what`` (``was deleted while ...``) before
+    ``checkpoint`` was written."""
+    return SaveDirectoryLost(f"{FLAG.save} {save_dir} {what}: {checkpoint} is not written there and the run stops; "
+                             f"start again with another {FLAG.save} directory (or put this one back and resume it "
+                             f"with {FLAG.load})")
+
+
 class SaveLock:
     """Held while the object lives (or until :meth:`release`)."""
 
@@ -74,9 +82,7 @@ class SaveLock:
                 "was deleted while this run was using it" if not save.is_dir() else
                 f"lost its {LOCK} while this run was using it" if now is None else
                 f"was replaced while this run was using it (its {LOCK} is another file, perhaps another run's)")
-        raise SaveDirectoryLost(f"{FLAG.save} {save} {what}: {checkpoint} is not written there and the run stops; "
-                                f"start again with another {FLAG.save} directory (or put this one back and resume "
-                                f"it with {FLAG.load})")
+        raise directory_lost(save, what, checkpoint)
 
     def release(self) -> None:
         """Clear the holder line (a clean end: the next run has nothing to take over) and unlock."""
