@@ -1,9 +1,9 @@
-"""The trainer's entry point: parse -> preflight -> plan -> build -> train, and how a run ends.
+"""The trainer's entry point: parse -> plan -> preflight (last, --save's lock) -> build -> train; how a run ends.
 
 ``pretrain_gpt.py`` calls :func:`main_process`; a launcher that forks ranks (tests, the layout fuzzer)
 calls :func:`run_program` and then :func:`exit_process`. Every step before the process groups refuses
-bad input with one line and status 2 (:mod:`megazero.cli.job`, :mod:`megazero.cli.preflight`,
-:mod:`megazero.cli.plan`); :mod:`megazero.cli.run` builds the run and trains it. The error policy is
+bad input with one line and status 2 (:mod:`megazero.cli.job`, :mod:`megazero.cli.plan`,
+:mod:`megazero.cli.preflight`); :mod:`megazero.cli.run` builds the run and trains it. The error policy is
 here, decided by the error's class (:mod:`megazero.errors`):
 
 =========================================  ========  ===================================================
