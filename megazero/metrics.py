@@ -23,6 +23,12 @@ def wandb_missing() -> str:
     return f"{FLAG.wandb_project} needs the wandb package, which is not installed: pip install wandb"
 
 
+def tensorboard_missing() -> str:
+    """What a run with ``--tensorboard-dir`` says where tensorboard is not installed."""
+    return (f"{FLAG.tensorboard_dir} needs the tensorboard package, which is not installed: "
+            f"pip install 'megazero[tensorboard]'")
+
+
 def timestamp() -> str:
     """The local time of day with its UTC offset, to the second (ISO 8601: ``2025-05-01T14:03:59+02:00``)."""
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -93,9 +99,8 @@ class MetricsLog:
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:  # tensorboard is an optional extra
-                raise SystemExit(f"{FLAG.tensorboard_dir} needs the tensorboard package: "
-                                 "pip install 'megazero[tensorboard]'") from e
+            except ImportError as e:  # the preflight said it before any process group; a library caller here
+                raise SystemExit(tensorboard_missing()) from e
             self._tb = SummaryWriter(tensorboard_dir)
 
     def print(self, text: str) -> None:

@@ -1,7 +1,8 @@
 """``--async-save`` end to end: the background save writes what a synchronous one writes (bitwise), even
 while training changes the live tensors; a run resumed from it equals the uninterrupted run; a
 SIGKILL during the background write leaves the previous checkpoint the latest and loadable; a failed
-background write stops the run with one line at the next wait. The writer is made slow or failing
+background write removes its temporary directory and stops the run with one line at the next wait; a
+``--save`` directory deleted under the run is not written again. The writer is made slow or failing
 inside the spawned processes only (a patched ``write_pieces``), never through the package."""
 from __future__ import annotations
 
@@ -184,10 +185,11 @@ def test_a_failed_background_write_stops_the_run_with_one_line(tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last == (f"pretrain_gpt.py: error: the background save of {save}/iter_0000002 failed: OSError: "
-                    f"[Errno 28] No space left on device (a test)"), last
+    assert last == (f"pretrain_gpt.py: error: the background save of {save}/iter_0000002 failed: No space left on "
+                    f"device (a test) (free space there or save elsewhere); the half-written .iter_0000002.tmp was "
+                    f"removed and the previous checkpoint, if any, stays the latest"), last
     assert "saving checkpoint" in out and " iteration      3/6" in out      # training went on meanwhile
-    assert latest_iteration(save) is None
+    assert latest_iteration(save) is None and sorted(p.name for p in save.iterdir()) == [".lock"]
 
 
 @pytest.mark.slow
@@ -216,3 +218,65 @@ def test_ten_sigkills_at_random_moments_of_background_saves_always_leave_a_loada
         assert index["iteration"] == latest and tensors, kill
         recover(save)
         assert not list(save.glob(".*.tmp")), kill
+
+
+def _one_piece_plan(save_dir: Path, iteration: int):
+    """A one-piece, one-rank save plan (host tensors): what the background thread writes, without a model."""
+    import torch
+
+    from megazero.checkpoint.distributed import SavePlan
+    from megazero.checkpoint.format import iter_dir_name
+
+    piece = ("model/w", [4], [[0, 4]], (0, 4), torch.arange(4.0) + iteration)
+    return SavePlan(save_dir, save_dir / iter_dir_name(iteration), 0, 1, [piece], {}, {"iteration": iteration,
+                                                                                        "tensors": {}})
+
+
+def test_a_background_save_that_fails_midway_leaves_no_temporary(tmp_path, monkeypatch):
+    """In-process: a background write refused after part of its files (no space) removes its
+    ``.iter_*.tmp``; the wait says what failed; the earlier checkpoint stays the latest, whole."""
+    import megazero.checkpoint.distributed as distributed
+    from megazero.checkpoint.async_save import AsyncCheckpointWriter
+    from megazero.errors import CheckpointError
+
+    save, writer = tmp_path / "run", AsyncCheckpointWriter()
+    writer.start(_one_piece_plan(save, 2))
+    writer.wait()
+    before = _files(save / "iter_0000002")
+    real = distributed.write_pieces
+
+    def fills_the_disk(path, *args, **kwargs):
+        real(path, *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(distributed, "write_pieces", fills_the_disk)
+    writer.start(_one_piece_plan(save, 4))
+    with pytest.raises(CheckpointError) as e:
+        writer.wait()
+    assert str(e.value) == (f"the background save of {save}/iter_0000004 failed: No space left on device (free "
+                            f"space there or save elsewhere); the half-written .iter_0000004.tmp was removed and "
+                            f"the previous checkpoint, if any, stays the latest")
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert latest_iteration(save) == 2 and _files(save / "iter_0000002") == before
+
+
+def test_a_background_save_into_a_deleted_save_directory_writes_nothing(tmp_path):
+    """In-process: ``--save`` deleted while the run holds its lock: the next background save does not
+    make the directory again, and the wait stops the run with one line naming ``--save``."""
+    from megazero.checkpoint.async_save import AsyncCheckpointWriter
+    from megazero.checkpoint.lock import SaveLock
+    from megazero.errors import CheckpointError
+
+    save = tmp_path / "run"
+    lock = SaveLock.acquire(save)
+    writer = AsyncCheckpointWriter(lock=lock)
+    writer.start(_one_piece_plan(save, 2))
+    writer.wait()
+    shutil.rmtree(save)
+    writer.start(_one_piece_plan(save, 4))
+    with pytest.raises(CheckpointError) as e:
+        writer.wait()
+    assert str(e.value).startswith(f"the background save of {save}/iter_0000004 failed: --save {save} was deleted "
+                                   f"while this run was using it: iter_0000004 is not written there"), str(e.value)
+    assert not save.exists()
+    lock.release()

@@ -470,3 +470,105 @@ def test_a_save_of_non_finite_state_is_refused_and_the_latest_stays(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     reader = CheckpointReader(tmp_path / "iter_0000001")
     assert all(bool(reader.read_full(k).isfinite().all()) for k in reader.tensors)
+
+
+def _tiny_plan(save_dir: Path, iteration: int):
+    """A one-piece, one-rank save plan: what :func:`write_planned` writes, without a model."""
+    from megazero.checkpoint.distributed import SavePlan
+    from megazero.checkpoint.format import iter_dir_name
+
+    piece = ("model/w", [4], [[0, 4]], (0, 4), torch.arange(4.0) + iteration)
+    return SavePlan(save_dir, save_dir / iter_dir_name(iteration), 0, 1, [piece], {}, {"iteration": iteration,
+                                                                                        "tensors": {}})
+
+
+def test_a_clean_release_leaves_nothing_to_take_over_and_a_crashed_holder_is_named(tmp_path):
+    """A second holder is refused naming the first; after a clean release the next run finds no holder
+    to report; a holder that died without releasing (its file closed, the line left) is named."""
+    from megazero.checkpoint.lock import SaveLock
+
+    first = SaveLock.acquire(tmp_path / "run")
+    assert first.previous == ""
+    with pytest.raises(CheckpointError, match=rf"--save {tmp_path}/run is in use by another run \(pid {os.getpid()} "):
+        SaveLock.acquire(tmp_path / "run")
+    first.release()
+    second = SaveLock.acquire(tmp_path / "run")
+    assert second.previous == ""                      # a clean end: nothing to take over
+    os.close(second.fd)                               # dies without releasing: the system drops the flock
+    second.fd = -1
+    third = SaveLock.acquire(tmp_path / "run")
+    assert third.previous.startswith(f"pid {os.getpid()} on ")
+    third.release()
+
+
+@pytest.mark.parametrize("what", ["deleted", "lock deleted", "replaced", "deleted before the commit",
+                                  "deleted as written"])
+def test_a_save_into_a_deleted_or_replaced_save_directory_writes_nothing(what, tmp_path):
+    """``--save`` deleted (or its ``.lock``, or replaced by another run's directory) under a run: its next
+    save stops with one line naming ``--save`` and what happened, before writing anything (the deleted
+    directory is not made again; the other run's directory gains nothing); so does a deletion while
+    the save is written (caught before the commit, or by its files vanishing before the lock does)."""
+    import megazero.checkpoint.distributed as distributed
+    from megazero.checkpoint.distributed import write_planned
+    from megazero.checkpoint.lock import SaveDirectoryLost, SaveLock
+
+    save = tmp_path / "run"
+    lock = SaveLock.acquire(save)
+    write_planned(_tiny_plan(save, 5), torch.device("cpu"), lock=lock)
+    other, real = None, distributed._write_rank_files
+    if what in ("deleted", "replaced"):
+        shutil.rmtree(save)
+    if what == "lock deleted":
+        (save / ".lock").unlink()
+    if what == "replaced":
+        other = SaveLock.acquire(save)                 # a second run takes the new directory
+    if what == "deleted before the commit":
+        distributed._write_rank_files = lambda plan: (real(plan), shutil.rmtree(save))
+    if what == "deleted as written":                    # rmtree reached the save's files, not yet .lock
+        distributed._write_rank_files = lambda plan: (shutil.rmtree(plan.tmp), real(plan))
+    try:
+        with pytest.raises(SaveDirectoryLost) as e:
+            write_planned(_tiny_plan(save, 10), torch.device("cpu"), lock=lock)
+    finally:
+        distributed._write_rank_files = real
+    said = {"deleted": "was deleted while this run was using it", "deleted before the commit": "was deleted",
+            "lock deleted": "lost its .lock while this run was using it",
+            "replaced": "was replaced while this run was using it (its .lock is another file",
+            "deleted as written": "is being deleted while this run uses it (.iter_0000010.tmp vanished"}[what]
+    assert str(e.value).startswith(f"--save {save} {said}"), str(e.value)
+    assert "iter_0000010 is not written there and the run stops" in str(e.value)
+    if what in ("deleted", "deleted before the commit"):
+        assert not save.exists()
+    else:
+        kept = {"replaced": [".lock"], "lock deleted": ["iter_0000005", "latest_checkpointed_iteration.txt"],
+                "deleted as written": [".lock", "iter_0000005", "latest_checkpointed_iteration.txt"]}[what]
+        assert sorted(p.name for p in save.iterdir()) == kept
+    if other is not None:
+        assert other.path.read_text().startswith(f"pid {os.getpid()} ")    # its holder line untouched
+        other.release()
+    lock.release()
+
+
+def test_a_failed_write_removes_its_temporary_and_keeps_the_earlier_checkpoint(tmp_path, monkeypatch):
+    """The file system refuses a save midway (``No space left on device`` after part of the files):
+    the temporary directory is removed, the earlier checkpoint stays whole and the latest."""
+    import errno
+
+    import megazero.checkpoint.distributed as distributed
+    from megazero.checkpoint.distributed import write_planned
+
+    save = tmp_path / "run"
+    write_planned(_tiny_plan(save, 5), torch.device("cpu"))
+    before = {p.name: p.read_bytes() for p in (save / "iter_0000005").rglob("*") if p.is_file()}
+    real = distributed.write_pieces
+
+    def fills_the_disk(path, *args, **kwargs):
+        real(path, *args, **kwargs)                    # written, then the next file does not fit
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(distributed, "write_pieces", fills_the_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        write_planned(_tiny_plan(save, 10), torch.device("cpu"))
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert latest_iteration(save) == 5
+    assert {p.name: p.read_bytes() for p in (save / "iter_0000005").rglob("*") if p.is_file()} == before

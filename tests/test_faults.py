@@ -1,7 +1,9 @@
 """Faults found only while running, through the real entry point in real processes: a diverging
 run stops without saving its bad state; a stopped rank ends the job after the distributed timeout
 instead of hanging; killing the launcher ends its workers and frees ``--save`` for the next run,
-which a second run could not take while the first was alive.
+which a second run could not take while the first was alive; a ``--save`` deleted under a running run
+stops it at its next save, writing nothing; a run that ends releases the lock, leaving nothing to
+take over; a run refused before it starts leaves ``--save`` untouched.
 
 Inputs known at start are refused by ``test_bad_input.py``.
 """
@@ -11,6 +13,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -283,3 +286,55 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_tmp(world, tmp_path
     assert len(last) == 1 and f"{prefix}writing {save / 'iter_0000001'} failed: No space left on device (free space" \
         in last[0], err
     assert not list(save.glob(".iter_*")) and not (save / TRACKER).exists()
+    assert (save / ".lock").read_text() == ""          # released at the end: the next run takes nothing over
+
+
+@pytest.mark.parametrize("mode", [[], ["--async-save"]])
+def test_a_save_directory_deleted_under_a_run_stops_it_writing_nothing(mode, tmp_path):
+    """``--save`` deleted while a run saves into it every iteration (synchronously or in the background):
+    the run stops at its next save, status 1, with one line naming ``--save`` and what happened, and does
+    not make the directory again (a second run could otherwise lock it and lose checkpoints to this one)."""
+    save = tmp_path / "run"
+    run = subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *TINY, *FOREVER, "--eval-iters", "0",
+                            "--save", str(save), "--save-interval", "1", *mode], cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        _wait_for(lambda: (save / TRACKER).exists(), "the first checkpoint")
+        while save.exists():                         # the run may be writing into it meanwhile
+            shutil.rmtree(save, ignore_errors=True)
+        _, err = run.communicate(timeout=120)
+    finally:
+        _end(run)
+    assert run.returncode == 1 and "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.match(rf"pretrain_gpt.py: error: (the background save of {re.escape(str(save))}/iter_\d+ failed: )?"
+                    rf"--save {re.escape(str(save))} "
+                    rf"(was deleted while this run was using it|lost its .lock while this run was using it|is being "
+                    rf"deleted while this run uses it \(\S+ vanished as it was written\)): iter_\d+ is not written "
+                    rf"there and the run stops", last), last
+    assert not save.exists()
+
+
+@pytest.mark.parametrize("refusal", ["tensorboard", "memory budget"])
+def test_a_refused_run_leaves_its_save_directory_untouched(refusal, tmp_path, monkeypatch, capsys):
+    """A run refused for a missing optional package (``--tensorboard-dir`` without tensorboard) or a
+    memory budget nothing meets stops with status 2 before taking ``--save``'s lock: a directory that
+    did not exist is not made, no ``.lock`` is left."""
+    import importlib.util
+
+    from megazero.cli.main import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args, **kwargs: None if name == "tensorboard" else real(name, *args, **kwargs))
+    flags = {"tensorboard": ["--tensorboard-dir", str(tmp_path / "tb")],
+             "memory budget": ["--memory-budget-gib", "0.0001"]}[refusal]
+    save = tmp_path / "run"
+    with pytest.raises(SystemExit) as stopped:
+        main([*TINY, "--save", str(save), *flags])
+    assert stopped.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith("pretrain_gpt.py: error: " + {"tensorboard": "--tensorboard-dir needs the tensorboard "
+                                                         "package, which is not installed",
+                                                         "memory budget": "no recompute or offload plan fits"}[refusal])
+    assert not save.exists() and not (tmp_path / "tb").exists()

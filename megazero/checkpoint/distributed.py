@@ -32,6 +32,7 @@ import torch
 from megazero.checkpoint import format as fmt
 from megazero.checkpoint.agree import raise_first_error
 from megazero.checkpoint.finite import describe, first_nonfinite, first_over_ranks, listed, nonfinite_names
+from megazero.checkpoint.lock import SaveDirectoryLost, SaveLock, directory_lost
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.regions import numel
 from megazero.checkpoint.rng_state import capture_rng_state, restore_rng_state
@@ -219,42 +220,83 @@ def _scheduler_state(iteration: int, opt_cfg) -> dict:
     return {"iteration": iteration, "next_lr": lr, "optimizer_config": dataclasses.asdict(opt_cfg)}
 
 
-def write_planned(plan: SavePlan, device, group=None) -> Path:
+def write_planned(plan: SavePlan, device, group=None, lock: SaveLock | None = None) -> Path:
     """Write and commit a planned save (the module docstring's protocol). Collective over ``group``
-    (default: the world); ``device``: where that group's tensors live. Returns the checkpoint directory."""
+    (default: the world); ``device``: where that group's tensors live. Returns the checkpoint directory.
+
+    ``lock`` (rank 0's ``--save`` lock) is checked before anything is written and again before the
+    commit: a directory deleted or replaced under the run raises :class:`SaveDirectoryLost` on rank 0
+    (and the agreed error on the others), writing nothing more there. Any other failure removes the
+    temporary directory (rank 0, once every rank has stopped writing)."""
+    try:
+        return _write_and_commit(plan, device, group, lock)
+    except Exception as e:
+        if plan.rank == 0 and not isinstance(e, SaveDirectoryLost):
+            shutil.rmtree(plan.tmp, ignore_errors=True)
+        raise
+
+
+def _lost(lock: SaveLock | None, final: Path) -> SaveDirectoryLost | None:
+    """The error of a ``--save`` directory that is no longer this run's, None while it is (or unlocked)."""
+    try:
+        if lock is not None:
+            lock.check(final.name)
+    except SaveDirectoryLost as e:
+        return e
+    return None
+
+
+def _vanished(plan: SavePlan, error: BaseException) -> SaveDirectoryLost | None:
+    """On rank 0, which made the temporary directory and its subdirectories, the error of a save whose
+    files vanished as they were written (``--save`` being deleted, its lock file not yet); None for any
+    other failure, and on other ranks (there a missing directory can also be a ``--save`` that is not
+    on a shared file system)."""
+    if plan.rank == 0 and isinstance(error, FileNotFoundError):
+        return directory_lost(plan.save_dir, f"is being deleted while this run uses it ({plan.tmp.name} vanished "
+                              f"as it was written)", plan.final.name)
+    return None
+
+
+def _write_and_commit(plan: SavePlan, device, group, lock: SaveLock | None) -> Path:
     tmp, final, error = plan.tmp, plan.final, None
     if plan.rank == 0:
+        error = _lost(lock, final)
         try:
-            plan.save_dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)      # left over by a crashed save
-            (tmp / "rng").mkdir(parents=True)
+            if error is None:
+                plan.save_dir.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)      # left over by a crashed save
+                (tmp / "rng").mkdir(parents=True)
         except OSError as e:
             error = CheckpointError(f"cannot create {tmp} for {FLAG.save}: {e}")
     _agree(error is None, f"creating {tmp}", error, device, group)
     try:
         _write_rank_files(plan)
     except Exception as e:  # noqa: BLE001 - re-raised by _agree after every rank has reported
-        error = e
+        error = _lost(lock, final) or _vanished(plan, e) or e       # a directory deleted mid-write: say that
     _agree(error is None, f"saving {final}", error, device, group)
     if plan.rank == 0:
         try:
-            _commit(plan.save_dir, tmp, final, plan.world_size, plan.index)
+            error = _lost(lock, final)
+            if error is None:
+                _commit(plan.save_dir, tmp, final, plan.world_size, plan.index)
         except Exception as e:  # noqa: BLE001 - re-raised by _agree after every rank has reported
-            error = e
+            error = _lost(lock, final) or _vanished(plan, e) or e
     _agree(error is None, f"committing {final}", error, device, group)
     return final
 
 
-def save_checkpoint(save_dir, state, *, chunks, engine, topo, job, extra_rng: dict | None = None) -> Path:
+def save_checkpoint(save_dir, state, *, chunks, engine, topo, job, extra_rng: dict | None = None,
+                    lock: SaveLock | None = None) -> Path:
     """Save weights, optimizer state, RNG states, the train state and the job config. Collective.
 
     ``state`` is the :class:`megazero.state.TrainState` after ``state.iteration`` steps;
     ``extra_rng``: {name: torch.Generator or object with get_states()/set_states()} saved per rank.
     Returns the checkpoint directory ``save_dir/iter_XXXXXXX``. Non-finite state is refused
-    (:class:`NonFiniteState`); :class:`megazero.checkpoint.async_save.AsyncSaver` writes in the background.
+    (:class:`NonFiniteState`); :class:`megazero.checkpoint.async_save.AsyncCheckpointWriter` writes in the
+    background. ``lock``: rank 0's lock of ``save_dir``, checked as :func:`write_planned` says.
     """
     plan = plan_save(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job, extra_rng=extra_rng)
-    return write_planned(plan, topo.device)
+    return write_planned(plan, topo.device, lock=lock)
 
 
 # ----------------------------------------------------------------------------------- load

@@ -133,14 +133,15 @@ def merge_entries(into: dict, entries: dict) -> None:
             into[name] = {"shape": e["shape"], "dtype": e["dtype"], "shards": list(e["shards"])}
 
 
-def write_failed(error: OSError, tmp: Path, final: Path) -> CheckpointError:
+def write_failed(error: OSError, tmp: Path, final: Path, what: str | None = None) -> CheckpointError:
     """The one-line error of a save that the file system refused (``No space left on device``, ...),
-    after removing the half-written ``tmp``: the previous checkpoint stays the latest."""
+    after removing the half-written ``tmp``: the previous checkpoint stays the latest. ``what`` failed
+    (default: writing ``final``)."""
     shutil.rmtree(tmp, ignore_errors=True)
     why = error.strerror or str(error)
     fix = "free space there or save elsewhere" if error.errno == errno.ENOSPC else "fix that and run again"
-    return CheckpointError(f"writing {final} failed: {why} ({fix}); the half-written {tmp.name} was removed and the "
-                           f"previous checkpoint, if any, stays the latest")
+    return CheckpointError(f"{what or f'writing {final}'} failed: {why} ({fix}); the half-written {tmp.name} was "
+                           f"removed and the previous checkpoint, if any, stays the latest")
 
 
 def commit(save_dir: Path, tmp: Path, final: Path, index: dict, files: dict) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,6 +32,7 @@ from megazero.checkpoint.distributed import (
     save_checkpoint,
 )
 from megazero.checkpoint.format import iter_dir_name, write_failed
+from megazero.checkpoint.lock import SaveLock
 from megazero.config import FLAG
 from megazero.errors import CheckpointError
 from megazero.state import TrainState
@@ -80,22 +80,25 @@ class CheckpointSaver:
     """``save(state)`` for the training loop: writes ``state``'s checkpoint into ``--save`` and returns the
     seconds the caller was blocked. With ``--async-save`` the write and commit run in a background
     thread (:mod:`megazero.checkpoint.async_save`); ``finish()`` waits for it (the end of a run, or a
-    stop) and raises its failure. Construct on every rank (collective with ``--async-save``)."""
+    stop) and raises its failure. Construct on every rank (collective with ``--async-save``); ``lock``
+    (rank 0's lock of ``--save``) is checked before each save is written and committed, so a directory
+    deleted or replaced under the run stops it before anything is written there."""
 
     def __init__(self, job, chunks, engine, topo, extra_rng: dict | None = None,
-                 say: Callable[[str], None] | None = None):
+                 say: Callable[[str], None] | None = None, lock: SaveLock | None = None):
         self.job, self.chunks, self.engine, self.topo, self.extra_rng = job, chunks, engine, topo, extra_rng
         self.say = say or (lambda msg: log.info(msg) if topo.rank == 0 else None)
-        self.writer = AsyncCheckpointWriter(topo.timeout) if job.checkpoint.async_save else None
+        self.lock = lock
+        self.writer = AsyncCheckpointWriter(topo.timeout, lock) if job.checkpoint.async_save else None
 
     def __call__(self, state) -> float:
         t0 = time.perf_counter()
         kw = dict(chunks=self.chunks, engine=self.engine, topo=self.topo, job=self.job, extra_rng=self.extra_rng)
         if self.writer is None:
             try:
-                path = save_checkpoint(self.job.checkpoint.save, state, **kw)
+                path = save_checkpoint(self.job.checkpoint.save, state, lock=self.lock, **kw)
             except Exception as e:  # noqa: BLE001 - every rank is here (the save agrees before raising)
-                _save_failed(e, Path(self.job.checkpoint.save), state.iteration, self.topo.rank)
+                _save_failed(e, Path(self.job.checkpoint.save), state.iteration)
             blocked = time.perf_counter() - t0
             self.say(f" saved checkpoint {path} (training blocked {blocked:.3f} s)")
             return blocked
@@ -114,20 +117,17 @@ class CheckpointSaver:
 
 
 def checkpoint_saver(job, chunks, engine, topo, extra_rng: dict | None = None,
-                     say: Callable[[str], None] | None = None) -> CheckpointSaver | None:
+                     say: Callable[[str], None] | None = None, lock: SaveLock | None = None) -> CheckpointSaver | None:
     """The :class:`CheckpointSaver` for the training loop (None without ``--save``)."""
     if not job.checkpoint.save:
         return None
-    return CheckpointSaver(job, chunks, engine, topo, extra_rng, say)
+    return CheckpointSaver(job, chunks, engine, topo, extra_rng, say, lock)
 
 
-def _save_failed(error: BaseException, save_dir: Path, iteration: int, rank: int) -> None:
-    """A save that failed on some rank (a full disk, ...): the half-written directory is removed (by rank
-    0, once every rank has stopped writing) and every rank raises the failing rank's one line."""
+def _save_failed(error: BaseException, save_dir: Path, iteration: int) -> None:
+    """A save that failed on some rank (a full disk, ...): every rank raises the failing rank's one line
+    (the half-written directory is gone: :func:`megazero.checkpoint.distributed.write_planned` removed it)."""
     final = save_dir / iter_dir_name(iteration)
-    tmp = save_dir / f".{final.name}.tmp"
     if isinstance(error, OSError):
-        error = write_failed(error, tmp, final)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        error = write_failed(error, save_dir / f".{final.name}.tmp", final)
     raise_first_error(error)

@@ -1,9 +1,9 @@
-"""The trainer's entry point: parse -> preflight -> plan -> build -> train, and how a run ends.
+"""The trainer's entry point: parse -> plan -> preflight (last, --save's lock) -> build -> train; how a run ends.
 
 ``pretrain_gpt.py`` calls :func:`main_process`; a launcher that forks ranks (tests, the layout fuzzer)
 calls :func:`run_program` and then :func:`exit_process`. Every step before the process groups refuses
-bad input with one line and status 2 (:mod:`megazero.cli.job`, :mod:`megazero.cli.preflight`,
-:mod:`megazero.cli.plan`); :mod:`megazero.cli.run` builds the run and trains it. The error policy is
+bad input with one line and status 2 (:mod:`megazero.cli.job`, :mod:`megazero.cli.plan`,
+:mod:`megazero.cli.preflight`); :mod:`megazero.cli.run` builds the run and trains it. The error policy is
 here, decided by the error's class (:mod:`megazero.errors`):
 
 =========================================  ========  ===================================================
@@ -54,16 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     embedded_default = not (job.data.mock_data or job.data.data_path)
     try:                                               # ... and every file, still before any process group
         job, tokenizer = resolve_data(job)
-        lock = preflight(job, args.backend, rank)      # noqa: F841 - held until the run ends
+        job = plan_memory(job, world)                  # --memory-budget-gib: the planner's recompute / offload
+        lock = preflight(job, args.backend, rank)      # last: --save's lock, once nothing refuses the run
     except NothingToDo as e:                           # a finished run resumed: say so, succeed
         if rank == 0:
             print(f" {e}", flush=True)
         return 0
     except (PreflightError, TokenizerError, DataError, OSError) as e:
         stop(f"{e}", 2, rank, after_rank0=True)        # bad input: status 2, as for a bad flag
-    job = plan_memory(job, world)                      # --memory-budget-gib: the planner's recompute / offload
     try:
-        return run(job, args.backend, tokenizer, show_sample=embedded_default)
+        return run(job, args.backend, tokenizer, show_sample=embedded_default, lock=lock)
     except (TrainingStopped, CheckpointError) as e:   # the same line on every rank: rank 0 says it
         stop(f"{e}", 1, rank)
     except (DataError, OSError) as e:                  # found by some ranks only (an index cache, a disk)
@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         stop(f"rank {rank}: a collective did not complete within {FLAG.distributed_timeout_minutes} "
              f"{job.parallel.distributed_timeout_minutes:g} (a rank stopped, died or is far slower): "
              f"{str(e).splitlines()[0][:300]}", 1, rank, every_rank=True)
+    finally:
+        if lock is not None:                           # however the run ended: the next run takes nothing over
+            lock.release()
 
 
 def stop(message: str, status: int, rank: int, every_rank: bool = False, secondhand: bool = False,

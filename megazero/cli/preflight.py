@@ -2,10 +2,11 @@
 
 ``validate()`` (megazero/config/) checks the flags against each other; this module checks them
 against the machine: the backend against the hardware, ``--compile`` against this torch,
-``--wandb-project`` against the installed packages, the output paths are writable, ``--save`` holds no other run's checkpoints (and is locked for this run), ``--load``
-holds a checkpoint of this model, every data prefix has agreeing ``.idx``/``.bin`` files whose token ids
-the tokenizer's vocabulary covers, ``--nvme-path`` is a writable directory with room for every local
-rank's swap files.
+``--wandb-project`` and ``--tensorboard-dir`` against the installed packages, the output paths are
+writable, ``--save`` holds no other run's checkpoints, ``--load`` holds a checkpoint of this model,
+every data prefix has agreeing ``.idx``/``.bin`` files whose token ids the tokenizer's vocabulary
+covers, ``--nvme-path`` is a writable directory with room for every local rank's swap files. Last,
+once nothing refuses the run, ``--save`` is locked for it (a refused run leaves it untouched).
 A failure is one line naming the flag, the file and the fix.
 """
 from __future__ import annotations
@@ -33,13 +34,14 @@ from megazero.data.gpt_dataset import split_ranges
 from megazero.data.indexed_dataset import IndexedDataset
 from megazero.errors import CheckpointError, NothingToDo, PreflightError
 from megazero.memory.estimate import estimate_memory
-from megazero.metrics import wandb_missing
+from megazero.metrics import tensorboard_missing, wandb_missing
 from megazero.profiling import trace_dir
 
 
 def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> SaveLock | None:
-    """Run every check (see the module docstring). Rank 0 takes ``--save``'s lock and tidies the
-    directory after a crash; keep the returned lock alive for the whole run."""
+    """Run every check (see the module docstring). Then, last, rank 0 takes ``--save``'s lock and tidies
+    the directory after a crash (so a refused run leaves the directory as it was); keep the returned
+    lock for the whole run and release it at the end."""
     if backend == "nccl" and not torch.cuda.is_available():
         raise PreflightError("--backend nccl needs CUDA, and this machine has no usable GPU: use --backend gloo "
                              "(or leave --backend out)")
@@ -76,10 +78,13 @@ def preflight(job: JobConfig, backend: str | None, rank: int, say=print) -> Save
 
 
 def _watching(job: JobConfig) -> None:
-    """``--wandb-project`` needs wandb installed; the profiler's and W&B's directories can be written."""
+    """``--wandb-project`` needs wandb installed and ``--tensorboard-dir`` tensorboard; the profiler's and
+    W&B's directories can be written."""
     lg = job.logging
     if lg.wandb_project and importlib.util.find_spec("wandb") is None:
         raise PreflightError(wandb_missing())
+    if lg.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        raise PreflightError(tensorboard_missing())
     if lg.profile:
         _writable_dir(trace_dir(lg, job.checkpoint.save), FLAG.profile_dir)    # the default's fix is this flag
     _writable_dir(lg.wandb_save_dir, FLAG.wandb_save_dir)

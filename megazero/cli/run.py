@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import checkpoint_saver, resume
+from megazero.checkpoint.lock import SaveLock
 from megazero.compile import CompileLog, compile_model
 from megazero.config import JobConfig
 from megazero.data.sample import default_sample, sample_tokenizer
@@ -46,12 +47,13 @@ class Built:
     engine: Engine
 
 
-def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_sample: bool) -> int:
-    """Build, then train (the job and files are checked); the engine and the log are closed however the
-    run ends."""
+def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_sample: bool,
+        lock: SaveLock | None = None) -> int:
+    """Build, then train (the job and files are checked; ``lock``: rank 0's lock of ``--save``, which
+    every save checks); the engine and the log are closed however the run ends."""
     built = build(job, backend)
     try:
-        train_built(job, built, tokenizer, show_sample)
+        train_built(job, built, tokenizer, show_sample, lock)
     finally:
         built.log.close()
         built.engine.close()                             # offload swap files go with the run
@@ -86,9 +88,11 @@ def build(job: JobConfig, backend: str | None) -> Built:
     return Built(topo, log, chunks, regions, engine)
 
 
-def train_built(job: JobConfig, built: Built, tokenizer: Tokenizer | None, show_sample: bool) -> None:
+def train_built(job: JobConfig, built: Built, tokenizer: Tokenizer | None, show_sample: bool,
+                lock: SaveLock | None = None) -> None:
     """Resume (``--load``, ``--finetune``, or the latest checkpoint of ``--save``), the data from where the
-    run stands, the loop; with ``show_sample``, what the model learnt, on rank 0."""
+    run stands, the loop (saving under ``lock``, rank 0's); with ``show_sample``, what the model learnt,
+    on rank 0."""
     topo, chunks, engine, log = built.topo, built.chunks, built.engine, built.log
     state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
     t = job.train
@@ -108,7 +112,7 @@ def train_built(job: JobConfig, built: Built, tokenizer: Tokenizer | None, show_
         valid_data.consumed_samples = (state.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
     valid_steps = _steps(valid_data, topo.device) if valid_data is not None else None
     state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
-                  log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print),
+                  log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print, lock=lock),
                   compile_log=CompileLog(len(built.regions)) if built.regions else None)
     if show_sample:                                      # show what the tiny GPT learnt
         model = gather_full_model(chunks, topo, job, engine)
