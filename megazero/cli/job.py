@@ -1,18 +1,20 @@
 """From the command line to a validated job: every source of settings gathered (the flags, ``--config``,
 ``--deepspeed-config``, ``--accelerate-config`` and, with ``--use-checkpoint-args``, the model settings a
 checkpoint holds), combined by the one precedence rule (:func:`megazero.cli.arguments.combine`), and
-checked by :func:`megazero.config.validate`. A refusal is one line and status 2, before any process
-group exists::
+checked by :func:`megazero.config.validate`; a resumed run's schedule is held against its checkpoint's
+(:func:`resume_schedule`). A refusal is one line and status 2, before any process group exists::
 
     job, args = parse_job(["--tp", "2", "--num-layers", "8"], world_size=4)   # job.parallel.dp == 2
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+from pathlib import Path
 
-from megazero.checkpoint.distributed import saved_job, saved_model_settings
+from megazero.checkpoint.distributed import latest_iteration, saved_job, saved_model_settings
 from megazero.cli.arguments import (
     build_parser,
     combine,
@@ -23,6 +25,7 @@ from megazero.cli.arguments import (
 )
 from megazero.config import FLAG, JobConfig, validate
 from megazero.config import megatron_flags as megatron
+from megazero.config.checkpoint import resumed_batch
 from megazero.errors import CheckpointError, ConfigError
 from megazero.foreign_config import (
     Launch,
@@ -57,7 +60,8 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
         values = combine(sources, overridable={f"--config {args.config}"}, set_by=set_by)
         megatron.check_requirements(given, values)
         notes += megatron.canonical_tokenizer(values)
-        job = validate(job_from_values(values), world_size)
+        job, said = resume_schedule(values, world_size)
+        notes += said
     except (ConfigError, TypeError) as e:
         stop_with(parser.prog, [str(e)])
     if unused and os.environ.get("RANK", "0") == "0":
@@ -65,6 +69,47 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
     if notes and os.environ.get("RANK", "0") == "0":         # what the Megatron-LM flags chose, once
         print("\n".join(notes), flush=True)
     return job
+
+
+def resume_schedule(values: dict, world_size: int) -> tuple[JobConfig, list[str]]:
+    """The validated job of ``values`` (every source's settings, combined), holding the schedule of the
+    checkpoint it resumes (:meth:`megazero.config.CheckpointConfig.resumed_schedule`: refused, kept or
+    replaced), and the lines that say what was taken from it."""
+    load = resumed_directory(values)
+    if load is None:
+        return validate(job_from_values(values), world_size), []
+    try:
+        saved = saved_job(load)
+    except (CheckpointError, KeyError) as e:
+        raise ConfigError(f"{FLAG.load} {load}: cannot read the job its checkpoint stored: {e}") from None
+    where = f"the checkpoint in {load}"
+    keep = bool(values.get("checkpoint.use_checkpoint_opt_param_scheduler"))
+    taken, note = resumed_batch(saved, values, keep, where)
+    try:
+        job = validate(job_from_values({**values, **taken}), world_size)
+    except ConfigError as e:
+        if not taken:
+            raise
+        raise ConfigError(f"{e} ({taken['train.global_batch_size']} is the global batch of {where}, taken as no "
+                          f"flag gives one: to train at another, give {FLAG.global_batch_size} with "
+                          f"{FLAG.override_opt_param_scheduler})") from None
+    optimizer, said = job.checkpoint.resumed_schedule(saved, job.train, job.optimizer, where)
+    job = dataclasses.replace(job, optimizer=optimizer)
+    return job, [line for line in (note, said) if line]
+
+
+def resumed_directory(values: dict) -> str | None:
+    """The directory whose latest checkpoint a run with these settings continues (as
+    :func:`megazero.checkpoint.resume.resume` decides): ``--load``'s, or with ``--finetune`` a finetuning
+    run's own ``--save``; None when it starts a new schedule (no checkpoint yet, or weights only)."""
+    load, save = values.get("checkpoint.load"), values.get("checkpoint.save")
+    try:
+        if values.get("checkpoint.finetune"):
+            same = load and save and Path(load).resolve() == Path(save).resolve()
+            return save if save and not same and latest_iteration(save) is not None else None
+        return load if load and latest_iteration(load) is not None else None
+    except CheckpointError:                 # a damaged tracker: the preflight names it, with its fix
+        return None
 
 
 def foreign_sources(args: argparse.Namespace, world_size: int, unused: list) -> list[tuple[str, dict]]:
