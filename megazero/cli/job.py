@@ -23,7 +23,7 @@ from megazero.cli.arguments import (
     load_config_file,
     stop_with,
 )
-from megazero.config import FLAG, JobConfig, validate
+from megazero.config import FLAG, JobConfig, setting, validate
 from megazero.config import megatron_flags as megatron
 from megazero.config.checkpoint import resumed_batch
 from megazero.errors import CheckpointError, ConfigError
@@ -31,6 +31,8 @@ from megazero.foreign_config import (
     Launch,
     from_accelerate,
     from_deepspeed,
+    resolved,
+    resolved_line,
     unused_warning,
 )
 
@@ -53,7 +55,8 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
         cli, given = flag_settings(args)
         notes, set_by = megatron.from_command_line(given, cli)
         unused: list[tuple[str, str]] = []     # foreign keys accepted but not used: one warning line
-        sources = [("the command line", cli)] + foreign_sources(args, world_size, unused)
+        decided: dict[str, dict] = {}          # by foreign file: the settings it left to others
+        sources = [("the command line", cli)] + foreign_sources(args, world_size, unused, decided)
         from_checkpoint = checkpoint_source(sources)
         if from_checkpoint:
             sources.append(from_checkpoint)
@@ -61,7 +64,8 @@ def job_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
         megatron.check_requirements(given, values)
         notes += megatron.canonical_tokenizer(values)
         job, said = resume_schedule(values, world_size)
-        notes += said
+        job, lines = with_config_files(job, sources, decided)
+        notes += said + lines
     except (ConfigError, TypeError) as e:
         stop_with(parser.prog, [str(e)])
     if unused and os.environ.get("RANK", "0") == "0":
@@ -112,18 +116,43 @@ def resumed_directory(values: dict) -> str | None:
         return None
 
 
-def foreign_sources(args: argparse.Namespace, world_size: int, unused: list) -> list[tuple[str, dict]]:
+def foreign_sources(args: argparse.Namespace, world_size: int, unused: list,
+                    decided: dict | None = None) -> list[tuple[str, dict]]:
     """The config files named on the command line, each as (its name, {dest: value}); the keys a foreign
-    config gives but nothing here uses are appended to ``unused``."""
-    sources = []
+    config gives but nothing here uses are appended to ``unused``, the settings each leaves to others
+    (``"auto"``, or DeepSpeed's default) go in ``decided`` under its name."""
+    sources, decided = [], {} if decided is None else decided
     if args.config:
         sources.append((f"--config {args.config}", load_config_file(args.config)))
     if args.deepspeed_config:
-        sources.append((f"--deepspeed-config {args.deepspeed_config}", from_deepspeed(args.deepspeed_config, unused)))
+        name = f"--deepspeed-config {args.deepspeed_config}"
+        sources.append((name, from_deepspeed(args.deepspeed_config, unused, decided.setdefault(name, {}))))
     if args.accelerate_config:
-        sources.append((f"--accelerate-config {args.accelerate_config}",
-                        from_accelerate(args.accelerate_config, Launch.from_env(world_size), unused)))
+        name = f"--accelerate-config {args.accelerate_config}"
+        sources.append((name, from_accelerate(args.accelerate_config, Launch.from_env(world_size), unused,
+                                              decided.setdefault(name, {}))))
     return sources
+
+
+def with_config_files(job: JobConfig, sources: list[tuple[str, dict]],
+                      decided: dict[str, dict]) -> tuple[JobConfig, list[str]]:
+    """``job`` with ``logging.config_files`` (what each DeepSpeed or Accelerate file named in ``decided``
+    resolved to: :func:`megazero.foreign_config.resolved`), and the line to say for each."""
+    files, lines = {}, []
+    for name, values in sources:
+        if name not in decided:
+            continue
+        elsewhere = {}
+        for other, given in sources:             # where an "auto" setting came from: the first source giving it
+            for dest in given:
+                if other != name and dest in decided[name]:
+                    elsewhere.setdefault(dest, setting(dest.partition(".")[2]) if other == "the command line"
+                                         else other)
+        files[name] = resolved(values, decided[name], job, elsewhere)
+        lines.append(resolved_line(name, files[name]))
+    if not files:
+        return job, []
+    return dataclasses.replace(job, logging=dataclasses.replace(job.logging, config_files=files)), lines
 
 
 def checkpoint_source(sources: list[tuple[str, dict]]) -> tuple[str, dict] | None:
