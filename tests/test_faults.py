@@ -195,7 +195,7 @@ def test_killing_the_launcher_ends_the_workers_and_frees_the_save_lock(tmp_path)
         _wait_for(lambda: (save / TRACKER).exists(), "the first checkpoint")
         workers = _children(job.pid)
         assert len(workers) == 2, workers
-        second = _pretrain(*TINY, "--save", str(save), "--load", str(save), cwd=tmp_path)
+        second = _pretrain(*TINY, *FOREVER, "--save", str(save), "--load", str(save), cwd=tmp_path)   # the same run
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"--save {save} is in use by another run (pid" in second.stderr.strip().splitlines()[-1]
         os.killpg(job.pid, signal.SIGKILL)          # the launcher's group; torchrun's workers have their own
