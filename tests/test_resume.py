@@ -229,7 +229,8 @@ def test_without_a_global_batch_flag_the_checkpoints_is_taken_and_said(saved_tp2
     job, _, err = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--train-iters", "40", "--micro-batch-size", "5"],
                           capsys)
     assert job is None and "is not divisible by --micro-batch-size 5" in err
-    assert f"(32 is the global batch of the checkpoint in {saved_tp2pp2}, taken as no flag gives one" in err
+    assert f"(32 is the global batch of the checkpoint in {saved_tp2pp2}, which this run continues: to train at " \
+           f"another, give --global-batch-size with --override-opt_param-scheduler)" in err
 
 
 def test_the_two_flags_keep_or_replace_the_checkpoints_schedule(saved_tp2pp2, capsys):

@@ -94,8 +94,8 @@ def resume_schedule(values: dict, world_size: int) -> tuple[JobConfig, list[str]
     except ConfigError as e:
         if not taken:
             raise
-        raise ConfigError(f"{e} ({taken['train.global_batch_size']} is the global batch of {where}, taken as no "
-                          f"flag gives one: to train at another, give {FLAG.global_batch_size} with "
+        raise ConfigError(f"{e} ({taken['train.global_batch_size']} is the global batch of {where}, which this "
+                          f"run continues: to train at another, give {FLAG.global_batch_size} with "
                           f"{FLAG.override_opt_param_scheduler})") from None
     optimizer, said = job.checkpoint.resumed_schedule(saved, job.train, job.optimizer, where)
     job = dataclasses.replace(job, optimizer=optimizer)
