@@ -128,6 +128,13 @@ def skip_words(job: JobConfig) -> str:
     return f" | step skipped: non-finite gradients ({job.precision.dtype_name})"
 
 
+def log_header(log: MetricsLog, job: JobConfig, state: TrainState) -> None:
+    """The metrics file's first record of a run (or of its resumption, at the iteration it starts from):
+    what its DeepSpeed / Accelerate config files resolved to (``logging.config_files``), when it has any."""
+    if job.logging.config_files:
+        log.record({"iteration": state.iteration, "config_files": job.logging.config_files}, state.iteration)
+
+
 def log_eval(log: MetricsLog, state: TrainState, valid_loss: float) -> None:
     ppl = float("inf") if valid_loss > 700 else float(torch.tensor(valid_loss).exp())
     log.record({"iteration": state.iteration, "valid_loss": valid_loss, "valid_ppl": ppl}, state.iteration)

@@ -169,7 +169,7 @@ def test_sigkill_during_a_background_write_keeps_the_previous_latest(mode, tmp_p
     assert recover(save) == (["removed the half-written .iter_0000004.tmp"] if mode == "pause-shard" else [])
     resumed = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *TINY, "--train-iters", "3",
                               "--save", str(save), "--load", str(save), "--async-save",
-                              "--metrics-file", str(tmp_path / "m.jsonl")],
+                              "--override-opt_param-scheduler", "--metrics-file", str(tmp_path / "m.jsonl")],
                              cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["iteration"] for r in read_metrics(tmp_path / "m.jsonl")[0]] == [3]

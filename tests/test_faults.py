@@ -198,7 +198,7 @@ def test_killing_the_launcher_ends_the_workers_and_frees_the_save_lock(tmp_path)
         _wait_for(lambda: (save / TRACKER).exists(), "the first checkpoint")
         workers = _children(job.pid)
         assert len(workers) == 2, workers
-        second = _pretrain(*TINY, "--save", str(save), "--load", str(save), cwd=tmp_path)
+        second = _pretrain(*TINY, *FOREVER, "--save", str(save), "--load", str(save), cwd=tmp_path)   # the same run
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"--save {save} is in use by another run (pid" in second.stderr.strip().splitlines()[-1]
         os.killpg(job.pid, signal.SIGKILL)          # the launcher's group; torchrun's workers have their own
@@ -209,6 +209,7 @@ def test_killing_the_launcher_ends_the_workers_and_frees_the_save_lock(tmp_path)
         _end(job, workers)
     done = int((save / TRACKER).read_text())
     third = _pretrain(*TINY, "--train-iters", str(done + 1), "--save", str(save), "--load", str(save),
+                      "--override-opt_param-scheduler",
                       "--metrics-file", str(tmp_path / "third.jsonl"), cwd=tmp_path)
     assert third.returncode == 0, third.stderr[-3000:]
     assert "took over the lock" in third.stdout and "left by a run that has ended" in third.stdout
@@ -229,7 +230,8 @@ def test_a_rank_that_fails_alone_is_the_one_line_and_the_root_cause(tmp_path):
     assert first.returncode == 0, out[-3000:]
     damaged = save / "iter_0000002" / "rng" / "rank00001.json"
     damaged.write_text("{ damaged")
-    second = _launch(2, *small, "--train-iters", "4", "--load", str(save), "--save", str(save), cwd=tmp_path)
+    second = _launch(2, *small, "--train-iters", "4", "--load", str(save), "--save", str(save),
+                     "--override-opt_param-scheduler", cwd=tmp_path)
     out, _ = second.communicate(timeout=300)
     assert second.returncode != 0, out[-3000:]
     line = f"rank 1: checkpoint file {damaged} has 9 bytes, the manifest says"

@@ -63,10 +63,11 @@ def configs(tmp_path):
 
 def _settings(job):
     """What a run does, without the fields only a config file sets (accumulation steps, min-lr ratio:
-    they fill the fields the flags set directly)."""
+    they fill the fields the flags set directly; what the file resolved, reported)."""
     out = {section: vars(getattr(job, section)).copy() for section in vars(job)}
     out["train"].pop("gradient_accumulation_steps")
     out["optimizer"].pop("min_lr_ratio")
+    out["logging"].pop("config_files")
     return out
 
 
@@ -289,6 +290,10 @@ def test_hugging_face_zero3_auto_config_trains_with_the_command_lines_schedule(s
         ds["scheduler"] = HF_DECAY
         flags += ["--lr-decay-iters", str(ITERS)]
     lrs = _lrs(ds, flags, tmp_path)
+    header = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])   # what the file resolved
+    resolved = header["config_files"][f"--deepspeed-config {tmp_path / 'ds.json'}"]
+    assert header["iteration"] == 0 and resolved["lr"] == {"value": LR, "auto": "from --lr"}
+    assert resolved["lr_warmup_style"] == {"value": "log", "default": "DeepSpeed's default"}
     assert lrs[0] == pytest.approx(LR * math.log(2) / math.log(WARMUP))        # log(step + 1) / log(W), step 1
     assert lrs[WARMUP - 1] == pytest.approx(LR)                                # warmed up
     last = LR if scheduler == "WarmupLR" else LR * (ITERS - (ITERS - 1)) / (ITERS - WARMUP)
@@ -431,3 +436,25 @@ def test_accelerate_files_of_older_versions_and_the_launch(tmp_path, capsys):
     assert str(refused.value).startswith(f"--accelerate-config {acc}: 2 problems: mixed_precision: ")
     assert f"deepspeed_config.deepspeed_config_file {tmp_path}/ds.json: zero_optimization.mics_shard_size" \
         in str(refused.value)
+
+
+def test_the_values_a_file_resolved_are_said_at_start_auto_ones_marked(tmp_path, capsys):
+    """One line per file: each setting it gave, its "auto" ones with where their value came from, DeepSpeed's
+    defaults it took (an absent warmup_type: the log warm-up, named); the same values in the job for the
+    metrics file's first record."""
+    config = {"gradient_clipping": "auto", "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "weight_decay": 0.1}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": "auto"}}}
+    path = _write(tmp_path, config)
+    job, _ = parse_job([*BASE, "--deepspeed-config", str(path), "--lr", "3e-4", "--adam-beta2", "0.95"], 1)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"--deepspeed-config {path} resolved: ")
+    for part in ("zero_stage=2", "weight_decay=0.1", "lr_warmup_iters=3", "lr_decay_style=constant",
+                 "lr=0.0003 (auto: from --lr)", "adam_beta1=0.9 (auto: megazero's default)",
+                 "adam_beta2=0.95 (auto: from --adam-beta2)", "clip_grad=1.0 (auto: megazero's default)",
+                 "bucket_size=", "lr_warmup_style=log (absent: DeepSpeed's default; DeepSpeed's log warm-up"):
+        assert part in line, part
+    files = job.logging.config_files[f"--deepspeed-config {path}"]
+    assert files["lr"] == {"value": 3e-4, "auto": "from --lr"} and files["weight_decay"] == {"value": 0.1}
+    assert files["lr_warmup_style"] == {"value": "log", "default": "DeepSpeed's default"}
+    assert parse_job(BASE, 1)[0].logging.config_files is None and capsys.readouterr().out == ""

@@ -68,6 +68,20 @@ def test_metrics_file_is_json_lines(tmp_path):
     assert not (tmp_path / "other.jsonl").exists()
 
 
+def test_the_first_record_holds_what_the_config_files_resolved(tmp_path):
+    from megazero.config import JobConfig, LoggingConfig
+    from megazero.reporting import log_header
+    from megazero.state import TrainState
+
+    files = {"--deepspeed-config ds.json": {"lr": {"value": 3e-4, "auto": "from --lr"}}}
+    log = MetricsLog(str(tmp_path / "m.jsonl"), None, enabled=True)
+    log_header(log, JobConfig(logging=LoggingConfig(config_files=files)), TrainState(iteration=40))
+    log_header(log, JobConfig(), TrainState())                # no config file: no record
+    log.close()
+    (record,) = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert record["iteration"] == 40 and record["config_files"] == files
+
+
 def test_timestamp_and_duration_formats():
     assert datetime.datetime.fromisoformat(timestamp()).utcoffset() is not None     # ISO 8601 with the offset
     assert [duration(s) for s in (0, 59.6, 3725, 90061)] == ["0:00:00", "0:01:00", "1:02:05", "1 day, 1:01:01"]

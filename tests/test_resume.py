@@ -1,8 +1,10 @@
 """End to end through pretrain_gpt.py: exact resume (20 straight = 10 + stop + 10, bitwise; ZeRO 1/2/3, pipeline,
 TP + sequence parallel, dropout), resume under another layout (tp2pp2dp2 ZeRO-1 -> tp1pp4dp2 ZeRO-2,
-tp1pp1dp1 ZeRO-3, tp2dp2 ZeRO-3: the same next losses), and a torchrun restart after a rank is killed."""
+tp1pp1dp1 ZeRO-3, tp2dp2 ZeRO-3: the same next losses), and a torchrun restart after a rank is killed (the
+full suite only); in process, a resume that would change the global batch or the learning-rate schedule."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,8 +18,9 @@ from helpers import run_on_ranks
 from helpers.trainer import TINY, assert_same_losses, main_body, read_metrics
 
 from megazero.checkpoint import CheckpointReader, latest_iteration
+from megazero.checkpoint import format as fmt
+from megazero.cli.job import parse_job
 
-pytestmark = pytest.mark.slow                  # end to end through the launcher: the full suite only
 ROOT = Path(__file__).resolve().parents[1]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
@@ -67,6 +70,7 @@ def _assert_same_checkpoints(a: Path, b: Path) -> None:
         assert torch.equal(ra.read_full(name), rb.read_full(name)), name
 
 
+@pytest.mark.slow                  # end to end through the launcher: the full suite only
 @pytest.mark.parametrize("world,flags", [
     (2, ["--dp", "2", "--zero-stage", "1"] + DROPOUT),
     (4, ["--pp", "2", "--dp", "2", "--zero-stage", "2"] + DROPOUT),
@@ -105,6 +109,7 @@ def saved_tp2pp2dp2(tmp_path_factory, uninterrupted):
     return d / "ck"
 
 
+@pytest.mark.slow                  # end to end through the launcher: the full suite only
 @pytest.mark.parametrize("world,flags", [(8, ["--pp", 4, "--dp", 2, "--zero-stage", 2]), (1, ["--zero-stage", 3]),
                                          (4, ["--tp", 2, "--dp", 2, "--zero-stage", 3])],
                          ids=["tp1pp4dp2-zero2", "tp1pp1dp1-zero3", "tp2dp2-zero3"])
@@ -115,6 +120,7 @@ def test_resume_under_another_layout(saved_tp2pp2dp2, uninterrupted, tmp_path, w
     assert_same_losses(valid, uninterrupted[1][2:], "valid_loss")
 
 
+@pytest.mark.slow                  # end to end through the launcher: the full suite only
 def test_load_without_checkpoint_is_an_error(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *map(str, TINY), "--load", tmp_path / "none"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -140,6 +146,7 @@ _CRASH_ONCE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow                  # end to end through the launcher: the full suite only
 def test_torchrun_restart_after_a_killed_rank_resumes_from_the_checkpoint(tmp_path):
     script = tmp_path / "crash_once.py"
     script.write_text(_CRASH_ONCE.format(root=str(ROOT), marker=str(tmp_path / "crashed")))
@@ -170,3 +177,86 @@ def test_torchrun_restart_after_a_killed_rank_resumes_from_the_checkpoint(tmp_pa
     serial = tmp_path / "serial.jsonl"
     _main(1, TINY + ["--metrics-file", serial])
     assert_same_losses([last[i] for i in sorted(last)], read_metrics(serial)[0], "loss")
+
+
+# ---------------------------------------------------------------- the schedule a resumed run keeps (in process)
+FIRST = ["--mock-data", "--tp", "2", "--pp", "2", "--global-batch-size", "32", "--train-iters", "40", "--lr", "1.5e-4",
+         "--lr-warmup-iters", "4"]
+RESUMED = ["--mock-data", "--tp", "1", "--pp", "4", "--zero-stage", "2", "--lr", "1.5e-4", "--lr-warmup-iters", "4"]
+
+
+@pytest.fixture
+def saved_tp2pp2(tmp_path):
+    """A checkpoint directory at iteration 40 of a tp2 pp2 run (global batch 32, 40 iterations) as far as
+    a resume reads it before any process group: its tracker and the job its index stores."""
+    job, _ = parse_job(FIRST, world_size=4)
+    where = tmp_path / "ck"
+    (where / fmt.iter_dir_name(40)).mkdir(parents=True)
+    (where / fmt.iter_dir_name(40) / fmt.INDEX).write_text(json.dumps({"job": job.to_dict()}))
+    (where / fmt.TRACKER).write_text("40")
+    return where
+
+
+def _resume(argv, capsys):
+    """(job or None, stdout, stderr) of parsing a resumed run's flags at world size 4."""
+    try:
+        job, _ = parse_job(argv, world_size=4)
+    except SystemExit as e:
+        assert e.code == 2
+        job = None
+    out = capsys.readouterr()
+    return job, out.out, out.err
+
+
+def test_a_resume_that_changes_the_schedule_is_refused_naming_each_difference(saved_tp2pp2, capsys):
+    job, _, err = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--train-iters", "60", "--lr", "3e-4"], capsys)
+    assert job is None
+    assert err.strip() == (
+        f"pretrain_gpt.py: error: the checkpoint in {saved_tp2pp2} was trained with another schedule (--lr: checkpoint "
+        f"0.00015 vs this run 0.0003; --lr-decay-iters: checkpoint 40 vs this run 60): add "
+        f"--use-checkpoint-opt_param-scheduler to continue the checkpoint's, or --override-opt_param-scheduler to "
+        f"train with this run's")
+    job, _, err = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--global-batch-size", "64", "--train-iters", "40"],
+                          capsys)
+    assert job is None and "(--global-batch-size: checkpoint 32 vs this run 64)" in err
+
+
+def test_without_a_global_batch_flag_the_checkpoints_is_taken_and_said(saved_tp2pp2, capsys):
+    """The default (micro x dp x pp) follows the layout: 8 x 1 x 4 = 32 here would hide a change at another one."""
+    job, out, _ = _resume(RESUMED + ["--pp", "2", "--load", str(saved_tp2pp2), "--train-iters", "40"], capsys)
+    assert job.train.global_batch_size == 32 and job.num_micro_batches == 2
+    assert f"--global-batch-size 32 taken from the checkpoint in {saved_tp2pp2} (no flag gives one)" in out
+    job, _, err = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--train-iters", "40", "--micro-batch-size", "5"],
+                          capsys)
+    assert job is None and "is not divisible by --micro-batch-size 5" in err
+    assert f"(32 is the global batch of the checkpoint in {saved_tp2pp2}, which this run continues: to train at " \
+           f"another, give --global-batch-size with --override-opt_param-scheduler)" in err
+
+
+def test_the_two_flags_keep_or_replace_the_checkpoints_schedule(saved_tp2pp2, capsys):
+    longer = RESUMED + ["--load", str(saved_tp2pp2), "--train-iters", "60", "--lr", "3e-4"]
+    job, out, _ = _resume(longer + ["--use-checkpoint-opt_param-scheduler"], capsys)
+    assert (job.optimizer.lr, job.optimizer.lr_decay_iters, job.train.train_iters) == (1.5e-4, 40, 60)
+    assert "--use-checkpoint-opt_param-scheduler: the schedule of the checkpoint in" in out
+    job, out, _ = _resume(longer + ["--override-opt_param-scheduler"], capsys)
+    assert (job.optimizer.lr, job.optimizer.lr_decay_iters, job.train.train_iters) == (3e-4, 60, 60)
+    assert "--override-opt_param-scheduler: this run's schedule replaces the one of the checkpoint in" in out
+    job, _, err = _resume(longer + ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], capsys)
+    assert job is None and "--use-checkpoint-opt_param-scheduler keeps the checkpoint's schedule and " \
+                           "--override-opt_param-scheduler replaces it: keep one" in err
+
+
+def test_a_layout_change_alone_is_accepted_silently(saved_tp2pp2, capsys):
+    job, out, err = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--global-batch-size", "32", "--train-iters",
+                                       "40"], capsys)
+    assert job.train.global_batch_size == 32 and out == "" and err == ""
+
+
+def test_a_checkpoint_older_than_a_schedule_setting_is_not_held_to_it(saved_tp2pp2, capsys):
+    index = saved_tp2pp2 / fmt.iter_dir_name(40) / fmt.INDEX
+    saved = json.loads(index.read_text())
+    del saved["job"]["optimizer"]["lr_warmup_style"], saved["job"]["optimizer"]["weight_decay"]
+    index.write_text(json.dumps(saved))
+    job, out, err = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--global-batch-size", "32", "--train-iters", "40",
+                                       "--weight-decay", "0.1"], capsys)
+    assert job.optimizer.weight_decay == 0.1 and err == ""

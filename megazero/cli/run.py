@@ -28,7 +28,7 @@ from megazero.parallel.topology import Topology, init_distributed
 from megazero.parallel.zero import build_engine
 from megazero.parallel.zero.protocol import Engine
 from megazero.profiling import describe as describe_profiling
-from megazero.reporting import describe_run, model_state_line
+from megazero.reporting import describe_run, log_header, model_state_line
 from megazero.spec import build_model_chunks, get_model_spec
 from megazero.training import train
 
@@ -95,6 +95,7 @@ def train_built(job: JobConfig, built: Built, tokenizer: Tokenizer | None, show_
     on rank 0."""
     topo, chunks, engine, log = built.topo, built.chunks, built.engine, built.log
     state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
+    log_header(log, job, state)
     t = job.train
     train_data, valid_data, _ = build_data_iterators(
         job.data, seq_length=job.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,

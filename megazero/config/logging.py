@@ -58,6 +58,10 @@ class LoggingConfig:
         None, "--wandb-save-dir", group="logging",
         help="with --wandb-project: W&B's local files (default: SAVE/wandb, else wandb's own ./wandb)")
 
+    # (no flag) what --deepspeed-config / --accelerate-config resolved, by file (the entry point fills it):
+    # {source: {field: {"value": ..., "auto" or "default": ...}}}, the metrics file's first record.
+    config_files: dict | None = None
+
     def check(self, train: TrainConfig | None = None, world_size: int | None = None) -> None:
         """The profiler's settings apply with ``--profile`` and W&B's with ``--wandb-project``; with
         ``--profile``, fills Megatron's defaults (steps 10 to 12, rank 0) and checks that a step of the

@@ -10,10 +10,12 @@ unused (it tunes only DeepSpeed's or accelerate launch's own implementation: lis
 :func:`unused_warning`), or refused; a file's refused keys are named in one message. ``"auto"`` means
 "from the command line or megazero's default", as in the Hugging Face integration. The tables of keys
 are in docs/foreign-configs.md; the DeepSpeed file is :mod:`.deepspeed`, the Accelerate one
-:mod:`.accelerate`, the reading and the messages :mod:`.reader`.
+:mod:`.accelerate`, the reading and the messages :mod:`.reader`; what a file resolved to (said at start, the
+metrics file's first record) :mod:`.resolved`.
 """
 from megazero.foreign_config.accelerate import Launch, from_accelerate
 from megazero.foreign_config.deepspeed import from_deepspeed
 from megazero.foreign_config.reader import load_yaml, unused_warning
+from megazero.foreign_config.resolved import resolved, resolved_line
 
-__all__ = ["Launch", "from_accelerate", "from_deepspeed", "load_yaml", "unused_warning"]
+__all__ = ["Launch", "from_accelerate", "from_deepspeed", "load_yaml", "resolved", "resolved_line", "unused_warning"]

@@ -18,7 +18,7 @@ from pathlib import Path
 from megazero.config import FLAG, setting
 from megazero.errors import ConfigError
 from megazero.foreign_config.deepspeed import nvme_path, offload_device, read_deepspeed
-from megazero.foreign_config.reader import Reader, load_yaml, read_text
+from megazero.foreign_config.reader import AUTO, Reader, load_yaml, read_text
 
 # accelerate launch's environment keys and their defaults: torchrun (and CUDA_VISIBLE_DEVICES) decide these.
 _LAUNCHER = {"compute_environment": "LOCAL_MACHINE", "debug": False, "downcast_bf16": "no", "enable_cpu_affinity": False,
@@ -79,10 +79,11 @@ def _is_default(value, default) -> bool:
 
 
 def from_accelerate(path: str | Path, launch: Launch | None = None,
-                    unused: list[tuple[str, str]] | None = None) -> dict:
+                    unused: list[tuple[str, str]] | None = None, decided: dict[str, str] | None = None) -> dict:
     """The settings of an Accelerate ``default_config.yaml`` (see the module docstring). With ``launch``,
     its ``num_processes``, ``num_machines`` and ``machine_rank`` must describe this launch; its unused keys
-    (and its deepspeed_config_file's) are appended to ``unused``. Every problem is refused in one message."""
+    (and its deepspeed_config_file's) are appended to ``unused``, the settings both leave to others to
+    ``decided`` (:attr:`Reader.decided`). Every problem is refused in one message."""
     path = Path(path)
     source = f"--accelerate-config {path}"
     data = load_yaml(read_text(path, source), source) or {}
@@ -108,7 +109,11 @@ def from_accelerate(path: str | Path, launch: Launch | None = None,
         unused += [(source, key) for key in r.unused]
         if inner is not None:
             unused += [(inner.source, key) for key in inner.unused]
-    return {**(inner.out if inner is not None else {}), **out}
+    merged = {**(inner.out if inner is not None else {}), **out}
+    if decided is not None:               # "auto" in one of the two files, a value in the other: the value
+        both = {**(inner.decided if inner is not None else {}), **r.decided}
+        decided.update({dest: how for dest, how in both.items() if not (how == AUTO and dest in merged)})
+    return merged
 
 
 def _defaults_only(r: Reader, path: str, defaults: dict) -> None:
@@ -130,10 +135,10 @@ def _deepspeed_section(r: Reader, here: Path) -> Reader | None:
     for key, dest in (("offload_optimizer", "zero.offload_optimizer"), ("offload_param", "zero.offload_params")):
         device = offload_device(r, f"{d}.{key}_device", dest)
         nvme_path(r, r.get(f"{d}.{key}_nvme_path"), device, f"{d}.{key}_nvme_path")
-    r.set("zero.zero_stage", r.get(f"{d}.zero_stage", int))
-    r.set("train.gradient_accumulation_steps", r.get(f"{d}.gradient_accumulation_steps", int))
-    r.set("optimizer.clip_grad", r.get(f"{d}.gradient_clipping", float))
-    r.set("zero.sharded_init", r.get(f"{d}.zero3_init_flag", bool))
+    r.take("zero.zero_stage", f"{d}.zero_stage", int)
+    r.take("train.gradient_accumulation_steps", f"{d}.gradient_accumulation_steps", int)
+    r.take("optimizer.clip_grad", f"{d}.gradient_clipping", float)
+    r.take("zero.sharded_init", f"{d}.zero3_init_flag", bool)
     name = r.get(f"{d}.deepspeed_config_file")
     if name is None:
         return None

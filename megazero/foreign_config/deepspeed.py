@@ -61,14 +61,18 @@ def _feature_offers() -> dict[str, str]:
     }
 
 
-def from_deepspeed(path: str | Path, unused: list[tuple[str, str]] | None = None) -> dict:
+def from_deepspeed(path: str | Path, unused: list[tuple[str, str]] | None = None,
+                   decided: dict[str, str] | None = None) -> dict:
     """The settings a DeepSpeed JSON config asks for; its unused keys are appended to ``unused`` as
-    ``(source, key path)``. Every problem of the file is refused in one ConfigError."""
+    ``(source, key path)``, the settings it leaves to others (``"auto"``, or DeepSpeed's default) to
+    ``decided`` (:attr:`Reader.decided`). Every problem of the file is refused in one ConfigError."""
     source = f"--deepspeed-config {path}"
     r = read_deepspeed(Path(path), source)
     out = r.done()
     if unused is not None:
         unused += [(source, key) for key in r.unused]
+    if decided is not None:
+        decided.update(r.decided)
     return out
 
 
@@ -78,10 +82,10 @@ def read_deepspeed(path: Path, source: str) -> Reader:
     r.only("", {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "gradient_clipping", "fp16", "bf16", "zero_optimization", "optimizer", "scheduler",
                 "communication_data_type", "data_types", "activation_checkpointing", *_feature_offers()}, _TOP_UNUSED)
-    r.set("train.global_batch_size", r.get("train_batch_size", int))
-    r.set("train.micro_batch_size", r.get("train_micro_batch_size_per_gpu", int))
-    r.set("train.gradient_accumulation_steps", r.get("gradient_accumulation_steps", int))
-    r.set("optimizer.clip_grad", r.get("gradient_clipping", float))
+    r.take("train.global_batch_size", "train_batch_size", int)
+    r.take("train.micro_batch_size", "train_micro_batch_size_per_gpu", int)
+    r.take("train.gradient_accumulation_steps", "gradient_accumulation_steps", int)
+    r.take("optimizer.clip_grad", "gradient_clipping", float)
     _features(r)
     _precision(r)
     _zero(r)
@@ -134,10 +138,11 @@ def _precision(r: Reader) -> None:
             if r.get(f"fp16.{key}", bool):
                 r.fail(f"fp16.{key}", "is not supported: set it false")
         power = r.get("fp16.initial_scale_power", int)
+        r.note("precision.initial_loss_scale", "fp16.initial_scale_power")
         r.set("precision.initial_loss_scale", None if power is None else float(2 ** power))
-        r.set("precision.loss_scale_window", r.get("fp16.loss_scale_window", int))
-        r.set("precision.hysteresis", r.get("fp16.hysteresis", int))
-        r.set("precision.min_loss_scale", r.get("fp16.min_loss_scale", float))
+        r.take("precision.loss_scale_window", "fp16.loss_scale_window", int)
+        r.take("precision.hysteresis", "fp16.hysteresis", int)
+        r.take("precision.min_loss_scale", "fp16.min_loss_scale", float)
     r.only("data_types", {"grad_accum_dtype"})
     for path in ("communication_data_type", "data_types.grad_accum_dtype"):
         dtype = r.get(path)
@@ -151,10 +156,9 @@ def _precision(r: Reader) -> None:
 def _zero(r: Reader) -> None:
     z = "zero_optimization"
     r.only(z, _ZERO_MAPPED, _ZERO_UNUSED)
-    stage = r.get(f"{z}.stage", int)
-    r.set("zero.zero_stage", stage)
-    r.set("zero.bucket_size", r.get(f"{z}.reduce_bucket_size", int))
-    r.set("zero.overlap_grad_reduce", r.get(f"{z}.overlap_comm", bool))
+    stage = r.take("zero.zero_stage", f"{z}.stage", int)
+    r.take("zero.bucket_size", f"{z}.reduce_bucket_size", int)
+    r.take("zero.overlap_grad_reduce", f"{z}.overlap_comm", bool)
     for key in ("contiguous_gradients", "reduce_scatter", "allgather_partitions"):
         if r.get(f"{z}.{key}", bool) is False:    # DeepSpeed's other way to the same gradients (memory, traffic)
             r.unused.append(f"{z}.{key}")
@@ -163,11 +167,11 @@ def _zero(r: Reader) -> None:
         if stage is not None and stage != 3 and r.given(f"{z}.{key}"):
             r.unused.append(f"{z}.{key}")         # stage 3's only, as in DeepSpeed
         else:
-            r.set(dest, r.get(f"{z}.{key}", int))
-    r.set("zero.offload_sub_group_size", r.get(f"{z}.sub_group_size", int))
-    r.set("zero.quantized_weights", r.get(f"{z}.zero_quantized_weights", bool))
-    r.set("zero.hpz_partition_size", r.get(f"{z}.zero_hpz_partition_size", int))
-    r.set("zero.quantized_gradients", r.get(f"{z}.zero_quantized_gradients", bool))
+            r.take(dest, f"{z}.{key}", int)
+    r.take("zero.offload_sub_group_size", f"{z}.sub_group_size", int)
+    r.take("zero.quantized_weights", f"{z}.zero_quantized_weights", bool)
+    r.take("zero.hpz_partition_size", f"{z}.zero_hpz_partition_size", int)
+    r.take("zero.quantized_gradients", f"{z}.zero_quantized_gradients", bool)
     for key, dest in (("offload_optimizer", "zero.offload_optimizer"), ("offload_param", "zero.offload_params")):
         path = f"{z}.{key}"
         r.only(path, {"device", "nvme_path", "pin_memory", "ratio"}, _OFFLOAD_UNUSED)
@@ -211,16 +215,18 @@ def _optimizer(r: Reader) -> None:
         r.fail(f"{p}.adam_w_mode", "Adam with L2 regularisation is not supported: use AdamW (true)")
     if r.get(f"{p}.bias_correction", bool) is False:
         r.fail(f"{p}.bias_correction", "Adam without bias correction is not supported: set true or remove it")
-    r.set("optimizer.lr", r.get(f"{p}.lr", float))
+    r.take("optimizer.lr", f"{p}.lr", float)
     betas = r.get(f"{p}.betas")
+    r.note("optimizer.adam_beta1", f"{p}.betas")
+    r.note("optimizer.adam_beta2", f"{p}.betas")
     if betas is not None and not (isinstance(betas, list) and len(betas) == 2
                                   and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
         r.fail(f"{p}.betas", f"must be two numbers, got {betas!r}")
     elif betas is not None:
         r.set("optimizer.adam_beta1", float(betas[0]))
         r.set("optimizer.adam_beta2", float(betas[1]))
-    r.set("optimizer.adam_eps", r.get(f"{p}.eps", float))
-    r.set("optimizer.weight_decay", r.get(f"{p}.weight_decay", float))
+    r.take("optimizer.adam_eps", f"{p}.eps", float)
+    r.take("optimizer.weight_decay", f"{p}.weight_decay", float)
 
 
 def _scheduler(r: Reader) -> None:
@@ -241,18 +247,17 @@ def _scheduler(r: Reader) -> None:
     if r.get(f"{p}.last_batch_iteration", int) not in (None, -1):
         r.fail(f"{p}.last_batch_iteration", "the schedule follows the iteration megazero resumes from "
                                             f"({FLAG.load}): set -1 or remove it")
-    warmup = r.get(f"{p}.warmup_type", default="log")
+    warmup = r.take("optimizer.lr_warmup_style", f"{p}.warmup_type", default="log")
     if warmup not in (None, "log", "linear"):
         r.fail(f"{p}.warmup_type", f"must be log or linear, got {warmup!r}")
-    r.set("optimizer.lr_warmup_style", warmup)
-    r.set("optimizer.lr_warmup_iters", r.get(f"{p}.warmup_num_steps", int, default=1000))
+    r.take("optimizer.lr_warmup_iters", f"{p}.warmup_num_steps", int, default=1000)
     r.set("optimizer.lr_decay_style", decay)
-    r.set("optimizer.lr_decay_iters", r.get(f"{p}.total_num_steps", int))
+    r.take("optimizer.lr_decay_iters", f"{p}.total_num_steps", int)
     start = "warmup_min_ratio" if kind == "WarmupCosineLR" else "warmup_min_lr"
     if r.get(f"{p}.{start}", float):
         r.fail(f"{p}.{start}", "the warmup starts from 0 in megazero: set 0")
     if kind == "WarmupCosineLR":                  # the peak is the optimizer's lr
-        r.set("optimizer.min_lr_ratio", r.get(f"{p}.cos_min_ratio", float, default=0.0001))
+        r.take("optimizer.min_lr_ratio", f"{p}.cos_min_ratio", float, default=0.0001)
         return
     if kind == "WarmupDecayLR":
         r.set("optimizer.min_lr", 0.0)
@@ -261,4 +266,6 @@ def _scheduler(r: Reader) -> None:
         default = "" if r.given(f"{p}.warmup_max_lr") else " (absent: DeepSpeed's default)"
         return r.fail(f"{p}.warmup_max_lr", f"is {peak:g}{default} but optimizer.params.lr is {optimizer_lr:g}: "
                                             f"DeepSpeed trains at the scheduler's, make them agree")
+    if optimizer_lr is None:
+        r.note("optimizer.lr", f"{p}.warmup_max_lr", default=0.001)
     r.set("optimizer.lr", peak)

@@ -9,6 +9,7 @@ from pathlib import Path
 from megazero.errors import ConfigError
 
 AUTO = "auto"
+DEFAULT = "default"         # a key absent from the file, whose engine's default a setting takes
 # The reason given for a key megazero has no equivalent of (grouped: "a, b: " + this).
 UNSUPPORTED = "not supported by megazero (no equivalent here): remove"
 
@@ -101,6 +102,7 @@ class Reader:
         self.source, self.data, self.out = source, data, {}
         self.errors: list[tuple[str, str]] = []
         self.unused: list[str] = []
+        self.decided: dict[str, str] = {}     # dest -> AUTO (the flags decide) or DEFAULT (absent: the engine's)
 
     def fail(self, path: str, why: str) -> None:
         self.errors.append((path, why))
@@ -141,6 +143,24 @@ class Reader:
     def set(self, dest: str, value) -> None:
         if value is not None:
             self.out[dest] = value
+
+    def take(self, dest: str, path: str, kind=None, default=None):
+        """Set ``dest`` from the key at ``path`` (:meth:`get`) and return the value; an ``"auto"`` key, or an
+        absent one whose ``default`` is taken, is recorded in ``decided`` (said at start with the value
+        it resolved to)."""
+        value = self.get(path, kind, default)
+        self.note(dest, path, default)
+        self.set(dest, value)
+        return value
+
+    def note(self, dest: str, path: str, default=None) -> None:
+        """Record in ``decided`` how the key at ``path`` leaves ``dest`` to others: ``"auto"``, or absent with
+        a ``default`` of the engine's."""
+        node = self.raw(path, default=KeyError)
+        if isinstance(node, str) and node == AUTO:
+            self.decided[dest] = AUTO
+        elif node is KeyError and default is not None:
+            self.decided[dest] = DEFAULT
 
     def agree(self, dest: str, value, path: str, other: str = "another offload section") -> None:
         """Set ``dest`` from a key that may appear twice (the optimizer's and the parameters' offload
