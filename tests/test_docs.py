@@ -146,7 +146,7 @@ REFUSALS = [
       ["--config", "{D}/c.toml", "--deepspeed-config", "{D}/ds.json"], "--deepspeed-config {D}/ds.json")),
     ("faults.md", "Two things are said rather than refused",
      ("test", "tests/test_bad_input.py::test_an_empty_validation_split_is_said_at_start")),
-    ("faults.md", "a\n  second run on the same directory is refused", ("bad input", "save-locked")),
+    ("faults.md", "a second run on the same directory is refused", ("bad input", "save-locked")),
     ("faults.md", "A save the file system refuses",
      ("test", "tests/test_faults.py::test_a_full_disk_during_a_save_is_one_line_and_leaves_no_tmp")),
     ("faults.md", "refuse an\n  existing output unless `--overwrite` is given",
