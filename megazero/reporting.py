@@ -30,6 +30,7 @@ class StepResult:
     skipped: bool
     loss_scale: float
     params_overflowed: bool = False     # an applied step left a non-finite fp16/bf16 parameter (any rank)
+    out_of_time: bool = False           # a rank is past --exit-duration-in-mins after this step
 
 
 def describe_run(job: JobConfig, topo: Topology, chunks) -> str:

@@ -51,19 +51,28 @@ def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
     context parallelism each cp rank's loss is its slice's share of the micro-batch's loss: every cp rank
     adds its share, only cp rank 0 counts the micro-batches.
     """
-    return _global_figures(losses, topo, False)[0]
+    return _global_figures(losses, topo)[0]
 
 
-def _global_figures(losses: list[torch.Tensor], topo: Topology, flag: bool) -> tuple[float, bool]:
-    """(:func:`global_mean_loss`, whether ``flag`` is set on any rank), in one all-reduce."""
+def _global_figures(losses: list[torch.Tensor], topo: Topology,
+                    flags: tuple[bool, ...] = ()) -> tuple[float, tuple[bool, ...]]:
+    """(:func:`global_mean_loss`, for each of ``flags`` whether it is set on any rank), in one all-reduce."""
     contributes = topo.tp_rank == 0 and losses      # losses: only the rank with the last virtual stage
-    total = torch.zeros(3, device=topo.device)
+    total = torch.zeros(2 + len(flags), device=topo.device)
     if contributes:
         total[0] = torch.stack(losses).sum().float()
         total[1] = len(losses) if topo.cp_rank == 0 else 0
-    total[2] = float(flag)
+    for i, flag_set in enumerate(flags):
+        total[2 + i] = float(flag_set)
     dist.all_reduce(total)
-    return ((total[0] / total[1]).item() if total[1] > 0 else float("nan")), bool(total[2].item())
+    loss = (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+    return loss, tuple(bool(seen > 0) for seen in total[2:].tolist())
+
+
+def minutes_since(started: float) -> float:
+    """Minutes since ``started``, a :func:`time.monotonic` reading (the entry point's, for
+    ``--exit-duration-in-mins``)."""
+    return (time.monotonic() - started) / 60
 
 
 def _loss_fn(spec: ModelSpec, topo: Topology):
@@ -77,11 +86,14 @@ def _boundary_shape(spec: ModelSpec, job: JobConfig, topo: Topology) -> tuple[in
 
 
 def train_step(chunks, micro_batches: list[dict], topo: Topology, engine: Engine, job: JobConfig,
-               spec: ModelSpec | None = None, iteration: int | None = None) -> StepResult:
+               spec: ModelSpec | None = None, iteration: int | None = None,
+               out_of_time: Callable[[], bool] | None = None) -> StepResult:
     """Forward and backward over every micro-batch, reduce gradients, clip, and step the optimizer.
     ``spec``: the model's (default: the one ``job.model.model_family`` names); ``iteration``: this
     step's, for the optimizer's messages. With fp16/bf16 parameters, whether an applied step left one
-    non-finite (its fp32 master beyond the type's range) travels in the loss's all-reduce."""
+    non-finite (its fp32 master beyond the type's range) travels in the loss's all-reduce; so does
+    ``out_of_time()`` (asked after the optimizer step: is this rank past its wall-clock limit?), so that
+    every rank agrees whether any is."""
     spec = spec or get_model_spec(job.model.model_family)
     engine.zero_grad()
     spec.hooks.before_step(chunks, engine.loss_scale / len(micro_batches))   # e.g. MoE losses, as the main loss's
@@ -90,8 +102,9 @@ def train_step(chunks, micro_batches: list[dict], topo: Topology, engine: Engine
     engine.finalize_grads()
     grad_norm, skipped = engine.step(iteration)
     overflowed = not skipped and engine.params_overflowed
-    loss, overflowed = _global_figures(losses, topo, overflowed)
-    return StepResult(loss, grad_norm, skipped, engine.loss_scale, overflowed)
+    late = out_of_time is not None and out_of_time()
+    loss, (overflowed, late) = _global_figures(losses, topo, (overflowed, late))
+    return StepResult(loss, grad_norm, skipped, engine.loss_scale, overflowed, late)
 
 
 @torch.no_grad()
@@ -114,7 +127,8 @@ def evaluate(chunks, batches: Iterator[list[dict]], topo: Topology, job: JobConf
 
 def train(job: JobConfig, topo: Topology, chunks, engine: Engine, train_batches: Callable[[int], Iterator[list[dict]]],
           valid_batches: Callable[[], Iterator[list[dict]]] | None, log: MetricsLog, state: TrainState,
-          save: Saver | None = None, compile_log: CompileLog | None = None) -> TrainState:
+          save: Saver | None = None, compile_log: CompileLog | None = None,
+          started: float | None = None) -> TrainState:
     """Run from ``state.iteration`` to ``train_iters``; evaluate and save at their intervals.
 
     ``train_batches(consumed_samples)`` yields, per step, this data-parallel rank's micro-batches of the
@@ -126,7 +140,11 @@ def train(job: JobConfig, topo: Topology, chunks, engine: Engine, train_batches:
     when the run stops. ``compile_log`` (``--compile``): what compiling took is printed after the
     first step, the graphs compiled since the last line on every log line. ``--profile``: the steps of
     its window are profiled on its ranks (:class:`megazero.profiling.StepProfiler`).
+    ``--exit-duration-in-mins``: once that many minutes have passed since ``started`` (a
+    :func:`time.monotonic` reading taken when the process started; default: now) on any rank, the run
+    ends after that step as at its last iteration -- saved, the save finished -- and says why it stopped.
     """
+    started = time.monotonic() if started is None else started
     finish = save.finish if save is not None else (lambda: None)
     profiler = StepProfiler(job.logging, job.checkpoint.save, topo.rank, topo.device,
                             say=lambda line: print(line, flush=True))
@@ -134,8 +152,8 @@ def train(job: JobConfig, topo: Topology, chunks, engine: Engine, train_batches:
         log.print(f" profiler: this run resumes at iteration {state.iteration}, past the profiled iterations "
                   f"(up to {job.logging.profile_step_end}): nothing is profiled")
     try:
-        state = _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save, compile_log,
-                            profiler)
+        state, ended_early = _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save,
+                                         compile_log, profiler, started)
     except TrainingStopped as stopped:
         try:                                  # a background save of a good state still becomes the latest
             finish()
@@ -145,14 +163,18 @@ def train(job: JobConfig, topo: Topology, chunks, engine: Engine, train_batches:
     finally:
         profiler.close()                      # a run that ended inside the profiled window writes it
     finish()
+    if ended_early:                           # said once its checkpoint is committed
+        log.print(ended_early)
     return state
 
 
-def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save, compile_log, profiler):
-    """:func:`train`'s loop, up to the last save (started, if it runs in the background)."""
+def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save, compile_log, profiler,
+                started):
+    """:func:`train`'s loop, up to the last save (started, if it runs in the background); returns the
+    state and, for a run that ended at ``--exit-duration-in-mins``, the line saying so."""
     t, opt = job.train, job.optimizer
     if state.iteration >= t.train_iters:          # a resumed run with nothing left: no step, no save
-        return state
+        return state, None
     spec = get_model_spec(job.model.model_family)
     tokens_per_step = t.global_batch_size * job.model.seq_length
     flops_per_step = spec.flops_per_token(job.model, job.model.padded_vocab_size(job.parallel.tp),
@@ -165,23 +187,27 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     loop_start = window_start = time.perf_counter()
     window_iters = 0
     saved_at = state.iteration                    # a resumed run starts from a saved iteration
-    skipped_in_a_row, save_due = 0, False
+    skipped_in_a_row, save_due, time_up = 0, False, False
     comm_seen = _bytes_sent(engine)
     first_iteration = state.iteration
     live = LastStepLiveBytes(job.logging.measure_live_bytes, t.train_iters, topo.device)
+    limit = t.exit_duration_in_mins
+    out_of_time = (lambda: minutes_since(started) >= limit) if limit is not None else None
     while state.iteration < t.train_iters:
         engine.set_lr(learning_rate(state.iteration, opt))
         with profiler.step(state.iteration), live.step(state.iteration):
-            result = train_step(chunks, next(batches), topo, engine, job, iteration=state.iteration + 1)
+            result = train_step(chunks, next(batches), topo, engine, job, iteration=state.iteration + 1,
+                                out_of_time=out_of_time)
         skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
         stop = stop_reason(job, engine, result, state.iteration + 1, skipped_in_a_row, topo)
+        time_up = result.out_of_time and not stop and state.iteration + 1 < t.train_iters
         state.iteration += 1
         state.consumed_samples += t.global_batch_size
         state.skipped_iterations += int(result.skipped)
         window_iters += 1
         if compile_log is not None and state.iteration == first_iteration + 1:
             log.print(compile_log.describe_first(compile_log.metrics()))
-        if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters or stop:
+        if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters or stop or time_up:
             step_time = (time.perf_counter() - window_start) / window_iters
             extra = spec.hooks.metrics(chunks, job, topo.tp_rank, window_iters, topo.device)   # a collective
             text = spec.hooks.describe_metrics(extra)
@@ -212,9 +238,11 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
         if save_due and not result.skipped:   # a skipped step changed no weights: save after one that did
             _save(save, state, log)
             save_due, saved_at, window_start = False, state.iteration, time.perf_counter()
+        if time_up:
+            break
     if save and saved_at != state.iteration:
         _save(save, state, log)
-    return state
+    return state, (time_up_line(job, state.iteration, minutes_since(started)) if time_up else None)
 
 
 def _bytes_sent(engine: Engine) -> float:
@@ -227,6 +255,16 @@ def _save(save: Saver, state: TrainState, log: MetricsLog) -> None:
     blocked = save(state)
     if isinstance(blocked, float):
         log.record({"iteration": state.iteration, "save_blocked_seconds": blocked}, state.iteration)
+
+
+def time_up_line(job: JobConfig, iteration: int, minutes: float) -> str:
+    """The line of a run that ended at ``iteration``, ``minutes`` after its process started, for
+    ``--exit-duration-in-mins``: where its checkpoint is and how to resume from it."""
+    where = job.checkpoint.save
+    saved = (f"checkpoint saved to {where}: resume with {FLAG.load} {where}" if where else
+             f"no checkpoint saved (no {FLAG.save}): a new run starts from the beginning")
+    return (f" stopping at iteration {iteration}: {FLAG.exit_duration_in_mins} {job.train.exit_duration_in_mins:g} "
+            f"reached ({minutes:.4g} min since start); {saved}")
 
 
 def stop_reason(job: JobConfig, engine: Engine, r: StepResult, iteration: int, skipped_in_a_row: int,

@@ -1,7 +1,7 @@
 """megazero/training.py: the pieces of the run around the step (the step itself is proven by the parity
 tests of every parallel module)."""
 from helpers import run_on_ranks
-from helpers.trainer import TINY
+from helpers.trainer import TINY, main_body
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 
@@ -46,3 +46,48 @@ def test_gather_full_model_collects_every_expert_from_dp_x_cp():
     release of its gathered buffers (views of them read freed storage: a ZeRO-3 run's sample was noise)."""
     out = run_on_ranks(4, _gather_body, LAYOUTS, timeout=300)
     assert out[0] == [0.0] * len(LAYOUTS) and all(x == [True] * len(LAYOUTS) for x in out[1:])
+
+
+def _late_rank_body(rank, world, argv, late_rank, late_from_step):
+    """pretrain_gpt.main with the clock of ``--exit-duration-in-mins`` faked: ``late_rank`` reads 60.2 minutes
+    from its ``late_from_step``-th step on, every other rank 59.9; (status, rank 0's stop lines)."""
+    import contextlib
+    import io
+
+    import megazero.training as training
+    from megazero.cli import main as cli
+
+    real, readings, out = training.minutes_since, [], io.StringIO()
+
+    def minutes_since(started):
+        readings.append(started)
+        return 60.2 if rank == late_rank and len(readings) >= late_from_step else 59.9
+
+    training.minutes_since = minutes_since
+    try:
+        with contextlib.redirect_stdout(out):
+            status = cli.main(argv)
+    finally:
+        training.minutes_since = real
+    return status, [line for line in out.getvalue().splitlines() if "stopping at" in line]
+
+
+def test_exit_duration_stops_every_rank_at_the_late_ranks_step_saves_and_resumes(tmp_path):
+    from helpers.trainer import read_metrics
+
+    from megazero.checkpoint import latest_iteration
+
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    argv = [*TINY, "--dp", "2", "--train-iters", "6", "--eval-interval", "6", "--eval-iters", "1", "--save", str(ck),
+            "--metrics-file", str(metrics), "--exit-duration-in-mins", "60"]
+    # Only rank 1 is past the limit (after its third step): both ranks stop there, or rank 0 would wait alone.
+    results = run_on_ranks(2, _late_rank_body, argv, 1, 3, timeout=120)
+    assert [status for status, _ in results] == [0, 0]
+    assert results[0][1] == [f" stopping at iteration 3: --exit-duration-in-mins 60 reached (59.9 min since start); "
+                             f"checkpoint saved to {ck}: resume with --load {ck}"]
+    assert latest_iteration(ck) == 3
+    assert [r["iteration"] for r in read_metrics(metrics)[0]] == [1, 2, 3]
+    # The same command with --load resumes there and, the limit not reached, trains to the end.
+    assert run_on_ranks(2, main_body, argv + ["--load", str(ck)], timeout=120) == [0, 0]
+    assert latest_iteration(ck) == 6
+    assert [r["iteration"] for r in read_metrics(metrics)[0]] == [1, 2, 3, 4, 5, 6]

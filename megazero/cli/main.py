@@ -48,6 +48,7 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()                         # --exit-duration-in-mins counts from here
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     job, args = parse_job(argv, world)                 # every flag validated here, once
     rank = int(os.environ.get("RANK", "0"))
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     except (PreflightError, TokenizerError, DataError, OSError) as e:
         stop(f"{e}", 2, rank, after_rank0=True)        # bad input: status 2, as for a bad flag
     try:
-        return run(job, args.backend, tokenizer, show_sample=embedded_default, lock=lock)
+        return run(job, args.backend, tokenizer, show_sample=embedded_default, lock=lock, started=started)
     except (TrainingStopped, CheckpointError) as e:   # the same line on every rank: rank 0 says it
         stop(f"{e}", 1, rank)
     except (DataError, OSError) as e:                  # found by some ranks only (an index cache, a disk)

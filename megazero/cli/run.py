@@ -48,12 +48,13 @@ class Built:
 
 
 def run(job: JobConfig, backend: str | None, tokenizer: Tokenizer | None, show_sample: bool,
-        lock: SaveLock | None = None) -> int:
+        lock: SaveLock | None = None, started: float | None = None) -> int:
     """Build, then train (the job and files are checked; ``lock``: rank 0's lock of ``--save``, which
-    every save checks); the engine and the log are closed however the run ends."""
+    every save checks; ``started``: the :func:`time.monotonic` reading when the process started, from
+    which ``--exit-duration-in-mins`` counts); the engine and the log are closed however the run ends."""
     built = build(job, backend)
     try:
-        train_built(job, built, tokenizer, show_sample, lock)
+        train_built(job, built, tokenizer, show_sample, lock, started)
     finally:
         built.log.close()
         built.engine.close()                             # offload swap files go with the run
@@ -89,10 +90,10 @@ def build(job: JobConfig, backend: str | None) -> Built:
 
 
 def train_built(job: JobConfig, built: Built, tokenizer: Tokenizer | None, show_sample: bool,
-                lock: SaveLock | None = None) -> None:
+                lock: SaveLock | None = None, started: float | None = None) -> None:
     """Resume (``--load``, ``--finetune``, or the latest checkpoint of ``--save``), the data from where the
-    run stands, the loop (saving under ``lock``, rank 0's); with ``show_sample``, what the model learnt,
-    on rank 0."""
+    run stands, the loop (saving under ``lock``, rank 0's; ``started``: see :func:`run`); with
+    ``show_sample``, what the model learnt, on rank 0."""
     topo, chunks, engine, log = built.topo, built.chunks, built.engine, built.log
     state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
     log_header(log, job, state)
@@ -114,7 +115,7 @@ def train_built(job: JobConfig, built: Built, tokenizer: Tokenizer | None, show_
     valid_steps = _steps(valid_data, topo.device) if valid_data is not None else None
     state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
                   log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print, lock=lock),
-                  compile_log=CompileLog(len(built.regions)) if built.regions else None)
+                  compile_log=CompileLog(len(built.regions)) if built.regions else None, started=started)
     if show_sample:                                      # show what the tiny GPT learnt
         model = gather_full_model(chunks, topo, job, engine)
         if model is not None:

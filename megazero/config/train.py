@@ -1,4 +1,5 @@
-"""The training section: batch sizes, the run's length, the seed, and the evaluation and logging rhythm.
+"""The training section: batch sizes, the run's length (and its wall-clock limit), the seed, and the evaluation
+and logging rhythm.
 Its rules check the batch against the layout (micro-batches per step, enough of them to fill the
 pipeline) and fill ``global_batch_size`` and ``train_iters``.
 """
@@ -27,6 +28,10 @@ class TrainConfig:
     train_samples: int | None = flag_field(
         None, "--train-samples", type=int, group="training",
         help="train this many samples: that // --global-batch-size iterations (a sample-based run)")
+    exit_duration_in_mins: float | None = flag_field(
+        None, "--exit-duration-in-mins", type=float, group="training", metavar="MINUTES",
+        help="stop once this many minutes have passed since the process started, after the step that passes them: "
+             "save a checkpoint (with --save) and exit with status 0, to be resumed from it")
     seed: int = flag_field(1234, "--seed", type=int, group="training", help="the random seed")
     eval_interval: int = flag_field(100, "--eval-interval", type=int, group="training",
                                     help="iterations between evaluations")
@@ -78,6 +83,10 @@ class TrainConfig:
             fail(f"the interleaved schedule needs micro-batches ({m}) divisible by {FLAG.pp} {par.pp}: "
                   f"make {FLAG.global_batch_size} a multiple of {par.pp * per_step}")
         self._fill_train_iters()
+        limit = self.exit_duration_in_mins
+        if limit is not None and limit <= 0:       # nan and inf: validate() refuses them first
+            fail(f"{FLAG.exit_duration_in_mins} must be a positive number of minutes, got {limit:g}: give the minutes "
+                 f"the run may last (it saves and exits once they have passed), or drop the flag")
         if not 0 <= self.seed < 2 ** 32:
             fail(f"{FLAG.seed} must be in [0, 2**32), got {self.seed}: the data order and the initial weights are "
                   f"drawn from it; pick a non-negative seed")
