@@ -191,8 +191,8 @@ class GPT(nn.Module):
         cfg = self.cfg
         if name.endswith(".bias"):
             return torch.zeros(shape)
-        if is_norm:
-            return torch.ones(shape)
+        if is_norm:                                      # --apply-layernorm-1p stores scale - 1
+            return torch.zeros(shape) if cfg.apply_layernorm_1p else torch.ones(shape)
         std = cfg.init_method_std
         if cfg.scaled_output_init and name.endswith(("attention.dense.weight", "mlp.dense_4h_to_h.weight",
                                                               ".fc2.weight")):
