@@ -142,7 +142,6 @@ class ZeroCentredLayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
-NORM_TYPES = (nn.LayerNorm, RMSNorm)
 ZERO_CENTRED_NORM_WEIGHTS = ("input_layernorm.weight", "post_attention_layernorm.weight", "final_norm.weight")
 
 
@@ -213,6 +212,7 @@ class LayerContext:
             norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, **kw)
         for p in norm.parameters():
             set_tp_attributes(p, False, sequence_parallel_grad=self.sp)
+        norm.is_norm = True          # apex's modules are plain Modules: the model's init finds its norms by this
         return norm
 
     def linear_kw(self) -> dict:
