@@ -36,9 +36,12 @@ def apex_norm(kind: str, hidden: int, eps: float, dtype, device) -> nn.Module:
     return norm.to(dtype=dtype, device=device)
 
 
-def describe_kernels(device: torch.device, compiling: bool) -> str:
-    """The start-of-run line naming the kernels in use and why."""
-    if use_apex_norms(device) and not compiling:
+def describe_kernels(device: torch.device, compiling: bool, zero_centred_norms: bool = False) -> str:
+    """The start-of-run line naming the kernels in use and why (``zero_centred_norms``: the model's norms
+    scale by 1 + weight, which apex's modules do not, so they are torch's)."""
+    if use_apex_norms(device) and zero_centred_norms:
+        norms = "torch (zero-centred norm weights; apex's scale by the weight itself)"
+    elif use_apex_norms(device) and not compiling:
         norms = "apex fused (FusedLayerNorm / FusedRMSNorm)"
     elif apex_norms() is not None and compiling:
         norms = "torch (compiled into each layer; apex's would break the graph)"

@@ -212,9 +212,10 @@ def test_compiled_layer_on_cuda_equals_eager():
 
 
 def test_apex_is_only_the_real_one_and_compiled_layers_get_torch_norms(monkeypatch):
-    """PyPI's unrelated ``apex`` is not NVIDIA's; with NVIDIA's (faked here by a LayerNorm subclass), the
-    layers' norms are apex's where apex is used, and compiling swaps them for torch's, keeping the very
-    same parameters (so the engine, checkpoints and names see no change)."""
+    """PyPI's unrelated ``apex`` is not NVIDIA's; with NVIDIA's (faked here by a plain Module holding
+    ``weight`` and ``bias``, as apex's is), the layers' norms are apex's where apex is used, start at scale 1,
+    and compiling swaps them for torch's, keeping the very same parameters (so the engine, checkpoints and
+    names see no change). Zero-centred norms (--apply-layernorm-1p) are torch's, and the kernel line says so."""
     import sys
     import types
 
@@ -226,8 +227,14 @@ def test_apex_is_only_the_real_one_and_compiled_layers_get_torch_norms(monkeypat
     assert kernels.apex_norms() is None
     assert "apex not installed" in kernels.describe_kernels(torch.device("cpu"), compiling=False)
 
-    class FusedLayerNorm(torch.nn.LayerNorm):
-        pass
+    class FusedLayerNorm(torch.nn.Module):
+        def __init__(self, hidden, eps):
+            super().__init__()
+            self.eps, self.weight = eps, torch.nn.Parameter(torch.ones(hidden))
+            self.bias = torch.nn.Parameter(torch.zeros(hidden))
+
+        def forward(self, x):
+            return torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
     fake = types.ModuleType("apex.normalization")
     fake.FusedLayerNorm, fake.FusedRMSNorm = FusedLayerNorm, FusedLayerNorm
@@ -240,6 +247,11 @@ def test_apex_is_only_the_real_one_and_compiled_layers_get_torch_norms(monkeypat
     chunk = GPT(GPTConfig(**GPT_CFG), seed=SEED)
     before = dict(chunk.named_parameters())
     assert isinstance(chunk.layers["0"].input_layernorm, FusedLayerNorm)
+    assert all(torch.all(before[n] == 1) for n in before if n.endswith("norm.weight"))
+    centred = GPT(GPTConfig(**GPT_CFG, apply_layernorm_1p=True), seed=SEED)
+    assert isinstance(centred.layers["0"].input_layernorm, transformer.ZeroCentredLayerNorm)
+    assert torch.all(centred.final_norm.weight == 0)
+    assert "normalisation torch (zero-centred" in kernels.describe_kernels(torch.device("cuda"), False, True)
     compile_model([chunk], gpt_spec.compile_regions, COMPILE)
     norm = chunk.layers["0"].input_layernorm
     assert type(norm) is torch.nn.LayerNorm and norm.weight is before["layers.0.input_layernorm.weight"]

@@ -189,6 +189,48 @@ def test_llama_family_export_gives_transformers_the_same_logits(variant, tmp_pat
         assert getattr(back_cfg, field) == getattr(cfg, field), field
 
 
+def test_zero_centred_norms_export_their_scale_and_import_back_with_the_flag(tmp_path):
+    """--apply-layernorm-1p: the export writes each norm's scale (stored + 1; transformers gives our logits),
+    the import with the flag stores scale - 1 and records the flag; without the flag the scale is kept."""
+    cfg = GPTConfig(**{**MODEL, **LLAMA, **VARIANTS["gqa-untied"]}, apply_layernorm_1p=True)
+    ckpt = _perturbed_checkpoint(tmp_path / "mz", cfg)
+    rc, out = _convert("--input", ckpt, "--output", tmp_path / "hf", "--to", "hf")
+    assert rc == 0, out
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, _our_logits(ckpt), rtol=0, atol=1e-4)
+    _, before, _ = read_model(ckpt)
+    torch.testing.assert_close(hf.model.norm.weight.detach(), before["final_norm.weight"] + 1, rtol=0, atol=0)
+    rc, out = _convert("--input", tmp_path / "hf", "--output", tmp_path / "back", "--to", "megazero",
+                       "--apply-layernorm-1p")
+    assert rc == 0, out
+    back_cfg, after, _ = read_model(tmp_path / "back")
+    assert back_cfg.apply_layernorm_1p and set(after) == set(before)
+    for name in before:                                   # (w + 1) - 1 rounds in fp32
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-7, msg=name)
+    plain, _ = load_hf(tmp_path / "hf")
+    assert not plain.apply_layernorm_1p
+    rc, out = _convert("--input", ckpt, "--output", tmp_path / "o", "--to", "megazero", "--apply-layernorm-1p")
+    assert rc == 1 and "--apply-layernorm-1p applies to an HF --input converted --to megazero" in out
+
+
+def test_gpt2_adapter_adds_one_to_zero_centred_norm_weights_only():
+    from megazero.spec import get_model_spec
+
+    cfg = GPTConfig(**MODEL, apply_layernorm_1p=True)
+    tensors = {n: torch.randn(p.shape) for n, p in GPT(cfg, seed=3).named_parameters()}
+    hf = get_model_spec("gpt").hf
+    state = hf.to_hf_state(tensors, cfg)
+    assert torch.equal(state["transformer.h.1.ln_2.weight"], tensors["layers.1.post_attention_layernorm.weight"] + 1)
+    assert torch.equal(state["transformer.ln_f.weight"], tensors["final_norm.weight"] + 1)
+    assert torch.equal(state["transformer.h.0.ln_1.bias"], tensors["layers.0.input_layernorm.bias"])
+    back = hf.from_hf_state(state, cfg)
+    for name, t in tensors.items():
+        torch.testing.assert_close(back[name], t, rtol=0, atol=1e-6, msg=name)
+    plain = hf.to_hf_state(tensors, GPTConfig(**MODEL))
+    assert torch.equal(plain["transformer.ln_f.weight"], tensors["final_norm.weight"])
+
+
 @pytest.mark.slow
 def test_hf_llama_imported_at_tp2pp2_gives_the_same_logits_and_generation(tmp_path):
     """A LlamaForCausalLM made by transformers (GQA: 4 heads, 2 KV heads; untied), saved sharded,

@@ -1,6 +1,8 @@
 """GPT model: tp = 1, 2, 4 (with and without sequence parallel) give the same model, logits, loss
 and AdamW updates; activation checkpointing gives the same gradients; bad shapes are rejected by
 ``megazero.config.validate``."""
+import dataclasses
+
 import pytest
 import torch
 from helpers import run_on_ranks
@@ -148,6 +150,38 @@ def test_init_statistics_and_names():
     # Different seeds differ; same seed and name agree across independently built models.
     assert not torch.equal(GPT(cfg, seed=2).embedding.word_embeddings.weight, params["embedding.word_embeddings.weight"])
     assert torch.equal(GPT(cfg, seed=1).layers["2"].attention.qkv.weight, params["layers.2.attention.qkv.weight"])
+
+
+@pytest.mark.parametrize("llama", [False, True], ids=["layernorm", "rmsnorm"])
+def test_zero_centred_norms_are_the_ordinary_model_at_weight_minus_one(llama):
+    """--apply-layernorm-1p: every norm (each layer's two, the final one) stores scale - 1, starts at 0 (the
+    ordinary model's scale 1), and gives the ordinary model's loss and gradients (the norm weights' included:
+    d/dw of (1 + w) is 1) when it holds the ordinary weights minus 1; checkpoints must match the flag."""
+    from megazero.checkpoint.distributed import model_mismatch
+
+    kw = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=64,
+              add_bias_linear=False) if llama else {}
+    plain, centred = GPT(_cfg(**kw), seed=SEED), GPT(_cfg(**kw, apply_layernorm_1p=True), seed=SEED)
+    norms = {n for n in dict(plain.named_parameters()) if n.endswith("norm.weight")}
+    assert len(norms) == 2 * 2 + 1
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for (name, p), q in zip(plain.named_parameters(), centred.parameters()):
+            assert torch.equal(q, p - 1 if name in norms else p), name       # the init: scale 1 stored as 0
+            p.add_(0.1 * torch.randn(p.shape, generator=g))                   # norms (and biases) away from 1/0
+            q.copy_(p - 1 if name in norms else p)
+    tokens, labels, mask = _batch()
+    losses = [masked_mean(m(tokens, labels), mask) for m in (plain, centred)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    for (name, p), q in zip(plain.named_parameters(), centred.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    saved = dataclasses.asdict(plain.cfg)                  # as a checkpoint's job records its model
+    assert model_mismatch(saved, centred.cfg) == ("apply_layernorm_1p", False, True)
+    del saved["apply_layernorm_1p"]                        # written before the field existed: the default
+    assert model_mismatch(saved, centred.cfg) == ("apply_layernorm_1p", False, True)
+    assert model_mismatch(dataclasses.asdict(centred.cfg), centred.cfg) is None
 
 
 def test_pipeline_stage_names_match_the_whole_model():

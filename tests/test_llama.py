@@ -186,6 +186,7 @@ def _parity_body(rank, world_size, tp, pp, v, sp, stage, model_kw):
 CASES = {  # id: (tp, pp, dp, virtual stages, sequence parallel, ZeRO stage, extra model flags)
     "tp2": (2, 1, 1, 1, False, 0, {}),
     "tp2-sp": (2, 1, 1, 1, True, 0, {}),
+    "tp2-sp-zero-centred-norms": (2, 1, 1, 1, True, 0, dict(apply_layernorm_1p=True)),
     "tp4-kv-replicated": (4, 1, 1, 1, False, 0, {}),
     "tp4-sp-kv-replicated": (4, 1, 1, 1, True, 0, {}),
     "pp2-1f1b": (1, 2, 1, 1, False, 0, {}),

@@ -279,7 +279,7 @@ LLAMA3_8B = """
 --distributed-timeout-minutes 60 --save {ckpt} --load {ckpt} --tensorboard-dir {tb}
 """
 # What changes the math and is not built here: each stops the script with its row's line.
-LLAMA3_REFUSED = ["--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr",
+LLAMA3_REFUSED = ["--decoupled-lr", "--decoupled-min-lr",
                   "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
 LLAMA3_NO_OPS = ["--use-mcore-models", "--attention-backend fused", "--cross-entropy-loss-fusion",
                  "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level 1", "--tiktoken-pattern v2",
@@ -325,6 +325,7 @@ def test_llama3_8b_script_runs_through_parsing_and_validation_without_them(tmp_p
     assert job.zero.accumulate_allreduce_grads_in_fp32 is False       # --grad-reduce-in-bf16
     assert (job.model.head_dim, job.model.num_query_groups, job.train.train_iters) == (16, 2, 8)
     assert job.train.exit_duration_in_mins == 235                     # the script's wall-clock limit, kept
+    assert job.model.apply_layernorm_1p and job.model.normalization == "RMSNorm"     # zero-centred RMSNorm
 
 
 def test_gpt3_175b_script_stops_only_on_the_batch_size_schedule(capsys):

@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="HF output: largest safetensors file before sharding (default 5GB)")
     p.add_argument("--seq-length", type=int, help="HF input: training sequence length to record "
                                                    "(default max_position_embeddings)")
+    p.add_argument(flag("apply_layernorm_1p"), action="store_true",
+                   help="HF input, --to megazero: store the norm weights zero-centred (scale - 1), for a run "
+                        "with this flag (a megazero checkpoint records it; an HF export holds the scale)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (refused otherwise)")
     p.add_argument("--check", action="store_true",
                    help="after converting, run transformers' model on the HF side and megazero's on the same "
@@ -92,6 +95,9 @@ def check_output(args: argparse.Namespace) -> None:
         raise CheckpointError("--output is --input: write the conversion to another directory")
     if args.check and args.to == "megazero" and not (Path(args.input) / "config.json").is_file():
         raise CheckpointError("--check compares a conversion with HF: it needs --to hf, or an HF --input")
+    if args.apply_layernorm_1p and not (args.to == "megazero" and (Path(args.input) / "config.json").is_file()):
+        raise CheckpointError(f"{flag('apply_layernorm_1p')} applies to an HF --input converted --to megazero: a "
+                              f"megazero checkpoint keeps the norm weights as its run stored them")
     if args.check and args.check_tolerance < 0:
         raise CheckpointError(f"--check-tolerance must be >= 0, got {args.check_tolerance}")
 
@@ -108,7 +114,7 @@ def convert(args: argparse.Namespace) -> tuple[Path, Comparison | None]:
         out = save_hf(args.output, tensors, cfg, dtype, max_shard_bytes=args.max_shard_size, data_cfg=data)
         return out, _check(args, out, cfg, tensors, data)
     if (src / "config.json").is_file():
-        cfg, tensors = load_hf(src, args.seq_length)
+        cfg, tensors = load_hf(src, args.seq_length, {"apply_layernorm_1p": True} if args.apply_layernorm_1p else None)
         job = JobConfig(model=cfg, data=tokenizer_of(src))
     else:
         _, tensors, index = read_model(src)

@@ -155,9 +155,12 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{path} has no model.safetensors, {INDEX} or pytorch_model.bin")
 
 
-def load_hf(path: str | os.PathLike, seq_length: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf(path: str | os.PathLike, seq_length: int | None = None,
+            settings: dict | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(ModelConfig, megazero whole tensors) of an HF directory a registered family reads (GPT-2,
-    Llama, Mistral, Qwen2 for the GPT family); every tensor of the model must be there and nothing else."""
+    Llama, Mistral, Qwen2 for the GPT family); every tensor of the model must be there and nothing else.
+    ``settings``: model config fields the HF config does not hold, set before the tensors are mapped
+    (``{"apply_layernorm_1p": True}``: the norm weights stored zero-centred)."""
     path = Path(path)
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -168,6 +171,7 @@ def load_hf(path: str | os.PathLike, seq_length: int | None = None) -> tuple[Mod
     except (KeyError, TypeError, ValueError) as e:        # a config.json missing or mistyping a field
         raise CheckpointError(f"{config_path} is not a usable model config ({type(e).__name__}: {e}): "
                               f"fix config.json") from None
+    cfg = dataclasses.replace(cfg, **(settings or {}))
     weights = read_weights(path)
     damaged = nonfinite_names(weights.items())
     if damaged:

@@ -83,7 +83,8 @@ def build(job: JobConfig, backend: str | None) -> Built:
     if topo.device.type == "cpu" and not job.logging.return_freed_memory:
         reuse_freed_memory()      # from here: the long-lived states are placed, each step's buffers reuse pages
     log.print(header + model_state_line(engine, topo) + "\n" + describe_estimate(estimate_memory(job, topo.device.type))
-              + "\n" + describe_kernels(topo.device, job.compilation.compile)
+              + "\n" + describe_kernels(topo.device, job.compilation.compile,
+                                            getattr(job.model, "apply_layernorm_1p", False))
               + "\n" + describe_cpu_memory(job.logging.return_freed_memory, topo.device)
               + ("\n" + describe_profiling(job.logging, job.checkpoint.save) if job.logging.profile else ""))
     return Built(topo, log, chunks, regions, engine)

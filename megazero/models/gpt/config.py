@@ -54,6 +54,9 @@ class GPTConfig(ModelConfig):
                                             help="the factor of Llama 3.1's RoPE scaling (default 8)")
     normalization: str = flag_field("LayerNorm", "--normalization", choices=NORMALIZATIONS, group=_MODEL,
                                     help="LayerNorm (GPT-2) or RMSNorm (Llama)")
+    apply_layernorm_1p: bool = flag_field(False, "--apply-layernorm-1p", action="store_true", group=_MODEL, help=(
+        "zero-centred norm weights (Megatron's): every norm stores weight - 1, initialised to 0, and scales by "
+        "1 + weight (LayerNorm and RMSNorm); checkpoints hold the stored value, HF exports the scale"))
     swiglu: bool = flag_field(False, "--swiglu", action="store_true", group=_MODEL, help=(
         "MLP silu(x W_gate) * (x W_up) instead of GELU; the ffn size then defaults to 8h/3 rounded down to 64"))
     group_query_attention: bool = flag_field(False, "--group-query-attention", action="store_true", group=_MODEL,

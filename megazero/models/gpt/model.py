@@ -26,7 +26,9 @@ Parameter names are the same on every tp/pp layout (a stage simply lacks what it
     final_norm.{weight,bias}                      [h]             (last stage only)
     output_layer.weight                           [V_pad/tp, h]   only when untied
 
-Biases exist unless ``--disable-bias-linear`` (the QKV ones stay with ``--add-qkv-bias``). ``<i>`` is
+Biases exist unless ``--disable-bias-linear`` (the QKV ones stay with ``--add-qkv-bias``). A norm
+weight is the norm's scale (initialised to 1), or with ``--apply-layernorm-1p`` the scale - 1 (initialised
+to 0; checkpoints hold this stored value). ``<i>`` is
 the *global* layer index. With tied embeddings a last stage that is not also the first (pipeline)
 still owns ``embedding.word_embeddings.weight`` (same init, ``shared_embedding=True``,
 ``tied_copy=True``); the ZeRO engine sums the two copies' gradients over the embedding group.
@@ -58,7 +60,6 @@ from megazero.config import FLAG
 from megazero.memory.activation_offload import ActivationOffload
 from megazero.models.gpt.config import GPTConfig
 from megazero.models.gpt.transformer import (
-    NORM_TYPES,
     Embedding,
     LayerContext,
     TransformerLayer,
@@ -156,7 +157,7 @@ class GPT(nn.Module):
             if not hasattr(p, "tensor_parallel"):
                 set_tp_attributes(p, False)
         self.seed = seed
-        self._norm_modules = {n for n, m in self.named_modules() if isinstance(m, NORM_TYPES)}
+        self._norm_modules = {n for n, m in self.named_modules() if getattr(m, "is_norm", False)}  # ctx.norm()'s
         self.recompute_groups = full_recompute_groups(cfg, len(layer_ids))
         self.activation_offload = None                # --cpu-offloading: the first offloaded_layers layers
         self.offloaded_layers = 0
@@ -191,8 +192,8 @@ class GPT(nn.Module):
         cfg = self.cfg
         if name.endswith(".bias"):
             return torch.zeros(shape)
-        if is_norm:
-            return torch.ones(shape)
+        if is_norm:                                      # --apply-layernorm-1p stores scale - 1
+            return torch.zeros(shape) if cfg.apply_layernorm_1p else torch.ones(shape)
         std = cfg.init_method_std
         if cfg.scaled_output_init and name.endswith(("attention.dense.weight", "mlp.dense_4h_to_h.weight",
                                                               ".fc2.weight")):

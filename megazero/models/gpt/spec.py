@@ -7,7 +7,8 @@ the Llama family and Mixture of Experts (:mod:`megazero.spec` lists what a spec 
     FLOPs       :func:`flops_per_token` (6N per token plus attention, Megatron/PaLM's convention)
     hooks       MoE: the auxiliary losses' gradient scale before each step, the routing figures at each log line
     HF          GPT-2 (learned positions) <-> ``GPT2LMHeadModel``; RoPE <-> ``LlamaForCausalLM`` / Qwen2
-                (:mod:`.hf_gpt2`, :mod:`.hf_llama`)
+                (:mod:`.hf_gpt2`, :mod:`.hf_llama`); HF norm weights are the scale, so zero-centred
+                ones (``--apply-layernorm-1p``) gain 1 on export and lose it on import
     activations the per-implementation accounting of :mod:`.memory`
     compile     every transformer layer a region (an MoE layer: its attention), see :mod:`megazero.compile`
     experts     the parameters of ``layers.<i>.mlp.experts.<e>`` (:mod:`.moe`)
@@ -29,6 +30,7 @@ from megazero.models.gpt.moe import (
     is_expert_parameter,
     set_aux_loss_scale,
 )
+from megazero.models.gpt.transformer import norm_scales_from_stored
 from megazero.parallel.pipeline.generators import stage_shape
 from megazero.parallel.pipeline.partition import placements
 from megazero.spec import HFAdapter, ModelSpec, StepHooks, register_model_spec
@@ -39,8 +41,9 @@ from megazero.spec.recompute import full_recompute_groups
 CHECKPOINT_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                      "max_position_embeddings", "untie_embeddings_and_output_weights", "activation",
                      "layernorm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent",
-                     "use_rope_scaling", "rope_scaling_factor", "normalization", "swiglu", "group_query_attention",
-                     "num_query_groups", "add_bias_linear", "add_qkv_bias", "num_experts", "moe_layer_freq")
+                     "use_rope_scaling", "rope_scaling_factor", "normalization", "apply_layernorm_1p", "swiglu",
+                     "group_query_attention", "num_query_groups", "add_bias_linear", "add_qkv_bias", "num_experts",
+                     "moe_layer_freq")
 
 
 def build_chunk(model_cfg: GPTConfig, placement, groups, *, seed: int = 1234, dtype=None, device=None,
@@ -107,7 +110,8 @@ def describe(m: GPTConfig) -> str:
     """The Llama-family and MoE options in use, for the log line ('' for a GPT-2 shaped model)."""
     parts = [name for name, on in (
         (f"RoPE (base {m.rotary_base:g})", m.position_embedding_type == "rope"),
-        ("RMSNorm", m.normalization == "RMSNorm"), (f"SwiGLU (ffn {m.ffn_hidden_size})", m.swiglu),
+        ("RMSNorm", m.normalization == "RMSNorm"), ("zero-centred norm weights", m.apply_layernorm_1p),
+        (f"SwiGLU (ffn {m.ffn_hidden_size})", m.swiglu),
         (f"GQA ({m.kv_heads} KV heads)", m.group_query_attention), ("no biases", not m.add_bias_linear),
         ("QKV bias", m.add_qkv_bias and not m.add_bias_linear),
         ("untied output", m.untie_embeddings_and_output_weights),
@@ -156,10 +160,20 @@ def _config_from_hf(hf: dict, seq_length: int | None = None) -> GPTConfig:
     return fmt.model_config_from_hf(hf, seq_length)
 
 
+def _to_hf_state(tensors: dict, cfg: GPTConfig) -> dict:
+    """Our whole tensors -> the format's state dict; HF norms hold the scale (stored + 1 under
+    ``--apply-layernorm-1p``)."""
+    return _format_of(cfg).to_hf_state(norm_scales_from_stored(tensors, cfg), cfg)
+
+
+def _from_hf_state(state: dict, cfg: GPTConfig) -> dict:
+    """The format's state dict -> our whole tensors; zero-centred norms (``--apply-layernorm-1p``) store scale - 1."""
+    return norm_scales_from_stored(_format_of(cfg).from_hf_state(state, cfg), cfg, sign=-1)
+
+
 HF = HFAdapter(model_types=("gpt2",) + hf_llama.MODEL_TYPES, config_from_hf=_config_from_hf,
-               hf_config=lambda cfg: _format_of(cfg).hf_config(cfg),
-               to_hf_state=lambda tensors, cfg: _format_of(cfg).to_hf_state(tensors, cfg),
-               from_hf_state=lambda state, cfg: _format_of(cfg).from_hf_state(state, cfg))
+               hf_config=lambda cfg: _format_of(cfg).hf_config(cfg), to_hf_state=_to_hf_state,
+               from_hf_state=_from_hf_state)
 
 GPT_SPEC = register_model_spec(ModelSpec(
     name="gpt", config=GPTConfig, build_chunk=build_chunk, boundary_shape=boundary_shape, loss=masked_mean,

@@ -5,7 +5,8 @@ Which layer a config gets (Megatron's GPTModel flags; the defaults are GPT-2):
 ======================  =================================  =====================================
 flag                    default (GPT-2)                    Llama family
 ======================  =================================  =====================================
-normalization           ``nn.LayerNorm`` (weight, bias)    :class:`RMSNorm` (weight)
+normalization           ``nn.LayerNorm`` (weight, bias)    :class:`RMSNorm` (weight); either
+                                                           zero-centred with ``--apply-layernorm-1p``
 attention               :class:`SelfAttention`, fused      :class:`GroupedQueryAttention`
                         per-head QKV                       (``--group-query-attention``)
 position embedding      learned table (:class:`Embedding`) RoPE inside attention (``rotary.py``)
@@ -113,18 +114,44 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim (Llama's norm: no mean removal, no bias)."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim (Llama's norm: no mean removal, no bias).
+    ``zero_centred`` (``--apply-layernorm-1p``): ``weight`` holds scale - 1, starts at 0, and the norm
+    scales by 1 + weight."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype=None, device=None):
+    def __init__(self, hidden_size: int, eps: float, dtype=None, device=None, zero_centred: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.eps, self.zero_centred = eps, zero_centred
+        init = torch.zeros if zero_centred else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return RMSNormFunction.apply(x, self.weight, self.eps)
+        return RMSNormFunction.apply(x, self.weight + 1 if self.zero_centred else self.weight, self.eps)
 
 
-NORM_TYPES = (nn.LayerNorm, RMSNorm)
+class ZeroCentredLayerNorm(nn.LayerNorm):
+    """LayerNorm whose ``weight`` holds scale - 1 (Megatron's ``--apply-layernorm-1p``): it starts at 0 and
+    the norm computes ``(x - mean) / std * (1 + weight) + bias``, so weight decay would pull the scale
+    toward 1, and the stored value keeps its precision near a scale of 1."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype=None, device=None):
+        super().__init__(hidden_size, eps=eps, dtype=dtype, device=device)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+ZERO_CENTRED_NORM_WEIGHTS = ("input_layernorm.weight", "post_attention_layernorm.weight", "final_norm.weight")
+
+
+def norm_scales_from_stored(tensors: dict[str, torch.Tensor], cfg: GPTConfig, sign: int = 1) -> dict:
+    """Whole tensors with each norm weight as the scale it applies: stored + 1 under ``--apply-layernorm-1p``
+    (the HF formats hold the scale); ``sign=-1``: the inverse, scales back to stored values. Other
+    tensors, and every tensor of a model without the flag, are returned as they are."""
+    if not cfg.apply_layernorm_1p:
+        return dict(tensors)
+    return {name: t + sign if name.endswith(ZERO_CENTRED_NORM_WEIGHTS) else t for name, t in tensors.items()}
 
 
 class LayerContext:
@@ -170,16 +197,22 @@ class LayerContext:
     def norm(self, fused: bool | None = None) -> nn.Module:
         """The configured normalisation over h (replicated; its gradient is partial under SP): apex's
         fused kernel on CUDA when the real apex is installed (``fused``; default: whenever it can,
-        :mod:`megazero.kernels`), else torch's. Either has the parameters ``weight`` (and ``bias``)."""
+        :mod:`megazero.kernels`), else torch's. Either has the parameters ``weight`` (and ``bias``).
+        Zero-centred norms (``--apply-layernorm-1p``) are always torch's: apex's modules scale by
+        ``weight`` itself."""
         cfg, kw = self.cfg, dict(dtype=self.dtype, device=self.device)
-        if fused if fused is not None else use_apex_norms(self.rng.device):
+        zero_centred = cfg.apply_layernorm_1p
+        if not zero_centred and (fused if fused is not None else use_apex_norms(self.rng.device)):
             norm = apex_norm(cfg.normalization, cfg.hidden_size, cfg.layernorm_epsilon, **kw)
         elif cfg.normalization == "RMSNorm":
-            norm = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, **kw)
+            norm = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon, zero_centred=zero_centred, **kw)
+        elif zero_centred:
+            norm = ZeroCentredLayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, **kw)
         else:
             norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, **kw)
         for p in norm.parameters():
             set_tp_attributes(p, False, sequence_parallel_grad=self.sp)
+        norm.is_norm = True          # apex's modules are plain Modules: the model's init finds its norms by this
         return norm
 
     def linear_kw(self) -> dict:
