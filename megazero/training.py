@@ -18,7 +18,7 @@ from megazero.checkpoint.distributed import first_nonfinite_weight
 from megazero.compile import CompileLog, describe_recompiles
 from megazero.config import FLAG, JobConfig, flag, flag_off
 from megazero.errors import TrainingStopped
-from megazero.lr_schedule import learning_rate
+from megazero.lr_schedule import decoupled_learning_rate, learning_rate
 from megazero.memory.activation_offload import take_offloaded_bytes
 from megazero.memory.measure import LastStepLiveBytes
 from megazero.metrics import MetricsLog, device_peak_tflops
@@ -170,7 +170,7 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     first_iteration = state.iteration
     live = LastStepLiveBytes(job.logging.measure_live_bytes, t.train_iters, topo.device)
     while state.iteration < t.train_iters:
-        engine.set_lr(learning_rate(state.iteration, opt))
+        engine.set_lr(learning_rate(state.iteration, opt), decoupled_learning_rate(state.iteration, opt))
         with profiler.step(state.iteration), live.step(state.iteration):
             result = train_step(chunks, next(batches), topo, engine, job, iteration=state.iteration + 1)
         skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
