@@ -279,7 +279,7 @@ LLAMA3_8B = """
 --distributed-timeout-minutes 60 --save {ckpt} --load {ckpt} --tensorboard-dir {tb}
 """
 # What changes the math and is not built here: each stops the script with its row's line.
-LLAMA3_REFUSED = ["--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--exit-duration-in-mins",
+LLAMA3_REFUSED = ["--apply-layernorm-1p", "--exit-duration-in-mins",
                   "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
 LLAMA3_NO_OPS = ["--use-mcore-models", "--attention-backend fused", "--cross-entropy-loss-fusion",
                  "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level 1", "--tiktoken-pattern v2",
@@ -324,6 +324,7 @@ def test_llama3_8b_script_runs_through_parsing_and_validation_without_them(tmp_p
     assert (job.data.split, job.parallel.sequence_parallel, job.zero.zero_stage) == ("99,1,0", False, 1)
     assert job.zero.accumulate_allreduce_grads_in_fp32 is False       # --grad-reduce-in-bf16
     assert (job.model.head_dim, job.model.num_query_groups, job.train.train_iters) == (16, 2, 8)
+    assert (job.optimizer.decoupled_lr, job.optimizer.decoupled_min_lr) == (5.0e-4, 4.5e-5)   # built: not refused
 
 
 def test_gpt3_175b_script_stops_only_on_the_batch_size_schedule(capsys):
@@ -385,7 +386,7 @@ def test_ckpt_format_is_a_no_op_only_for_megatrons_default(capsys):
 
 
 @pytest.mark.parametrize("unknown,suggested", [
-    ("--decoupled-lr", []), ("--decoupled-min-lr", []), ("--grad-reduce-in-bf16", []), ("--fp8-param-gather", []),
+    ("--grad-reduce-in-bf16", []), ("--fp8-param-gather", []),
     ("--no-mmap-bin-files", []), ("--exit-duration-in-mins", []),       # the report's unrelated suggestions
     ("--num-layer", ["--num-layers"]), ("--hidden", ["--hidden-size"]),
     ("--tensor-parallel", ["--tensor-model-parallel-size"]), ("--log-intervall", ["--log-interval"]),
