@@ -406,3 +406,5 @@ def test_megatron_llama3_8b_script_trains_two_iterations(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records if "loss" in r] == [1, 2]
+    steps = [r for r in records if "loss" in r]           # one warmup iteration, then the decay's start
+    assert [x for r in steps for x in (r["lr"], r["decoupled_lr"])] == pytest.approx([1.5e-4, 5.0e-4] * 2)
