@@ -253,9 +253,9 @@ class OffloadedOptimizerState:
                decoupled_lr: float | None = None, decoupled_ranges: list[list[tuple[int, int]]] | None = None) -> None:
         """One AdamW step over the flat shard, sub-group by sub-group. ``grads``: what ``main_grads`` gave
         (views of the host buffer, unscaled and clipped in place). ``decay_ranges[k]``: range k's elements
-        with weight decay; ``decoupled_ranges[k]`` those at ``decoupled_lr``. ``write(k, a, b, values)`` stores range k's new parameter values [a, b) where the
-        model keeps them; it is called inside the mover's side stream, and ``values`` stays untouched until
-        that copy has completed."""
+        with weight decay; ``decoupled_ranges[k]`` those at ``decoupled_lr``. ``write(k, a, b, values)``
+        stores range k's new parameter values [a, b) where the model keeps them; it is called inside the mover's
+        side stream, and ``values`` stays untouched until that copy has completed."""
         self._begin()
         for i, (s, e) in enumerate(self.subgroups):
             master, exp_avg, exp_avg_sq = self._acquire(i)
