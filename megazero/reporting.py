@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import JobConfig
-from megazero.lr_schedule import learning_rate
+from megazero.lr_schedule import decoupled_learning_rate, learning_rate
 from megazero.metrics import MetricsLog, duration, peak_memory_bytes, timestamp
 from megazero.parallel.params import attribute, counts_once
 from megazero.parallel.pipeline import get_schedule
@@ -109,11 +109,15 @@ def log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, 
               "peak_memory_bytes": max_over_ranks(peak_memory_bytes(topo.device), topo), **extra}
     if peak_tflops:
         record["mfu"] = tflops / peak_tflops
+    decoupled = decoupled_learning_rate(state.iteration - 1, job.optimizer)
+    if decoupled is not None:
+        record["decoupled_lr"] = decoupled
     log.record(record, state.iteration)
     mfu = f" | MFU {100 * record['mfu']:.1f}%" if peak_tflops else ""
     log.print(f" [{when[:19].replace('T', ' ')}] iteration {state.iteration:>6}/{job.train.train_iters} | consumed "
               f"samples {state.consumed_samples:>8} | elapsed {duration(elapsed)} | ETA {duration(eta)} | "
               f"ms/iter {1000 * step_time:8.1f} | lr {lr:.3e} | "
+              + (f"decoupled lr {decoupled:.3e} | " if decoupled is not None else "") +
               f"loss {r.loss:.4f} | grad norm {r.grad_norm:.3f} | loss scale {r.loss_scale:g} | "
               f"skipped {state.skipped_iterations} | tokens/s {tokens_per_step / step_time:,.0f} | "
               f"TFLOP/s/rank {tflops:.3f}{mfu} | peak mem {record['peak_memory_bytes'] / 2**20:.0f} MiB"

@@ -18,7 +18,7 @@ from megazero.checkpoint.distributed import first_nonfinite_weight
 from megazero.compile import CompileLog, describe_recompiles
 from megazero.config import FLAG, JobConfig, flag, flag_off
 from megazero.errors import TrainingStopped
-from megazero.lr_schedule import learning_rate
+from megazero.lr_schedule import decoupled_learning_rate, learning_rate
 from megazero.memory.activation_offload import take_offloaded_bytes
 from megazero.memory.measure import LastStepLiveBytes
 from megazero.metrics import MetricsLog, device_peak_tflops
@@ -194,7 +194,7 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     limit = t.exit_duration_in_mins
     out_of_time = (lambda: minutes_since(started) >= limit) if limit is not None else None
     while state.iteration < t.train_iters:
-        engine.set_lr(learning_rate(state.iteration, opt))
+        engine.set_lr(learning_rate(state.iteration, opt), decoupled_learning_rate(state.iteration, opt))
         with profiler.step(state.iteration), live.step(state.iteration):
             result = train_step(chunks, next(batches), topo, engine, job, iteration=state.iteration + 1,
                                 out_of_time=out_of_time)

@@ -59,6 +59,7 @@ CASES = [
     ("lr-inf", mock("--lr", "inf"), 2, "--lr must be a finite number, got inf"),
     ("lr-negative", mock("--lr", "-1"), 2, "--lr > 0"),
     ("min-lr-above-lr", mock("--min-lr", "1"), 2, "--min-lr (1.0) <= --lr"),
+    ("decoupled-min-lr-alone", mock("--decoupled-min-lr", "1e-5"), 2, "--decoupled-min-lr needs --decoupled-lr"),
     ("clip-grad-nan", mock("--clip-grad", "nan"), 2, "--clip-grad must be a finite number"),
     ("clip-grad-negative", mock("--clip-grad", "-1"), 2, "--clip-grad and --weight-decay must be >= 0"),
     ("weight-decay-negative", mock("--weight-decay", "-0.1"), 2, "--clip-grad and --weight-decay must be >= 0"),

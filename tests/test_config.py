@@ -156,6 +156,12 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
     (1, dict(model=GPTConfig(hidden_size=65)), r"--hidden-size 65 is not divisible by --num-attention-heads"),
     (1, dict(optimizer=OptimizerConfig(lr_decay_style="step")), r"--lr-decay-style must be one of"),
     (1, dict(optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-3)), r"--min-lr"),
+    (1, dict(optimizer=OptimizerConfig(decoupled_min_lr=1e-5)),
+     r"^--decoupled-min-lr needs --decoupled-lr \(the peak it decays from\): add it, or drop --decoupled-min-lr"),
+    (1, dict(optimizer=OptimizerConfig(decoupled_lr=0.0)), r"and --decoupled-lr > 0 \(--decoupled-min-lr defaults"),
+    (1, dict(optimizer=OptimizerConfig(decoupled_lr=1e-4, decoupled_min_lr=1e-3)),
+     r"^need 0 <= --decoupled-min-lr \(0.001\) <= --decoupled-lr \(0.0001\)"),
+    (1, dict(optimizer=OptimizerConfig(min_lr=1e-3, decoupled_lr=1e-4)), r"--decoupled-min-lr \(0.001\) <= "),
     (1, dict(data=DataConfig(split="a,b")), r"--split 'a,b'"),
     (1, dict(data=DataConfig(mock_data=True, data_path=["x"])), r"--mock-data and --data-path are exclusive"),
     (1, dict(data=DataConfig(data_path=["0.3", "a", "b"])), r"weight-prefix pairs"),
@@ -180,6 +186,18 @@ def test_invalid_configs_name_the_flag(world, sections, pattern):
         return
     with pytest.raises(ConfigError, match=pattern):
         validate(job(**sections), world)
+
+
+def test_decoupled_min_lr_defaults_to_min_lr_and_a_resume_compares_both():
+    """As Megatron-LM: --decoupled-min-lr not given is --min-lr; the checkpoint holds the resolved pair, and a
+    resume that changes or adds them is refused like one that changes --lr."""
+    opt = validate(job(optimizer=OptimizerConfig(min_lr=1e-5, decoupled_lr=5e-4)), 1).optimizer
+    assert (opt.decoupled_lr, opt.decoupled_min_lr) == (5e-4, 1e-5)
+    assert validate(job(), 1).optimizer.decoupled_min_lr is None
+    saved = {"optimizer": {"lr": opt.lr, "min_lr": 1e-5, "decoupled_lr": None, "decoupled_min_lr": None}}
+    with pytest.raises(ConfigError, match=r"another schedule \(--decoupled-lr: checkpoint None vs this run 0.0005; "
+                                          r"--decoupled-min-lr: checkpoint None vs this run 1e-05\)"):
+        CheckpointConfig().resumed_schedule(saved, TrainConfig(), opt, "the checkpoint in x")
 
 
 def test_padded_vocab_always_divisible_by_tp():

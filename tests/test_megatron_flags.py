@@ -279,8 +279,7 @@ LLAMA3_8B = """
 --distributed-timeout-minutes 60 --save {ckpt} --load {ckpt} --tensorboard-dir {tb}
 """
 # What changes the math and is not built here: each stops the script with its row's line.
-LLAMA3_REFUSED = ["--decoupled-lr", "--decoupled-min-lr",
-                  "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
+LLAMA3_REFUSED = ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
 LLAMA3_NO_OPS = ["--use-mcore-models", "--attention-backend fused", "--cross-entropy-loss-fusion",
                  "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level 1", "--tiktoken-pattern v2",
                  "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers 1",
@@ -326,6 +325,7 @@ def test_llama3_8b_script_runs_through_parsing_and_validation_without_them(tmp_p
     assert (job.model.head_dim, job.model.num_query_groups, job.train.train_iters) == (16, 2, 8)
     assert job.train.exit_duration_in_mins == 235                     # the script's wall-clock limit, kept
     assert job.model.apply_layernorm_1p and job.model.normalization == "RMSNorm"     # zero-centred RMSNorm
+    assert (job.optimizer.decoupled_lr, job.optimizer.decoupled_min_lr) == (5.0e-4, 4.5e-5)   # built: not refused
 
 
 def test_gpt3_175b_script_stops_only_on_the_batch_size_schedule(capsys):
@@ -387,7 +387,7 @@ def test_ckpt_format_is_a_no_op_only_for_megatrons_default(capsys):
 
 
 @pytest.mark.parametrize("unknown,suggested", [
-    ("--decoupled-lr", []), ("--decoupled-min-lr", []), ("--grad-reduce-in-bf16", []), ("--fp8-param-gather", []),
+    ("--grad-reduce-in-bf16", []), ("--fp8-param-gather", []),
     ("--no-mmap-bin-files", []), ("--exit-duration-in-mins", []),       # the report's unrelated suggestions
     ("--num-layer", ["--num-layers"]), ("--hidden", ["--hidden-size"]),
     ("--tensor-parallel", ["--tensor-model-parallel-size"]), ("--log-intervall", ["--log-interval"]),
@@ -407,3 +407,5 @@ def test_megatron_llama3_8b_script_trains_two_iterations(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records if "loss" in r] == [1, 2]
+    steps = [r for r in records if "loss" in r]           # one warmup iteration, then the decay's start
+    assert [x for r in steps for x in (r["lr"], r["decoupled_lr"])] == pytest.approx([1.5e-4, 5.0e-4] * 2)

@@ -10,7 +10,7 @@ from helpers import run_on_ranks
 from helpers.trainer import TINY, main_body, read_metrics
 
 from megazero.config import OptimizerConfig
-from megazero.lr_schedule import learning_rate
+from megazero.lr_schedule import decoupled_learning_rate, learning_rate
 from megazero.metrics import MetricsLog, duration, timestamp
 from megazero.models.gpt import GPTConfig
 from megazero.models.gpt.spec import flops_per_token as model_flops_per_token
@@ -24,6 +24,14 @@ def test_warmup_then_cosine_to_min_lr():
     assert learning_rate(60, cfg) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
     assert learning_rate(110, cfg) == pytest.approx(0.1)
     assert learning_rate(500, cfg) == pytest.approx(0.1)
+
+
+def test_decoupled_lr_follows_the_same_warmup_and_decay_between_its_own_rates():
+    cfg = OptimizerConfig(lr=1.0, min_lr=0.1, decoupled_lr=3.0, decoupled_min_lr=0.5, lr_warmup_iters=10,
+                          lr_decay_iters=110, lr_decay_style="cosine")
+    assert [decoupled_learning_rate(i, cfg) for i in (0, 9, 60, 110, 500)] == pytest.approx([0.3, 3.0, 1.75, 0.5, 0.5])
+    assert decoupled_learning_rate(60, OptimizerConfig(lr_decay_iters=100)) is None     # not given: they follow --lr
+    assert decoupled_learning_rate(100, OptimizerConfig(min_lr=0.2, decoupled_lr=2.0, lr_decay_iters=100)) == 0.2
 
 
 def test_linear_and_constant_decay():

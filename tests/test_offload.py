@@ -28,21 +28,21 @@ def _swap_files(nvme_dir, rank="*") -> list[Path]:
     return sorted(p for d in Path(nvme_dir).glob(pattern) for p in d.iterdir())
 
 
-def _engine(tp, pp, stage, nvme_dir, bf16=False, **offload):
+def _engine(tp, pp, stage, nvme_dir, bf16=False, opt=OPT, **offload):
     topo = Topology(tp=tp, pp=pp)
     zero = ZeroConfig(zero_stage=stage, bucket_size=3000, nvme_path=nvme_dir if "nvme" in offload.values() else None,
                       offload_sub_group_size=SUB_GROUP, **offload)
     job = JobConfig(model=GPTConfig(**MODEL), parallel=ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size), zero=zero,
-                    optimizer=OPT, precision=PrecisionConfig(bf16=bf16),
+                    optimizer=opt, precision=PrecisionConfig(bf16=bf16),
                     train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=MB_SIZE * GLOBAL_MB))
     chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, device="meta",
                                 dtype=torch.bfloat16 if bf16 else torch.float32)
     return topo, job, chunks, build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
 
 
-def _train(tp, pp, stage, nvme_dir, steps=range(STEPS), bf16=False, **offload):
+def _train(tp, pp, stage, nvme_dir, steps=range(STEPS), bf16=False, opt=OPT, **offload):
     """Losses and whole parameters after ``steps``; for nvme, the swap files seen while training."""
-    topo, job, chunks, engine = _engine(tp, pp, stage, nvme_dir, bf16, **offload)
+    topo, job, chunks, engine = _engine(tp, pp, stage, nvme_dir, bf16, opt, **offload)
     losses = [train_one_step(topo, chunks, engine, s) for s in steps]
     during = _swap_files(nvme_dir, topo.rank) if nvme_dir else []
     params = {n: p.float() for n, p in full_params(chunks, topo, engine).items()}
@@ -208,3 +208,18 @@ def test_device_host_and_nvme_bytes_follow_the_formulas(tmp_path):
     assert states["params"] == 0 and states["nvme_params"] > 0 and states["host_total"] == 0
     assert states["nvme_params"] == states["optimizer_state"] // 2             # 4Ψ/N beside 8Ψ/N of moments
     assert abs(nvme - states["nvme_total"]) <= 0.02 * states["nvme_total"] and host == 0, (nvme, states)
+
+
+def _decoupled_body(rank, world_size):
+    decoupled = replace(OPT, decoupled_lr=OPT.lr * 3)
+    return [_train(1, 1, 1, None, range(2), opt=opt, **offload)[:2]
+            for opt, offload in ((decoupled, {}), (decoupled, {"offload_optimizer": "cpu"}), (OPT, {}))]
+
+
+def test_decoupled_lr_offloaded_is_bitwise_the_resident_run():
+    """--decoupled-lr with the optimizer's shard on the host (sub-groups cutting the embedding's range):
+    the same parameters as resident, and not those of a run without it."""
+    for (losses, params), (off_losses, off_params), (_, plain) in run_on_ranks(2, _decoupled_body):
+        assert off_losses == losses
+        assert all(torch.equal(off_params[name], value) for name, value in params.items())
+        assert not torch.equal(plain["embedding.word_embeddings.weight"], params["embedding.word_embeddings.weight"])

@@ -1,5 +1,7 @@
 """ZeRO optimizer: AdamW numerics, model-state bytes vs the ZeRO paper, and the GPT composed with
 tensor and pipeline parallelism (tp2 x pp2 x dp2) against the single-process run."""
+import dataclasses
+
 import pytest
 import torch
 from helpers import run_on_ranks
@@ -24,6 +26,7 @@ from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine, merge_optimizer_states, model_state_bytes, zero_paper_bytes
 from megazero.parallel.zero.adamw import adamw_update
+from megazero.parallel.zero.optimizer import BucketAdamW
 from megazero.training import train_step
 
 
@@ -43,6 +46,31 @@ def test_flat_adamw_matches_torch_adamw():
         opt.step()
         adamw_update([flat], [torch.cat([gr.reshape(-1) for gr in grads])], [m], [v], step=step, lr=3e-2,
                      beta1=0.8, beta2=0.95, eps=1e-8, weight_decay=0.1, decay_ranges=[decay])
+    torch.testing.assert_close(flat, torch.cat([p.detach().reshape(-1) for p in ref]), rtol=1e-6, atol=1e-7)
+
+
+def test_decoupled_ranges_step_at_their_own_lr_like_torch_param_groups():
+    """--decoupled-lr: the ranges of the embedding / output layer step at their own rate (decay included),
+    the rest at lr: torch's AdamW with four groups (decay x lr), fp32."""
+    g = torch.Generator().manual_seed(1)
+    params = [torch.randn(6, 5, generator=g), torch.randn(5, generator=g), torch.randn(4, 3, generator=g),
+              torch.randn(3, generator=g)]
+    ref = [p.clone().requires_grad_() for p in params]
+    opt = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1, "lr": 5e-2},
+                             {"params": [ref[1]], "weight_decay": 0.0},
+                             {"params": [ref[2]], "weight_decay": 0.1},
+                             {"params": [ref[3]], "weight_decay": 0.0, "lr": 5e-2}], lr=1e-2, betas=(0.8, 0.95))
+    flat = torch.cat([p.reshape(-1) for p in params])
+    m, v = torch.zeros_like(flat), torch.zeros_like(flat)
+    decay, own = [(0, 30), (35, 47)], [(0, 30), (47, 50)]
+    for step in range(1, 5):
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        for p, gr in zip(ref, grads):
+            p.grad = gr.clone()
+        opt.step()
+        adamw_update([flat], [torch.cat([gr.reshape(-1) for gr in grads])], [m], [v], step=step, lr=1e-2,
+                     beta1=0.8, beta2=0.95, eps=1e-8, weight_decay=0.1, decay_ranges=[decay], decoupled_lr=5e-2,
+                     decoupled_ranges=[own])
     torch.testing.assert_close(flat, torch.cat([p.detach().reshape(-1) for p in ref]), rtol=1e-6, atol=1e-7)
 
 
@@ -182,25 +210,25 @@ def _deferring(all_gather):
 
 
 def _gpt_body(rank, world_size, tp, pp, stage, sequence_parallel, steps, virtual_stages=1, overlap_param_gather=False,
-              model_kw=None):
+              model_kw=None, opt_cfg=GPT_OPT):
     if overlap_param_gather:                  # gathers deferred to their wait (restored: workers are reused)
         from megazero.parallel.zero import publish
         real = publish.comm.all_gather
         publish.comm.all_gather = _deferring(real)
         try:
-            return _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, True, model_kw)
+            return _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, True, model_kw, opt_cfg)
         finally:
             publish.comm.all_gather = real
-    return _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, False, model_kw)
+    return _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, False, model_kw, opt_cfg)
 
 
-def _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, overlap_param_gather, model_kw):
+def _gpt_run(tp, pp, stage, sequence_parallel, steps, virtual_stages, overlap_param_gather, model_kw, opt_cfg):
     topo = Topology(tp=tp, pp=pp)
     par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sequence_parallel,
                          virtual_stages=virtual_stages)
     chunks = build_model_chunks(GPTConfig(**{**GPT_CFG, **(model_kw or {})}), par, topo, seed=SEED)
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, bucket_size=3000,
-                                                   overlap_param_gather=overlap_param_gather), GPT_OPT)
+                                                   overlap_param_gather=overlap_param_gather), opt_cfg)
     losses, norms = [], []
     for batches in gpt_batches(steps, topo.dp_size * MICRO):
         mine = batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
@@ -252,3 +280,32 @@ def test_gpt_interleaved_pp2_dp2_stage2_matches_single_process():
     results = run_on_ranks(4, _gpt_body, 1, 2, 2, False, 3, 2)
     check_against_reference(results, 3, dp=2)
 
+
+
+@pytest.mark.parametrize("stage,model_kw", [(1, None), (3, {"untie_embeddings_and_output_weights": True})])
+def test_decoupled_lr_at_dp2_matches_single_process(stage, model_kw):
+    """--decoupled-lr: the word embedding (tied: also the head) and an untied output layer step at their own
+    rate under ZeRO-1 and ZeRO-3, every other parameter at --lr: the run equals one process with torch's
+    AdamW in param groups."""
+    opt_cfg = dataclasses.replace(GPT_OPT, decoupled_lr=5e-3)
+    results = run_on_ranks(2, _gpt_body, 1, 1, stage, False, 3, 1, False, model_kw, opt_cfg)
+    check_against_reference(results, 3, dp=2, model_kw=model_kw, decoupled_lr=5e-3)
+
+
+def _decoupled_elements_body(rank, world_size):
+    topo = Topology()
+    chunks = build_model_chunks(GPTConfig(**GPT_CFG, untie_embeddings_and_output_weights=True), ParallelConfig(dp=2),
+                                topo, seed=SEED)
+    engine = build_engine(chunks, topo, ZeroConfig(zero_stage=1, bucket_size=3000), GPT_OPT)
+    opt: BucketAdamW = engine.optimizer
+    marked = sum(b - a for r in opt.ranges for a, b in r.decoupled_ranges)
+    return marked, {n for c in chunks for n, p in c.named_parameters() if getattr(p, "embedding_or_output")}
+
+
+def test_embedding_and_output_ranges_are_the_models_declaration():
+    """The optimizer's decoupled ranges (over both ZeRO-1 shards) are exactly the elements of the parameters
+    the model marks ``embedding_or_output``: the word embedding and the untied output layer, not the
+    position embedding."""
+    results = run_on_ranks(2, _decoupled_elements_body)
+    assert all(names == {"embedding.word_embeddings.weight", "output_layer.weight"} for _, names in results)
+    assert sum(marked for marked, _ in results) == 2 * 256 * GPT_CFG["hidden_size"]

@@ -19,6 +19,7 @@ from megazero.config.train import TrainConfig
 # iterations, min_lr from a ratio). The training length counts through the decay, which follows it by
 # default: a longer run with the same decay keeps its schedule, as in Megatron-LM.
 SCHEDULE = (("train", "global_batch_size"), ("optimizer", "lr"), ("optimizer", "min_lr"),
+            ("optimizer", "decoupled_lr"), ("optimizer", "decoupled_min_lr"),
             ("optimizer", "lr_warmup_iters"), ("optimizer", "lr_warmup_style"), ("optimizer", "lr_decay_iters"),
             ("optimizer", "lr_decay_style"), ("optimizer", "weight_decay"))
 OPTIMIZER = {name for section, name in SCHEDULE if section == "optimizer"}

@@ -43,9 +43,9 @@ AS_IS = (
     "--accumulate-allreduce-grads-in-fp32",
     "--micro-batch-size", "--global-batch-size", "--train-iters", "--train-samples", "--exit-duration-in-mins",
     "--seed", "--eval-interval", "--eval-iters", "--log-interval", "--check-for-nan-in-loss-and-grad",
-    "--lr", "--min-lr", "--lr-warmup-iters", "--lr-warmup-fraction", "--lr-warmup-samples", "--lr-decay-iters",
-    "--lr-decay-samples", "--lr-decay-style", "--weight-decay", "--adam-beta1", "--adam-beta2", "--adam-eps",
-    "--clip-grad",
+    "--lr", "--min-lr", "--decoupled-lr", "--decoupled-min-lr", "--lr-warmup-iters", "--lr-warmup-fraction",
+    "--lr-warmup-samples", "--lr-decay-iters", "--lr-decay-samples", "--lr-decay-style", "--weight-decay",
+    "--adam-beta1", "--adam-beta2", "--adam-eps", "--clip-grad",
     "--bf16", "--fp16", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
     "--data-path", "--split", "--mock-data", "--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-model",
     "--data-cache-path", "--eod-mask-loss",
@@ -185,8 +185,6 @@ RESTATED: dict[str, Restated] = {
 
 _NO_TB_CHOICE = "TensorBoard (--tensorboard-dir) receives the log line's metrics; choosing them does not exist here"
 _FP8 = "FP8 training is not built yet: drop the --fp8-* flags and train with --bf16"
-_DECOUPLED = "a separate learning rate for the input embedding and output layer does not exist here (every parameter " \
-             "follows --lr and --min-lr): drop it"
 REFUSED: dict[str, str] = {
     "--rampup-batch-size": "a batch-size ramp-up does not exist here: train at --global-batch-size",
     "--step-batch-size-schedule": "a batch size that grows in steps during training does not exist here (nor "
@@ -194,7 +192,6 @@ REFUSED: dict[str, str] = {
                                   "itself refuses it together with --global-batch-size)",
     "--fp8-format": _FP8, "--fp8-hybrid": _FP8, "--fp8-margin": _FP8, "--fp8-interval": _FP8,
     "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8, "--fp8-recipe": _FP8, "--fp8-param-gather": _FP8,
-    "--decoupled-lr": _DECOUPLED, "--decoupled-min-lr": _DECOUPLED,
     "--use-torch-fsdp2": "use --zero-stage 3 (parameters, gradients and optimizer state sharded, as FSDP does)",
     "--no-save-optim": "checkpoints here always hold the optimizer state (to load without it: --no-load-optim)",
     "--no-save-rng": "checkpoints here always hold the random states (to load without them: --no-load-rng)",

@@ -26,6 +26,13 @@ class OptimizerConfig:
     lr: float = flag_field(1.5e-3, "--lr", type=float, group="optimizer", help="the peak learning rate", metavar="LR")
     min_lr: float = flag_field(0.0, "--min-lr", type=float, group="optimizer", metavar="LR",
                                help="the learning rate at the end of the decay")
+    decoupled_lr: float | None = flag_field(
+        None, "--decoupled-lr", type=float, group="optimizer", metavar="LR",
+        help="the peak learning rate of the input embedding and the output layer (default: --lr), under the same "
+             "warmup and decay")
+    decoupled_min_lr: float | None = flag_field(
+        None, "--decoupled-min-lr", type=float, group="optimizer", metavar="LR",
+        help="with --decoupled-lr: their learning rate at the end of the decay (default: --min-lr)")
     lr_warmup_iters: int = flag_field(0, "--lr-warmup-iters", type=int, group="optimizer",
                                       help="iterations of linear warmup from 0")
     lr_warmup_fraction: float | None = flag_field(
@@ -54,7 +61,8 @@ class OptimizerConfig:
 
     def check(self, t: TrainConfig) -> None:
         """AdamW's settings and the schedule; fills ``min_lr`` from ``min_lr_ratio`` (a DeepSpeed setting,
-        no flag) and ``lr_decay_iters`` (default: the training iterations)."""
+        no flag), ``lr_decay_iters`` (default: the training iterations) and ``decoupled_min_lr`` (default:
+        ``min_lr``, as Megatron-LM's, when ``decoupled_lr`` is given)."""
         if self.min_lr_ratio is not None:
             if not 0 <= self.min_lr_ratio <= 1:
                 fail(f"the minimum learning-rate ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -62,6 +70,7 @@ class OptimizerConfig:
         one_of(self, "lr_decay_style")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             fail(f"need 0 <= {FLAG.min_lr} ({self.min_lr}) <= {FLAG.lr} ({self.lr}) and {FLAG.lr} > 0")
+        self._check_decoupled()
         if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:
             fail(f"{FLAG.lr_warmup_fraction} must be in [0, 1], got {self.lr_warmup_fraction}")
         self._samples_to_iterations(t)
@@ -80,6 +89,21 @@ class OptimizerConfig:
         if self.clip_grad < 0 or self.weight_decay < 0:
             fail(f"{FLAG.clip_grad} and {FLAG.weight_decay} must be >= 0")
         positive_float(self.adam_eps, "adam_eps")
+
+    def _check_decoupled(self) -> None:
+        """The input embedding's and output layer's own peak and final learning rates (Megatron-LM's
+        ``--decoupled-lr`` / ``--decoupled-min-lr``): a positive peak, a final rate only beside a peak."""
+        if self.decoupled_lr is None:
+            if self.decoupled_min_lr is not None:
+                fail(f"{FLAG.decoupled_min_lr} needs {FLAG.decoupled_lr} (the peak it decays from): add it, or drop "
+                     f"{FLAG.decoupled_min_lr} (every parameter then follows {FLAG.min_lr})")
+            return
+        if self.decoupled_min_lr is None:
+            self.decoupled_min_lr = self.min_lr
+        if self.decoupled_lr <= 0 or self.decoupled_min_lr < 0 or self.decoupled_min_lr > self.decoupled_lr:
+            fail(f"need 0 <= {FLAG.decoupled_min_lr} ({self.decoupled_min_lr}) <= {FLAG.decoupled_lr} "
+                 f"({self.decoupled_lr}) and {FLAG.decoupled_lr} > 0 ({FLAG.decoupled_min_lr} defaults to "
+                 f"{FLAG.min_lr})")
 
     def _samples_to_iterations(self, t: TrainConfig) -> None:
         """Megatron's rules for the schedule's units: a sample-based run (``--train-samples``) gives its decay and

@@ -25,6 +25,9 @@ attribute (default)        meaning                                              
                            ``make_vocab_size_divisible_by * tp``; rows at or
                            beyond the real vocabulary size are zero and are not
                            stored in checkpoints
+``embedding_or_output``    the input word embedding or the output layer's weight   the ZeRO optimizer (its own
+(False)                    (Megatron-LM's ``is_embedding_or_output_parameter``;   learning rate under
+                           a tied weight is both, one parameter)                   ``--decoupled-lr``)
 ``expert_parallel``        an expert of an MoE layer (:mod:`megazero.models.gpt.moe`):  the ZeRO engine (expert
 (False)                    ep ranks hold different experts; reduced and sharded    buckets), norms
                            over the expert-data-parallel group
@@ -44,7 +47,7 @@ from torch import nn
 
 ATTRIBUTES = {"tensor_parallel": False, "partition_dim": -1, "sequence_parallel_grad": False,
               "shared_embedding": False, "tied_copy": False, "vocab_padded": False,
-              "expert_parallel": False}
+              "embedding_or_output": False, "expert_parallel": False}
 
 
 def set_tp_attributes(p: nn.Parameter, tensor_parallel: bool, partition_dim: int = -1,

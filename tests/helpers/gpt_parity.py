@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megazero.config import OptimizerConfig
 from megazero.models.gpt import GPT, GPTConfig, masked_mean
 from megazero.parallel.tensor import shard
-from megazero.parallel.zero.adamw import weight_decay_groups
+from megazero.parallel.zero.adamw import reference_param_groups
 
 VOCAB, SEED, MICRO, MB_SIZE = 200, 4321, 4, 2
 GPT_CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
@@ -37,14 +37,15 @@ def gpt_batches(steps: int, count: int):
             for _ in range(steps)]
 
 
-def gpt_reference(steps: int, dp: int, model_kw: dict | None = None):
-    return _reference(steps, dp, tuple(sorted((model_kw or {}).items())))
+def gpt_reference(steps: int, dp: int, model_kw: dict | None = None, decoupled_lr: float | None = None):
+    """``decoupled_lr``: the embedding's and output layer's own learning rate (GPT_OPT's decoupled_lr)."""
+    return _reference(steps, dp, tuple(sorted((model_kw or {}).items())), decoupled_lr)
 
 
 @functools.lru_cache(maxsize=8)
-def _reference(steps: int, dp: int, model_kw: tuple):
+def _reference(steps: int, dp: int, model_kw: tuple, decoupled_lr: float | None):
     model = GPT(GPTConfig(**{**GPT_CFG, **dict(model_kw)}), seed=SEED)
-    opt = torch.optim.AdamW(weight_decay_groups(model.named_parameters(), GPT_OPT.weight_decay),
+    opt = torch.optim.AdamW(reference_param_groups(model.named_parameters(), GPT_OPT.weight_decay, decoupled_lr),
                             lr=GPT_OPT.lr, eps=GPT_OPT.adam_eps)
     losses, norms = [], []
     for batches in gpt_batches(steps, dp * MICRO):
@@ -89,10 +90,12 @@ def global_loss(losses, topo) -> float:
     return (t[0] / t[1]).item()
 
 
-def check_against_reference(results, steps: int, dp: int, model_kw: dict | None = None, param_atol: float = 1e-6):
+def check_against_reference(results, steps: int, dp: int, model_kw: dict | None = None, param_atol: float = 1e-6,
+                            decoupled_lr: float | None = None):
     """``param_atol``: the absolute floor for parameters. Adam normalises every update, so an element
-    whose true gradient is ~0 moves by fp32 rounding noise of either sign, up to ~1% of an lr step."""
-    ref_losses, ref_norms, ref_params = gpt_reference(steps, dp, model_kw)
+    whose true gradient is ~0 moves by fp32 rounding noise of either sign, up to ~1% of an lr step.
+    ``decoupled_lr``: the run gave the embedding and output layer that learning rate."""
+    ref_losses, ref_norms, ref_params = gpt_reference(steps, dp, model_kw, decoupled_lr)
     assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
     seen = set()
     for tp_rank, tp, losses, norms, params in results:

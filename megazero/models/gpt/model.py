@@ -140,7 +140,7 @@ class GPT(nn.Module):
         if pre_process or (post_process and self.tied):
             self.embedding = Embedding(ctx, self.padded_vocab_size, with_positions=pre_process)
             word = self.embedding.word_embeddings.weight
-            word.vocab_padded = True
+            word.vocab_padded = word.embedding_or_output = True
             word.shared_embedding = self.tied
             word.tied_copy = self.tied and not pre_process   # the last stage's copy of stage 0's tensor
         self.layers = nn.ModuleDict({str(i): TransformerLayer(ctx, i) for i in layer_ids})
@@ -150,7 +150,7 @@ class GPT(nn.Module):
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, tp_group,
                                                          bias=False, sequence_parallel=self.sequence_parallel,
                                                          dtype=dtype, device=device)
-                self.output_layer.weight.vocab_padded = True
+                self.output_layer.weight.vocab_padded = self.output_layer.weight.embedding_or_output = True
             # its weight gradient is computed in a split backward's I, not held for W (split_backward.py)
             weight_grad_in_input(self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight)
         for p in self.parameters():

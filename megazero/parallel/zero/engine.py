@@ -233,8 +233,8 @@ class ZeroEngine:
         """(global grad norm, skipped) of one optimizer step; ``iteration`` names it in messages."""
         return self.optimizer.step(iteration)
 
-    def set_lr(self, lr: float) -> None:
-        self.optimizer.set_lr(lr)
+    def set_lr(self, lr: float, decoupled_lr: float | None = None) -> None:
+        self.optimizer.set_lr(lr, decoupled_lr)
 
     @property
     def loss_scale(self) -> float:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from megazero.config import FLAG
-from megazero.parallel.zero.adamw import adamw_update
+from megazero.parallel.zero.adamw import adamw_update, clip_ranges
 from megazero.parallel.zero.swap import SwapDir, io_thread, round_up
 
 ALIGN = 64                   # elements: sub-groups are cut at multiples of this from every range's start
@@ -249,23 +249,25 @@ class OffloadedOptimizerState:
         pass
 
     def update(self, grads: list[torch.Tensor], decay_ranges: list[list[tuple[int, int]]], *, write, step: int,
-               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               decoupled_lr: float | None = None, decoupled_ranges: list[list[tuple[int, int]]] | None = None) -> None:
         """One AdamW step over the flat shard, sub-group by sub-group. ``grads``: what ``main_grads`` gave
         (views of the host buffer, unscaled and clipped in place). ``decay_ranges[k]``: range k's elements
-        with weight decay. ``write(k, a, b, values)`` stores range k's new parameter values [a, b) where the
-        model keeps them; it is called inside the mover's side stream, and ``values`` stays untouched until
-        that copy has completed."""
+        with weight decay; ``decoupled_ranges[k]`` those at ``decoupled_lr``. ``write(k, a, b, values)``
+        stores range k's new parameter values [a, b) where the model keeps them; it is called inside the mover's
+        side stream, and ``values`` stays untouched until that copy has completed."""
         self._begin()
         for i, (s, e) in enumerate(self.subgroups):
             master, exp_avg, exp_avg_sq = self._acquire(i)
             t0 = time.perf_counter()
             segments = list(self._segments(s, e))       # the sub-group's part of each range it crosses
             cut = [(self.offsets[k] + a - s, self.offsets[k] + b - s) for k, a, b in segments]
-            decay = [[(max(x, a) - a, min(y, b) - a) for x, y in decay_ranges[k] if max(x, a) < min(y, b)]
-                     for k, a, b in segments]
+            decay = [clip_ranges(decay_ranges[k], a, b) for k, a, b in segments]
+            own = [clip_ranges(decoupled_ranges[k], a, b) for k, a, b in segments] if decoupled_ranges else None
             adamw_update([master[x:y] for x, y in cut], [grads[k][a:b] for k, a, b in segments],
                          [exp_avg[x:y] for x, y in cut], [exp_avg_sq[x:y] for x, y in cut], step=step, lr=lr,
-                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decay_ranges=decay)
+                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decay_ranges=decay,
+                         decoupled_lr=decoupled_lr, decoupled_ranges=own)
             values = master
             staging = self._staging[i % 2]
             if staging is not None:

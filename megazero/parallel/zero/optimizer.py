@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from megazero.config import OptimizerConfig, PrecisionConfig
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.groups import ModelReplica
-from megazero.parallel.params import counts_once
+from megazero.parallel.params import attribute, counts_once
 from megazero.parallel.zero.adamw import adamw_update, decays, merge_ranges
 from megazero.parallel.zero.buckets import Bucket
 from megazero.parallel.zero.grad_norm import squared_norm
@@ -66,7 +66,8 @@ class RangeState:
     ``master``, ``exp_avg``, ``exp_avg_sq``: the fp32 tensors where they are in memory (on the device, or
     on the host with ``--offload-optimizer cpu``); None when they live in a swap file. ``param_fp32``: the
     parameters are fp32, so the masters equal them bitwise and are not stored in checkpoints;
-    ``master_is_param``: moreover the master *is* the parameter memory."""
+    ``master_is_param``: moreover the master *is* the parameter memory. ``decoupled_ranges``: the elements of
+    parameters marked ``embedding_or_output``, which step at ``--decoupled-lr`` when it is given."""
 
     sync: BucketedGradSync
     bucket: Bucket
@@ -79,6 +80,7 @@ class RangeState:
     norm_ranges: list[tuple[int, int]]
     master_is_param: bool
     param_fp32: bool = False
+    decoupled_ranges: list[tuple[int, int]] = field(default_factory=list)   # embedding / output: --decoupled-lr
 
 
 class ResidentState:
@@ -152,7 +154,7 @@ class BucketAdamW:
         self.publish = publish if publish is not None else Replicated(self.syncs)
         self.replica = replica
         self.cfg = opt_cfg or OptimizerConfig()
-        self.lr = self.cfg.lr
+        self.lr, self.decoupled_lr = self.cfg.lr, self.cfg.decoupled_lr
         precision = precision or PrecisionConfig()
         self.scaler = DynamicLossScaler.from_config(precision) if precision.fp16 else None
         self.precision_name = precision.dtype_name
@@ -225,7 +227,7 @@ class BucketAdamW:
         """The range's bookkeeping; its tensors come from the state object (``_build_states``)."""
         lo, hi = self.publish.owned_range(sync, bucket)
         is_fp32 = bucket.param_data.dtype == torch.float32
-        decay, norm = [], []
+        decay, norm, decoupled = [], [], []
         for slot in bucket.slots:
             a, b = max(lo, slot.start) - lo, min(hi, slot.end) - lo
             if a >= b:
@@ -234,8 +236,10 @@ class BucketAdamW:
                 decay.append((a, b))
             if counts_once(slot.param, self.tp_rank):
                 norm.append((a, b))
+            if attribute(slot.param, "embedding_or_output"):
+                decoupled.append((a, b))
         return RangeState(sync, bucket, lo, hi, None, None, None, merge_ranges(decay), merge_ranges(norm), False,
-                          is_fp32)
+                          is_fp32, merge_ranges(decoupled))
 
     # ------------------------------------------------------------------- step
     @property
@@ -243,8 +247,10 @@ class BucketAdamW:
         """Multiply the loss by this before backward (1.0 unless fp16)."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def set_lr(self, lr: float) -> None:
-        self.lr = lr
+    def set_lr(self, lr: float, decoupled_lr: float | None = None) -> None:
+        """This step's learning rate; ``decoupled_lr`` that of the ``embedding_or_output`` parameters (None:
+        they follow ``lr``)."""
+        self.lr, self.decoupled_lr = lr, decoupled_lr
 
     def zero_grad(self) -> None:
         for sync in self.syncs:
@@ -286,7 +292,8 @@ class BucketAdamW:
         self.step_count += 1
         self.publish.before_write()
         self.states.update(grads, [r.decay_ranges for r in self.ranges], write=self._write_params,
-                           step=self.step_count, lr=self.lr,
+                           step=self.step_count, lr=self.lr, decoupled_lr=self.decoupled_lr,
+                           decoupled_ranges=[r.decoupled_ranges for r in self.ranges],
                            beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps,
                            weight_decay=self.cfg.weight_decay)
         self.publish.share(self.ranges)

@@ -36,7 +36,9 @@ class Engine(GradSyncHooks, Protocol):
     def step(self, iteration: int | None = None) -> tuple[float, bool]:
         """(global gradient norm, skipped) of one optimizer step (collective)."""
 
-    def set_lr(self, lr: float) -> None: ...
+    def set_lr(self, lr: float, decoupled_lr: float | None = None) -> None:
+        """This step's learning rate, and that of the embedding and output layer (``--decoupled-lr``; None:
+        ``lr``)."""
 
     @property
     def loss_scale(self) -> float: ...
