@@ -18,7 +18,8 @@ from megazero.config.train import TrainConfig
 # What a resumed run continues, as a checkpoint's job stores it (resolved: the decay and warmup in
 # iterations, min_lr from a ratio). The training length counts through the decay, which follows it by
 # default: a longer run with the same decay keeps its schedule, as in Megatron-LM.
-SCHEDULE = (("train", "global_batch_size"), ("optimizer", "lr"), ("optimizer", "min_lr"),
+SCHEDULE = (("train", "global_batch_size"), ("train", "step_batch_size_schedule"),
+            ("optimizer", "lr"), ("optimizer", "min_lr"),
             ("optimizer", "decoupled_lr"), ("optimizer", "decoupled_min_lr"),
             ("optimizer", "lr_warmup_iters"), ("optimizer", "lr_warmup_style"), ("optimizer", "lr_decay_iters"),
             ("optimizer", "lr_decay_style"), ("optimizer", "weight_decay"))

@@ -186,10 +186,8 @@ RESTATED: dict[str, Restated] = {
 _NO_TB_CHOICE = "TensorBoard (--tensorboard-dir) receives the log line's metrics; choosing them does not exist here"
 _FP8 = "FP8 training is not built yet: drop the --fp8-* flags and train with --bf16"
 REFUSED: dict[str, str] = {
-    "--rampup-batch-size": "a batch-size ramp-up does not exist here: train at --global-batch-size",
-    "--step-batch-size-schedule": "a batch size that grows in steps during training does not exist here (nor "
-                                  "--rampup-batch-size): drop it and train at --global-batch-size (Megatron-LM "
-                                  "itself refuses it together with --global-batch-size)",
+    "--rampup-batch-size": "a linear batch-size ramp-up does not exist here: train at --global-batch-size, or "
+                           "grow the batch in steps with --step-batch-size-schedule",
     "--fp8-format": _FP8, "--fp8-hybrid": _FP8, "--fp8-margin": _FP8, "--fp8-interval": _FP8,
     "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8, "--fp8-recipe": _FP8, "--fp8-param-gather": _FP8,
     "--use-torch-fsdp2": "use --zero-stage 3 (parameters, gradients and optimizer state sharded, as FSDP does)",
