@@ -93,11 +93,13 @@ def model_state_line(engine, topo: Topology) -> str:
 
 def log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, step_time: float,
               tokens_per_step: int, flops_per_step: float, peak_tflops: float | None, topo: Topology,
-              extra: dict, extra_text: str, elapsed: float) -> None:
+              extra: dict, extra_text: str, elapsed: float, lr_position: float | None = None) -> None:
     """The log line and metrics record of an iteration: ``step_time`` is the mean over the window since
     the last line, ``elapsed`` the seconds since this process's training loop started; the ETA is the
-    window's step time times the iterations left (evaluations and saves not counted)."""
-    lr = learning_rate(state.iteration - 1, job.optimizer)
+    window's step time times the iterations left (evaluations and saves not counted). ``lr_position``:
+    where the LR schedule stood for that step (``TrainConfig.lr_position``; default its iteration)."""
+    position = state.iteration - 1 if lr_position is None else lr_position
+    lr = learning_rate(position, job.optimizer)
     tflops = flops_per_step / step_time / 1e12 / topo.world_size
     eta = step_time * (job.train.train_iters - state.iteration)
     when = timestamp()
@@ -109,7 +111,7 @@ def log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, 
               "peak_memory_bytes": max_over_ranks(peak_memory_bytes(topo.device), topo), **extra}
     if peak_tflops:
         record["mfu"] = tflops / peak_tflops
-    decoupled = decoupled_learning_rate(state.iteration - 1, job.optimizer)
+    decoupled = decoupled_learning_rate(position, job.optimizer)
     if decoupled is not None:
         record["decoupled_lr"] = decoupled
     log.record(record, state.iteration)

@@ -193,7 +193,8 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     limit = t.exit_duration_in_mins
     out_of_time = (lambda: minutes_since(started) >= limit) if limit is not None else None
     while state.iteration < t.train_iters:
-        engine.set_lr(learning_rate(state.iteration, opt), decoupled_learning_rate(state.iteration, opt))
+        position = t.lr_position(state.iteration, state.consumed_samples)
+        engine.set_lr(learning_rate(position, opt), decoupled_learning_rate(position, opt))
         with profiler.step(state.iteration), live.step(state.iteration):
             result = train_step(chunks, next(batches), topo, engine, job, iteration=state.iteration + 1,
                                 out_of_time=out_of_time)
@@ -229,7 +230,7 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
                 text += f" | global batch {step_batch}"
             tokens_per_step = window_samples * job.model.seq_length / window_iters
             log_step(log, job, state, result, step_time, tokens_per_step, flops_per_token * tokens_per_step, peak,
-                     topo, extra, text, elapsed=time.perf_counter() - loop_start)
+                     topo, extra, text, elapsed=time.perf_counter() - loop_start, lr_position=position)
             window_start, window_iters, window_samples = time.perf_counter(), 0, 0
         if stop:                               # logged, never saved
             raise TrainingStopped(stop)

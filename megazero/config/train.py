@@ -135,6 +135,16 @@ class TrainConfig:
             return self.global_batch_size
         return batch_size_at(self.batch_schedule, consumed_samples)
 
+    def lr_position(self, iteration: int, consumed_samples: int) -> float:
+        """Where the learning-rate schedule stands for the step after ``iteration`` steps and ``consumed_samples``
+        samples, in iterations: ``iteration``, or under a batch-size schedule the samples consumed by the end of
+        that step in units of the last (full) global batch, less one -- Megatron-LM steps its LR schedule by
+        samples, its warmup and decay lengths being iterations of the full batch, so smaller early batches
+        advance it less. The two agree at a constant batch."""
+        if self.batch_schedule is None:
+            return iteration
+        return (consumed_samples + self.global_batch_at(consumed_samples)) / self.global_batch_size - 1
+
     def _fill_train_iters(self) -> None:
         """The training length: ``--train-iters`` (default 400), or ``--train-samples`` // the global batch (a
         sample-based run, as Megatron counts it); not both."""
