@@ -119,9 +119,8 @@ class TrainConfig:
             schedule = parse_batch_size_schedule(self.step_batch_size_schedule, seq_length)
         except ValueError as e:
             fail(f"{FLAG.step_batch_size_schedule} {e}")
-        for threshold, batch in schedule:
-            self._check_global_batch(batch, par, f"{FLAG.step_batch_size_schedule} entry at {threshold} "
-                                                 f"samples: batch")
+        for entry, (_, batch) in zip(self.step_batch_size_schedule.replace(",", " ").split(), schedule):
+            self._check_global_batch(batch, par, f"{FLAG.step_batch_size_schedule} entry '{entry}': batch")
         last = schedule[-1][1]
         if self.global_batch_size is not None and self.global_batch_size != last:
             fail(f"{FLAG.global_batch_size} {self.global_batch_size} is not the last batch of "
