@@ -230,6 +230,10 @@ def test_a_batch_size_schedule_fills_the_global_batch_train_samples_and_lr_posit
     assert (t.global_batch_size, t.batch_schedule, t.train_iters) == (4, ((0, 2), (4, 4)), 4)   # 2, 2, 4, 4
     assert [t.global_batch_at(c) for c in (0, 2, 4, 8)] == [2, 2, 4, 4]
     assert [t.lr_position(i, c) for i, c in ((0, 0), (1, 2), (2, 4), (3, 8))] == [-0.5, 0.0, 1.0, 2.0]
+    assert j.num_micro_batches == 4                                 # the largest batch's, for the estimate
+    peak_first = validate(job(train=TrainConfig(micro_batch_size=1, step_batch_size_schedule="0:8 64:4"),
+                              model=GPTConfig(seq_length=16, max_position_embeddings=16)), 1)
+    assert (peak_first.train.global_batch_size, peak_first.num_micro_batches) == (4, 8)
     constant = validate(job(train=TrainConfig(micro_batch_size=1, global_batch_size=4)), 1).train
     assert constant.lr_position(3, 12) == 3 and constant.global_batch_at(12) == 4
 

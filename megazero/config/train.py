@@ -127,6 +127,13 @@ class TrainConfig:
                  f"{FLAG.step_batch_size_schedule} ({last}): drop {FLAG.global_batch_size} or make it {last}")
         self.global_batch_size, self.batch_schedule = last, schedule
 
+    @property
+    def largest_global_batch(self) -> int:
+        """The largest global batch a step trains at (the schedule's largest, else the constant one)."""
+        if self.batch_schedule is None:
+            return self.global_batch_size
+        return max(batch for _, batch in self.batch_schedule)
+
     def global_batch_at(self, consumed_samples: int) -> int:
         """The global batch of the step that starts after ``consumed_samples`` (the schedule's, else the
         constant one)."""
