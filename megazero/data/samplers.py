@@ -110,6 +110,15 @@ class MicroBatchIterator:
         self.consumed_samples = int(state["consumed_samples"])
 
 
+def _train_samples(train_iters: int, global_batch_size: int, batch_at: Callable[[int], int] | None) -> int:
+    """The training split's size: ``train_iters * global_batch_size`` as Megatron sizes it (so the same sample
+    order), or more when ``batch_at``'s steps (a schedule with a batch above its last) consume more."""
+    consumed = 0
+    for _ in range(train_iters if batch_at is not None else 0):
+        consumed += batch_at(consumed)
+    return max(consumed, train_iters * global_batch_size)
+
+
 def build_data_iterators(data_cfg, *, seq_length: int, seed: int, micro_batch_size: int, global_batch_size: int,
                          dp_rank: int, dp_size: int, train_iters: int, eval_iters: int, eval_interval: int,
                          vocab_size: int, eod: int | None, consumed_train_samples: int = 0,
@@ -121,11 +130,11 @@ def build_data_iterators(data_cfg, *, seq_length: int, seed: int, micro_batch_si
     evaluation every ``eval_interval`` steps plus one at the end; test one evaluation. Valid and
     test iterators wrap around. ``is_writer``/``barrier``: see ``build_train_valid_test_datasets``;
     ``cp_rank``/``cp_size``: each micro-batch cut to this context-parallel rank's slice. ``batch_at``: the
-    training steps' global batch by consumed samples (a schedule's, at most ``global_batch_size``, which
-    sizes the datasets); evaluation keeps ``global_batch_size``.
+    training steps' global batch by consumed samples (a batch-size schedule's; the training split holds at
+    least what its steps consume); evaluation keeps ``global_batch_size``.
     """
     evals = train_iters // eval_interval + 1
-    num_samples = (train_iters * global_batch_size, evals * eval_iters * global_batch_size,
+    num_samples = (_train_samples(train_iters, global_batch_size, batch_at), evals * eval_iters * global_batch_size,
                    eval_iters * global_batch_size)
     datasets = build_train_valid_test_datasets(data_cfg, seq_length=seq_length, seed=seed, num_samples=num_samples,
                                                vocab_size=vocab_size, is_writer=is_writer, barrier=barrier)
