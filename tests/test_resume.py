@@ -238,6 +238,13 @@ def test_a_resume_that_changes_the_schedule_is_refused_naming_each_difference(sa
     job, _, err = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--global-batch-size", "64", "--train-iters", "40"],
                           capsys)
     assert job is None and "(--global-batch-size: checkpoint 32 vs this run 64)" in err
+    job, _, err = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--step-batch-size-schedule", "0:32 1M:32",
+                                     "--train-iters", "40"], capsys)     # the same last batch, grown in steps now
+    assert job is None and "(--step-batch-size-schedule: checkpoint None vs this run 0:32 1M:32)" in err
+    job, out, _ = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--step-batch-size-schedule", "0:32 1M:64",
+                                     "--train-iters", "40", "--use-checkpoint-opt_param-scheduler"], capsys)
+    assert (job.train.global_batch_size, job.train.step_batch_size_schedule, job.train.batch_schedule) == (32, None, None)
+    assert f"--global-batch-size 32 taken from the checkpoint in {saved_tp2pp2} (kept by" in out
 
 
 def test_without_a_global_batch_flag_the_checkpoints_is_taken_and_said(saved_tp2pp2, capsys):
