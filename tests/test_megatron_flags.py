@@ -339,6 +339,20 @@ def test_gpt3_175b_script_runs_through_parsing_and_validation_with_its_batch_siz
                    "--tokenizer-type: GPT2BPETokenizer"] and err == []
 
 
+@pytest.mark.slow                  # four ranks through torchrun: the full suite only
+def test_gpt3_175b_script_runs_its_batch_size_schedule_on_four_ranks(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          str(ROOT / "pretrain_gpt.py"), *_without(GPT3_175B, ["--tensorboard-dir"]),   # optional
+                          "--metrics-file", str(tmp_path / "m.jsonl")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [(r["iteration"], r["global_batch_size"], r["consumed_samples"]) for r in train] == [(5, 4, 2 + 4 * 4)]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+
+
 @pytest.mark.parametrize("argv,line", [
     (["--kv-channels", "32"], None),                                  # default model: 128 wide, 4 heads
     (["--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
