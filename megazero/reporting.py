@@ -44,7 +44,7 @@ def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
     return (f" megazero: world {topo.world_size} = tp {par.tp}{cp} x pp {par.pp} x dp {par.dp} | zero stage "
             f"{job.zero.zero_stage} | {job.precision.dtype_name} | pipeline {schedule} | sequence parallel "
             f"{par.sequence_parallel} | micro-batch {job.train.micro_batch_size} x {job.num_micro_batches} "
-            f"micro-batches x dp {par.dp} = global batch {job.train.global_batch_size}\n"
+            f"micro-batches x dp {par.dp} = global batch {job.train.largest_global_batch}{_stepped(job.train)}\n"
             f" model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, seq "
             f"{m.seq_length}, vocab {m.vocab_size} (padded {m.padded_vocab_size(par.tp)}){spec.describe(m)} | "
             f"{n:,} parameters" + (predicted_pipeline(job) if topo.rank == 0 else ""))
@@ -89,6 +89,13 @@ def model_state_line(engine, topo: Topology) -> str:
     if values[5] or values[6]:
         parts += f"; offloaded: host {values[5] / 2**20:.2f}, nvme {values[6] / 2**20:.2f}"
     return f"\n model state per rank (MiB, max over ranks; grads allocated in backward): {parts}"
+
+
+def _stepped(train) -> str:
+    """The header's note on a batch-size schedule: the global batch it starts at and grows through."""
+    if train.batch_schedule is None:
+        return ""
+    return " (largest; grown in steps: " + ", ".join(f"{b} from {t:,} samples" for t, b in train.batch_schedule) + ")"
 
 
 def log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, step_time: float,
