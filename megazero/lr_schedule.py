@@ -16,8 +16,9 @@ import math
 from megazero.config import OptimizerConfig
 
 
-def learning_rate(iteration: int, cfg: OptimizerConfig) -> float:
-    """LR for a 0-based iteration: linear warmup to ``lr``, then decay to ``min_lr`` (Megatron's rule).
+def learning_rate(iteration: float, cfg: OptimizerConfig) -> float:
+    """LR for a 0-based iteration (fractional under a batch-size schedule: ``TrainConfig.lr_position``): linear
+    warmup to ``lr``, then decay to ``min_lr`` (Megatron's rule).
 
     Warmup: lr * (it + 1) / warmup_iters for it < warmup_iters (``lr_warmup_style`` "log", DeepSpeed's
     default warmup_type: lr * min(1, log(it + 2) / log(warmup_iters)), the same step indexing). Decay over
@@ -41,7 +42,7 @@ def _scheduled(iteration: int, cfg: OptimizerConfig, peak: float, floor: float) 
     if cfg.lr_warmup_iters and iteration < cfg.lr_warmup_iters:
         if cfg.lr_warmup_style == "log":        # DeepSpeed's log(step + 1) / log(W) at its step it + 1
             return peak * min(1.0, math.log(iteration + 2) / math.log(max(2, cfg.lr_warmup_iters)))
-        return peak * (iteration + 1) / cfg.lr_warmup_iters
+        return peak * min(1.0, (iteration + 1) / cfg.lr_warmup_iters)   # a fractional step (a batch schedule)
     if cfg.lr_decay_style == "constant":
         return peak
     decay_iters = cfg.lr_decay_iters - cfg.lr_warmup_iters

@@ -44,7 +44,7 @@ def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
     return (f" megazero: world {topo.world_size} = tp {par.tp}{cp} x pp {par.pp} x dp {par.dp} | zero stage "
             f"{job.zero.zero_stage} | {job.precision.dtype_name} | pipeline {schedule} | sequence parallel "
             f"{par.sequence_parallel} | micro-batch {job.train.micro_batch_size} x {job.num_micro_batches} "
-            f"micro-batches x dp {par.dp} = global batch {job.train.global_batch_size}\n"
+            f"micro-batches x dp {par.dp} = global batch {job.train.largest_global_batch}{_stepped(job.train)}\n"
             f" model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, seq "
             f"{m.seq_length}, vocab {m.vocab_size} (padded {m.padded_vocab_size(par.tp)}){spec.describe(m)} | "
             f"{n:,} parameters" + (predicted_pipeline(job) if topo.rank == 0 else ""))
@@ -91,13 +91,22 @@ def model_state_line(engine, topo: Topology) -> str:
     return f"\n model state per rank (MiB, max over ranks; grads allocated in backward): {parts}"
 
 
+def _stepped(train) -> str:
+    """The header's note on a batch-size schedule: the global batch it starts at and grows through."""
+    if train.batch_schedule is None:
+        return ""
+    return " (largest; grown in steps: " + ", ".join(f"{b} from {t:,} samples" for t, b in train.batch_schedule) + ")"
+
+
 def log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, step_time: float,
               tokens_per_step: int, flops_per_step: float, peak_tflops: float | None, topo: Topology,
-              extra: dict, extra_text: str, elapsed: float) -> None:
+              extra: dict, extra_text: str, elapsed: float, lr_position: float | None = None) -> None:
     """The log line and metrics record of an iteration: ``step_time`` is the mean over the window since
     the last line, ``elapsed`` the seconds since this process's training loop started; the ETA is the
-    window's step time times the iterations left (evaluations and saves not counted)."""
-    lr = learning_rate(state.iteration - 1, job.optimizer)
+    window's step time times the iterations left (evaluations and saves not counted). ``lr_position``:
+    where the LR schedule stood for that step (``TrainConfig.lr_position``; default its iteration)."""
+    position = state.iteration - 1 if lr_position is None else lr_position
+    lr = learning_rate(position, job.optimizer)
     tflops = flops_per_step / step_time / 1e12 / topo.world_size
     eta = step_time * (job.train.train_iters - state.iteration)
     when = timestamp()
@@ -109,7 +118,7 @@ def log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, 
               "peak_memory_bytes": max_over_ranks(peak_memory_bytes(topo.device), topo), **extra}
     if peak_tflops:
         record["mfu"] = tflops / peak_tflops
-    decoupled = decoupled_learning_rate(state.iteration - 1, job.optimizer)
+    decoupled = decoupled_learning_rate(position, job.optimizer)
     if decoupled is not None:
         record["decoupled_lr"] = decoupled
     log.record(record, state.iteration)

@@ -176,16 +176,15 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     if state.iteration >= t.train_iters:          # a resumed run with nothing left: no step, no save
         return state, None
     spec = get_model_spec(job.model.model_family)
-    tokens_per_step = t.global_batch_size * job.model.seq_length
-    flops_per_step = spec.flops_per_token(job.model, job.model.padded_vocab_size(job.parallel.tp),
-                                          spec.recomputed_share(job.model, job.parallel)) * tokens_per_step
+    flops_per_token = spec.flops_per_token(job.model, job.model.padded_vocab_size(job.parallel.tp),
+                                           spec.recomputed_share(job.model, job.parallel))
     peak = device_peak_tflops(topo.device, job.precision.dtype_name, job.logging.peak_tflops)
     if peak is None:
         log.print(f" MFU: not shown, the peak FLOP/s of this {topo.device.type.upper()} is not known: give "
                   f"{flag('peak_tflops')} to show it")
     batches = train_batches(state.consumed_samples)
     loop_start = window_start = time.perf_counter()
-    window_iters = 0
+    window_iters = window_samples = 0
     saved_at = state.iteration                    # a resumed run starts from a saved iteration
     skipped_in_a_row, save_due, time_up = 0, False, False
     comm_seen = _bytes_sent(engine)
@@ -194,7 +193,8 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     limit = t.exit_duration_in_mins
     out_of_time = (lambda: minutes_since(started) >= limit) if limit is not None else None
     while state.iteration < t.train_iters:
-        engine.set_lr(learning_rate(state.iteration, opt), decoupled_learning_rate(state.iteration, opt))
+        position = t.lr_position(state.iteration, state.consumed_samples)
+        engine.set_lr(learning_rate(position, opt), decoupled_learning_rate(position, opt))
         with profiler.step(state.iteration), live.step(state.iteration):
             result = train_step(chunks, next(batches), topo, engine, job, iteration=state.iteration + 1,
                                 out_of_time=out_of_time)
@@ -202,9 +202,11 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
         stop = stop_reason(job, engine, result, state.iteration + 1, skipped_in_a_row, topo)
         time_up = result.out_of_time and not stop and state.iteration + 1 < t.train_iters
         state.iteration += 1
-        state.consumed_samples += t.global_batch_size
+        step_batch = t.global_batch_at(state.consumed_samples)     # --step-batch-size-schedule, else constant
+        state.consumed_samples += step_batch
         state.skipped_iterations += int(result.skipped)
         window_iters += 1
+        window_samples += step_batch
         if compile_log is not None and state.iteration == first_iteration + 1:
             log.print(compile_log.describe_first(compile_log.metrics()))
         if state.iteration % t.log_interval == 0 or state.iteration == t.train_iters or stop or time_up:
@@ -223,9 +225,13 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
             if job.model.cpu_offloading:                     # --cpu-offloading: bytes sent to the host
                 extra["activation_offload_bytes"] = take_offloaded_bytes(chunks) // window_iters
                 text += f" | activations offloaded {extra['activation_offload_bytes'] / 2**20:.1f} MiB/iter"
-            log_step(log, job, state, result, step_time, tokens_per_step, flops_per_step, peak, topo, extra, text,
-                      elapsed=time.perf_counter() - loop_start)
-            window_start, window_iters = time.perf_counter(), 0
+            if t.batch_schedule is not None:
+                extra["global_batch_size"] = step_batch
+                text += f" | global batch {step_batch}"
+            tokens_per_step = window_samples * job.model.seq_length / window_iters
+            log_step(log, job, state, result, step_time, tokens_per_step, flops_per_token * tokens_per_step, peak,
+                     topo, extra, text, elapsed=time.perf_counter() - loop_start, lr_position=position)
+            window_start, window_iters, window_samples = time.perf_counter(), 0, 0
         if stop:                               # logged, never saved
             raise TrainingStopped(stop)
         if valid_batches and t.eval_iters and (state.iteration % t.eval_interval == 0

@@ -22,6 +22,7 @@ from megazero.config import (
     setting,
     validate,
 )
+from megazero.config.train import batch_size_at, parse_batch_size_schedule
 from megazero.errors import ConfigError
 from megazero.models.gpt import GPTConfig
 
@@ -179,6 +180,30 @@ def test_padded_vocab_is_a_multiple_of_divisor_times_tp():
      r"--moe-expert-capacity-factor must be > 0"),
     (1, dict(model=GPTConfig(num_experts=4, moe_aux_loss_coeff=-1.0)), r"--moe-aux-loss-coeff must be >= 0"),
     (1, dict(model=GPTConfig(num_experts=4, moe_layer_freq=0)), r"--moe-layer-freq must be a positive integer"),
+    (1, dict(train=TrainConfig(step_batch_size_schedule="0:8 x:16")),
+     r"^--step-batch-size-schedule entry 'x:16' is not THRESHOLD:BATCH \(numbers, K/M/B/T suffixes allowed\)$"),
+    (1, dict(train=TrainConfig(step_batch_size_schedule="1K:8 2K:16")),
+     r"^--step-batch-size-schedule entry '1K:8': the first threshold must be 0 \(the batch the run starts at\)$"),
+    (1, dict(train=TrainConfig(step_batch_size_schedule="0:8 64K:16 32K:32")),
+     r"^--step-batch-size-schedule entry '32K:32': thresholds must increase \(\d+ samples is not past \d+\)$"),
+    (1, dict(train=TrainConfig(step_batch_size_schedule="0:8 1K:0")), r"entry '1K:0': the threshold must be >= 0 "),
+    (2, dict(train=TrainConfig(micro_batch_size=2, step_batch_size_schedule="0:4 1M:6 2M:8")),
+     r"^--step-batch-size-schedule entry '1M:6': batch 6 is not divisible by --micro-batch-size 2 \* dp 2 "
+     r"= 4: use a multiple of 4$"),
+    (2, dict(train=TrainConfig(micro_batch_size=1, step_batch_size_schedule="0:2 1M:4"),
+             parallel=ParallelConfig(pp=2, num_layers_per_virtual_pipeline_stage=1),
+             model=GPTConfig(num_layers=4)),
+     None),
+    (2, dict(train=TrainConfig(micro_batch_size=1, step_batch_size_schedule="0:2 1M:3"),
+             parallel=ParallelConfig(pp=2, num_layers_per_virtual_pipeline_stage=1),
+             model=GPTConfig(num_layers=4)),
+     r"^--step-batch-size-schedule entry '1M:3': batch 3: the interleaved schedule needs micro-batches \(3\) "
+     r"divisible by --pipeline-model-parallel-size/--pp 2: make that batch a multiple of 2$"),
+    (1, dict(train=TrainConfig(global_batch_size=8, step_batch_size_schedule="0:8 1M:16")),
+     r"^--global-batch-size 8 is not the last batch of --step-batch-size-schedule \(16\): drop --global-batch-size "
+     r"or make it 16$"),
+    (1, dict(train=TrainConfig(gradient_accumulation_steps=2, step_batch_size_schedule="0:8 1M:16")),
+     r"^--step-batch-size-schedule sets the global batch step by step; a gradient accumulation count fixes it"),
 ])
 def test_invalid_configs_name_the_flag(world, sections, pattern):
     if pattern is None:  # a valid odd-sized layout: padded vocab stays divisible by tp
@@ -186,6 +211,31 @@ def test_invalid_configs_name_the_flag(world, sections, pattern):
         return
     with pytest.raises(ConfigError, match=pattern):
         validate(job(**sections), world)
+
+
+def test_a_batch_size_schedule_reads_megatrons_suffixes_and_token_thresholds():
+    """Megatron-LM's own example: "0:16 2.4B:320 ... 12B:1536" in tokens at seq 2048 is 1,171,875 samples a step."""
+    schedule = parse_batch_size_schedule("0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536", 2048)
+    assert schedule == ((0, 16), (1171875, 320), (2343750, 624), (3515625, 928), (4687500, 1232), (5859375, 1536))
+    assert parse_batch_size_schedule("0:1 1.5k:2,2M:3 1T:4", None) == ((0, 1), (1500, 2), (2000000, 3), (10**12, 4))
+    assert [batch_size_at(schedule, c) for c in (0, 1171874, 1171875, 2343749, 10**9)] == [16, 16, 320, 320, 1536]
+
+
+def test_a_batch_size_schedule_fills_the_global_batch_train_samples_and_lr_position():
+    """The last batch is the global batch (the estimator's and the dataset's size); --train-samples counts the steps
+    that consume them as Megatron-LM does; the LR schedule moves by samples in units of the full batch."""
+    j = validate(job(train=TrainConfig(micro_batch_size=1, step_batch_size_schedule="0:2 64:4", train_samples=11),
+                     model=GPTConfig(seq_length=16, max_position_embeddings=16)), 1)
+    t = j.train
+    assert (t.global_batch_size, t.batch_schedule, t.train_iters) == (4, ((0, 2), (4, 4)), 4)   # 2, 2, 4, 4
+    assert [t.global_batch_at(c) for c in (0, 2, 4, 8)] == [2, 2, 4, 4]
+    assert [t.lr_position(i, c) for i, c in ((0, 0), (1, 2), (2, 4), (3, 8))] == [-0.5, 0.0, 1.0, 2.0]
+    assert j.num_micro_batches == 4                                 # the largest batch's, for the estimate
+    peak_first = validate(job(train=TrainConfig(micro_batch_size=1, step_batch_size_schedule="0:8 64:4"),
+                              model=GPTConfig(seq_length=16, max_position_embeddings=16)), 1)
+    assert (peak_first.train.global_batch_size, peak_first.num_micro_batches) == (4, 8)
+    constant = validate(job(train=TrainConfig(micro_batch_size=1, global_batch_size=4)), 1).train
+    assert constant.lr_position(3, 12) == 3 and constant.global_batch_at(12) == 4
 
 
 def test_decoupled_min_lr_defaults_to_min_lr_and_a_resume_compares_both():

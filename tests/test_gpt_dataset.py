@@ -273,6 +273,18 @@ def test_build_data_iterators_for_a_run(tmp_path):
     assert torch.equal(masks == 0, toks == tok.eod)
 
 
+def test_a_batch_size_schedule_takes_each_steps_batch_and_sizes_the_split_to_hold_it():
+    """A step trains at the batch of the samples consumed before it; a schedule whose batch falls back
+    (16 then 8) still finds every sample its steps read: 16 + 8 + 8 > 3 steps x the last batch."""
+    kw = dict(seq_length=16, seed=7, micro_batch_size=2, global_batch_size=8, dp_size=2, train_iters=3, eval_iters=0,
+              eval_interval=5, vocab_size=97, eod=None)
+    tr = build_data_iterators(DataConfig(mock_data=True), dp_rank=0,
+                              batch_at=lambda consumed: 16 if consumed < 16 else 8, **kw)[0]
+    assert len(tr.dataset) == 32
+    assert [len(tr.next_step()) for _ in range(3)] == [4, 2, 2] and tr.consumed_samples == 32
+    assert len(build_data_iterators(DataConfig(mock_data=True), dp_rank=0, **kw)[0].dataset) == 24
+
+
 def _sample_body(rank, world, cache_dir):
     from megazero.data.sample import default_sample as ds_fn
     prefix = ds_fn(cache_dir)                      # both ranks at once, no coordination

@@ -23,10 +23,10 @@ VALUES = {"--transformer-impl": "transformer_engine", "--attention-backend": "fl
 NO_OPS = " Megatron-LM implementation flags taken as no-ops here (what runs instead: docs/megatron-flags.md): "
 
 
-def _parse(argv, capsys):
-    """(job or None, exit status, stdout lines, stderr lines) of parsing ``argv`` on one rank."""
+def _parse(argv, capsys, world_size: int = 1):
+    """(job or None, exit status, stdout lines, stderr lines) of parsing ``argv`` on ``world_size`` ranks."""
     try:
-        job, status = parse_job(argv, world_size=1)[0], 0
+        job, status = parse_job(argv, world_size=world_size)[0], 0
     except SystemExit as e:
         job, status = None, e.code
     out, err = capsys.readouterr()
@@ -285,11 +285,12 @@ LLAMA3_NO_OPS = ["--use-mcore-models", "--attention-backend fused", "--cross-ent
                  "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers 1",
                  "--log-throughput", "--ckpt-format torch_dist"]
 # examples/gpt3/train_gpt3_175b_distributed.sh: 96 layers, 12288 wide, 96 heads, seq 2048, tp 8, pp 16 on 128
-# ranks, global batch 1536, 500000 iterations (decay 430000), its data and GPT-2 files for --mock-data.
+# ranks, global batch 1536 grown in steps from 16 ("0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536", tokens),
+# 500000 iterations (decay 430000), its data and GPT-2 files for --mock-data.
 GPT3_175B = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
              "--max-position-embeddings", "32", "--attention-backend", "auto",
              "--micro-batch-size", "1", "--global-batch-size", "4",
-             "--step-batch-size-schedule", "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536",
+             "--step-batch-size-schedule", "0:2 0.064K:4",
              "--train-iters", "5", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
              "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style",
              "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001", "--lr-decay-iters", "4",
@@ -328,18 +329,28 @@ def test_llama3_8b_script_runs_through_parsing_and_validation_without_them(tmp_p
     assert (job.optimizer.decoupled_lr, job.optimizer.decoupled_min_lr) == (5.0e-4, 4.5e-5)   # built: not refused
 
 
-def test_gpt3_175b_script_stops_only_on_the_batch_size_schedule(capsys):
-    _, code, _, err = _parse(GPT3_175B, capsys)
-    assert code == 2 and err == ["pretrain_gpt.py: error: --step-batch-size-schedule: "
-                                 + megatron.REFUSED["--step-batch-size-schedule"]]
-    argv = _without(GPT3_175B, ["--step-batch-size-schedule"])
-    try:
-        job = parse_job(argv, world_size=4)[0]
-    finally:
-        out, err = capsys.readouterr()
+def test_gpt3_175b_script_runs_through_parsing_and_validation_with_its_batch_size_schedule(capsys):
+    job, code, out, err = _parse(GPT3_175B, capsys, world_size=4)
+    assert code == 0, err
     assert (job.parallel.tp, job.parallel.pp, job.parallel.dp, job.data.split) == (2, 2, 1, "949,50,1")
-    assert out.splitlines() == [NO_OPS + "--attention-backend auto", " --vocab-file and --merge-file without "
-                                "--tokenizer-type: GPT2BPETokenizer"] and err == ""
+    assert job.train.batch_schedule == ((0, 2), (2, 4)) and job.train.global_batch_size == 4   # 64 tokens: 2 samples
+    assert [job.train.global_batch_at(c) for c in (0, 1, 2, 6)] == [2, 2, 4, 4]
+    assert out == [NO_OPS + "--attention-backend auto", " --vocab-file and --merge-file without "
+                   "--tokenizer-type: GPT2BPETokenizer"] and err == []
+
+
+@pytest.mark.slow                  # four ranks through torchrun: the full suite only
+def test_gpt3_175b_script_runs_its_batch_size_schedule_on_four_ranks(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          str(ROOT / "pretrain_gpt.py"), *_without(GPT3_175B, ["--tensorboard-dir"]),   # optional
+                          "--metrics-file", str(tmp_path / "m.jsonl")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [(r["iteration"], r["global_batch_size"], r["consumed_samples"]) for r in train] == [(5, 4, 2 + 4 * 4)]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
 
 
 @pytest.mark.parametrize("argv,line", [

@@ -120,6 +120,25 @@ def test_resume_under_another_layout(saved_tp2pp2dp2, uninterrupted, tmp_path, w
     assert_same_losses(valid, uninterrupted[1][2:], "valid_loss")
 
 
+# 64 tokens = 4 samples of 16 tokens at a batch of 4, then 8: steps 1-2 at 4 (one micro-batch per rank at
+# dp 2, two serially), steps 3-6 at 8; --global-batch-size 8 (TINY's) is the last batch, as a script gives it.
+STEPPED = TINY + ["--step-batch-size-schedule", "0:4 128:8", "--train-iters", 6]
+
+
+def test_a_batch_size_schedule_trains_as_serial_at_dp2_and_resumes_at_its_threshold_exactly(tmp_path):
+    _main(1, STEPPED + ["--metrics-file", tmp_path / "serial.jsonl"])
+    _main(2, STEPPED + ["--dp", 2, "--metrics-file", tmp_path / "a.jsonl"])
+    serial, straight = read_metrics(tmp_path / "serial.jsonl")[0], read_metrics(tmp_path / "a.jsonl")[0]
+    assert [r["global_batch_size"] for r in straight] == [4, 4, 8, 8, 8, 8]
+    assert [r["consumed_samples"] for r in straight] == [4, 8, 16, 24, 32, 40]
+    assert_same_losses(straight, serial, "loss")
+    resumable = STEPPED + ["--dp", 2, "--save-interval", 2, "--save", tmp_path / "b", "--load", tmp_path / "b",
+                           "--metrics-file", tmp_path / "b.jsonl"]
+    _main(2, resumable, stop_after=2)                    # stops at the threshold: 8 samples consumed
+    _main(2, resumable)                                  # resumes at a batch of 8
+    assert _records(tmp_path / "b.jsonl") == _records(tmp_path / "a.jsonl")      # bitwise: same floats
+
+
 @pytest.mark.slow                  # end to end through the launcher: the full suite only
 def test_load_without_checkpoint_is_an_error(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *map(str, TINY), "--load", tmp_path / "none"],
@@ -219,6 +238,13 @@ def test_a_resume_that_changes_the_schedule_is_refused_naming_each_difference(sa
     job, _, err = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--global-batch-size", "64", "--train-iters", "40"],
                           capsys)
     assert job is None and "(--global-batch-size: checkpoint 32 vs this run 64)" in err
+    job, _, err = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--step-batch-size-schedule", "0:32 1M:32",
+                                     "--train-iters", "40"], capsys)     # the same last batch, grown in steps now
+    assert job is None and "(--step-batch-size-schedule: checkpoint None vs this run 0:32 1M:32)" in err
+    job, out, _ = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--step-batch-size-schedule", "0:32 1M:64",
+                                     "--train-iters", "40", "--use-checkpoint-opt_param-scheduler"], capsys)
+    assert (job.train.global_batch_size, job.train.step_batch_size_schedule, job.train.batch_schedule) == (32, None, None)
+    assert f"--global-batch-size 32 taken from the checkpoint in {saved_tp2pp2} (kept by" in out
 
 
 def test_without_a_global_batch_flag_the_checkpoints_is_taken_and_said(saved_tp2pp2, capsys):

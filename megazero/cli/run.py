@@ -105,7 +105,7 @@ def train_built(job: JobConfig, built: Built, tokenizer: Tokenizer | None, show_
         cp_rank=topo.cp_rank, cp_size=topo.cp_size,
         train_iters=t.train_iters, eval_iters=t.eval_iters, eval_interval=t.eval_interval,
         vocab_size=job.model.vocab_size, eod=tokenizer.eod if tokenizer else None,
-        is_writer=topo.rank == 0, barrier=dist.barrier)
+        is_writer=topo.rank == 0, barrier=dist.barrier, batch_at=t.global_batch_at)
 
     def train_batches(consumed_samples: int):
         train_data.consumed_samples = consumed_samples

@@ -18,7 +18,8 @@ from megazero.config.train import TrainConfig
 # What a resumed run continues, as a checkpoint's job stores it (resolved: the decay and warmup in
 # iterations, min_lr from a ratio). The training length counts through the decay, which follows it by
 # default: a longer run with the same decay keeps its schedule, as in Megatron-LM.
-SCHEDULE = (("train", "global_batch_size"), ("optimizer", "lr"), ("optimizer", "min_lr"),
+SCHEDULE = (("train", "global_batch_size"), ("train", "step_batch_size_schedule"),
+            ("optimizer", "lr"), ("optimizer", "min_lr"),
             ("optimizer", "decoupled_lr"), ("optimizer", "decoupled_min_lr"),
             ("optimizer", "lr_warmup_iters"), ("optimizer", "lr_warmup_style"), ("optimizer", "lr_decay_iters"),
             ("optimizer", "lr_decay_style"), ("optimizer", "weight_decay"))
@@ -108,12 +109,20 @@ def resumed_batch(saved: dict, given: dict, use_checkpoint: bool, where: str) ->
     """The settings (``{"section.field": value}``) a resumed run takes from the checkpoint's job ``saved``
     before validation, and the line saying so: the checkpoint's global batch where no source ``given``
     (``{"section.field": value}`` of every source) sets it, or with ``--use-checkpoint-opt_param-scheduler``;
-    not with a gradient-accumulation count that implies another one (then compared after validation)."""
-    theirs = (saved.get("train") or {}).get("global_batch_size")
-    if theirs is None or given.get("train.global_batch_size") == theirs:
+    not with a gradient-accumulation count that implies another one (then compared after validation). A
+    ``--step-batch-size-schedule`` is a source of the global batch too, and is taken with it."""
+    train = saved.get("train") or {}
+    theirs = train.get("global_batch_size")
+    stepped = train.get("step_batch_size_schedule")
+    if theirs is None or (given.get("train.global_batch_size") == theirs
+                          and "train.step_batch_size_schedule" not in given):
         return {}, None
-    if not use_checkpoint and ("train.global_batch_size" in given or "train.gradient_accumulation_steps" in given):
+    sources = ("train.global_batch_size", "train.gradient_accumulation_steps", "train.step_batch_size_schedule")
+    if not use_checkpoint and any(source in given for source in sources):
         return {}, None
     why = f"kept by {FLAG.use_checkpoint_opt_param_scheduler}" if use_checkpoint else "no flag gives one"
-    return {"train.global_batch_size": theirs, "train.gradient_accumulation_steps": None}, \
-        f" {FLAG.global_batch_size} {theirs} taken from {where} ({why})"
+    taken = {"train.global_batch_size": theirs, "train.gradient_accumulation_steps": None}
+    if "step_batch_size_schedule" in train:              # the checkpoint's batch-size schedule, or none
+        taken["train.step_batch_size_schedule"] = stepped
+    grown = f" ({FLAG.step_batch_size_schedule} '{stepped}')" if stepped else ""
+    return taken, f" {FLAG.global_batch_size} {theirs}{grown} taken from {where} ({why})"

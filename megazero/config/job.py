@@ -56,9 +56,10 @@ class JobConfig:
 
     @property
     def num_micro_batches(self) -> int:
-        """Micro-batches per step on each data-parallel rank (gradient accumulation steps)."""
+        """Micro-batches per step on each data-parallel rank (gradient accumulation steps); under a batch-size
+        schedule, those of its largest batch (what the memory estimate must hold)."""
         assert self.parallel.dp is not None, "validate() resolves dp first"
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+        return self.train.largest_global_batch // (self.train.micro_batch_size * self.parallel.dp)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -41,7 +41,8 @@ AS_IS = (
     "--context-parallel-size", "--cp-comm-type",
     "--sequence-parallel", "--distributed-timeout-minutes", "--overlap-grad-reduce", "--overlap-param-gather",
     "--accumulate-allreduce-grads-in-fp32",
-    "--micro-batch-size", "--global-batch-size", "--train-iters", "--train-samples", "--exit-duration-in-mins",
+    "--micro-batch-size", "--global-batch-size", "--step-batch-size-schedule", "--train-iters", "--train-samples",
+    "--exit-duration-in-mins",
     "--seed", "--eval-interval", "--eval-iters", "--log-interval", "--check-for-nan-in-loss-and-grad",
     "--lr", "--min-lr", "--decoupled-lr", "--decoupled-min-lr", "--lr-warmup-iters", "--lr-warmup-fraction",
     "--lr-warmup-samples", "--lr-decay-iters", "--lr-decay-samples", "--lr-decay-style", "--weight-decay",
@@ -186,10 +187,8 @@ RESTATED: dict[str, Restated] = {
 _NO_TB_CHOICE = "TensorBoard (--tensorboard-dir) receives the log line's metrics; choosing them does not exist here"
 _FP8 = "FP8 training is not built yet: drop the --fp8-* flags and train with --bf16"
 REFUSED: dict[str, str] = {
-    "--rampup-batch-size": "a batch-size ramp-up does not exist here: train at --global-batch-size",
-    "--step-batch-size-schedule": "a batch size that grows in steps during training does not exist here (nor "
-                                  "--rampup-batch-size): drop it and train at --global-batch-size (Megatron-LM "
-                                  "itself refuses it together with --global-batch-size)",
+    "--rampup-batch-size": "a linear batch-size ramp-up does not exist here: train at --global-batch-size, or "
+                           "grow the batch in steps with --step-batch-size-schedule",
     "--fp8-format": _FP8, "--fp8-hybrid": _FP8, "--fp8-margin": _FP8, "--fp8-interval": _FP8,
     "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8, "--fp8-recipe": _FP8, "--fp8-param-gather": _FP8,
     "--use-torch-fsdp2": "use --zero-stage 3 (parameters, gradients and optimizer state sharded, as FSDP does)",

@@ -22,6 +22,12 @@ class TrainConfig:
                                        help="sequences per micro-batch on each rank")
     global_batch_size: int | None = flag_field(None, "--global-batch-size", type=int, group="training",
                                                help="sequences per step (default micro x dp x pp)")
+    step_batch_size_schedule: str | None = flag_field(
+        None, "--step-batch-size-schedule", type=str, group="training", metavar="'TOKENS:BATCH ...'",
+        help="a global batch that grows in steps (Megatron-LM's): 'THRESHOLD:BATCH ...', thresholds in tokens "
+             "consumed (K/M/B/T suffixes: 1e3..1e12), the first 0; each step trains at the batch of the last "
+             "threshold reached; --global-batch-size, when given, must be the last batch")
+    batch_schedule: tuple[tuple[int, int], ...] | None = None   # filled: (threshold in samples, global batch)
     gradient_accumulation_steps: int | None = None   # (DeepSpeed / Accelerate configs) global = micro * this * dp
     train_iters: int | None = flag_field(None, "--train-iters", type=int, group="training",
                                          help="training iterations (default 400, or from --train-samples)")
@@ -67,21 +73,12 @@ class TrainConfig:
             elif self.global_batch_size != implied:
                 fail(f"{FLAG.global_batch_size} {self.global_batch_size} is not micro-batch {self.micro_batch_size} x "
                       f"gradient accumulation steps {steps} x dp {par.dp} = {implied}: make them agree")
+        if self.step_batch_size_schedule is not None:
+            self._check_batch_schedule(par, model.seq_length if model is not None else None)
         if self.global_batch_size is None:
             self.global_batch_size = self.micro_batch_size * par.dp * par.pp
         positive(self.global_batch_size, "global_batch_size")
-        per_step = self.micro_batch_size * par.dp
-        if self.global_batch_size % per_step:
-            fail(f"{FLAG.global_batch_size} {self.global_batch_size} is not divisible by {FLAG.micro_batch_size} "
-                  f"{self.micro_batch_size} * dp {par.dp} = {per_step}: use a multiple of {per_step}")
-        m = self.global_batch_size // per_step
-        if par.pp > 1 and par.pipeline_schedule in ("1f1b", "interleaved", "zb-h1", "zb-v") and m < par.pp:
-            fail(f"{m} micro-batches per step is fewer than {par.pp} pipeline stages, which leaves the "
-                  f"{par.pipeline_schedule} pipeline mostly idle: raise {FLAG.global_batch_size} to at least "
-                  f"{par.pp * per_step} (micro-batches = global / (micro * dp))")
-        if par.pipeline_schedule == "interleaved" and m % par.pp:
-            fail(f"the interleaved schedule needs micro-batches ({m}) divisible by {FLAG.pp} {par.pp}: "
-                  f"make {FLAG.global_batch_size} a multiple of {par.pp * per_step}")
+        self._check_global_batch(self.global_batch_size, par, FLAG.global_batch_size)
         self._fill_train_iters()
         limit = self.exit_duration_in_mins
         if limit is not None and limit <= 0:       # nan and inf: validate() refuses them first
@@ -95,6 +92,65 @@ class TrainConfig:
         if self.eval_iters < 0:
             fail(f"{FLAG.eval_iters} must be >= 0, got {self.eval_iters}")
 
+    def _check_global_batch(self, batch: int, par: ParallelConfig, source: str) -> None:
+        """One global batch (``source`` names where it comes from) against the layout: whole micro-batches on
+        every data-parallel rank, enough of them to fill the pipeline, and the interleaved schedule's multiple."""
+        per_step = self.micro_batch_size * par.dp
+        if batch % per_step:
+            fail(f"{source} {batch} is not divisible by {FLAG.micro_batch_size} "
+                  f"{self.micro_batch_size} * dp {par.dp} = {per_step}: use a multiple of {per_step}")
+        m = batch // per_step
+        lead, target = ("", source) if source == FLAG.global_batch_size else (f"{source} {batch}: ", "that batch")
+        if par.pp > 1 and par.pipeline_schedule in ("1f1b", "interleaved", "zb-h1", "zb-v") and m < par.pp:
+            fail(f"{lead}{m} micro-batches per step is fewer than {par.pp} pipeline stages, which leaves the "
+                  f"{par.pipeline_schedule} pipeline mostly idle: raise {target} to at least "
+                  f"{par.pp * per_step} (micro-batches = global / (micro * dp))")
+        if par.pipeline_schedule == "interleaved" and m % par.pp:
+            fail(f"{lead}the interleaved schedule needs micro-batches ({m}) divisible by {FLAG.pp} {par.pp}: "
+                  f"make {target} a multiple of {par.pp * per_step}")
+
+    def _check_batch_schedule(self, par: ParallelConfig, seq_length: int | None) -> None:
+        """``--step-batch-size-schedule``: parsed into ``batch_schedule`` (thresholds in samples), each batch
+        checked against the layout; ``global_batch_size`` is its last batch (given, it must be that one)."""
+        if self.gradient_accumulation_steps is not None:
+            fail(f"{FLAG.step_batch_size_schedule} sets the global batch step by step; a gradient accumulation "
+                 f"count fixes it: drop one of them")
+        try:
+            schedule = parse_batch_size_schedule(self.step_batch_size_schedule, seq_length)
+        except ValueError as e:
+            fail(f"{FLAG.step_batch_size_schedule} {e}")
+        for entry, (_, batch) in zip(self.step_batch_size_schedule.replace(",", " ").split(), schedule):
+            self._check_global_batch(batch, par, f"{FLAG.step_batch_size_schedule} entry '{entry}': batch")
+        last = schedule[-1][1]
+        if self.global_batch_size is not None and self.global_batch_size != last:
+            fail(f"{FLAG.global_batch_size} {self.global_batch_size} is not the last batch of "
+                 f"{FLAG.step_batch_size_schedule} ({last}): drop {FLAG.global_batch_size} or make it {last}")
+        self.global_batch_size, self.batch_schedule = last, schedule
+
+    @property
+    def largest_global_batch(self) -> int:
+        """The largest global batch a step trains at (the schedule's largest, else the constant one)."""
+        if self.batch_schedule is None:
+            return self.global_batch_size
+        return max(batch for _, batch in self.batch_schedule)
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        """The global batch of the step that starts after ``consumed_samples`` (the schedule's, else the
+        constant one)."""
+        if self.batch_schedule is None:
+            return self.global_batch_size
+        return batch_size_at(self.batch_schedule, consumed_samples)
+
+    def lr_position(self, iteration: int, consumed_samples: int) -> float:
+        """Where the learning-rate schedule stands for the step after ``iteration`` steps and ``consumed_samples``
+        samples, in iterations: ``iteration``, or under a batch-size schedule the samples consumed by the end of
+        that step in units of the last (full) global batch, less one -- Megatron-LM steps its LR schedule by
+        samples, its warmup and decay lengths being iterations of the full batch, so smaller early batches
+        advance it less. The two agree at a constant batch."""
+        if self.batch_schedule is None:
+            return iteration
+        return (consumed_samples + self.global_batch_at(consumed_samples)) / self.global_batch_size - 1
+
     def _fill_train_iters(self) -> None:
         """The training length: ``--train-iters`` (default 400), or ``--train-samples`` // the global batch (a
         sample-based run, as Megatron counts it); not both."""
@@ -105,10 +161,67 @@ class TrainConfig:
         if self.train_iters is not None:
             fail(f"{FLAG.train_iters} and {FLAG.train_samples} are exclusive (iteration- or sample-based): keep one")
         positive(self.train_samples, "train_samples")
+        if self.batch_schedule is not None:         # Megatron: steps until the samples are consumed
+            steps, consumed = 0, 0
+            while consumed < self.train_samples:
+                consumed += batch_size_at(self.batch_schedule, consumed)
+                steps += 1
+            self.train_iters = steps
+            return
         self.train_iters = self.train_samples // self.global_batch_size
         if self.train_iters < 1:
             fail(f"{FLAG.train_samples} {self.train_samples} is less than one {FLAG.global_batch_size} "
                  f"({self.global_batch_size}): no iteration to train")
+
+
+_SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+
+
+def _count(text: str) -> int:
+    """A count with an optional K/M/B/T suffix ("2.4B" -> 2_400_000_000), as Megatron reads them."""
+    text = text.strip().upper()
+    scale = _SUFFIXES.get(text[-1:], 1)
+    number = float(text[:-1] if scale > 1 else text)
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError
+    return int(number * scale)
+
+
+def parse_batch_size_schedule(text: str, seq_length: int | None) -> tuple[tuple[int, int], ...]:
+    """``'THRESHOLD:BATCH ...'`` (spaces or commas between entries) as ((threshold in samples, batch), ...):
+    thresholds are tokens divided by ``seq_length`` (samples when it is None), as Megatron-LM converts them.
+    Raises ValueError naming the first bad entry: not THRESHOLD:BATCH, a batch below 1, the first threshold
+    not 0, thresholds not increasing."""
+    entries = text.replace(",", " ").split()
+    if not entries:
+        raise ValueError("is empty: give 'THRESHOLD:BATCH ...', the first threshold 0")
+    schedule: list[tuple[int, int]] = []
+    for entry in entries:
+        threshold_text, _, batch_text = entry.partition(":")
+        try:
+            threshold, batch = _count(threshold_text), _count(batch_text)
+        except ValueError:
+            raise ValueError(f"entry {entry!r} is not THRESHOLD:BATCH (numbers, K/M/B/T suffixes allowed)") from None
+        if batch < 1 or threshold < 0:
+            raise ValueError(f"entry {entry!r}: the threshold must be >= 0 and the batch >= 1")
+        samples = threshold // seq_length if seq_length else threshold
+        if not schedule and samples != 0:
+            raise ValueError(f"entry {entry!r}: the first threshold must be 0 (the batch the run starts at)")
+        if schedule and samples <= schedule[-1][0]:
+            raise ValueError(f"entry {entry!r}: thresholds must increase ({samples} samples is not past "
+                             f"{schedule[-1][0]})")
+        schedule.append((samples, batch))
+    return tuple(schedule)
+
+
+def batch_size_at(schedule: tuple[tuple[int, int], ...], consumed_samples: int) -> int:
+    """The batch of the last threshold at or below ``consumed_samples``."""
+    batch = schedule[0][1]
+    for threshold, size in schedule:
+        if threshold > consumed_samples:
+            break
+        batch = size
+    return batch
 
 
 def planner_conflict(model: ModelConfig, budget: str) -> str | None:

@@ -17,6 +17,8 @@ load-balanced slice of every sequence (:func:`megazero.parallel.context.rank_sli
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from megazero.config import FLAG
@@ -61,14 +63,17 @@ class MicroBatchIterator:
     """This data-parallel rank's micro-batches, step after step, resumable from ``consumed_samples``.
 
     ``next_step()`` returns the list of micro-batch dicts of one optimizer step and advances
-    ``consumed_samples`` by ``global_batch_size`` (the same on every rank, so it is what a checkpoint
-    stores). ``wrap=True`` (evaluation) cycles through the dataset instead of stopping at its end.
+    ``consumed_samples`` by the step's global batch, ``batch_at(consumed_samples)`` (default: always
+    ``global_batch_size``; a batch-size schedule varies it), the same on every rank, so it is what a
+    checkpoint stores. ``wrap=True`` (evaluation) cycles through the dataset instead of stopping at its end.
     """
 
     def __init__(self, dataset, *, micro_batch_size: int, global_batch_size: int, dp_rank: int = 0,
                  dp_size: int = 1, consumed_samples: int = 0, eod: int | None = None,
-                 eod_mask_loss: bool = False, wrap: bool = False, cp_rank: int = 0, cp_size: int = 1):
+                 eod_mask_loss: bool = False, wrap: bool = False, cp_rank: int = 0, cp_size: int = 1,
+                 batch_at: Callable[[int], int] | None = None):
         self.dataset, self.micro_batch_size, self.global_batch_size = dataset, micro_batch_size, global_batch_size
+        self.batch_at = batch_at or (lambda consumed: global_batch_size)
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.dp_rank, self.dp_size, self.consumed_samples = dp_rank, dp_size, consumed_samples
         self.eod, self.eod_mask_loss, self.wrap = eod, eod_mask_loss, wrap
@@ -76,14 +81,15 @@ class MicroBatchIterator:
 
     def next_step(self) -> list[dict]:
         n = len(self.dataset)
-        if not self.wrap and self.consumed_samples + self.global_batch_size > n:
+        batch = self.batch_at(self.consumed_samples)
+        if not self.wrap and self.consumed_samples + batch > n:
             raise StopIteration(f"dataset of {n} samples exhausted after {self.consumed_samples} consumed "
-                                f"(a step takes {self.global_batch_size}): build it with more samples")
+                                f"(a step takes {batch}): build it with more samples")
         ids = micro_batch_sample_ids(self.consumed_samples, self.micro_batch_size, self.dp_rank,
-                                     self.dp_size, self.global_batch_size)
+                                     self.dp_size, batch)
         batches = [samples_to_batch(np.stack([self.dataset[int(i) % n] for i in m]), self.eod, self.eod_mask_loss)
                    for m in ids]
-        self.consumed_samples += self.global_batch_size
+        self.consumed_samples += batch
         if self.cp_size > 1:
             batches = [{key: rank_slice(t, 1, self.cp_rank, self.cp_size) for key, t in batch.items()}
                        for batch in batches]
@@ -104,19 +110,31 @@ class MicroBatchIterator:
         self.consumed_samples = int(state["consumed_samples"])
 
 
+def _train_samples(train_iters: int, global_batch_size: int, batch_at: Callable[[int], int] | None) -> int:
+    """The training split's size: ``train_iters * global_batch_size`` as Megatron sizes it (so the same sample
+    order), or more when ``batch_at``'s steps (a schedule with a batch above its last) consume more."""
+    consumed = 0
+    for _ in range(train_iters if batch_at is not None else 0):
+        consumed += batch_at(consumed)
+    return max(consumed, train_iters * global_batch_size)
+
+
 def build_data_iterators(data_cfg, *, seq_length: int, seed: int, micro_batch_size: int, global_batch_size: int,
                          dp_rank: int, dp_size: int, train_iters: int, eval_iters: int, eval_interval: int,
                          vocab_size: int, eod: int | None, consumed_train_samples: int = 0,
-                         is_writer: bool = True, barrier=None, cp_rank: int = 0, cp_size: int = 1) -> tuple:
+                         is_writer: bool = True, barrier=None, cp_rank: int = 0, cp_size: int = 1,
+                         batch_at: Callable[[int], int] | None = None) -> tuple:
     """(train, valid, test) :class:`MicroBatchIterator` for a run (``None`` for an empty split).
 
     Sample counts as Megatron sizes them: train ``train_iters * global_batch``; valid enough for an
     evaluation every ``eval_interval`` steps plus one at the end; test one evaluation. Valid and
     test iterators wrap around. ``is_writer``/``barrier``: see ``build_train_valid_test_datasets``;
-    ``cp_rank``/``cp_size``: each micro-batch cut to this context-parallel rank's slice.
+    ``cp_rank``/``cp_size``: each micro-batch cut to this context-parallel rank's slice. ``batch_at``: the
+    training steps' global batch by consumed samples (a batch-size schedule's; the training split holds at
+    least what its steps consume); evaluation keeps ``global_batch_size``.
     """
     evals = train_iters // eval_interval + 1
-    num_samples = (train_iters * global_batch_size, evals * eval_iters * global_batch_size,
+    num_samples = (_train_samples(train_iters, global_batch_size, batch_at), evals * eval_iters * global_batch_size,
                    eval_iters * global_batch_size)
     datasets = build_train_valid_test_datasets(data_cfg, seq_length=seq_length, seed=seed, num_samples=num_samples,
                                                vocab_size=vocab_size, is_writer=is_writer, barrier=barrier)
@@ -124,5 +142,6 @@ def build_data_iterators(data_cfg, *, seq_length: int, seed: int, micro_batch_si
               dp_size=dp_size, eod=eod, eod_mask_loss=getattr(data_cfg, "eod_mask_loss", False), cp_rank=cp_rank,
               cp_size=cp_size)
     return tuple(None if ds is None else
-                 MicroBatchIterator(ds, consumed_samples=consumed_train_samples if k == 0 else 0, wrap=k > 0, **kw)
+                 MicroBatchIterator(ds, consumed_samples=consumed_train_samples if k == 0 else 0, wrap=k > 0,
+                                    batch_at=batch_at if k == 0 else None, **kw)
                  for k, ds in enumerate(datasets))
