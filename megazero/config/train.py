@@ -23,7 +23,7 @@ class TrainConfig:
     global_batch_size: int | None = flag_field(None, "--global-batch-size", type=int, group="training",
                                                help="sequences per step (default micro x dp x pp)")
     step_batch_size_schedule: str | None = flag_field(
-        None, "--step-batch-size-schedule", type=str, group="training", metavar="'TOKENS:BATCH ...'",
+        None, "--step-batch-size-schedule", type=str, group="training", metavar="SCHEDULE",
         help="a global batch that grows in steps (Megatron-LM's): 'THRESHOLD:BATCH ...', thresholds in tokens "
              "consumed (K/M/B/T suffixes: 1e3..1e12), the first 0; each step trains at the batch of the last "
              "threshold reached; --global-batch-size, when given, must be the last batch")
