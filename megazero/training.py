@@ -22,6 +22,7 @@ from megazero.lr_schedule import decoupled_learning_rate, learning_rate
 from megazero.memory.activation_offload import take_offloaded_bytes
 from megazero.memory.measure import LastStepLiveBytes
 from megazero.metrics import MetricsLog, device_peak_tflops
+from megazero.parallel import fp8
 from megazero.parallel.context import context_parallel_loss
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
@@ -99,6 +100,9 @@ def train_step(chunks, micro_batches: list[dict], topo: Topology, engine: Engine
     spec.hooks.before_step(chunks, engine.loss_scale / len(micro_batches))   # e.g. MoE losses, as the main loss's
     losses = run_schedule(chunks, micro_batches, topo.pipeline(), loss_fn=_loss_fn(spec, topo), schedule=job.parallel,
                           tensor_shape=_boundary_shape(spec, job, topo), loss_scale=engine.loss_scale, grad_sync=engine)
+    if job.fp8.enabled:                             # the delayed recipe's amaxes of this step, agreed
+        fp8.finish_step(chunks, topo.tensor_parallel().group, topo.data_context_parallel().group,
+                        topo.expert_data_parallel().group, topo.device)
     engine.finalize_grads()
     grad_norm, skipped = engine.step(iteration)
     overflowed = not skipped and engine.params_overflowed

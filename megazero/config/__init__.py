@@ -29,6 +29,7 @@ Library components take their own section; only entry points parse command lines
 from megazero.config.checkpoint import CheckpointConfig
 from megazero.config.compile import COMPILE_MODES, CompileConfig
 from megazero.config.data import TOKENIZERS, DataConfig
+from megazero.config.fp8 import FP8Config
 from megazero.config.fields import FLAG, flag, flag_field, flag_fields, flag_off, setting
 from megazero.config.job import JobConfig, validate
 from megazero.config.logging import LoggingConfig
@@ -40,6 +41,6 @@ from megazero.config.train import TrainConfig
 from megazero.config.zero import OFFLOAD_DEVICES, ZERO_STAGES, ZeroConfig
 
 __all__ = ["BACKENDS", "COMPILE_MODES", "DECAY_STYLES", "FLAG", "OFFLOAD_DEVICES", "SCHEDULES", "TOKENIZERS",
-           "ZERO_STAGES", "CheckpointConfig", "CompileConfig", "DataConfig", "JobConfig", "LoggingConfig",
+           "ZERO_STAGES", "CheckpointConfig", "CompileConfig", "DataConfig", "FP8Config", "JobConfig", "LoggingConfig",
            "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "TrainConfig", "ZeroConfig",
            "flag", "flag_field", "flag_fields", "flag_off", "setting", "validate"]

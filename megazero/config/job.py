@@ -17,6 +17,7 @@ from megazero.config.checkpoint import CheckpointConfig
 from megazero.config.compile import CompileConfig
 from megazero.config.data import DataConfig
 from megazero.config.fields import register_sections, setting
+from megazero.config.fp8 import FP8Config
 from megazero.config.logging import LoggingConfig
 from megazero.config.model import (
     ModelConfig,
@@ -47,6 +48,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -126,6 +128,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     check_family(job)
     job.train.check(job.parallel, job.model)
     job.precision.check()
+    job.fp8.check(job.zero.zero_stage)
     job.zero.check(job.parallel, world_size)
     job.optimizer.check(job.train)
     job.zero.fill_defaults(job.model, job.precision, job.parallel.tp)

@@ -185,12 +185,11 @@ RESTATED: dict[str, Restated] = {
 }
 
 _NO_TB_CHOICE = "TensorBoard (--tensorboard-dir) receives the log line's metrics; choosing them does not exist here"
-_FP8 = "FP8 training is not built yet: drop the --fp8-* flags and train with --bf16"
 REFUSED: dict[str, str] = {
     "--rampup-batch-size": "a linear batch-size ramp-up does not exist here: train at --global-batch-size, or "
                            "grow the batch in steps with --step-batch-size-schedule",
-    "--fp8-format": _FP8, "--fp8-hybrid": _FP8, "--fp8-margin": _FP8, "--fp8-interval": _FP8,
-    "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8, "--fp8-recipe": _FP8, "--fp8-param-gather": _FP8,
+    "--fp8-hybrid": "Megatron-LM's older spelling: use --fp8-format hybrid",
+    "--fp8-interval": "deprecated in Megatron-LM too (scales are updated every step): drop it",
     "--use-torch-fsdp2": "use --zero-stage 3 (parameters, gradients and optimizer state sharded, as FSDP does)",
     "--no-save-optim": "checkpoints here always hold the optimizer state (to load without it: --no-load-optim)",
     "--no-save-rng": "checkpoints here always hold the random states (to load without them: --no-load-rng)",

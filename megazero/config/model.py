@@ -300,6 +300,7 @@ class Family:
     config: type[ModelConfig]
     context_parallel: bool = False
     compilable: bool = False
+    fp8: bool = False
     spec: Any = None
 
 
@@ -387,6 +388,9 @@ def check_family(job) -> Family:
     if job.parallel.cp > 1 and not entry.context_parallel:
         raise ConfigError(f"{FLAG.cp} {job.parallel.cp}: {FLAG.model_family} {entry.name} cannot take a "
                           f"sequence split over ranks (ModelSpec.context_parallel): drop {FLAG.cp}")
+    if job.fp8.enabled and not entry.fp8:
+        raise ConfigError(f"{FLAG.model_family} {entry.name} declares no layers that run in FP8 (ModelSpec.fp8_layers): "
+                          f"drop {FLAG.fp8_format}")
     if job.compilation.compile and not entry.compilable:
         raise ConfigError(f"{FLAG.model_family} {entry.name} names no regions to compile (ModelSpec.compile_regions): "
                           f"drop {FLAG.compile}")

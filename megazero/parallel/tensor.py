@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.parallel.fp8 import linear
 from megazero.parallel.params import set_tp_attributes
 from megazero.parallel.raw_comm import (
     all_gather_dim0,
@@ -226,17 +227,18 @@ def _divide(n: int, d: int, what: str) -> int:
 # ----------------------------------------------------------------------------- layers
 
 def column_parallel_linear(x, weight, bias, group, *, sequence_parallel: bool = False,
-                           gather_output: bool = False):
+                           gather_output: bool = False, fp8=None):
     """y = x @ W_shard.T + b_shard for a column-parallel weight [out/tp, in].
 
     ``x``: [s, b, in] replicated (or [s/tp, b, in] with sequence parallel, all-gathered here).
-    Returns [s, b, out/tp] (or [s, b, out] with ``gather_output``).
+    Returns [s, b, out/tp] (or [s, b, out] with ``gather_output``). ``fp8``: the layer's
+    :class:`megazero.parallel.fp8.LinearFP8` (its product in FP8), or None.
     """
     if sequence_parallel:
         x = gather_from_sequence_parallel_region(x, group)
     else:
         x = copy_to_tp_region(x, group)
-    y = F.linear(x, weight, bias)
+    y = linear(x, weight, bias, fp8)
     return gather_from_tp_region(y, group) if gather_output else y
 
 
@@ -247,7 +249,10 @@ class ColumnParallelLinear(nn.Module):
     replicated ([s/tp, b, in] chunks with ``sequence_parallel``, all-gathered along the sequence);
     output is this rank's [.., out/tp] slice unless ``gather_output``. Parameters are allocated
     uninitialised: the model fills them (see ``megazero.models.gpt`` for layout-independent init).
+    ``fp8``: set by :func:`megazero.parallel.fp8.enable` when the product runs in FP8.
     """
+
+    fp8 = None
 
     def __init__(self, in_features: int, out_features: int, tp_group=None, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
@@ -261,8 +266,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = new_parameter((local,), tensor_parallel=True, partition_dim=0, zeros=True, **kw) if bias else None
 
     def forward(self, x):
-        return column_parallel_linear(x, self.weight, self.bias, self.tp_group,
-                                      sequence_parallel=self.sequence_parallel, gather_output=self.gather_output)
+        return column_parallel_linear(x, self.weight, self.bias, self.tp_group, sequence_parallel=self.sequence_parallel,
+                                      gather_output=self.gather_output, fp8=self.fp8)
 
 
 class RowParallelLinear(nn.Module):
@@ -271,8 +276,10 @@ class RowParallelLinear(nn.Module):
     tp rank r holds ``weight[:, r*in/tp:(r+1)*in/tp]``; the bias is replicated and added once after
     the partial products are summed (all-reduce, or reduce-scatter along the sequence with
     ``sequence_parallel``, giving [s/tp, b, out]). Input is already split on its last dim unless
-    ``input_is_parallel=False``.
+    ``input_is_parallel=False``. ``fp8``: as :class:`ColumnParallelLinear`'s.
     """
+
+    fp8 = None
 
     def __init__(self, in_features: int, out_features: int, tp_group=None, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
@@ -288,10 +295,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         if _single(self.tp_group):                  # nothing to sum: the bias fuses into the matmul
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, self.fp8)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.fp8)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

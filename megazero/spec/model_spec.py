@@ -42,6 +42,10 @@ field                  what                                                     
                        (positions, attention and loss; :mod:`megazero.parallel.context`)
 ``is_expert``          (parameter name) -> whether it belongs to an expert of an    gathering a whole
                        MoE layer (expert-parallel ranks hold different ones)        model from its ranks
+``fp8_layers``         (chunk, head) -> the chunk's linear layers that may run in   --fp8-format
+                       FP8 (:class:`~megazero.parallel.fp8.FP8Layer`: how each is   (validate() refuses
+                       split, expert or not), the output layer with ``head``; None  without it)
+                       if the family has none
 =====================  ===========================================================  ======================
 
 A new model family is a package in ``megazero/models/`` (or anywhere: a test file registers its own)
@@ -129,6 +133,7 @@ class ModelSpec:
     recomputed_share: Callable[[ModelConfig, ParallelConfig], float] = full_recompute_share
     context_parallel: bool = False
     is_expert: Callable[[str], bool] = lambda name: False
+    fp8_layers: Callable[[nn.Module, bool], list] | None = None
 
     def build_full(self, model_cfg: ModelConfig, *, seed: int = 1234, dtype: torch.dtype = torch.float32,
                    device=None) -> nn.Module:

@@ -16,6 +16,7 @@ from torch import nn
 from megazero.config import JobConfig
 from megazero.config.model import Family, family, register_family, registered_families
 from megazero.errors import ConfigError
+from megazero.parallel import fp8
 from megazero.parallel.pipeline.generators import stage_shape
 from megazero.parallel.pipeline.partition import placements
 from megazero.spec.model_spec import ModelSpec
@@ -26,7 +27,7 @@ def register_model_spec(spec: ModelSpec) -> ModelSpec:
     checked with it; returns it. Registering a name again replaces the earlier spec (a test
     re-registering its model in a reused worker process)."""
     register_family(Family(spec.name, spec.config, context_parallel=spec.context_parallel,
-                           compilable=spec.compile_regions is not None, spec=spec))
+                           compilable=spec.compile_regions is not None, fp8=spec.fp8_layers is not None, spec=spec))
     return spec
 
 
@@ -57,7 +58,11 @@ def build_model_chunks(spec: ModelSpec, job: JobConfig, topo, *, dtype: torch.dt
     assert (par.tp, par.cp, par.pp) == (topo.tp_size, topo.cp_size, topo.pp_size), \
         "build the topology and the chunks from the same validated job"
     groups = topo.model_groups(par.sequence_parallel, par.cp_comm_type)
-    return [spec.build_chunk(job.model, placement, groups, seed=job.train.seed, dtype=dtype,
+    chunks = [spec.build_chunk(job.model, placement, groups, seed=job.train.seed, dtype=dtype,
                              device=device if device is not None else topo.device, home_device=topo.device)
             for placement in placements(job.model.num_layers, topo.pp_size, topo.pp_rank, par.virtual_stages,
                                         stage_shape(par))]
+    if job.fp8.enabled:                                # --fp8-format: the declared linears, in FP8
+        for chunk in chunks:
+            fp8.enable(chunk, spec.fp8_layers(chunk, job.fp8.fp8_head), job.fp8)
+    return chunks

@@ -59,18 +59,22 @@ from torch import nn
 from megazero.config import FLAG
 from megazero.memory.activation_offload import ActivationOffload
 from megazero.models.gpt.config import GPTConfig
+from megazero.models.gpt.moe import ExpertMLP
 from megazero.models.gpt.transformer import (
     Embedding,
     LayerContext,
+    ReplicatedLinear,
     TransformerLayer,
     qkv_blocks_to_interleaved,
     qkv_interleaved_to_blocks,
 )
+from megazero.parallel.fp8 import FP8Layer, Splits
 from megazero.parallel.groups import ModelParallelGroups
 from megazero.parallel.pipeline.split_backward import weight_grad_in_input
 from megazero.parallel.raw_comm import group_rank
 from megazero.parallel.tensor import (
     ColumnParallelLinear,
+    RowParallelLinear,
     TensorParallelRNG,
     column_parallel_linear,
     init_std_scaled,
@@ -157,6 +161,7 @@ class GPT(nn.Module):
             if not hasattr(p, "tensor_parallel"):
                 set_tp_attributes(p, False)
         self.seed = seed
+        self.head_fp8 = None                          # the tied head's FP8 scaling, under --fp8-head
         self._norm_modules = {n for n, m in self.named_modules() if getattr(m, "is_norm", False)}  # ctx.norm()'s
         self.recompute_groups = full_recompute_groups(cfg, len(layer_ids))
         self.activation_offload = None                # --cpu-offloading: the first offloaded_layers layers
@@ -271,10 +276,43 @@ class GPT(nn.Module):
         waits there for the head's all-gather)."""
         if self.tied:
             logits = column_parallel_linear(h, self.embedding.word_embeddings.weight, None, self.tp_group,
-                                            sequence_parallel=self.sequence_parallel)
+                                            sequence_parallel=self.sequence_parallel, fp8=self.head_fp8)
         else:
             logits = self.output_layer(h)
         return mask_padded_vocab(logits, self.cfg.vocab_size, self.ctx.tp_rank * logits.shape[-1], inplace=True)
+
+    def fp8_layers(self, head: bool = False) -> list[FP8Layer]:
+        """The linear layers this chunk could run in FP8 (:func:`megazero.parallel.fp8.enable`): every
+        column- and row-parallel layer of the transformer layers and each expert's two, the output layer
+        only with ``head`` (``--fp8-head``). Replicated key/value heads (fewer groups than tp ranks) are
+        declared unsuitable: each rank's weight gradient there is a partial sum, which FP8 would round
+        before the sum, unlike the serial run. The router stays in fp32."""
+        ctx = self.ctx
+        tokens = (ctx.cp.group,) if ctx.cp is not None else ()
+        out = []
+        for name, module in self.named_modules():
+            if name == "output_layer" and not head:
+                continue
+            if isinstance(module, ColumnParallelLinear):
+                out.append(FP8Layer(name, module, module.in_features, module.weight.shape[0],
+                                    Splits.of(out_features=(ctx.tp_group,), tokens=tokens)))
+            elif isinstance(module, RowParallelLinear):
+                out.append(FP8Layer(name, module, module.weight.shape[1], module.out_features,
+                                    Splits.of(in_features=(ctx.tp_group,), tokens=tokens)))
+            elif isinstance(module, ReplicatedLinear):
+                out.append(FP8Layer(name, module, 0, 0, Splits(), unsuitable="replicated key/value heads "
+                                    "(fewer key/value groups than tp ranks): partial weight gradients"))
+            elif isinstance(module, ExpertMLP):
+                routed = tokens + ((ctx.tp_group,) if ctx.sp else ())     # each tp rank routes its own slice
+                for fc in ("fc1", "fc2"):
+                    w = getattr(module, fc).weight
+                    out.append(FP8Layer(f"{name}.{fc}", getattr(module, fc), w.shape[1], w.shape[0],
+                                        Splits.of(tokens=routed), expert=True))
+        if head and self.post_process and self.tied:
+            w = self.embedding.word_embeddings.weight
+            out.append(FP8Layer("output_layer (tied to embedding.word_embeddings)", self, w.shape[1], w.shape[0],
+                                Splits.of(out_features=(ctx.tp_group,), tokens=tokens), attr="head_fp8"))
+        return out
 
     def _train_layers(self, h: torch.Tensor) -> torch.Tensor:
         """The layers' forward when autograd records: full recompute by groups (``--recompute-method``,

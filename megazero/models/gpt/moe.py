@@ -67,6 +67,7 @@ from torch import nn
 from megazero.config import JobConfig
 from megazero.parallel import counted_comm
 from megazero.parallel.context_layout import gathered_order
+from megazero.parallel.fp8 import linear
 from megazero.parallel.pipeline.generators import stage_shape
 from megazero.parallel.pipeline.partition import stage_layer_ids
 from megazero.parallel.raw_comm import all_gather_dim0
@@ -112,22 +113,26 @@ class ExpertMLP(nn.Module):
         self.fc2 = nn.Module()
         self.fc2.weight = new_parameter((h, f), **kw)
         self.fc2.bias = new_parameter((h,), zeros=True, **kw) if cfg.add_bias_linear else None
+        self.fc1.fp8 = self.fc2.fp8 = None          # megazero.parallel.fp8.enable sets them under FP8
         for p in self.parameters():
             p.expert_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """fc2(act(fc1(x))); under ``--recompute-modules moe_act`` the activation's output is freed once
         fc2 has saved it and recomputed before fc2's backward (:func:`free_until_backward`)."""
-        w, b = self.fc1.weight, self.fc1.bias
-        if self.swiglu:
+        w, b, fp8 = self.fc1.weight, self.fc1.bias, self.fc1.fp8
+        if self.swiglu and fp8 is not None:         # one FP8 product, one scale for gate and up
+            both = linear(x, w, b, fp8)
+            inner = (both[..., 0::2], both[..., 1::2])
+        elif self.swiglu:
             inner = (F.linear(x, w[0::2], b[0::2] if b is not None else None),
                      F.linear(x, w[1::2], b[1::2] if b is not None else None))
         else:
-            inner = (F.linear(x, w, b),)
+            inner = (linear(x, w, b, fp8),)
         if not self.ctx.recomputes("moe_act"):
-            return F.linear(self._act(*inner), self.fc2.weight, self.fc2.bias)
+            return linear(self._act(*inner), self.fc2.weight, self.fc2.bias, self.fc2.fp8)
         y = checkpointed(self._act, None, *inner) if self.swiglu else self._act(*inner)
-        out = F.linear(y, self.fc2.weight, self.fc2.bias)
+        out = linear(y, self.fc2.weight, self.fc2.bias, self.fc2.fp8)
         free_until_backward(y, out, lambda: self._act(*inner))
         return out
 
@@ -142,9 +147,15 @@ class LocalExperts(nn.ModuleDict):
     def __init__(self, ctx, first: int, count: int):
         super().__init__({str(e): ExpertMLP(ctx) for e in range(first, first + count)})
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: list[int], by_source: list[list[int]] | None = None) -> torch.Tensor:
+        """``by_source`` (FP8 under expert parallelism): ``by_source[j]`` the j-th expert's rows from each ep
+        rank, in rank order. Each expert then runs on each rank's rows apart, so that its FP8 scales are
+        those of one micro-batch's tokens, as in the serial run (megazero.parallel.fp8)."""
         pieces = torch.split(x, counts)
-        return torch.cat([expert(piece) for expert, piece in zip(self.values(), pieces)])
+        if by_source is None:
+            return torch.cat([expert(piece) for expert, piece in zip(self.values(), pieces)])
+        return torch.cat([expert(part) for expert, piece, sources in zip(self.values(), pieces, by_source)
+                          for part in torch.split(piece, sources)])
 
 
 class _AllToAll(torch.autograd.Function):
@@ -289,7 +300,8 @@ class MoELayer(nn.Module):
         arrived = _AllToAll.apply(rows, send, recv, self.ep_group, self.ctx.comm_log)
         local_ids = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep), received.reshape(-1))
         by_expert = torch.argsort(local_ids, stable=True)
-        done = self.experts(arrived[by_expert], received.sum(0).tolist())
+        by_source = received.t().tolist() if next(iter(self.experts.values())).fc1.fp8 is not None else None
+        done = self.experts(arrived[by_expert], received.sum(0).tolist(), by_source)
         back = done[torch.argsort(by_expert)]
         return _AllToAll.apply(back, recv, send, self.ep_group, self.ctx.comm_log)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero.config import JobConfig, ParallelConfig, TrainConfig
+from megazero.config import FP8Config, JobConfig, ParallelConfig, TrainConfig
 from megazero.kernels import use_apex_norms
 from megazero.models.gpt import hf_gpt2, hf_llama
 from megazero.models.gpt.config import GPTConfig
@@ -180,11 +180,11 @@ GPT_SPEC = register_model_spec(ModelSpec(
     flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
     hooks=StepHooks(before_step=set_aux_loss_scale, metrics=moe_metrics, describe_metrics=describe_moe_metrics),
     hf=HF, activation_bytes=GPTActivations(), compile_regions=compile_regions, recomputed_share=recomputed_share,
-    context_parallel=True, is_expert=is_expert_parameter))
+    context_parallel=True, is_expert=is_expert_parameter, fp8_layers=lambda chunk, head: chunk.fp8_layers(head)))
 
 
 def build_model_chunks(model_cfg: GPTConfig, parallel_cfg: ParallelConfig, topo, seed: int = 1234,
-                       dtype: torch.dtype = torch.float32, device=None) -> list[GPT]:
+                       dtype: torch.dtype = torch.float32, device=None, fp8: FP8Config | None = None) -> list[GPT]:
     """The ``v`` GPT chunks this rank runs (``v = parallel_cfg.virtual_stages``, 1 unless interleaved),
     built for the placements of :func:`megazero.parallel.pipeline.partition.placements`: the GPT spec's
     :func:`megazero.spec.build_model_chunks` with the configs given apart (tests and benchmarks).
@@ -192,7 +192,8 @@ def build_model_chunks(model_cfg: GPTConfig, parallel_cfg: ParallelConfig, topo,
     Each chunk holds only its layers; parameter names are the full model's (``layers.5.mlp...``), so
     checkpoints and comparisons do not depend on the layout. ``parallel_cfg`` should have been through
     :func:`megazero.config.validate` (it derives ``virtual_stages``). ``device="meta"`` allocates
-    nothing (the ZeRO engine then materialises each parameter where it lives).
+    nothing (the ZeRO engine then materialises each parameter where it lives). ``fp8``: the FP8 section
+    (validated), under which the declared linears run in FP8.
     """
-    job = JobConfig(model=model_cfg, parallel=parallel_cfg, train=TrainConfig(seed=seed))
+    job = JobConfig(model=model_cfg, parallel=parallel_cfg, train=TrainConfig(seed=seed), fp8=fp8 or FP8Config())
     return build_spec_chunks(GPT_SPEC, job, topo, dtype=dtype, device=device)

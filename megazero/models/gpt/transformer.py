@@ -34,6 +34,7 @@ from megazero.models.gpt.rotary import RotaryEmbedding
 from megazero.parallel.context import context_parallel_attention, grouped_key_values
 from megazero.parallel.context_layout import rank_positions
 from megazero.parallel.counted_comm import CommLog
+from megazero.parallel.fp8 import linear
 from megazero.parallel.groups import ModelParallelGroups
 from megazero.parallel.raw_comm import group_rank, group_size
 from megazero.parallel.tensor import (
@@ -404,11 +405,11 @@ class GroupedQueryAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         ctx = self.ctx
         x = gather_from_sequence_parallel_region(x, ctx.tp_group) if ctx.sp else copy_to_tp_region(x, ctx.tp_group)
-        q = F.linear(x, self.query.weight, self.query.bias)
+        q = linear(x, self.query.weight, self.query.bias, self.query.fp8)
         kv_weight, kv_bias = self.key_value.weight, self.key_value.bias
         if self.kv_replicated:                        # this rank's group only
             kv_weight, kv_bias = kv_weight[self.kv_rows], kv_bias[self.kv_rows] if kv_bias is not None else None
-        kv = F.linear(x, kv_weight, kv_bias)
+        kv = linear(x, kv_weight, kv_bias, getattr(self.key_value, "fp8", None))   # replicated: never FP8
         s, b = q.shape[:2]
         q = q.view(s, b, self.heads_local, self.head_dim)
         kv = kv.view(s, b, self.groups_local, 2, self.head_dim)
@@ -444,8 +445,12 @@ class MLP(nn.Module):
             return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate=self.approximate))
         ctx, w, b = self.ctx, self.dense_h_to_4h.weight, self.dense_h_to_4h.bias
         x = gather_from_sequence_parallel_region(x, ctx.tp_group) if ctx.sp else copy_to_tp_region(x, ctx.tp_group)
-        gate = F.linear(x, w[0::2], b[0::2] if b is not None else None)
-        up = F.linear(x, w[1::2], b[1::2] if b is not None else None)
+        if self.dense_h_to_4h.fp8 is not None:           # one FP8 product, one scale for gate and up
+            both = linear(x, w, b, self.dense_h_to_4h.fp8)
+            gate, up = both[..., 0::2], both[..., 1::2]
+        else:
+            gate = F.linear(x, w[0::2], b[0::2] if b is not None else None)
+            up = F.linear(x, w[1::2], b[1::2] if b is not None else None)
         return self.dense_4h_to_h(F.silu(gate) * up)
 
 
