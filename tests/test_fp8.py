@@ -6,9 +6,24 @@ rounding (see DRIFT) for the tensorwise, rowwise and delayed recipes."""
 import pytest
 import torch
 from helpers import run_on_ranks
-from helpers.gpt_parity import GPT_CFG, GPT_OPT, LLAMA_KW, MB_SIZE, MICRO, SEED, gpt_batches
+from helpers.gpt_parity import (
+    GPT_CFG,
+    GPT_OPT,
+    LLAMA_KW,
+    MB_SIZE,
+    MICRO,
+    SEED,
+    gpt_batches,
+)
 
-from megazero.config import FP8Config, JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.config import (
+    FP8Config,
+    JobConfig,
+    ParallelConfig,
+    TrainConfig,
+    ZeroConfig,
+    validate,
+)
 from megazero.errors import ConfigError
 from megazero.models.gpt import GPT, GPTConfig, build_model_chunks
 from megazero.parallel import fp8
@@ -131,6 +146,7 @@ def _layer_body(rank, world, recipe):
     row-parallel with sequence parallelism (K split), and a linear whose tokens are split (cp). Returns
     the largest relative differences from the whole layer's results, agreed and not agreed."""
     import torch.distributed as dist
+
     from megazero.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
     group, r = dist.group.WORLD, rank

@@ -99,7 +99,7 @@ class Recipe:
     margin: int
 
     @classmethod
-    def from_config(cls, cfg: FP8Config) -> "Recipe":
+    def from_config(cls, cfg: FP8Config) -> Recipe:
         e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
         return cls(e4m3, e5m2 if cfg.fp8_format == "hybrid" else e4m3, cfg.recipe == "rowwise",
                    cfg.recipe == "delayed", cfg.history_len, cfg.amax_compute_algo == "max", cfg.fp8_margin)
@@ -116,7 +116,7 @@ class Splits:
     tokens: tuple = ()
 
     @classmethod
-    def of(cls, in_features=(), out_features=(), tokens=()) -> "Splits":
+    def of(cls, in_features=(), out_features=(), tokens=()) -> Splits:
         def real(groups):
             return tuple(g for g in groups if g is not None and group_size(g) > 1)
         return cls(real(in_features), real(out_features), real(tokens))

@@ -16,7 +16,7 @@ import torch
 class LayerKVCache:
     """One layer's keys and values: ``append`` writes new ones at the cache's length and returns all."""
 
-    def __init__(self, owner: "KVCache"):
+    def __init__(self, owner: KVCache):
         self.owner = owner
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
