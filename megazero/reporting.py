@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megazero.config import JobConfig
 from megazero.lr_schedule import decoupled_learning_rate, learning_rate
 from megazero.metrics import MetricsLog, duration, peak_memory_bytes, timestamp
+from megazero.parallel import fp8
 from megazero.parallel.params import attribute, counts_once
 from megazero.parallel.pipeline import get_schedule
 from megazero.parallel.pipeline.zero_bubble import theory
@@ -47,7 +48,8 @@ def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
             f"micro-batches x dp {par.dp} = global batch {job.train.largest_global_batch}{_stepped(job.train)}\n"
             f" model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, seq "
             f"{m.seq_length}, vocab {m.vocab_size} (padded {m.padded_vocab_size(par.tp)}){spec.describe(m)} | "
-            f"{n:,} parameters" + (predicted_pipeline(job) if topo.rank == 0 else ""))
+            f"{n:,} parameters" + fp8.describe(job.fp8, chunks, job.precision.dtype_name)
+            + (predicted_pipeline(job) if topo.rank == 0 else ""))
 
 
 def predicted_pipeline(job: JobConfig) -> str:

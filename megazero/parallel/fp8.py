@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megazero.config import FP8Config
+from megazero.config import FLAG, FP8Config
 from megazero.parallel.raw_comm import all_reduce, group_size
 
 X, W, G = 0, 1, 2                     # the operands whose amaxes a linear records: input, weight, output gradient
@@ -308,6 +308,27 @@ def enable(chunk, layers: list[FP8Layer], cfg: FP8Config) -> Enabled:
         done.linears[layer.name] = state
     chunk._fp8 = done
     return done
+
+
+def describe(cfg: FP8Config, chunks, dtype_name: str) -> str:
+    """The start line's FP8 part (empty without FP8): the format and recipe, how many linears of these chunks
+    run in FP8, and which stay in ``dtype_name`` and why. Example::
+
+        fp8: hybrid (e4m3 forward, e5m2 gradients), delayed scaling (history 1024, max) on 32 linear layers
+        of this rank's chunks; in bf16: the output layer (--fp8-head), layers.0.attention.key_value (...)"""
+    if not cfg.enabled:
+        return ""
+    fmt = "hybrid (e4m3 forward, e5m2 gradients)" if cfg.fp8_format == "hybrid" else "e4m3"
+    how = (f"delayed scaling (history {cfg.history_len}, {cfg.amax_compute_algo})" if cfg.recipe == "delayed"
+           else f"{cfg.recipe} scaling")
+    margin = f", margin {cfg.fp8_margin}" if cfg.fp8_margin else ""
+    done = enabled_on(chunks)
+    count = sum(len(e.linears) for e in done)
+    left = [f"{name} ({why})" for e in done for name, why in e.left_out.items()]
+    if not cfg.fp8_head and any(getattr(c, "post_process", False) for c in chunks):
+        left.insert(0, f"the output layer ({FLAG.fp8_head} to include it)")
+    kept = f"; in {dtype_name}: " + ", ".join(left) if left else ""
+    return f"\n fp8: {fmt}, {how}{margin} on {count} linear layers of this rank's chunks{kept}"
 
 
 def enabled_on(chunks) -> list[Enabled]:
