@@ -13,11 +13,13 @@ multiple of 16, so every one of them runs in FP8 (the output layer stays in bf16
     fp8-rowwise     --bf16 --fp8-format hybrid --fp8-recipe rowwise
     fp8-delayed     --bf16 --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16
                     --fp8-amax-compute-algo max
+    bf16-seed1235   --bf16 --seed 1235 (a control: bf16 from another initialisation, not counted)
 
 :data:`CURVES` trains :attr:`CurveShape.iters` iterations and evaluates every
 :attr:`CurveShape.eval_interval` and at the end (``--eval-iters`` batches of the held-out documents);
 the curves are the ``valid_loss`` records of each run's ``--metrics-file``. Target (acceptance of the
-FP8 work): each recipe's final validation loss within :data:`TARGET` (relative) of bf16's.
+FP8 work): each recipe's final validation loss within :data:`TARGET` (relative) of bf16's; the control's
+distance from bf16 says how much of a difference the seed alone makes at this length.
 On a CPU the FP8 products are computed exactly as on a GPU up to fp32 summation order (see
 ``megazero.parallel.fp8``), so the curves are the FP8 arithmetic's; the step times are not a GPU's.
 """
@@ -41,7 +43,9 @@ VARIANTS = {
     "fp8-tensorwise": [*FP8, "--fp8-recipe", "tensorwise"],
     "fp8-rowwise": [*FP8, "--fp8-recipe", "rowwise"],
     "fp8-delayed": [*FP8, "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"],
+    "bf16-seed1235": ["--bf16", "--seed", "1235"],
 }
+CONTROL = "bf16-seed1235"   # bf16 from another seed: how far a run moves without FP8 (shown, not counted)
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
          "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 
@@ -134,10 +138,12 @@ def _row(shape: CurveShape, name: str, r: dict, base: dict, met: list) -> list[s
     if "unavailable" in r:
         return [shape.name, name] + ["-"] * 6 + [r["unavailable"]]
     rel, ok = compare(r, base)
-    if name != BASE and ok is not None:
+    if name not in (BASE, CONTROL) and ok is not None:
         met.append((shape.name, name, ok))
     curve = " ".join(f"{r['curve'][i]:.3f}" for i in sorted(r["curve"]))
     verdict = "-" if name == BASE or ok is None else ("met" if ok else "**MISSED**")
+    if name == CONTROL and ok is not None:
+        verdict = f"(control: {'within' if ok else 'beyond'})"
     return [shape.name, name, f"{final_loss(r):.4f}", "-" if name == BASE or rel is None else f"{100 * rel:+.2f}%",
             verdict, f"{r['train_loss']:.4f}" if r["train_loss"] is not None else "-",
             f"{r['step_ms']:.0f}" if r["step_ms"] is not None else "-", f"{r['wall_s']:.0f}", curve]
@@ -163,7 +169,9 @@ def fp8_section(results: list, plot: dict) -> list[str]:
            "the curve is its `--metrics-file` `valid_loss` records. vs bf16: the final validation loss over "
            "bf16's, minus 1. ms/iter: the median `step_time_s` (CPU; FP8's casts and amaxes cost more than its "
            "products save here, where the products are fp32 ones over the widened FP8 values). Every transformer "
-           "linear runs in FP8 (all local dimensions are multiples of 16); the output layer stays bf16.", ""]
+           "linear runs in FP8 (all local dimensions are multiples of 16); the output layer stays bf16. "
+           f"`{CONTROL}` is bf16 from another seed (initialisation), not counted: its distance from `bf16` is what "
+           "the seed alone moves the final loss at this length, the noise floor to read the FP8 rows against.", ""]
     out += table("| shape | variant | final valid loss | vs bf16 | within 1.5% | final train loss | ms/iter | wall s "
                  f"| valid loss at iterations {', '.join(map(str, evals))} |", rows)
     if "curves" in plot:
@@ -200,5 +208,5 @@ def fp8_plot(results: list, outdir: str, filename: str = "bench_fp8_curves.png")
     return {"curves": os.path.relpath(path, outdir).replace(os.sep, "/")}
 
 
-__all__ = ["CURVES", "QUICK_CURVES", "VARIANTS", "TARGET", "CurveShape", "run_one", "run_fp8", "final_loss",
+__all__ = ["CURVES", "QUICK_CURVES", "VARIANTS", "CONTROL", "TARGET", "CurveShape", "run_one", "run_fp8", "final_loss",
            "compare", "fp8_section", "fp8_plot"]

@@ -401,11 +401,11 @@ def test_a_failed_runs_reason_is_its_error_line_not_torchruns_rule():
 
 
 def test_fp8_section_sets_each_recipe_against_bf16():
-    from bench.rows_fp8 import BASE, QUICK_CURVES, TARGET, VARIANTS, compare, fp8_section
+    from bench.rows_fp8 import BASE, CONTROL, QUICK_CURVES, TARGET, VARIANTS, compare, fp8_section
 
     shape = QUICK_CURVES[0]
     finals = {BASE: 4.0, "fp8-tensorwise": 4.0 * (1 + TARGET / 2), "fp8-rowwise": 4.0 * (1 - TARGET / 3),
-              "fp8-delayed": 4.0 * (1 + 2 * TARGET)}
+              "fp8-delayed": 4.0 * (1 + 2 * TARGET), CONTROL: 4.0 * (1 - 2 * TARGET)}
     res = {name: {"curve": {3: 5.0, 6: final}, "train_loss": final, "step_ms": 10.0, "wall_s": 1.0}
            for name, final in finals.items()}
     assert set(res) == set(VARIANTS)
@@ -416,6 +416,8 @@ def test_fp8_section_sets_each_recipe_against_bf16():
     row = next(line for line in text.splitlines() if line.startswith("| gpt2 | fp8-tensorwise |"))
     assert "+0.75%" in row and "| met |" in row and "5.000 4.030" in row, row
     assert "![FP8 validation curves](bench/results/x.png)" in text
+    control = next(line for line in text.splitlines() if line.startswith(f"| gpt2 | {CONTROL} |"))
+    assert "-3.00%" in control and "(control: beyond)" in control, control
 
 
 @pytest.mark.slow
