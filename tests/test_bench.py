@@ -398,3 +398,37 @@ def test_a_failed_runs_reason_is_its_error_line_not_torchruns_rule():
     assert failure_line(torchrun_report.replace("=" * 40, "torch.distributed.elastic.multiprocessing.errors."
                                                           "ChildFailedError:\n" + "=" * 40, 1)) == \
         "[rank1]: RuntimeError: Connection closed by peer"
+
+
+def test_fp8_section_sets_each_recipe_against_bf16():
+    from bench.rows_fp8 import BASE, CONTROL, QUICK_CURVES, TARGET, VARIANTS, compare, fp8_section
+
+    shape = QUICK_CURVES[0]
+    finals = {BASE: 4.0, "fp8-tensorwise": 4.0 * (1 + TARGET / 2), "fp8-rowwise": 4.0 * (1 - TARGET / 3),
+              "fp8-delayed": 4.0 * (1 + 2 * TARGET), CONTROL: 4.0 * (1 - 2 * TARGET)}
+    res = {name: {"curve": {3: 5.0, 6: final}, "train_loss": final, "step_ms": 10.0, "wall_s": 1.0}
+           for name, final in finals.items()}
+    assert set(res) == set(VARIANTS)
+    rel, ok = compare(res["fp8-delayed"], res[BASE])
+    assert rel == pytest.approx(2 * TARGET) and not ok
+    text = "\n".join(fp8_section([(shape, res)], {"curves": "bench/results/x.png"}))
+    assert "**Met on 2 of 3 runs** (missed: gpt2 fp8-delayed)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| gpt2 | fp8-tensorwise |"))
+    assert "+0.75%" in row and "| met |" in row and "5.000 4.030" in row, row
+    assert "![FP8 validation curves](bench/results/x.png)" in text
+    control = next(line for line in text.splitlines() if line.startswith(f"| gpt2 | {CONTROL} |"))
+    assert "-3.00%" in control and "(control: beyond)" in control, control
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fp8_section_quick_runs_the_trainer_at_bf16_and_each_recipe():
+    from bench.rows_fp8 import QUICK_CURVES, VARIANTS, final_loss, run_fp8
+
+    [(shape, res)] = run_fp8(QUICK_CURVES[:1], log=lambda msg: None)
+    assert set(res) == set(VARIANTS)
+    for name, r in res.items():
+        assert "unavailable" not in r, (name, r)
+        assert sorted(r["curve"]) == list(range(shape.eval_interval, shape.iters + 1, shape.eval_interval)), name
+    base = final_loss(res["bf16"])
+    assert all(abs(final_loss(r) / base - 1) < 0.01 for r in res.values())    # 6 iterations: FP8 barely moves it
