@@ -336,10 +336,17 @@ def finish_step(chunks, tp_group, dense_group, expert_group, device) -> None:
             s.current = None
 
 
-def history_state(chunks) -> dict[str, torch.Tensor]:
+def history_state(chunks, expert: bool | None = None) -> dict[str, torch.Tensor]:
     """The delayed recipe's amax histories by linear name ([3, history]; agreed, so the same on every rank
-    holding the layer): what a checkpoint keeps to resume the scales."""
-    return {name: s.history for e in enabled_on(chunks) for name, s in e.linears.items() if s.history is not None}
+    holding the layer): what a checkpoint keeps to resume the scales. ``expert``: only the experts' (True)
+    or only the dense layers' (False) linears."""
+    return {name: s.history for e in enabled_on(chunks) for name, s in e.linears.items()
+            if s.history is not None and expert in (None, s.expert)}
+
+
+def delayed_linears(chunks) -> list[str]:
+    """The names of the linears of ``chunks`` that scale from amax histories (the delayed recipe)."""
+    return [name for e in enabled_on(chunks) for name, s in e.linears.items() if s.recipe.delayed]
 
 
 def load_history_state(chunks, state: dict[str, torch.Tensor], device) -> None:
