@@ -421,7 +421,7 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
             raise CheckpointError(f"{directory} holds weights only (no optimizer state): load it with "
                                   f"{FLAG.finetune} (weights only, iteration 0)")
         owned = _read_rank(reader, chunks, engine, topo, job, weights_only or not load_optim)
-        no_history = None if weights_only else _read_fp8_histories(reader, chunks, topo.device)
+        no_history = None if weights_only else _read_fp8_histories(reader, chunks, topo)
         if stats is not None:
             stats.update(bytes_read=reader.bytes_read, bytes_owned=owned)
     except Exception as e:  # noqa: BLE001 - raised on every rank, the failing rank's message, by the next line
@@ -443,14 +443,15 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
     return TrainState(**reader.index["train_state"])
 
 
-def _read_fp8_histories(reader: CheckpointReader, chunks, device) -> list[str]:
+def _read_fp8_histories(reader: CheckpointReader, chunks, topo) -> list[str]:
     """Put the checkpoint's amax histories into this rank's linears that scale from them (FP8 delayed
-    recipe; another history length is cut or padded); returns the names of those the checkpoint has none
-    for (they start as in a fresh run: the first step scales from the current values)."""
+    recipe; another history length is cut or padded, another dp rescales the output-gradient row);
+    returns the names of those the checkpoint has none for (they start as in a fresh run: the first step
+    scales from the current values)."""
     names = fp8.delayed_linears(chunks) if chunks else []
     found = {name: reader.read_full(fmt.tensor_key(fmt.FP8_HISTORY, name), torch.float32) for name in names
              if reader.has(fmt.tensor_key(fmt.FP8_HISTORY, name))}
-    fp8.load_history_state(chunks, found, device)
+    fp8.load_history_state(chunks, found, topo.device, reader.index["layout"]["dp"], topo.dp_size)
     return [name for name in names if name not in found]
 
 

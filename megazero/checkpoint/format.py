@@ -15,6 +15,7 @@ weights and are not stored twice). Optimizer state has its parameter's shape and
 ``fp8.amax_history/<linear name>`` ([3, history], fp32): under ``--fp8-recipe delayed``, the amax history
 of one FP8 linear (input, weight, output gradient; :mod:`megazero.parallel.fp8`), the same on every rank
 holding the layer, so one of them writes it whole; a run that does not scale from histories ignores it.
+Its output-gradient row is in the saving run's units (dp times the serial run's), rescaled at load.
 
 Each rank writes what it owns, in parallel: for every ZeRO bucket, its data-parallel shard of the
 elements (weights too, so replicated weights are written once, split over the dp ranks), of the

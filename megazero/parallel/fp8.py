@@ -39,7 +39,10 @@ most recent), so a step's products need no collective: every linear records its 
 dp x cp, or the expert-data-parallel group for experts; Transformer Engine's amax reduction group) and
 pushes them into the histories. The first step, with no history, scales as ``tensorwise`` does. At dp
 2 a step's amax is the max over both ranks' micro-batches, what the serial run over all of them
-records, so delayed scaling equals the serial run under any layout too.
+records, so delayed scaling equals the serial run under any layout too. One unit differs: each rank
+back-propagates its micro-batches' losses divided by its own micro-batch count (dp averages later), so
+an output gradient's amax at dp d is d times the serial run's, as is its scale's inverse: the FP8 values
+are the same, and a history saved at one dp is rescaled when loaded at another (:func:`load_history_state`).
 
 What comes from torchao (the ``fp8`` extra): its scale from an amax (``amax_to_scale``, in float64 as
 its compiled and eager paths agree), its saturating cast (``to_fp8_saturated``) and its ``_scaled_mm``
@@ -349,13 +352,18 @@ def delayed_linears(chunks) -> list[str]:
     return [name for e in enabled_on(chunks) for name, s in e.linears.items() if s.recipe.delayed]
 
 
-def load_history_state(chunks, state: dict[str, torch.Tensor], device) -> None:
+def load_history_state(chunks, state: dict[str, torch.Tensor], device, saved_dp: int = 1, dp: int = 1) -> None:
     """Put saved amax histories back (those of linears this rank holds; a history of another length is cut
-    or padded with zeros at its old end)."""
+    or padded with zeros at its old end). ``saved_dp``, ``dp``: the data-parallel sizes of the run that
+    saved them and of this one; the output-gradient row is rescaled by ``dp / saved_dp`` when they differ
+    (see the module docstring)."""
     for e in enabled_on(chunks):
         for name, s in e.linears.items():
             if name in state and s.recipe.delayed:
                 saved = state[name].float()
+                if dp != saved_dp:
+                    saved = saved.clone()
+                    saved[G] *= dp / saved_dp
                 keep = min(saved.shape[1], s.recipe.history_len)
                 h = torch.zeros(3, s.recipe.history_len, device=device)
                 h[:, :keep] = saved[:, :keep].to(device)
