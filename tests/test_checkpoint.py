@@ -1,5 +1,6 @@
 """Checkpoints at library level: save under one tp/pp/dp/ZeRO layout, load under others; exact resume;
-crash safety (SIGKILL during a save); corrupted files refused by name; the offline reader and tools."""
+crash safety (SIGKILL during a save); corrupted files refused by name; the offline reader and tools; FP8 delayed
+scaling's amax histories (exact resume, another layout, FP8 <-> bf16)."""
 import json
 import os
 import re
