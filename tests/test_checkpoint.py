@@ -707,3 +707,35 @@ def test_an_fp8_checkpoint_loads_into_a_run_without_fp8_and_back(tmp_path):
     assert len(unused_again) == 1
     assert CheckpointReader(tmp_path / "b" / "iter_0000003").names("fp8.amax_history") == []
     assert len(CheckpointReader(tmp_path / "c" / "iter_0000004").names("fp8.amax_history")) == 16
+
+
+def _fp16_overflow_body(rank, world_size, root):
+    """fp16 FP8 delayed at dp2 from a loss scale that overflows: the skipped steps leave the histories as
+    they were (an inf or NaN there would scale later gradients to zero or NaN), so every step's checkpoint
+    saves (finite state) and the run steps again once the scale is down."""
+    from megazero.config import FP8Config, PrecisionConfig
+    from megazero.parallel import fp8
+    from megazero.training import train_step
+
+    topo = Topology(dp=world_size)
+    job = make_job(1, 1, world_size, 1)
+    job.train.micro_batch_size = MB_SIZE
+    job.fp8 = FP8Config(**FP8_DELAYED)
+    job.precision = PrecisionConfig(fp16=True, initial_loss_scale=2.0 ** 27, hysteresis=1)
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, device="meta", dtype=torch.float16,
+                                fp8=job.fp8)
+    engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    per, skipped = GLOBAL_MB // world_size, []
+    for step in range(10):
+        skipped.append(train_step(chunks, batches(step)[rank * per:(rank + 1) * per], topo, engine, job).skipped)
+        assert all(torch.isfinite(h).all() for h in fp8.history_state(chunks).values()), step
+        save_checkpoint(root, TrainState(step + 1, (step + 1) * GLOBAL_MB * MB_SIZE), chunks=chunks, engine=engine,
+                        topo=topo, job=job)
+    return skipped
+
+
+def test_an_fp16_overflow_leaves_the_fp8_histories_finite_and_the_run_saves(tmp_path):
+    skipped = run_on_ranks(2, _fp16_overflow_body, str(tmp_path), timeout=300)[0]
+    assert skipped[0] and not skipped[-1], skipped
+    reader = CheckpointReader(tmp_path / "iter_0000010")
+    assert all(torch.isfinite(reader.read_full(f"fp8.amax_history/{n}")).all() for n in reader.names("fp8.amax_history"))

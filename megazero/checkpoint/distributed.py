@@ -192,9 +192,7 @@ def plan_save(save_dir, state, *, chunks, engine, topo, job, extra_rng: dict | N
     pieces = rank_pieces(chunks, engine, topo, job)
     if snapshot:
         pieces = _copy_to_host(pieces, buffers)
-    # an amax history may hold the inf of a step the loss scaler skipped: training state, saved as it is
-    bad = first_over_ranks(first_nonfinite([p for p in pieces if not p[0].startswith(fmt.FP8_HISTORY + "/")]),
-                           topo.device)
+    bad = first_over_ranks(first_nonfinite(pieces), topo.device)
     if bad is not None:
         latest = fmt.read_tracker(save_dir)
         kept = f"{fmt.iter_dir_name(latest)} stays the latest" if latest is not None else "none was saved before"

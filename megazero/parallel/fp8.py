@@ -333,7 +333,9 @@ def finish_step(chunks, tp_group, dense_group, expert_group, device) -> None:
     """End of a training step, delayed recipe: agree this step's amaxes of every FP8 linear of ``chunks``
     (MAX over tp, then over ``dense_group`` -- dp x cp -- or, for experts, ``expert_group``) and push
     them into the histories. Every rank holding the layers calls it (a collective); a no-op for the
-    other recipes and without FP8."""
+    other recipes and without FP8. A linear whose amaxes are not finite (an fp16 overflow, a step the
+    loss scaler skips) keeps its history as it was: a NaN or inf there would scale every later step's
+    gradients to NaN, and the run would never step again."""
     states = [s for e in enabled_on(chunks) for s in e.linears.values() if s.recipe.delayed]
     if not states:
         return
@@ -343,12 +345,18 @@ def finish_step(chunks, tp_group, dense_group, expert_group, device) -> None:
             continue
         amaxes = torch.stack([s.current if s.current is not None else torch.zeros(3, device=device)
                               for s in mine])     # a linear that saw no token this step records 0
+        amaxes = torch.nan_to_num(amaxes, nan=float("inf"))          # MAX over ranks then agrees everywhere
         amaxes = _agree(amaxes, (tp_group, expert_group if expert else dense_group))
-        for s, row in zip(mine, amaxes):
-            if s.history is None:
-                s.history = torch.zeros(3, s.recipe.history_len, device=row.device)
-            s.history = torch.cat([row.unsqueeze(1), s.history[:, :-1]], dim=1)
+        finite = torch.isfinite(amaxes).all(dim=1)
+        first = finite.tolist() if any(s.history is None for s in mine) else None
+        for i, (s, row) in enumerate(zip(mine, amaxes)):
             s.current = None
+            if s.history is None:
+                if not first[i]:
+                    continue                     # no history yet: the next step scales from current values
+                s.history = torch.zeros(3, s.recipe.history_len, device=row.device)
+            pushed = torch.cat([row.unsqueeze(1), s.history[:, :-1]], dim=1)
+            s.history = torch.where(finite[i], pushed, s.history)
 
 
 def history_state(chunks, expert: bool | None = None) -> dict[str, torch.Tensor]:
