@@ -1,5 +1,6 @@
 """Checkpoints at library level: save under one tp/pp/dp/ZeRO layout, load under others; exact resume;
-crash safety (SIGKILL during a save); corrupted files refused by name; the offline reader and tools."""
+crash safety (SIGKILL during a save); corrupted files refused by name; the offline reader and tools; FP8 delayed
+scaling's amax histories (exact resume, another layout, FP8 <-> bf16)."""
 import json
 import os
 import re
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_on_ranks
-from helpers.ckpt import GLOBAL_MB, MB_SIZE, MODEL, SEED, VOCAB, full_params, make_job, run_body, setup, train_one_step
+from helpers.ckpt import (GLOBAL_MB, MB_SIZE, MODEL, SEED, VOCAB, batches, full_params, make_job, run_body, setup,
+                          train_one_step)
 
 from megazero.checkpoint import CheckpointReader, latest_iteration, load_checkpoint, save_checkpoint
 from megazero.checkpoint.format import checkpoint_dir, recover
@@ -572,3 +574,168 @@ def test_a_failed_write_removes_its_temporary_and_keeps_the_earlier_checkpoint(t
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
     assert latest_iteration(save) == 5
     assert {p.name: p.read_bytes() for p in (save / "iter_0000005").rglob("*") if p.is_file()} == before
+
+
+# ---------------------------------------------------------------- FP8 delayed scaling's amax histories
+FP8_DELAYED = dict(fp8_format="e4m3", fp8_amax_history_len=3, fp8_amax_compute_algo="max")
+
+
+def _fp8_run(tp, fp8_on, bf16=False):
+    """Topology, job, chunks and engine of the checkpoint test GPT at ``tp`` (dp the rest, ZeRO-1), its
+    linears in FP8 with delayed scaling (``fp8_on``), bf16 parameters with fp32 masters (``bf16``)."""
+    from megazero.config import FP8Config, PrecisionConfig
+
+    topo = Topology(tp=tp)
+    job = make_job(tp, 1, topo.dp_size, 1)
+    job.train.micro_batch_size = MB_SIZE
+    job.fp8 = FP8Config(**FP8_DELAYED) if fp8_on else FP8Config()
+    job.precision = PrecisionConfig(bf16=bf16)
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, device="meta",
+                                dtype=torch.bfloat16 if bf16 else torch.float32, fp8=job.fp8)
+    return topo, job, chunks, build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+
+
+def _fp8_steps(run, first, last, save_dir=None):
+    """Steps ``first`` .. ``last - 1`` through the trainer's step (the delayed amaxes agreed at its end);
+    saves at ``last`` into ``save_dir``. Returns the losses."""
+    from megazero.training import train_step
+
+    topo, job, chunks, engine = run
+    per = GLOBAL_MB // topo.dp_size
+    losses = [train_step(chunks, batches(step)[topo.dp_rank * per:(topo.dp_rank + 1) * per], topo, engine, job).loss
+              for step in range(first, last)]
+    if save_dir:
+        save_checkpoint(save_dir, TrainState(last, last * GLOBAL_MB * MB_SIZE), chunks=chunks, engine=engine,
+                        topo=topo, job=job)
+    return losses
+
+
+def _load(run, load_dir):
+    """Load ``load_dir`` into ``run``; returns what the load said (rank 0's log lines)."""
+    import logging
+
+    topo, job, chunks, engine = run
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("megazero.checkpoint.distributed")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job)
+    finally:
+        logger.removeHandler(handler)
+    return said
+
+
+def _fp8_resume_body(rank, world_size, root):
+    """FP8 delayed at dp2: 4 straight = 2 + save + (new model, engine) load + 2, bitwise (losses, weights,
+    histories). The dp2 checkpoint loaded at tp2 (dp1) and that run's loaded back at dp2: the histories
+    arrive with the output-gradient row in the loading run's units (x dp / saved dp, see
+    megazero.parallel.fp8), and the first step after a load is the uninterrupted run's to fp32 rounding.
+    Later steps are not compared across layouts: an fp32 rounding difference flips an FP8 rounding now and
+    then, which Adam amplifies (their weights drift ~1e-4 apart with or without a checkpoint)."""
+    from megazero.parallel import fp8
+
+    straight = _fp8_run(1, True)
+    want = _fp8_steps(straight, 0, 4)
+    want_params = full_params(straight[2], straight[0], straight[3])
+    histories = fp8.history_state(straight[2])
+    first = _fp8_steps(_fp8_run(1, True), 0, 2, f"{root}/fp8")
+    resumed = _fp8_run(1, True)
+    assert _load(resumed, f"{root}/fp8") == [] and len(fp8.history_state(resumed[2])) == 16
+    assert first + _fp8_steps(resumed, 2, 4) == want, (first, want)
+    for name, value in full_params(resumed[2], resumed[0], resumed[3]).items():
+        assert torch.equal(value, want_params[name]), name
+    assert fp8.history_state(resumed[2]).keys() == histories.keys() and len(histories) == 16
+    for name, h in fp8.history_state(resumed[2]).items():
+        assert torch.equal(h, histories[name]), name
+    dp_to_dp1 = torch.tensor([[1.0], [1.0], [0.5]])
+    tp2 = _fp8_run(2, True)
+    _load(tp2, f"{root}/fp8")
+    at_two = CheckpointReader(f"{root}/fp8/iter_0000002")
+    for name, h in fp8.history_state(tp2[2]).items():
+        assert torch.equal(h, at_two.read_full(f"fp8.amax_history/{name}") * dp_to_dp1), name
+    [loss] = _fp8_steps(tp2, 2, 3, f"{root}/tp2")
+    assert abs(loss - want[2]) <= 1e-5 * abs(want[2]), (loss, want[2])
+    dp2 = _fp8_run(1, True)
+    _load(dp2, f"{root}/tp2")
+    for name, h in fp8.history_state(dp2[2]).items():
+        assert torch.equal(h * dp_to_dp1, fp8.history_state(tp2[2])[name]), name
+    [loss] = _fp8_steps(dp2, 3, 4)
+    assert abs(loss - want[3]) <= 1e-5 * abs(want[3]), (loss, want[3])
+    return True
+
+
+def _fp8_and_bf16_body(rank, world_size, root):
+    """dp2: an FP8 checkpoint loads into a bf16 run (its histories unused, said), whose checkpoint loads into
+    an FP8 run (no histories: its first step scales from the current values, said), whose checkpoint loads
+    into a bf16 run again; each trains on. (The FP8 runs keep fp32 parameters: the ISA cap the suite puts on
+    oneDNN (tests/conftest.py) leaves it no CPU kernel for torch._scaled_mm with a bf16 output.)"""
+    from megazero.parallel import fp8
+
+    _fp8_steps(_fp8_run(1, True), 0, 2, f"{root}/a")
+    plain = _fp8_run(1, False, bf16=True)
+    said = [_load(plain, f"{root}/a")]
+    losses = _fp8_steps(plain, 2, 3, f"{root}/b")
+    back = _fp8_run(1, True)
+    said.append(_load(back, f"{root}/b"))
+    assert fp8.history_state(back[2]) == {}
+    losses += _fp8_steps(back, 3, 4, f"{root}/c")
+    assert len(fp8.history_state(back[2])) == 16
+    said.append(_load(_fp8_run(1, False, bf16=True), f"{root}/c"))
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    return said
+
+
+def test_fp8_delayed_histories_resume_bitwise_and_under_another_layout(tmp_path):
+    assert run_on_ranks(2, _fp8_resume_body, str(tmp_path), timeout=300) == [True, True]
+    reader = CheckpointReader(tmp_path / "fp8" / "iter_0000002")
+    histories = reader.names("fp8.amax_history")
+    assert len(histories) == 16 and reader.shape("fp8.amax_history/layers.0.attention.qkv") == [3, 3]
+    assert all(len(reader.tensors[f"fp8.amax_history/{n}"]["shards"]) == 1 for n in histories)    # written once
+
+
+def test_an_fp8_checkpoint_loads_into_a_run_without_fp8_and_back(tmp_path):
+    said = run_on_ranks(2, _fp8_and_bf16_body, str(tmp_path), timeout=300)
+    assert said[1] == [[], [], []]
+    unused, fresh, unused_again = said[0]
+    assert unused == [f"{tmp_path}/a/iter_0000002 holds FP8 amax histories (--fp8-recipe delayed); this run does not "
+                      f"train in FP8 (no --fp8-format): they are not used"]
+    assert fresh == [f"{tmp_path}/b/iter_0000003 holds no amax history for 16 FP8 linear(s) (layers.0.attention.qkv, "
+                     f"..., rank 0): their first step scales from the current values, as in a fresh run"]
+    assert len(unused_again) == 1
+    assert CheckpointReader(tmp_path / "b" / "iter_0000003").names("fp8.amax_history") == []
+    assert len(CheckpointReader(tmp_path / "c" / "iter_0000004").names("fp8.amax_history")) == 16
+
+
+def _fp16_overflow_body(rank, world_size, root):
+    """fp16 FP8 delayed at dp2 from a loss scale that overflows: the skipped steps leave the histories as
+    they were (an inf or NaN there would scale later gradients to zero or NaN), so every step's checkpoint
+    saves (finite state) and the run steps again once the scale is down."""
+    from megazero.config import FP8Config, PrecisionConfig
+    from megazero.parallel import fp8
+    from megazero.training import train_step
+
+    topo = Topology(dp=world_size)
+    job = make_job(1, 1, world_size, 1)
+    job.train.micro_batch_size = MB_SIZE
+    job.fp8 = FP8Config(**FP8_DELAYED)
+    job.precision = PrecisionConfig(fp16=True, initial_loss_scale=2.0 ** 27, hysteresis=1)
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, device="meta", dtype=torch.float16,
+                                fp8=job.fp8)
+    engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    per, skipped = GLOBAL_MB // world_size, []
+    for step in range(10):
+        skipped.append(train_step(chunks, batches(step)[rank * per:(rank + 1) * per], topo, engine, job).skipped)
+        assert all(torch.isfinite(h).all() for h in fp8.history_state(chunks).values()), step
+        save_checkpoint(root, TrainState(step + 1, (step + 1) * GLOBAL_MB * MB_SIZE), chunks=chunks, engine=engine,
+                        topo=topo, job=job)
+    return skipped
+
+
+def test_an_fp16_overflow_leaves_the_fp8_histories_finite_and_the_run_saves(tmp_path):
+    skipped = run_on_ranks(2, _fp16_overflow_body, str(tmp_path), timeout=300)[0]
+    assert skipped[0] and not skipped[-1], skipped
+    reader = CheckpointReader(tmp_path / "iter_0000010")
+    assert all(torch.isfinite(reader.read_full(f"fp8.amax_history/{n}")).all() for n in reader.names("fp8.amax_history"))

@@ -1,7 +1,8 @@
 """End to end through pretrain_gpt.py: exact resume (20 straight = 10 + stop + 10, bitwise; ZeRO 1/2/3, pipeline,
 TP + sequence parallel, dropout), resume under another layout (tp2pp2dp2 ZeRO-1 -> tp1pp4dp2 ZeRO-2,
 tp1pp1dp1 ZeRO-3, tp2dp2 ZeRO-3: the same next losses), and a torchrun restart after a rank is killed (the
-full suite only); in process, a resume that would change the global batch or the learning-rate schedule."""
+full suite only); an FP8 delayed run's exact resume (the amax histories restored); in process, a resume that
+would change the global batch or the learning-rate schedule, and FP8 settings that are no mismatch."""
 from __future__ import annotations
 
 import json
@@ -286,3 +287,37 @@ def test_a_checkpoint_older_than_a_schedule_setting_is_not_held_to_it(saved_tp2p
     job, out, err = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--global-batch-size", "32", "--train-iters", "40",
                                        "--weight-decay", "0.1"], capsys)
     assert job.optimizer.weight_decay == 0.1 and err == ""
+
+
+def test_the_fp8_settings_are_no_mismatch_for_a_resume(saved_tp2pp2, capsys):
+    """A bf16 checkpoint resumes in FP8 and an FP8 one without: only how the products are computed differs."""
+    fp8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16"]
+    job, out, err = _resume(RESUMED + fp8 + ["--load", str(saved_tp2pp2), "--global-batch-size", "32",
+                                             "--train-iters", "40"], capsys)
+    assert job.fp8.enabled and out == "" and err == ""
+    index = saved_tp2pp2 / fmt.iter_dir_name(40) / fmt.INDEX
+    saved = json.loads(index.read_text())
+    saved["job"]["fp8"].update(fp8_format="e4m3", fp8_recipe="delayed", fp8_amax_history_len=1024)
+    index.write_text(json.dumps(saved))
+    job, out, err = _resume(RESUMED + ["--load", str(saved_tp2pp2), "--global-batch-size", "32", "--train-iters", "40"],
+                            capsys)
+    assert not job.fp8.enabled and out == "" and err == ""
+
+
+FP8_DELAYED = ["--fp8-format", "e4m3", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max"]
+
+
+@pytest.mark.slow                  # end to end through the launcher: the full suite only
+def test_an_fp8_delayed_run_resumes_bitwise(tmp_path):
+    """Through pretrain_gpt.py at dp2, ZeRO-1: 6 straight = 3 + stop + 3 (losses, evaluation, and every tensor of
+    the last checkpoint, the amax histories included)."""
+    args = TINY + FP8_DELAYED + ["--dp", 2, "--zero-stage", 1, "--train-iters", 6, "--save-interval", 3,
+                                 "--eval-interval", 3, "--eval-iters", 1]
+    _main(2, args + ["--save", tmp_path / "a", "--metrics-file", tmp_path / "a.jsonl"])
+    resumable = args + ["--save", tmp_path / "b", "--load", tmp_path / "b", "--metrics-file", tmp_path / "b.jsonl"]
+    _main(2, resumable, stop_after=3)
+    assert latest_iteration(tmp_path / "b") == 3
+    _main(2, resumable)
+    assert _records(tmp_path / "b.jsonl") == _records(tmp_path / "a.jsonl")
+    assert len(CheckpointReader(tmp_path / "a" / "iter_0000006").names("fp8.amax_history")) == 16
+    _assert_same_checkpoints(tmp_path / "a" / "iter_0000006", tmp_path / "b" / "iter_0000006")

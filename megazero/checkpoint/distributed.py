@@ -7,6 +7,8 @@ Who writes what (``save_checkpoint``), e.g. tp2 pp2 dp2 ZeRO-3 (8 ranks)::
               of the elements -- weights, fp32 masters (bf16/fp16), Adam moments -- of the parameters
               it counts once (a tensor-parallel shard on every tp rank, a replicated one on tp rank 0,
               never a tied copy); all ranks in parallel, nothing gathered, nothing merged
+              (FP8 delayed scaling: each linear's amax history, whole, by the tp rank 0 of its data-parallel
+              rank 0 -- the history is agreed over every rank holding the layer)
     rng       every rank writes rng/rankNNNNN.json
     index     rank 0 merges the ranks' part records into index.json + manifest.json
 
@@ -40,6 +42,7 @@ from megazero.checkpoint.tensor_file import write_pieces
 from megazero.config import FLAG, ModelConfig, flag
 from megazero.errors import CheckpointError
 from megazero.lr_schedule import learning_rate
+from megazero.parallel import fp8
 from megazero.parallel.params import attribute, counts_once, split_dim
 from megazero.parallel.zero import StatePiece
 from megazero.ranks import parse_order
@@ -104,6 +107,22 @@ def rank_pieces(chunks, engine, topo, job) -> list[tuple]:
         if a < b:
             pieces += [(fmt.tensor_key(_KIND[kind], piece.name), shape, box, (a, b), view[:b - a])
                        for kind, view in piece.tensors.items()]
+    return pieces + fp8_history_pieces(chunks, topo)
+
+
+def fp8_history_pieces(chunks, topo) -> list[tuple]:
+    """The FP8 delayed recipe's amax histories this rank writes, as pieces of whole [3, history] tensors.
+    A history is agreed over every rank holding its linear (tp x dp x cp; for experts tp x expert data
+    parallel), so it is written once: by tp rank 0 of that group's data-parallel rank 0."""
+    if not chunks or topo.tp_rank != 0 or not fp8.history_state(chunks):
+        return []
+    first = {False: topo.data_context_parallel().rank == 0, True: topo.expert_data_parallel().rank == 0}
+    pieces = []
+    for expert in (False, True):
+        for name, history in (fp8.history_state(chunks, expert) if first[expert] else {}).items():
+            shape = list(history.shape)
+            pieces.append((fmt.tensor_key(fmt.FP8_HISTORY, name), shape, [[0, n] for n in shape],
+                           (0, history.numel()), history.reshape(-1)))
     return pieces
 
 
@@ -400,6 +419,7 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
             raise CheckpointError(f"{directory} holds weights only (no optimizer state): load it with "
                                   f"{FLAG.finetune} (weights only, iteration 0)")
         owned = _read_rank(reader, chunks, engine, topo, job, weights_only or not load_optim)
+        no_history = None if weights_only else _read_fp8_histories(reader, chunks, topo)
         if stats is not None:
             stats.update(bytes_read=reader.bytes_read, bytes_owned=owned)
     except Exception as e:  # noqa: BLE001 - raised on every rank, the failing rank's message, by the next line
@@ -410,6 +430,7 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
         engine.loaded(meta.get("step", 0), meta.get("loss_scaler"), weights_only or not load_optim)
     if weights_only:
         return TrainState()
+    _say_fp8_histories(reader, no_history, job, topo, directory)
     if not load_rng:
         return TrainState(**reader.index["train_state"])
     try:                                     # each rank reads its own random state: a damaged one is named
@@ -418,6 +439,34 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
         error = e
     raise_first_error(error)
     return TrainState(**reader.index["train_state"])
+
+
+def _read_fp8_histories(reader: CheckpointReader, chunks, topo) -> list[str]:
+    """Put the checkpoint's amax histories into this rank's linears that scale from them (FP8 delayed
+    recipe; another history length is cut or padded, another dp rescales the output-gradient row);
+    returns the names of those the checkpoint has none for (they start as in a fresh run: the first step
+    scales from the current values)."""
+    names = fp8.delayed_linears(chunks) if chunks else []
+    found = {name: reader.read_full(fmt.tensor_key(fmt.FP8_HISTORY, name), torch.float32) for name in names
+             if reader.has(fmt.tensor_key(fmt.FP8_HISTORY, name))}
+    fp8.load_history_state(chunks, found, topo.device, reader.index["layout"]["dp"], topo.dp_size)
+    return [name for name in names if name not in found]
+
+
+def _say_fp8_histories(reader: CheckpointReader, no_history: list[str], job, topo, directory) -> None:
+    """Rank 0 says, in one line, what of the checkpoint's FP8 amax histories this run does not use, or which
+    of its delayed-scaling linears start without one. Collective when this run scales from histories."""
+    if job.fp8.enabled and job.fp8.recipe == "delayed":
+        text = f"{len(no_history)} FP8 linear(s) ({no_history[0]}, ...)" if no_history else None
+        first = first_over_ranks(text, topo.device)
+        if first is not None and topo.rank == 0:
+            log.info("%s holds no amax history for %s: their first step scales from the current values, as in a "
+                     "fresh run", directory, first)
+    elif reader.names(fmt.FP8_HISTORY) and topo.rank == 0:
+        why = (f"scales from the current values ({FLAG.fp8_recipe} {job.fp8.recipe})" if job.fp8.enabled
+               else f"does not train in FP8 (no {FLAG.fp8_format})")
+        log.info("%s holds FP8 amax histories (%s delayed); this run %s: they are not used", directory,
+                 FLAG.fp8_recipe, why)
 
 
 def _restore_rng(reader, chunks, topo, job, extra_rng, directory) -> None:

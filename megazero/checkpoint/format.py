@@ -4,13 +4,18 @@ A checkpoint directory ``DIR/iter_0000100/`` holds::
 
     index.json                 what is in the checkpoint (see below), the run's state and config
     manifest.json              every other file's size and sha256
-    rank00003.safetensors      the pieces rank 3 owns (weights, fp32 masters, Adam moments) + checksums
+    rank00003.safetensors      the pieces rank 3 owns (weights, fp32 masters, Adam moments, FP8 amax
+                               histories) + checksums
     rng/rank00003.json         per-rank random states (Python, NumPy, torch, the TP RNG tracker)
 
 Every tensor is stored under a stable name with its *global* (layout-free) shape. Names:
 ``model/<parameter name>`` (the weights) and ``optim.<exp_avg|exp_avg_sq|master>/<parameter name>``
 (Adam moments, and fp32 master weights when the parameters are bf16/fp16; fp32 masters *are* the
 weights and are not stored twice). Optimizer state has its parameter's shape and is cut like it.
+``fp8.amax_history/<linear name>`` ([3, history], fp32): under ``--fp8-recipe delayed``, the amax history
+of one FP8 linear (input, weight, output gradient; :mod:`megazero.parallel.fp8`), the same on every rank
+holding the layer, so one of them writes it whole; a run that does not scale from histories ignores it.
+Its output-gradient row is in the saving run's units (dp times the serial run's), rescaled at load.
 
 Each rank writes what it owns, in parallel: for every ZeRO bucket, its data-parallel shard of the
 elements (weights too, so replicated weights are written once, split over the dp ranks), of the
@@ -55,6 +60,7 @@ INDEX = "index.json"
 MANIFEST = "manifest.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL, EXP_AVG, EXP_AVG_SQ, MASTER = "model", "optim.exp_avg", "optim.exp_avg_sq", "optim.master"
+FP8_HISTORY = "fp8.amax_history"
 
 
 def iter_dir_name(iteration: int) -> str:

@@ -39,7 +39,10 @@ most recent), so a step's products need no collective: every linear records its 
 dp x cp, or the expert-data-parallel group for experts; Transformer Engine's amax reduction group) and
 pushes them into the histories. The first step, with no history, scales as ``tensorwise`` does. At dp
 2 a step's amax is the max over both ranks' micro-batches, what the serial run over all of them
-records, so delayed scaling equals the serial run under any layout too.
+records, so delayed scaling equals the serial run under any layout too. One unit differs: each rank
+back-propagates its micro-batches' losses divided by its own micro-batch count (dp averages later), so
+an output gradient's amax at dp d is d times the serial run's, as is its scale's inverse: the FP8 values
+are the same, and a history saved at one dp is rescaled when loaded at another (:func:`load_history_state`).
 
 What comes from torchao (the ``fp8`` extra): its scale from an amax (``amax_to_scale``, in float64 as
 its compiled and eager paths agree), its saturating cast (``to_fp8_saturated``) and its ``_scaled_mm``
@@ -351,7 +354,9 @@ def finish_step(chunks, tp_group, dense_group, expert_group, device) -> None:
     """End of a training step, delayed recipe: agree this step's amaxes of every FP8 linear of ``chunks``
     (MAX over tp, then over ``dense_group`` -- dp x cp -- or, for experts, ``expert_group``) and push
     them into the histories. Every rank holding the layers calls it (a collective); a no-op for the
-    other recipes and without FP8."""
+    other recipes and without FP8. A linear whose amaxes are not finite (an fp16 overflow, a step the
+    loss scaler skips) keeps its history as it was: a NaN or inf there would scale every later step's
+    gradients to NaN, and the run would never step again."""
     states = [s for e in enabled_on(chunks) for s in e.linears.values() if s.recipe.delayed]
     if not states:
         return
@@ -361,27 +366,45 @@ def finish_step(chunks, tp_group, dense_group, expert_group, device) -> None:
             continue
         amaxes = torch.stack([s.current if s.current is not None else torch.zeros(3, device=device)
                               for s in mine])     # a linear that saw no token this step records 0
+        amaxes = torch.nan_to_num(amaxes, nan=float("inf"))          # MAX over ranks then agrees everywhere
         amaxes = _agree(amaxes, (tp_group, expert_group if expert else dense_group))
-        for s, row in zip(mine, amaxes):
-            if s.history is None:
-                s.history = torch.zeros(3, s.recipe.history_len, device=row.device)
-            s.history = torch.cat([row.unsqueeze(1), s.history[:, :-1]], dim=1)
+        finite = torch.isfinite(amaxes).all(dim=1)
+        first = finite.tolist() if any(s.history is None for s in mine) else None
+        for i, (s, row) in enumerate(zip(mine, amaxes)):
             s.current = None
+            if s.history is None:
+                if not first[i]:
+                    continue                     # no history yet: the next step scales from current values
+                s.history = torch.zeros(3, s.recipe.history_len, device=row.device)
+            pushed = torch.cat([row.unsqueeze(1), s.history[:, :-1]], dim=1)
+            s.history = torch.where(finite[i], pushed, s.history)
 
 
-def history_state(chunks) -> dict[str, torch.Tensor]:
+def history_state(chunks, expert: bool | None = None) -> dict[str, torch.Tensor]:
     """The delayed recipe's amax histories by linear name ([3, history]; agreed, so the same on every rank
-    holding the layer): what a checkpoint keeps to resume the scales."""
-    return {name: s.history for e in enabled_on(chunks) for name, s in e.linears.items() if s.history is not None}
+    holding the layer): what a checkpoint keeps to resume the scales. ``expert``: only the experts' (True)
+    or only the dense layers' (False) linears."""
+    return {name: s.history for e in enabled_on(chunks) for name, s in e.linears.items()
+            if s.history is not None and expert in (None, s.expert)}
 
 
-def load_history_state(chunks, state: dict[str, torch.Tensor], device) -> None:
+def delayed_linears(chunks) -> list[str]:
+    """The names of the linears of ``chunks`` that scale from amax histories (the delayed recipe)."""
+    return [name for e in enabled_on(chunks) for name, s in e.linears.items() if s.recipe.delayed]
+
+
+def load_history_state(chunks, state: dict[str, torch.Tensor], device, saved_dp: int = 1, dp: int = 1) -> None:
     """Put saved amax histories back (those of linears this rank holds; a history of another length is cut
-    or padded with zeros at its old end)."""
+    or padded with zeros at its old end). ``saved_dp``, ``dp``: the data-parallel sizes of the run that
+    saved them and of this one; the output-gradient row is rescaled by ``dp / saved_dp`` when they differ
+    (see the module docstring)."""
     for e in enabled_on(chunks):
         for name, s in e.linears.items():
             if name in state and s.recipe.delayed:
                 saved = state[name].float()
+                if dp != saved_dp:
+                    saved = saved.clone()
+                    saved[G] *= dp / saved_dp
                 keep = min(saved.shape[1], s.recipe.history_len)
                 h = torch.zeros(3, s.recipe.history_len, device=device)
                 h[:, :keep] = saved[:, :keep].to(device)
