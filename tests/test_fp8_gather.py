@@ -1,0 +1,163 @@
+"""--fp8-param-gather (megazero/parallel/zero/fp8_gather.py): ZeRO's parameter all-gathers send the FP8
+linears' weights in FP8. A dp 2 run (ZeRO-1, 2 and 3, tensorwise and delayed scaling; tp 2 x dp 2) equals
+the serial FP8 run of the same model, init and data; the bytes counted are the wire format's; the wire
+layout; the refusal next to ZeRO++'s int8 gather."""
+import pytest
+import torch
+from helpers import run_on_ranks
+from helpers.gpt_parity import GPT_CFG, GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batches
+
+from megazero.config import FP8Config, JobConfig, ParallelConfig, PrecisionConfig, TrainConfig, ZeroConfig
+from megazero.errors import ConfigError
+from megazero.models.gpt import GPTConfig, build_model_chunks
+from megazero.parallel.fp8 import LinearFP8, Recipe, Splits
+from megazero.parallel.params import split_dim
+from megazero.parallel.tensor import shard
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero import Bucket, ParamSlot, build_engine
+from megazero.parallel.zero.fp8_gather import WIRE_ALIGN, gathers_in_fp8, plan_wire
+from megazero.training import train_step
+
+STEPS = 5
+RECIPES = ("tensorwise", "delayed")
+
+
+def _fp8(recipe: str, gather: bool) -> FP8Config:
+    return FP8Config(fp8_format="e4m3", fp8_recipe=recipe, fp8_param_gather=gather)
+
+
+def _train(tp: int, stage: int, fp8: FP8Config, steps: int = STEPS, dtype=torch.float32, precision=None):
+    """Train the test GPT with ``fp8`` and ZeRO ``stage`` on the 2 * MICRO micro-batches of each step, split
+    over dp; returns (losses, {name: (tp-local exact value, split dim)}, dp bytes per step, engine)."""
+    topo = Topology(tp=tp, pp=1)
+    cfg = GPTConfig(**GPT_CFG)
+    par = ParallelConfig(tp=tp, pp=1, dp=topo.dp_size)
+    chunks = build_model_chunks(cfg, par, topo, seed=SEED, dtype=dtype, fp8=fp8)
+    job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE), fp8=fp8)
+    engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT, precision)
+    micro = 2 * MICRO // topo.dp_size
+    losses, sent = [], []
+    for batches in gpt_batches(steps, 2 * MICRO):
+        engine.comm_log.reset()
+        result = train_step(chunks, batches[topo.dp_rank * micro:(topo.dp_rank + 1) * micro], topo, engine, job)
+        losses.append(result.loss)
+        sent.append(engine.comm_log.bytes().get("dp", 0.0))
+    with engine.gathered_parameters():
+        params = {n: (p.detach().float().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
+    return topo, losses, params, sent, engine
+
+
+def _reference_body(rank, world_size, recipes):
+    return {recipe: _train(1, 0, _fp8(recipe, False))[1:3] for recipe in recipes}
+
+
+def _gathered_body(rank, world_size, tp, runs):
+    out = []
+    for stage, recipe in runs:
+        topo, losses, params, _, engine = _train(tp, stage, _fp8(recipe, True))
+        weights = [s.param for b in engine.bucket_groups[0].buckets for s in b.slots if gathers_in_fp8(s.param)]
+        used = bool(weights) and all(p.fp8_linear.weight_amax is not None for p in weights)
+        out.append((stage, recipe, topo.tp_rank, topo.tp_size, losses, params, used))
+    return out
+
+
+def _check(results, reference):
+    for stage, recipe, tp_rank, tp, losses, params, used in results:
+        assert used, f"ZeRO-{stage} {recipe}: no weight travelled in FP8"
+        ref_losses, ref_params = reference[recipe]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        assert set(params) == set(ref_params)
+        for name, (value, dim) in params.items():
+            torch.testing.assert_close(value, shard(ref_params[name], dim, tp_rank, tp), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"ZeRO-{stage} {recipe} {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The serial FP8 runs (one process, no ZeRO, the same FP8 settings without the FP8 gather)."""
+    return run_on_ranks(1, _reference_body, RECIPES)[0]
+
+
+def test_dp2_fp8_param_gather_matches_serial_fp8_run(reference):
+    """ZeRO-3 (per-unit gathers in forward and backward) and ZeRO-1 / 2 (the updated shards' gather after
+    the step), tensorwise and delayed scaling: losses over 5 steps and every parameter, fp32."""
+    runs = [(3, "tensorwise"), (3, "delayed"), (1, "tensorwise"), (2, "delayed")]
+    for rank_out in run_on_ranks(2, _gathered_body, 1, runs):
+        _check(rank_out, reference)
+
+
+@pytest.mark.slow
+def test_tp2_dp2_fp8_param_gather_matches_serial_fp8_run(reference):
+    """Each weight's amax agreed over dp and then over tp (column- and row-parallel layers)."""
+    for rank_out in run_on_ranks(4, _gathered_body, 2, [(3, "delayed"), (1, "tensorwise")], timeout=400):
+        _check(rank_out, reference)
+
+
+# --------------------------------------------------------------------------- bytes
+
+def _expected_gather_bytes(bucket, n: int) -> float:
+    """The wire format's all-gather bytes per rank for one bucket (module docstring of fp8_gather)."""
+    e = bucket.param_data.element_size()
+    spans = [(s.start, s.end) for s in bucket.slots if gathers_in_fp8(s.param)]
+    if not spans:
+        return e * bucket.numel * (n - 1) / n
+    payloads = []
+    for r in range(n):
+        lo, hi = bucket.shard_range(r)
+        fp8 = sum(max(0, min(hi, b) - max(lo, a)) for a, b in spans)
+        payloads.append(e * (hi - lo - fp8) + fp8)
+    piece = -(-max(payloads) // WIRE_ALIGN) * WIRE_ALIGN
+    return n * piece * (n - 1) / n
+
+
+def _bytes_body(rank, world_size):
+    bf16 = dict(dtype=torch.bfloat16, precision=PrecisionConfig(bf16=True), steps=2)
+    _, _, _, plain, engine = _train(1, 1, _fp8("tensorwise", False), **bf16)
+    _, _, _, fp8, engine = _train(1, 1, _fp8("tensorwise", True), **bf16)
+    buckets = engine.bucket_groups[0].buckets
+    weights = sum(s.end - s.start for b in buckets for s in b.slots if gathers_in_fp8(s.param))
+    others = sum(b.numel for b in buckets) - weights
+    expected = sum(_expected_gather_bytes(b, world_size) for b in buckets)
+    amaxes = 2 * (world_size - 1) / world_size * 4 * sum(gathers_in_fp8(s.param) for b in buckets for s in b.slots)
+    return plain, fp8, weights, others, expected, amaxes
+
+
+def test_fp8_gather_sends_half_of_bf16s_bytes():
+    """ZeRO-1, bf16, dp 2: per step the all-gather of the updated parameters sends the FP8 weights in one
+    byte instead of two (exactly the wire format's bytes, plus one fp32 amax per weight all-reduced)."""
+    for plain, fp8, weights, others, expected, amaxes in run_on_ranks(2, _bytes_body):
+        bf16_gather = 2 * (weights + others) / 2
+        for p, f in zip(plain, fp8):
+            saved = p - f
+            assert saved == pytest.approx(bf16_gather - expected - amaxes, rel=1e-12)
+            fp8_gather = bf16_gather - saved + amaxes
+            weights_part = fp8_gather - 2 * others / 2
+            assert weights_part == pytest.approx(0.5 * (2 * weights / 2), rel=0.02), \
+                "the FP8 weights' share of the all-gather is half of bf16's"
+
+
+# --------------------------------------------------------------------------- wire layout, refusal
+
+def _param(numel: int, fp8: bool):
+    p = torch.nn.Parameter(torch.zeros(numel))
+    if fp8:
+        recipe = Recipe(torch.float8_e4m3fn, torch.float8_e4m3fn, False, False, 1, False, 0, param_gather=True)
+        p.fp8_linear = LinearFP8(recipe, Splits())
+    return p
+
+
+def test_wire_layout_worked_example():
+    """The module docstring's example: fp32, dp 2, a bias of 32 then an FP8 weight of 96 elements."""
+    bucket = Bucket(0, 0, 0, 128, 64)
+    bucket.param_data = torch.zeros(128)
+    bucket.slots = [ParamSlot("b", _param(32, False), bucket, 0, 32), ParamSlot("w", _param(96, True), bucket, 32, 128)]
+    plan = plan_wire(bucket, 2)
+    assert plan.piece == 160 and plan.spans == [(32, 128)]
+    assert [(s.lo, s.hi, s.weight, s.offset) for s in plan.segments[0]] == [(0, 32, -1, 0), (32, 64, 0, 128)]
+    assert [(s.lo, s.hi, s.weight, s.offset) for s in plan.segments[1]] == [(64, 128, 0, 0)]
+    assert plan_wire(bucket, 1) is None                      # one rank: nothing travels
+
+
+def test_refused_beside_zero_quantized_weights():
+    with pytest.raises(ConfigError, match="--fp8-param-gather and --zero-quantized-weights"):
+        _fp8("delayed", True).check(3, quantized_weights=True)
