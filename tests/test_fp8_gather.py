@@ -94,10 +94,13 @@ def reference():
     return run_on_ranks(1, _reference_body, RECIPES)[0]
 
 
-def test_dp2_fp8_param_gather_matches_serial_fp8_run(reference):
+@pytest.mark.parametrize("runs", [
+    [(3, "delayed"), (1, "tensorwise")],
+    pytest.param([(3, "tensorwise"), (2, "delayed")], marks=pytest.mark.slow),
+], ids=["zero3-delayed,zero1-tensorwise", "zero3-tensorwise,zero2-delayed"])
+def test_dp2_fp8_param_gather_matches_serial_fp8_run(reference, runs):
     """ZeRO-3 (per-unit gathers in forward and backward) and ZeRO-1 / 2 (the updated shards' gather after
     the step), tensorwise and delayed scaling, fp32 parameters."""
-    runs = [(3, "tensorwise"), (3, "delayed"), (1, "tensorwise"), (2, "delayed")]
     for rank_out in run_on_ranks(2, _gathered_body, 1, runs):
         _check(rank_out, reference)
 
