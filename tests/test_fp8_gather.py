@@ -181,3 +181,20 @@ def test_wire_layout_worked_example():
 def test_refused_beside_zero_quantized_weights():
     with pytest.raises(ConfigError, match="--fp8-param-gather and --zero-quantized-weights"):
         _fp8("delayed", True).check(3, quantized_weights=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantized_weight_casts_back_to_the_same_fp8_values(dtype):
+    """The ground of the exactness: a weight cast to e4m3 with a scale, dequantized in the parameters' dtype
+    and cast again with the same scale gives the same FP8 bytes, for values across e4m3's range (subnormal,
+    normal, saturating above 448 / scale) and with a scale from a stale (delayed) amax."""
+    state = _param(1, True).fp8_linear
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4096, generator=g) * torch.logspace(-6, 0, 4096)
+    for amax in (w.abs().max(), w.abs().max() / 3):             # the second: values saturate
+        scale = state.weight_scale(amax)
+        q = state.cast(w.to(dtype), scale, torch.float8_e4m3fn)
+        back = (q.float() / scale).to(dtype)
+        again = state.cast(back, scale, torch.float8_e4m3fn)
+        assert torch.equal(again.view(torch.uint8), q.view(torch.uint8))
+        assert (q.view(torch.uint8) != 0).sum() > 1000           # not all flushed to zero
