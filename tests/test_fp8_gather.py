@@ -26,15 +26,16 @@ def _fp8(recipe: str, gather: bool) -> FP8Config:
     return FP8Config(fp8_format="e4m3", fp8_recipe=recipe, fp8_param_gather=gather)
 
 
-def _train(tp: int, stage: int, fp8: FP8Config, steps: int = STEPS, dtype=torch.float32, precision=None):
-    """Train the test GPT with ``fp8`` and ZeRO ``stage`` on the 2 * MICRO micro-batches of each step, split
-    over dp; returns (losses, {name: (tp-local exact value, split dim)}, dp bytes per step, engine)."""
+def _train(tp: int, stage: int, fp8: FP8Config, steps: int = STEPS, dtype=torch.float32, precision=None, **zero_kw):
+    """Train the test GPT with ``fp8`` and ZeRO ``stage`` (and ``zero_kw``) on the 2 * MICRO micro-batches of
+    each step, split over dp; returns (topo, losses, {name: (tp-local exact value, split dim)}, dp bytes per
+    step, engine)."""
     topo = Topology(tp=tp, pp=1)
     cfg = GPTConfig(**GPT_CFG)
     par = ParallelConfig(tp=tp, pp=1, dp=topo.dp_size)
     chunks = build_model_chunks(cfg, par, topo, seed=SEED, dtype=dtype, fp8=fp8)
     job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE), fp8=fp8)
-    engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT, precision)
+    engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, **zero_kw), GPT_OPT, precision)
     micro = 2 * MICRO // topo.dp_size
     losses, sent = [], []
     for batches in gpt_batches(steps, 2 * MICRO):
@@ -53,14 +54,14 @@ def _reference_body(rank, world_size, recipes):
             for recipe in recipes}
 
 
-def _gathered_body(rank, world_size, tp, runs):
-    out = []
+def _gathered_body(rank, world_size, tp, runs, zero_kw=None):
+    out, zero_kw = [], zero_kw or {}
     for stage, recipe in runs:
-        topo, losses, params, _, engine = _train(tp, stage, _fp8(recipe, True))
+        topo, losses, params, _, engine = _train(tp, stage, _fp8(recipe, True), **zero_kw)
         weights = [s.param for b in engine.bucket_groups[0].buckets for s in b.slots if gathers_in_fp8(s.param)]
         used = bool(weights) and all(p.fp8_linear.weight_amax is not None for p in weights)
-        _, plain_losses, plain_params, _, _ = _train(tp, stage, _fp8(recipe, False))
-        first_params = _train(tp, stage, _fp8(recipe, True), steps=1)[2]
+        _, plain_losses, plain_params, _, _ = _train(tp, stage, _fp8(recipe, False), **zero_kw)
+        first_params = _train(tp, stage, _fp8(recipe, True), steps=1, **zero_kw)[2]
         out.append((stage, recipe, topo.tp_rank, topo.tp_size, used, (losses, params), (plain_losses, plain_params),
                     first_params))
     return out
@@ -109,6 +110,14 @@ def test_dp2_fp8_param_gather_matches_serial_fp8_run(reference, runs):
 def test_tp2_dp2_fp8_param_gather_matches_serial_fp8_run(reference):
     """Each weight's amax agreed over dp and then over tp (column- and row-parallel layers)."""
     for rank_out in run_on_ranks(4, _gathered_body, 2, [(3, "delayed"), (1, "tensorwise")], timeout=400):
+        _check(rank_out, reference)
+
+
+@pytest.mark.slow
+def test_dp4_fp8_param_gather_with_hpz_matches_serial_fp8_run(reference):
+    """ZeRO++ hpZ: the forward gathers in FP8 over dp 4, the backward gathers the secondary shards (the
+    forward's dequantized values) over blocks of 2 ranks."""
+    for rank_out in run_on_ranks(4, _gathered_body, 1, [(3, "delayed")], dict(hpz_partition_size=2), timeout=400):
         _check(rank_out, reference)
 
 
