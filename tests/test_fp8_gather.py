@@ -1,7 +1,8 @@
 """--fp8-param-gather (megazero/parallel/zero/fp8_gather.py): ZeRO's parameter all-gathers send the FP8
-linears' weights in FP8. A dp 2 run (ZeRO-1, 2 and 3, tensorwise and delayed scaling; tp 2 x dp 2) equals
-the serial FP8 run of the same model, init and data; the bytes counted are the wire format's; the wire
-layout; the refusal next to ZeRO++'s int8 gather."""
+linears' weights in FP8. A dp 2 run (ZeRO-1, 2 and 3, tensorwise and delayed scaling; tp 2 x dp 2; hpZ at
+dp 4) equals the same layout without the flag bit for bit and the serial FP8 run of the same model, init
+and data; the bytes counted are the wire format's; the wire layout; the FP8 round trip of a dequantized
+weight; the refusal next to ZeRO++'s int8 gather."""
 import pytest
 import torch
 from helpers import run_on_ranks
