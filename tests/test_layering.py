@@ -48,7 +48,7 @@ PACKAGES = [
     "megazero.cli",             # the program: parse -> preflight -> plan -> build -> train
 ]
 ZERO_ORDER = ["protocol", "buckets", "grad_norm", "materialize", "swap", "adamw", "offload", "offload_params", "quantize",
-              "reducers", "replicated_params", "grad_sync", "units", "sharded_grads", "zeropp", "param_sync", "publish",
+              "fp8_gather", "reducers", "replicated_params", "grad_sync", "units", "sharded_grads", "zeropp", "param_sync", "publish",
               "optimizer", "engine"]
 # "module -> imported module": why the import cannot be at module level.
 IMPORTS_IN_FUNCTIONS: dict[str, str] = {}

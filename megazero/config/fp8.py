@@ -75,10 +75,11 @@ class FP8Config:
     def amax_compute_algo(self) -> str:
         return self.fp8_amax_compute_algo or "most_recent"
 
-    def check(self, zero_stage: int) -> None:
+    def check(self, zero_stage: int, quantized_weights: bool = False) -> None:
         """FP8 settings only with ``--fp8-format``; history settings only with the delayed recipe; the FP8
-        parameter all-gather only where ZeRO gathers parameters and the scale is one per tensor; torchao
-        (the scaling and casting code) installed."""
+        parameter all-gather only where ZeRO gathers parameters, the scale is one per tensor and ZeRO++'s
+        int8 gather (``quantized_weights``) does not take the weights; torchao (the scaling and casting
+        code) installed."""
         given = [name for name in ("fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo")
                  if getattr(self, name) is not None]
         given += [name for name in ("fp8_margin", "fp8_head", "fp8_param_gather") if getattr(self, name)]
@@ -103,6 +104,9 @@ class FP8Config:
             if self.recipe == "rowwise":
                 fail(f"{FLAG.fp8_param_gather} sends each weight in FP8 with one scale, and {FLAG.fp8_recipe} "
                      f"rowwise scales each row: use tensorwise or delayed, or drop {FLAG.fp8_param_gather}")
+            if quantized_weights:
+                fail(f"{FLAG.fp8_param_gather} and {FLAG.quantized_weights} both shrink the parameter all-gather "
+                     f"(FP8 weights, int8 blocks): pick one of them")
         if importlib.util.find_spec("torchao") is None:
             fail(f"{FLAG.fp8_format} uses torchao's FP8 scaling and casting, which is not installed: "
                  f"pip install 'megazero[fp8]' (or torchao)")

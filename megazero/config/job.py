@@ -128,7 +128,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     check_family(job)
     job.train.check(job.parallel, job.model)
     job.precision.check()
-    job.fp8.check(job.zero.zero_stage)
+    job.fp8.check(job.zero.zero_stage, job.zero.quantized_weights)
     job.zero.check(job.parallel, world_size)
     job.optimizer.check(job.train)
     job.zero.fill_defaults(job.model, job.precision, job.parallel.tp)

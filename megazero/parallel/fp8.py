@@ -100,12 +100,14 @@ class Recipe:
     history_len: int
     use_max: bool
     margin: int
+    param_gather: bool = False            # ZeRO gathers the weight in FP8 (megazero.parallel.zero.fp8_gather)
 
     @classmethod
     def from_config(cls, cfg: FP8Config) -> Recipe:
         e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
         return cls(e4m3, e5m2 if cfg.fp8_format == "hybrid" else e4m3, cfg.recipe == "rowwise",
-                   cfg.recipe == "delayed", cfg.history_len, cfg.amax_compute_algo == "max", cfg.fp8_margin)
+                   cfg.recipe == "delayed", cfg.history_len, cfg.amax_compute_algo == "max", cfg.fp8_margin,
+                   cfg.fp8_param_gather)
 
 
 @dataclass(frozen=True)
@@ -148,12 +150,18 @@ def suits_fp8(layer: FP8Layer) -> bool:
 
 class LinearFP8:
     """One FP8 linear's scaling: its recipe, its splits and, for the delayed recipe, its amax history
-    ([3, history] for input, weight and output gradient, newest first) and this step's amaxes so far."""
+    ([3, history] for input, weight and output gradient, newest first) and this step's amaxes so far.
+
+    ``weight_amax``: set by ZeRO's FP8 parameter all-gather (``--fp8-param-gather``), the amax of the
+    weight's exact values agreed over every rank holding a piece of it; the weight then holds values
+    rounded through FP8, whose own amax may differ, so this one is what the weight's scale and the
+    delayed history take. None when the weight holds its exact values."""
 
     def __init__(self, recipe: Recipe, splits: Splits, expert: bool = False):
         self.recipe, self.splits, self.expert = recipe, splits, expert
         self.history: torch.Tensor | None = None       # delayed: set by the first finish_step
         self.current: torch.Tensor | None = None       # delayed: this step's local amaxes [3]
+        self.weight_amax: torch.Tensor | None = None   # --fp8-param-gather: the exact weight's agreed amax
 
     # -- the groups each amax is agreed over (current scaling)
     def tensor_groups(self, operand: int) -> tuple:
@@ -166,20 +174,48 @@ class LinearFP8:
         row-wise recipe) agreed over ``groups``, else one for the tensor (current amax agreed over the
         operand's tensor groups, or the delayed history's). ``record``: add the amax to this step's
         (delayed recipe, in training)."""
-        amax_to_scale, to_fp8_saturated, _ = _torchao()
-        local = _amax(t, along)
+        gathered_weight = operand == W and along is None and self.weight_amax is not None
+        local = self.weight_amax if gathered_weight else _amax(t, along)
         if record and self.recipe.delayed:
             self._record(operand, local)
         if along is not None:
-            amax = _agree(local, groups)
-        elif self.recipe.delayed and self.history is not None:
-            amax = self._from_history(operand)
+            scale = self._to_scale(_agree(local, groups), dtype)
         else:
-            amax = _agree(local, self.tensor_groups(operand))
+            scale = self.tensor_scale(operand, local, dtype, agreed=gathered_weight)
+        return self.cast(t, scale, dtype), scale
+
+    def tensor_scale(self, operand: int, amax: torch.Tensor, dtype: torch.dtype, agreed: bool = True) -> torch.Tensor:
+        """The one scale of an operand: the delayed history's once there is one, else from the current
+        ``amax`` of the whole tensor (``agreed=False``: this rank's piece's, agreed here over the
+        operand's tensor groups, a collective)."""
+        if self.recipe.delayed and self.history is not None:
+            return self._to_scale(self._from_history(operand), dtype)
+        if not agreed:
+            amax = _agree(amax, self.tensor_groups(operand))
+        return self._to_scale(amax, dtype)
+
+    def weight_scale(self, agreed_amax: torch.Tensor) -> torch.Tensor:
+        """The scale the forward product casts the weight with when the weight's amax, agreed over every
+        rank holding a piece of it, is ``agreed_amax``: what ZeRO's FP8 parameter all-gather casts with,
+        so that the products re-cast the gathered values to the same FP8 values."""
+        return self.tensor_scale(W, agreed_amax, self.recipe.forward_dtype)
+
+    def weight_groups(self) -> tuple:
+        """The groups splitting the weight (its amax is agreed over them; tp for a parallel layer)."""
+        return self.tensor_groups(W)
+
+    @staticmethod
+    def cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``t * scale`` cast to the FP8 ``dtype``, saturating at its largest value."""
+        _, to_fp8_saturated, _ = _torchao()
+        return to_fp8_saturated(t.float() * scale, dtype)
+
+    def _to_scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        amax_to_scale, _, _ = _torchao()
         scale = amax_to_scale(amax, dtype)
         if self.recipe.margin:
             scale = scale / 2.0 ** self.recipe.margin
-        return to_fp8_saturated(t.float() * scale, dtype), scale
+        return scale
 
     def _record(self, operand: int, amax: torch.Tensor) -> None:
         if self.current is None:

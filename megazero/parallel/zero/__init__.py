@@ -7,6 +7,7 @@
     offload.py        ZeRO-Offload / ZeRO-Infinity: the optimizer state in host memory or swap files
     offload_params.py where stage 3's parameter shards live: the device, host memory or swap files
     quantize.py       block-wise int8 (ZeRO++)
+    fp8_gather.py     --fp8-param-gather: parameter all-gathers with the FP8 linears' weights in FP8
     reducers.py       how a sharded bucket is summed: reduce-scatter, or qgZ's quantized hierarchical one
     replicated_params.py  stages 0-2's parameter component: whole parameters, one flat buffer per chunk
     grad_sync.py      the bucket machinery every stage shares, composed with a parameter component; stages 0, 1

@@ -62,6 +62,7 @@ from megazero.parallel.zero.grad_sync import (
     BucketedGradSync,
     ReduceScatterGradSync,
 )
+from megazero.parallel.zero.fp8_gather import forget_weight_amaxes
 from megazero.parallel.zero.offload_params import build_param_shards
 from megazero.parallel.zero.optimizer import BucketAdamW
 from megazero.parallel.zero.param_sync import ShardedParams
@@ -308,6 +309,7 @@ class ZeroEngine:
         fresh fp32 masters from the loaded weights. Gathered copies of the old values (stage 3) go first."""
         for sync in self.bucket_groups:
             sync.params.release_all()
+        forget_weight_amaxes(self.bucket_groups)
         if weights_only:
             self.optimizer.refresh_masters()
             return
@@ -323,6 +325,7 @@ class ZeroEngine:
         normal exit the (possibly modified in place) values become the truth -- each rank copies its
         slice into its shard and refreshes its fp32 masters."""
         self.optimizer.wait_params()
+        self.optimizer.publish.exact()                    # stages 1-2 after an FP8 parameter all-gather
         newly = [(sync.params, sync.params.gather_all()) for sync in self.bucket_groups]
         ok = False
         try:
@@ -333,6 +336,7 @@ class ZeroEngine:
                 for sync in self.bucket_groups:
                     sync.params.write_back()
                 self.optimizer.refresh_masters()
+                forget_weight_amaxes(self.bucket_groups)
             for params, units in newly:
                 for u in units:
                     params.release(u)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from megazero.compile import in_compiled_region, parent_map
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.zero.buckets import Bucket
+from megazero.parallel.zero.fp8_gather import FP8Wire
 from megazero.parallel.zero.units import ParamSubset
 
 
@@ -55,6 +56,9 @@ class PublishPolicy:
     def wait(self) -> None:
         """Return once the parameters hold the last step's values."""
 
+    def exact(self) -> None:
+        """Return once every parameter holds its exact value (none rounded for the wire)."""
+
     def close(self) -> None:
         pass
 
@@ -76,11 +80,15 @@ class AllGatherShards(PublishPolicy):
     """ZeRO-1/2: rank r keeps fp32 masters and Adam state for shard r of every bucket, steps it and
     all-gathers the updated parameters over its bucket group's dp, in the order the forward uses the
     buckets (the last bucket holds the first layers). With ``--overlap-param-gather`` the gathers finish
-    behind the next forward (:class:`OverlappedParamGather`)."""
+    behind the next forward (:class:`OverlappedParamGather`). With ``--fp8-param-gather`` the FP8 weights
+    travel in FP8 (:mod:`.fp8_gather`): the other ranks' pieces of them hold FP8-rounded values until
+    :meth:`exact` gathers them again as they are."""
 
     def __init__(self, syncs, overlap: bool = False):
         super().__init__(syncs)
         self.overlap = OverlappedParamGather(syncs) if overlap else None
+        self.fp8 = {id(sync): FP8Wire(sync.dp, sync.comm_log) for sync in syncs}
+        self.rounded = False                  # an FP8 share left rounded pieces in the parameters
 
     @classmethod
     def from_config(cls, syncs, zero_cfg) -> "AllGatherShards":
@@ -90,10 +98,18 @@ class AllGatherShards(PublishPolicy):
         handles = {}
         for sync in self.syncs:
             mine = [r for r in ranges if r.sync is sync]
+            wire = self.fp8[id(sync)]
+            in_fp8 = [r for r in mine if wire.plan(r.bucket) is not None]
+            scales = wire.agree([(r.bucket, r.bucket.param_data[r.lo:r.hi]) for r in in_fp8]) if in_fp8 else []
+            scales = {id(r): s for r, s in zip(in_fp8, scales)}
+            self.rounded = self.rounded or bool(in_fp8)
             for r in reversed(mine):
                 shard = r.bucket.param_data[r.lo:r.hi]
-                handles[id(r.bucket)] = comm.all_gather(r.bucket.param_data, shard, sync.dp_group, sync.comm_log,
-                                                        sync.dp.tag, async_op=True)
+                if id(r) in scales:
+                    handles[id(r.bucket)] = wire.launch(r.bucket, shard, scales[id(r)])
+                else:
+                    handles[id(r.bucket)] = comm.all_gather(r.bucket.param_data, shard, sync.dp_group, sync.comm_log,
+                                                            sync.dp.tag, async_op=True)
         if self.overlap is not None:
             self.overlap.launched(handles)
             return
@@ -104,6 +120,18 @@ class AllGatherShards(PublishPolicy):
     def wait(self) -> None:
         if self.overlap is not None:
             self.overlap.wait_all()
+
+    def exact(self) -> None:
+        """After an FP8 share, all-gather the buckets holding FP8 weights again in the parameters' dtype."""
+        self.wait()
+        if not self.rounded:
+            return
+        for sync in self.syncs:
+            for b in sync.buckets:
+                if self.fp8[id(sync)].plan(b) is not None:
+                    lo, hi = sync.shard_range(b)
+                    comm.all_gather(b.param_data, b.param_data[lo:hi], sync.dp_group, sync.comm_log, sync.dp.tag)
+        self.rounded = False
 
     def before_write(self) -> None:
         self.wait()                               # a gather still writing the parameters finishes first

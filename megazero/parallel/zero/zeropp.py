@@ -41,21 +41,28 @@ import torch
 
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.zero.buckets import Bucket, nbytes
+from megazero.parallel.zero.fp8_gather import FP8Wire
 from megazero.parallel.zero.quantize import pack_rows, packed_columns, unpack_rows
 from megazero.parallel.zero.units import in_backward
 
 
 class AllGather:
     """How a unit's bucket is filled from every rank's shard: a plain all-gather over the bucket group's
-    dp (the default gathering). ``launch`` starts it, ``finish`` completes it."""
+    dp (the default gathering), with the FP8 weights in FP8 under ``--fp8-param-gather``
+    (:mod:`.fp8_gather`). ``launch`` starts it, ``finish`` completes it."""
 
     def attach(self, params) -> None:
         """``params``: the :class:`~megazero.parallel.zero.param_sync.ShardedParams` whose buckets this fills
         (its ``dp`` view, ``comm_log``, ``buckets`` and ``buffers``)."""
         self.params = params
+        self.fp8 = FP8Wire(params.dp, params.comm_log)
 
     def launch(self, bucket: Bucket, source: torch.Tensor, exact: bool):
+        """Start filling ``bucket`` from every rank's ``source`` (its shard); ``exact``: the shards' own
+        values, never rounded through FP8 (for ``gathered_parameters``)."""
         dp = self.params.dp
+        if not exact and self.fp8.plan(bucket) is not None:
+            return self.fp8.launch(bucket, source, self.fp8.agree([(bucket, source)])[0])
         return comm.all_gather(bucket.param_data, source, dp.group, self.params.comm_log, dp.tag, async_op=True)
 
     def finish(self, bucket: Bucket, pending) -> None:
