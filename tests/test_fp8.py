@@ -103,6 +103,23 @@ def test_delayed_scaling_takes_the_history_and_records_only_training():
     torch.testing.assert_close(state.history[:, 1], recorded)
 
 
+def test_an_operand_that_saw_nothing_keeps_its_scale():
+    """An expert no token chose records amax 0 for its input and output gradient: the history repeats its
+    newest entry there (a 0 would make the next scale huge and saturate every value)."""
+    cfg = FP8Config(fp8_format="e4m3", fp8_recipe="delayed", fp8_amax_history_len=2)
+    state = fp8.LinearFP8(fp8.Recipe.from_config(cfg), fp8.Splits())
+    holder = type("Chunk", (), {})()
+    holder._fp8 = fp8.Enabled({"lin": state})
+    x, w = torch.randn(16, 32), torch.randn(16, 32, requires_grad=True)
+    fp8.linear(x, w, None, state).sum().backward()
+    fp8.finish_step([holder], None, None, None, "cpu")
+    seen = state.history[:, 0].clone()
+    fp8.linear(x[:0], w, None, state).sum().backward()          # no rows this step
+    fp8.finish_step([holder], None, None, None, "cpu")
+    torch.testing.assert_close(state.history[:, 0], seen)
+    assert (state.history > 0).all()
+
+
 # --------------------------------------------------------------------------- the section's rules
 
 @pytest.mark.parametrize("kw, words", [

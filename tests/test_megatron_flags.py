@@ -66,11 +66,12 @@ def test_every_row_is_what_the_parser_does(capsys):
 
 
 def test_each_refused_flag_is_one_line_and_all_are_said_at_once(capsys):
-    _, code, _, err = _parse(["--fp8-format", "hybrid", "--num-layers", "2", "--no-save-optim",
+    _, code, _, err = _parse(["--fp8-hybrid", "--num-layers", "2", "--no-save-optim",
                               "--rampup-batch-size", "16", "16", "100", "--tensor-parallel", "2"], capsys)
     assert code == 2 and len(err) == 4, err
     assert [line.split(":")[2].strip().split()[0] for line in err] == \
-        ["--fp8-format", "--no-save-optim", "--rampup-batch-size", "unrecognized"]
+        ["--fp8-hybrid", "--no-save-optim", "--rampup-batch-size", "unrecognized"]
+    assert err[0].endswith("--fp8-hybrid: Megatron-LM's older spelling: use --fp8-format hybrid")
     assert "did you mean --tensor-model-parallel-size" in err[3]
 
 
@@ -278,8 +279,6 @@ LLAMA3_8B = """
 --profile-step-start {profile_start} --profile-step-end {profile_end} --ckpt-format torch_dist
 --distributed-timeout-minutes 60 --save {ckpt} --load {ckpt} --tensorboard-dir {tb}
 """
-# What changes the math and is not built here: each stops the script with its row's line.
-LLAMA3_REFUSED = ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
 LLAMA3_NO_OPS = ["--use-mcore-models", "--attention-backend fused", "--cross-entropy-loss-fusion",
                  "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level 1", "--tiktoken-pattern v2",
                  "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers 1",
@@ -306,17 +305,8 @@ def _llama3(tmp_path: Path, samples: int = 16, profile=(4, 6)) -> list[str]:
                             profile_start=profile[0], profile_end=profile[1]).split()
 
 
-def test_llama3_8b_script_stops_only_on_what_changes_the_math_each_with_its_row(tmp_path, capsys):
-    _, code, _, err = _parse(_llama3(tmp_path), capsys)
-    rows = {name: (status, detail) for name, status, detail in megatron_rows()}
-    assert code == 2 and [line.split()[2].rstrip(":") for line in err] == LLAMA3_REFUSED, err
-    for name, line in zip(LLAMA3_REFUSED, err):
-        assert rows[name][0] == "refused" and line == f"pretrain_gpt.py: error: {name}: {rows[name][1]}"
-    assert rows["--fp8-format"][1].startswith("FP8 training is not built yet")
-
-
-def test_llama3_8b_script_runs_through_parsing_and_validation_without_them(tmp_path, capsys):
-    job, code, out, err = _parse(_without(_llama3(tmp_path), LLAMA3_REFUSED), capsys)
+def test_llama3_8b_script_runs_through_parsing_and_validation_as_written(tmp_path, capsys):
+    job, code, out, err = _parse(_llama3(tmp_path), capsys)
     assert code == 0, err
     assert out == [NO_OPS + ", ".join(LLAMA3_NO_OPS)]            # one line names every implementation flag
     assert err == ["pretrain_gpt.py: warning: --sequence-parallel turned off: it splits activations over the "
@@ -327,6 +317,8 @@ def test_llama3_8b_script_runs_through_parsing_and_validation_without_them(tmp_p
     assert job.train.exit_duration_in_mins == 235                     # the script's wall-clock limit, kept
     assert job.model.apply_layernorm_1p and job.model.normalization == "RMSNorm"     # zero-centred RMSNorm
     assert (job.optimizer.decoupled_lr, job.optimizer.decoupled_min_lr) == (5.0e-4, 4.5e-5)   # built: not refused
+    assert (job.fp8.fp8_format, job.fp8.recipe, job.fp8.history_len, job.fp8.amax_compute_algo,
+            job.fp8.fp8_param_gather) == ("hybrid", "delayed", 1024, "max", True)      # Megatron's default recipe
 
 
 def test_gpt3_175b_script_runs_through_parsing_and_validation_with_its_batch_size_schedule(capsys):
@@ -411,7 +403,7 @@ def test_did_you_mean_names_only_near_spellings(unknown, suggested):
 
 
 def test_megatron_llama3_8b_script_trains_two_iterations(tmp_path):
-    flags = _without(_llama3(tmp_path, samples=4, profile=(1, 2)), LLAMA3_REFUSED)
+    flags = _llama3(tmp_path, samples=4, profile=(1, 2))               # FP8 (hybrid, delayed, FP8 gathers) included
     if importlib.util.find_spec("tensorboard") is None:     # an optional extra: its refusal is tested elsewhere
         flags = _without(flags, ["--tensorboard-dir"])
     run = _run(flags + ["--metrics-file", str(tmp_path / "m.jsonl")], tmp_path)

@@ -392,7 +392,9 @@ def finish_step(chunks, tp_group, dense_group, expert_group, device) -> None:
     them into the histories. Every rank holding the layers calls it (a collective); a no-op for the
     other recipes and without FP8. A linear whose amaxes are not finite (an fp16 overflow, a step the
     loss scaler skips) keeps its history as it was: a NaN or inf there would scale every later step's
-    gradients to NaN, and the run would never step again."""
+    gradients to NaN, and the run would never step again. An operand that saw no value (an expert no token
+    chose) repeats its newest amax, keeping its scale (Transformer Engine's rule), where a 0 would
+    saturate every value of its next step."""
     states = [s for e in enabled_on(chunks) for s in e.linears.values() if s.recipe.delayed]
     if not states:
         return
@@ -405,13 +407,16 @@ def finish_step(chunks, tp_group, dense_group, expert_group, device) -> None:
         amaxes = torch.nan_to_num(amaxes, nan=float("inf"))          # MAX over ranks then agrees everywhere
         amaxes = _agree(amaxes, (tp_group, expert_group if expert else dense_group))
         finite = torch.isfinite(amaxes).all(dim=1)
-        first = finite.tolist() if any(s.history is None for s in mine) else None
+        saw = (amaxes > 0).all(dim=1)
+        first = (finite & saw).tolist() if any(s.history is None for s in mine) else None
         for i, (s, row) in enumerate(zip(mine, amaxes)):
             s.current = None
             if s.history is None:
                 if not first[i]:
                     continue                     # no history yet: the next step scales from current values
                 s.history = torch.zeros(3, s.recipe.history_len, device=row.device)
+            # an operand that saw no value this step (an expert no token chose) keeps its last scale
+            row = torch.where(row > 0, row, s.history[:, 0])
             pushed = torch.cat([row.unsqueeze(1), s.history[:, :-1]], dim=1)
             s.history = torch.where(finite[i], pushed, s.history)
 
