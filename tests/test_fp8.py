@@ -78,6 +78,23 @@ def test_the_three_products_equal_their_quantize_dequantize_emulation(recipe):
     assert (y.detach() - x.detach() @ w.detach().t() - b.detach()).abs().max() > 1e-3, "FP8 should differ from fp32"
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_the_cpu_product_is_the_scaled_mm_product(rowwise, out_dtype):
+    """A CPU multiplies the widened FP8 operands in fp32 (torch._scaled_mm's CPU kernel is a slow
+    reference); on an accelerator _scaled_mm does it. Both give the same values to fp32 summation order
+    (here on a CPU, where _scaled_mm runs too)."""
+    torch.manual_seed(1)
+    a, b = torch.randn(16, 64), torch.randn(32, 64)
+    sa = 448 / (a.abs().amax(1, keepdim=True) if rowwise else a.abs().max())
+    sb = 448 / (b.abs().amax(1, keepdim=True) if rowwise else b.abs().max())
+    a8, b8 = (a * sa).to(torch.float8_e4m3fn), (b * sb).to(torch.float8_e4m3fn)
+    cpu = fp8._product_on_cpu(a8, sa, b8, sb, out_dtype)
+    kernel = fp8._product_scaled_mm(a8, sa, b8, sb, out_dtype)
+    assert cpu.dtype == kernel.dtype == out_dtype
+    torch.testing.assert_close(cpu.float(), kernel.float(), rtol=1e-5 if out_dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
 def test_delayed_scaling_takes_the_history_and_records_only_training():
     """The first step scales from current values and records every operand's amax; finish_step pushes them
     (newest first); the next step's scale comes from the history (max of it), not the current values; a

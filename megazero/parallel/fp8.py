@@ -254,6 +254,12 @@ def _product(a8, sa, b8, sb, out_dtype) -> torch.Tensor:
         b8 = torch.cat([b8, b8.new_zeros(b8.shape[0], pad)], 1)
     if a8.device.type == "cpu":
         return _product_on_cpu(a8, sa, b8, sb, out_dtype)
+    return _product_scaled_mm(a8, sa, b8, sb, out_dtype)
+
+
+def _product_scaled_mm(a8, sa, b8, sb, out_dtype) -> torch.Tensor:
+    """:func:`_product` through ``torch._scaled_mm`` (the accelerator's FP8 kernel): tensor-wise by
+    torchao's wrapper, row-wise unscaled then scaled in fp32."""
     if sa.numel() == 1 and sb.numel() == 1:
         _, _, addmm = _torchao()
         return addmm(a8, sa, b8.t(), sb, out_dtype)
