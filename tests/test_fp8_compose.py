@@ -149,3 +149,11 @@ def test_compiled_fp8_layers_at_tp2_equal_the_serial_run(serial):
     cases = [(2, 1, "1f1b", "tensorwise", {}, True)]
     results = run_on_fresh_ranks(2, _compiled_body, cases, env=_full_onednn_isa(), timeout=900)
     _check_compiled(results, cases, serial)
+
+
+def test_compile_with_the_delayed_recipe_is_refused():
+    from megazero.errors import ConfigError
+
+    job = JobConfig(model=GPTConfig(**GPT_CFG), fp8=FP8Config(fp8_format="e4m3"), compilation=CompileConfig(compile=True))
+    with pytest.raises(ConfigError, match="--compile cannot hold the delayed FP8 recipe"):
+        validate(job, 1)
