@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazero.config.fields import FLAG, flag_field
+from megazero.config.fp8 import FP8Config
 from megazero.config.model import ModelConfig
 from megazero.config.parallel import ParallelConfig
 from megazero.config.rules import fail, one_of
@@ -23,7 +24,8 @@ class CompileConfig:
                                    help="torch.compile's mode (default, reduce-overhead, max-autotune, "
                                         "max-autotune-no-cudagraphs)")
 
-    def check(self, m: ModelConfig | None = None, parallel: ParallelConfig | None = None) -> None:
+    def check(self, m: ModelConfig | None = None, parallel: ParallelConfig | None = None,
+              fp8: FP8Config | None = None) -> None:
         """A compile mode only with compilation on (whether torch can compile on this machine is the
         pre-launch check's: megazero/cli/preflight.py); with the model, the activation-memory choices a compiled
         layer can hold (full recompute wraps the compiled layers; selective recompute and offload hook into
@@ -39,3 +41,7 @@ class CompileConfig:
         if self.compile and parallel is not None and parallel.cp > 1:
             fail(f"{FLAG.cp} {parallel.cp} with {FLAG.compile} is not built (the attention's collectives sit inside "
                  f"the compiled layers): drop {FLAG.compile}")
+        if self.compile and fp8 is not None and fp8.enabled and fp8.recipe == "delayed":
+            fail(f"{FLAG.compile} cannot hold the delayed FP8 recipe (each step's amaxes are recorded from inside the "
+                 f"compiled layers' backward): use {FLAG.fp8_recipe} tensorwise or rowwise with {FLAG.compile}, "
+                 f"or drop {FLAG.compile}")

@@ -135,7 +135,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     job.data.check()
     job.checkpoint.check()
     job.logging.check(job.train, world_size)
-    job.compilation.check(job.model, job.parallel)
+    job.compilation.check(job.model, job.parallel, job.fp8)
     return job
 
 

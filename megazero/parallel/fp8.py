@@ -73,9 +73,16 @@ X, W, G = 0, 1, 2                     # the operands whose amaxes a linear recor
 OPERANDS = ("input", "weight", "output gradient")
 
 
+_TORCHAO = None
+
+
 def _torchao():
     """torchao's scaling, casting and ``_scaled_mm`` wrapper, imported on first use (1-2 s; only FP8 runs pay)
-    with its import-time notices about GPU kernels it could not load silenced."""
+    with its import-time notices about GPU kernels it could not load silenced; kept, so that later calls
+    (inside a compiled layer too) read one global."""
+    global _TORCHAO
+    if _TORCHAO is not None:
+        return _TORCHAO
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in quiet]
     for lg in quiet:
@@ -86,7 +93,8 @@ def _torchao():
     finally:
         for lg, level in zip(quiet, levels):
             lg.setLevel(level)
-    return amax_to_scale, to_fp8_saturated, addmm_float8_unwrapped
+    _TORCHAO = amax_to_scale, to_fp8_saturated, addmm_float8_unwrapped
+    return _TORCHAO
 
 
 @dataclass(frozen=True)
@@ -349,6 +357,7 @@ def enable(chunk, layers: list[FP8Layer], cfg: FP8Config) -> Enabled:
     """Give each declared layer of ``chunk`` whose dimensions suit FP8 its :class:`LinearFP8` (the others
     are listed in ``left_out`` with the reason); the result is kept on the chunk for :func:`finish_step`."""
     recipe = Recipe.from_config(cfg)
+    _torchao()                                   # imported here, outside any compiled layer's trace
     done = Enabled()
     for layer in layers:
         if layer.unsuitable:

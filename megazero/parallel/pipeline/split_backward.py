@@ -21,7 +21,11 @@ own: linear (column/row-parallel, sequence parallel), attention, LayerNorm/RMSNo
   add of a position embedding. A pre-hook keeps the gradient each matmul boundary receives during ``I``.
   The other boundaries (norms, bias adds, custom Functions such as ``RMSNormFunction``) are cheap:
   their edges off the path are inputs of ``I``'s own pass beside ``x``, so ``I`` computes their weight
-  halves too, and holds them for ``W``.
+  halves too, and holds them for ``W``. FP8 linears (``megazero.parallel.fp8``'s ``_FP8Linear``) are such
+  Functions: their backward casts the output gradient once for both products, and a Python Function
+  is told only at forward time which gradients to compute, so rerunning it in ``W`` would compute the
+  input gradient again; ``I`` computes an FP8 linear's weight half (tests/test_fp8_compose.py checks
+  ZB-H1 and ZB-V against the serial FP8 run).
 
 ``W`` computes each matmul boundary's weight half from its kept gradient. A plain matrix product
 (``torch.mm``/``addmm``: every linear layer, column- or row-parallel, whose operands ``deferrable_saves``
