@@ -140,23 +140,3 @@ def _close_all() -> None:
     _POOLS.clear()
 
 
-def run_on_fresh_ranks(world_size: int, fn, *args, env: dict | None = None, timeout: float = 240.0, **kwargs) -> list:
-    """:func:`run_on_ranks` in processes started for this call with ``env`` added to their environment
-    (settings read once per process, such as oneDNN's instruction set), closed after it."""
-    saved = {key: os.environ.get(key) for key in env or {}}
-    os.environ.update(env or {})
-    try:
-        pool = _Pool(world_size)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    try:
-        result = pool.run(fn, args, kwargs, timeout)
-    except BaseException:
-        pool.close(graceful=False)
-        raise
-    pool.close(graceful=True)
-    return result
