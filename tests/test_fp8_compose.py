@@ -8,7 +8,15 @@ from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_CFG, GPT_OPT, SEED, trainer_steps
 
 from megazero.compile import compile_model
-from megazero.config import CompileConfig, FP8Config, JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.config import (
+    CompileConfig,
+    FP8Config,
+    JobConfig,
+    ParallelConfig,
+    TrainConfig,
+    ZeroConfig,
+    validate,
+)
 from megazero.models.gpt import GPTConfig
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine

@@ -169,7 +169,7 @@ class FP8Wire:
         return scales
 
     @torch.no_grad()
-    def launch(self, bucket: Bucket, shard: torch.Tensor, scales: torch.Tensor) -> "Arrival":
+    def launch(self, bucket: Bucket, shard: torch.Tensor, scales: torch.Tensor) -> Arrival:
         """Cast this rank's ``shard`` of ``bucket`` onto the wire and start the all-gather (asynchronous)."""
         plan, n, me = self.plan(bucket), self.dp.size, self.dp.rank
         staging = torch.empty(n * plan.piece, dtype=torch.uint8, device=shard.device)
