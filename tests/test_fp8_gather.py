@@ -72,7 +72,8 @@ def _check(results, reference):
     """Over 5 steps the run equals, bit for bit, the same layout gathering in the parameters' dtype (the
     products see the same FP8 values); against the serial FP8 run, the losses of the first 2 steps (the
     second's forward takes gathered weights at every stage) and every parameter after the first step
-    at 1e-5. Not later steps: the serial and the dp 2 FP8 runs, with or without this flag, part after a
+    at 1e-5 (absolute floor 1e-5: Adam moves an element of ~0 gradient by rounding noise, as
+    tests/test_llama.py allows). Not later steps: the serial and the dp 2 FP8 runs, with or without this flag, part after a
     few steps, when an fp32 rounding difference in a gradient sum moves a value across an FP8 rounding
     boundary."""
     for stage, recipe, tp_rank, tp, used, (losses, params), (plain_losses, plain_params), first_params in results:
@@ -86,7 +87,7 @@ def _check(results, reference):
         torch.testing.assert_close(torch.tensor(losses[:2]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         assert set(first_params) == set(ref_params)
         for name, (value, dim) in first_params.items():
-            torch.testing.assert_close(value, shard(ref_params[name][0], dim, tp_rank, tp), rtol=1e-5, atol=1e-6,
+            torch.testing.assert_close(value, shard(ref_params[name][0], dim, tp_rank, tp), rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"ZeRO-{stage} {recipe} {name} after one step: {m}")
 
 
