@@ -130,7 +130,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     job.precision.check()
     job.fp8.check(job.zero.zero_stage, job.zero.quantized_weights)
     job.zero.check(job.parallel, world_size)
-    job.optimizer.check(job.train)
+    job.optimizer.check(job.train, job.zero)
     job.zero.fill_defaults(job.model, job.precision, job.parallel.tp)
     job.data.check()
     job.checkpoint.check()

@@ -47,6 +47,7 @@ AS_IS = (
     "--lr", "--min-lr", "--decoupled-lr", "--decoupled-min-lr", "--lr-warmup-iters", "--lr-warmup-fraction",
     "--lr-warmup-samples", "--lr-decay-iters", "--lr-decay-samples", "--lr-decay-style", "--weight-decay",
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--clip-grad",
+    "--optimizer", "--muon-momentum", "--muon-use-nesterov", "--muon-num-ns-steps",
     "--bf16", "--fp16", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
     "--data-path", "--split", "--mock-data", "--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-model",
     "--data-cache-path", "--eod-mask-loss",
@@ -143,8 +144,15 @@ IMPLEMENTATION: dict[str, Implementation] = {
         refused={"cyclic": "megazero's loader is Megatron's 'single' (each sample once, in the dataset's shuffled "
                            "order): drop --dataloader-type cyclic",
                  "external": "an external loader does not exist here: drop --dataloader-type external"}),
-    "--optimizer": Implementation("AdamW with decoupled weight decay (Megatron's adam)", choices=("adam", "sgd"),
-                                  refused={"sgd": "SGD does not exist here (AdamW only): drop --optimizer sgd"}),
+    "--muon-scalar-optimizer": Implementation("the parameters Muon does not step are stepped by AdamW",
+                                              choices=("adam", "lion"),
+                                              refused={"lion": "Lion does not exist here: drop "
+                                                               "--muon-scalar-optimizer lion (AdamW steps them)"}),
+    "--muon-tp-mode": Implementation(
+        "each tensor-parallel matrix is gathered whole on one owner rank and orthogonalised there",
+        choices=("blockwise", "duplicated", "distributed"),
+        refused={"blockwise": "orthogonalising each tensor-parallel shard on its own does not exist here (each "
+                              "matrix is orthogonalised whole, as on one rank): drop --muon-tp-mode blockwise"}),
     "--no-position-embedding": Implementation("RoPE uses no position-embedding table",
                                               requires={"position_embedding_type": "rope"},
                                               why="a model with no positions does not exist here"),
@@ -189,6 +197,14 @@ REFUSED: dict[str, str] = {
     "--rampup-batch-size": "a linear batch-size ramp-up does not exist here: train at --global-batch-size, or "
                            "grow the batch in steps with --step-batch-size-schedule",
     "--fp8-hybrid": "Megatron-LM's older spelling: use --fp8-format hybrid",
+    "--muon-scale-mode": "the update's scale is --muon-adjust-lr here (match_rms_adamw: 0.2 sqrt(max(A, B)), or "
+                         "original: sqrt(max(1, A / B)))",
+    "--muon-extra-scale-factor": "the update's scale is --muon-adjust-lr here (match_rms_adamw already carries "
+                                 "Moonlight's 0.2)",
+    "--muon-fp32-matmul-prec": "Newton-Schulz runs at full fp32 precision here by default: drop it (or "
+                               "--muon-ns-dtype bf16 for torch.optim.Muon's bf16 iteration)",
+    "--muon-split-qkv": "the fused query/key/value matrix is orthogonalised as one matrix here, as "
+                        "torch.optim.Muon steps it: drop it",
     "--fp8-interval": "deprecated in Megatron-LM too (scales are updated every step): drop it",
     "--use-torch-fsdp2": "use --zero-stage 3 (parameters, gradients and optimizer state sharded, as FSDP does)",
     "--no-save-optim": "checkpoints here always hold the optimizer state (to load without it: --no-load-optim)",

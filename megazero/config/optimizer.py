@@ -1,16 +1,26 @@
-"""The optimizer section: AdamW and the learning-rate schedule (Megatron's flags: warmup and decay in
+"""The optimizer section: AdamW or Muon, and the learning-rate schedule (Megatron's flags: warmup and decay in
 iterations, or in samples for a sample-based run).
+
+``--optimizer muon`` steps the transformer layers' matrices with Muon (momentum orthogonalised by Newton-Schulz,
+:mod:`megazero.parallel.zero.muon`) and every other parameter (embeddings, the output layer, norms, biases) with
+AdamW under the same learning-rate schedule and weight decay, as Moonlight and ``torch.optim.Muon``'s docs advise.
 """
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 
 from megazero.config.fields import FLAG, flag, flag_field
 from megazero.config.rules import fail, one_of, positive_float
 from megazero.config.train import TrainConfig
+from megazero.config.zero import ZeroConfig
 
 DECAY_STYLES = ("constant", "linear", "cosine")
+# Megatron-LM's spellings: its "adam" is AdamW (decoupled weight decay); "dist_muon" is its Muon under the
+# distributed optimizer, which is how Muon always runs here
+OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "muon": "muon", "dist_muon": "muon"}
+MUON_ADJUST_LR = ("match_rms_adamw", "original")
 
 
 def iterations_of(samples: float, global_batch_size: int) -> int:
@@ -21,8 +31,27 @@ def iterations_of(samples: float, global_batch_size: int) -> int:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW and the learning-rate schedule."""
+    """AdamW or Muon, and the learning-rate schedule."""
 
+    optimizer: str = flag_field(
+        "adamw", "--optimizer", choices=tuple(OPTIMIZERS), group="optimizer",
+        help="adamw (Megatron's adam), or muon (Megatron's dist_muon): the transformer layers' matrices under "
+             "Muon, the other parameters under AdamW")
+    muon_momentum: float = flag_field(0.95, "--muon-momentum", type=float, group="optimizer",
+                                      help="Muon's momentum")
+    muon_nesterov: bool = flag_field(True, "--muon-nesterov", "--muon-use-nesterov",
+                                     action=argparse.BooleanOptionalAction, group="optimizer",
+                                     help="Muon orthogonalises the Nesterov look-ahead of its momentum")
+    muon_ns_steps: int = flag_field(5, "--muon-ns-steps", "--muon-num-ns-steps", type=int, group="optimizer",
+                                    help="Newton-Schulz iterations of each Muon update")
+    muon_ns_dtype: str = flag_field(
+        "fp32", "--muon-ns-dtype", choices=("fp32", "bf16"), group="optimizer",
+        help="the type Newton-Schulz runs in: fp32 (as Megatron-LM's Muon), or bf16 (as torch.optim.Muon: faster on "
+             "tensor cores, and the orthogonalised update then depends on the rounding of every input bit)")
+    muon_adjust_lr: str = flag_field(
+        "match_rms_adamw", "--muon-adjust-lr", choices=MUON_ADJUST_LR, group="optimizer",
+        help="match_rms_adamw: the update of an A x B matrix scaled by 0.2 sqrt(max(A, B)), so AdamW's --lr and "
+             "--weight-decay carry over (Moonlight); original: sqrt(max(1, A / B)) (Keller Jordan's)")
     lr: float = flag_field(1.5e-3, "--lr", type=float, group="optimizer", help="the peak learning rate", metavar="LR")
     min_lr: float = flag_field(0.0, "--min-lr", type=float, group="optimizer", metavar="LR",
                                help="the learning rate at the end of the decay")
@@ -59,10 +88,16 @@ class OptimizerConfig:
     clip_grad: float = flag_field(1.0, "--clip-grad", type=float, group="optimizer",
                                   help="gradient norm clip (0: none)")
 
-    def check(self, t: TrainConfig) -> None:
-        """AdamW's settings and the schedule; fills ``min_lr`` from ``min_lr_ratio`` (a DeepSpeed setting,
-        no flag), ``lr_decay_iters`` (default: the training iterations) and ``decoupled_min_lr`` (default:
-        ``min_lr``, as Megatron-LM's, when ``decoupled_lr`` is given)."""
+    @property
+    def muon(self) -> bool:
+        """Muon steps the layers' matrices (``--optimizer muon`` or ``dist_muon``)."""
+        return OPTIMIZERS.get(self.optimizer) == "muon"
+
+    def check(self, t: TrainConfig, zero: ZeroConfig | None = None) -> None:
+        """The optimizer's settings and the schedule; fills ``min_lr`` from ``min_lr_ratio`` (a DeepSpeed
+        setting, no flag), ``lr_decay_iters`` (default: the training iterations) and ``decoupled_min_lr``
+        (default: ``min_lr``, as Megatron-LM's, when ``decoupled_lr`` is given)."""
+        self._check_muon(zero or ZeroConfig())
         if self.min_lr_ratio is not None:
             if not 0 <= self.min_lr_ratio <= 1:
                 fail(f"the minimum learning-rate ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -89,6 +124,30 @@ class OptimizerConfig:
         if self.clip_grad < 0 or self.weight_decay < 0:
             fail(f"{FLAG.clip_grad} and {FLAG.weight_decay} must be >= 0")
         positive_float(self.adam_eps, "adam_eps")
+
+    def _check_muon(self, zero: ZeroConfig) -> None:
+        """Muon's settings: given only with ``--optimizer muon``; its state stays where the parameters are."""
+        if self.optimizer not in OPTIMIZERS:
+            fail(f"{FLAG.optimizer} {self.optimizer} does not exist here: use one of {', '.join(OPTIMIZERS)}")
+        defaults = OptimizerConfig()
+        changed = [flag(n) for n in ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype",
+                                          "muon_adjust_lr")
+                   if getattr(self, n) != getattr(defaults, n)]
+        if not self.muon:
+            if changed:
+                fail(f"{changed[0]} sets Muon, but {FLAG.optimizer} is {self.optimizer}: add {FLAG.optimizer} muon, "
+                     f"or drop {changed[0]}")
+            return
+        one_of(self, "muon_adjust_lr")
+        one_of(self, "muon_ns_dtype")
+        if not 0 <= self.muon_momentum < 1:
+            fail(f"{FLAG.muon_momentum} must be in [0, 1), got {self.muon_momentum}")
+        if not 1 <= self.muon_ns_steps < 100:
+            fail(f"{FLAG.muon_ns_steps} must be between 1 and 99, got {self.muon_ns_steps}")
+        if zero.offload_optimizer != "none":
+            fail(f"{FLAG.optimizer} muon with {FLAG.offload_optimizer} {zero.offload_optimizer}: Muon's state "
+                 f"stays on the device (the offloaded step is AdamW's): drop {FLAG.offload_optimizer}, or use "
+                 f"{FLAG.optimizer} adamw")
 
     def _check_decoupled(self) -> None:
         """The input embedding's and output layer's own peak and final learning rates (Megatron-LM's

@@ -28,6 +28,9 @@ attribute (default)        meaning                                              
 ``embedding_or_output``    the input word embedding or the output layer's weight   the ZeRO optimizer (its own
 (False)                    (Megatron-LM's ``is_embedding_or_output_parameter``;   learning rate under
                            a tied weight is both, one parameter)                   ``--decoupled-lr``)
+``layer_matrix`` (False)   a 2-D weight of a transformer layer (a linear layer's,  the ZeRO optimizer (Muon
+                           the router's, an expert's): what ``--optimizer muon``   steps it, AdamW the rest:
+                           orthogonalises                                          :mod:`...zero.muon`)
 ``expert_parallel``        an expert of an MoE layer (:mod:`megazero.models.gpt.moe`):  the ZeRO engine (expert
 (False)                    ep ranks hold different experts; reduced and sharded    buckets), norms
                            over the expert-data-parallel group
@@ -47,7 +50,8 @@ from torch import nn
 
 ATTRIBUTES = {"tensor_parallel": False, "partition_dim": -1, "sequence_parallel_grad": False,
               "shared_embedding": False, "tied_copy": False, "vocab_padded": False,
-              "embedding_or_output": False, "expert_parallel": False}
+              "embedding_or_output": False, "expert_parallel": False,
+              "layer_matrix": False}
 
 
 def set_tp_attributes(p: nn.Parameter, tensor_parallel: bool, partition_dim: int = -1,

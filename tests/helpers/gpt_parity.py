@@ -5,13 +5,16 @@
 parameter with it at about 1e-5 relative. ``LLAMA_KW`` turns the test GPT into a Llama-style one
 (pass it as ``model_kw``).
 """
+import dataclasses
 import functools
 
 import torch
 import torch.distributed as dist
+from torch.optim import _muon as torch_muon
 
 from megazero.config import OptimizerConfig
 from megazero.models.gpt import GPT, GPTConfig, masked_mean
+from megazero.parallel.params import attribute
 from megazero.parallel.tensor import shard
 from megazero.parallel.zero.adamw import reference_param_groups
 
@@ -37,16 +40,79 @@ def gpt_batches(steps: int, count: int):
             for _ in range(steps)]
 
 
-def gpt_reference(steps: int, dp: int, model_kw: dict | None = None, decoupled_lr: float | None = None):
-    """``decoupled_lr``: the embedding's and output layer's own learning rate (GPT_OPT's decoupled_lr)."""
-    return _reference(steps, dp, tuple(sorted((model_kw or {}).items())), decoupled_lr)
+# --optimizer muon: the layers' matrices under Muon (torch.optim.Muon's defaults, Moonlight's lr scaling,
+# Newton-Schulz in fp32), the rest under GPT_OPT's AdamW. MUON_BF16_OPT: Newton-Schulz in bf16 as torch.optim.Muon
+# runs it, with clipping out of reach: bf16 rounding makes the orthogonalised update depend on every bit of its
+# input, and torch's clip coefficient is rounded to fp32 where ours is not.
+MUON_OPT = dataclasses.replace(GPT_OPT, optimizer="muon")
+MUON_BF16_OPT = dataclasses.replace(MUON_OPT, muon_ns_dtype="bf16", clip_grad=1e9)
+OPTIMIZERS = {"adamw": GPT_OPT, "muon": MUON_OPT, "muon_bf16": MUON_BF16_OPT}
+
+
+def gpt_reference(steps: int, dp: int, model_kw: dict | None = None, decoupled_lr: float | None = None,
+                  optimizer: str = "adamw"):
+    """``decoupled_lr``: the embedding's and output layer's own learning rate (GPT_OPT's decoupled_lr);
+    ``optimizer``: a key of OPTIMIZERS (Muon steps the layers' matrices with ``torch.optim.Muon``)."""
+    return _reference(steps, dp, tuple(sorted((model_kw or {}).items())), decoupled_lr, optimizer)
+
+
+def fp32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's Newton-Schulz iteration (``torch.optim._muon._zeropower_via_newtonschulz``) at full
+    fp32 precision: its steps with the cast to bf16 left out (``--muon-ns-dtype fp32``)."""
+    a, b, c = ns_coefficients
+    x = grad.float().clone()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+class _Optimizers:
+    """torch.optim.Muon (``ns_dtype``: its Newton-Schulz in bf16 as shipped, or in fp32) and AdamW stepped as
+    one optimizer."""
+
+    def __init__(self, muon, adamw, ns_dtype: str):
+        self.opts, self.ns_dtype = (muon, adamw), ns_dtype
+
+    def step(self):
+        shipped = torch_muon._zeropower_via_newtonschulz
+        if self.ns_dtype == "fp32":
+            torch_muon._zeropower_via_newtonschulz = fp32_newton_schulz
+        try:
+            for opt in self.opts:
+                opt.step()
+        finally:
+            torch_muon._zeropower_via_newtonschulz = shipped
+
+    def zero_grad(self):
+        for opt in self.opts:
+            opt.zero_grad()
+
+
+def reference_optimizer(model, decoupled_lr: float | None = None, optimizer: str = "adamw"):
+    """torch's optimizers for the single-process reference: AdamW (``reference_param_groups``), or, for a
+    Muon key of OPTIMIZERS, ``torch.optim.Muon`` over the ``layer_matrix`` parameters and AdamW over the rest."""
+    cfg = OPTIMIZERS[optimizer]
+    named = list(model.named_parameters())
+    matrices = [p for _, p in named if cfg.muon and attribute(p, "layer_matrix")]
+    rest = [(n, p) for n, p in named if not (cfg.muon and attribute(p, "layer_matrix"))]
+    adamw = torch.optim.AdamW(reference_param_groups(rest, cfg.weight_decay, decoupled_lr), lr=cfg.lr,
+                              eps=cfg.adam_eps, fused=cfg.muon or None)
+    if not matrices:
+        return adamw
+    muon = torch.optim.Muon(matrices, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+                            nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr)
+    return _Optimizers(muon, adamw, cfg.muon_ns_dtype)
 
 
 @functools.lru_cache(maxsize=8)
-def _reference(steps: int, dp: int, model_kw: tuple, decoupled_lr: float | None):
+def _reference(steps: int, dp: int, model_kw: tuple, decoupled_lr: float | None, optimizer: str):
     model = GPT(GPTConfig(**{**GPT_CFG, **dict(model_kw)}), seed=SEED)
-    opt = torch.optim.AdamW(reference_param_groups(model.named_parameters(), GPT_OPT.weight_decay, decoupled_lr),
-                            lr=GPT_OPT.lr, eps=GPT_OPT.adam_eps)
+    opt = reference_optimizer(model, decoupled_lr, optimizer)
+    clip = OPTIMIZERS[optimizer].clip_grad
     losses, norms = [], []
     for batches in gpt_batches(steps, dp * MICRO):
         total = 0.0
@@ -54,7 +120,7 @@ def _reference(steps: int, dp: int, model_kw: tuple, decoupled_lr: float | None)
             loss = masked_mean(model(mb["tokens"], mb["labels"]), mb["loss_mask"])
             (loss / len(batches)).backward()
             total += loss.item() / len(batches)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), GPT_OPT.clip_grad)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -91,18 +157,20 @@ def global_loss(losses, topo) -> float:
 
 
 def check_against_reference(results, steps: int, dp: int, model_kw: dict | None = None, param_atol: float = 1e-6,
-                            decoupled_lr: float | None = None):
+                            decoupled_lr: float | None = None, optimizer: str = "adamw", rtol: float = 1e-5):
     """``param_atol``: the absolute floor for parameters. Adam normalises every update, so an element
     whose true gradient is ~0 moves by fp32 rounding noise of either sign, up to ~1% of an lr step.
-    ``decoupled_lr``: the run gave the embedding and output layer that learning rate."""
-    ref_losses, ref_norms, ref_params = gpt_reference(steps, dp, model_kw, decoupled_lr)
-    assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
+    ``decoupled_lr``: the run gave the embedding and output layer that learning rate; ``optimizer``: the run's
+    optimizer, a key of OPTIMIZERS."""
+    ref_losses, ref_norms, ref_params = gpt_reference(steps, dp, model_kw, decoupled_lr, optimizer)
+    if optimizer != "muon_bf16":
+        assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
     seen = set()
     for tp_rank, tp, losses, norms, params in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=rtol, atol=0)
         for name, (value, pdim) in params.items():
             expected = shard(ref_params[name], pdim, tp_rank, tp)
-            torch.testing.assert_close(value, expected, rtol=1e-5, atol=param_atol, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(value, expected, rtol=rtol, atol=param_atol, msg=lambda m: f"{name}: {m}")
             seen.add(name)
     assert seen == set(ref_params), f"parameters never compared: {set(ref_params) - seen}"

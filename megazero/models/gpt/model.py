@@ -157,6 +157,8 @@ class GPT(nn.Module):
                 self.output_layer.weight.vocab_padded = self.output_layer.weight.embedding_or_output = True
             # its weight gradient is computed in a split backward's I, not held for W (split_backward.py)
             weight_grad_in_input(self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight)
+        for p in self.layers.parameters():
+            p.layer_matrix = p.dim() == 2
         for p in self.parameters():
             if not hasattr(p, "tensor_parallel"):
                 set_tp_attributes(p, False)

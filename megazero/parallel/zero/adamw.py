@@ -81,12 +81,23 @@ def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
                  exp_avg_sqs: list[torch.Tensor], *, step: int, lr: float, beta1: float, beta2: float,
                  eps: float, weight_decay: float, decay_ranges: list[list[tuple[int, int]]],
                  decoupled_lr: float | None = None,
-                 decoupled_ranges: list[list[tuple[int, int]]] | None = None) -> None:
+                 decoupled_ranges: list[list[tuple[int, int]]] | None = None,
+                 only_ranges: list[list[tuple[int, int]]] | None = None) -> None:
     """One AdamW step on lists of flat fp32 tensors, in place; decay only on ``decay_ranges[i]`` of
     ``params[i]``; the sorted, disjoint ``decoupled_ranges[i]`` step at ``decoupled_lr`` instead of ``lr``
-    (when both are given; decay there is ``decoupled_lr * weight_decay``, as in a torch param group).
-    ``step`` counts from 1."""
+    (when both are given; decay there is ``decoupled_lr * weight_decay``, as in a torch param group);
+    ``only_ranges[i]`` (sorted, disjoint): the elements of ``params[i]`` AdamW steps (None: all; under
+    ``--optimizer muon`` Muon steps the others). ``step`` counts from 1."""
     state = (params, grads, exp_avgs, exp_avg_sqs)
+    if only_ranges is not None:
+        cuts = [(i, a, b) for i, ranges in enumerate(only_ranges) for a, b in ranges]
+        views = [[t[i][a:b] for i, a, b in cuts] for t in state]
+        adamw_update(*views, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                     decay_ranges=[clip_ranges(decay_ranges[i], a, b) for i, a, b in cuts],
+                     decoupled_lr=decoupled_lr,
+                     decoupled_ranges=None if decoupled_ranges is None else
+                     [clip_ranges(decoupled_ranges[i], a, b) for i, a, b in cuts])
+        return
     if decoupled_lr is None or decoupled_lr == lr or not decoupled_ranges or not any(decoupled_ranges):
         _adamw_step(*state, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                     decay_ranges=decay_ranges)

@@ -1,6 +1,7 @@
-"""The ZeRO optimizer: AdamW with fp32 master weights over every bucket group of the engine, with
-global-norm clipping and fp16 loss scaling; one optimizer, one loss scaler and one global norm for the
-dense parameters and the experts alike.
+"""The ZeRO optimizer: AdamW (or, under ``--optimizer muon``, Muon for the layers' matrices and AdamW for the
+rest: :mod:`.muon`) with fp32 master weights over every bucket group of the engine, with global-norm clipping
+and fp16 loss scaling; one optimizer, one loss scaler and one global norm for the dense parameters and the
+experts alike.
 
 Who holds what (dp = N ranks, one bucket of 2N elements, rank r owns elements [2r, 2r + 2)); the stage's
 policy object (:mod:`.publish`) says which::
@@ -43,10 +44,11 @@ from megazero.config import OptimizerConfig, PrecisionConfig
 from megazero.parallel import counted_comm as comm
 from megazero.parallel.groups import ModelReplica
 from megazero.parallel.params import attribute, counts_once
-from megazero.parallel.zero.adamw import adamw_update, decays, merge_ranges
+from megazero.parallel.zero.adamw import adamw_update, complement_ranges, decays, merge_ranges
 from megazero.parallel.zero.buckets import Bucket
 from megazero.parallel.zero.grad_norm import squared_norm
 from megazero.parallel.zero.grad_sync import BucketedGradSync
+from megazero.parallel.zero.muon import Muon
 from megazero.parallel.zero.offload import (
     OffloadedOptimizerState,
     build_optimizer_state,
@@ -162,6 +164,9 @@ class BucketAdamW:
         self.params_overflowed = False      # the last applied step's cast gave a non-finite fp16/bf16 value here
         self.ranges = [self._make_range(sync, b) for sync in self.syncs for b in sync.buckets]
         self._index_of = {id(r.bucket): k for k, r in enumerate(self.ranges)}
+        self.muon = Muon(self, self.cfg) if self.cfg.muon else None
+        self._adam_ranges = None if self.muon is None else \
+            [complement_ranges(self.muon.ranges(k), r.hi - r.lo) for k, r in enumerate(self.ranges)]
         self.states = self._build_states(first.cfg, swap)
 
     def _build_states(self, zero_cfg, swap: SwapDir | None):
@@ -291,7 +296,12 @@ class BucketAdamW:
                 g.mul_(coef)
         self.step_count += 1
         self.publish.before_write()
-        self.states.update(grads, [r.decay_ranges for r in self.ranges], write=self._write_params,
+        muon = {}
+        if self.muon is not None:
+            self.muon.step(grads, [r.master for r in self.ranges], [r.exp_avg for r in self.ranges], lr=self.lr,
+                           weight_decay=self.cfg.weight_decay)
+            muon = {"only_ranges": self._adam_ranges}
+        self.states.update(grads, [r.decay_ranges for r in self.ranges], write=self._write_params, **muon,
                            step=self.step_count, lr=self.lr, decoupled_lr=self.decoupled_lr,
                            decoupled_ranges=[r.decoupled_ranges for r in self.ranges],
                            beta1=self.cfg.adam_beta1, beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps,
