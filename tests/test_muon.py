@@ -17,6 +17,7 @@ from helpers.gpt_parity import (
     fp32_newton_schulz,
     global_loss,
     gpt_batches,
+    gpt_reference,
 )
 from torch.optim import _muon as torch_muon
 
@@ -88,25 +89,44 @@ def test_serial_muon_equals_torch_muon_and_adamw_on_the_same_split():
 
 def _layout_body(rank, world_size, cases):
     out = []
-    for tp, pp, stage, sp, model_kw in cases:
-        topo = Topology(tp=tp, pp=pp)
-        par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp)
+    for tp, pp, ep, stage, sp, model_kw in cases:
+        topo = Topology(tp=tp, pp=pp, ep=ep)
+        par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, expert_model_parallel_size=ep)
         result, engine = _run(topo, par, stage, 5, model_kw)
-        out.append((result, engine.comm_log.bytes().get("muon", 0)))
+        out.append((result, engine.comm_log.bytes().get("muon", 0), engine.optimizer.muon.orthogonalised))
     return out
 
 
-DP2 = [(1, 1, stage, False, None) for stage in (1, 2, 3)]
-TP2_PP2 = [(2, 1, 1, True, None), (1, 2, 2, False, None), (2, 1, 3, False, LLAMA_KW)]
+MOE = {"num_experts": 4, "moe_router_topk": 2}
+#        tp pp ep stage sp  model
+DP2 = [(1, 1, 1, stage, False, None) for stage in (0, 1, 2, 3)]
+TP2_PP2 = [(2, 1, 1, 1, True, None), (1, 2, 1, 2, False, None), (2, 1, 1, 3, False, LLAMA_KW)]
+WORLD4 = [(2, 1, 1, 1, False, None), (2, 1, 1, 3, True, LLAMA_KW), (1, 1, 1, 2, False, None),
+          (1, 1, 2, 1, False, MOE), (1, 1, 2, 3, False, MOE)]
 
 
-@pytest.mark.parametrize("cases", [DP2, TP2_PP2], ids=["dp2-zero123", "tp2sp-pp2-llama-tp2"])
+def _check_layouts(results, cases, world: int) -> None:
+    for i, (tp, pp, ep, stage, sp, model_kw) in enumerate(cases):
+        dp = world // (tp * pp)
+        check_against_reference([r[i][0] for r in results], 5, dp=dp, model_kw=model_kw, optimizer="muon")
+        travels = tp > 1 or (dp > 1 and stage > 0)       # tp shards, or ZeRO shards over dp
+        assert all((r[i][1] > 0) == travels for r in results), "the matrices travel to owners iff split"
+        _, _, params = gpt_reference(5, dp, model_kw, None, "muon")
+        matrices = sum(1 for n, p in params.items() if n.startswith("layers.") and p.dim() == 2)
+        per_replica = dp if stage == 0 else 1            # ZeRO-0: every dp rank orthogonalises its own copy
+        assert sum(r[i][2] for r in results) == matrices * per_replica, "each matrix orthogonalised once"
+
+
+@pytest.mark.parametrize("cases", [DP2, TP2_PP2], ids=["dp2-zero0123", "tp2sp-pp2-llama-tp2"])
 def test_each_layout_equals_the_serial_muon_run(cases):
-    """dp 2 under ZeRO 1, 2 and 3; tp 2 with sequence parallelism, pp 2 (ZeRO-2), and the Llama shape at tp 2
+    """dp 2 under ZeRO 0-3; tp 2 with sequence parallelism, pp 2 (ZeRO-2), and the Llama shape at tp 2
     (the fused QKV and SwiGLU matrices gathered whole): loss, clipped norm and every parameter after 5 steps
     equal the serial Muon run (1e-5 relative)."""
-    results = run_on_ranks(2, _layout_body, cases)
-    for i, (tp, pp, stage, sp, model_kw) in enumerate(cases):
-        check_against_reference([r[i][0] for r in results], 5, dp=2 // (tp * pp), model_kw=model_kw, optimizer="muon")
-        travels = tp > 1 or (2 // (tp * pp) > 1 and stage > 0)       # tp shards, or ZeRO shards over dp
-        assert all((r[i][1] > 0) == travels for r in results), "the matrices travel to owners iff split"
+    _check_layouts(run_on_ranks(2, _layout_body, cases), cases, 2)
+
+
+def test_four_rank_layouts_equal_the_serial_muon_run():
+    """Both exchanges at once (tp 2 x dp 2 under ZeRO-1, and the Llama shape with sequence parallelism under
+    ZeRO-3), dp 4 under ZeRO-2 (owners spread over four ranks), and experts at ep 2 x dp 4 under ZeRO-1 and 3
+    (each expert's matrices their own, sharded over the expert-data-parallel pair): equal the serial run."""
+    _check_layouts(run_on_ranks(4, _layout_body, WORLD4, timeout=600), WORLD4, 4)

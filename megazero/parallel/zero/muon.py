@@ -129,6 +129,7 @@ class Muon:
 
     def __init__(self, opt, cfg: OptimizerConfig):
         self.cfg = cfg
+        self.orthogonalised = 0                     # matrices this rank ran Newton-Schulz on in the last step
         self.dtype = NS_DTYPES[cfg.muon_ns_dtype]
         self.comm_log = opt.comm_log
         self.groups: list[MuonGroup] = []
@@ -182,6 +183,7 @@ class Muon:
         ``momenta`` (``grads``: the clipped, unscaled fp32 gradients), all indexed by optimizer range.
         Collective over each bucket group's dp and tp groups."""
         momentum, nesterov = self.cfg.muon_momentum, self.cfg.muon_nesterov
+        self.orthogonalised = 0
         for group in self.groups:
             updates = []
             for m in group.matrices:
@@ -206,6 +208,7 @@ class Muon:
         shards = {m.name: whole[m.name].view(m.local_shape) for m in mine}
         full = _to_tp_owners(split, shards, sync.tp, log, like) if split else {}
         done = {m.name: newton_schulz(shards[m.name], steps, self.dtype).reshape(-1) for m in mine if m.split < 0}
+        self.orthogonalised += len(done) + len(full)
         if split:
             ortho = {name: newton_schulz(x, steps, self.dtype) for name, x in full.items()}
             done.update(_from_tp_owners(split, ortho, sync.tp, log, like))
