@@ -49,7 +49,19 @@ def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
             f" model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, seq "
             f"{m.seq_length}, vocab {m.vocab_size} (padded {m.padded_vocab_size(par.tp)}){spec.describe(m)} | "
             f"{n:,} parameters" + fp8.describe(job.fp8, chunks, job.precision.dtype_name)
-            + (predicted_pipeline(job) if topo.rank == 0 else ""))
+            + _optimizer_split(job, chunks, topo, n) + (predicted_pipeline(job) if topo.rank == 0 else ""))
+
+
+def _optimizer_split(job: JobConfig, chunks, topo: Topology, total: int) -> str:
+    """Under ``--optimizer muon``, the start line's note of what Muon and AdamW each step (a collective)."""
+    o = job.optimizer
+    if not o.muon:
+        return ""
+    matrices = count_parameters(chunks, topo, lambda p: attribute(p, "layer_matrix"))
+    nesterov = " (nesterov)" if o.muon_nesterov else ""
+    return (f"\n optimizer: muon on the layers' matrices, {matrices:,} parameters (momentum {o.muon_momentum}"
+            f"{nesterov}, {o.muon_ns_steps} Newton-Schulz steps in {o.muon_ns_dtype}, lr scaled {o.muon_adjust_lr}); "
+            f"adamw on the other {total - matrices:,} (embeddings, output layer, norms, biases)")
 
 
 def predicted_pipeline(job: JobConfig) -> str:
@@ -66,14 +78,15 @@ def predicted_pipeline(job: JobConfig) -> str:
             f"{held}, held from F to its B or W (unit times F = I = W = 1, B = 2; by rank {list(peaks)})")
 
 
-def count_parameters(chunks, topo: Topology) -> int:
-    """Parameters of the whole model, each counted once whatever the layout (a collective): the
-    elements :func:`megazero.parallel.params.counts_once` picks, data-parallel replicas divided out
-    (an MoE expert has dp / ep replicas: its count is multiplied by ep before the division).
+def count_parameters(chunks, topo: Topology, which=None) -> int:
+    """Parameters of the whole model (``which``: those it accepts), each counted once whatever the layout (a
+    collective): the elements :func:`megazero.parallel.params.counts_once` picks, data-parallel replicas divided
+    out (an MoE expert has dp / ep replicas: its count is multiplied by ep before the division).
     Call before the ZeRO engine shards the parameters (or on an unsharded model)."""
     ep = topo.ep_size
     local = sum(p.numel() * (ep if attribute(p, "expert_parallel") else 1)
-                for chunk in chunks for p in chunk.parameters() if counts_once(p, topo.tp_rank))
+                for chunk in chunks for p in chunk.parameters()
+                if counts_once(p, topo.tp_rank) and (which is None or which(p)))
     t = torch.tensor([float(local)], device=topo.device, dtype=torch.float64)
     dist.all_reduce(t)
     return int(t.item()) // (topo.dp_size * topo.cp_size)          # cp ranks hold the same weights too

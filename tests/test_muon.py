@@ -1,7 +1,9 @@
 """Muon (--optimizer muon) under ZeRO: its arithmetic against torch.optim.Muon, the serial engine against
 torch.optim.Muon + AdamW on the same parameter split, and every layout against the serial run."""
-import dataclasses
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,15 +21,27 @@ from helpers.gpt_parity import (
     gpt_batches,
     gpt_reference,
 )
+from helpers.trainer import ROOT, TINY, read_metrics
 from torch.optim import _muon as torch_muon
 
 from megazero.config import ParallelConfig, ZeroConfig
-from megazero.models.gpt import GPTConfig, activation_shape, build_model_chunks, masked_mean
-from megazero.parallel.params import attribute, split_dim
+from megazero.models.gpt import (
+    GPTConfig,
+    activation_shape,
+    build_model_chunks,
+    masked_mean,
+)
+from megazero.parallel.params import split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
-from megazero.parallel.zero.muon import NS_COEFFICIENTS, NS_EPS, adjusted_lr, newton_schulz, newton_schulz_flops
+from megazero.parallel.zero.muon import (
+    NS_COEFFICIENTS,
+    NS_EPS,
+    adjusted_lr,
+    newton_schulz,
+    newton_schulz_flops,
+)
 
 
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24), (32, 32)])
@@ -130,3 +144,23 @@ def test_four_rank_layouts_equal_the_serial_muon_run():
     ZeRO-3), dp 4 under ZeRO-2 (owners spread over four ranks), and experts at ep 2 x dp 4 under ZeRO-1 and 3
     (each expert's matrices their own, sharded over the expert-data-parallel pair): equal the serial run."""
     _check_layouts(run_on_ranks(4, _layout_body, WORLD4, timeout=600), WORLD4, 4)
+
+
+def test_the_trainer_runs_muon_and_says_what_each_optimizer_steps(tmp_path):
+    """pretrain_gpt.py --optimizer muon at dp 2 under ZeRO-1 (torchrun): the start line splits the parameters
+    between Muon (the 4 layers' matrices) and AdamW, and every iteration's loss is finite (mock data: nothing to
+    learn; the parity tests above prove the numbers)."""
+    path = tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "pretrain_gpt.py"), *TINY, "--zero-stage", "1", "--optimizer", "muon", "--muon-ns-steps", "4",
+           "--metrics-file", str(path)]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    hidden, ffn = 32, 128
+    matrices = 4 * (3 * hidden * hidden + hidden * hidden + 2 * hidden * ffn)
+    line = next(x for x in run.stdout.splitlines() if x.startswith(" optimizer:"))
+    assert f"muon on the layers' matrices, {matrices:,} parameters" in line, line
+    assert "4 Newton-Schulz steps in fp32" in line and "adamw on the other" in line, line
+    losses = [r["loss"] for r in read_metrics(path)[0]]
+    assert len(losses) == 10 and all(math.isfinite(x) for x in losses), losses
