@@ -49,6 +49,7 @@ PACKAGES = [
 ]
 ZERO_ORDER = ["protocol", "buckets", "grad_norm", "materialize", "swap", "adamw", "offload", "offload_params", "quantize",
               "fp8_gather", "reducers", "replicated_params", "grad_sync", "units", "sharded_grads", "zeropp", "param_sync", "publish",
+              "muon",
               "optimizer", "engine"]
 # "module -> imported module": why the import cannot be at module level.
 IMPORTS_IN_FUNCTIONS: dict[str, str] = {}

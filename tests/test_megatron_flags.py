@@ -18,7 +18,8 @@ from megazero.config import megatron_flags as megatron
 
 ROOT = Path(__file__).resolve().parents[1]
 VALUES = {"--transformer-impl": "transformer_engine", "--attention-backend": "flash", "--data-impl": "mmap",
-          "--dataloader-type": "single", "--optimizer": "adam", "--distributed-backend": "gloo",
+          "--dataloader-type": "single", "--distributed-backend": "gloo", "--muon-scalar-optimizer": "adam",
+          "--muon-tp-mode": "distributed",
           "--ckpt-format": "torch_dist", "--tiktoken-pattern": "v2", "--kv-channels": "32"}
 NO_OPS = " Megatron-LM implementation flags taken as no-ops here (what runs instead: docs/megatron-flags.md): "
 

@@ -24,7 +24,9 @@ from helpers.gpt_parity import (
 from helpers.trainer import ROOT, TINY, read_metrics
 from torch.optim import _muon as torch_muon
 
-from megazero.config import ParallelConfig, ZeroConfig
+from megazero.cli.job import parse_job
+from megazero.config import JobConfig, OptimizerConfig, ParallelConfig, ZeroConfig, validate
+from megazero.errors import ConfigError
 from megazero.models.gpt import (
     GPTConfig,
     activation_shape,
@@ -54,6 +56,26 @@ def test_newton_schulz_and_the_lr_scaling_are_torch_muons(shape):
     for mode in ("original", "match_rms_adamw"):
         assert adjusted_lr(0.01, mode, shape) == torch_muon._adjust_lr(0.01, mode, torch.Size(shape))
     assert newton_schulz_flops((24, 40), 5) == newton_schulz_flops((40, 24), 5) == 5 * (4 * 24 * 24 * 40 + 2 * 24 ** 3)
+
+
+@pytest.mark.parametrize("kw,zero,words", [
+    ({"muon_momentum": 0.9}, {}, r"--muon-momentum sets Muon, but --optimizer is adamw: add --optimizer muon"),
+    ({"optimizer": "muon", "muon_momentum": 1.0}, {}, r"--muon-momentum must be in \[0, 1\)"),
+    ({"optimizer": "muon", "muon_ns_steps": 0}, {}, "--muon-ns-steps must be between 1 and 99"),
+    ({"optimizer": "muon"}, {"zero_stage": 1, "offload_optimizer": "cpu"},
+     "Muon's state stays on the device .*: drop --offload-optimizer, or use --optimizer adamw"),
+])
+def test_muon_settings_are_refused_where_they_mean_nothing(kw, zero, words):
+    with pytest.raises(ConfigError, match=words):
+        validate(JobConfig(optimizer=OptimizerConfig(**kw), zero=ZeroConfig(**zero)), 2)
+
+
+def test_megatrons_spellings_are_ours():
+    """Megatron-LM's --optimizer adam is AdamW and dist_muon is Muon (always distributed here); its
+    --muon-use-nesterov and --muon-num-ns-steps are our flags' aliases."""
+    job = parse_job(["--optimizer", "dist_muon", "--muon-num-ns-steps", "3", "--no-muon-nesterov"], world_size=1)[0]
+    assert job.optimizer.muon and job.optimizer.muon_ns_steps == 3 and not job.optimizer.muon_nesterov
+    assert not parse_job(["--optimizer", "adam"], world_size=1)[0].optimizer.muon
 
 
 def _run(topo, par, stage, steps, model_kw=None, optimizer="muon"):
