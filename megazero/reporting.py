@@ -14,10 +14,11 @@ from megazero.config import JobConfig
 from megazero.lr_schedule import decoupled_learning_rate, learning_rate
 from megazero.metrics import MetricsLog, duration, peak_memory_bytes, timestamp
 from megazero.parallel import fp8
-from megazero.parallel.params import attribute, counts_once
+from megazero.parallel.params import attribute, counts_once, split_dim, whole_shape
 from megazero.parallel.pipeline import get_schedule
 from megazero.parallel.pipeline.zero_bubble import theory
 from megazero.parallel.topology import Topology
+from megazero.parallel.zero.muon import newton_schulz_flops
 from megazero.spec import get_model_spec
 from megazero.state import TrainState
 
@@ -58,10 +59,14 @@ def _optimizer_split(job: JobConfig, chunks, topo: Topology, total: int) -> str:
     if not o.muon:
         return ""
     matrices = count_parameters(chunks, topo, lambda p: attribute(p, "layer_matrix"))
+    flops = count_parameters(chunks, topo, lambda p: attribute(p, "layer_matrix"),
+                             size=lambda p: newton_schulz_flops(whole_shape(p, topo.tp_size), o.muon_ns_steps)
+                             // (topo.tp_size if split_dim(p) >= 0 else 1))
     nesterov = " (nesterov)" if o.muon_nesterov else ""
     return (f"\n optimizer: muon on the layers' matrices, {matrices:,} parameters (momentum {o.muon_momentum}"
-            f"{nesterov}, {o.muon_ns_steps} Newton-Schulz steps in {o.muon_ns_dtype}, lr scaled {o.muon_adjust_lr}); "
-            f"adamw on the other {total - matrices:,} (embeddings, output layer, norms, biases)")
+            f"{nesterov}, {o.muon_ns_steps} Newton-Schulz steps in {o.muon_ns_dtype}, lr scaled {o.muon_adjust_lr}: "
+            f"{flops / 1e9:.3g} GFLOP a step, each matrix once per model replica); adamw on the other "
+            f"{total - matrices:,} (embeddings, output layer, norms, biases)")
 
 
 def predicted_pipeline(job: JobConfig) -> str:
@@ -78,13 +83,14 @@ def predicted_pipeline(job: JobConfig) -> str:
             f"{held}, held from F to its B or W (unit times F = I = W = 1, B = 2; by rank {list(peaks)})")
 
 
-def count_parameters(chunks, topo: Topology, which=None) -> int:
-    """Parameters of the whole model (``which``: those it accepts), each counted once whatever the layout (a
-    collective): the elements :func:`megazero.parallel.params.counts_once` picks, data-parallel replicas divided
-    out (an MoE expert has dp / ep replicas: its count is multiplied by ep before the division).
-    Call before the ZeRO engine shards the parameters (or on an unsharded model)."""
-    ep = topo.ep_size
-    local = sum(p.numel() * (ep if attribute(p, "expert_parallel") else 1)
+def count_parameters(chunks, topo: Topology, which=None, size=None) -> int:
+    """Parameters of the whole model (``which``: those it accepts; ``size``: what each counts for, default its
+    elements), each counted once whatever the layout (a collective): the elements
+    :func:`megazero.parallel.params.counts_once` picks, data-parallel replicas divided out (an MoE expert has
+    dp / ep replicas: its count is multiplied by ep before the division). Call before the ZeRO engine shards
+    the parameters (or on an unsharded model)."""
+    ep, size = topo.ep_size, size or (lambda p: p.numel())
+    local = sum(size(p) * (ep if attribute(p, "expert_parallel") else 1)
                 for chunk in chunks for p in chunk.parameters()
                 if counts_once(p, topo.tp_rank) and (which is None or which(p)))
     t = torch.tensor([float(local)], device=topo.device, dtype=torch.float64)

@@ -184,5 +184,8 @@ def test_the_trainer_runs_muon_and_says_what_each_optimizer_steps(tmp_path):
     line = next(x for x in run.stdout.splitlines() if x.startswith(" optimizer:"))
     assert f"muon on the layers' matrices, {matrices:,} parameters" in line, line
     assert "4 Newton-Schulz steps in fp32" in line and "adamw on the other" in line, line
+    flops = 4 * (newton_schulz_flops((3 * hidden, hidden), 4) + newton_schulz_flops((hidden, hidden), 4)
+                 + newton_schulz_flops((ffn, hidden), 4) + newton_schulz_flops((hidden, ffn), 4))
+    assert f"{flops / 1e9:.3g} GFLOP a step, each matrix once per model replica" in line, line
     losses = [r["loss"] for r in read_metrics(path)[0]]
     assert len(losses) == 10 and all(math.isfinite(x) for x in losses), losses

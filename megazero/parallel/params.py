@@ -76,6 +76,14 @@ def split_dim(p: torch.Tensor) -> int:
     return attribute(p, "partition_dim") if attribute(p, "tensor_parallel") else -1
 
 
+def whole_shape(p: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    """The shape of the whole tensor of which ``p`` is this tp rank's shard (its own shape when replicated)."""
+    shape, dim = list(p.shape), split_dim(p)
+    if dim >= 0:
+        shape[dim] *= tp_size
+    return tuple(shape)
+
+
 def counts_once(p: torch.Tensor, tp_rank: int) -> bool:
     """True on exactly one rank of each model replica for every element of the model: what a norm,
     a parameter count or a checkpoint writer sums or writes.

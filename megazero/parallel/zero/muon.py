@@ -153,7 +153,7 @@ class Muon:
     def _matrix(slot, k: int, r, sync, sharded: bool) -> MuonMatrix:
         local = torch.Size(slot.shape)
         dim = split_dim(slot.param) if sync.tp.size > 1 else -1
-        shape = list(local)
+        shape = list(local)                        # the slot's shape: a ZeRO-3 parameter holds no storage
         if dim >= 0:
             shape[dim] *= sync.tp.size
         if sharded:
