@@ -222,7 +222,8 @@ def build_fsdp2_compiled(group: Group, first: FirstStep):
 def compile_worker(rank: int, world: int, group: Group) -> dict:
     """The group's variants on this rank: run_variants' results, each with its first step's record."""
     job, _ = parse_job(group.argv(False), world)
-    topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, order=job.parallel.order)
+    topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, order=job.parallel.order,
+                    replicas=job.parallel.data_parallel_replicas)
     firsts = {name: FirstStep() for name in (group.eager, group.eager + "-compiled", PEER)}
     variants = [Variant(group.eager, lambda: build_ours(group, topo, False, firsts[group.eager])),
                 Variant(group.eager + "-compiled",

@@ -235,6 +235,19 @@ def dp_partitions(grid: RankGrid, k: int, kind: str = "data") -> list[list[int]]
     return sorted(g[i:i + k] for g in groups for i in range(0, len(g), k))
 
 
+def replica_split(groups: list[list[int]], shard: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Every data-parallel group (in dp-rank order) split for a replica dimension of ``len / shard`` replicas:
+    (the shard groups: each group's consecutive blocks of ``shard`` members, over which ZeRO shards; the replica
+    groups: the members at the same place in each block, over which each reduced shard is summed). Worked
+    example, the group [0, 2, 4, 6] (tp 2) at shard 2: shards [[0, 2], [4, 6]], replicas [[0, 4], [2, 6]]."""
+    size = len(groups[0])
+    if shard < 1 or size % shard:
+        raise ValueError(f"the shard size ({shard}) must divide the data-parallel size ({size})")
+    shards = sorted(g[i:i + shard] for g in groups for i in range(0, size, shard))
+    replicas = sorted(g[i::shard] for g in groups for i in range(shard))
+    return shards, replicas
+
+
 def local_world_size() -> int | None:
     """Ranks per node as torchrun says (``LOCAL_WORLD_SIZE``), or None outside a launcher."""
     value = os.environ.get("LOCAL_WORLD_SIZE")

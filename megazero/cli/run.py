@@ -68,7 +68,7 @@ def build(job: JobConfig, backend: str | None) -> Built:
     topo = Topology(job.parallel.tp, job.parallel.pp, job.parallel.dp, order=job.parallel.order,
                     device=init_distributed(backend, timeout_s), timeout_s=timeout_s,
                     ranks_per_node=job.parallel.ranks_per_node, ep=job.parallel.expert_model_parallel_size,
-                    cp=job.parallel.cp)
+                    cp=job.parallel.cp, replicas=job.parallel.data_parallel_replicas)
     if topo.device.type == "cpu" and job.logging.return_freed_memory:    # honest resident peaks, slower
         return_freed_memory()
     log = MetricsLog(job.logging.metrics_file, job.logging.tensorboard_dir, enabled=topo.rank == 0,

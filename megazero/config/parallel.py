@@ -58,6 +58,10 @@ class ParallelConfig:
     expert_model_parallel_size: int = flag_field(1, "--expert-model-parallel-size", type=int,
                                                  group="mixture of experts",
                                                  help="experts split over this many dp ranks (default 1)")
+    data_parallel_replicas: int = flag_field(
+        1, "--data-parallel-replicas", "--num-distributed-optimizer-instances", type=int, group=_PAR, metavar="R",
+        help="split the data-parallel ranks into R replicas of dp / R consecutive ranks (HSDP): ZeRO shards within "
+             "a replica, gradients are averaged across replicas (default 1: ZeRO shards over all of dp)")
     virtual_stages: int = 1                     # model chunks per rank (v); derived by validate()
     distributed_timeout_minutes: float = flag_field(
         10.0, "--distributed-timeout-minutes", type=float, group=_PAR,
@@ -91,11 +95,30 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp < 2:
             fail(f"{FLAG.sequence_parallel} splits activations over the tensor-parallel ranks and does nothing at "
                  f"{FLAG.tp} {self.tp}: drop it, or use {FLAG.tp} 2 or more")
+        self._check_replicas()
         ep, cp = self.expert_model_parallel_size, self.cp
         if self.dp_x_cp % ep:
             over = f"data-parallel size {self.dp}" if cp == 1 else f"dp x cp = {self.dp} x {cp} = {self.dp_x_cp}"
             fail(f"{over} is not divisible by {FLAG.expert_model_parallel_size} {ep}: expert groups are carved out "
                  f"of the data{'' if cp == 1 else ' x context'}-parallel group; choose EP dividing {self.dp_x_cp}")
+
+    @property
+    def shard_size(self) -> int:
+        """The data-parallel ranks ZeRO shards over: dp / ``data_parallel_replicas``. Needs ``dp``."""
+        return self.dp // self.data_parallel_replicas
+
+    def _check_replicas(self) -> None:
+        """The replica dimension: R divides dp; with context or expert parallelism it is not built."""
+        r = self.data_parallel_replicas
+        positive(r, "data_parallel_replicas")
+        if r == 1:
+            return
+        if self.dp % r:
+            fail(f"{FLAG.data_parallel_replicas} {r} must divide the data-parallel size {self.dp}: each replica holds "
+                 f"dp / R ranks")
+        for size, name in ((self.cp, FLAG.cp), (self.expert_model_parallel_size, FLAG.expert_model_parallel_size)):
+            if size > 1:
+                fail(f"{FLAG.data_parallel_replicas} with {name} {size} is not built: drop one of them")
 
     def _check_cp_comm_type(self) -> None:
         """A given ``--cp-comm-type`` is a built one and has a split sequence to act on (at cp 1 it means

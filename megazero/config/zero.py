@@ -96,9 +96,28 @@ class ZeroConfig:
                   f"drop the flag or use {FLAG.zero_stage} 2")
         self._check_offload()
         self._check_zeropp(par, world_size)
+        self._check_replicas(par)
         if par.cp > 1 and (self.hpz_partition_size > 1 or self.quantized_weights or self.quantized_gradients):
             fail(f"{FLAG.cp} {par.cp} with ZeRO++ ({FLAG.hpz_partition_size}, {FLAG.quantized_weights}, "
                  f"{FLAG.quantized_gradients}) is not built: drop the ZeRO++ flags or {FLAG.cp}")
+
+    def _check_replicas(self, par: ParallelConfig) -> None:
+        """``--data-parallel-replicas``: ZeRO 1-3 shard within a replica; ZeRO++ shapes its own groups."""
+        r = par.data_parallel_replicas
+        if r == 1:
+            return
+        if self.zero_stage == 0:
+            fail(f"{FLAG.data_parallel_replicas} {r} splits ZeRO's shards over replicas, and {FLAG.zero_stage} 0 "
+                 f"shards nothing: use {FLAG.zero_stage} 1, 2 or 3, or drop {FLAG.data_parallel_replicas}")
+        if self.offload_optimizer != "none":
+            fail(f"{FLAG.data_parallel_replicas} with {FLAG.offload_optimizer} is not built (the host copy of the "
+                 f"gradients is taken before the sum over replicas): drop one of them")
+        zeropp = [f for f, on in ((FLAG.hpz_partition_size, self.hpz_partition_size > 1),
+                                  (FLAG.quantized_weights, self.quantized_weights),
+                                  (FLAG.quantized_gradients, self.quantized_gradients)) if on]
+        if zeropp:
+            fail(f"{FLAG.data_parallel_replicas} with {zeropp[0]} is not built (ZeRO++ makes its own groups within "
+                 f"dp): drop one of them")
 
     def _check_offload(self) -> None:
         for name in ("offload_optimizer", "offload_params"):

@@ -7,6 +7,10 @@ works over, handed out by :class:`megazero.parallel.topology.Topology`, never th
     ContextParallel          topo.context_parallel()        attention (keys/values exchanged over cp)
     PipelineLayout           topo.pipeline()                run_schedule, StageComm, tied-embedding sums
     DataParallel             topo.data_context_parallel()   ZeRO: dense parameters reduced/sharded over dp x cp
+                             topo.data_shard()              ZeRO's shard group: dp x cp itself, or with
+                                                            --data-parallel-replicas R one replica's dp / R
+                                                            ranks, its ``replicas`` the ranks at the same place
+                                                            in the other replicas
                              topo.data_parallel()           the data loader (which samples a rank reads)
                              topo.expert_data_parallel()    ZeRO: experts over the expert-data-parallel group
     ModelReplica             topo.model_replica()           the unsharded optimizer's gradient norm (tp x pp)
@@ -159,7 +163,9 @@ class DataParallel:
     group cut by node (members on this node / members at this rank's position on every node), None
     when the group has no regular node layout. ``partition(k)``: this rank's block of ``k``
     consecutive members (ZeRO++'s hpZ), created on first use: every rank must ask at the same point.
-    ``tag``: the name its traffic is recorded under.
+    ``tag``: the name its traffic is recorded under. ``replicas`` (``--data-parallel-replicas``, shard views
+    only): the ranks holding this rank's shard in the other replicas, over which each reduced shard is
+    summed (tag ``dp_replica``); None without replicas.
     """
 
     group: Any = None
@@ -173,6 +179,7 @@ class DataParallel:
     inter: SubGroup | None = None
     tag: str = "dp"
     partitions: Callable[[int], SubGroup] | None = field(default=None, compare=False, repr=False)
+    replicas: SubGroup | None = None
 
     @classmethod
     def single(cls, device: torch.device | None = None) -> "DataParallel":

@@ -26,7 +26,7 @@ from megazero.parallel.groups import (
     SubGroup,
     TensorParallel,
 )
-from megazero.ranks import DEFAULT_ORDER, dp_partitions, local_world_size, rank_grid
+from megazero.ranks import DEFAULT_ORDER, dp_partitions, local_world_size, rank_grid, replica_split
 
 
 def default_backend() -> str:
@@ -105,7 +105,7 @@ class Topology:
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None, order: str = DEFAULT_ORDER,
                  device: torch.device | None = None, timeout_s: float | None = None,
-                 ranks_per_node: int | None = None, ep: int = 1, cp: int = 1):
+                 ranks_per_node: int | None = None, ep: int = 1, cp: int = 1, replicas: int = 1):
         world = dist.get_world_size()
         rank = dist.get_rank()
         dp = dp if dp is not None else world // (tp * cp * pp)
@@ -151,6 +151,8 @@ class Topology:
             self._expert_dp = self._data_view("expert_data", edp_group, edp_ranks, edp_ranks.index(rank))
         else:
             self._ep, self._expert_dp = ExpertParallel(None, (rank,), 0, 1), self._dp_cp
+        self.replicas = replicas
+        self._dp_shard = self._shard_view(replicas) if replicas > 1 else self._dp_cp
 
     # ------------------------------------------------------------------ views
     def tensor_parallel(self) -> TensorParallel:
@@ -172,6 +174,21 @@ class Topology:
         are averaged over dp only: each cp rank's loss is its slice's share of the sequence's loss, so
         their gradients add up to the sequence's. With cp = 1 it is the data-parallel view itself."""
         return self._dp_cp
+
+    def data_shard(self) -> DataParallel:
+        """The ranks ZeRO shards the dense parameters' state over: the data x context view itself, or, with
+        ``replicas`` R, this rank's replica of dp / R consecutive members, whose ``replicas`` sum each reduced
+        shard across the replicas (see :func:`megazero.ranks.replica_split`). Gradients still average over dp."""
+        return self._dp_shard
+
+    def _shard_view(self, replicas: int) -> DataParallel:
+        """The shard view of the data-parallel groups split into ``replicas`` replicas (cp 1, no experts)."""
+        shards, peers = replica_split(self.grid.data, self.dp_size // replicas)
+        shard_group, shard_ranks = self._create(shards)
+        replica_group, replica_ranks = self._create(peers)
+        return DataParallel(shard_group, tuple(shard_ranks), shard_ranks.index(self.rank), len(shard_ranks),
+                            self.dp_size, self.ranks_per_node, self.device,
+                            replicas=SubGroup(replica_group, tuple(replica_ranks)))
 
     def expert_data_parallel(self) -> DataParallel:
         """The ranks holding the same experts (dp x cp / ep of them); gradients still averaged over dp. With

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megazero.config import FLAG, OptimizerConfig, PrecisionConfig, ZeroConfig
@@ -140,9 +141,15 @@ def bucket_group_filters(ep: int, has_experts: bool) -> list[tuple[str, object]]
 
 def bucket_group_views(topo: Topology, has_experts: bool) -> list[tuple[str, DataParallel, object]]:
     """(name, data-parallel view, filter) of each bucket group: the experts over the expert-data-parallel
-    group, everything else over the data x context-parallel group (the data-parallel group at cp 1)."""
-    return [(name, topo.expert_data_parallel() if name == "experts" else topo.data_context_parallel(), keep)
+    group, everything else over the data x context-parallel group (the data-parallel group at cp 1), or,
+    with ``--data-parallel-replicas``, over one replica's shard group (:meth:`Topology.data_shard`)."""
+    return [(name, topo.expert_data_parallel() if name == "experts" else topo.data_shard(), keep)
             for name, keep in bucket_group_filters(topo.ep_size, has_experts)]
+
+
+def _first_replica(dp: DataParallel) -> bool:
+    """Is this rank in the first replica of ``dp``'s replica dimension (always, without one)?"""
+    return dp.replicas is None or dp.replicas.ranks[0] == dist.get_rank()
 
 
 OFFLOADED_KEYS = {"host": ("params", "grads", "master_weights", "optimizer_state", "buffers"),
@@ -286,9 +293,10 @@ class ZeroEngine:
     def saved_pieces(self) -> list[StatePiece]:
         """What this rank writes to a checkpoint: for every bucket, its data-parallel shard of the
         elements, weights and optimizer state (at stage 0 too: replicated state is written once,
-        split over the dp ranks, in parallel)."""
+        split over the dp ranks, in parallel; with ``--data-parallel-replicas``, by the first replica's
+        ranks only)."""
         self.optimizer.wait_params()
-        return [p for sync in self.bucket_groups
+        return [p for sync in self.bucket_groups if _first_replica(sync.dp)
                 for p in self._pieces(sync, [(b, *sync.shard_range(b)) for b in sync.buckets], True, True)]
 
     def loaded_pieces(self, weights_only: bool = False) -> list[StatePiece]:

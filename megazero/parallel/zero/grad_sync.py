@@ -248,12 +248,20 @@ class BucketedGradSync:
                 bucket.handle.wait()
             bucket.handle = None
             lo, hi = self.grad_range(bucket)
+            self._sum_over_replicas(bucket, lo, hi)
             if self.average_over > 1 and self._averages_after(bucket.grad_data):
                 bucket.grad_data[lo:hi].mul_(1.0 / self.average_over)
             self._reduced(bucket, lo, hi)
         self._reset_countdown()
         self._synced = True
         self.params.after_grad_sync()
+
+    def _sum_over_replicas(self, bucket: Bucket, lo: int, hi: int) -> None:
+        """``--data-parallel-replicas``: the shard reduced within this replica, summed with the same shard of
+        the other replicas (the ranks of ``dp.replicas``): the sum over the whole dp."""
+        replicas = self.dp.replicas
+        if replicas is not None and replicas.size > 1 and lo < hi:
+            comm.all_reduce(self.reduced_grad(bucket, lo, hi), replicas.group, self.comm_log, "dp_replica")
 
     def _reduced(self, bucket: Bucket, lo: int, hi: int) -> None:
         if self.on_reduced is not None and lo < hi:

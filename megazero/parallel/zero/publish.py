@@ -44,8 +44,9 @@ class PublishPolicy:
         return sync.shard_range(bucket)
 
     def replicas(self, sync) -> int:
-        """Ranks holding each reduced gradient element this rank holds (its norm is divided by this)."""
-        return 1
+        """Ranks holding each reduced gradient element this rank holds (its norm is divided by this): one,
+        or the replicas of ``--data-parallel-replicas``."""
+        return sync.dp.replicas.size if sync.dp.replicas is not None else 1
 
     def before_write(self) -> None:
         """Called before new parameter values are stored."""

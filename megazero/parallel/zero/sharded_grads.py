@@ -205,6 +205,8 @@ class ShardedGradSync(BucketedGradSync):
             if bucket.grad_data is not None or bucket.grad_shard is None:
                 self._start(bucket)
         self._retire(keep=0)
+        for bucket in self.buckets:                  # --data-parallel-replicas: once a step, on the final shard
+            self._sum_over_replicas(bucket, *self.shard_range(bucket))
         self._drop_spares()
         self._reset_countdown()
         self._synced = True
