@@ -1,9 +1,12 @@
 """The replica dimension (--data-parallel-replicas, HSDP): ZeRO shards within each replica of dp / R ranks, the
 reduced shards are summed across replicas; every layout equals the serial run, the cross-replica bytes are the
 formula's, and a checkpoint is written once (by the first replica) and loads under another layout."""
+import json
+
 import pytest
 import torch
 from helpers import run_on_ranks
+from helpers.ckpt import VOCAB, full_params, make_job, train_one_step
 from helpers.gpt_parity import (
     GPT_CFG,
     GPT_OPT,
@@ -15,6 +18,8 @@ from helpers.gpt_parity import (
     gpt_batches,
 )
 
+from megazero.checkpoint import load_checkpoint, save_checkpoint
+from megazero.checkpoint.offline import read_model
 from megazero.config import JobConfig, ParallelConfig, ZeroConfig, validate
 from megazero.errors import ConfigError
 from megazero.models.gpt import GPTConfig, activation_shape, build_model_chunks, masked_mean
@@ -23,6 +28,7 @@ from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 from megazero.ranks import replica_split
+from megazero.state import TrainState
 
 
 def test_replica_split_cuts_blocks_and_strides():
@@ -101,3 +107,41 @@ def test_two_replicas_of_two_equal_the_serial_run_and_send_less_across_nodes():
     flat_inter = [r[3][2]["inter"] for r in results]
     hsdp_inter = [r[2][2]["inter"] for r in results]
     assert all(h < f for h, f in zip(hsdp_inter, flat_inter)), (hsdp_inter, flat_inter)
+
+
+def _checkpoint_body(rank, world_size, replicas, stage, steps, save_dir=None, load_dir=None):
+    """The checkpoint tests' GPT (tests/helpers/ckpt.py) at dp 4 with ``replicas``: ``steps`` steps, saved after
+    step 2 (``save_dir``) or continued from ``load_dir``; (losses, full weights after loading, at the end)."""
+    topo = Topology(dp=4, replicas=replicas)
+    job = make_job(1, 1, 4, stage)
+    job.parallel.data_parallel_replicas = replicas
+    chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, device="meta")
+    engine = build_engine(chunks, topo, job.zero, job.optimizer)
+    state, loaded = TrainState(), None
+    if load_dir:
+        state = load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job)
+        loaded = full_params(chunks, topo, engine)
+    losses = []
+    while state.iteration < steps:
+        losses.append(train_one_step(topo, chunks, engine, state.iteration))
+        state.iteration += 1
+        if save_dir and state.iteration == 2:
+            save_checkpoint(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job)
+    return losses, loaded, full_params(chunks, topo, engine)
+
+
+def test_a_checkpoint_is_written_once_by_the_first_replica_and_loads_without_replicas(tmp_path):
+    """R = 2 x shard 2 under ZeRO-3 saves after step 2: the tensors come from the first replica's two ranks
+    only, each element once; flat ZeRO-1 at dp 4 loads them exactly and its step 3 equals the run that went on."""
+    ran = run_on_ranks(4, _checkpoint_body, 2, 3, 3, str(tmp_path), timeout=300)
+    index = json.loads((tmp_path / "iter_0000002" / "index.json").read_text())
+    writers = {piece["file"] for entry in index["tensors"].values() for piece in entry["shards"]}
+    assert writers == {"rank00000.safetensors", "rank00001.safetensors"}, writers   # the first replica's shards
+    model = read_model(tmp_path)[1]
+    resumed = run_on_ranks(4, _checkpoint_body, 1, 1, 3, load_dir=str(tmp_path), timeout=300)
+    for (losses, _, final), (resumed_losses, loaded, resumed_final) in zip(ran, resumed):
+        for name, value in loaded.items():
+            assert torch.equal(value[:VOCAB] if "word_embeddings" in name else value, model[name]), name
+        torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(losses[2:]), rtol=1e-5, atol=0)
+        for name, value in resumed_final.items():
+            torch.testing.assert_close(value, final[name], rtol=1e-5, atol=1e-6, msg=name)
