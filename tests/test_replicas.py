@@ -2,11 +2,15 @@
 reduced shards are summed across replicas; every layout equals the serial run, the cross-replica bytes are the
 formula's, and a checkpoint is written once (by the first replica) and loads under another layout."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from helpers import run_on_ranks
 from helpers.ckpt import VOCAB, full_params, make_job, train_one_step
+from helpers.trainer import ROOT, TINY, assert_same_losses, read_metrics
 from helpers.gpt_parity import (
     GPT_CFG,
     GPT_OPT,
@@ -20,7 +24,8 @@ from helpers.gpt_parity import (
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.checkpoint.offline import read_model
-from megazero.config import JobConfig, ParallelConfig, ZeroConfig, validate
+from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.memory.estimate import estimate_stage
 from megazero.errors import ConfigError
 from megazero.models.gpt import GPTConfig, activation_shape, build_model_chunks, masked_mean
 from megazero.parallel.params import split_dim
@@ -76,13 +81,19 @@ def _run(topo, par, zero, steps):
 
 def _replicas_body(rank, world_size, stages, steps):
     """R = 2 replicas x shard 2 at dp 4, on two 'nodes' of two ranks (one replica each): per ZeRO stage, the run,
-    the bytes sent across replicas a step and in all, and flat ZeRO-3 at dp 4 for comparison."""
+    the bytes sent across replicas a step and in all, and flat ZeRO-3 at dp 4 for comparison. The estimator's
+    model-state bytes equal the engine's (a shard of dp / R)."""
     out = []
     for stage, replicas in stages:
         topo = Topology(dp=4, ranks_per_node=2, replicas=replicas)
         par = ParallelConfig(dp=4, data_parallel_replicas=replicas)
         zero = ZeroConfig(zero_stage=stage, bucket_size=3000)
         result, _, engine = _run(topo, par, zero, steps)
+        sized = JobConfig(model=GPTConfig(**GPT_CFG), parallel=par, zero=zero,
+                          train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=MB_SIZE * MICRO * 4))
+        estimated, measured = estimate_stage(sized, 0).parts, engine.model_state_bytes()
+        for key in ("params", "master_weights", "optimizer_state"):
+            assert estimated[key] == measured[key], (key, estimated[key], measured[key])
         shard = topo.data_shard()
         buckets = engine.bucket_groups[0].buckets
         out.append((result, engine.comm_log.bytes(), engine.comm_log.link_bytes(),
@@ -145,3 +156,39 @@ def test_a_checkpoint_is_written_once_by_the_first_replica_and_loads_without_rep
         torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(losses[2:]), rtol=1e-5, atol=0)
         for name, value in resumed_final.items():
             torch.testing.assert_close(value, final[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _model_parallel_body(rank, world_size, cases):
+    out = []
+    for tp, pp, stage, sp in cases:
+        topo = Topology(tp=tp, pp=pp, replicas=2)
+        par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, data_parallel_replicas=2)
+        out.append(_run(topo, par, ZeroConfig(zero_stage=stage, bucket_size=3000), 5)[0])
+    return out
+
+
+@pytest.mark.slow
+def test_replicas_with_tensor_and_pipeline_parallelism_equal_the_serial_run():
+    """8 ranks, 2 replicas x shard 2 beside tp 2 with sequence parallelism (ZeRO-1) and beside pp 2 (ZeRO-3):
+    the replica groups pair the ranks at the same tp / pp place; the runs equal one process."""
+    cases = [(2, 1, 1, True), (1, 2, 3, False)]
+    results = run_on_ranks(8, _model_parallel_body, cases, timeout=600)
+    for i in range(len(cases)):
+        check_against_reference([r[i] for r in results], 5, dp=4)
+
+
+@pytest.mark.slow
+def test_the_trainer_with_replicas_equals_flat_zero3(tmp_path):
+    """pretrain_gpt.py on 4 ranks (torchrun), --data-parallel-replicas 2 under ZeRO-3: the start line names the
+    replicas and the losses equal flat ZeRO-3's (the same global batch and data)."""
+    runs = {}
+    for name, extra in (("flat", []), ("replicas", ["--num-distributed-optimizer-instances", "2"])):
+        path = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               str(ROOT / "pretrain_gpt.py"), *TINY, "--zero-stage", "3", *extra, "--metrics-file", str(path)]
+        run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs[name] = (run.stdout, read_metrics(path)[0])
+    assert "dp 4 (2 replicas x 2) | zero stage 3" in runs["replicas"][0]
+    assert_same_losses(runs["replicas"][1], runs["flat"][1], "loss")

@@ -47,7 +47,7 @@ AS_IS = (
     "--lr", "--min-lr", "--decoupled-lr", "--decoupled-min-lr", "--lr-warmup-iters", "--lr-warmup-fraction",
     "--lr-warmup-samples", "--lr-decay-iters", "--lr-decay-samples", "--lr-decay-style", "--weight-decay",
     "--adam-beta1", "--adam-beta2", "--adam-eps", "--clip-grad",
-    "--optimizer", "--muon-momentum", "--muon-use-nesterov", "--muon-num-ns-steps",
+    "--optimizer", "--muon-momentum", "--muon-use-nesterov", "--muon-num-ns-steps", "--num-distributed-optimizer-instances",
     "--bf16", "--fp16", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
     "--data-path", "--split", "--mock-data", "--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-model",
     "--data-cache-path", "--eod-mask-loss",

@@ -208,7 +208,7 @@ def _optimizer(r: Reader) -> None:
             r.fail("optimizer.type", "is missing, so DeepSpeed would not read optimizer.params: give \"AdamW\"")
         return
     if str(kind).lower() not in ("adam", "adamw"):
-        return r.fail("optimizer.type", f"{kind!r} is not supported: use \"AdamW\" (Muon is --optimizer muon)")
+        return r.fail("optimizer.type", f"{kind!r} is not supported: use \"AdamW\" (Muon is {FLAG.optimizer} muon)")
     p = "optimizer.params"
     r.only(p, {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"}, {"torch_adam"})
     if r.get(f"{p}.adam_w_mode", bool) is False:

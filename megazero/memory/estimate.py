@@ -134,7 +134,8 @@ def _state_groups(job: JobConfig, chunks: list) -> list[tuple[list[int], int, li
     has_experts = any(attribute(p, "expert_parallel") for c in chunks for p in c.parameters())
     out = []
     for name, keep in bucket_group_filters(ep, has_experts):
-        n = par.dp_x_cp // ep if name == "experts" else par.dp_x_cp   # ZeRO over dp x cp (experts: / ep)
+        # ZeRO over dp x cp (experts: / ep; with --data-parallel-replicas, within a replica: / R)
+        n = par.dp_x_cp // ep if name == "experts" else par.dp_x_cp // par.data_parallel_replicas
         held = [[(m, p) for m, p in c.named_parameters() if keep is None or keep(p)] for c in chunks]
         if z.zero_stage == 3:
             names = [{m for m, _ in h} for h in held]
@@ -175,7 +176,7 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     e = 2 if (prec.bf16 or prec.fp16) else 4
     ge = 4 if z.accumulate_allreduce_grads_in_fp32 else e    # gradient element bytes
     mask = 1 if device == "cuda" else e
-    n = par.dp_x_cp
+    n = par.dp_x_cp // par.data_parallel_replicas      # the ranks a dense bucket is reduce-scattered over
     spec = get_model_spec(job.model.model_family)
     activation_model = spec.activation_bytes or TransformerActivations()
     act_job = cp_slice_job(job)                  # activations: a context-parallel rank's slice of the sequence
