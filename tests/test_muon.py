@@ -25,7 +25,13 @@ from helpers.trainer import ROOT, TINY, read_metrics
 from torch.optim import _muon as torch_muon
 
 from megazero.cli.job import parse_job
-from megazero.config import JobConfig, OptimizerConfig, ParallelConfig, ZeroConfig, validate
+from megazero.config import (
+    JobConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    ZeroConfig,
+    validate,
+)
 from megazero.errors import ConfigError
 from megazero.models.gpt import (
     GPTConfig,

@@ -10,7 +10,6 @@ import pytest
 import torch
 from helpers import run_on_ranks
 from helpers.ckpt import VOCAB, full_params, make_job, train_one_step
-from helpers.trainer import ROOT, TINY, assert_same_losses, read_metrics
 from helpers.gpt_parity import (
     GPT_CFG,
     GPT_OPT,
@@ -21,13 +20,19 @@ from helpers.gpt_parity import (
     global_loss,
     gpt_batches,
 )
+from helpers.trainer import ROOT, TINY, assert_same_losses, read_metrics
 
 from megazero.checkpoint import load_checkpoint, save_checkpoint
 from megazero.checkpoint.offline import read_model
 from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
-from megazero.memory.estimate import estimate_stage
 from megazero.errors import ConfigError
-from megazero.models.gpt import GPTConfig, activation_shape, build_model_chunks, masked_mean
+from megazero.memory.estimate import estimate_stage
+from megazero.models.gpt import (
+    GPTConfig,
+    activation_shape,
+    build_model_chunks,
+    masked_mean,
+)
 from megazero.parallel.params import split_dim
 from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology

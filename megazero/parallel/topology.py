@@ -26,7 +26,13 @@ from megazero.parallel.groups import (
     SubGroup,
     TensorParallel,
 )
-from megazero.ranks import DEFAULT_ORDER, dp_partitions, local_world_size, rank_grid, replica_split
+from megazero.ranks import (
+    DEFAULT_ORDER,
+    dp_partitions,
+    local_world_size,
+    rank_grid,
+    replica_split,
+)
 
 
 def default_backend() -> str:

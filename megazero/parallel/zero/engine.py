@@ -58,12 +58,12 @@ from megazero.parallel.groups import DataParallel
 from megazero.parallel.params import attribute
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero.buckets import nbytes
+from megazero.parallel.zero.fp8_gather import forget_weight_amaxes
 from megazero.parallel.zero.grad_sync import (
     AllReduceGradSync,
     BucketedGradSync,
     ReduceScatterGradSync,
 )
-from megazero.parallel.zero.fp8_gather import forget_weight_amaxes
 from megazero.parallel.zero.offload_params import build_param_shards
 from megazero.parallel.zero.optimizer import BucketAdamW
 from megazero.parallel.zero.param_sync import ShardedParams
