@@ -45,6 +45,7 @@ PACKAGES = [
     "megazero.generation",
     "megazero.reporting",       # what a run says
     "megazero.training",        # the loop and the step
+    "megazero.census",          # the op census of a trainer step
     "megazero.cli",             # the program: parse -> preflight -> plan -> build -> train
 ]
 ZERO_ORDER = ["protocol", "buckets", "grad_norm", "materialize", "swap", "adamw", "offload", "offload_params", "quantize",

@@ -1,0 +1,206 @@
+"""The op census: every kernel one training step runs besides the matrix products, counted on a CPU.
+
+On a GPU the matrix products (GEMMs) run at the hardware's speed, and what a step loses goes to the glue
+around them: each other kernel costs a launch (a few microseconds of host time) and a trip through memory
+(its bytes read and written). A CPU runs the same aten ops in the same order, so counting them here tells,
+without a GPU, how much glue a change adds or removes. :class:`OpCensus` is a dispatch mode that sees every
+aten op of the step (forward, backward, gradient sync, optimizer) and sorts it:
+
+    gemm        mm, addmm, bmm, baddbmm, _scaled_mm, _grouped_mm: their FLOPs (2 M N K each)
+    attention   the fused scaled-dot-product attention kernels (forward and backward)
+    free        no kernel: views (``func.is_view``), allocations, metadata (``_unsafe_view``, ``empty``, ...),
+                queries with no tensor out (``promote_types``)
+    sync        a value read back by the host (``.item()``: ``_local_scalar_dense``), a GPU stall
+    collective  a torch.distributed collective (c10d)
+    other       every other op: one kernel, its input and output bytes; copies (``copy_``, ``_to_copy``,
+                ``clone``) counted apart, and among them casts (a copy that changes the dtype)
+
+:func:`layer_census` runs the trainer's own step (``megazero.training.train_step``, one process) at two
+depths and two micro-batch counts and splits the counts into what each layer adds per micro-batch, what each
+layer adds once per step (its share of the gradient sync and optimizer), and the rest (embedding, head, loss,
+the step's fixed work): the figures a test pins (tests/test_census.py) so that a change adding copies
+fails on CPU, and ``tools/op_census.py`` prints.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from megazero.config import validate
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero import build_engine
+from megazero.spec import build_model_chunks, get_model_spec
+from megazero.training import train_step
+
+aten = torch.ops.aten
+GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+GEMM_NAMES = ("_scaled_mm", "_grouped_mm")
+COPIES = {aten.copy_.default, aten._to_copy.default, aten.clone.default}
+FREE = {aten._unsafe_view.default, aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+        aten.new_empty_strided.default, aten.lift_fresh.default, aten.empty_like.default, aten.set_.source_Storage,
+        aten.set_.source_Storage_storage_offset, aten.resize_.default}
+
+
+@dataclass
+class Census:
+    """What one step (or a share of it) ran: GEMMs and their FLOPs, attention kernels, the other kernels and
+    their bytes read + written, copies and casts among them, host syncs; ``by_op``: the other kernels by name."""
+
+    gemms: int = 0
+    gemm_flops: int = 0
+    attention: int = 0
+    ops: int = 0
+    bytes: int = 0
+    copies: int = 0
+    casts: int = 0
+    cast_bytes: int = 0
+    syncs: int = 0
+    collectives: int = 0
+    by_op: Counter = field(default_factory=Counter)
+
+    def __sub__(self, other: Census) -> Census:
+        return self + other / -1
+
+    def __add__(self, other: Census) -> Census:
+        return Census(*(_add(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)))
+
+    def __truediv__(self, k: int) -> Census:
+        """Each figure divided by ``k`` (a difference over ``k`` layers or micro-batches): whole numbers when the
+        step repeats the same ops per layer, as a check that the split is exact."""
+        return Census(*(_divide(getattr(self, f.name), k) for f in dataclasses.fields(self)))
+
+    def line(self) -> str:
+        return (f"{self.ops} ops ({self.copies} copies, {self.casts} casts), {self.bytes / 2**20:.2f} MiB moved, "
+                f"{self.gemms} GEMMs ({self.gemm_flops / 1e9:.3g} GFLOP), {self.attention} attention, "
+                f"{self.syncs} host syncs, {self.collectives} collectives")
+
+
+def _add(a, b):
+    """``a + b``, for counts and for per-op counters (negative entries kept: a difference of two steps)."""
+    if isinstance(a, Counter):
+        out = Counter(a)
+        for name, n in b.items():
+            out[name] += n
+        return Counter({name: n for name, n in out.items() if n})
+    return a + b
+
+
+def _divide(value, k: float):
+    if isinstance(value, Counter):
+        return Counter({name: n / k for name, n in value.items() if n})
+    return value / k
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class OpCensus(TorchDispatchMode):
+    """Counts every aten op run inside it into :attr:`census` (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.census = Census()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        c = self.census
+        if func in GEMMS or func.__name__.split(".")[0] in GEMM_NAMES:
+            c.gemms += 1
+            c.gemm_flops += _gemm_flops(func, args, out)
+        elif "scaled_dot_product" in func.__name__ or "flash_attention" in func.__name__:
+            c.attention += 1
+        elif func is aten._local_scalar_dense.default:
+            c.syncs += 1
+        elif func.namespace == "c10d":
+            c.collectives += 1
+        elif not (func.is_view or func in FREE or func.namespace == "prim"):
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if not outputs:                     # a query (promote_types, ...): no kernel
+                return out
+            moved = _nbytes(inputs) + _nbytes(outputs)
+            c.ops += 1
+            c.bytes += moved
+            c.by_op[func.__name__] += 1
+            if func in COPIES:
+                c.copies += 1
+                dtypes = {t.dtype for t in inputs + outputs}
+                if len(dtypes) > 1:
+                    c.casts += 1
+                    c.cast_bytes += moved
+        return out
+
+
+def _gemm_flops(func, args, out) -> int:
+    """2 M N K of a matrix product (batched: times the batch), from its output and its contracted size."""
+    a = args[1] if func in (aten.addmm.default, aten.baddbmm.default) else args[0]
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return 2 * out.numel() * a.shape[-1]
+
+
+@dataclass
+class LayerCensus:
+    """A step's census split by where it comes from: ``per_layer_micro`` each transformer layer adds per
+    micro-batch (forward and backward), ``per_layer_step`` each layer adds once per step (its parameters'
+    gradient sync and optimizer update), ``rest`` everything else of a step of ``micro`` micro-batches at
+    ``layers`` layers (embedding, head and loss per micro-batch; the step's fixed work)."""
+
+    per_layer_micro: Census
+    per_layer_step: Census
+    rest: Census
+    layers: int
+    micro: int
+
+
+def step_census(job, micro_batches: int, steps: int = 2) -> Census:
+    """The census of the last of ``steps`` trainer steps (the first ones allocate what later steps reuse) of
+    ``job`` on this single process (``torch.distributed`` initialised, world 1), ``micro_batches`` micro-batches
+    of random tokens."""
+
+    job = validate(dataclasses.replace(job, train=dataclasses.replace(
+        job.train, global_batch_size=job.train.micro_batch_size * micro_batches)), 1)
+    topo = Topology()
+    p = job.precision
+    dtype = torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else torch.float32
+    torch.manual_seed(job.train.seed)
+    chunks = build_model_chunks(get_model_spec(job.model.model_family), job, topo, dtype=dtype)
+    engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
+    g = torch.Generator().manual_seed(0)
+    b, s, v = job.train.micro_batch_size, job.model.seq_length, job.model.vocab_size
+    batches = [{"tokens": torch.randint(0, v, (b, s), generator=g), "labels": torch.randint(0, v, (b, s), generator=g),
+                "loss_mask": torch.ones(b, s)} for _ in range(micro_batches)]
+    try:
+        for _ in range(steps - 1):
+            train_step(chunks, batches, topo, engine, job)
+        with OpCensus() as counted:
+            train_step(chunks, batches, topo, engine, job)
+    finally:
+        engine.close()
+    return counted.census
+
+
+def layer_census(job, layers: int = 2, micro: int = 1) -> LayerCensus:
+    """:class:`LayerCensus` of ``job``'s model from four steps: at ``layers`` and ``2 layers`` layers, each with
+    ``micro`` and ``2 micro`` micro-batches (one process)."""
+    runs = {}
+    for n in (layers, 2 * layers):
+        for m in (micro, 2 * micro):
+            shaped = dataclasses.replace(job, model=dataclasses.replace(job.model, num_layers=n))
+            runs[n, m] = step_census(shaped, m)
+    per_layer_micro = (runs[2 * layers, 2 * micro] - runs[2 * layers, micro] - runs[layers, 2 * micro]
+                       + runs[layers, micro]) / (layers * micro)
+    per_layer = (runs[2 * layers, micro] - runs[layers, micro]) / layers
+    per_layer_step = per_layer - _times(per_layer_micro, micro)
+    rest = runs[layers, micro] - _times(per_layer, layers)
+    return LayerCensus(per_layer_micro, per_layer_step, rest, layers, micro)
+
+
+def _times(c: Census, k: int) -> Census:
+    return c / (1 / k)

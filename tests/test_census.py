@@ -1,0 +1,68 @@
+"""The op census: one trainer step's kernels besides the GEMMs, split per layer and micro-batch, pinned for the
+GPT-2 and Llama shapes so that a change adding glue (copies, casts, per-parameter kernels) fails on CPU."""
+import torch
+from helpers import run_on_ranks
+
+from megazero.census import Census, OpCensus, layer_census
+from megazero.config import JobConfig, PrecisionConfig, TrainConfig
+from megazero.models.gpt import GPTConfig
+
+HIDDEN, FFN, TOKENS = 64, 128, 2 * 32
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=FFN,
+             group_query_attention=True, num_query_groups=2, add_bias_linear=False,
+             untie_embeddings_and_output_weights=True)
+# Non-GEMM kernels each transformer layer runs per micro-batch (forward + backward, bf16 with fp32 masters) and
+# once per step (gradient sync + optimizer), at torch 2.13 on CPU. Lower them when a change removes glue; a
+# change that raises them adds kernels to every layer of every step on a GPU.
+PINNED = {"gpt2": {"micro_ops": 31, "micro_casts": 0, "step_ops": 4},
+          "llama": {"micro_ops": 94, "micro_casts": 20, "step_ops": 2}}
+
+
+def _job(**model_kw):
+    return JobConfig(model=GPTConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, seq_length=32,
+                                     vocab_size=256, **model_kw),
+                     train=TrainConfig(micro_batch_size=2, global_batch_size=2, train_iters=10),
+                     precision=PrecisionConfig(bf16=True))
+
+
+def _census_body(rank, world_size):
+    return {"gpt2": layer_census(_job()), "llama": layer_census(_job(**LLAMA))}
+
+
+def test_the_census_of_a_layer_is_pinned_and_its_gemms_are_six_n_t():
+    """Per layer and micro-batch: whole numbers (the split by depth and micro-batch count is exact), 6 N T GEMM
+    FLOPs for the layer's N matrix parameters and T tokens (forward, input and weight gradients), three GEMMs a
+    product, one attention kernel forward and one backward; the non-GEMM kernels at most the pinned counts."""
+    censuses = run_on_ranks(1, _census_body, timeout=300)[0]
+    matrices = {"gpt2": 12 * HIDDEN * HIDDEN, "llama": HIDDEN * (HIDDEN + 2 * 32) + HIDDEN * HIDDEN + 3 * HIDDEN * FFN}
+    # GPT-2: qkv, dense, fc1, fc2; Llama: query, key_value, dense, fc2 and SwiGLU's fused gate/up weight, whose
+    # halves run as two products (forward and each gradient)
+    products = {"gpt2": 4, "llama": 6}
+    for name, lc in censuses.items():
+        micro, step = lc.per_layer_micro, lc.per_layer_step
+        for figure in (micro.ops, micro.copies, micro.casts, micro.gemms, micro.attention, step.ops):
+            assert figure == int(figure), (name, micro.line(), step.line())
+        assert micro.gemm_flops == 6 * matrices[name] * TOKENS, (name, micro.gemm_flops)
+        assert micro.gemms == 3 * products[name] and micro.attention == 2 and micro.syncs == 0, (name, micro.line())
+        pinned = PINNED[name]
+        assert micro.ops <= pinned["micro_ops"], (name, micro.line(), dict(micro.by_op))
+        assert micro.casts <= pinned["micro_casts"], (name, micro.line(), dict(micro.by_op))
+        assert step.ops <= pinned["step_ops"], (name, step.line(), dict(step.by_op))
+        assert step.gemms == 0 and lc.rest.syncs >= 1
+
+
+def test_the_census_sorts_gemms_views_copies_and_casts():
+    """One of each: a matrix product (2 M N K), a view (no kernel), a copy, a cast and an elementwise kernel with
+    its bytes read and written."""
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with OpCensus() as counted:
+        c = a @ b
+        c.t()
+        c.clone()
+        c.to(torch.bfloat16)
+        c.add(1.0)
+    got = counted.census
+    assert (got.gemms, got.gemm_flops) == (1, 2 * 4 * 3 * 8)
+    assert (got.ops, got.copies, got.casts) == (3, 2, 1)
+    assert got.cast_bytes == 12 * 4 + 12 * 2 and got.bytes == 3 * 12 * 4 + 12 * 2 + 2 * 12 * 4
+    assert isinstance(got - got, Census) and (got - got).ops == 0
