@@ -1,7 +1,7 @@
 """What a run says: its first lines (the layout, the model and its size, the pipeline schedule's
 prediction, the model-state memory per rank) and, every ``--log-interval`` iterations, one line and one
-metrics record (loss, learning rate, gradient norm, throughput, TFLOP/s and MFU, peak memory, and what
-the model's hooks and the run's options add). Rank 0 prints; the figures that differ by rank are the
+metrics record (loss, learning rate, gradient norm, throughput, TFLOP/s and MFU, HFU with recompute, peak
+memory, and what the model's hooks and the run's options add). Rank 0 prints; the figures that differ by rank are the
 largest over ranks (collectives every rank takes part in)."""
 from __future__ import annotations
 
@@ -121,15 +121,21 @@ def _stepped(train) -> str:
 
 
 def log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, step_time: float,
-              tokens_per_step: int, flops_per_step: float, peak_tflops: float | None, topo: Topology,
+              tokens_per_step: int, flops_per_step: tuple[float, float], peak_tflops: float | None, topo: Topology,
               extra: dict, extra_text: str, elapsed: float, lr_position: float | None = None) -> None:
     """The log line and metrics record of an iteration: ``step_time`` is the mean over the window since
     the last line, ``elapsed`` the seconds since this process's training loop started; the ETA is the
     window's step time times the iterations left (evaluations and saves not counted). ``lr_position``:
-    where the LR schedule stood for that step (``TrainConfig.lr_position``; default its iteration)."""
+    where the LR schedule stood for that step (``TrainConfig.lr_position``; default its iteration).
+    ``flops_per_step``: (the model's, the hardware's) FLOPs of a step: TFLOP/s/rank and MFU count the
+    model's; with recompute on, the hardware also runs the recomputed forward, and HFU (with
+    ``hardware_tflops_per_rank``) counts that beside MFU."""
     position = state.iteration - 1 if lr_position is None else lr_position
     lr = learning_rate(position, job.optimizer)
-    tflops = flops_per_step / step_time / 1e12 / topo.world_size
+    model_flops, hardware_flops = flops_per_step
+    tflops = model_flops / step_time / 1e12 / topo.world_size
+    hardware_tflops = hardware_flops / step_time / 1e12 / topo.world_size
+    recomputes = hardware_flops > model_flops
     eta = step_time * (job.train.train_iters - state.iteration)
     when = timestamp()
     record = {"iteration": state.iteration, "timestamp": when, "elapsed_s": elapsed, "eta_s": eta,
@@ -138,13 +144,19 @@ def log_step(log: MetricsLog, job: JobConfig, state: TrainState, r: StepResult, 
               "skipped_iterations": state.skipped_iterations, "step_time_s": step_time,
               "tokens_per_sec": tokens_per_step / step_time, "tflops_per_rank": tflops,
               "peak_memory_bytes": max_over_ranks(peak_memory_bytes(topo.device), topo), **extra}
+    if recomputes:
+        record["hardware_tflops_per_rank"] = hardware_tflops
     if peak_tflops:
         record["mfu"] = tflops / peak_tflops
+        if recomputes:
+            record["hfu"] = hardware_tflops / peak_tflops
     decoupled = decoupled_learning_rate(position, job.optimizer)
     if decoupled is not None:
         record["decoupled_lr"] = decoupled
     log.record(record, state.iteration)
     mfu = f" | MFU {100 * record['mfu']:.1f}%" if peak_tflops else ""
+    if recomputes:
+        mfu += f" | HFU {100 * record['hfu']:.1f}%" if peak_tflops else f" | with recompute {hardware_tflops:.3f}"
     log.print(f" [{when[:19].replace('T', ' ')}] iteration {state.iteration:>6}/{job.train.train_iters} | consumed "
               f"samples {state.consumed_samples:>8} | elapsed {duration(elapsed)} | ETA {duration(eta)} | "
               f"ms/iter {1000 * step_time:8.1f} | lr {lr:.3e} | "

@@ -180,8 +180,9 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     if state.iteration >= t.train_iters:          # a resumed run with nothing left: no step, no save
         return state, None
     spec = get_model_spec(job.model.model_family)
-    flops_per_token = spec.flops_per_token(job.model, job.model.padded_vocab_size(job.parallel.tp),
-                                           spec.recomputed_share(job.model, job.parallel))
+    vocab = job.model.padded_vocab_size(job.parallel.tp)
+    flops_per_token = spec.flops_per_token(job.model, vocab, 0.0)            # the model's: MFU
+    hardware_per_token = spec.flops_per_token(job.model, vocab, spec.recomputed_share(job.model, job.parallel))
     peak = device_peak_tflops(topo.device, job.precision.dtype_name, job.logging.peak_tflops)
     if peak is None:
         log.print(f" MFU: not shown, the peak FLOP/s of this {topo.device.type.upper()} is not known: give "
@@ -233,7 +234,8 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
                 extra["global_batch_size"] = step_batch
                 text += f" | global batch {step_batch}"
             tokens_per_step = window_samples * job.model.seq_length / window_iters
-            log_step(log, job, state, result, step_time, tokens_per_step, flops_per_token * tokens_per_step, peak,
+            log_step(log, job, state, result, step_time, tokens_per_step,
+                     (flops_per_token * tokens_per_step, hardware_per_token * tokens_per_step), peak,
                      topo, extra, text, elapsed=time.perf_counter() - loop_start, lr_position=position)
             window_start, window_iters, window_samples = time.perf_counter(), 0, 0
         if stop:                               # logged, never saved

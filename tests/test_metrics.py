@@ -188,3 +188,22 @@ def test_wandb_logs_rank_0s_metrics_and_mfu_follows_the_given_peak(tmp_path):
     lines = _iteration_lines(results[0][1])
     assert len(lines) == 4 and f"| MFU {100 * train[-1]['mfu']:.1f}% |" in lines[-1]
     assert results[1][1] == ""                  # rank 1 prints nothing
+
+
+def test_mfu_counts_the_models_flops_and_hfu_the_recomputed_ones_beside_it(tmp_path):
+    """Under full recompute, TFLOP/s/rank and MFU count the model's FLOPs (3 passes), and HFU beside MFU the
+    hardware's (the recomputed forward too: 4 passes of the layers); the metrics file keeps both. Without
+    recompute there is no HFU."""
+    path = tmp_path / "m.jsonl"
+    argv = TINY + ["--train-iters", "2", "--metrics-file", str(path), "--peak-tflops", "0.5",
+                   "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    ((code, out),) = run_on_ranks(1, _run_printing, argv, timeout=180)
+    assert code == 0
+    train, _ = read_metrics(path)
+    cfg = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100)
+    ratio = model_flops_per_token(cfg, 112, recompute=1.0) / model_flops_per_token(cfg, 112)
+    for r in train:
+        assert r["mfu"] == pytest.approx(r["tflops_per_rank"] / 0.5)
+        assert r["hardware_tflops_per_rank"] == pytest.approx(ratio * r["tflops_per_rank"])
+        assert r["hfu"] == pytest.approx(r["hardware_tflops_per_rank"] / 0.5) and r["hfu"] > r["mfu"]
+    assert f"| MFU {100 * train[-1]['mfu']:.1f}% | HFU {100 * train[-1]['hfu']:.1f}% |" in _iteration_lines(out)[-1]
