@@ -12,9 +12,9 @@ from helpers import run_on_ranks
 from helpers.ckpt import VOCAB, full_params, make_job, train_one_step
 from helpers.gpt_parity import (
     GPT_CFG,
-    GPT_OPT,
     MB_SIZE,
     MICRO,
+    OPTIMIZERS,
     SEED,
     check_against_reference,
     global_loss,
@@ -63,9 +63,9 @@ def test_what_the_replica_dimension_refuses(par, zero, words):
         validate(JobConfig(parallel=ParallelConfig(**par), zero=ZeroConfig(**zero)), 4)
 
 
-def _run(topo, par, zero, steps):
+def _run(topo, par, zero, steps, optimizer="adamw"):
     chunks = build_model_chunks(GPTConfig(**GPT_CFG), par, topo, seed=SEED)
-    engine = build_engine(chunks, topo, zero, GPT_OPT)
+    engine = build_engine(chunks, topo, zero, OPTIMIZERS[optimizer])
     engine.comm_log.reset()
     losses, norms = [], []
     for batches in gpt_batches(steps, topo.dp_size * MICRO):
@@ -89,11 +89,11 @@ def _replicas_body(rank, world_size, stages, steps):
     the bytes sent across replicas a step and in all, and flat ZeRO-3 at dp 4 for comparison. The estimator's
     model-state bytes equal the engine's (a shard of dp / R)."""
     out = []
-    for stage, replicas in stages:
+    for stage, replicas, optimizer in stages:
         topo = Topology(dp=4, ranks_per_node=2, replicas=replicas)
         par = ParallelConfig(dp=4, data_parallel_replicas=replicas)
         zero = ZeroConfig(zero_stage=stage, bucket_size=3000)
-        result, _, engine = _run(topo, par, zero, steps)
+        result, _, engine = _run(topo, par, zero, steps, optimizer)
         sized = JobConfig(model=GPTConfig(**GPT_CFG), parallel=par, zero=zero,
                           train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=MB_SIZE * MICRO * 4))
         estimated, measured = estimate_stage(sized, 0).parts, engine.model_state_bytes()
@@ -107,14 +107,16 @@ def _replicas_body(rank, world_size, stages, steps):
 
 
 def test_two_replicas_of_two_equal_the_serial_run_and_send_less_across_nodes():
-    """R = 2 x shard 2 under ZeRO 1, 2 and 3: loss, clipped norm and every parameter after 5 steps equal one
-    process (1e-5). Each step sums every rank's fp32 shard once across the replicas: 2 (R-1)/R x shard x 4 bytes
+    """R = 2 x shard 2 under ZeRO 1, 2 and 3 (and ZeRO-3 under Muon: each replica orthogonalises its matrices
+    within its shard group): loss, clipped norm and every parameter after 5 steps equal one process (1e-5). Each step sums every rank's fp32 shard once across the replicas: 2 (R-1)/R x shard x 4 bytes
     (tag dp_replica), the only traffic between the two replicas' nodes but the global norm's few bytes, and less
     than flat ZeRO-3 sends between the same nodes at dp 4."""
-    cases = [(1, 2), (2, 2), (3, 2), (3, 1)]
+    cases = [(1, 2, "adamw"), (2, 2, "adamw"), (3, 2, "adamw"), (3, 1, "adamw"), (3, 2, "muon")]
     results = run_on_ranks(4, _replicas_body, cases, 5, timeout=600)
-    for i, (stage, replicas) in enumerate(cases[:3]):
-        check_against_reference([r[i][0] for r in results], 5, dp=4)
+    for i, (stage, replicas, optimizer) in enumerate(cases):
+        if replicas == 1:
+            continue
+        check_against_reference([r[i][0] for r in results], 5, dp=4, optimizer=optimizer)
         for result, tags, links, shard_elements, shard_size, replica_size in (r[i] for r in results):
             assert (shard_size, replica_size) == (2, 2)
             assert tags["dp_replica"] == pytest.approx(5 * 2 * (2 - 1) / 2 * shard_elements * 4)
