@@ -8,7 +8,8 @@ from helpers.trainer import fuzz_launcher
 from tools.fuzz.checker import TOLERANCES, Difference, Report, check, compare_records, tensor_difference
 from tools.fuzz.sampler import draw
 
-QUICK_SEEDS = [24]               # Llama dp2 ZeRO-1 -> cp2 a2a (Ulysses) ZeRO-3 with parameters offloaded, recompute
+QUICK_SEEDS = [24]               # Llama dp2 ZeRO-1 -> cp2 a2a (Ulysses) ZeRO-3 with parameters offloaded, recompute;
+                                 # Muon without Nesterov (momentum 0.9, 3 Newton-Schulz steps, original lr scale)
 FULL_SEEDS = [                   # what each draws (first layout -> resumed layout) on the current sampler
     3,       # tp2 cp2 allgather ZeRO-3 keep-gathered -> cp2 zb-v pp2 dp2, optimizer on NVMe, full recompute
     30,      # Llama cp4 dp2 ZeRO-2, activation offload + selective mlp -> tp2 SP gpipe pp2 ZeRO-3, NVMe parameters
@@ -195,3 +196,13 @@ def test_fp32_moment_norms_exp_avg_sq_at_twice_the_gradients_rule():
     half = tensor_difference("optim.exp_avg_sq/layers.2.attention.key_value.weight", 0.25e-3 * grads ** 2,
                              1e-3 * grads ** 2, tol, LR)
     assert half and "norms; relative difference 7.5e-01" in half[3], half
+
+
+def test_a_muon_draw_equals_its_serial_twin(tmp_path, serial_cache):
+    """Draw 45: Muon (Nesterov, fp32 Newton-Schulz) at dp4 ZeRO-3 with the parameters offloaded, saved and
+    resumed at cp2 dp2 ZeRO-1: the momentum crosses the checkpoint and the layout change."""
+    d = draw(45)
+    assert d.optimizer == "muon" and (d.world, d.axes["zero"], d.resume_axes["cp"]) == (4, 3, 2)
+    report = check(d, tmp_path, launch=fuzz_launcher(), cache=serial_cache)
+    assert report.ok, report.summary() + "\n" + report.step_table()
+    assert [r[0] for r in report.rows] == [1, 2, 3, 4] and report.tensors_compared >= 4 * 3 * 20

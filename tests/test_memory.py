@@ -377,7 +377,7 @@ def _muon_body(rank, world_size, layouts):
     return out, engine.model_state_bytes()
 
 
-def test_muon_keeps_adamws_model_state_bytes_and_sends_what_the_formula_says():
+def test_muon_keeps_adamws_model_state_bytes_and_sends_what_the_formula_says(capsys):
     """Muon's momentum lives in AdamW's first moment: ZeRO-3's model-state bytes per parameter under Muon are
     AdamW's (within 5%; the estimate is the same too). Its all-to-alls send, per step, summed over ranks,
     exactly muon_step_comm_bytes: each matrix's non-owned pieces to the owner and back, at dp2 ZeRO-1 (fp32
@@ -394,3 +394,8 @@ def test_muon_keeps_adamws_model_state_bytes_and_sends_what_the_formula_says():
     argv = BASE + ["--zero-stage", "3"]
     [adamw], [muon] = (estimate_memory(parse_job(argv + flags, 2)[0]) for flags in ([], ["--optimizer", "muon"]))
     assert muon.parts["optimizer_state"] == adamw.parts["optimizer_state"] and muon.model_states == adamw.model_states
+    from tools.estimate_memory import main as estimate_main
+
+    assert estimate_main(argv + ["--optimizer", "muon", "--world-size", "2"]) == 0
+    assert "MiB under --optimizer muon, as AdamW's: Muon keeps its momentum in the first moment's place and the " \
+           "second at zero (8 bytes per parameter)" in capsys.readouterr().out
