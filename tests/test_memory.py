@@ -15,7 +15,11 @@ from helpers.memory import BASE, LLAMA, measure_body
 from megazero.cli.job import parse_job
 from megazero.config import OptimizerConfig, ParallelConfig, ZeroConfig
 from megazero.memory import LiveTensorBytes
-from megazero.memory.estimate import estimate_memory, muon_step_comm_bytes, paper_model_states
+from megazero.memory.estimate import (
+    estimate_memory,
+    muon_step_comm_bytes,
+    paper_model_states,
+)
 from megazero.models.gpt import GPTConfig
 
 
