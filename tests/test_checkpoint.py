@@ -758,9 +758,9 @@ def _muon_resume_body(rank, world_size, root, layouts):
     return out
 
 
-def test_a_muon_run_resumes_bitwise_at_dp2_zero1_tp2_and_dp2_zero3(tmp_path):
+def test_a_muon_run_resumes_bitwise_at_dp2_zero1_and_tp2(tmp_path):
     """The momentum travels under optim.exp_avg: 3 + 3 steps equal 6 straight ones, bit for bit."""
-    layouts = [(1, 1), (2, 1), (1, 3)]
+    layouts = [(1, 1), (2, 1)]
     results = run_on_ranks(2, _muon_resume_body, str(tmp_path), layouts, timeout=300)
     for (tp, stage), (straight, resumed, same) in zip(layouts, results[0]):
         assert resumed == straight and same, (tp, stage, straight, resumed)
@@ -768,6 +768,9 @@ def test_a_muon_run_resumes_bitwise_at_dp2_zero1_tp2_and_dp2_zero3(tmp_path):
     assert reader.index["optimizer"]["name"] == "muon"
     momentum = reader.read_full("optim.exp_avg/layers.0.attention.qkv.weight")
     assert momentum.abs().sum() > 0 and reader.read_full("optim.exp_avg_sq/layers.0.attention.qkv.weight").abs().sum() == 0
+    from tools.inspect_checkpoint import describe
+
+    assert "  optimizer: muon, step 3" in describe(str(tmp_path / "tp1-zero1"))
 
 
 def _muon_layouts_body(rank, world_size, save_dir, layouts):
