@@ -12,12 +12,13 @@ QUICK_SEEDS = [24]               # Llama dp2 ZeRO-1 -> cp2 a2a (Ulysses) ZeRO-3 
                                  # Muon without Nesterov (momentum 0.9, 3 Newton-Schulz steps, original lr scale)
 FULL_SEEDS = [                   # what each draws (first layout -> resumed layout) on the current sampler
     3,       # tp2 cp2 allgather ZeRO-3 keep-gathered -> cp2 zb-v pp2 dp2, optimizer on NVMe, full recompute
-    30,      # Llama cp4 dp2 ZeRO-2, activation offload + selective mlp -> tp2 SP gpipe pp2 ZeRO-3, NVMe parameters
+    30,      # Llama cp4 dp2 ZeRO-2, activation offload + selective mlp -> tp2 SP gpipe pp2 ZeRO-3, NVMe
+             # parameters; Muon (plain)
     76,      # tp2 SP cp2 a2a zb-h1 pp2 -> tp2 cp2 a2a ZeRO-3, everything offloaded, selective recompute
     2002,    # Llama MoE top-2 capacity cp2 a2a zb-v pp2 dp2 -> tp2 SP dp2 ZeRO-2, optimizer on NVMe
     2005,    # fp16 tp4 dp2 -> cp2 allgather dp2
     2006,    # Llama MoE zb-v pp2 ZeRO-2 qgZ -> tp4 cp2 allgather ZeRO-3 ep2, optimizer on NVMe
-    2009,    # MoE capacity tp2 cp2 allgather dp2 ep2 -> tp2 SP zb-h1 pp2, full-block recompute
+    2009,    # MoE capacity tp2 cp2 allgather dp2 ep2 -> tp2 SP zb-h1 pp2, full-block recompute; Muon (plain)
     2014,    # MoE capacity cp2 ep2 ZeRO-1 offload -> tp2 cp2 a2a dp2 ep4
     2020,    # Llama MoE capacity tp2 interleaved pp2 dp2 ep2 -> tp2 dp2 ZeRO-3 offload
     2024,    # tp2 cp4 allgather -> cp2 dp2 ZeRO-2
