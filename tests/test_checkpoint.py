@@ -1,6 +1,7 @@
 """Checkpoints at library level: save under one tp/pp/dp/ZeRO layout, load under others; exact resume;
 crash safety (SIGKILL during a save); corrupted files refused by name; the offline reader and tools; FP8 delayed
-scaling's amax histories (exact resume, another layout, FP8 <-> bf16)."""
+scaling's amax histories (exact resume, another layout, FP8 <-> bf16); Muon's momentum (exact resume, another
+layout, the optimizer a checkpoint's state belongs to)."""
 import json
 import os
 import re
@@ -13,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import run_on_ranks
-from helpers.ckpt import (GLOBAL_MB, MB_SIZE, MODEL, SEED, VOCAB, batches, full_params, make_job, run_body, setup,
-                          train_one_step)
+from helpers.ckpt import (GLOBAL_MB, MB_SIZE, MODEL, MUON_OPT, SEED, VOCAB, batches, full_params, make_job, run_body,
+                          setup, train_one_step)
 
 from megazero.checkpoint import CheckpointReader, latest_iteration, load_checkpoint, save_checkpoint
-from megazero.checkpoint.format import checkpoint_dir, recover
+from megazero.checkpoint.format import checkpoint_dir, file_record, recover, write_json
 from megazero.checkpoint.offline import declarations, read_model, write_weights_checkpoint
 from megazero.errors import CheckpointError
 from megazero.models.gpt import GPT, GPTConfig, build_model_chunks
@@ -739,3 +741,101 @@ def test_an_fp16_overflow_leaves_the_fp8_histories_finite_and_the_run_saves(tmp_
     assert skipped[0] and not skipped[-1], skipped
     reader = CheckpointReader(tmp_path / "iter_0000010")
     assert all(torch.isfinite(reader.read_full(f"fp8.amax_history/{n}")).all() for n in reader.names("fp8.amax_history"))
+
+
+# ---------------------------------------------------------------------------------------------- Muon
+def _muon_resume_body(rank, world_size, root, layouts):
+    """Muon, straight 6 steps vs 3 + save + (new model, engine) load + 3, at each (tp, stage) of ``layouts``:
+    returns, per layout, (straight losses, resumed losses, whether every final parameter is bitwise equal)."""
+    out = []
+    for tp, stage in layouts:
+        save_dir = f"{root}/tp{tp}-zero{stage}"
+        straight = run_body(rank, world_size, tp, 1, stage, 6, opt=MUON_OPT)
+        first = run_body(rank, world_size, tp, 1, stage, 3, save_dir, (3,), opt=MUON_OPT)
+        resumed = run_body(rank, world_size, tp, 1, stage, 6, load_dir=save_dir, opt=MUON_OPT)
+        same = all(torch.equal(value, resumed[2][name]) for name, value in straight[2].items())
+        out.append((straight[0], first[0] + resumed[0], same))
+    return out
+
+
+def test_a_muon_run_resumes_bitwise_at_dp2_zero1_and_tp2(tmp_path):
+    """The momentum travels under optim.exp_avg: 3 + 3 steps equal 6 straight ones, bit for bit."""
+    layouts = [(1, 1), (2, 1)]
+    results = run_on_ranks(2, _muon_resume_body, str(tmp_path), layouts, timeout=300)
+    for (tp, stage), (straight, resumed, same) in zip(layouts, results[0]):
+        assert resumed == straight and same, (tp, stage, straight, resumed)
+    reader = CheckpointReader(tmp_path / "tp1-zero1" / "iter_0000003")
+    assert reader.index["optimizer"]["name"] == "muon"
+    momentum = reader.read_full("optim.exp_avg/layers.0.attention.qkv.weight")
+    assert momentum.abs().sum() > 0 and reader.read_full("optim.exp_avg_sq/layers.0.attention.qkv.weight").abs().sum() == 0
+    from tools.inspect_checkpoint import describe
+
+    assert "  optimizer: muon, step 3" in describe(str(tmp_path / "tp1-zero1"))
+
+
+def _muon_layouts_body(rank, world_size, save_dir, layouts):
+    """From the dp2 ZeRO-1 Muon checkpoint at step 3, to step 6 at each (tp, stage) of ``layouts``."""
+    return [run_body(rank, world_size, tp, 1, stage, 6, load_dir=save_dir, opt=MUON_OPT) for tp, stage in layouts]
+
+
+def _wrong_optimizer_body(rank, world_size, root):
+    """Muon state into an AdamW run and AdamW state into a Muon run: refused unless the optimizer starts
+    fresh; a checkpoint without the record (written before it existed) is AdamW's."""
+    out = {}
+    run_body(rank, world_size, 1, 1, 1, 1, f"{root}/adamw", (1,))
+    run_body(rank, world_size, 1, 1, 1, 1, f"{root}/muon", (1,), opt=MUON_OPT)
+    for key, load_dir, opt in (("muon_into_adamw", "muon", None), ("adamw_into_muon", "adamw", MUON_OPT)):
+        kw = {} if opt is None else {"opt": opt}
+        try:
+            run_body(rank, world_size, 1, 1, 1, 2, load_dir=f"{root}/{load_dir}", **kw)
+        except CheckpointError as e:
+            out[key] = str(e)
+        out[key + "_fresh"] = run_body(rank, world_size, 1, 1, 1, 2, load_dir=f"{root}/{load_dir}",
+                                       load_optim=False, **kw)[3].iteration
+    dist.barrier()
+    if rank == 0:                                          # as a checkpoint older than the record
+        where = Path(root) / "adamw" / "iter_0000001"
+        saved = json.loads((where / "index.json").read_text())
+        del saved["optimizer"]["name"]
+        write_json(where / "index.json", saved)
+        manifest = json.loads((where / "manifest.json").read_text())
+        manifest["files"]["index.json"] = file_record(where / "index.json")
+        write_json(where / "manifest.json", manifest)
+    dist.barrier()
+    try:
+        run_body(rank, world_size, 1, 1, 1, 2, load_dir=f"{root}/adamw", opt=MUON_OPT)
+    except CheckpointError as e:
+        out["unrecorded_into_muon"] = str(e)
+    out["unrecorded_into_adamw"] = run_body(rank, world_size, 1, 1, 1, 2, load_dir=f"{root}/adamw")[3].iteration
+    return out
+
+
+def test_a_muon_checkpoint_continues_under_another_layout(tmp_path):
+    """Saved at dp2 ZeRO-1, resumed at tp2 (ZeRO-1), dp2 ZeRO-3 and on one rank: the straight run's losses and
+    weights (1e-5, as every layout change)."""
+    ref = run_on_ranks(2, run_body, 1, 1, 1, 6, str(tmp_path), (3,), opt=MUON_OPT)[0]
+    assert CheckpointReader(tmp_path / "iter_0000003").index["optimizer"]["name"] == "muon"
+    for world, layouts in ((2, [(2, 1), (1, 3)]), (1, [(1, 0)])):
+        for rank_results in run_on_ranks(world, _muon_layouts_body, str(tmp_path), layouts):
+            for (tp, stage), (losses, _, final, state) in zip(layouts, rank_results):
+                _check_muon_continues(ref, tp, stage, losses, final, state)
+
+
+def _check_muon_continues(ref, tp, stage, losses, final, state):
+    """A run loaded at (tp, stage) continued the straight run ``ref`` (losses, _, final weights, _)."""
+    assert state.iteration == 6
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0][3:]), rtol=1e-5, atol=0)
+    for name, value in final.items():
+        torch.testing.assert_close(_unpad(name, value), _unpad(name, ref[2][name]), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name} at tp{tp} zero{stage}: {m}")
+
+
+def test_optimizer_state_of_another_optimizer_is_refused_unless_it_starts_fresh(tmp_path):
+    [out, _] = run_on_ranks(2, _wrong_optimizer_body, str(tmp_path))
+    assert out["muon_into_adamw"] == (                   # every rank raises rank 0's line
+        f"rank 0: checkpoint {tmp_path}/muon/iter_0000001 holds muon optimizer state but --optimizer is adamw (adamw keeps "
+        f"other state): give --optimizer muon to continue it, or add --no-load-optim to start the adamw optimizer "
+        f"fresh from the checkpoint's weights")
+    assert "holds adamw optimizer state but --optimizer is muon" in out["adamw_into_muon"]
+    assert "holds adamw optimizer state but --optimizer is muon" in out["unrecorded_into_muon"]
+    assert out["muon_into_adamw_fresh"] == out["adamw_into_muon_fresh"] == out["unrecorded_into_adamw"] == 2

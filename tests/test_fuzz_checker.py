@@ -8,15 +8,17 @@ from helpers.trainer import fuzz_launcher
 from tools.fuzz.checker import TOLERANCES, Difference, Report, check, compare_records, tensor_difference
 from tools.fuzz.sampler import draw
 
-QUICK_SEEDS = [24]               # Llama dp2 ZeRO-1 -> cp2 a2a (Ulysses) ZeRO-3 with parameters offloaded, recompute
+QUICK_SEEDS = [24]               # Llama dp2 ZeRO-1 -> cp2 a2a (Ulysses) ZeRO-3 with parameters offloaded, recompute;
+                                 # Muon without Nesterov (momentum 0.9, 3 Newton-Schulz steps, original lr scale)
 FULL_SEEDS = [                   # what each draws (first layout -> resumed layout) on the current sampler
     3,       # tp2 cp2 allgather ZeRO-3 keep-gathered -> cp2 zb-v pp2 dp2, optimizer on NVMe, full recompute
-    30,      # Llama cp4 dp2 ZeRO-2, activation offload + selective mlp -> tp2 SP gpipe pp2 ZeRO-3, NVMe parameters
+    30,      # Llama cp4 dp2 ZeRO-2, activation offload + selective mlp -> tp2 SP gpipe pp2 ZeRO-3, NVMe
+             # parameters; Muon (plain)
     76,      # tp2 SP cp2 a2a zb-h1 pp2 -> tp2 cp2 a2a ZeRO-3, everything offloaded, selective recompute
     2002,    # Llama MoE top-2 capacity cp2 a2a zb-v pp2 dp2 -> tp2 SP dp2 ZeRO-2, optimizer on NVMe
     2005,    # fp16 tp4 dp2 -> cp2 allgather dp2
     2006,    # Llama MoE zb-v pp2 ZeRO-2 qgZ -> tp4 cp2 allgather ZeRO-3 ep2, optimizer on NVMe
-    2009,    # MoE capacity tp2 cp2 allgather dp2 ep2 -> tp2 SP zb-h1 pp2, full-block recompute
+    2009,    # MoE capacity tp2 cp2 allgather dp2 ep2 -> tp2 SP zb-h1 pp2, full-block recompute; Muon (plain)
     2014,    # MoE capacity cp2 ep2 ZeRO-1 offload -> tp2 cp2 a2a dp2 ep4
     2020,    # Llama MoE capacity tp2 interleaved pp2 dp2 ep2 -> tp2 dp2 ZeRO-3 offload
     2024,    # tp2 cp4 allgather -> cp2 dp2 ZeRO-2
@@ -195,3 +197,13 @@ def test_fp32_moment_norms_exp_avg_sq_at_twice_the_gradients_rule():
     half = tensor_difference("optim.exp_avg_sq/layers.2.attention.key_value.weight", 0.25e-3 * grads ** 2,
                              1e-3 * grads ** 2, tol, LR)
     assert half and "norms; relative difference 7.5e-01" in half[3], half
+
+
+def test_a_muon_draw_equals_its_serial_twin(tmp_path, serial_cache):
+    """Draw 45: Muon (Nesterov, fp32 Newton-Schulz) at dp4 ZeRO-3 with the parameters offloaded, saved and
+    resumed at cp2 dp2 ZeRO-1: the momentum crosses the checkpoint and the layout change."""
+    d = draw(45)
+    assert d.optimizer == "muon" and (d.world, d.axes["zero"], d.resume_axes["cp"]) == (4, 3, 2)
+    report = check(d, tmp_path, launch=fuzz_launcher(), cache=serial_cache)
+    assert report.ok, report.summary() + "\n" + report.step_table()
+    assert [r[0] for r in report.rows] == [1, 2, 3, 4] and report.tensors_compared >= 4 * 3 * 20

@@ -73,3 +73,24 @@ def test_axes_without_meaning_read_not_applicable():
     assert any(d.world != d.resume_world for d in draws)           # resumes cross world sizes
     assert {a["cp"] for d in draws for a in (d.axes, d.resume_axes)} == {1, 2, 4}
     assert any("--nvme-path" in d.args + d.resume_args for d in draws)
+
+
+def test_muon_is_drawn_with_its_settings_where_the_configuration_accepts_it():
+    """The optimizer comes from its own stream of the seed; a layout that refuses it (Muon with
+    --offload-optimizer) keeps AdamW; the serial twin and the resumed layout step with the draw's optimizer."""
+    from tools.fuzz.sampler import OPTIMIZERS
+
+    drawn = {s: draw(s) for s in range(0, 40, 3)}
+    assert {d.optimizer for d in drawn.values()} == set(OPTIMIZERS)
+    for d in drawn.values():
+        n = len(OPTIMIZERS[d.optimizer])
+        assert d.model_args[len(d.model_args) - n:] == OPTIMIZERS[d.optimizer] == d.serial_args[len(d.serial_args) - n:]
+        jobs = [parse_and_validate(args, world) for args, world in
+                ((d.args, d.world), (d.resume_args, d.resume_world), (d.serial_args, 1))]
+        assert {job.optimizer.muon for job in jobs} == {d.optimizer != "adamw"}
+        if d.optimizer != "adamw":
+            assert "none" == d.axes["offload_optimizer"] == d.resume_axes["offload_optimizer"]
+    assert drawn[15].optimizer == "adamw" and drawn[15].axes["offload_optimizer"] == "cpu"    # drew Muon: refused
+    plain = parse_and_validate(drawn[24].serial_args, 1).optimizer
+    assert (plain.muon_nesterov, plain.muon_momentum, plain.muon_ns_steps, plain.muon_adjust_lr) == \
+        (False, 0.9, 3, "original")

@@ -2,6 +2,7 @@
 the ZeRO paper's worked figures, sharded construction bounded by the shards plus one gather unit,
 and the live-bytes probe itself."""
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -14,7 +15,11 @@ from helpers.memory import BASE, LLAMA, measure_body
 from megazero.cli.job import parse_job
 from megazero.config import OptimizerConfig, ParallelConfig, ZeroConfig
 from megazero.memory import LiveTensorBytes
-from megazero.memory.estimate import estimate_memory, paper_model_states
+from megazero.memory.estimate import (
+    estimate_memory,
+    muon_step_comm_bytes,
+    paper_model_states,
+)
 from megazero.models.gpt import GPTConfig
 
 
@@ -351,3 +356,50 @@ def test_an_event_whose_name_torch_cannot_decode_is_skipped_not_fatal():
         name = "megazero.LiveTensorBytes.mark"
 
     assert event_name(Garbled()) == "" and event_name(Mark()) == Mark.name
+
+
+def _muon_body(rank, world_size, layouts):
+    """Per (tp, stage, ns_dtype): the "muon" bytes every rank logged over 2 steps, the matrices as
+    muon_step_comm_bytes takes them, and the engine's model-state bytes (ZeRO-3 with AdamW too)."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from helpers.ckpt import MUON_OPT, OPT, setup, train_one_step
+
+    out = []
+    for tp, stage, ns_dtype in layouts:
+        topo, _, chunks, engine = setup(tp, 1, stage, opt=dataclasses.replace(MUON_OPT, muon_ns_dtype=ns_dtype))
+        for step in range(2):
+            train_one_step(topo, chunks, engine, step)
+        sent = torch.tensor([engine.comm_log.bytes().get("muon", 0.0)], dtype=torch.float64)
+        dist.all_reduce(sent)
+        matrices = [(math.prod(m.local_shape), m.piece_len(m.dp_owner), m.split >= 0)
+                    for g in engine.optimizer.muon.groups for m in g.matrices]
+        out.append((sent.item() / 2, matrices, topo.dp_size, engine.model_state_bytes()))
+    topo, _, chunks, engine = setup(1, 1, 3, opt=OPT)
+    train_one_step(topo, chunks, engine, 0)
+    return out, engine.model_state_bytes()
+
+
+def test_muon_keeps_adamws_model_state_bytes_and_sends_what_the_formula_says(capsys):
+    """Muon's momentum lives in AdamW's first moment: ZeRO-3's model-state bytes per parameter under Muon are
+    AdamW's (within 5%; the estimate is the same too). Its all-to-alls send, per step, summed over ranks,
+    exactly muon_step_comm_bytes: each matrix's non-owned pieces to the owner and back, at dp2 ZeRO-1 (fp32
+    and bf16 Newton-Schulz), tp2 and tp2 ZeRO-0."""
+    layouts = [(1, 1, "fp32"), (1, 1, "bf16"), (2, 1, "fp32"), (2, 0, "fp32"), (1, 3, "fp32")]
+    [(results, adamw_states), _] = run_on_ranks(2, _muon_body, layouts)
+    for (tp, stage, ns_dtype), (sent, matrices, dp, _) in zip(layouts, results):
+        assert sent > 0 and len(matrices) == 4 * 4, (tp, stage)       # qkv, proj, fc1, fc2 of 4 layers
+        assert sent == muon_step_comm_bytes(matrices, sharded=stage >= 1, dp=dp, tp=tp, ns_dtype=ns_dtype), \
+            (tp, stage, ns_dtype, sent)
+    muon_states = results[-1][3]
+    assert muon_states["total"] == pytest.approx(adamw_states["total"], rel=0.05)
+    assert muon_states["optimizer_state"] == adamw_states["optimizer_state"]
+    argv = BASE + ["--zero-stage", "3"]
+    [adamw], [muon] = (estimate_memory(parse_job(argv + flags, 2)[0]) for flags in ([], ["--optimizer", "muon"]))
+    assert muon.parts["optimizer_state"] == adamw.parts["optimizer_state"] and muon.model_states == adamw.model_states
+    from tools.estimate_memory import main as estimate_main
+
+    assert estimate_main(argv + ["--optimizer", "muon", "--world-size", "2"]) == 0
+    assert "MiB under --optimizer muon, as AdamW's: Muon keeps its momentum in the first moment's place and the " \
+           "second at zero (8 bytes per parameter)" in capsys.readouterr().out

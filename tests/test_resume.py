@@ -321,3 +321,22 @@ def test_an_fp8_delayed_run_resumes_bitwise(tmp_path):
     assert _records(tmp_path / "b.jsonl") == _records(tmp_path / "a.jsonl")
     assert len(CheckpointReader(tmp_path / "a" / "iter_0000006").names("fp8.amax_history")) == 16
     _assert_same_checkpoints(tmp_path / "a" / "iter_0000006", tmp_path / "b" / "iter_0000006")
+
+
+def test_a_resume_with_another_optimizer_is_refused_before_any_process_group(saved_tp2pp2, capsys):
+    """The checkpoint's record of the optimizer that wrote its state (none: AdamW's, as before it existed)."""
+    same = RESUMED + ["--load", str(saved_tp2pp2), "--global-batch-size", "32", "--train-iters", "40"]
+    index = saved_tp2pp2 / fmt.iter_dir_name(40) / fmt.INDEX
+    saved = json.loads(index.read_text())
+    index.write_text(json.dumps({**saved, "optimizer": {"step": 40}}))
+    job, _, err = _resume(same + ["--optimizer", "muon"], capsys)
+    assert job is None and "holds adamw optimizer state but --optimizer is muon" in err
+    index.write_text(json.dumps({**saved, "optimizer": {"name": "muon", "step": 40}}))
+    job, _, err = _resume(same, capsys)
+    assert job is None and err.strip() == (
+        f"pretrain_gpt.py: error: the checkpoint in {saved_tp2pp2} holds muon optimizer state but --optimizer is "
+        f"adamw (adamw keeps other state): give --optimizer muon to continue it, or add --no-load-optim to start "
+        f"the adamw optimizer fresh from the checkpoint's weights")
+    for flags in (["--optimizer", "dist_muon"], ["--no-load-optim"]):
+        job, _, err = _resume(same + flags, capsys)
+        assert job is not None and err == "", flags

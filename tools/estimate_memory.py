@@ -128,6 +128,10 @@ def main(argv=None) -> int:
               f"{k} {v / MIB:.1f}" for k, v in w["parts"].items()
               if k not in ("params", "grads", "master_weights", "optimizer_state")
               and not k.startswith(("host_", "nvme_"))))
+    if job.optimizer.muon:
+        print(f"optimizer state per rank (stage {w['pp_rank']}): {w['parts']['optimizer_state'] / MIB:,.1f} MiB under "
+              f"{FLAG.optimizer} {job.optimizer.optimizer}, as AdamW's: Muon keeps its momentum in the first moment's "
+              f"place and the second at zero (8 bytes per parameter)")
     if offload:
         print("offloaded per rank: " + ", ".join(f"{k} {v / MIB:.1f}" for k, v in w["parts"].items()
                                                   if k.startswith(("host_", "nvme_")) and v))

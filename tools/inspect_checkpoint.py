@@ -15,8 +15,15 @@ import argparse
 import sys
 
 from megazero.checkpoint import CheckpointReader
+from megazero.checkpoint.format import optimizer_name
 from megazero.checkpoint.offline import check_index_shapes, resolve
 from megazero.errors import CheckpointError
+
+
+def _optimizer_line(index: dict) -> str:
+    """Which optimizer's state the checkpoint holds, at which step ("none (weights only)" without any)."""
+    name = optimizer_name(index)
+    return "none (weights only)" if name is None else f"{name}, step {index['optimizer']['step']}"
 
 
 def describe(path: str, verify: bool = True) -> list[str]:
@@ -30,7 +37,7 @@ def describe(path: str, verify: bool = True) -> list[str]:
              f"{lay['dtype']}",
              f"  iteration {ts['iteration']}, consumed samples {ts['consumed_samples']}, "
              f"skipped iterations {ts['skipped_iterations']}",
-             f"  optimizer: {'step ' + str(idx['optimizer']['step']) if idx['optimizer'] else 'none (weights only)'}",
+             f"  optimizer: {_optimizer_line(idx)}",
              "  model: " + ", ".join(f"{k}={model[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads",
                                                                  "ffn_hidden_size", "vocab_size",
                                                                  "max_position_embeddings", "activation")),

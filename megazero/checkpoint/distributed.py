@@ -40,7 +40,8 @@ from megazero.checkpoint.regions import numel
 from megazero.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from megazero.checkpoint.tensor_file import write_pieces
 from megazero.config import FLAG, ModelConfig, flag
-from megazero.errors import CheckpointError
+from megazero.config.optimizer import OPTIMIZERS
+from megazero.errors import CheckpointError, ConfigError
 from megazero.lr_schedule import learning_rate
 from megazero.parallel import fp8
 from megazero.parallel.params import attribute, counts_once, split_dim
@@ -201,7 +202,7 @@ def plan_save(save_dir, state, *, chunks, engine, topo, job, extra_rng: dict | N
     index = None
     if topo.rank == 0:
         opt = engine.optimizer if engine is not None else None
-        opt_meta = None if opt is None else {"step": opt.step_count,
+        opt_meta = None if opt is None else {"name": OPTIMIZERS[job.optimizer.optimizer], "step": opt.step_count,
                                              "loss_scaler": opt.scaler.state_dict() if opt.scaler else None}
         index = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "iteration": state.iteration,
                  "train_state": dataclasses.asdict(state), "optimizer": opt_meta,
@@ -339,6 +340,24 @@ def saved_job(load_dir) -> dict | None:
     return fmt.read_json(fmt.checkpoint_dir(load_dir, iteration) / fmt.INDEX)["job"]
 
 
+def saved_optimizer(load_dir) -> str | None:
+    """Which optimizer wrote the state of the latest checkpoint under ``load_dir`` ("adamw" or "muon"); None
+    when it holds none (no checkpoint, or weights only)."""
+    iteration = latest_iteration(load_dir)
+    if iteration is None:
+        return None
+    return fmt.optimizer_name(fmt.read_json(fmt.checkpoint_dir(load_dir, iteration) / fmt.INDEX))
+
+
+def _check_optimizer(index: dict, job, directory) -> None:
+    """The checkpoint's optimizer state was written by the optimizer this run steps with (the rule:
+    :meth:`megazero.config.CheckpointConfig.check_resumed_optimizer`)."""
+    try:
+        job.checkpoint.check_resumed_optimizer(fmt.optimizer_name(index), job.optimizer, f"checkpoint {directory}")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def saved_model_settings(load_dir) -> dict | None:
     """The model settings a checkpoint must match (the family, then its spec's ``checkpoint_fields``) as the
     latest checkpoint under ``load_dir`` stored them (``--use-checkpoint-args``); None when it holds none."""
@@ -418,6 +437,8 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
         if not weights_only and load_optim and reader.index.get("optimizer") is None:
             raise CheckpointError(f"{directory} holds weights only (no optimizer state): load it with "
                                   f"{FLAG.finetune} (weights only, iteration 0)")
+        if not weights_only and load_optim:
+            _check_optimizer(reader.index, job, directory)
         owned = _read_rank(reader, chunks, engine, topo, job, weights_only or not load_optim)
         no_history = None if weights_only else _read_fp8_histories(reader, chunks, topo)
         if stats is not None:

@@ -2,7 +2,9 @@
 
 A checkpoint directory ``DIR/iter_0000100/`` holds::
 
-    index.json                 what is in the checkpoint (see below), the run's state and config
+    index.json                 what is in the checkpoint (see below), the run's state and config, and
+                               which optimizer wrote its state (``"optimizer": {"name": "adamw" | "muon",
+                               "step", "loss_scaler"}``; null: weights only)
     manifest.json              every other file's size and sha256
     rank00003.safetensors      the pieces rank 3 owns (weights, fp32 masters, Adam moments, FP8 amax
                                histories) + checksums
@@ -11,7 +13,10 @@ A checkpoint directory ``DIR/iter_0000100/`` holds::
 Every tensor is stored under a stable name with its *global* (layout-free) shape. Names:
 ``model/<parameter name>`` (the weights) and ``optim.<exp_avg|exp_avg_sq|master>/<parameter name>``
 (Adam moments, and fp32 master weights when the parameters are bf16/fp16; fp32 masters *are* the
-weights and are not stored twice). Optimizer state has its parameter's shape and is cut like it.
+weights and are not stored twice). Optimizer state has its parameter's shape and is cut like it. Under
+``--optimizer muon`` the layers' matrices keep Muon's momentum under ``optim.exp_avg`` (and zeros under
+``optim.exp_avg_sq``): the index's ``optimizer.name`` says which optimizer's state a checkpoint holds (a
+checkpoint written before the name was recorded holds AdamW's, :func:`optimizer_name`).
 ``fp8.amax_history/<linear name>`` ([3, history], fp32): under ``--fp8-recipe delayed``, the amax history
 of one FP8 linear (input, weight, output gradient; :mod:`megazero.parallel.fp8`), the same on every rank
 holding the layer, so one of them writes it whole; a run that does not scale from histories ignores it.
@@ -61,6 +66,13 @@ MANIFEST = "manifest.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL, EXP_AVG, EXP_AVG_SQ, MASTER = "model", "optim.exp_avg", "optim.exp_avg_sq", "optim.master"
 FP8_HISTORY = "fp8.amax_history"
+
+
+def optimizer_name(index: dict) -> str | None:
+    """Which optimizer wrote a checkpoint's state ("adamw" or "muon"), from its index; None when it holds
+    weights only. Checkpoints written before the name was recorded hold AdamW's."""
+    meta = index.get("optimizer")
+    return None if meta is None else meta.get("name", "adamw")
 
 
 def iter_dir_name(iteration: int) -> str:

@@ -14,7 +14,12 @@ import os
 import sys
 from pathlib import Path
 
-from megazero.checkpoint.distributed import latest_iteration, saved_job, saved_model_settings
+from megazero.checkpoint.distributed import (
+    latest_iteration,
+    saved_job,
+    saved_model_settings,
+    saved_optimizer,
+)
 from megazero.cli.arguments import (
     build_parser,
     combine,
@@ -86,7 +91,7 @@ def resume_schedule(values: dict, world_size: int) -> tuple[JobConfig, list[str]
     if load is None:
         return validate(job_from_values(values), world_size), []
     try:
-        saved = saved_job(load)
+        saved, saved_state = saved_job(load), saved_optimizer(load)
     except (CheckpointError, KeyError) as e:
         raise ConfigError(f"{FLAG.load} {load}: cannot read the job its checkpoint stored: {e}") from None
     where = f"the checkpoint in {load}"
@@ -100,6 +105,7 @@ def resume_schedule(values: dict, world_size: int) -> tuple[JobConfig, list[str]
         raise ConfigError(f"{e} ({taken['train.global_batch_size']} is the global batch of {where}, which this "
                           f"run continues: to train at another, give {FLAG.global_batch_size} with "
                           f"{FLAG.override_opt_param_scheduler})") from None
+    job.checkpoint.check_resumed_optimizer(saved_state, job.optimizer, where)
     optimizer, said = job.checkpoint.resumed_schedule(saved, job.train, job.optimizer, where)
     job = dataclasses.replace(job, optimizer=optimizer)
     return job, [line for line in (note, said) if line]

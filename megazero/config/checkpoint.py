@@ -4,6 +4,9 @@ A resumed run continues the checkpoint's global batch and learning-rate schedule
 ``OptimizerParamScheduler`` checks the same): a run whose flags give another one is refused before any
 process group unless ``--use-checkpoint-opt_param-scheduler`` (keep the checkpoint's) or
 ``--override-opt_param-scheduler`` (take the flags') says which (:meth:`CheckpointConfig.resumed_schedule`).
+It continues the checkpoint's optimizer too: AdamW's moments and Muon's momentum are different state, so a run
+whose ``--optimizer`` steps with another one than the checkpoint's state was written by is refused unless
+``--no-load-optim`` starts the optimizer fresh (:meth:`CheckpointConfig.check_resumed_optimizer`).
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megazero.config.fields import FLAG, flag_field, setting
-from megazero.config.optimizer import OptimizerConfig
+from megazero.config.optimizer import OPTIMIZERS, OptimizerConfig
 from megazero.config.rules import fail
 from megazero.config.train import TrainConfig
 
@@ -69,6 +72,17 @@ class CheckpointConfig:
         if self.use_checkpoint_opt_param_scheduler and self.override_opt_param_scheduler:
             fail(f"{FLAG.use_checkpoint_opt_param_scheduler} keeps the checkpoint's schedule and "
                  f"{FLAG.override_opt_param_scheduler} replaces it: keep one")
+
+    def check_resumed_optimizer(self, saved: str | None, optimizer: OptimizerConfig, where: str) -> None:
+        """A resume loads optimizer state written by the optimizer ``saved`` ("adamw" or "muon", the
+        checkpoint's record; None: it holds none) into a run stepping with ``optimizer``: refused (one line
+        naming the flag and both fixes) when they differ, unless ``--no-load-optim`` starts it fresh."""
+        mine = OPTIMIZERS[optimizer.optimizer]
+        if saved is None or self.no_load_optim or saved == mine:
+            return
+        fail(f"{where} holds {saved} optimizer state but {FLAG.optimizer} is {optimizer.optimizer} ({mine} keeps "
+             f"other state): give {FLAG.optimizer} {saved} to continue it, or add {FLAG.no_load_optim} to start "
+             f"the {mine} optimizer fresh from the checkpoint's weights")
 
     def resumed_schedule(self, saved: dict, train: TrainConfig, optimizer: OptimizerConfig,
                          where: str) -> tuple[OptimizerConfig, str | None]:

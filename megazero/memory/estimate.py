@@ -12,7 +12,10 @@ parts, each per pipeline stage (the binding rank is the largest):
 
       stage 0: eΨ + gΨ + 4Ψ + 8Ψ      1: eΨ + gΨ + 12Ψ/N      2: eΨ + gΨ/N + 12Ψ/N      3: 16Ψ/N (e = g = 2)
 
-  (g: gradient bytes, 4 with --accumulate-allreduce-grads-in-fp32, the default under bf16)
+  (g: gradient bytes, 4 with --accumulate-allreduce-grads-in-fp32, the default under bf16). Under
+  ``--optimizer muon`` the optimizer state is the same 8Ψ: Muon keeps its momentum where AdamW keeps its first
+  moment (``exp_avg``) and leaves the second at zero (:mod:`megazero.parallel.zero.muon`); its step moves
+  :func:`muon_step_comm_bytes` over the network.
 
 * **activations**: what the model spec's activation model says one micro-batch leaves held in each
   chunk (the GPT family counts its implementation exactly, :mod:`megazero.models.gpt.memory`; other
@@ -167,6 +170,26 @@ def _held_peak(job: JobConfig, pp_rank: int, per_chunk: list[int], until_w: list
         held += {"F": per_chunk[c], "B": -per_chunk[c], "I": until_w[c] - per_chunk[c], "W": -until_w[c]}[op]
         peak = max(peak, held)
     return peak
+
+
+def muon_step_comm_bytes(matrices: list[tuple[int, int, bool]], *, sharded: bool, dp: int, tp: int,
+                         ns_dtype: str) -> int:
+    """Bytes Muon's step sends per optimizer step, summed over all ranks (the comm tag "muon"). ``matrices``:
+    one (tp-local elements n, elements of the piece its dp owner holds p, split over tp) per Muon matrix
+    (:class:`megazero.parallel.zero.muon.MuonMatrix`: p is ``piece_len(dp_owner)``); ``sharded``: ZeRO 1-3.
+    Each matrix's non-owned pieces travel to the owner and back, in the Newton-Schulz dtype (w = 4 bytes
+    fp32, 2 bf16): over dp (sharded stages: at every tp rank, n - p elements each way) and over tp (split
+    matrices: tp - 1 shards of n each way, at the dp owner, or at every dp rank at stage 0)::
+
+        w * 2 * sum_m [ tp * (n - p)  (sharded)  +  (tp - 1) * n * (1 if sharded else dp)  (split) ]"""
+    w = {"fp32": 4, "bf16": 2}[ns_dtype]
+    total = 0
+    for n, p, split in matrices:
+        if sharded:
+            total += tp * (n - p)
+        if split:
+            total += (tp - 1) * n * (1 if sharded else dp)
+    return 2 * w * total
 
 
 def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEstimate:

@@ -1,5 +1,6 @@
 """Checkpoint test helpers: the test GPT, its batches, and a training body that saves and loads."""
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -19,12 +20,13 @@ VOCAB, SEED, MB_SIZE, GLOBAL_MB = 200, 4321, 2, 8
 MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
              make_vocab_size_divisible_by=48)
 OPT = OptimizerConfig(lr=2e-3, weight_decay=0.1, clip_grad=0.3, adam_eps=1e-6)
+MUON_OPT = dataclasses.replace(OPT, optimizer="muon")
 
 
-def make_job(tp, pp, dp, stage, dropout=0.0, **model_kw):
+def make_job(tp, pp, dp, stage, dropout=0.0, opt=OPT, **model_kw):
     model = GPTConfig(**{**MODEL, **model_kw}, hidden_dropout=dropout, attention_dropout=dropout)
     return JobConfig(model=model, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp), zero=ZeroConfig(zero_stage=stage,
-                     bucket_size=3000), optimizer=OPT)
+                     bucket_size=3000), optimizer=opt)
 
 
 def batches(step):
@@ -43,10 +45,11 @@ def global_loss(out, topo):
     return (t[0] / t[1]).item()
 
 
-def setup(tp, pp, stage, dropout=0.0, **model_kw):
-    """Topology, job, chunks and engine; the chunks are built on the meta device, as the trainer does."""
+def setup(tp, pp, stage, dropout=0.0, opt=OPT, **model_kw):
+    """Topology, job, chunks and engine; the chunks are built on the meta device, as the trainer does.
+    ``opt``: the optimizer's config (OPT: AdamW, MUON_OPT: Muon)."""
     topo = Topology(tp=tp, pp=pp)
-    job = make_job(tp, pp, topo.dp_size, stage, dropout, **model_kw)
+    job = make_job(tp, pp, topo.dp_size, stage, dropout, opt, **model_kw)
     chunks = build_model_chunks(job.model, job.parallel, topo, seed=SEED, device="meta")
     return topo, job, chunks, build_engine(chunks, topo, job.zero, job.optimizer)
 
@@ -71,13 +74,14 @@ def full_params(chunks, topo, engine=None):
 
 
 def run_body(rank, world_size, tp, pp, stage, steps, save_dir=None, save_at=(), load_dir=None,
-             dropout=0.0, weights_only=False, model_kw=None):
+             dropout=0.0, weights_only=False, model_kw=None, opt=OPT, load_optim=True):
     """Train until ``steps`` (from a checkpoint when ``load_dir``), saving after the steps in save_at.
     Returns (losses of the steps run, full params right after loading, full params at the end)."""
-    topo, job, chunks, engine = setup(tp, pp, stage, dropout, **(model_kw or {}))
+    topo, job, chunks, engine = setup(tp, pp, stage, dropout, opt, **(model_kw or {}))
     state, loaded = TrainState(), None
     if load_dir:
-        state = load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job, weights_only=weights_only)
+        state = load_checkpoint(load_dir, chunks=chunks, engine=engine, topo=topo, job=job, weights_only=weights_only,
+                                load_optim=load_optim)
         loaded = full_params(chunks, topo, engine)
     losses = []
     while state.iteration < steps:

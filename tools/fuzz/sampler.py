@@ -85,6 +85,18 @@ LAYOUT_AXES: dict[str, tuple[tuple, tuple]] = {
     "activation_offload": ((False, True), (5, 1)),
 }
 AXES = {**MODEL_AXES, **LAYOUT_AXES}
+
+# The optimizer a draw steps with, with its settings (the serial twin and the resumed layout step with the same
+# one), drawn from its own stream of the seed so that the other axes of every seed stay as they were; a draw
+# whose layouts refuse it (Muon with --offload-optimizer) keeps AdamW. Newton-Schulz in fp32 only: in bf16 it
+# rounds an input whose last bit depends on the layout's reduction order.
+OPTIMIZERS: dict[str, list[str]] = {
+    "adamw": [],
+    "muon": ["--optimizer", "muon"],
+    "muon-plain": ["--optimizer", "dist_muon", "--no-muon-nesterov", "--muon-momentum", "0.9", "--muon-ns-steps",
+                   "3", "--muon-adjust-lr", "original"],
+}
+OPTIMIZER_WEIGHTS = (2, 1, 1)
 LOSSY_SWITCHES = ("qwz", "qgz")                   # ZeRO++'s int8 transfers: not bit-faithful by design
 
 
@@ -205,6 +217,7 @@ class Draw:
     resume_world: int = 1
     resume_layout_args: list[str] = field(default_factory=list)
     common: list[str] = field(default_factory=lambda: list(COMMON))     # flags before the model's
+    optimizer: str = "adamw"                                             # a key of OPTIMIZERS, in model_args
 
     @property
     def args(self) -> list[str]:
@@ -234,7 +247,21 @@ class Draw:
         """The non-default axes of a layout, in one short line."""
         axes = self.axes if which == "first" else {**self.axes, **self.resume_axes}
         defaults = {name: values[0] for name, (values, _) in AXES.items()}
-        return " ".join(f"{k}={v}" for k, v in axes.items() if v not in (defaults[k], NOT_APPLICABLE))
+        shown = " ".join(f"{k}={v}" for k, v in axes.items() if v not in (defaults[k], NOT_APPLICABLE))
+        return shown + (f" optimizer={self.optimizer}" if self.optimizer != "adamw" else "")
+
+
+def draw_optimizer(seed: int, model_args: list[str], layouts: list[tuple[list[str], int]]) -> str:
+    """The optimizer (a key of :data:`OPTIMIZERS`) of seed ``seed``'s draw, whose model flags are ``model_args``
+    and whose layouts are ``layouts`` ([(layout flags, world)]): AdamW where the configuration's rules refuse
+    the drawn one for the serial twin or either layout."""
+    name = random.Random(f"optimizer {seed}").choices(tuple(OPTIMIZERS), OPTIMIZER_WEIGHTS)[0]
+    try:
+        for flags, world in [([], 1), *layouts]:
+            parse_and_validate(COMMON + model_args + OPTIMIZERS[name] + flags, world)
+    except ConfigError:
+        return "adamw"
+    return name
 
 
 def draw(seed: int) -> Draw:
@@ -248,5 +275,7 @@ def draw(seed: int) -> Draw:
             continue
         axes, world, flags = draw_layout(rng, model)
         resume_axes, resume_world, resume_flags = draw_layout(rng, model)
-        return Draw(seed, axes, world, model_flags(model), flags, resume_axes, resume_world, resume_flags)
+        optimizer = draw_optimizer(seed, model_flags(model), [(flags, world), (resume_flags, resume_world)])
+        return Draw(seed, axes, world, model_flags(model) + OPTIMIZERS[optimizer], flags, resume_axes, resume_world,
+                    resume_flags, optimizer=optimizer)
     raise RuntimeError(f"seed {seed}: no valid model in 1000 tries")
