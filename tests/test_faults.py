@@ -164,10 +164,12 @@ def test_an_fp32_skipped_step_says_its_gradients_were_not_finite(tmp_path):
 @pytest.mark.slow
 def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     """A 4-rank tp2 job, one rank frozen with SIGSTOP: its tensor-parallel partner's collective times
-    out after --distributed-timeout-minutes 1, the job ends nonzero naming the timeout. torchrun then
-    gives the frozen worker its 30 s to end before killing it."""
+    out after --distributed-timeout-minutes 0.25 (15 s: long past a tiny step, short for the test), the
+    job ends nonzero naming the timeout. torchrun then gives the frozen worker its 30 s to end before
+    killing it."""
     metrics = tmp_path / "m.jsonl"
-    job = _launch(4, *TINY, *FOREVER, "--tp", "2", "--distributed-timeout-minutes", "1",
+    timeout_s = 15
+    job = _launch(4, *TINY, *FOREVER, "--tp", "2", "--distributed-timeout-minutes", f"{timeout_s / 60:g}",
                   "--metrics-file", str(metrics), cwd=tmp_path)
     workers = []
     try:
@@ -176,14 +178,14 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
         assert len(workers) == 4, workers
         os.kill(workers[-1], signal.SIGSTOP)        # the last local rank: rank 0 stays to report
         t0 = time.monotonic()
-        out, _ = job.communicate(timeout=60 + 120)
+        out, _ = job.communicate(timeout=timeout_s + 120)
         ended = time.monotonic() - t0
     finally:
         _end(job, workers)
     assert job.returncode != 0
-    assert "did not complete within --distributed-timeout-minutes 1" in out, out[-3000:]
-    assert ended < 60 + 90, ended
-    print(f"stopped rank: job ended {ended:.0f} s after SIGSTOP (timeout 60 s)")
+    assert f"did not complete within --distributed-timeout-minutes {timeout_s / 60:g}" in out, out[-3000:]
+    assert ended < timeout_s + 90, ended
+    print(f"stopped rank: job ended {ended:.0f} s after SIGSTOP (timeout {timeout_s} s)")
 
 
 @pytest.mark.slow

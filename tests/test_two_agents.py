@@ -1,7 +1,9 @@
 """A real multi-node launch on one machine: two torchrun agents (``--nnodes 2``, a c10d rendezvous on
 127.0.0.1, 4 processes each) train pretrain_gpt.py with tp 2 x dp 4 and ZeRO-3 and log the same
-losses as one agent with 8 processes; with ZeRO++'s three switches on, the two agents (4 ranks per
-node from torchrun's LOCAL_WORLD_SIZE) match one agent told ``--ranks-per-node 4``."""
+losses as one node of 8 processes; with ZeRO++'s three switches on, the two agents (4 ranks per
+node from torchrun's LOCAL_WORLD_SIZE) match the one node told ``--ranks-per-node 4``. The one node is
+the tests' pool of 8 gloo processes running the trainer's main, started once per session (a torchrun
+launch of 8 fresh processes spends most of its time importing torch on 2 cores)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers.trainer import ROOT, TINY, read_metrics
+from helpers import run_on_ranks
+from helpers.trainer import ROOT, TINY, main_body, read_metrics
 
 LAYOUT = ["--tp", "2", "--zero-stage", "3", "--train-iters", "6", "--eval-interval", "6", "--eval-iters", "1"]
 ZEROPP = ["--zero-quantized-weights", "--zero-hpz-partition-size", "2", "--zero-quantized-gradients",
@@ -57,20 +60,20 @@ def _first_errors(out: str) -> str:
 
 
 def _run(tmp_path, name: str, flags: list[str], two_agents: bool) -> list[float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    """The losses of the run ``name``: two torchrun agents of 4 processes, or one node of 8 (the pool)."""
     metrics = tmp_path / f"{name}.jsonl"
     if two_agents:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         port = _free_port()
         rdzv = ["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", name]
         procs = {f"agent {k}": subprocess.Popen(_launcher([*rdzv, "--node-rank", str(k)], flags, metrics),
                                                 cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
                                                 stderr=subprocess.STDOUT) for k in (0, 1)}
+        _finish(procs)
     else:
-        procs = {"one agent": subprocess.Popen(_launcher(["--standalone", "--nproc-per-node", "8"], flags, metrics),
-                                               cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
-                                               stderr=subprocess.STDOUT)}
-    _finish(procs)
+        argv = [*TINY, *LAYOUT, *flags, "--metrics-file", str(metrics)]
+        assert run_on_ranks(8, main_body, argv, timeout=TIMEOUT) == [0] * 8
     return [r["loss"] for r in read_metrics(metrics)[0]]
 
 

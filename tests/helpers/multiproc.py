@@ -9,10 +9,11 @@
     def test_it():
         results = run_on_ranks(4, _body, 3)   # list of the 4 return values, by rank
 
-Workers are spawned once per world size and reused by later tests (starting 8 Python processes that
-import torch costs several seconds on 2 cores). A pool is discarded whenever a body fails or times
-out, so a later test never inherits a broken process group. Failures raise with the traceback of the
-rank that failed first; a hang raises after ``timeout`` seconds naming the ranks that did not finish.
+Workers are started once per world size and reused by later tests (starting 8 Python processes that
+import torch costs several seconds on 2 cores, so they are forked from a server that imported it once).
+A pool is discarded whenever a body fails or times out, so a later test never inherits a broken
+process group. Failures raise with the traceback of the rank that failed first; a hang raises after
+``timeout`` seconds naming the ranks that did not finish.
 Workers run with OMP_NUM_THREADS=1 and one torch thread.
 """
 from __future__ import annotations
@@ -25,7 +26,12 @@ import tempfile
 import time
 import traceback
 
-_CTX = mp.get_context("spawn")
+# Workers are forked from a server process that imported torch once (its environment is this process's
+# when the first pool starts): a worker then starts in a fraction of the time a fresh interpreter takes
+# to import torch, several seconds of CPU each on 2 cores. Nothing else is inherited: the server imports
+# no test module and holds no process group.
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed"])
 _POOLS: dict[int, "_Pool"] = {}
 
 
