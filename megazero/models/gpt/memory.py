@@ -103,6 +103,19 @@ def fp8_saved_bytes(job, e: int) -> int:
     return sum(tokens * k + k * n for _, k, n, _ in fp8) - e * freed
 
 
+def fp8_head_bytes(job, e: int) -> int:
+    """``--fp8-head`` (tensor-wise or delayed): what the output layer's FP8 product changes in what the last
+    chunk keeps per micro-batch: its input in FP8 instead of e bytes (the final norm's output, kept by
+    nothing else) and the FP8 copy of its tp-local weight; 0 where the local vocabulary or the hidden size
+    is not a multiple of 16 (the head then stays in the parameters' precision)."""
+    cfg, t, fp8 = job.model, job.parallel.tp, job.fp8
+    vocab, h = cfg.padded_vocab_size(t) // t, cfg.hidden_size
+    if not (fp8.enabled and fp8.fp8_head) or fp8.recipe == "rowwise" or vocab % 16 or h % 16:
+        return 0
+    tokens = cfg.seq_length * job.train.micro_batch_size
+    return tokens * h * (1 - e) + vocab * h
+
+
 def layer_parts(job, e: int, mask: int) -> dict[str, int]:
     """Bytes one layer keeps for backward per micro-batch, by what keeps them (recomputing nothing).
     ``mask``: bytes per element of a dropout mask (1 for CUDA's fused dropout, e on a CPU)."""
@@ -218,6 +231,7 @@ def _chunk_ends(job, placement, e, mask, s, b, h, t) -> int:
     if placement.post_process:
         stats = 2 if cfg.normalization == "LayerNorm" else 1
         out += e * rows * h + stats * 4 * rows + e * s * b * h   # final norm input and stats, the logits' input
+        out += fp8_head_bytes(job, e)
         out += 4 * s * b * cfg.padded_vocab_size(t) // t + 9 * s * b   # softmax (fp32), target, mask
     return out
 
