@@ -258,7 +258,7 @@ def test_fp32_moment_norms_exp_avg_sq_at_twice_the_gradients_rule():
 def test_a_muon_draw_equals_its_serial_twin(tmp_path, serial_cache):
     """Draw 45: Muon (Nesterov, fp32 Newton-Schulz) at dp4 ZeRO-3 with the parameters offloaded, saved and
     resumed at cp2 dp2 ZeRO-1: the momentum crosses the checkpoint and the layout change."""
-    d = draw(45)
+    d = draw(45, fp8=False)
     assert d.optimizer == "muon" and (d.world, d.axes["zero"], d.resume_axes["cp"]) == (4, 3, 2)
     report = check(d, tmp_path, launch=fuzz_launcher(), cache=serial_cache)
     assert report.ok, report.summary() + "\n" + report.step_table()
