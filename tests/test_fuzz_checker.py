@@ -1,6 +1,8 @@
 """tools/fuzz/checker.py: fixed-seed draws equal their serial twin (trained, saved, resumed under a second
 layout), and the comparisons name the first iteration and value that differ."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers.trainer import fuzz_launcher
@@ -33,7 +35,7 @@ def serial_cache(tmp_path_factory):
 @pytest.mark.parametrize("seed", [pytest.param(s) for s in QUICK_SEEDS]
                          + [pytest.param(s, marks=pytest.mark.slow) for s in FULL_SEEDS])
 def test_fixed_seed_draw_equals_its_serial_twin(seed, tmp_path, serial_cache):
-    report = check(draw(seed), tmp_path, launch=fuzz_launcher(), cache=serial_cache)
+    report = check(draw(seed, fp8=False), tmp_path, launch=fuzz_launcher(), cache=serial_cache)
     assert report.ok, report.summary() + "\n" + report.step_table()
     assert [r[0] for r in report.rows] == [1, 2, 3, 4] and report.tensors_compared >= 4 * 3 * 20
     assert not (tmp_path / f"draw-{seed}").exists()                 # a passing draw leaves nothing
@@ -42,6 +44,60 @@ def test_fixed_seed_draw_equals_its_serial_twin(seed, tmp_path, serial_cache):
 def _records(losses, norms):
     return {i + 1: {"iteration": i + 1, "loss": x, "grad_norm": n, "skipped": False}
             for i, (x, n) in enumerate(zip(losses, norms))}
+
+
+FP8_SEEDS = [                    # FP8 draws (first layout -> resumed layout)
+    109,     # e4m3 delayed, cp2 a2a ZeRO-2 FP8 param gather, selective recompute -> interleaved pp2 ZeRO-1
+]
+FP8_FULL_SEEDS = [
+    24,      # Llama hybrid rowwise dp2 ZeRO-1 -> cp2 a2a ZeRO-3 parameters offloaded (gradient norm 4.7e-3 off)
+    31,      # e4m3 delayed tp2 zb-v pp2 dp2 ZeRO-3 FP8 param gather -> tp2 SP dp4 hpZ: histories saved at dp 2
+]
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s) for s in FP8_SEEDS]
+                         + [pytest.param(s, marks=pytest.mark.slow) for s in FP8_FULL_SEEDS])
+def test_fixed_seed_fp8_draw_equals_its_serial_fp8_twin(seed, tmp_path, serial_cache):
+    """The serial twin runs the same FP8 flags; the draw passes at the FP8 tolerance, the delayed recipe's
+    amax histories compared in the serial run's units."""
+    d = draw(seed)
+    assert d.fp8 and "--fp8-format" in d.serial_args
+    report = check(d, tmp_path, launch=fuzz_launcher(), cache=serial_cache)
+    assert report.ok, report.summary() + "\n" + report.step_table()
+    assert "fp8" in report.tolerance.name and [r[0] for r in report.rows] == [1, 2, 3, 4]
+
+
+def test_the_fp8_tolerance_applies_only_with_fp8_on_and_only_loosens():
+    from tools.fuzz.checker import tolerance_for
+
+    fp8 = TOLERANCES["fp8"]
+    for seed in range(30):
+        d, plain = draw(seed), draw(seed, fp8=False)
+        own = tolerance_for(plain)
+        assert "fp8" not in own.name and own.name == tolerance_for(replace(d, axes={**d.axes, "fp8": "off"})).name
+        if not d.fp8:
+            continue
+        tol = tolerance_for(d)
+        assert tol.name == f"{own.name} + fp8"
+        for f in ("loss_rtol", "norm_rtol", "tensor_rtol", "tensor_atol", "param_lr", "moment_atol"):
+            assert getattr(tol, f) == max(getattr(own, f), getattr(fp8, f)), f
+        assert tol.moment_norm_rtol is None
+
+
+def test_amax_histories_are_compared_in_the_serial_runs_units():
+    """At dp 4 the output-gradient row of a delayed history is 4 times the serial run's (each rank divides
+    its loss by its own micro-batch count); the input and weight rows are not. As the loader does, the
+    checker rescales that row before comparing, so the same history at dp 4 passes and a wrong one fails."""
+    from tools.fuzz.checker import history_at_serial_dp
+
+    serial = torch.tensor([[3.0, 2.5], [0.7, 0.7], [1e-3, 2e-3]], dtype=torch.float64)
+    at_dp4 = serial.clone()
+    at_dp4[2] *= 4
+    name = "fp8.amax_history/layers.0.mlp.fc1"
+    assert torch.equal(history_at_serial_dp(at_dp4, 4, 1), serial)
+    assert tensor_difference(name, history_at_serial_dp(at_dp4, 4, 1), serial, TOLERANCES["fp8"], LR) is None
+    assert tensor_difference(name, at_dp4, serial, TOLERANCES["fp8"], LR)                # not rescaled: fails
+    assert history_at_serial_dp(at_dp4, 1, 1) is at_dp4
 
 
 def test_records_out_of_tolerance_name_their_iteration():
@@ -72,7 +128,7 @@ def test_moe_draw_with_one_large_serial_bucket_equals_its_serial_twin(tmp_path, 
     norm over the serial twin's one large range (now optimizer.squared_norm). With cp in the space it draws
     MoE capacity at cp 4 (allgather, ep 4, dp-cp-tp-pp), resumed at tp 2 x cp 2 (p2p): capacity counted per
     cp rank then (7e-5 loss off); the queues are now the whole sequence's in serial token order."""
-    report = check(draw(11), tmp_path, launch=fuzz_launcher(), cache=serial_cache)
+    report = check(draw(11, fp8=False), tmp_path, launch=fuzz_launcher(), cache=serial_cache)
     assert report.ok, report.summary()
 
 
@@ -139,7 +195,7 @@ def test_draws_get_the_rule_of_their_precision_experts_and_int8():
 
     kinds = {}
     for seed in range(6000, 6060):
-        d = draw(seed)
+        d = draw(seed, fp8=False)
         kind = ("int8" if d.lossy else d.axes["precision"]) + ("-moe" if (d.axes.get("experts") or 0) > 1 else "")
         kinds.setdefault(kind, tolerance_for(d).name)
     assert kinds["fp32"] == kinds["fp32-moe"] == "fp32" and kinds["bf16"] == "bf16" and kinds["fp16"] == "fp16"
@@ -202,7 +258,7 @@ def test_fp32_moment_norms_exp_avg_sq_at_twice_the_gradients_rule():
 def test_a_muon_draw_equals_its_serial_twin(tmp_path, serial_cache):
     """Draw 45: Muon (Nesterov, fp32 Newton-Schulz) at dp4 ZeRO-3 with the parameters offloaded, saved and
     resumed at cp2 dp2 ZeRO-1: the momentum crosses the checkpoint and the layout change."""
-    d = draw(45)
+    d = draw(45, fp8=False)
     assert d.optimizer == "muon" and (d.world, d.axes["zero"], d.resume_axes["cp"]) == (4, 3, 2)
     report = check(d, tmp_path, launch=fuzz_launcher(), cache=serial_cache)
     assert report.ok, report.summary() + "\n" + report.step_table()

@@ -19,6 +19,7 @@ def test_coverage_counts_both_layouts_and_lists_what_is_missing():
     covered = len(allowed & set(cov.pairs))
     assert f"pairs of axis values covered: {covered} of {len(allowed)} allowed" in text
     assert "not covered:" in text and covered < len(allowed)
+    assert "fp8_recipe" in text and any(v[0] == "fp8" and v[1] != "off" for pair in allowed for v in pair)
 
 
 def test_allowed_pairs_hold_no_pair_the_rules_refuse():

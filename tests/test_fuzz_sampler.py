@@ -4,6 +4,7 @@ import shlex
 import pytest
 
 import megazero.config
+from megazero.config.fp8 import FP8_RECIPES
 from megazero.errors import ConfigError
 from tools.fuzz.sampler import AXES, COMMON, MAX_WORLD, NOT_APPLICABLE, draw, parse_and_validate
 
@@ -52,6 +53,23 @@ def test_validity_comes_from_validate_alone(monkeypatch):
         parse_and_validate(["--zero-stage", "3", "--dp", "2"], 2)
 
 
+def test_fp8_is_never_drawn_without_torchao_and_leaves_the_other_axes_as_they_were(monkeypatch):
+    """FP8Config.check refuses FP8 without torchao, so the sampler draws none; FP8's own random stream
+    leaves every other axis of a seed as drawn without it."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    for seed in (1, 3, 24):                                            # FP8 draws where torchao is present
+        d = draw(seed)
+        assert not d.fp8 and d == draw(seed, fp8=False)
+    monkeypatch.undo()
+    d, plain = draw(24), draw(24, fp8=False)
+    assert d.fp8 and not plain.fp8
+    assert {k: v for k, v in d.axes.items() if not k.startswith("fp8")} == \
+        {k: v for k, v in plain.axes.items() if not k.startswith("fp8")}
+
+
 def test_the_command_is_one_line_that_parses_back_to_the_same_job():
     d = draw(11)
     line = d.command()
@@ -70,6 +88,17 @@ def test_axes_without_meaning_read_not_applicable():
         assert (a["recompute_modules"] == NOT_APPLICABLE) == (a["recompute"] != "selective")
         assert (a["cp_comm"] == NOT_APPLICABLE) == (a["cp"] == 1)
         assert (a["capacity"] == NOT_APPLICABLE) == (not a["experts"])
+        if a["fp8"] == "off":
+            assert a["fp8_recipe"] == a["fp8_head"] == a["fp8_param_gather"] == NOT_APPLICABLE
+        elif a["fp8_param_gather"] is not NOT_APPLICABLE:                # the rules allow it there
+            assert a["zero"] >= 1 and a["fp8_recipe"] != "rowwise" and not a["qwz"]
+    for d in draws:
+        assert d.fp8 == ("--fp8-format" in d.serial_args) and d.axes["fp8"] == d.resume_axes["fp8"]
+        assert all(("--fp8-param-gather" in args) == (a["fp8_param_gather"] is True)
+                   for args, a in ((d.args, d.axes), (d.resume_args, d.resume_axes)))
+    fp8 = [a for d in draws for a in (d.axes, d.resume_axes) if a["fp8"] != "off"]
+    assert {a["fp8"] for a in fp8} == {"e4m3", "hybrid"} and {a["fp8_recipe"] for a in fp8} == set(FP8_RECIPES)
+    assert {a["fp8_param_gather"] for a in fp8} == {True, False, NOT_APPLICABLE}
     assert any(d.world != d.resume_world for d in draws)           # resumes cross world sizes
     assert {a["cp"] for d in draws for a in (d.axes, d.resume_axes)} == {1, 2, 4}
     assert any("--nvme-path" in d.args + d.resume_args for d in draws)

@@ -91,3 +91,15 @@ def test_check_layout_reports_equal_and_a_broken_reduction_as_not_equal(tmp_path
     assert "layout check: NOT EQUAL" in out
     assert "first difference: iteration 1: grad_norm" in out
     assert "first tensor that differs: iteration 1: tensor model/" in out     # a sequence-parallel tensor
+
+
+def test_an_fp8_plan_keeps_fp8_in_the_serial_twin_and_the_param_gather_in_the_layout():
+    """FP8 is the model's (the serial twin runs it); --fp8-param-gather needs ZeRO, so it stays with the
+    layout; the scaled copy is checked at the FP8 tolerance."""
+    from tools.fuzz.checker import tolerance_for
+
+    d, _ = scale_down(["--tp", "2", "--dp", "2", "--zero-stage", "1", "--bf16", "--num-layers", "4", "--hidden-size",
+                       "256", "--num-attention-heads", "8", "--fp8-format", "hybrid", "--fp8-param-gather"], 4)
+    assert d.fp8 and d.axes["fp8_recipe"] == "delayed" and d.axes["fp8_param_gather"] is True
+    assert "--fp8-format" in d.serial_args and "--fp8-param-gather" not in d.serial_args
+    assert "--fp8-param-gather" in d.args and tolerance_for(d).name == "bf16 + fp8"

@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     print(f"per rank (stage {w['pp_rank']}): {w['total_bytes'] / MIB:,.1f} MiB "
           f"({w['total_bytes'] / 1e9:.2f} GB); buffers: " + ", ".join(
               f"{k} {v / MIB:.1f}" for k, v in w["parts"].items()
-              if k not in ("params", "grads", "master_weights", "optimizer_state")
+              if k not in ("params", "grads", "master_weights", "optimizer_state", "fp8_amax_histories")
               and not k.startswith(("host_", "nvme_"))))
     if job.optimizer.muon:
         print(f"optimizer state per rank (stage {w['pp_rank']}): {w['parts']['optimizer_state'] / MIB:,.1f} MiB under "

@@ -15,10 +15,12 @@ parts, each per pipeline stage (the binding rank is the largest):
   (g: gradient bytes, 4 with --accumulate-allreduce-grads-in-fp32, the default under bf16). Under
   ``--optimizer muon`` the optimizer state is the same 8Ψ: Muon keeps its momentum where AdamW keeps its first
   moment (``exp_avg``) and leaves the second at zero (:mod:`megazero.parallel.zero.muon`); its step moves
-  :func:`muon_step_comm_bytes` over the network.
+  :func:`muon_step_comm_bytes` over the network. Under ``--fp8-recipe delayed`` each FP8 linear's amax
+  history besides (:func:`fp8_history_bytes`).
 
 * **activations**: what the model spec's activation model says one micro-batch leaves held in each
-  chunk (the GPT family counts its implementation exactly, :mod:`megazero.models.gpt.memory`; other
+  chunk (the GPT family counts its implementation exactly, FP8 linears' 1-byte inputs and weights
+  included, :mod:`megazero.models.gpt.memory`; other
   models get Korthikanti et al.'s generic count, :mod:`megazero.spec.activations`), times the
   micro-batches held at once, which come from replaying the rank's schedule (1 without a pipeline,
   pp - rank with 1F1B, m with GPipe, the interleaved order chunk by chunk). Under context parallelism a
@@ -222,6 +224,8 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
         parts["optimizer_state"] += 8 * g_psi // (group_n if sharded else 1)
     if z.zero_stage == 3 and z.hpz_partition_size > 1:       # ZeRO++ hpZ: a secondary shard over K ranks
         parts["hpz_secondary_params"] = e * psi // z.hpz_partition_size
+    if job.fp8.enabled and job.fp8.recipe == "delayed" and spec.fp8_layers is not None:
+        parts["fp8_amax_histories"] = fp8_history_bytes(job, spec, chunks)
     offloaded = offloaded_parts(job, groups, e, parts, ge, device)
     est.model_states = sum(parts.values())
 
@@ -278,6 +282,14 @@ def estimate_stage(job: JobConfig, pp_rank: int, device: str = "cpu") -> StageEs
     est.host = sum(v for k, v in offloaded.items() if k.startswith("host_"))
     est.nvme = sum(v for k, v in offloaded.items() if k.startswith("nvme_"))
     return est
+
+
+def fp8_history_bytes(job: JobConfig, spec, chunks: list) -> int:
+    """``--fp8-recipe delayed``: each FP8 linear's amax history, [3, history length] fp32 (input, weight,
+    output gradient), whole on every rank holding the linear. Counted over the linears the model declares
+    (``ModelSpec.fp8_layers``), so also those its shapes leave in the parameters' precision: a bound."""
+    linears = sum(len(spec.fp8_layers(c, job.fp8.fp8_head)) for c in chunks)
+    return linears * 3 * job.fp8.history_len * 4
 
 
 def cp_slice_job(job: JobConfig) -> JobConfig:

@@ -306,7 +306,7 @@ class _FP8Linear(torch.autograd.Function):
             ctx.save_for_backward(x2, weight)
         else:
             ctx.save_for_backward(x8, sx, w8, sw)
-        return y.reshape(*lead, weight.shape[0])
+        return y                                 # [tokens, out]: the caller restores the leading dims
 
     @staticmethod
     def backward(ctx, dy):
@@ -342,7 +342,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8
     """``F.linear(x, weight, bias)``, in FP8 when ``fp8`` is given (the layers' one entry point)."""
     if fp8 is None:
         return F.linear(x, weight, bias)
-    return _FP8Linear.apply(x, weight, bias, fp8, torch.is_grad_enabled())   # delayed: amaxes of training only
+    y = _FP8Linear.apply(x, weight, bias, fp8, torch.is_grad_enabled())     # delayed: amaxes of training only
+    return y.reshape(*x.shape[:-1], weight.shape[0])   # a view made outside the Function: callers may write into it
 
 
 @dataclass

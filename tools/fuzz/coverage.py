@@ -26,10 +26,12 @@ from tools.fuzz.sampler import (
     MODEL_AXES,
     Draw,
     draw,
+    draw_fp8,
     draw_layout,
     model_flags,
     parse_and_validate,
     pick_axes,
+    with_fp8,
 )
 
 Pair = tuple[tuple[str, object], tuple[str, object]]
@@ -96,7 +98,8 @@ def allowed_pairs(samples: int = 2000, seed: int = 0) -> set[Pair]:
             parse_and_validate(COMMON + model_flags(model), 1)
         except ConfigError:
             continue
-        axes, _, _ = draw_layout(rng, model)
-        out |= pairs_of(axes)
+        axes, world, flags = draw_layout(rng, model)
+        fp8, (gather,) = draw_fp8(rng, model, [(axes, world, flags)])
+        out |= pairs_of(with_fp8(axes, flags, fp8, gather)[0])
         n += 1
     return out

@@ -5,7 +5,8 @@
     d.command()                       # "torchrun --standalone --nproc-per-node 8 pretrain_gpt.py --mock-data ..."
     d.resume_axes, d.resume_world     # the second layout, which resumes the first one's checkpoint
 
-Every axis is drawn independently from its values (:data:`MODEL_AXES`, :data:`LAYOUT_AXES`); the draw is
+Every axis is drawn independently from its values (:data:`MODEL_AXES`, :data:`LAYOUT_AXES`, and FP8's,
+:data:`FP8_MODEL_AXES` and :data:`FP8_LAYOUT_AXES`, from their own stream); the draw is
 turned into flags, parsed by the trainer's own parser and checked by the trainer's own
 :func:`~megazero.config.validate` (and the model family's rules) at its world size. A refused draw is
 drawn again: which combinations are allowed is never written down here, so a rule added to the
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from megazero import config
 from megazero.cli.arguments import build_parser, flag_values, job_from_values
 from megazero.config import OFFLOAD_DEVICES, SCHEDULES, JobConfig
+from megazero.config.fp8 import FP8_FORMATS, FP8_RECIPES
 from megazero.config.parallel import BUILT_CP_COMM_TYPES
 from megazero.errors import ConfigError
 
@@ -84,7 +86,17 @@ LAYOUT_AXES: dict[str, tuple[tuple, tuple]] = {
     "recompute_modules": (("core_attn", "mlp", "layernorm", "core_attn mlp", "moe_act"), (1, 1, 1, 1, 1)),
     "activation_offload": ((False, True), (5, 1)),
 }
-AXES = {**MODEL_AXES, **LAYOUT_AXES}
+# FP8 (docs/fp8.md): the model axes go to the serial twin too; the parameter all-gather is a layout's. Drawn
+# from a stream of their own (:func:`draw_fp8`), after the layouts, so adding them moved no earlier axis of any
+# seed. An FP8 axis reads ``-`` when FP8 is off, and the parameter all-gather where the rules refuse it.
+FP8_MODEL_AXES: dict[str, tuple[tuple, tuple]] = {
+    "fp8": (("off",) + FP8_FORMATS, (4,) + (1,) * len(FP8_FORMATS)),
+    "fp8_recipe": every(FP8_RECIPES),
+    "fp8_head": ((False, True), (2, 1)),
+}
+FP8_LAYOUT_AXES: dict[str, tuple[tuple, tuple]] = {"fp8_param_gather": ((False, True), (1, 1))}
+AXES = {**MODEL_AXES, **LAYOUT_AXES, **FP8_MODEL_AXES, **FP8_LAYOUT_AXES}
+FP8_OFF = {"fp8": "off", "fp8_recipe": NOT_APPLICABLE, "fp8_head": NOT_APPLICABLE}
 
 # The optimizer a draw steps with, with its settings (the serial twin and the resumed layout step with the same
 # one), drawn from its own stream of the seed so that the other axes of every seed stay as they were; a draw
@@ -110,6 +122,8 @@ def model_flags(a: dict) -> list[str]:
         if a["capacity"]:
             out += ["--moe-expert-capacity-factor", str(a["capacity"])]
     out += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1024"]}[a["precision"]]
+    if a.get("fp8", "off") != "off":
+        out += ["--fp8-format", a["fp8"], "--fp8-recipe", a["fp8_recipe"]] + (["--fp8-head"] if a["fp8_head"] else [])
     return out + ["--micro-batch-size", str(a["micro_batch"]),
                   "--global-batch-size", str(a["micro_batch"] * a["micro_batches"])]
 
@@ -204,6 +218,46 @@ def draw_layout(rng: random.Random, model: dict, max_tries: int = 20000) -> tupl
     raise RuntimeError(f"no valid layout in {max_tries} tries for model axes {model}")
 
 
+def draw_fp8(rng: random.Random, model: dict, layouts: list[tuple[dict, int, list[str]]],
+             optimizer: list[str] = (), max_tries: int = 20) -> tuple[dict, list[str]]:
+    """FP8 axes for model axes ``model`` and its ``layouts`` ((axes, world, layout flags) each), stepping with
+    the ``optimizer`` flags: (the model's FP8 axes, ``fp8_param_gather`` of each layout). A pick is kept when the serial twin and every layout
+    accept it (the trainer's own rules: :meth:`~megazero.config.FP8Config.check` refuses FP8 without torchao,
+    so then FP8 is never drawn); after ``max_tries`` refused picks, FP8 is off. The parameter all-gather reads
+    ``-`` in a layout that refuses it (ZeRO stage 0, row-wise scales, ZeRO++'s int8 weights)."""
+    fp8 = dict(FP8_OFF)
+    for _ in range(max_tries):
+        pick = pick_axes(rng, FP8_MODEL_AXES)
+        if pick["fp8"] == "off":
+            break
+        try:
+            flags = model_flags({**model, **pick}) + list(optimizer)
+            parse_and_validate(COMMON + flags, 1)
+            for _, world, layout in layouts:
+                parse_and_validate(COMMON + flags + layout, world)
+        except ConfigError:
+            continue
+        fp8 = pick
+        break
+    gathers = []
+    for _, world, layout in layouts:
+        wanted = pick_axes(rng, FP8_LAYOUT_AXES)["fp8_param_gather"]
+        allowed = fp8["fp8"] != "off"
+        if allowed:
+            try:
+                parse_and_validate(COMMON + model_flags({**model, **fp8}) + list(optimizer) + layout
+                                   + ["--fp8-param-gather"], world)
+            except ConfigError:
+                allowed = False
+        gathers.append(wanted if allowed else NOT_APPLICABLE)
+    return fp8, gathers
+
+
+def with_fp8(axes: dict, flags: list[str], fp8: dict, gather) -> tuple[dict, list[str]]:
+    """A layout's axes and flags with the draw's FP8 axes and its parameter all-gather choice."""
+    return {**axes, **fp8, "fp8_param_gather": gather}, flags + (["--fp8-param-gather"] if gather is True else [])
+
+
 @dataclass(frozen=True)
 class Draw:
     """One fuzz point: the model (shared), the layout that trains and saves, and the layout that resumes."""
@@ -230,6 +284,11 @@ class Draw:
     @property
     def serial_args(self) -> list[str]:
         return self.common + self.model_args
+
+    @property
+    def fp8(self) -> bool:
+        """FP8 products (both layouts and the serial twin share them): compared at the FP8 tolerance."""
+        return self.axes.get("fp8", "off") != "off"
 
     @property
     def lossy(self) -> bool:
@@ -264,8 +323,10 @@ def draw_optimizer(seed: int, model_args: list[str], layouts: list[tuple[list[st
     return name
 
 
-def draw(seed: int) -> Draw:
-    """The draw of ``seed``: model axes, then a valid first layout and a valid resume layout for them."""
+def draw(seed: int, fp8: bool = True) -> Draw:
+    """The draw of ``seed``: model axes, then a valid first layout and a valid resume layout for them, then
+    their FP8 axes (``fp8=False``: FP8 off, the draw as it was before FP8 joined the space; fixed-seed tests
+    written then pin those layouts)."""
     rng = random.Random(seed)
     for _ in range(1000):
         model = pick_axes(rng, MODEL_AXES)
@@ -276,6 +337,12 @@ def draw(seed: int) -> Draw:
         axes, world, flags = draw_layout(rng, model)
         resume_axes, resume_world, resume_flags = draw_layout(rng, model)
         optimizer = draw_optimizer(seed, model_flags(model), [(flags, world), (resume_flags, resume_world)])
-        return Draw(seed, axes, world, model_flags(model) + OPTIMIZERS[optimizer], flags, resume_axes, resume_world,
-                    resume_flags, optimizer=optimizer)
+        fp8, (gather, resume_gather) = (
+            draw_fp8(random.Random(f"fp8/{seed}"), model,
+                     [(axes, world, flags), (resume_axes, resume_world, resume_flags)], OPTIMIZERS[optimizer]) if fp8
+            else (dict(FP8_OFF), [NOT_APPLICABLE, NOT_APPLICABLE]))
+        axes, flags = with_fp8(axes, flags, fp8, gather)
+        resume_axes, resume_flags = with_fp8(resume_axes, resume_flags, fp8, resume_gather)
+        return Draw(seed, axes, world, model_flags({**model, **fp8}) + OPTIMIZERS[optimizer], flags, resume_axes,
+                    resume_world, resume_flags, optimizer=optimizer)
     raise RuntimeError(f"seed {seed}: no valid model in 1000 tries")

@@ -40,7 +40,7 @@ DROPPED = {"data.data_path", "data.split", "data.tokenizer_type", "data.vocab_fi
 LAYOUT_SECTIONS = ("parallel.", "zero.")
 LAYOUT_MODEL_FIELDS = {"model.recompute_activations", "model.recompute_granularity", "model.recompute_method",
                        "model.recompute_num_layers", "model.recompute_modules", "model.cpu_offloading",
-                       "model.cpu_offloading_num_layers"}
+                       "model.cpu_offloading_num_layers", "fp8.fp8_param_gather"}   # with ZeRO: the layout's
 
 
 def _two(n: int | None) -> int:
@@ -195,4 +195,7 @@ def axes_of(job) -> dict:
         "recompute": "none" if gran is None else f"full-{m.recompute_method}" if gran == "full" else "selective",
         "recompute_modules": " ".join(m.recompute_modules) if gran == "selective" else NOT_APPLICABLE,
         "activation_offload": m.cpu_offloading,
+        "fp8": job.fp8.fp8_format or "off",
+        **({"fp8_recipe": job.fp8.recipe, "fp8_head": job.fp8.fp8_head, "fp8_param_gather": job.fp8.fp8_param_gather}
+           if job.fp8.enabled else dict.fromkeys(("fp8_recipe", "fp8_head", "fp8_param_gather"), NOT_APPLICABLE)),
     }

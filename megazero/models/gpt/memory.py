@@ -59,6 +59,63 @@ def mlp_elements(cfg, t: int) -> int:
     return (4 if cfg.swiglu else 2) * cfg.ffn_hidden_size // t
 
 
+def _linears(cfg, t: int) -> list[tuple[str, int, int, str]]:
+    """One layer's column- and row-parallel linears on one tp rank: (name, local in features, local out
+    features, the input they keep: ``attention`` / ``mlp`` a norm's output, ``core`` the attention output,
+    ``inner`` the MLP's inner activation); replicated key/value heads (fewer groups than tp) with 0 out
+    features: they never run in FP8."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    if cfg.group_query_attention:
+        kv = 2 * cfg.num_query_groups * cfg.head_dim // t if cfg.num_query_groups >= t else 0
+        attention = [("query", h, h // t, "attention"), ("key_value", h, kv, "attention")]
+    else:
+        attention = [("query_key_value", h, 3 * h // t, "attention")]
+    return attention + [("dense", h // t, h, "core"), ("fc1", h, (2 if cfg.swiglu else 1) * f // t, "mlp"),
+                        ("fc2", f // t, h, "inner")]
+
+
+def fp8_linears(job) -> list[tuple[str, int, int, str]]:
+    """One layer's linears that run in FP8 on one tp rank (as :func:`_linears`); empty without FP8. As
+    :func:`megazero.parallel.fp8.suits_fp8` and the model's ``fp8_layers``: local sizes multiples of 16."""
+    if not job.fp8.enabled:
+        return []
+    return [x for x in _linears(job.model, job.parallel.tp) if x[1] % 16 == 0 and x[2] % 16 == 0 and x[2] > 0]
+
+
+def fp8_saved_bytes(job, e: int) -> int:
+    """Bytes one layer's FP8 linears change in what it keeps for backward per micro-batch (negative: less).
+    Under the tensor-wise and delayed recipes each FP8 linear keeps its input and its weight cast to FP8
+    (1 byte an element) instead of the input in e bytes and the weight itself (a parameter, no new bytes):
+    an input's high-precision tensor is freed when every linear reading it runs in FP8 (the query and
+    key/value projections reading one norm output each keep an FP8 copy of it) and nothing else keeps it:
+    the attention output, the dense layer's input, stays (the attention core keeps it for its own
+    backward). The FP8 weight copy is new. Row-wise keeps the high-precision input and weight (cast again along the other dimension in
+    the backward): no change."""
+    fp8 = fp8_linears(job)
+    if not fp8 or job.fp8.recipe == "rowwise":
+        return 0
+    cfg, t = job.model, job.parallel.tp
+    tokens = cfg.seq_length * job.train.micro_batch_size
+    width = {"attention": cfg.hidden_size, "mlp": cfg.hidden_size, "inner": cfg.ffn_hidden_size // t}
+    names = {name for name, _, _, _ in fp8}
+    freed = sum(tokens * w for kind, w in width.items()
+                if all(name in names for name, _, _, k in _linears(cfg, t) if k == kind))
+    return sum(tokens * k + k * n for _, k, n, _ in fp8) - e * freed
+
+
+def fp8_head_bytes(job, e: int) -> int:
+    """``--fp8-head`` (tensor-wise or delayed): what the output layer's FP8 product changes in what the last
+    chunk keeps per micro-batch: its input in FP8 instead of e bytes (the final norm's output, kept by
+    nothing else) and the FP8 copy of its tp-local weight; 0 where the local vocabulary or the hidden size
+    is not a multiple of 16 (the head then stays in the parameters' precision)."""
+    cfg, t, fp8 = job.model, job.parallel.tp, job.fp8
+    vocab, h = cfg.padded_vocab_size(t) // t, cfg.hidden_size
+    if not (fp8.enabled and fp8.fp8_head) or fp8.recipe == "rowwise" or vocab % 16 or h % 16:
+        return 0
+    tokens = cfg.seq_length * job.train.micro_batch_size
+    return tokens * h * (1 - e) + vocab * h
+
+
 def layer_parts(job, e: int, mask: int) -> dict[str, int]:
     """Bytes one layer keeps for backward per micro-batch, by what keeps them (recomputing nothing).
     ``mask``: bytes per element of a dropout mask (1 for CUDA's fused dropout, e on a CPU)."""
@@ -78,6 +135,7 @@ def layer_parts(job, e: int, mask: int) -> dict[str, int]:
                            else 4 * b * (a // t) * s),    # unfused probabilities, dropped, mask; or the lse
         "mlp_inner": e * s * b * mlp_elements(cfg, t),
         "dropout_masks": 2 * rows * h * mask if cfg.hidden_dropout > 0 else 0,
+        "fp8": fp8_saved_bytes(job, e),                   # FP8 inputs and weights, less what they replace
     }
     return parts
 
@@ -173,6 +231,7 @@ def _chunk_ends(job, placement, e, mask, s, b, h, t) -> int:
     if placement.post_process:
         stats = 2 if cfg.normalization == "LayerNorm" else 1
         out += e * rows * h + stats * 4 * rows + e * s * b * h   # final norm input and stats, the logits' input
+        out += fp8_head_bytes(job, e)
         out += 4 * s * b * cfg.padded_vocab_size(t) // t + 9 * s * b   # softmax (fp32), target, mask
     return out
 
