@@ -184,9 +184,10 @@ def muon_section(results: dict, curves: MuonCurves, plot: dict) -> list[str]:
                      + f": the gap is {abs(v['gap']) / worst:.1f}x the larger control" if worst > 0 else "")
         said += "."
         edge = [opt for opt, k in best.items() if k.lr in (min(curves.lrs), max(curves.lrs))]
-        if edge:
-            said += (" Best lr at the edge of the grid for " + ", ".join(edge)
-                     + ": a wider grid might move that optimizer's best.")
+        winner = "muon" if v["met"] else "adamw"
+        for opt in edge:
+            said += (f" {opt}'s best lr is at the edge of the grid: a wider grid could only lower its best, which "
+                     + ("would widen the gap." if opt == winner else "might narrow the gap."))
     else:
         said = "**Not measured**: every run of one optimizer failed (see the table)."
     out = ["## Muon convergence: validation curves of Muon beside AdamW on the bundled corpus", "",

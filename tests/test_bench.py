@@ -455,6 +455,8 @@ def test_muon_section_picks_each_optimizers_best_lr_and_sets_muon_against_adamw(
     text = "\n".join(muon_section(res, QUICK_MUON, {"curves": "bench/results/x.png"}))
     assert f"**Met: Muon's best (lr {lo:g}) ends 5.00% below AdamW's best (lr {hi:g})**" in text
     assert "+1.00% (adamw), -2.00% (muon): the gap is 2.5x the larger control" in text
+    edge = "best lr is at the edge of the grid: a wider grid could only lower its best, which"
+    assert f"muon's {edge} would widen the gap." in text and f"adamw's {edge} might narrow the gap." in text
     best = next(line for line in text.splitlines() if line.startswith(f"| muon | {lo:g} | {seed} |"))
     assert "| **best** | 3.8000 | -5.00% |" in best and "5.000 3.800" in best, best
     assert len([line for line in text.splitlines() if line.startswith(("| adamw |", "| muon |"))]) == 6
