@@ -46,8 +46,8 @@ class MuonCurves:
     hidden: int = 128
     heads: int = 4
     seq: int = 128
-    micro_batch: int = 8
-    global_batch: int = 8
+    micro_batch: int = 16
+    global_batch: int = 16
     iters: int = 400
     eval_interval: int = 50
     eval_iters: int = 10
