@@ -432,3 +432,50 @@ def test_fp8_section_quick_runs_the_trainer_at_bf16_and_each_recipe():
         assert sorted(r["curve"]) == list(range(shape.eval_interval, shape.iters + 1, shape.eval_interval)), name
     base = final_loss(res["bf16"])
     assert all(abs(final_loss(r) / base - 1) < 0.01 for r in res.values())    # 6 iterations: FP8 barely moves it
+
+
+def _muon_results(finals: dict, curves) -> dict:
+    from bench.rows_muon import RunKey
+
+    return {RunKey(opt, lr, seed): {"curve": {3: 5.0, 6: final}, "train_loss": final, "step_ms": 10.0, "wall_s": 1.0}
+            for (opt, lr, seed), final in finals.items()}
+
+
+def test_muon_section_picks_each_optimizers_best_lr_and_sets_muon_against_adamw():
+    from bench.rows_muon import QUICK_MUON, muon_section, verdict
+
+    lo, hi = QUICK_MUON.lrs
+    seed, other = QUICK_MUON.seed, QUICK_MUON.control_seed
+    res = _muon_results({("adamw", lo, seed): 4.2, ("adamw", hi, seed): 4.0, ("muon", lo, seed): 3.8,
+                         ("muon", hi, seed): 3.9, ("adamw", hi, other): 4.04, ("muon", lo, other): 3.8 * 0.98},
+                        QUICK_MUON)
+    v = verdict(res, QUICK_MUON)
+    assert (v["best"]["adamw"].lr, v["best"]["muon"].lr) == (hi, lo) and v["met"]
+    assert v["gap"] == pytest.approx(-0.05) and v["noise"] == pytest.approx({"adamw": 0.01, "muon": -0.02})
+    text = "\n".join(muon_section(res, QUICK_MUON, {"curves": "bench/results/x.png"}))
+    assert f"**Met: Muon's best (lr {lo:g}) ends 5.00% below AdamW's best (lr {hi:g})**" in text
+    assert "+1.00% (adamw), -2.00% (muon): the gap is 2.5x the larger control" in text
+    edge = "best lr is at the edge of the grid: a wider grid could only lower its best, which"
+    assert f"muon's {edge} would widen the gap." in text and f"adamw's {edge} might narrow the gap." in text
+    best = next(line for line in text.splitlines() if line.startswith(f"| muon | {lo:g} | {seed} |"))
+    assert "| **best** | 3.8000 | -5.00% |" in best and "5.000 3.800" in best, best
+    assert len([line for line in text.splitlines() if line.startswith(("| adamw |", "| muon |"))]) == 6
+    assert "![Muon vs AdamW validation curves](bench/results/x.png)" in text
+    worse = _muon_results({("adamw", lo, seed): 3.5, ("muon", lo, seed): 3.6}, QUICK_MUON)
+    assert "**MISSED: Muon's best (lr 0.001) ends 2.86% above AdamW's best" in "\n".join(
+        muon_section(worse, QUICK_MUON, {}))
+
+
+@pytest.mark.timeout(300)
+def test_muon_section_quick_runs_the_trainer_for_each_optimizer_and_lr(tmp_path):
+    from bench.rows_muon import OPTIMIZERS, QUICK_MUON, RunKey, best_of, muon_section, run_muon
+
+    res = run_muon(QUICK_MUON, log=lambda msg: None)
+    grid = {RunKey(opt, lr, QUICK_MUON.seed) for opt in OPTIMIZERS for lr in QUICK_MUON.lrs}
+    controls = {RunKey(opt, best_of(res, opt, QUICK_MUON.seed).lr, QUICK_MUON.control_seed) for opt in OPTIMIZERS}
+    assert set(res) == grid | controls
+    for key, r in res.items():
+        assert "unavailable" not in r, (key, r)
+        assert sorted(r["curve"]) == [3, 6], key
+    text = muon_section(res, QUICK_MUON, {})
+    assert sum(line.startswith(("| adamw |", "| muon |")) for line in text) == len(grid) + len(controls)
