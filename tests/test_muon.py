@@ -9,16 +9,10 @@ import pytest
 import torch
 from helpers import run_on_ranks
 from helpers.gpt_parity import (
-    GPT_CFG,
     LLAMA_KW,
-    MB_SIZE,
-    MICRO,
-    OPTIMIZERS,
-    SEED,
     check_against_reference,
+    engine_steps,
     fp32_newton_schulz,
-    global_loss,
-    gpt_batches,
     gpt_reference,
 )
 from helpers.trainer import ROOT, TINY, read_metrics
@@ -33,16 +27,7 @@ from megazero.config import (
     validate,
 )
 from megazero.errors import ConfigError
-from megazero.models.gpt import (
-    GPTConfig,
-    activation_shape,
-    build_model_chunks,
-    masked_mean,
-)
-from megazero.parallel.params import split_dim
-from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
-from megazero.parallel.zero import build_engine
 from megazero.parallel.zero.muon import (
     NS_COEFFICIENTS,
     NS_EPS,
@@ -85,27 +70,9 @@ def test_megatrons_spellings_are_ours():
 
 
 def _run(topo, par, stage, steps, model_kw=None, optimizer="muon"):
-    """``steps`` steps of the test GPT under OPTIMIZERS[optimizer] on these ranks; what check_against_reference
-    takes, and the engine."""
-    opt_cfg = OPTIMIZERS[optimizer]
-    chunks = build_model_chunks(GPTConfig(**{**GPT_CFG, **(model_kw or {})}), par, topo, seed=SEED)
-    engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage, bucket_size=3000), opt_cfg)
-    losses, norms = [], []
-    for batches in gpt_batches(steps, topo.dp_size * MICRO):
-        mine = batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
-        engine.zero_grad()
-        shape = activation_shape(chunks[0].cfg, MB_SIZE, topo.tp_size, par.sequence_parallel)
-        out = run_schedule(chunks, mine, topo.pipeline(), loss_fn=masked_mean, loss_scale=engine.loss_scale,
-                           grad_sync=engine, tensor_shape=shape)
-        engine.finalize_grads()
-        norm, skipped = engine.step()
-        assert not skipped
-        losses.append(global_loss(out, topo))
-        norms.append(norm)
-    with engine.gathered_parameters():
-        params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
-    return (topo.tp_rank, topo.tp_size, losses, norms, params), engine
-
+    """``steps`` steps of the test GPT under OPTIMIZERS[optimizer] at ZeRO ``stage``: (what
+    check_against_reference takes, the engine)."""
+    return engine_steps(topo, par, ZeroConfig(zero_stage=stage, bucket_size=3000), steps, model_kw, optimizer)
 
 def _serial_body(rank, world_size):
     out = []

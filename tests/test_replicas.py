@@ -14,11 +14,9 @@ from helpers.gpt_parity import (
     GPT_CFG,
     MB_SIZE,
     MICRO,
-    OPTIMIZERS,
     SEED,
     check_against_reference,
-    global_loss,
-    gpt_batches,
+    engine_steps,
 )
 from helpers.trainer import ROOT, TINY, assert_same_losses, read_metrics
 
@@ -29,12 +27,8 @@ from megazero.errors import ConfigError
 from megazero.memory.estimate import estimate_stage
 from megazero.models.gpt import (
     GPTConfig,
-    activation_shape,
     build_model_chunks,
-    masked_mean,
 )
-from megazero.parallel.params import split_dim
-from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 from megazero.ranks import replica_split
@@ -64,25 +58,7 @@ def test_what_the_replica_dimension_refuses(par, zero, words):
 
 
 def _run(topo, par, zero, steps, optimizer="adamw"):
-    chunks = build_model_chunks(GPTConfig(**GPT_CFG), par, topo, seed=SEED)
-    engine = build_engine(chunks, topo, zero, OPTIMIZERS[optimizer])
-    engine.comm_log.reset()
-    losses, norms = [], []
-    for batches in gpt_batches(steps, topo.dp_size * MICRO):
-        mine = batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
-        engine.zero_grad()
-        shape = activation_shape(chunks[0].cfg, MB_SIZE, topo.tp_size, par.sequence_parallel)
-        out = run_schedule(chunks, mine, topo.pipeline(), loss_fn=masked_mean, loss_scale=engine.loss_scale,
-                           grad_sync=engine, tensor_shape=shape)
-        engine.finalize_grads()
-        norm, skipped = engine.step()
-        assert not skipped
-        losses.append(global_loss(out, topo))
-        norms.append(norm)
-    with engine.gathered_parameters():
-        params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
-    return (topo.tp_rank, topo.tp_size, losses, norms, params), chunks, engine
-
+    return engine_steps(topo, par, zero, steps, None, optimizer)
 
 def _replicas_body(rank, world_size, stages, steps):
     """R = 2 replicas x shard 2 at dp 4, on two 'nodes' of two ranks (one replica each): per ZeRO stage, the run,
@@ -93,7 +69,7 @@ def _replicas_body(rank, world_size, stages, steps):
         topo = Topology(dp=4, ranks_per_node=2, replicas=replicas)
         par = ParallelConfig(dp=4, data_parallel_replicas=replicas)
         zero = ZeroConfig(zero_stage=stage, bucket_size=3000)
-        result, _, engine = _run(topo, par, zero, steps, optimizer)
+        result, engine = _run(topo, par, zero, steps, optimizer)
         sized = JobConfig(model=GPTConfig(**GPT_CFG), parallel=par, zero=zero,
                           train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=MB_SIZE * MICRO * 4))
         estimated, measured = estimate_stage(sized, 0).parts, engine.model_state_bytes()

@@ -13,9 +13,17 @@ import torch.distributed as dist
 from torch.optim import _muon as torch_muon
 
 from megazero.config import OptimizerConfig
-from megazero.models.gpt import GPT, GPTConfig, masked_mean
-from megazero.parallel.params import attribute
+from megazero.models.gpt import (
+    GPT,
+    GPTConfig,
+    activation_shape,
+    build_model_chunks,
+    masked_mean,
+)
+from megazero.parallel.params import attribute, split_dim
+from megazero.parallel.pipeline import run_schedule
 from megazero.parallel.tensor import shard
+from megazero.parallel.zero import build_engine
 from megazero.parallel.zero.adamw import reference_param_groups
 
 VOCAB, SEED, MICRO, MB_SIZE = 200, 4321, 4, 2
@@ -174,3 +182,27 @@ def check_against_reference(results, steps: int, dp: int, model_kw: dict | None 
             torch.testing.assert_close(value, expected, rtol=rtol, atol=param_atol, msg=lambda m: f"{name}: {m}")
             seen.add(name)
     assert seen == set(ref_params), f"parameters never compared: {set(ref_params) - seen}"
+
+
+def engine_steps(topo, par, zero_cfg, steps: int, model_kw: dict | None = None, optimizer: str = "adamw"):
+    """``steps`` steps of the test GPT (``model_kw`` on top of GPT_CFG) under OPTIMIZERS[optimizer] and
+    ``zero_cfg`` on these ranks, driving the engine and the schedule directly: (what
+    :func:`check_against_reference` takes for this rank, the engine; its byte log counts these steps only)."""
+    chunks = build_model_chunks(GPTConfig(**{**GPT_CFG, **(model_kw or {})}), par, topo, seed=SEED)
+    engine = build_engine(chunks, topo, zero_cfg, OPTIMIZERS[optimizer])
+    engine.comm_log.reset()
+    losses, norms = [], []
+    for batches in gpt_batches(steps, topo.dp_size * MICRO):
+        mine = batches[topo.dp_rank * MICRO:(topo.dp_rank + 1) * MICRO]
+        engine.zero_grad()
+        shape = activation_shape(chunks[0].cfg, MB_SIZE, topo.tp_size, par.sequence_parallel)
+        out = run_schedule(chunks, mine, topo.pipeline(), loss_fn=masked_mean, loss_scale=engine.loss_scale,
+                           grad_sync=engine, tensor_shape=shape)
+        engine.finalize_grads()
+        norm, skipped = engine.step()
+        assert not skipped
+        losses.append(global_loss(out, topo))
+        norms.append(norm)
+    with engine.gathered_parameters():
+        params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
+    return (topo.tp_rank, topo.tp_size, losses, norms, params), engine
