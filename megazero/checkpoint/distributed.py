@@ -283,9 +283,14 @@ def _write_and_commit(plan: SavePlan, device, group, lock: SaveLock | None) -> P
         error = _lost(lock, final)
         try:
             if error is None:
-                plan.save_dir.mkdir(parents=True, exist_ok=True)
+                if lock is None:                            # a locked --save exists: never make it again
+                    plan.save_dir.mkdir(parents=True, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)      # left over by a crashed save
-                (tmp / "rng").mkdir(parents=True)
+                tmp.mkdir()
+                (tmp / "rng").mkdir()
+        except FileNotFoundError as e:                      # deleted between the check and the mkdir
+            error = _lost(lock, final) or _vanished(plan, e) or CheckpointError(
+                f"cannot create {tmp} for {FLAG.save}: {e}")
         except OSError as e:
             error = CheckpointError(f"cannot create {tmp} for {FLAG.save}: {e}")
     _agree(error is None, f"creating {tmp}", error, device, group)
