@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from megazero.config import ModelConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megazero"
 
@@ -253,6 +255,29 @@ def test_nothing_outside_models_imports_a_concrete_model():
     paths = [p for p in sorted(PACKAGE.rglob("*.py")) if not p.is_relative_to(PACKAGE / "models")]
     paths += sorted((ROOT / "tools").rglob("*.py")) + sorted(ROOT.glob("*.py"))
     assert not _concrete_model_imports(paths)
+
+
+def _family_mentions(family: str, paths) -> list[str]:
+    """``path:line`` of every line naming model family ``family`` (its package name, with ``_``, ``-`` or
+    nothing between its words, in any case)."""
+    words = [w for w in family.split("_") if w]
+    spelled = re.compile("[_-]?".join(map(re.escape, words)), re.IGNORECASE)
+    return [f"{_where(path)}:{n}" for path in paths for n, line in enumerate(path.read_text().splitlines(), 1)
+            if spelled.search(line)]
+
+
+def test_a_family_is_named_only_inside_its_package():
+    """Adding a model family touches no file outside ``megazero/models/<family>/``: the registry finds the
+    packages of ``megazero/models/``, and the library, tools, benchmarks and the entry point never name a
+    family (the default family, ``--model-family``'s default, excepted)."""
+    default = ModelConfig.model_family
+    families = [p for p in sorted((PACKAGE / "models").iterdir()) if (p / "__init__.py").exists()]
+    assert len(families) >= 2
+    code = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "tools").rglob("*.py")) + \
+        sorted((ROOT / "bench").rglob("*.py")) + sorted(ROOT.glob("*.py"))
+    for package in families:
+        if package.name != default:
+            assert not _family_mentions(package.name, [p for p in code if not p.is_relative_to(package)])
 
 
 def _outside_imports(paths) -> list[str]:

@@ -33,7 +33,7 @@ from megazero.cli.launcher import end_launch_after_refusal, report_to_launcher
 from megazero.config import BACKENDS, FLAG, TOKENIZERS, JobConfig, flag, flag_fields, setting
 from megazero.config import megatron_flags as megatron
 from megazero.config.fields import GROUPS
-from megazero.config.model import BUILTIN_FAMILIES, family
+from megazero.config.model import builtin_families
 from megazero.errors import ConfigError
 from megazero.foreign_config import load_yaml
 
@@ -44,7 +44,7 @@ def arguments(builtin_only: bool = False) -> dict[str, list[tuple[tuple[str, ...
     groups in GROUPS order, flags in field order. ``builtin_only``: the model fields of megazero's own
     families only (docs/flags.md)."""
     table: dict[str, list] = {title: [] for title in GROUPS}
-    own = {f.name for name in BUILTIN_FAMILIES for f in dataclasses.fields(family(name).config)}
+    own = {f.name for entry in builtin_families() for f in dataclasses.fields(entry.config)}
     for section, f, meta in flag_fields():
         if builtin_only and section == "model" and f.name not in own:
             continue

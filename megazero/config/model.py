@@ -17,8 +17,10 @@ one's own::
 
 Registering the family's spec (:func:`megazero.spec.register_model_spec`) registers the class here
 (:func:`register_family`), so the command line parses its flags, ``JobConfig.from_dict`` builds it and
-:func:`megazero.config.validate` runs its rules. Built-in families are imported on first use
-(:data:`BUILTIN_FAMILIES`): importing the configuration imports no model.
+:func:`megazero.config.validate` runs its rules. Built-in families are the packages of
+``megazero/models/``, each registering its spec when imported: they are found and imported the first time a
+family is looked up by name (:func:`load_builtin_families`), so importing the configuration imports no model
+and adding a family touches no file outside its package.
 
 What this base class holds is what code outside a family reads of any model: the decoder's sizes
 (layers, width, heads, MLP width, sequence, vocabulary), its tied or untied head, dropout and init,
@@ -30,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import pkgutil
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -304,9 +307,11 @@ class Family:
     spec: Any = None
 
 
-# Families that come with megazero: imported (and so registered) the first time they are named.
-BUILTIN_FAMILIES = {"gpt": "megazero.models.gpt"}
+# The package whose sub-packages are megazero's own families: each registers its spec when imported.
+MODELS_PACKAGE = "megazero.models"
 _FAMILIES: dict[str, Family] = {}
+_BUILTINS_LOADED = False
+_REGISTERING = False
 
 
 def register_family(entry: Family) -> Family:
@@ -315,9 +320,11 @@ def register_family(entry: Family) -> Family:
     flag another section or family spells differently."""
     if not (isinstance(entry.config, type) and issubclass(entry.config, ModelConfig)):
         raise TypeError(f"model family {entry.name!r}: its config must be a ModelConfig subclass, got {entry.config}")
+    global _REGISTERING
     previous = _FAMILIES.get(entry.name)
     _FAMILIES[entry.name] = entry
     fields_changed()
+    _REGISTERING = True                         # the check reads the families registered so far, finds none
     try:
         list(flag_fields())                     # a clash of flags is the family author's error, said now
     except RuntimeError:
@@ -325,21 +332,29 @@ def register_family(entry: Family) -> Family:
             del _FAMILIES[entry.name]
         else:
             _FAMILIES[entry.name] = previous
-        fields_changed()
         raise
+    finally:
+        _REGISTERING = False
+        fields_changed()                        # the next lookup's table holds every family
     return entry
 
 
 def load_builtin_families() -> None:
-    for name, module in BUILTIN_FAMILIES.items():
-        if name not in _FAMILIES:
-            importlib.import_module(module)
+    """Import every package of ``megazero/models/`` once (each registers its family's spec on import)."""
+    global _BUILTINS_LOADED
+    if _BUILTINS_LOADED or _REGISTERING:        # a family's import registering it imports no other family
+        return
+    _BUILTINS_LOADED = True
+    models = importlib.import_module(MODELS_PACKAGE)
+    for entry in pkgutil.iter_modules(models.__path__, f"{MODELS_PACKAGE}."):
+        if entry.ispkg:
+            importlib.import_module(entry.name)
 
 
 def family(name: str) -> Family:
     """The family registered as ``name``; a ConfigError naming ``--model-family`` and the known names."""
-    if name not in _FAMILIES and name in BUILTIN_FAMILIES:
-        importlib.import_module(BUILTIN_FAMILIES[name])
+    if name not in _FAMILIES:
+        load_builtin_families()
     if name not in _FAMILIES:
         raise ConfigError(f"{FLAG.model_family} {name!r} is not a registered model: use one of "
                           f"{', '.join(family_names())} (or register a ModelSpec of that name first)")
@@ -347,7 +362,15 @@ def family(name: str) -> Family:
 
 
 def family_names() -> list[str]:
-    return sorted(set(_FAMILIES) | set(BUILTIN_FAMILIES))
+    load_builtin_families()
+    return sorted(_FAMILIES)
+
+
+def builtin_families() -> list[Family]:
+    """The families megazero comes with (those defined in ``megazero/models/``), by name."""
+    load_builtin_families()
+    return [entry for name, entry in sorted(_FAMILIES.items())
+            if entry.config.__module__.startswith(f"{MODELS_PACKAGE}.")]
 
 
 def registered_families() -> list[Family]:
