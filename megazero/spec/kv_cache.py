@@ -22,14 +22,15 @@ class LayerKVCache:
         self.values: torch.Tensor | None = None
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``k``, ``v`` [b, kv_heads, s_new, d] -> every cached key and value [b, kv_heads, length + s_new, d]."""
+        """``k`` [b, kv_heads, s_new, d], ``v`` [b, kv_heads, s_new, d_v] -> every cached key and value
+        [b, kv_heads, length + s_new, d or d_v]."""
         start = self.owner.length
         end = start + k.shape[2]
         if end > self.owner.max_length:
             raise ValueError(f"the KV cache holds {self.owner.max_length} positions; {end} were asked for")
         if self.keys is None:
-            shape = (k.shape[0], k.shape[1], self.owner.max_length, k.shape[3])
-            self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
+            shape = (k.shape[0], k.shape[1], self.owner.max_length)
+            self.keys, self.values = k.new_empty(*shape, k.shape[3]), v.new_empty(*shape, v.shape[3])
         self.keys[:, :, start:end] = k
         self.values[:, :, start:end] = v
         return self.keys[:, :, :end], self.values[:, :, :end]

@@ -147,7 +147,7 @@ class GPT(nn.Module):
             word.vocab_padded = word.embedding_or_output = True
             word.shared_embedding = self.tied
             word.tied_copy = self.tied and not pre_process   # the last stage's copy of stage 0's tensor
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(ctx, i) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): self.build_layer(ctx, i) for i in layer_ids})
         if post_process:
             self.final_norm = ctx.norm()
             if not self.tied:
@@ -173,6 +173,10 @@ class GPT(nn.Module):
             self.offloaded_layers = min(cfg.cpu_offloading_num_layers or len(layer_ids), len(layer_ids))
         if device.type != "meta":          # on the meta device the ZeRO engine materialises them
             self.reset_parameters(seed)
+
+    def build_layer(self, ctx: LayerContext, layer_id: int) -> nn.Module:
+        """Global layer ``layer_id`` of this chunk (a family built on GPT returns its own layer here)."""
+        return TransformerLayer(ctx, layer_id)
 
     # ------------------------------------------------------------------ init
     def reset_parameters(self, seed: int) -> None:

@@ -263,15 +263,16 @@ class Embedding(nn.Module):
 
 
 def attend(ctx: LayerContext, q, k, v, cache: LayerKVCache | None, training: bool) -> torch.Tensor:
-    """Causal attention of ``q`` [s, b, heads, d] over ``k``, ``v`` [s, b, kv_heads, d] (kv_heads
-    divides heads; query head i uses key/value head i // (heads / kv_heads)), after RoPE when
-    configured and with the cached keys/values in front; returns [s, b, heads * d]."""
-    s, b, heads, d = q.shape
+    """Causal attention of ``q`` [s, b, heads, d] over ``k`` [s, b, kv_heads, d], ``v`` [s, b, kv_heads, d_v]
+    (kv_heads divides heads; query head i uses key/value head i // (heads / kv_heads); d_v is d except in
+    latent attention), after RoPE when configured (on the first ``rotary_dim`` features of q and k) and with
+    the cached keys/values in front; returns [s, b, heads * d_v]."""
+    s, b, heads, _ = q.shape
     if ctx.cp is not None:                    # this cp rank's two chunks of the sequence
         if ctx.rotary is not None:
             positions = ctx.positions(s, q.device)
             q, k = ctx.rotary(q, positions=positions), ctx.rotary(k, positions=positions)
-        return context_parallel_attention(q, k, v, ctx.cp, ctx.cp_comm_type, ctx.comm_log).reshape(s, b, heads * d)
+        return context_parallel_attention(q, k, v, ctx.cp, ctx.cp_comm_type, ctx.comm_log).reshape(s, b, -1)
     offset = cache.owner.length if cache is not None else 0
     if ctx.rotary is not None:
         q, k = ctx.rotary(q, offset), ctx.rotary(k, offset)
@@ -290,7 +291,7 @@ def attend(ctx: LayerContext, q, k, v, cache: LayerKVCache | None, training: boo
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, **kw)
     else:
         out = F.scaled_dot_product_attention(q, k, v, **kw)
-    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+    return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 def core_attention(ctx: LayerContext, q, k, v, cache: LayerKVCache | None, training: bool) -> torch.Tensor:
@@ -462,10 +463,14 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.input_layernorm = ctx.norm()
-        self.attention = GroupedQueryAttention(ctx) if ctx.cfg.group_query_attention else SelfAttention(ctx)
+        self.attention = self.build_attention(ctx)
         self.post_attention_layernorm = ctx.norm()
         self.mlp_is_moe = ctx.cfg.is_moe_layer(layer_id)
         self.mlp = MoELayer(ctx) if self.mlp_is_moe else MLP(ctx)
+
+    def build_attention(self, ctx: LayerContext) -> nn.Module:
+        """The layer's attention (a family built on GPT's layer returns its own here)."""
+        return GroupedQueryAttention(ctx) if ctx.cfg.group_query_attention else SelfAttention(ctx)
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         ctx, p = self.ctx, self.ctx.cfg.hidden_dropout

@@ -1,0 +1,109 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 section 2.1), as HuggingFace's ``DeepseekV3Attention``
+computes it, with its heads split over tensor-parallel ranks.
+
+On the layer's input x [s, b, h] (gathered once under sequence parallelism), n heads, D_nope =
+``--qk-head-dim``, D_r = ``--qk-pos-emb-head-dim``, D_v = ``--v-head-dim``::
+
+    q            = q_b_proj(q_a_layernorm(q_a_proj(x)))  or  q_proj(x)       [s, b, n, D_nope + D_r]
+    latent, k_r  = split(kv_a_proj_with_mqa(x), [R_kv, D_r])                 k_r: one head, shared
+    k_nope, v    = split(kv_b_proj(kv_a_layernorm(latent)), [D_nope, D_v])   [s, b, n, .] each
+    query, key   = [rope(q_r), q_nope], [rope(k_r) for every head, k_nope]
+    out          = o_proj(softmax(query key^T / sqrt(D_nope + D_r)) v)       causal
+
+Queries and keys are laid out RoPE part first (the dot product does not depend on the order of features, and
+the shared attention core rotates a head's first ``rotary_dim`` features). RoPE pairs features the "rotate
+half" way; DeepSeek's checkpoints store the rotated rows of ``q_b_proj`` / ``q_proj`` and
+``kv_a_proj_with_mqa`` in interleaved pairs (HF ``rope_interleave``), which the HF adapter reorders
+(:mod:`.hf`).
+
+Parameters (full, tp = 1, layouts; nn.Linear orientation [out, in], no biases):
+
+================================  =========================  ==========================================
+``q_a_proj.weight``               [R_q, h]                   replicated (with ``--q-lora-rank``)
+``q_a_layernorm.weight``          [R_q]                      replicated
+``q_b_proj.weight``               [n (D_nope + D_r), R_q]    split dim 0: whole heads, head by head,
+                                                             inside a head the D_nope part then D_r (HF)
+``q_proj.weight``                 [n (D_nope + D_r), h]      instead of the three above (no q rank)
+``kv_a_proj_with_mqa.weight``     [R_kv + D_r, h]            replicated: the latent, then the shared k_r
+``kv_a_layernorm.weight``         [R_kv]                     replicated
+``kv_b_proj.weight``              [n (D_nope + D_v), R_kv]   split dim 0, head by head: k_nope then v
+``dense.weight`` (HF o_proj)      [h, n D_v]                 split dim 1 (row-parallel)
+================================  =========================  ==========================================
+
+Tensor parallelism: tp rank r holds heads ``r n/tp ..`` of the split projections; every rank computes the
+replicated down-projections and their norms on the whole sequence, but only its heads use them, so each
+rank's gradient of those weights is partial: they are marked ``sequence_parallel_grad`` and summed over tp
+after backward (as :class:`~megazero.models.gpt.transformer.ReplicatedLinear`'s), with or without sequence
+parallelism.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megazero.models.gpt.transformer import LayerContext, ReplicatedLinear, RMSNorm, core_attention
+from megazero.parallel.fp8 import linear
+from megazero.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    set_tp_attributes,
+)
+from megazero.spec.kv_cache import LayerKVCache
+
+
+def latent_norm(ctx: LayerContext, features: int) -> RMSNorm:
+    """The RMSNorm of a latent (replicated over tp; its gradient partial under tp: summed after backward)."""
+    norm = RMSNorm(features, ctx.cfg.layernorm_epsilon, dtype=ctx.dtype, device=ctx.device)
+    set_tp_attributes(norm.weight, False, sequence_parallel_grad=ctx.tp_size > 1)
+    norm.is_norm = True
+    return norm
+
+
+class MultiLatentAttention(nn.Module):
+    """Causal multi-head latent attention on [s(/tp), b, h] (see the module docstring for the math, the
+    parameters and which tp rank holds what)."""
+
+    def __init__(self, ctx: LayerContext):
+        super().__init__()
+        self.ctx = ctx
+        cfg, tp = ctx.cfg, ctx.tp_size
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.heads_local = heads // tp
+        self.nope, self.rope, self.value = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+        self.kv_rank = cfg.kv_lora_rank
+        kw, partial = ctx.linear_kw(), tp > 1
+        query_width = heads * (self.nope + self.rope)
+        if cfg.q_lora_rank is not None:
+            self.q_a_proj = ReplicatedLinear(h, cfg.q_lora_rank, partial, False, ctx.dtype, ctx.device)
+            self.q_a_layernorm = latent_norm(ctx, cfg.q_lora_rank)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, query_width, ctx.tp_group, bias=False, **kw)
+        else:
+            self.q_proj = ColumnParallelLinear(h, query_width, ctx.tp_group, bias=False, **kw)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_rank + self.rope, partial, False, ctx.dtype,
+                                                   ctx.device)
+        self.kv_a_layernorm = latent_norm(ctx, self.kv_rank)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_rank, heads * (self.nope + self.value), ctx.tp_group,
+                                              bias=False, **kw)
+        self.dense = RowParallelLinear(heads * self.value, h, ctx.tp_group, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+        ctx = self.ctx
+        x = gather_from_sequence_parallel_region(x, ctx.tp_group) if ctx.sp else copy_to_tp_region(x, ctx.tp_group)
+        s, b = x.shape[:2]
+        q = self._queries(x).view(s, b, self.heads_local, self.nope + self.rope)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        latent, k_rope = linear(x, self.kv_a_proj_with_mqa.weight, None, None).split([self.kv_rank, self.rope], -1)
+        kv = linear(self.kv_a_layernorm(latent), self.kv_b_proj.weight, None, self.kv_b_proj.fp8)
+        k_nope, v = kv.view(s, b, self.heads_local, self.nope + self.value).split([self.nope, self.value], dim=-1)
+        k_rope = k_rope.unsqueeze(2).expand(s, b, self.heads_local, self.rope)
+        query, key = torch.cat((q_rope, q_nope), dim=-1), torch.cat((k_rope, k_nope), dim=-1)
+        return self.dense(core_attention(ctx, query, key, v, cache, self.training))
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's heads' queries [s, b, heads_local (D_nope + D_r)] from the gathered input."""
+        if hasattr(self, "q_proj"):
+            return linear(x, self.q_proj.weight, None, self.q_proj.fp8)
+        latent = self.q_a_layernorm(linear(x, self.q_a_proj.weight, None, None))
+        return linear(latent, self.q_b_proj.weight, None, self.q_b_proj.fp8)

@@ -1,0 +1,86 @@
+"""The DeepSeek-V3 family's model spec (``--model-family deepseek_v3``; :mod:`megazero.spec` lists what a
+spec supplies).
+
+    chunks      :class:`~megazero.models.deepseek_v3.model.DeepSeekV3`, one per pipeline placement
+    boundary    GPT's: [s, b, h], or [s / tp, b, h] under sequence parallelism
+    loss        the masked mean of the per-token losses
+    FLOPs       :func:`flops_per_token` (6 x the matmul parameters a token meets, plus attention)
+    hooks       GPT's MoE hooks (the auxiliary losses' gradient scale, the routing figures)
+    HF          ``DeepseekV3ForCausalLM`` (:mod:`.hf`)
+    activations the generic transformer formula (:mod:`megazero.spec.activations`)
+    experts     the parameters of ``layers.<i>.mlp.experts.<e>``
+    config      :class:`~megazero.models.deepseek_v3.config.DeepSeekV3Config`
+"""
+from __future__ import annotations
+
+import torch
+
+from megazero.models.deepseek_v3 import hf
+from megazero.models.deepseek_v3.config import FAMILY, DeepSeekV3Config
+from megazero.models.deepseek_v3.model import DeepSeekV3
+from megazero.models.gpt import masked_mean
+from megazero.models.gpt.moe import describe_moe_metrics, is_expert_parameter, set_aux_loss_scale
+from megazero.models.gpt.spec import CHECKPOINT_FIELDS as GPT_CHECKPOINT_FIELDS
+from megazero.models.gpt.spec import boundary_shape, moe_metrics
+from megazero.spec import HFAdapter, ModelSpec, StepHooks, register_model_spec
+
+CHECKPOINT_FIELDS = GPT_CHECKPOINT_FIELDS + ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                                  "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers")
+
+
+def build_chunk(model_cfg: DeepSeekV3Config, placement, groups, *, seed: int = 1234, dtype=None, device=None,
+                home_device=None) -> DeepSeekV3:
+    """One chunk: the placement's layers, the embedding on the first stage, the head on the last."""
+    return DeepSeekV3(model_cfg, groups, layer_ids=placement.layer_ids, pre_process=placement.pre_process,
+                      post_process=placement.post_process, seed=seed, dtype=dtype or torch.float32, device=device,
+                      home_device=home_device)
+
+
+def attention_matmul(cfg: DeepSeekV3Config) -> int:
+    """Matmul parameters of one latent attention: the query path (bottleneck or plain), the key/value
+    down- and up-projections, the output projection."""
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    query_width = n * cfg.query_head_dim
+    query = h * query_width if cfg.q_lora_rank is None else cfg.q_lora_rank * (h + query_width)
+    key_value = h * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) + cfg.kv_lora_rank * n * (cfg.qk_head_dim
+                                                                                           + cfg.v_head_dim)
+    return query + key_value + n * cfg.v_head_dim * h
+
+
+def mlp_matmul(cfg: DeepSeekV3Config, layer: int) -> int:
+    """Matmul parameters a token meets in layer ``layer``'s MLP (an MoE layer: its top-k experts and router)."""
+    h = cfg.hidden_size
+    mlp = (3 if cfg.swiglu else 2) * h * cfg.ffn_hidden_size
+    return cfg.moe_router_topk * mlp + h * cfg.num_experts if cfg.is_moe_layer(layer) else mlp
+
+
+def flops_per_token(cfg: DeepSeekV3Config, vocab: int, recompute: float = 0.0) -> float:
+    """Training FLOPs per token, Megatron/PaLM's convention: (3 + recompute) x the layers' forward
+    (2 x matmul parameters, plus the attention scores over s keys, 2 s n (D_nope + D_r), and values,
+    2 s n D_v, counted in full) + 3 x the output layer's 2 h V."""
+    s, n = cfg.seq_length, cfg.num_attention_heads
+    scores = 2 * s * n * (cfg.query_head_dim + cfg.v_head_dim)
+    layers = sum(2 * (attention_matmul(cfg) + mlp_matmul(cfg, i)) + scores for i in range(cfg.num_layers))
+    return (3 + float(recompute)) * layers + 3 * 2 * cfg.hidden_size * vocab
+
+
+def describe(m: DeepSeekV3Config) -> str:
+    """The architecture in a few words, for the first log line."""
+    query = f"q rank {m.q_lora_rank}" if m.q_lora_rank is not None else "plain q"
+    parts = [f"MLA ({query}, kv rank {m.kv_lora_rank}, head dims {m.qk_head_dim}+{m.qk_pos_emb_head_dim}/"
+             f"{m.v_head_dim})", f"SwiGLU (ffn {m.ffn_hidden_size})" if m.swiglu else "GELU"]
+    if m.num_experts:
+        parts.append(f"MoE ({m.num_experts} experts, top-{m.moe_router_topk})")
+    if m.mtp_depth:
+        parts.append(f"MTP ({m.mtp_depth} module(s), loss weight {m.mtp_loss_scaling_factor:g})")
+    return ", " + ", ".join(parts)
+
+
+HF = HFAdapter(model_types=hf.MODEL_TYPES, config_from_hf=hf.model_config_from_hf, hf_config=hf.hf_config,
+               to_hf_state=hf.to_hf_state, from_hf_state=hf.from_hf_state)
+
+DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
+    name=FAMILY, config=DeepSeekV3Config, build_chunk=build_chunk, boundary_shape=boundary_shape,
+    loss=masked_mean, flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
+    hooks=StepHooks(before_step=set_aux_loss_scale, metrics=moe_metrics, describe_metrics=describe_moe_metrics),
+    hf=HF, is_expert=is_expert_parameter))

@@ -1,0 +1,118 @@
+"""The DeepSeek-V3 family (``--model-family deepseek_v3``): found by the registry with no line outside its
+package naming it, its flags and rules, multi-head latent attention equal to HuggingFace's
+``DeepseekV3ForCausalLM`` (imported: logits to 1e-5 and the same greedy continuation; exported: HF loads it
+and gives our logits), and its layouts (tp 2 with sequence parallelism, pp 2, dp 2 under ZeRO 1 and 3) equal
+to the serial run over 5 steps."""
+import dataclasses
+
+import pytest
+import torch
+from helpers import run_on_ranks
+from helpers.gpt_parity import GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batches, reference_optimizer, trainer_steps
+
+from megazero.checkpoint.hf import load_hf, save_hf
+from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
+from megazero.config.model import family, family_names
+from megazero.errors import ConfigError
+from megazero.generation import greedy_continuation
+from megazero.models.deepseek_v3 import DEEPSEEK_V3_SPEC, DeepSeekV3Config
+from megazero.models.gpt import masked_mean
+from megazero.parallel.params import attribute
+from megazero.parallel.tensor import shard
+from megazero.parallel.topology import Topology
+from megazero.parallel.zero import build_engine
+from megazero.spec import build_model_chunks
+
+transformers = pytest.importorskip("transformers", reason="the HF comparison needs the test extra")
+
+# A tiny DeepSeek-V3: every MLA part (query bottleneck, latent, shared RoPE key, v head dim != qk head dim).
+HF_TINY = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+               v_head_dim=12, first_k_dense_replace=4, max_position_embeddings=64, rms_norm_eps=1e-6,
+               tie_word_embeddings=False, rope_interleave=True, num_nextn_predict_layers=0)
+MLA_KW = dict(q_lora_rank=8, kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=10)
+PARITY_KW = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
+                 vocab_size=200, make_vocab_size_divisible_by=64, **MLA_KW)
+
+
+def _load_whole(model, tensors: dict, vocab: int) -> None:
+    """Copy whole tensors into a single-process model (the padded vocabulary rows stay zero)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.zero_() if attribute(p, "vocab_padded") else None
+            p[:vocab].copy_(tensors[name]) if attribute(p, "vocab_padded") else p.copy_(tensors[name])
+
+
+def _refused(match: str, tp: int = 1, **kw):
+    with pytest.raises(ConfigError, match=match):
+        validate(JobConfig(model=DeepSeekV3Config(**kw), parallel=ParallelConfig(tp=tp)), tp)
+
+
+def test_the_family_is_found_by_name_with_deepseek_defaults():
+    assert "deepseek_v3" in family_names() and family("deepseek_v3").spec is DEEPSEEK_V3_SPEC
+    cfg = DeepSeekV3Config()
+    assert (cfg.model_family, cfg.position_embedding_type, cfg.normalization, cfg.swiglu, cfg.add_bias_linear,
+            cfg.untie_embeddings_and_output_weights, cfg.multi_latent_attention) == (
+        "deepseek_v3", "rope", "RMSNorm", True, False, True, True)
+    validate(JobConfig(model=cfg), 1)
+
+
+@pytest.mark.parametrize("kw,tp,match", [
+    (dict(multi_latent_attention=False), 1, "multi-head latent attention only"),
+    (dict(kv_lora_rank=0), 1, "kv_lora_rank|kv-lora-rank"),
+    (dict(q_lora_rank=-2), 1, "q_lora_rank|q-lora-rank"),
+    (dict(qk_pos_emb_head_dim=5), 1, "must be even"),
+    (dict(group_query_attention=True), 1, "latent attention derives"),
+    (dict(rotary_percent=0.5), 1, "plain RoPE"),
+    (dict(num_attention_heads=6, hidden_size=96), 4, "whole heads"),
+    (dict(mtp_num_layers=0), 1, "mtp"),
+])
+def test_config_rules(kw, tp, match):
+    _refused(match, tp, **kw)
+
+
+# --------------------------------------------------------------------------- HuggingFace
+
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_TINY)).eval()
+    with torch.no_grad():                   # nonzero norm weights: a swapped norm would show
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    path = tmp_path_factory.mktemp("hf") / "tiny"
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def test_hf_import_gives_hf_logits_and_greedy_continuation(hf_tiny):
+    hf, path = hf_tiny
+    cfg, tensors = load_hf(path, seq_length=32)
+    assert isinstance(cfg, DeepSeekV3Config) and cfg.q_lora_rank == 16
+    model = DEEPSEEK_V3_SPEC.build_full(cfg).eval()
+    _load_whole(model, tensors, cfg.vocab_size)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = model(tokens)[..., :cfg.vocab_size], hf(tokens).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    prompt = tokens[0, :6].tolist()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, 6:].tolist()
+    assert greedy_continuation(model, prompt, 10) == expected
+
+
+def test_hf_export_loads_in_transformers_with_our_logits(tmp_path):
+    cfg = DeepSeekV3Config(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=16,
+                           vocab_size=90, **MLA_KW)
+    model = DEEPSEEK_V3_SPEC.build_full(cfg, seed=7).eval()
+    tensors = {n: (p[:cfg.vocab_size] if attribute(p, "vocab_padded") else p).detach()
+               for n, p in model.named_parameters()}
+    save_hf(tmp_path / "hf", tensors, cfg)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens)[..., :cfg.vocab_size], rtol=1e-5, atol=1e-5)
+    back_cfg, back = load_hf(tmp_path / "hf", seq_length=16)
+    assert dataclasses.replace(back_cfg, init_method_std=cfg.init_method_std) == cfg
+    for name, t in tensors.items():
+        assert torch.equal(back[name], t), name
