@@ -4,6 +4,7 @@ package naming it, its flags and rules, multi-head latent attention equal to Hug
 and gives our logits), and its layouts (tp 2 with sequence parallelism, pp 2, dp 2 under ZeRO 1 and 3) equal
 to the serial run over 5 steps."""
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -127,18 +128,23 @@ LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags); 2
     "pp2-1f1b": (1, 2, False, 0, {}),
     "dp2-zero1": (1, 1, False, 1, {}),
     "dp2-zero3": (1, 1, False, 3, {}),
+    "tp2-sp-mtp": (2, 1, True, 0, dict(mtp_num_layers=2)),
+    "pp2-1f1b-mtp": (1, 2, False, 0, dict(mtp_num_layers=2)),
+    "dp2-zero3-mtp": (1, 1, False, 3, dict(mtp_num_layers=1)),
 }
 
 
-def _serial_reference(model_kw: dict, dp: int):
+@functools.lru_cache(maxsize=4)
+def _serial_reference(model_kw: tuple, dp: int):
     """STEPS steps of the whole model in one process with torch's AdamW and clip_grad_norm_."""
-    model = DEEPSEEK_V3_SPEC.build_full(DeepSeekV3Config(**{**PARITY_KW, **model_kw}), seed=SEED)
+    model = DEEPSEEK_V3_SPEC.build_full(DeepSeekV3Config(**{**PARITY_KW, **dict(model_kw)}), seed=SEED)
     opt = reference_optimizer(model)
+    loss_of = DEEPSEEK_V3_SPEC.loss
     losses, norms = [], []
     for batches in gpt_batches(STEPS, dp * MICRO):
         total = 0.0
         for mb in batches:
-            loss = masked_mean(model(mb["tokens"], mb["labels"]), mb["loss_mask"])
+            loss = loss_of(model(mb["tokens"], mb["labels"]), mb["loss_mask"])
             (loss / len(batches)).backward()
             total += loss.item() / len(batches)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), GPT_OPT.clip_grad)))
@@ -165,21 +171,52 @@ def _layouts_body(rank, world_size, names):
     return out
 
 
-def test_layouts_match_serial():
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_serial(name):
     """tp 2 (with sequence parallelism, and with a plain query projection), pp 2 (1F1B), dp 2 under ZeRO 1
-    and 3: losses and clipped gradient norms to 1e-5 relative, every parameter to 1e-5 relative (absolute
-    floor 1e-5, as the Llama parity tests: Adam-normalised noise of elements whose gradient is ~0)."""
-    results = run_on_ranks(2, _layouts_body, list(LAYOUTS), timeout=600)
-    for name, (tp, pp, _, _, model_kw) in LAYOUTS.items():
-        ref_losses, ref_norms, ref_params = _serial_reference(model_kw, 2 // (tp * pp))
-        assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
-        seen = set()
-        for rank_result in results:
-            tp_rank, tp_size, losses, norms, params = rank_result[name]
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-            torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
-            for pname, (value, pdim) in params.items():
-                torch.testing.assert_close(value, shard(ref_params[pname], pdim, tp_rank, tp_size), rtol=1e-5,
-                                           atol=1e-5, msg=lambda m: f"{name} {pname}: {m}")
-                seen.add(pname)
-        assert seen == set(ref_params), f"{name}: parameters never compared: {set(ref_params) - seen}"
+    and 3, and with MTP tp 2 + SP, pp 2 (the last stage's copy of the embedding) and ZeRO 3: losses and
+    clipped gradient norms to 1e-5 relative, every parameter to 1e-5 relative (absolute floor 1e-5, as the
+    Llama parity tests: Adam-normalised noise of elements whose gradient is ~0)."""
+    tp, pp, _, _, model_kw = LAYOUTS[name]
+    results = run_on_ranks(2, _layouts_body, [name], timeout=180)
+    ref_losses, ref_norms, ref_params = _serial_reference(tuple(sorted(model_kw.items())), 2 // (tp * pp))
+    assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
+    seen = set()
+    for rank_result in results:
+        tp_rank, tp_size, losses, norms, params = rank_result[name]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        for pname, (value, pdim) in params.items():
+            torch.testing.assert_close(value, shard(ref_params[pname], pdim, tp_rank, tp_size), rtol=1e-5,
+                                       atol=1e-5, msg=lambda m: f"{pname}: {m}")
+            seen.add(pname)
+    assert seen == set(ref_params), f"parameters never compared: {set(ref_params) - seen}"
+
+
+# --------------------------------------------------------------------------- multi-token prediction
+
+def test_mtp_loss_is_the_textbook_sum_over_modules():
+    """Module k at position t reads token t+k (labels[t+k-1]) and the previous module's state at t and
+    predicts token t+k+1, over the positions that have one: computed here on sequences cut to those
+    positions (causal attention makes the cut exact), against the model's rolled, masked form."""
+    cfg = DeepSeekV3Config(**{**PARITY_KW, "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3})
+    model = DEEPSEEK_V3_SPEC.build_full(cfg, seed=3)
+    g = torch.Generator().manual_seed(8)
+    tokens, labels = torch.randint(0, 200, (2, 16), generator=g), torch.randint(0, 200, (2, 16), generator=g)
+    mask = (torch.rand(2, 16, generator=g) > 0.3).float()
+    with torch.no_grad():
+        got = DEEPSEEK_V3_SPEC.loss(model(tokens, labels), mask)
+        h = model.embedding(tokens)
+        for layer in model.layers.values():
+            h = layer(h)
+        expected = masked_mean(model(tokens, labels)[..., 0], mask)
+        for k, module in enumerate(model.mtp.values(), start=1):
+            s = 16 - k
+            emb = model.embedding(labels[:, k - 1:k - 1 + s])
+            both = torch.cat((module.enorm(emb), module.hnorm(h[:s])), dim=-1)
+            h = module.layer(both @ module.eh_proj.weight.t())
+            logits = (module.final_norm(h) @ model.output_layer.weight.t())[..., :200].transpose(0, 1)
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 200), labels[:, k:].reshape(-1),
+                                                   reduction="none").view(2, s)
+            expected = expected + 0.3 / 2 * (ce * mask[:, k:]).sum() / mask[:, k:].sum()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)

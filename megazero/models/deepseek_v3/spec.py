@@ -3,7 +3,7 @@ spec supplies).
 
     chunks      :class:`~megazero.models.deepseek_v3.model.DeepSeekV3`, one per pipeline placement
     boundary    GPT's: [s, b, h], or [s / tp, b, h] under sequence parallelism
-    loss        the masked mean of the per-token losses
+    loss        the masked mean of the per-token losses, plus the MTP modules' (:func:`.model.mtp_loss`)
     FLOPs       :func:`flops_per_token` (6 x the matmul parameters a token meets, plus attention)
     hooks       GPT's MoE hooks (the auxiliary losses' gradient scale, the routing figures)
     HF          ``DeepseekV3ForCausalLM`` (:mod:`.hf`)
@@ -17,8 +17,7 @@ import torch
 
 from megazero.models.deepseek_v3 import hf
 from megazero.models.deepseek_v3.config import FAMILY, DeepSeekV3Config
-from megazero.models.deepseek_v3.model import DeepSeekV3
-from megazero.models.gpt import masked_mean
+from megazero.models.deepseek_v3.model import DeepSeekV3, mtp_loss
 from megazero.models.gpt.moe import describe_moe_metrics, is_expert_parameter, set_aux_loss_scale
 from megazero.models.gpt.spec import CHECKPOINT_FIELDS as GPT_CHECKPOINT_FIELDS
 from megazero.models.gpt.spec import boundary_shape, moe_metrics
@@ -81,6 +80,6 @@ HF = HFAdapter(model_types=hf.MODEL_TYPES, config_from_hf=hf.model_config_from_h
 
 DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
     name=FAMILY, config=DeepSeekV3Config, build_chunk=build_chunk, boundary_shape=boundary_shape,
-    loss=masked_mean, flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
+    loss=mtp_loss, flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
     hooks=StepHooks(before_step=set_aux_loss_scale, metrics=moe_metrics, describe_metrics=describe_moe_metrics),
     hf=HF, is_expert=is_expert_parameter))

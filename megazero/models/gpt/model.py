@@ -157,6 +157,7 @@ class GPT(nn.Module):
                 self.output_layer.weight.vocab_padded = self.output_layer.weight.embedding_or_output = True
             # its weight gradient is computed in a split backward's I, not held for W (split_backward.py)
             weight_grad_in_input(self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight)
+        self.add_modules(ctx)
         for p in self.layers.parameters():
             p.layer_matrix = p.dim() == 2
         for p in self.parameters():
@@ -177,6 +178,10 @@ class GPT(nn.Module):
     def build_layer(self, ctx: LayerContext, layer_id: int) -> nn.Module:
         """Global layer ``layer_id`` of this chunk (a family built on GPT returns its own layer here)."""
         return TransformerLayer(ctx, layer_id)
+
+    def add_modules(self, ctx: LayerContext) -> None:
+        """Modules a family built on GPT adds to the chunk after GPT's own, before every parameter is
+        initialised (GPT adds none)."""
 
     # ------------------------------------------------------------------ init
     def reset_parameters(self, seed: int) -> None:
@@ -270,6 +275,11 @@ class GPT(nn.Module):
             kv_cache.advance(x.shape[1] if self.pre_process else h.shape[0])
         if not self.post_process:
             return h
+        return self.output(h, labels)
+
+    def output(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's result from the layers' output ``h`` [s(/tp), b, h]: the final norm and the head,
+        then the per-token loss [b, s] with ``labels``, else this rank's logits [b, s, V_pad/tp]."""
         logits = self._logits(self.final_norm(h))                      # [s, b, V_pad/tp]
         if labels is None:
             return logits.transpose(0, 1)
