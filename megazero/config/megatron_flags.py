@@ -128,7 +128,6 @@ IMPLEMENTATION: dict[str, Implementation] = {
     "--no-gradient-accumulation-fusion": Implementation("gradients accumulate into their buckets with torch "
                                                         "operations (no fused weight-gradient kernel to turn off)"),
     "--no-async-tensor-model-parallel-allreduce": Implementation("tensor-parallel all-reduces are megazero's own"),
-    "--cross-entropy-loss-fusion": Implementation("the vocab-parallel cross-entropy is megazero's own function"),
     "--moe-grouped-gemm": Implementation("each rank runs its experts one after another (no grouped GEMM kernel)"),
     "--use-cpu-initialization": Implementation("parameters are built on the meta device and given their values "
                                                "where they live (--sharded-init)"),

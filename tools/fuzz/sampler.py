@@ -323,6 +323,19 @@ def draw_optimizer(seed: int, model_args: list[str], layouts: list[tuple[list[st
     return name
 
 
+def draw_loss_fusion(seed: int, which: str, model_args: list[str], layout: list[str], world: int) -> list[str]:
+    """``--cross-entropy-loss-fusion`` for one layout of seed ``seed``'s draw, half the time, where the
+    configuration accepts it (its own random stream, so the other axes are drawn as before). A layout
+    flag, not a model axis: the serial twin runs the unfused loss, so a fused layout is checked against it."""
+    if random.Random(f"loss fusion {which} {seed}").random() < 0.5:
+        return []
+    try:
+        parse_and_validate(COMMON + model_args + layout + ["--cross-entropy-loss-fusion"], world)
+    except ConfigError:
+        return []
+    return ["--cross-entropy-loss-fusion"]
+
+
 def draw(seed: int, fp8: bool = True) -> Draw:
     """The draw of ``seed``: model axes, then a valid first layout and a valid resume layout for them, then
     their FP8 axes (``fp8=False``: FP8 off, the draw as it was before FP8 joined the space; fixed-seed tests
@@ -343,6 +356,9 @@ def draw(seed: int, fp8: bool = True) -> Draw:
             else (dict(FP8_OFF), [NOT_APPLICABLE, NOT_APPLICABLE]))
         axes, flags = with_fp8(axes, flags, fp8, gather)
         resume_axes, resume_flags = with_fp8(resume_axes, resume_flags, fp8, resume_gather)
+        flags, resume_flags = (layout + draw_loss_fusion(seed, which, model_flags({**model, **fp8}), layout, size)
+                               for which, layout, size in (("first", flags, world), ("resume", resume_flags,
+                                                                                     resume_world)))
         return Draw(seed, axes, world, model_flags({**model, **fp8}) + OPTIMIZERS[optimizer], flags, resume_axes,
                     resume_world, resume_flags, optimizer=optimizer)
     raise RuntimeError(f"seed {seed}: no valid model in 1000 tries")

@@ -67,6 +67,10 @@ class GPTConfig(ModelConfig):
                                        help="no biases in the linear layers")
     add_qkv_bias: bool = flag_field(False, "--add-qkv-bias", action="store_true", group=_MODEL,
                                     help="bias in the QKV projection only (Qwen2)")
+    cross_entropy_loss_fusion: bool = flag_field(False, "--cross-entropy-loss-fusion", action="store_true",
+                                                 group=_MODEL, help=(
+        "the output layer and the loss in chunks of tokens: the whole logits never exist in training "
+        "(one more product of the output layer in backward); an output layer run in FP8 keeps the unfused loss"))
     # Mixture of Experts (Megatron-core's flag names; megazero/models/gpt/moe.py). None: dense MLPs.
     num_experts: int | None = flag_field(None, "--num-experts", type=int, group=_MOE,
                                          help="experts per MoE layer (default: dense)")

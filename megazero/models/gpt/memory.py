@@ -24,6 +24,7 @@ a fully recomputed group keeps its input only, and its backward brings the group
 """
 from __future__ import annotations
 
+from megazero.parallel.tensor import linear_cross_entropy_chunk
 from megazero.spec.activations import TransformerActivations
 from megazero.spec.recompute import full_recompute_groups, selective_modules
 
@@ -232,8 +233,26 @@ def _chunk_ends(job, placement, e, mask, s, b, h, t) -> int:
         stats = 2 if cfg.normalization == "LayerNorm" else 1
         out += e * rows * h + stats * 4 * rows + e * s * b * h   # final norm input and stats, the logits' input
         out += fp8_head_bytes(job, e)
-        out += 4 * s * b * cfg.padded_vocab_size(t) // t + 9 * s * b   # softmax (fp32), target, mask
+        if fused_loss(job):                                # per-token log-sum-exp, target, mask
+            out += 4 * s * b + 9 * s * b
+        else:
+            out += 4 * s * b * cfg.padded_vocab_size(t) // t + 9 * s * b   # softmax (fp32), target, mask
     return out
+
+
+def fused_loss(job) -> bool:
+    """Does the head run the fused linear cross-entropy (``--cross-entropy-loss-fusion``, no FP8 head)?"""
+    return job.model.cross_entropy_loss_fusion and not (job.fp8.fp8_format and job.fp8.fp8_head)
+
+
+def fused_loss_chunk_bytes(job, e: int) -> tuple[int, int]:
+    """(bytes of one chunk's logits in the loss's precision, bytes of the output layer's weight gradient
+    accumulated in it) of the fused linear cross-entropy
+    (:func:`megazero.parallel.tensor.vocab_parallel_linear_cross_entropy`)."""
+    cfg, s, b, t = job.model, job.model.seq_length, job.train.micro_batch_size, job.parallel.tp
+    vocab, acc = cfg.padded_vocab_size(t) // t, max(e, 4)
+    rows = linear_cross_entropy_chunk(s * b, vocab, cfg.hidden_size)
+    return rows * vocab * acc, vocab * cfg.hidden_size * acc
 
 
 def weight_grad_bytes(job, placement, e: int, mask: int) -> int:
@@ -280,6 +299,23 @@ def _recompute_extra(job, placement, e: int, mask: int) -> int:
 
 class GPTActivations(TransformerActivations):
     """The GPT family's activation model (the protocol of :mod:`megazero.spec.activations`)."""
+
+    def logits(self, job, e: int) -> int:
+        """The fused loss's forward makes one chunk of logits at a time (in the weights' precision, then
+        the loss's); the unfused one the whole logits (the generic formula)."""
+        if not fused_loss(job):
+            return super().logits(job, e)
+        chunk, _ = fused_loss_chunk_bytes(job, e)
+        return chunk + (chunk * e // max(e, 4) if e < 4 else 0)
+
+    def head_backward(self, job, e: int) -> int:
+        """The fused loss's backward: one chunk's logits again (its gradient in the loss's precision, and
+        in the weights' below float32) and the output layer's weight gradient accumulated in the loss's
+        precision beside it."""
+        if not fused_loss(job):
+            return super().head_backward(job, e)
+        chunk, weight_grad = fused_loss_chunk_bytes(job, e)
+        return chunk + (chunk * e // 4 if e < 4 else 0) + weight_grad
 
     def layer(self, job, e: int, mask: int) -> tuple[int, int]:
         return layer_activation_bytes(job, e, mask)

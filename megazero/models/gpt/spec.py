@@ -109,6 +109,7 @@ def recomputed_share(cfg: GPTConfig, par) -> float:
 def describe(m: GPTConfig) -> str:
     """The Llama-family and MoE options in use, for the log line ('' for a GPT-2 shaped model)."""
     parts = [name for name, on in (
+        ("fused linear cross-entropy", m.cross_entropy_loss_fusion),
         (f"RoPE (base {m.rotary_base:g})", m.position_embedding_type == "rope"),
         ("RMSNorm", m.normalization == "RMSNorm"), ("zero-centred norm weights", m.apply_layernorm_1p),
         (f"SwiGLU (ffn {m.ffn_hidden_size})", m.swiglu),
