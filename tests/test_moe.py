@@ -520,3 +520,61 @@ def test_flops_per_token_count_the_active_experts():
     moe, dense = _cfg(), GPTConfig(**{**GPT_CFG, "ffn_hidden_size": 2 * 4 * GPT_CFG["hidden_size"]})
     router = 3 * 2 * moe.num_layers * moe.hidden_size * moe.num_experts
     assert model_flops_per_token(moe, 256) == model_flops_per_token(dense, 256) + router
+
+
+# --------------------------------------------------------------------------- DeepSeek-V3 routing
+
+DSV3_KW = dict(num_experts=8, moe_router_topk=3, moe_router_score_function="sigmoid", moe_router_num_groups=4,
+               moe_router_group_topk=2, moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
+               moe_shared_expert_intermediate_size=24, moe_ffn_hidden_size=8, swiglu=True, ffn_hidden_size=64,
+               add_bias_linear=False, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
+
+
+def _interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Our SwiGLU fc1 layout: row 2j gate feature j, row 2j+1 up feature j."""
+    return torch.stack([gate, up], dim=1).reshape(-1, gate.shape[1])
+
+
+def test_sigmoid_group_limited_routing_with_shared_experts_equals_hf_deepseek_v3():
+    """Our MoE layer (sigmoid scores, expert bias, 4 groups keep 2, top-3, scaling 2.5, shared experts)
+    equals transformers' DeepseekV3MoE on the same weights at 1e-6 (fp32): routed + shared output, and
+    the chosen experts and gates equal its router's."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = _cfg(num_layers=1, **DSV3_KW)
+    layer = GPT(cfg, seed=SEED).layers["0"].mlp
+    hf_cfg = DeepseekV3Config(hidden_size=cfg.hidden_size, moe_intermediate_size=8, n_routed_experts=8,
+                              num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                              norm_topk_prob=True, n_shared_experts=3, hidden_act="silu")   # shared: 3 x 8 wide
+    hf = DeepseekV3MoE(hf_cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 0.5)
+        layer.expert_bias.copy_(torch.randn(8) * 0.1)
+        hf.gate.weight.copy_(layer.router.weight)
+        hf.gate.e_score_correction_bias.copy_(layer.expert_bias)
+        for e in range(8):
+            fc1 = layer.experts[str(e)].fc1.weight
+            hf.experts.gate_up_proj[e].copy_(torch.cat([fc1[0::2], fc1[1::2]]))
+            hf.experts.down_proj[e].copy_(layer.experts[str(e)].fc2.weight)
+        shared = layer.shared_experts
+        hf.shared_experts.gate_proj.weight.copy_(shared.fc1.weight[0::2])
+        hf.shared_experts.up_proj.weight.copy_(shared.fc1.weight[1::2])
+        hf.shared_experts.down_proj.weight.copy_(shared.fc2.weight)
+        torch.testing.assert_close(_interleaved(shared.fc1.weight[0::2], shared.fc1.weight[1::2]), shared.fc1.weight)
+    x = torch.randn(2, 12, cfg.hidden_size)                          # HF's [b, s, h]
+    with torch.no_grad():
+        ours = layer(x.transpose(0, 1)).transpose(0, 1)
+        theirs = hf(x)
+        _, hf_gates, hf_experts = hf.gate(x)
+        _, gates, experts = layer.route(x.transpose(0, 1).reshape(-1, cfg.hidden_size) @ layer.router.weight.t())
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    hf_order = x.shape[1] * torch.arange(2).repeat(12) + torch.arange(12).repeat_interleave(2)  # our row -> HF row
+    for ours_row, hf_row in ((experts, hf_experts[hf_order]), (gates, hf_gates[hf_order])):
+        torch.testing.assert_close(ours_row.sort(-1).values, hf_row.sort(-1).values, rtol=1e-6, atol=1e-6)
+    logits = x.transpose(0, 1).reshape(-1, cfg.hidden_size) @ layer.router.weight.t()
+    for without in (dict(num_groups=None, group_topk=None), dict(expert_bias=None)):   # both change some choice
+        args = {**dict(score_function="sigmoid", expert_bias=layer.expert_bias, num_groups=4, group_topk=2,
+                       scaling_factor=2.5), **without}
+        assert not torch.equal(route(logits, 3, **args)[2].sort(-1).values, experts.sort(-1).values), without
