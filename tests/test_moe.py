@@ -17,6 +17,7 @@ from megazero.models.gpt import GPT, GPTConfig, build_model_chunks, masked_mean
 from megazero.models.gpt.moe import (
     capacity_keep,
     collect_moe_metrics,
+    expert_bias_step,
     load_balancing_loss,
     moe_alltoall_bytes,
     moe_alltoall_bytes_per_step,
@@ -166,8 +167,13 @@ def _reference(dp: int, model_kw: tuple):
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), GPT_OPT.clip_grad)))
         opt.step()
         opt.zero_grad()
+        for layer in layers:                     # the expert biases' step on the step's loads
+            if layer.expert_bias is not None:
+                expert_bias_step(layer.expert_bias, layer.step_load, model.cfg.moe_router_bias_update_rate)
+            layer.step_load = None
         losses.append(total)
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}, \
+        {n: b.clone() for n, b in model.named_buffers()}
 
 
 def _parity_body(rank, world_size, cases, cp: int = 1):
@@ -184,6 +190,7 @@ def _parity_body(rank, world_size, cases, cp: int = 1):
         engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
         job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
         losses, norms, params = trainer_steps(chunks, topo, engine, job, STEPS)
+        params.update({n: (b.clone(), None) for c in chunks for n, b in c.named_buffers()})   # expert biases
         metrics = collect_moe_metrics(chunks, cfg.num_layers, cfg.num_experts, topo.tp_rank, sp, STEPS, topo.device)
         sized = JobConfig(model=cfg, parallel=par, zero=ZeroConfig(zero_stage=stage),
                           train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=MB_SIZE * MICRO * topo.dp_size))
@@ -216,16 +223,20 @@ def _check(results, cases, cp: int = 1):
         for rank_results in results:
             tp_rank, tp, dp, losses, norms, params, metrics = rank_results[i]
             _check_metrics(metrics, dp, model_kw)
-            ref_losses, ref_norms, ref_params = _reference(dp, tuple(sorted(model_kw.items())))
+            ref_losses, ref_norms, ref_params, ref_buffers = _reference(dp, tuple(sorted(model_kw.items())))
             assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
             what = f"case tp{tp} pp{pp} ep{ep} sp{sp} zero{stage} cp{cp}"
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0, msg=what)
             torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0, msg=what)
             for name, (value, pdim) in params.items():
-                torch.testing.assert_close(value, shard(ref_params[name], pdim, tp_rank, tp), rtol=1e-5, atol=1e-5,
-                                           msg=lambda m: f"{what} {name}: {m}")
+                if pdim is None:                      # a buffer (expert bias): bitwise the serial run's
+                    assert torch.equal(value, ref_buffers[name]), (what, name, value, ref_buffers[name])
+                else:
+                    torch.testing.assert_close(value, shard(ref_params[name], pdim, tp_rank, tp), rtol=1e-5,
+                                               atol=1e-5, msg=lambda m: f"{what} {name}: {m}")
                 seen.add(name)
-        assert seen == set(ref_params), f"{what}: parameters never compared: {set(ref_params) - seen}"
+        assert seen == set(ref_params) | set(ref_buffers), \
+            f"{what}: never compared: {set(ref_params) | set(ref_buffers) - seen}"
 
 
 DP4_CASES = [(1, 1, ep, False, stage, {}) for ep in (1, 2, 4) for stage in (0, 1, 2, 3)]
@@ -422,7 +433,7 @@ def test_save_at_ep2_resume_at_ep4_gives_the_uninterrupted_run(tmp_path):
     the 5 losses and the final parameters are the serial run's (8 micro-batches a step throughout)."""
     saved = run_on_ranks(4, _resume_body, 2, 2, 1, 0, 3, str(tmp_path), False, timeout=600)
     resumed = run_on_ranks(4, _resume_body, 1, 4, 2, 3, STEPS, str(tmp_path), True, timeout=600)
-    ref_losses, _, ref_params = _reference(2, ())
+    ref_losses, _, ref_params, _ = _reference(2, ())
     torch.testing.assert_close(torch.tensor(saved[0][2] + resumed[0][2]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     seen = set()
     for tp_rank, tp, _, params in resumed:
@@ -578,3 +589,18 @@ def test_sigmoid_group_limited_routing_with_shared_experts_equals_hf_deepseek_v3
         args = {**dict(score_function="sigmoid", expert_bias=layer.expert_bias, num_groups=4, group_topk=2,
                        scaling_factor=2.5), **without}
         assert not torch.equal(route(logits, 3, **args)[2].sort(-1).values, experts.sort(-1).values), without
+
+
+DSV3_TRAIN_KW = dict(DSV3_KW, moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="seq_aux_loss",
+                     moe_z_loss_coeff=0.001, moe_layer_freq="([0]*1+[1]*3)", moe_router_bias_update_rate=0.05)
+DSV3_CASES = [(2, 1, 1, True, 1, DSV3_TRAIN_KW), (1, 1, 2, False, 0, DSV3_TRAIN_KW),
+              (1, 1, 4, False, 3, DSV3_TRAIN_KW), (2, 1, 2, True, 3, DSV3_TRAIN_KW)]
+
+
+def test_deepseek_v3_routing_matches_serial():
+    """Sigmoid routing with 4 groups (best 2 kept), top-3 of 8 experts, the expert bias (rate 0.05, so it
+    changes choices within 5 steps), scaling 2.5, shared experts, 8-wide routed experts, the
+    sequence-wise balance loss and a dense first layer: tp 2 + SP (dp 2, ZeRO-1), ep 2 (dp 4), ep 4
+    (dp 4, ZeRO-3), tp 2 + SP with ep 2 (ZeRO-3), 5 steps each equal to the serial run (losses, norms,
+    parameters 1e-5; the expert biases bitwise on every rank)."""
+    _check(run_on_ranks(4, _parity_body, DSV3_CASES, timeout=600), DSV3_CASES)
