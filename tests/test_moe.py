@@ -402,19 +402,22 @@ def test_one_engine_fp16_with_experts_one_loss_scaler_and_a_named_nonfinite_expe
 
 # --------------------------------------------------------------------------- checkpoints
 
-def _resume_body(rank, world_size, tp, ep, stage, first, last, save_dir, load):
+def _resume_body(rank, world_size, tp, ep, stage, first, last, save_dir, load, model_kw=None):
     """Steps ``first``..``last`` - 1 of the 8-micro-batch run at (tp, ep, ZeRO stage) on these ranks,
-    after loading ``save_dir`` when ``load``; saves after the last step otherwise."""
+    after loading ``save_dir`` when ``load``; saves after the last step otherwise. With ``model_kw`` also
+    the expert biases (after the load, or at the save; and at the end)."""
     topo = Topology(tp=tp, ep=ep)
-    cfg = _cfg()
+    cfg = _cfg(**(model_kw or {}))
     par = ParallelConfig(tp=tp, dp=topo.dp_size, expert_model_parallel_size=ep)
     chunks = build_model_chunks(cfg, par, topo, seed=SEED, device="meta")
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
     job = JobConfig(model=cfg, parallel=par, optimizer=GPT_OPT, train=TrainConfig(micro_batch_size=MB_SIZE))
     state = TrainState()
+    biases = None
     if load:
         state = load_checkpoint(save_dir, chunks=chunks, engine=engine, topo=topo, job=job)
         assert state.iteration == first
+    biases = {n: b.clone() for c in chunks for n, b in c.named_buffers()} if load else None
     per = 2 * MICRO // topo.dp_size
     losses = []
     for batches in gpt_batches(STEPS, 2 * MICRO)[first:last]:
@@ -422,9 +425,12 @@ def _resume_body(rank, world_size, tp, ep, stage, first, last, save_dir, load):
         state.iteration += 1
     if not load:
         save_checkpoint(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job)
+        biases = {n: b.clone() for c in chunks for n, b in c.named_buffers()}
     with engine.gathered_parameters():
         params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
-    return topo.tp_rank, tp, losses, params
+    if model_kw is None:
+        return topo.tp_rank, tp, losses, params
+    return topo.tp_rank, tp, losses, params, biases, {n: b.clone() for c in chunks for n, b in c.named_buffers()}
 
 
 @pytest.mark.slow
@@ -594,13 +600,35 @@ def test_sigmoid_group_limited_routing_with_shared_experts_equals_hf_deepseek_v3
 DSV3_TRAIN_KW = dict(DSV3_KW, moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="seq_aux_loss",
                      moe_z_loss_coeff=0.001, moe_layer_freq="([0]*1+[1]*3)", moe_router_bias_update_rate=0.05)
 DSV3_CASES = [(2, 1, 1, True, 1, DSV3_TRAIN_KW), (1, 1, 2, False, 0, DSV3_TRAIN_KW),
-              (1, 1, 4, False, 3, DSV3_TRAIN_KW), (2, 1, 2, True, 3, DSV3_TRAIN_KW)]
+              (1, 1, 4, False, 3, DSV3_TRAIN_KW), (2, 1, 2, True, 3, DSV3_TRAIN_KW),
+              (1, 2, 2, False, 1, DSV3_TRAIN_KW)]
 
 
 def test_deepseek_v3_routing_matches_serial():
     """Sigmoid routing with 4 groups (best 2 kept), top-3 of 8 experts, the expert bias (rate 0.05, so it
     changes choices within 5 steps), scaling 2.5, shared experts, 8-wide routed experts, the
     sequence-wise balance loss and a dense first layer: tp 2 + SP (dp 2, ZeRO-1), ep 2 (dp 4), ep 4
-    (dp 4, ZeRO-3), tp 2 + SP with ep 2 (ZeRO-3), 5 steps each equal to the serial run (losses, norms,
+    (dp 4, ZeRO-3), tp 2 + SP with ep 2 (ZeRO-3), pp 2 with ep 2 (ZeRO-1), 5 steps each equal to the serial run (losses, norms,
     parameters 1e-5; the expert biases bitwise on every rank)."""
     _check(run_on_ranks(4, _parity_body, DSV3_CASES, timeout=600), DSV3_CASES)
+
+
+def test_expert_bias_saved_and_resumed_bitwise(tmp_path):
+    """3 steps at ep 2, dp 2 (ZeRO-1), saved; loaded at tp 2 (another layout): every expert bias is
+    bitwise the saved one, and after 2 more steps the losses and biases are the uninterrupted serial
+    run's (biases bitwise; the checkpoint holds each once, ``model.buffer/<name>``)."""
+    from megazero.checkpoint import format as fmt
+    from megazero.checkpoint.reader import CheckpointReader
+
+    kw = DSV3_TRAIN_KW
+    saved = run_on_ranks(2, _resume_body, 1, 2, 1, 0, 3, str(tmp_path), False, kw, timeout=600)
+    resumed = run_on_ranks(2, _resume_body, 2, 1, 0, 3, STEPS, str(tmp_path), True, kw, timeout=600)
+    names = CheckpointReader(fmt.checkpoint_dir(tmp_path, 3)).names(fmt.MODEL_BUFFER)
+    assert names == [f"layers.{i}.mlp.router.expert_bias" for i in (1, 2, 3)]
+    ref_losses, _, _, ref_buffers = _reference(2, tuple(sorted(kw.items())))
+    torch.testing.assert_close(torch.tensor(saved[0][2] + resumed[0][2]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for (*_, at_save, _), (*_, at_load, at_end) in zip(saved, resumed):
+        assert at_save.keys() == at_load.keys() == set(names)
+        for name in names:
+            assert torch.equal(at_load[name], saved[0][4][name]) and torch.equal(at_end[name], ref_buffers[name])
+        assert any(not torch.equal(at_save[n], ref_buffers[n]) for n in names)   # the last two steps moved some
