@@ -162,7 +162,7 @@ class GPTConfig(ModelConfig):
         help="drop tokens beyond this x the even share (default: dropless)")
 
     moe_ffn_hidden_size: int | None = flag_field(None, "--moe-ffn-hidden-size", type=int, group=_MOE,
-                                                 help="each routed expert's ffn width (default --ffn-hidden-size)")
+                                                 help="each routed expert's ffn width (default: the dense MLP's)")
     moe_shared_expert_intermediate_size: int | None = flag_field(
         None, "--moe-shared-expert-intermediate-size", type=int, group=_MOE,
         help="width of an always-on shared-expert MLP beside the routed experts, added to their output, "
@@ -190,7 +190,7 @@ class GPTConfig(ModelConfig):
     moe_router_load_balancing_type: str = flag_field(
         "aux_loss", "--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, group=_MOE,
         help="aux_loss: the load-balancing loss over the micro-batch; seq_aux_loss: per sequence, averaged "
-             "(DeepSeek-V3); none: no balancing loss (both weighted by --moe-aux-loss-coeff)")
+             "(DeepSeek-V3), both weighted by the aux loss coefficient; none: no balancing loss")
 
     experts_field: ClassVar[str | None] = "num_experts"
 
