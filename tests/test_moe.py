@@ -674,3 +674,93 @@ def test_expert_bias_balances_a_skewed_router_without_aux_loss():
     assert with_bias[0] > 1.0
     assert sum(with_bias[-20:]) / 20 < 0.5, with_bias
     assert min(without) > 1.0, without
+
+
+def test_flops_and_activations_count_expert_widths_and_shared_experts():
+    """FLOPs: an MoE layer's MLP counts top-k experts of --moe-ffn-hidden-size plus the shared experts, so a
+    model whose layers are all MoE equals the dense model of ffn k*F + S plus the routers; a dense first
+    layer (pattern) counts the dense MLP. Activations: an MoE layer keeps k experts' inner activations
+    (whole experts; under SP its tokens only) and the shared experts' (split over tp)."""
+    from megazero.models.gpt.memory import layer_activation_bytes
+    from megazero.models.gpt.spec import flops_per_token as model_flops_per_token
+
+    kw = dict(num_experts=8, moe_router_topk=3, moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=24)
+    moe, h = _cfg(**kw), GPT_CFG["hidden_size"]
+    dense = GPTConfig(**{**GPT_CFG, "ffn_hidden_size": 3 * 8 + 24})
+    router = 3 * 2 * moe.num_layers * h * 8
+    assert model_flops_per_token(moe, 256) == model_flops_per_token(dense, 256) + router
+    first_dense = _cfg(**kw, moe_layer_freq="[0,1,1,1]")
+    dense_mlp = 3 * 2 * 2 * h * (first_dense.ffn_hidden_size - (3 * 8 + 24)) - 3 * 2 * h * 8
+    assert model_flops_per_token(first_dense, 256) == model_flops_per_token(moe, 256) + dense_mlp
+    for tp, sp in ((1, False), (2, False), (2, True)):
+        job = JobConfig(model=_cfg(**kw), parallel=ParallelConfig(tp=tp, sequence_parallel=sp),
+                        train=TrainConfig(micro_batch_size=MB_SIZE))
+        tokens = GPT_CFG["seq_length"] * MB_SIZE
+        moe_bytes = layer_activation_bytes(job, 4, 1, 0)[0]
+        dense_bytes = layer_activation_bytes(job, 4, 1, None)[0]      # the layer's parts with a dense MLP
+        inner = 4 * tokens * (3 * 2 * 8 // (tp if sp else 1) + 2 * 24 // tp)
+        assert moe_bytes - dense_bytes == inner - 4 * tokens * 2 * job.model.ffn_hidden_size // tp
+
+
+def test_sequence_balance_loss_is_the_mean_of_each_sequences_loss():
+    """seq_aux_loss: a * E * sum_e f_e P_e computed on each sequence alone, averaged over the batch; equal
+    to load_balancing_loss of each sequence's tokens."""
+    cfg = _cfg(num_layers=1, moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1,
+               moe_z_loss_coeff=0.0)
+    layer = GPT(cfg, seed=SEED).layers["0"].mlp
+    layer.keep_aux_graph = True
+    x = torch.randn(8, 3, cfg.hidden_size)                     # [s, b, h]
+    layer(x)
+    per_sequence = []
+    for b in range(3):
+        logits = x[:, b] @ layer.router.weight.t()
+        probs, _, experts = route(logits, 2)
+        counts = torch.bincount(experts.reshape(-1), minlength=4)
+        per_sequence.append(load_balancing_loss(probs, counts, 8, 2, 0.1))
+    torch.testing.assert_close(layer.last_aux_loss, torch.stack(per_sequence).mean())
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(moe_router_enable_expert_bias=True), r"^--moe-router-enable-expert-bias needs --moe-router-score-function "
+                                               r"sigmoid"),
+    (dict(moe_router_bias_update_rate=0.01), r"^--moe-router-bias-update-rate moves the expert bias: add "
+                                             r"--moe-router-enable-expert-bias"),
+    (dict(moe_router_num_groups=2), r"^--moe-router-num-groups and --moe-router-group-topk go together"),
+    (dict(moe_router_num_groups=3, moe_router_group_topk=1), r"^--num-experts 4 must split into "
+                                                             r"--moe-router-num-groups 3 equal groups"),
+    (dict(moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk=3),
+     r"^--moe-router-group-topk 1 must be <= --moe-router-num-groups 2 and keep at least --moe-router-topk 3"),
+    (dict(moe_router_topk_scaling_factor=0.0), r"^--moe-router-topk-scaling-factor must be > 0"),
+    (dict(moe_ffn_hidden_size=0), r"^--moe-ffn-hidden-size must be a positive integer"),
+    (dict(moe_shared_expert_intermediate_size=-1), r"^--moe-shared-expert-intermediate-size must be a positive"),
+    (dict(moe_router_score_function="tanh"), r"^--moe-router-score-function must be one of softmax, sigmoid"),
+    (dict(moe_router_load_balancing_type="none"), r"^--moe-router-load-balancing-type none adds no balancing loss, "
+                                                  r"yet --moe-aux-loss-coeff is 0.01: drop one of them"),
+    (dict(moe_layer_freq="[0,1]"), r"^--moe-layer-freq pattern \[0, 1\] must hold one 0 \(dense\) or 1 \(MoE\) per "
+                                   r"layer, 4 of them"),
+    (dict(moe_layer_freq="[0,2,1,1]"), r"^--moe-layer-freq pattern \[0, 2, 1, 1\] must hold one 0"),
+    (dict(moe_layer_freq="[0]+1"), r"^--moe-layer-freq '\[0\]\+1' is neither an integer nor a layer pattern"),
+    (dict(num_experts=None, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0, moe_router_score_function="sigmoid"),
+     r"^--moe-router-score-function sigmoid applies to Mixture-of-Experts layers and this model has none"),
+])
+def test_routing_flags_refused_in_one_line(kw, message):
+    from megazero.config import validate
+    from megazero.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as caught:
+        validate(JobConfig(model=_cfg(**kw)), 1)
+    assert "\n" not in str(caught.value)
+
+
+def test_layer_pattern_parses_megatrons_forms_without_eval():
+    from megazero.models.gpt.config import parse_layer_pattern
+
+    assert parse_layer_pattern("([0]*1+[1]*3)") == [0, 1, 1, 1] == parse_layer_pattern(" [0, 1,1 ,1] ")
+    assert parse_layer_pattern("([1]*1+[0]*1)*2") == [1, 0, 1, 0]
+    for bad in ("[0]*", "[0,1]+", "[0]]", "([0]", "__import__('os')", "[0]*-1", "[0.5]"):
+        with pytest.raises(ValueError):
+            parse_layer_pattern(bad)
+    cfg = _cfg(moe_layer_freq="([0]*1+[1]*3)")
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, True, True] and cfg.layer_period == 4
+    assert set(dict(GPT(cfg, device="meta").named_parameters())) >= {"layers.0.mlp.dense_h_to_4h.weight",
+                                                                      "layers.1.mlp.router.weight"}
