@@ -12,7 +12,20 @@ One MoE layer on this rank's tokens x [s(/tp), b, h] (T = s(/tp) * b tokens)::
            unset = dropless. Under sequence and context parallelism T and the order are the whole
            sequence's (the tp and cp ranks' choices are gathered and put back in the serial token
            order, undoing the cp load balancing), so the same tokens drop as on one process
-    out[t] = sum over kept (t, e) of gates[t, e] * Expert_e(x[t])
+    out[t] = sum over kept (t, e) of gates[t, e] * Expert_e(x[t])  (+ SharedExperts(x[t]) when given)
+
+DeepSeek-V3 routing (``--moe-router-score-function sigmoid``, HF transformers' DeepseekV3TopkRouter)::
+
+    scores = sigmoid(logits)            [T, E]  probs (for the losses) = scores / (sum_e scores + 1e-20)
+    choice = scores + expert_bias       [T, E]  (--moe-router-enable-expert-bias; no gradient)
+    group-limited (--moe-router-num-groups G --moe-router-group-topk K): the E experts in G consecutive
+           groups, a group's score = sum of its two best choice values; the worst G - K groups -> -inf
+    experts = top-k(choice); gates = scores[experts] / (sum + 1e-20) when k > 1
+    gates *= --moe-router-topk-scaling-factor (either score function)
+
+After each optimizer step :func:`update_expert_biases` moves every expert bias by
+``rate * sign(mean load - load_e)`` on the step's loads summed over all micro-batches and ranks (the same
+on every rank; the checkpoint stores it as ``model.buffer/<name>``).
 
 Losses, added to the training loss of the micro-batch (they are not part of the returned per-token
 loss; the log line reports them):
@@ -52,7 +65,10 @@ checkpoints do not depend on EP::
     layers.<i>.mlp.router.weight                 [E, h]        replicated
     layers.<i>.mlp.experts.<e>.fc1.{weight,bias} [ffn, h]      ([2 ffn, h] with --swiglu: gate/up rows
                                                                 interleaved as in transformer.MLP)
-    layers.<i>.mlp.experts.<e>.fc2.{weight,bias} [h, ffn]
+    layers.<i>.mlp.experts.<e>.fc2.{weight,bias} [h, ffn]       (ffn: --moe-ffn-hidden-size)
+    layers.<i>.mlp.router.expert_bias            [E] fp32      a buffer, replicated (with the expert bias)
+    layers.<i>.mlp.shared_experts.fc1.weight     [S(/tp), h]   ([2S, h] with --swiglu), split dim 0
+    layers.<i>.mlp.shared_experts.fc2.weight     [h, S(/tp)]   split dim 1 (--moe-shared-expert-intermediate-size S)
 """
 from __future__ import annotations
 
