@@ -26,22 +26,37 @@ from megazero.spec import build_model_chunks
 
 transformers = pytest.importorskip("transformers", reason="the HF comparison needs the test extra")
 
-# A tiny DeepSeek-V3: every MLA part (query bottleneck, latent, shared RoPE key, v head dim != qk head dim).
+# A tiny DeepSeek-V3: every MLA part (query bottleneck, latent, shared RoPE key, v head dim != qk head dim), the
+# first layer dense, then 8 routed experts and 1 shared, top-2 of the experts of 1 of 2 groups, scaled gates.
 HF_TINY = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
-               v_head_dim=12, first_k_dense_replace=4, max_position_embeddings=64, rms_norm_eps=1e-6,
-               tie_word_embeddings=False, rope_interleave=True, num_nextn_predict_layers=0)
+               v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+               moe_intermediate_size=32, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+               norm_topk_prob=True, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+               rope_interleave=True, num_nextn_predict_layers=0)
+MOE_KW = dict(num_experts=4, moe_router_topk=2, moe_layer_freq=[0, 1], moe_ffn_hidden_size=16,
+              moe_shared_expert_intermediate_size=16, moe_router_score_function="sigmoid",
+              moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
+              moe_router_topk_scaling_factor=2.0)
 MLA_KW = dict(q_lora_rank=8, kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=10)
 PARITY_KW = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
                  vocab_size=200, make_vocab_size_divisible_by=64, **MLA_KW)
 
 
 def _load_whole(model, tensors: dict, vocab: int) -> None:
-    """Copy whole tensors into a single-process model (the padded vocabulary rows stay zero)."""
+    """Copy whole tensors (parameters and persistent buffers) into a single-process model (the padded
+    vocabulary rows stay zero)."""
+    assert set(tensors) == set(model.state_dict())
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.zero_() if attribute(p, "vocab_padded") else None
-            p[:vocab].copy_(tensors[name]) if attribute(p, "vocab_padded") else p.copy_(tensors[name])
+        for name, t in model.state_dict().items():
+            t.zero_()
+            t[:tensors[name].shape[0]].copy_(tensors[name])
+
+
+def _whole(model, vocab: int) -> dict:
+    """A single-process model's parameters and persistent buffers, whole (without the vocabulary padding)."""
+    return {n: (t[:vocab] if n.endswith(("word_embeddings.weight", "output_layer.weight")) else t).detach().clone()
+            for n, t in model.state_dict().items()}
 
 
 def _refused(match: str, tp: int = 1, **kw):
@@ -78,10 +93,13 @@ def test_config_rules(kw, tp, match):
 def hf_tiny(tmp_path_factory):
     torch.manual_seed(0)
     hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_TINY)).eval()
-    with torch.no_grad():                   # nonzero norm weights: a swapped norm would show
+    with torch.no_grad():                   # nonzero norm weights and expert biases: a swap would show
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+        for name, b in hf.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.uniform_(-0.05, 0.05)
     path = tmp_path_factory.mktemp("hf") / "tiny"
     hf.save_pretrained(path)
     return hf, path
@@ -90,7 +108,7 @@ def hf_tiny(tmp_path_factory):
 def test_hf_import_gives_hf_logits_and_greedy_continuation(hf_tiny):
     hf, path = hf_tiny
     cfg, tensors = load_hf(path, seq_length=32)
-    assert isinstance(cfg, DeepSeekV3Config) and cfg.q_lora_rank == 16
+    assert isinstance(cfg, DeepSeekV3Config) and cfg.q_lora_rank == 16 and cfg.moe_layer_freq == [0, 1, 1, 1]
     model = DEEPSEEK_V3_SPEC.build_full(cfg).eval()
     _load_whole(model, tensors, cfg.vocab_size)
     tokens = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
@@ -103,11 +121,14 @@ def test_hf_import_gives_hf_logits_and_greedy_continuation(hf_tiny):
 
 
 def test_hf_export_loads_in_transformers_with_our_logits(tmp_path):
+    """MoE with expert biases and two MTP modules: HF gives our logits (it has no MTP: DeepSeek's layout
+    writes them after the decoder), and the export reads back to the same tensors and config."""
     cfg = DeepSeekV3Config(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=16,
-                           vocab_size=90, **MLA_KW)
+                           vocab_size=90, mtp_num_layers=2, **MLA_KW, **MOE_KW)
     model = DEEPSEEK_V3_SPEC.build_full(cfg, seed=7).eval()
-    tensors = {n: (p[:cfg.vocab_size] if attribute(p, "vocab_padded") else p).detach()
-               for n, p in model.named_parameters()}
+    with torch.no_grad():
+        model.layers["1"].mlp.expert_bias.uniform_(-0.05, 0.05)
+    tensors = _whole(model, cfg.vocab_size)
     save_hf(tmp_path / "hf", tensors, cfg)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
@@ -115,6 +136,7 @@ def test_hf_export_loads_in_transformers_with_our_logits(tmp_path):
         torch.testing.assert_close(hf(tokens).logits, model(tokens)[..., :cfg.vocab_size], rtol=1e-5, atol=1e-5)
     back_cfg, back = load_hf(tmp_path / "hf", seq_length=16)
     assert dataclasses.replace(back_cfg, init_method_std=cfg.init_method_std) == cfg
+    assert set(back) == set(tensors)
     for name, t in tensors.items():
         assert torch.equal(back[name], t), name
 
@@ -131,6 +153,8 @@ LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags); 2
     "tp2-sp-mtp": (2, 1, True, 0, dict(mtp_num_layers=2)),
     "pp2-1f1b-mtp": (1, 2, False, 0, dict(mtp_num_layers=2)),
     "dp2-zero3-mtp": (1, 1, False, 3, dict(mtp_num_layers=1)),
+    "tp2-sp-moe": (2, 1, True, 0, {**MOE_KW, "moe_layer_freq": "([0]*1+[1]*3)",
+                                   "moe_router_enable_expert_bias": False}),
 }
 
 
@@ -174,7 +198,8 @@ def _layouts_body(rank, world_size, names):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_serial(name):
     """tp 2 (with sequence parallelism, and with a plain query projection), pp 2 (1F1B), dp 2 under ZeRO 1
-    and 3, and with MTP tp 2 + SP, pp 2 (the last stage's copy of the embedding) and ZeRO 3: losses and
+    and 3, with MTP tp 2 + SP, pp 2 (the last stage's copy of the embedding) and ZeRO 3, and DeepSeek's MoE
+    (sigmoid group-limited routing, a shared expert, the first layer dense) at tp 2 + SP: losses and
     clipped gradient norms to 1e-5 relative, every parameter to 1e-5 relative (absolute floor 1e-5, as the
     Llama parity tests: Adam-normalised noise of elements whose gradient is ~0)."""
     tp, pp, _, _, model_kw = LAYOUTS[name]

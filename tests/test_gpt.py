@@ -98,18 +98,20 @@ def reference():
     return get
 
 
-@pytest.mark.parametrize("tp,sp,tie,dtype", [
-    (2, False, "tied", torch.float32), (2, True, "tied", torch.float32),
-    pytest.param(4, False, "untied", torch.float32, marks=pytest.mark.slow),
-    pytest.param(4, True, "tied", torch.float32, marks=pytest.mark.slow),
-    (2, True, "untied", torch.float64)])
-def test_tp_matches_serial(reference, tp, sp, tie, dtype):
+@pytest.mark.parametrize("tp,sp,tie,dtype,fused", [
+    (2, False, "tied", torch.float32, False), (2, True, "tied", torch.float32, False),
+    pytest.param(4, False, "untied", torch.float32, False, marks=pytest.mark.slow),
+    pytest.param(4, True, "tied", torch.float32, False, marks=pytest.mark.slow),
+    (2, True, "untied", torch.float64, False),
+    (2, True, "tied", torch.float32, True), (2, False, "untied", torch.float64, True)])
+def test_tp_matches_serial(reference, tp, sp, tie, dtype, fused):
     """Same seed at tp=1 and tp>1: bit-identical init; logits, loss, grads within 1e-5 relative; weights
     after 3 AdamW steps too. fp32 rounding in a gradient entry that cancels to ~0 is amplified by
     Adam's normalisation, so in fp32 the weights get an absolute floor of 1e-5 (1% of one step of
     lr=1e-3: a missing gradient sync or a wrong shard moves weights by ~lr). The float64 run shows
-    the training trajectories agree to 1e-10 once rounding is out of the way."""
-    cfg = _cfg(untie_embeddings_and_output_weights=(tie == "untied"))
+    the training trajectories agree to 1e-10 once rounding is out of the way. ``fused``: the tp run
+    with ``--cross-entropy-loss-fusion`` (the loss in chunks of tokens) against the unfused serial run."""
+    cfg = _cfg(untie_embeddings_and_output_weights=(tie == "untied"), cross_entropy_loss_fusion=fused)
     got = run_on_ranks(tp, _run_on_rank, cfg, sp, dtype)[0]
     ref = reference(tie, dtype)
     fp64 = dtype == torch.float64

@@ -258,10 +258,9 @@ def test_nothing_outside_models_imports_a_concrete_model():
 
 
 def _family_mentions(family: str, paths) -> list[str]:
-    """``path:line`` of every line naming model family ``family`` (its package name, with ``_``, ``-`` or
-    nothing between its words, in any case)."""
-    words = [w for w in family.split("_") if w]
-    spelled = re.compile("[_-]?".join(map(re.escape, words)), re.IGNORECASE)
+    """``path:line`` of every line naming model family ``family`` by its name (``--model-family``, the package
+    name, in any case; prose citing the paper a family implements, "DeepSeek-V3 routing", names no family)."""
+    spelled = re.compile(rf"\b{re.escape(family)}\b", re.IGNORECASE)
     return [f"{_where(path)}:{n}" for path in paths for n, line in enumerate(path.read_text().splitlines(), 1)
             if spelled.search(line)]
 

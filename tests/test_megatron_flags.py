@@ -280,7 +280,7 @@ LLAMA3_8B = """
 --profile-step-start {profile_start} --profile-step-end {profile_end} --ckpt-format torch_dist
 --distributed-timeout-minutes 60 --save {ckpt} --load {ckpt} --tensorboard-dir {tb}
 """
-LLAMA3_NO_OPS = ["--use-mcore-models", "--attention-backend fused", "--cross-entropy-loss-fusion",
+LLAMA3_NO_OPS = ["--use-mcore-models", "--attention-backend fused",
                  "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level 1", "--tiktoken-pattern v2",
                  "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers 1",
                  "--log-throughput", "--ckpt-format torch_dist"]

@@ -165,8 +165,12 @@ LAYOUTS = [  # (world size, flags): tp, pp (1F1B, ZB-H1), dp, cp, ZeRO 0-3, sequ
     # counting only the K/V beyond the rank's slice, the estimate was 30% under.
     (2, ["--seq-length", "1024", "--micro-batch-size", "1", "--cp", "2", "--cp-comm-type", "allgather",
          "--zero-stage", "0"]),
+    # The fused loss at a vocabulary that dominates the head (chunks of 64 of the 256 tokens), and under tp.
+    (1, ["--vocab-size", "16000", "--cross-entropy-loss-fusion", "--zero-stage", "0"]),
+    (2, ["--vocab-size", "16000", "--cross-entropy-loss-fusion", "--tp", "2", "--sequence-parallel",
+         "--zero-stage", "1"]),
 ]
-QUICK = {0, 3, 5, 6, 7, 12, 21}
+QUICK = {0, 3, 5, 6, 7, 12, 21, 23}
 
 
 @pytest.mark.parametrize("world,flags", [pytest.param(w, f, marks=() if i in QUICK else pytest.mark.slow)

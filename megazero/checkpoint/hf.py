@@ -155,6 +155,12 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{path} has no model.safetensors, {INDEX} or pytorch_model.bin")
 
 
+def persistent_buffers(cfg: ModelConfig) -> set[str]:
+    """The names of the model's persistent buffers (state that is not a parameter), from a meta build."""
+    model = get_model_spec(cfg.model_family).build_full(cfg, device="meta")
+    return set(model.state_dict()) - {name for name, _ in model.named_parameters()}
+
+
 def load_hf(path: str | os.PathLike, seq_length: int | None = None,
             settings: dict | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(ModelConfig, megazero whole tensors) of an HF directory a registered family reads (GPT-2,
@@ -186,8 +192,9 @@ def load_hf(path: str | os.PathLike, seq_length: int | None = None,
                               f"{str(e).splitlines()[0] if str(e) else ''}): the config does not describe "
                               f"these weights") from None
     decls = declarations(cfg)
-    if set(tensors) != set(decls):
-        missing, extra = sorted(set(decls) - set(tensors)), sorted(set(tensors) - set(decls))
+    expected = set(decls) | persistent_buffers(cfg)          # buffers: an MoE router's expert bias
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
         raise CheckpointError(f"{path}: tensors missing {missing[:5]} / unexpected {extra[:5]} for this "
                               f"{cfg.num_layers}-layer model")
     check_shapes(tensors, cfg, decls, source=f"{path} against its config.json")

@@ -64,7 +64,8 @@ __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "ColumnParallelLinear", "RowParallelLinear",
-    "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "column_parallel_linear",
+    "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
+    "column_parallel_linear",
     "set_tp_attributes", "TensorParallelRNG", "shard",
     "gather_full", "mask_padded_vocab",
 ]
@@ -265,7 +266,15 @@ class ColumnParallelLinear(nn.Module):
         self.weight = new_parameter((local, in_features), tensor_parallel=True, partition_dim=0, **kw)
         self.bias = new_parameter((local,), tensor_parallel=True, partition_dim=0, zeros=True, **kw) if bias else None
 
-    def forward(self, x):
+    def forward(self, x, loss_target=None, *, vocab_size: int | None = None):
+        """The layer's output; or, given ``loss_target`` (an output layer over the vocabulary), the
+        per-token cross-entropy of that output without making it
+        (:func:`vocab_parallel_linear_cross_entropy`: no bias, no FP8, output not gathered)."""
+        if loss_target is not None:
+            if self.bias is not None or self.fp8 is not None or self.gather_output:
+                raise ValueError("the fused linear cross-entropy takes a bias-free, non-FP8, split output layer")
+            return vocab_parallel_linear_cross_entropy(x, self.weight, loss_target, self.tp_group, vocab_size=vocab_size,
+                                                       sequence_parallel=self.sequence_parallel)
         return column_parallel_linear(x, self.weight, self.bias, self.tp_group, sequence_parallel=self.sequence_parallel,
                                       gather_output=self.gather_output, fp8=self.fp8)
 
@@ -405,6 +414,108 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, vocab_size
     if loss_mask is not None:
         loss = loss * loss_mask.to(loss.dtype)
     return loss
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The output layer's product and the vocab-parallel cross-entropy in chunks of tokens, so the
+    logits of all tokens never exist at once (Megatron's ``--cross-entropy-loss-fusion``, Liger's fused
+    linear cross-entropy).
+
+    Forward, per chunk of ``chunk`` tokens: ``logits = h_c W^T`` (this rank's vocab shard, in the
+    weight's dtype, then at least float32), padded entries -inf, the shard's log-sum-exp and the target's logit;
+    after the last chunk three all-reduces over the tp group (max, sum of exp, target) give each token's
+    log-sum-exp over the whole vocabulary: ``loss = lse - target_logit``. Saved: ``h``, the per-token
+    ``lse`` and the targets (the chunk logits are dropped).
+
+    Backward, per chunk: the logits again (one more product of the head), ``G = (softmax - one_hot) *
+    grad_loss`` in the loss's dtype, ``dh_c = G W`` and ``dW += G^T h_c`` (accumulated in the loss's dtype, cast once).
+    No communication: ``dh`` is this rank's partial (the caller's copy / sequence gather sums it over tp).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, target, group, vocab_start: int, vocab_size: int | None, chunk: int):
+        tokens, local_vocab = h.shape[0], weight.shape[0]
+        acc = torch.promote_types(h.dtype, torch.float32)     # the loss is at least float32
+        owned = (target >= vocab_start) & (target < vocab_start + local_vocab)
+        local_target = (target - vocab_start).masked_fill(~owned, 0)
+        lse = torch.empty(tokens, dtype=acc, device=h.device)
+        target_logit = torch.empty(tokens, dtype=acc, device=h.device)
+        for start in range(0, tokens, chunk):
+            rows = slice(start, min(start + chunk, tokens))
+            logits = _chunk_logits(h[rows], weight, vocab_start, vocab_size)
+            target_logit[rows] = logits.gather(-1, local_target[rows].unsqueeze(-1)).squeeze(-1)
+            top = logits.amax(dim=-1)                  # the log-sum-exp in place: no second chunk
+            top.masked_fill_(top == float("-inf"), 0.0)     # a shard of padding only: its lse is -inf
+            lse[rows] = top + logits.sub_(top.unsqueeze(-1)).exp_().sum(dim=-1).log_()
+            del logits                                  # before the next chunk's is made
+        target_logit.masked_fill_(~owned, 0.0)
+        if not _single(group):                      # lse over the shards: max, then the sum of exp
+            top = all_reduce(lse.clone(), group, op=dist.ReduceOp.MAX)
+            lse = top + torch.log(all_reduce((lse - top).exp(), group))
+            all_reduce(target_logit, group)
+        ctx.save_for_backward(h, weight, local_target, owned, lse)
+        ctx.vocab_start, ctx.vocab_size, ctx.chunk = vocab_start, vocab_size, chunk
+        return lse - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        h, weight, local_target, owned, lse = ctx.saved_tensors
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+        for start in range(0, h.shape[0], ctx.chunk):
+            rows = slice(start, min(start + ctx.chunk, h.shape[0]))
+            g = _chunk_logits(h[rows], weight, ctx.vocab_start, ctx.vocab_size)
+            g.sub_(lse[rows].unsqueeze(-1)).exp_()
+            g.scatter_add_(-1, local_target[rows].unsqueeze(-1), -owned[rows].to(g.dtype).unsqueeze(-1))
+            g.mul_(grad_loss[rows].unsqueeze(-1))
+            g = g.to(h.dtype)
+            if grad_h is not None:
+                torch.matmul(g, weight, out=grad_h[rows])
+            grad_w.addmm_(g.t().to(lse.dtype), h[rows].to(lse.dtype))
+            del g                                       # before the next chunk's is made
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, vocab_start: int, vocab_size: int | None) -> torch.Tensor:
+    """float32 (float64 for float64 weights) logits [n, V/tp] of ``n`` tokens on this rank's vocab shard, padded entries -inf."""
+    logits = torch.matmul(h, weight.t())
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    if vocab_size is not None:
+        logits = mask_padded_vocab(logits, vocab_size, vocab_start, inplace=True)
+    return logits
+
+
+LINEAR_CROSS_ENTROPY_MIN_CHUNK = 64
+
+
+def linear_cross_entropy_chunk(tokens: int, local_vocab: int, hidden: int) -> int:
+    """Tokens per chunk of :func:`vocab_parallel_linear_cross_entropy`: a chunk's logits hold about as
+    many elements as the hidden states of all tokens (Liger's choice: at Llama-3's vocabulary 128256,
+    width 2048 and 8192 tokens, chunks of 131 tokens, 64 MiB of float32 logits, against 4 GiB whole),
+    but at least :data:`LINEAR_CROSS_ENTROPY_MIN_CHUNK` tokens: each chunk reads the whole weight
+    shard, and a product of fewer rows is bound by that read (at width 64, Liger's rule gives one
+    token per chunk and runs 5x slower than the unfused loss on a CPU)."""
+    liger = math.ceil(tokens / max(1, math.ceil(local_vocab / hidden)))
+    return max(1, min(tokens, max(liger, LINEAR_CROSS_ENTROPY_MIN_CHUNK)))
+
+
+def vocab_parallel_linear_cross_entropy(h, weight, target, group=None, *, vocab_size: int | None = None,
+                                        sequence_parallel: bool = False, chunk: int | None = None):
+    """Per-token cross-entropy of the output layer ``weight`` (this rank's [V/tp, h] vocab shard) on the
+    final hidden states ``h``, without the whole logits: what ``vocab_parallel_cross_entropy(
+    column_parallel_linear(h, weight, None, group, sequence_parallel=...), target)`` returns (float32,
+    shape of ``target``), computed :class:`_LinearCrossEntropy`'s way.
+
+    ``h``: [s, b, h] replicated over tp, or [s/tp, b, h] with ``sequence_parallel`` (all-gathered here, as
+    the column-parallel head does); ``target``: int64 [s, b] of global vocab ids < ``vocab_size``.
+    ``chunk``: tokens per chunk (default :func:`linear_cross_entropy_chunk`)."""
+    h = gather_from_sequence_parallel_region(h, group) if sequence_parallel else copy_to_tp_region(h, group)
+    flat = h.reshape(-1, h.shape[-1])
+    local_vocab = weight.shape[0]
+    chunk = chunk or linear_cross_entropy_chunk(flat.shape[0], local_vocab, flat.shape[1])
+    vocab_start = group_rank(group) * local_vocab
+    loss = _LinearCrossEntropy.apply(flat, weight, target.reshape(-1), group, vocab_start, vocab_size, chunk)
+    return loss.view(target.shape)
 
 
 def mask_padded_vocab(logits_shard, vocab_size: int, vocab_start: int, inplace: bool = False):

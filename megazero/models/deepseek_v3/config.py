@@ -79,6 +79,11 @@ class DeepSeekV3Config(GPTConfig):
         """Features of each query (and key) head: the part without and the part with RoPE."""
         return self.qk_head_dim + self.qk_pos_emb_head_dim
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """GPT's rule for the decoder's layers; the MTP modules' layers (global index >= ``num_layers``) have
+        a dense MLP."""
+        return layer < self.num_layers and super().is_moe_layer(layer)
+
     @property
     def mtp_depth(self) -> int:
         """Multi-token prediction modules (0: none)."""

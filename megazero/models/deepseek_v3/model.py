@@ -23,7 +23,6 @@ from megazero.models.deepseek_v3.attention import MultiLatentAttention
 from megazero.models.deepseek_v3.mtp import MTPModule, shifted, shifted_mask
 from megazero.models.gpt import GPT, masked_mean
 from megazero.models.gpt.transformer import Embedding, LayerContext, TransformerLayer
-from megazero.parallel.tensor import vocab_parallel_cross_entropy
 from megazero.parallel.zero.units import UnitUse, Zero3Plan, trainable
 
 
@@ -68,8 +67,7 @@ class DeepSeekV3(GPT):
         losses = [main]
         for k, module in enumerate(self.mtp.values(), start=1):
             h = module(h, shifted(labels, k - 1), self.embedding)
-            logits = self._logits(module.final_norm(h))
-            losses.append(scale * vocab_parallel_cross_entropy(logits, shifted(labels, k).t(), self.tp_group).t())
+            losses.append(scale * self.head_loss(module.final_norm(h), shifted(labels, k)))
         return torch.stack(losses, dim=-1)
 
     def zero3_plan(self) -> Zero3Plan:

@@ -5,7 +5,7 @@ spec supplies).
     boundary    GPT's: [s, b, h], or [s / tp, b, h] under sequence parallelism
     loss        the masked mean of the per-token losses, plus the MTP modules' (:func:`.model.mtp_loss`)
     FLOPs       :func:`flops_per_token` (6 x the matmul parameters a token meets, plus attention)
-    hooks       GPT's MoE hooks (the auxiliary losses' gradient scale, the routing figures)
+    hooks       GPT's MoE hooks (auxiliary losses' scale, expert-bias updates, routing figures)
     HF          ``DeepseekV3ForCausalLM`` (:mod:`.hf`)
     activations the generic transformer formula (:mod:`megazero.spec.activations`)
     experts     the parameters of ``layers.<i>.mlp.experts.<e>``
@@ -18,10 +18,10 @@ import torch
 from megazero.models.deepseek_v3 import hf
 from megazero.models.deepseek_v3.config import FAMILY, DeepSeekV3Config
 from megazero.models.deepseek_v3.model import DeepSeekV3, mtp_loss
-from megazero.models.gpt.moe import describe_moe_metrics, is_expert_parameter, set_aux_loss_scale
+from megazero.models.gpt.moe import is_expert_parameter
 from megazero.models.gpt.spec import CHECKPOINT_FIELDS as GPT_CHECKPOINT_FIELDS
-from megazero.models.gpt.spec import boundary_shape, moe_metrics
-from megazero.spec import HFAdapter, ModelSpec, StepHooks, register_model_spec
+from megazero.models.gpt.spec import GPT_SPEC, boundary_shape
+from megazero.spec import HFAdapter, ModelSpec, register_model_spec
 
 CHECKPOINT_FIELDS = GPT_CHECKPOINT_FIELDS + ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                                   "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers")
@@ -47,20 +47,26 @@ def attention_matmul(cfg: DeepSeekV3Config) -> int:
 
 
 def mlp_matmul(cfg: DeepSeekV3Config, layer: int) -> int:
-    """Matmul parameters a token meets in layer ``layer``'s MLP (an MoE layer: its top-k experts and router)."""
-    h = cfg.hidden_size
-    mlp = (3 if cfg.swiglu else 2) * h * cfg.ffn_hidden_size
-    return cfg.moe_router_topk * mlp + h * cfg.num_experts if cfg.is_moe_layer(layer) else mlp
+    """Matmul parameters a token meets in layer ``layer``'s MLP (an MoE layer: its top-k experts, the shared
+    experts and the router)."""
+    h, per_width = cfg.hidden_size, (3 if cfg.swiglu else 2) * cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        return per_width * cfg.ffn_hidden_size
+    shared = cfg.moe_shared_expert_intermediate_size or 0
+    return per_width * (cfg.moe_router_topk * cfg.expert_ffn_hidden_size + shared) + h * cfg.num_experts
 
 
 def flops_per_token(cfg: DeepSeekV3Config, vocab: int, recompute: float = 0.0) -> float:
     """Training FLOPs per token, Megatron/PaLM's convention: (3 + recompute) x the layers' forward
     (2 x matmul parameters, plus the attention scores over s keys, 2 s n (D_nope + D_r), and values,
-    2 s n D_v, counted in full) + 3 x the output layer's 2 h V."""
+    2 s n D_v, counted in full) + 3 x the output layer's 2 h V; each MTP module adds 3 x its forward
+    (eh_proj's 2h x h, a dense layer, the head's 2 h V; recompute does not rerun it)."""
     s, n = cfg.seq_length, cfg.num_attention_heads
     scores = 2 * s * n * (cfg.query_head_dim + cfg.v_head_dim)
     layers = sum(2 * (attention_matmul(cfg) + mlp_matmul(cfg, i)) + scores for i in range(cfg.num_layers))
-    return (3 + float(recompute)) * layers + 3 * 2 * cfg.hidden_size * vocab
+    h, depth = cfg.hidden_size, cfg.mtp_depth       # each MTP module: eh_proj, its layer, the head again
+    mtp = depth * (2 * (2 * h * h + attention_matmul(cfg) + mlp_matmul(cfg, cfg.num_layers)) + scores)
+    return (3 + float(recompute)) * layers + 3 * (mtp + (1 + depth) * 2 * h * vocab)
 
 
 def describe(m: DeepSeekV3Config) -> str:
@@ -81,5 +87,5 @@ HF = HFAdapter(model_types=hf.MODEL_TYPES, config_from_hf=hf.model_config_from_h
 DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
     name=FAMILY, config=DeepSeekV3Config, build_chunk=build_chunk, boundary_shape=boundary_shape,
     loss=mtp_loss, flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
-    hooks=StepHooks(before_step=set_aux_loss_scale, metrics=moe_metrics, describe_metrics=describe_moe_metrics),
+    hooks=GPT_SPEC.hooks,
     hf=HF, is_expert=is_expert_parameter))

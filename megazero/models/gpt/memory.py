@@ -24,6 +24,7 @@ a fully recomputed group keeps its input only, and its backward brings the group
 """
 from __future__ import annotations
 
+from megazero.parallel.tensor import linear_cross_entropy_chunk
 from megazero.spec.activations import TransformerActivations
 from megazero.spec.recompute import full_recompute_groups, selective_modules
 
@@ -57,6 +58,16 @@ def mlp_elements(cfg, t: int) -> int:
     """Elements per token one tp rank's MLP keeps: GELU's input and output; or SwiGLU's fused gate/up
     output (2 ffn), silu(gate) and the product fed to the down projection."""
     return (4 if cfg.swiglu else 2) * cfg.ffn_hidden_size // t
+
+
+def moe_mlp_elements(cfg, t: int, sp: bool) -> tuple[int, int]:
+    """Elements per token (of the layer's s*b) one tp rank's MoE layer keeps, routing balanced: (routed,
+    shared). Routed: each of the top-k experts' inner activations, ``--moe-ffn-hidden-size`` wide; experts
+    are whole on every tp rank, which routes all tokens, or its s*b/tp under sequence parallelism. Shared:
+    the shared experts' (``--moe-shared-expert-intermediate-size``), tensor-split like a dense MLP."""
+    per_width = 4 if cfg.swiglu else 2
+    routed = cfg.moe_router_topk * per_width * cfg.expert_ffn_hidden_size // (t if sp else 1)
+    return routed, per_width * (cfg.moe_shared_expert_intermediate_size or 0) // t
 
 
 def _linears(cfg, t: int) -> list[tuple[str, int, int, str]]:
@@ -145,7 +156,8 @@ def selective_savings(job, parts: dict[str, int]) -> dict[str, int]:
     core_attn the rotated queries/keys and the core's statistics (or dropout probabilities); mlp the
     inner activations (and under SP fc1's gathered input, keeping the sbh/t chunk instead); layernorm
     the norms' outputs (not under SP, where nothing keeps them); moe_act an MoE layer's activation
-    output (GELU's, or SwiGLU's silu(gate) and product: counted on the dense-MLP model above)."""
+    output (GELU's, or SwiGLU's silu(gate) and product: of the routed experts, when the layer's parts are an
+    MoE layer's)."""
     cfg, par = job.model, job.parallel
     modules = selective_modules(cfg)
     sp = par.sequence_parallel and par.tp > 1
@@ -167,9 +179,13 @@ def layer_activation_bytes(job, e: int, mask: int, layer_id: int | None = None) 
     recompute in use (moe_act only on MoE layers, mlp only on dense ones, when ``layer_id`` is given)."""
     cfg, par = job.model, job.parallel
     parts = layer_parts(job, e, mask)
+    moe = layer_id is not None and cfg.is_moe_layer(layer_id)
+    if moe:                                       # the experts' widths, top-k of them, and the shared experts
+        routed, shared = moe_mlp_elements(cfg, par.tp, par.sequence_parallel and par.tp > 1)
+        tokens = cfg.seq_length * job.train.micro_batch_size
+        parts["mlp_inner"], parts["shared_experts_inner"] = e * tokens * routed, e * tokens * shared
     savings = selective_savings(job, parts)
     if layer_id is not None:
-        moe = cfg.is_moe_layer(layer_id)
         savings.pop("mlp" if moe else "moe_act", None)
     rows = cfg.seq_length * job.train.micro_batch_size // (par.tp if par.sequence_parallel and par.tp > 1 else 1)
     return sum(parts.values()) - sum(savings.values()), e * rows * cfg.hidden_size
@@ -232,8 +248,26 @@ def _chunk_ends(job, placement, e, mask, s, b, h, t) -> int:
         stats = 2 if cfg.normalization == "LayerNorm" else 1
         out += e * rows * h + stats * 4 * rows + e * s * b * h   # final norm input and stats, the logits' input
         out += fp8_head_bytes(job, e)
-        out += 4 * s * b * cfg.padded_vocab_size(t) // t + 9 * s * b   # softmax (fp32), target, mask
+        if fused_loss(job):                                # per-token log-sum-exp, target, mask
+            out += 4 * s * b + 9 * s * b
+        else:
+            out += 4 * s * b * cfg.padded_vocab_size(t) // t + 9 * s * b   # softmax (fp32), target, mask
     return out
+
+
+def fused_loss(job) -> bool:
+    """Does the head run the fused linear cross-entropy (``--cross-entropy-loss-fusion``, no FP8 head)?"""
+    return job.model.cross_entropy_loss_fusion and not (job.fp8.fp8_format and job.fp8.fp8_head)
+
+
+def fused_loss_chunk_bytes(job, e: int) -> tuple[int, int]:
+    """(bytes of one chunk's logits in the loss's precision, bytes of the output layer's weight gradient
+    accumulated in it) of the fused linear cross-entropy
+    (:func:`megazero.parallel.tensor.vocab_parallel_linear_cross_entropy`)."""
+    cfg, s, b, t = job.model, job.model.seq_length, job.train.micro_batch_size, job.parallel.tp
+    vocab, acc = cfg.padded_vocab_size(t) // t, max(e, 4)
+    rows = linear_cross_entropy_chunk(s * b, vocab, cfg.hidden_size)
+    return rows * vocab * acc, vocab * cfg.hidden_size * acc
 
 
 def weight_grad_bytes(job, placement, e: int, mask: int) -> int:
@@ -280,6 +314,23 @@ def _recompute_extra(job, placement, e: int, mask: int) -> int:
 
 class GPTActivations(TransformerActivations):
     """The GPT family's activation model (the protocol of :mod:`megazero.spec.activations`)."""
+
+    def logits(self, job, e: int) -> int:
+        """The fused loss's forward makes one chunk of logits at a time (in the weights' precision, then
+        the loss's); the unfused one the whole logits (the generic formula)."""
+        if not fused_loss(job):
+            return super().logits(job, e)
+        chunk, _ = fused_loss_chunk_bytes(job, e)
+        return chunk + (chunk * e // max(e, 4) if e < 4 else 0)
+
+    def head_backward(self, job, e: int) -> int:
+        """The fused loss's backward: one chunk's logits again (its gradient in the loss's precision, and
+        in the weights' below float32) and the output layer's weight gradient accumulated in the loss's
+        precision beside it."""
+        if not fused_loss(job):
+            return super().head_backward(job, e)
+        chunk, weight_grad = fused_loss_chunk_bytes(job, e)
+        return chunk + (chunk * e // 4 if e < 4 else 0) + weight_grad
 
     def layer(self, job, e: int, mask: int) -> tuple[int, int]:
         return layer_activation_bytes(job, e, mask)

@@ -82,6 +82,7 @@ from megazero.parallel.tensor import (
     set_tp_attributes,
     shard,
     vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
 )
 from megazero.parallel.zero.units import UnitUse, Zero3Plan, trainable
 from megazero.spec.kv_cache import KVCache
@@ -280,10 +281,32 @@ class GPT(nn.Module):
     def output(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """The last stage's result from the layers' output ``h`` [s(/tp), b, h]: the final norm and the head,
         then the per-token loss [b, s] with ``labels``, else this rank's logits [b, s, V_pad/tp]."""
-        logits = self._logits(self.final_norm(h))                      # [s, b, V_pad/tp]
+        h = self.final_norm(h)
         if labels is None:
-            return logits.transpose(0, 1)
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group).t()
+            return self._logits(h).transpose(0, 1)                    # [b, s, V_pad/tp]
+        return self.head_loss(h, labels)
+
+    def head_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The head's per-token loss [b, s] on normed hidden states ``h`` [s(/tp), b, h] against ``labels``
+        [b, s] (fused with the cross-entropy under ``--cross-entropy-loss-fusion``)."""
+        if self._fused_loss():
+            return self._fused_cross_entropy(h, labels.t()).t()
+        return vocab_parallel_cross_entropy(self._logits(h), labels.t(), self.tp_group).t()
+
+    def _fused_loss(self) -> bool:
+        """``--cross-entropy-loss-fusion`` where the head allows it (not an FP8 head)."""
+        head_fp8 = self.head_fp8 if self.tied else self.output_layer.fp8
+        return self.cfg.cross_entropy_loss_fusion and head_fp8 is None
+
+    def _fused_cross_entropy(self, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """[s(/tp), b, h] final hidden states, [s, b] targets -> per-token loss [s, b], the logits made a
+        chunk of tokens at a time (:func:`megazero.parallel.tensor.vocab_parallel_linear_cross_entropy`).
+        An untied head is called as a module, as in :meth:`_logits`, so its forward hooks run."""
+        if self.tied:
+            return vocab_parallel_linear_cross_entropy(h, self.embedding.word_embeddings.weight, target, self.tp_group,
+                                                       vocab_size=self.cfg.vocab_size,
+                                                       sequence_parallel=self.sequence_parallel)
+        return self.output_layer(h, target, vocab_size=self.cfg.vocab_size)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] -> this rank's [s, b, V_pad/tp] logits with padded entries at -inf (kept in
