@@ -38,7 +38,7 @@ MOE_KW = dict(num_experts=4, moe_router_topk=2, moe_layer_freq=[0, 1], moe_ffn_h
               moe_shared_expert_intermediate_size=16, moe_router_score_function="sigmoid",
               moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1,
               moe_router_topk_scaling_factor=2.0)
-MLA_KW = dict(q_lora_rank=8, kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=10)
+MLA_KW = dict(q_lora_rank=8, kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=12)  # v != 6 + 4
 PARITY_KW = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
                  vocab_size=200, make_vocab_size_divisible_by=64, **MLA_KW)
 
@@ -85,6 +85,11 @@ def test_the_family_is_found_by_name_with_deepseek_defaults():
 ])
 def test_config_rules(kw, tp, match):
     _refused(match, tp, **kw)
+
+
+def test_mtp_with_context_parallelism_is_refused():
+    with pytest.raises(ConfigError, match="context parallelism splits"):
+        validate(JobConfig(model=DeepSeekV3Config(mtp_num_layers=1), parallel=ParallelConfig(cp=2)), 2)
 
 
 # --------------------------------------------------------------------------- HuggingFace
@@ -144,7 +149,7 @@ def test_hf_export_loads_in_transformers_with_our_logits(tmp_path):
 # --------------------------------------------------------------------------- parallel == serial
 
 STEPS = 5
-LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags); 2 ranks each
+LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags[, cp comm type]); 2 ranks each
     "tp2-sp": (2, 1, True, 0, {}),
     "tp2-plain-q": (2, 1, False, 0, dict(q_lora_rank=None)),
     "pp2-1f1b": (1, 2, False, 0, {}),
@@ -153,6 +158,9 @@ LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags); 2
     "tp2-sp-mtp": (2, 1, True, 0, dict(mtp_num_layers=2)),
     "pp2-1f1b-mtp": (1, 2, False, 0, dict(mtp_num_layers=2)),
     "dp2-zero3-mtp": (1, 1, False, 3, dict(mtp_num_layers=1)),
+    "cp2-p2p": (1, 1, False, 0, {}, "p2p"),
+    "cp2-a2a": (1, 1, False, 0, {}, "a2a"),
+    "cp2-allgather": (1, 1, False, 0, {}, "allgather"),
     "tp2-sp-moe": (2, 1, True, 0, {**MOE_KW, "moe_layer_freq": "([0]*1+[1]*3)",
                                    "moe_router_enable_expert_bias": False}),
 }
@@ -183,9 +191,11 @@ def _layouts_body(rank, world_size, names):
     meta device and materialised by the engine as the trainer does."""
     out = {}
     for name in names:
-        tp, pp, sp, stage, model_kw = LAYOUTS[name]
-        topo = Topology(tp=tp, pp=pp)
-        par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp)
+        tp, pp, sp, stage, model_kw, *comm = LAYOUTS[name]
+        cp = 2 if comm else 1
+        topo = Topology(tp=tp, pp=pp, cp=cp)
+        par = ParallelConfig(tp=tp, pp=pp, cp=cp, dp=topo.dp_size, sequence_parallel=sp,
+                             **({"cp_comm_type": comm[0]} if comm else {}))
         job = validate(JobConfig(model=DeepSeekV3Config(**{**PARITY_KW, **model_kw}), parallel=par,
                                  train=TrainConfig(micro_batch_size=MB_SIZE, seed=SEED)), world_size)
         chunks = build_model_chunks(DEEPSEEK_V3_SPEC, job, topo, device="meta")
@@ -199,12 +209,14 @@ def _layouts_body(rank, world_size, names):
 def test_layout_matches_serial(name):
     """tp 2 (with sequence parallelism, and with a plain query projection), pp 2 (1F1B), dp 2 under ZeRO 1
     and 3, with MTP tp 2 + SP, pp 2 (the last stage's copy of the embedding) and ZeRO 3, and DeepSeek's MoE
-    (sigmoid group-limited routing, a shared expert, the first layer dense) at tp 2 + SP: losses and
+    (sigmoid group-limited routing, a shared expert, the first layer dense) at tp 2 + SP, cp 2 by each comm type
+    (the value head dim differs from the query/key one): losses and
     clipped gradient norms to 1e-5 relative, every parameter to 1e-5 relative (absolute floor 1e-5, as the
     Llama parity tests: Adam-normalised noise of elements whose gradient is ~0)."""
-    tp, pp, _, _, model_kw = LAYOUTS[name]
+    tp, pp, _, _, model_kw, *comm = LAYOUTS[name]
     results = run_on_ranks(2, _layouts_body, [name], timeout=180)
-    ref_losses, ref_norms, ref_params = _serial_reference(tuple(sorted(model_kw.items())), 2 // (tp * pp))
+    dp = 2 // (tp * pp * (2 if comm else 1))
+    ref_losses, ref_norms, ref_params = _serial_reference(tuple(sorted(model_kw.items())), dp)
     assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
     seen = set()
     for rank_result in results:

@@ -35,7 +35,8 @@ from megazero.parallel.groups import ContextParallel
 
 def ring_attention(q, k, v, cp: ContextParallel, log: CommLog | None = None) -> torch.Tensor:
     """Causal ring attention of this cp rank's ``q`` [S/cp, b, heads, d] with the whole sequence's keys
-    and values (this rank's part ``k``, ``v`` [S/cp, b, kv_heads, d]); returns [S/cp, b, heads, d]. The
+    and values (this rank's part ``k`` [S/cp, b, kv_heads, d], ``v`` [S/cp, b, kv_heads, d_v]); returns
+    [S/cp, b, heads, d_v]. The
     bytes of the blocks this rank sends (as sent: float32 for 16-bit inputs) are recorded in ``log``
     under "cp"."""
     s, b, heads, d = q.shape
@@ -43,7 +44,7 @@ def ring_attention(q, k, v, cp: ContextParallel, log: CommLog | None = None) -> 
     qg = q.permute(1, 2, 0, 3).reshape(b, groups, heads // groups, s, d)
     kg, vg = (t.permute(1, 2, 0, 3).unsqueeze(2) for t in (k, v))         # [b, G, 1, s, d]
     out = _RingAttention.apply(qg, kg, vg, cp, log)
-    return out.reshape(b, heads, s, d).permute(2, 0, 1, 3)
+    return out.reshape(b, heads, s, v.shape[-1]).permute(2, 0, 1, 3)
 
 
 def local_mask(s: int, cp: ContextParallel, device) -> torch.Tensor:
@@ -111,7 +112,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v = (t.to(wide).contiguous() for t in (q, k, v))
         s, scale = q.shape[-2], 1.0 / math.sqrt(q.shape[-1])
         ring, mask = _Ring(cp, log), local_mask(s, cp, q.device)
-        out = torch.zeros_like(q)
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])                # values may be narrower or wider than q
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kb, vb = k, v
         for t in range(cp.size):

@@ -118,5 +118,8 @@ class DeepSeekV3Config(GPTConfig):
         if self.mtp_num_layers is None:
             return
         positive(self.mtp_num_layers, "mtp_num_layers")
+        if parallel.cp > 1:
+            fail(f"{FLAG.mtp_num_layers} with {FLAG.cp} {parallel.cp}: the MTP modules read tokens shifted along the "
+                 f"whole sequence, which context parallelism splits; drop one of them")
         if not self.mtp_loss_scaling_factor >= 0:
             fail(f"{flag('mtp_loss_scaling_factor')} must be >= 0, got {self.mtp_loss_scaling_factor}")

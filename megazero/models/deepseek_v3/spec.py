@@ -88,4 +88,4 @@ DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
     name=FAMILY, config=DeepSeekV3Config, build_chunk=build_chunk, boundary_shape=boundary_shape,
     loss=mtp_loss, flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
     hooks=GPT_SPEC.hooks,
-    hf=HF, is_expert=is_expert_parameter))
+    hf=HF, context_parallel=True, is_expert=is_expert_parameter))
