@@ -1,8 +1,9 @@
 """The DeepSeek-V3 family (``--model-family deepseek_v3``): found by the registry with no line outside its
 package naming it, its flags and rules, multi-head latent attention equal to HuggingFace's
 ``DeepseekV3ForCausalLM`` (imported: logits to 1e-5 and the same greedy continuation; exported: HF loads it
-and gives our logits), and its layouts (tp 2 with sequence parallelism, pp 2, dp 2 under ZeRO 1 and 3) equal
-to the serial run over 5 steps."""
+and gives our logits), its layouts (tp 2 with sequence parallelism, pp 2, dp 2 under ZeRO 1 and 3, cp 2; with
+MTP and DeepSeek's MoE) equal to the serial run over 5 steps, multi-token prediction's loss, and generation from
+the compressed cache."""
 import dataclasses
 import functools
 
@@ -15,7 +16,7 @@ from megazero.checkpoint.hf import load_hf, save_hf
 from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
 from megazero.config.model import family, family_names
 from megazero.errors import ConfigError
-from megazero.generation import greedy_continuation
+from megazero.generation import generate, greedy_continuation
 from megazero.models.deepseek_v3 import DEEPSEEK_V3_SPEC, DeepSeekV3Config
 from megazero.models.gpt import masked_mean
 from megazero.parallel.params import attribute
@@ -23,6 +24,7 @@ from megazero.parallel.tensor import shard
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 from megazero.spec import build_model_chunks
+from megazero.spec.kv_cache import KVCache
 
 transformers = pytest.importorskip("transformers", reason="the HF comparison needs the test extra")
 
@@ -257,3 +259,18 @@ def test_mtp_loss_is_the_textbook_sum_over_modules():
                                                    reduction="none").view(2, s)
             expected = expected + 0.3 / 2 * (ce * mask[:, k:]).sum() / mask[:, k:].sum()
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+
+
+def test_generation_caches_the_compressed_latent():
+    """Each layer caches R_kv + D_r numbers per token (the normed latent, the rotated shared key part), not
+    every head's keys and values; cached generation equals generation that reruns the whole prefix."""
+    cfg = DeepSeekV3Config(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=32,
+                           vocab_size=90, **MLA_KW)
+    model = DEEPSEEK_V3_SPEC.build_full(cfg, seed=1).eval()
+    prompt = [3, 5, 7, 11, 2]
+    assert generate(model, prompt, 12, use_cache=True) == generate(model, prompt, 12, use_cache=False)
+    cache = KVCache(cfg.max_position_embeddings)
+    with torch.no_grad():
+        model(torch.tensor([prompt]), kv_cache=cache)
+    layer = cache.layer(0)
+    assert layer.keys.shape == (1, 1, 32, cfg.kv_lora_rank) and layer.values.shape == (1, 1, 32, 4)

@@ -30,6 +30,10 @@ Parameters (full, tp = 1, layouts; nn.Linear orientation [out, in], no biases):
 ``dense.weight`` (HF o_proj)      [h, n D_v]                 split dim 1 (row-parallel)
 ================================  =========================  ==========================================
 
+Generation (a :class:`~megazero.spec.kv_cache.KVCache`) caches, per layer and token, the normed latent and the
+rotated shared key part (R_kv + D_r numbers, DeepSeek-V2's point) instead of every head's keys and values
+(n (D_nope + D_r + D_v)), and expands the cached latents through ``kv_b_proj`` at each step.
+
 Tensor parallelism: tp rank r holds heads ``r n/tp ..`` of the split projections; every rank computes the
 replicated down-projections and their norms on the whole sequence, but only its heads use them, so each
 rank's gradient of those weights is partial: they are marked ``sequence_parallel_grad`` and summed over tp
@@ -39,6 +43,7 @@ parallelism.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megazero.models.gpt.transformer import LayerContext, ReplicatedLinear, RMSNorm, core_attention
@@ -95,11 +100,33 @@ class MultiLatentAttention(nn.Module):
         q = self._queries(x).view(s, b, self.heads_local, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = linear(x, self.kv_a_proj_with_mqa.weight, None, None).split([self.kv_rank, self.rope], -1)
-        kv = linear(self.kv_a_layernorm(latent), self.kv_b_proj.weight, None, self.kv_b_proj.fp8)
+        if cache is not None:
+            return self.dense(self._cached_attention(q_rope, q_nope, latent, k_rope, cache))
+        latent = self.kv_a_layernorm(latent)
+        kv = linear(latent, self.kv_b_proj.weight, None, self.kv_b_proj.fp8)
         k_nope, v = kv.view(s, b, self.heads_local, self.nope + self.value).split([self.nope, self.value], dim=-1)
         k_rope = k_rope.unsqueeze(2).expand(s, b, self.heads_local, self.rope)
         query, key = torch.cat((q_rope, q_nope), dim=-1), torch.cat((k_rope, k_nope), dim=-1)
-        return self.dense(core_attention(ctx, query, key, v, cache, self.training))
+        return self.dense(core_attention(ctx, query, key, v, None, self.training))
+
+    def _cached_attention(self, q_rope, q_nope, latent, k_rope, cache: LayerKVCache) -> torch.Tensor:
+        """Inference with the compressed cache: the layer caches each token's normed latent [R_kv] and rotated
+        shared key part [D_r] (as "keys" [b, 1, length, R_kv] and "values" [b, 1, length, D_r]), not each
+        head's keys and values, and expands every cached latent through ``kv_b_proj`` for the new queries.
+        -> [s, b, heads * D_v]."""
+        s, b = q_rope.shape[:2]
+        offset, rotary = cache.owner.length, self.ctx.rotary
+        q_rope, k_rope = rotary(q_rope, offset), rotary(k_rope.unsqueeze(2), offset)       # [s, b, ., D_r]
+        latents, shared = cache.append(self.kv_a_layernorm(latent).transpose(0, 1).unsqueeze(1),
+                                       k_rope.permute(1, 2, 0, 3))                        # [b, 1, L, .]
+        length = latents.shape[2]
+        kv = linear(latents[:, 0], self.kv_b_proj.weight, None, None).view(b, length, self.heads_local, -1)
+        k_nope, v = kv.transpose(1, 2).split([self.nope, self.value], dim=-1)              # [b, heads, L, .]
+        key = torch.cat((shared.expand(b, self.heads_local, length, self.rope), k_nope), dim=-1)
+        query = torch.cat((q_rope, q_nope), dim=-1).permute(1, 2, 0, 3)                    # [b, heads, s, .]
+        mask = torch.ones(s, length, dtype=torch.bool, device=query.device).tril(offset)
+        out = F.scaled_dot_product_attention(query, key, v, attn_mask=mask)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's heads' queries [s, b, heads_local (D_nope + D_r)] from the gathered input."""
