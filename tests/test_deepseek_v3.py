@@ -274,3 +274,19 @@ def test_generation_caches_the_compressed_latent():
         model(torch.tensor([prompt]), kv_cache=cache)
     layer = cache.layer(0)
     assert layer.keys.shape == (1, 1, 32, cfg.kv_lora_rank) and layer.values.shape == (1, 1, 32, 4)
+
+
+def test_the_log_line_reports_each_training_mtp_loss_unscaled():
+    cfg = DeepSeekV3Config(**{**PARITY_KW, "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3})
+    model = DEEPSEEK_V3_SPEC.build_full(cfg, seed=3)
+    tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = model(tokens, tokens)
+    main = masked_mean(out[..., 0], torch.ones(2, 16))
+    loss = DEEPSEEK_V3_SPEC.loss(out, torch.ones(2, 16))
+    assert len(model.mtp_record) == 2
+    torch.testing.assert_close(loss, main + 0.3 / 2 * sum(model.mtp_record), rtol=1e-6, atol=0)
+    with torch.no_grad():                                   # evaluation records nothing
+        DEEPSEEK_V3_SPEC.loss(model(tokens, tokens), torch.ones(2, 16))
+    assert len(model.mtp_record) == 2
+    line = DEEPSEEK_V3_SPEC.hooks.describe_metrics({"mtp_loss": 2.5})
+    assert line == " | mtp loss 2.5000"

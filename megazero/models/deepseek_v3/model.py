@@ -17,6 +17,7 @@ module's scaled by ``f / D`` (the spec's loss masks and averages them: :func:`mt
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megazero.models.deepseek_v3.attention import MultiLatentAttention
@@ -55,6 +56,7 @@ class DeepSeekV3(GPT):
         self.embedding.word_embeddings.weight.shared_embedding = True
         layers = ctx.cfg.num_layers
         self.mtp = nn.ModuleDict({str(k): MTPModule(ctx, DeepSeekV3Layer(ctx, layers + k)) for k in range(depth)})
+        self.mtp_record: list[torch.Tensor] = []     # each training micro-batch's module losses, for the log line
         for p in self.mtp.parameters():
             p.layer_matrix = p.dim() == 2
 
@@ -68,7 +70,9 @@ class DeepSeekV3(GPT):
         for k, module in enumerate(self.mtp.values(), start=1):
             h = module(h, shifted(labels, k - 1), self.embedding)
             losses.append(scale * self.head_loss(module.final_norm(h), shifted(labels, k)))
-        return torch.stack(losses, dim=-1)
+        out = torch.stack(losses, dim=-1)
+        out.mtp_record, out.mtp_scale = self.mtp_record, scale      # where the spec's loss reports each CE_k
+        return out
 
     def zero3_plan(self) -> Zero3Plan:
         """GPT's units, and each MTP module a unit of its own whose use also gathers the word embedding
@@ -99,5 +103,25 @@ def mtp_loss(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         return masked_mean(per_token, loss_mask)
     total = masked_mean(per_token[..., 0], loss_mask)
     for k in range(1, per_token.shape[-1]):
-        total = total + masked_mean(per_token[..., k], shifted_mask(loss_mask, k))
+        term = masked_mean(per_token[..., k], shifted_mask(loss_mask, k))
+        if per_token.requires_grad and hasattr(per_token, "mtp_record"):      # training: the log line's CE_k
+            per_token.mtp_record.append(term.detach() / per_token.mtp_scale)
+        total = total + term
     return total
+
+
+def mtp_metrics(chunks, job, tp_rank: int, steps: int, device) -> dict:
+    """``mtp_loss``: the MTP modules' cross-entropy (unscaled, averaged over modules, micro-batches, data-parallel
+    ranks and the last ``steps`` steps), for the log line. A collective over the world (every rank calls it)."""
+    if not job.model.mtp_depth:
+        return {}
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for chunk in chunks:
+        record = getattr(chunk, "mtp_record", None)
+        if record and tp_rank == 0:
+            total[0] += float(torch.stack(record).sum())
+            total[1] += len(record)
+        if record is not None:
+            record.clear()
+    dist.all_reduce(total)
+    return {"mtp_loss": (total[0] / total[1]).item()} if total[1] else {}

@@ -5,7 +5,7 @@ spec supplies).
     boundary    GPT's: [s, b, h], or [s / tp, b, h] under sequence parallelism
     loss        the masked mean of the per-token losses, plus the MTP modules' (:func:`.model.mtp_loss`)
     FLOPs       :func:`flops_per_token` (6 x the matmul parameters a token meets, plus attention)
-    hooks       GPT's MoE hooks (auxiliary losses' scale, expert-bias updates, routing figures)
+    hooks       GPT's MoE hooks (auxiliary losses' scale, expert-bias updates, routing figures), the MTP loss
     HF          ``DeepseekV3ForCausalLM`` (:mod:`.hf`)
     activations the generic transformer formula (:mod:`megazero.spec.activations`)
     experts     the parameters of ``layers.<i>.mlp.experts.<e>``
@@ -13,11 +13,13 @@ spec supplies).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megazero.models.deepseek_v3 import hf
 from megazero.models.deepseek_v3.config import FAMILY, DeepSeekV3Config
-from megazero.models.deepseek_v3.model import DeepSeekV3, mtp_loss
+from megazero.models.deepseek_v3.model import DeepSeekV3, mtp_loss, mtp_metrics
 from megazero.models.gpt.moe import is_expert_parameter
 from megazero.models.gpt.spec import CHECKPOINT_FIELDS as GPT_CHECKPOINT_FIELDS
 from megazero.models.gpt.spec import GPT_SPEC, boundary_shape
@@ -81,11 +83,23 @@ def describe(m: DeepSeekV3Config) -> str:
     return ", " + ", ".join(parts)
 
 
+def metrics(chunks, job, tp_rank: int, steps: int, device) -> dict:
+    """GPT's MoE routing figures and the MTP loss (collectives, every rank calls them)."""
+    return {**GPT_SPEC.hooks.metrics(chunks, job, tp_rank, steps, device),
+            **mtp_metrics(chunks, job, tp_rank, steps, device)}
+
+
+def describe_metrics(values: dict) -> str:
+    """The log line's MoE part (GPT's), then `` | mtp loss 2.3456`` with MTP."""
+    moe = GPT_SPEC.hooks.describe_metrics({k: v for k, v in values.items() if k != "mtp_loss"})
+    return moe + (f" | mtp loss {values['mtp_loss']:.4f}" if "mtp_loss" in values else "")
+
+
 HF = HFAdapter(model_types=hf.MODEL_TYPES, config_from_hf=hf.model_config_from_hf, hf_config=hf.hf_config,
                to_hf_state=hf.to_hf_state, from_hf_state=hf.from_hf_state)
 
 DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
     name=FAMILY, config=DeepSeekV3Config, build_chunk=build_chunk, boundary_shape=boundary_shape,
     loss=mtp_loss, flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
-    hooks=GPT_SPEC.hooks,
+    hooks=dataclasses.replace(GPT_SPEC.hooks, metrics=metrics, describe_metrics=describe_metrics),
     hf=HF, context_parallel=True, is_expert=is_expert_parameter))
