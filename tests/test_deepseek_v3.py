@@ -15,9 +15,10 @@ from helpers.gpt_parity import GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batches, refer
 from megazero.checkpoint.hf import load_hf, save_hf
 from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
 from megazero.config.model import family, family_names
-from megazero.errors import ConfigError
+from megazero.errors import CheckpointError, ConfigError
 from megazero.generation import generate, greedy_continuation
 from megazero.models.deepseek_v3 import DEEPSEEK_V3_SPEC, DeepSeekV3Config
+from megazero.models.deepseek_v3.hf import to_hf_state
 from megazero.models.gpt import masked_mean
 from megazero.parallel.params import attribute
 from megazero.parallel.tensor import shard
@@ -290,3 +291,13 @@ def test_the_log_line_reports_each_training_mtp_loss_unscaled():
     assert len(model.mtp_record) == 2
     line = DEEPSEEK_V3_SPEC.hooks.describe_metrics({"mtp_loss": 2.5})
     assert line == " | mtp loss 2.5000"
+
+
+def test_export_without_the_expert_bias_is_refused_not_zeroed():
+    """A source holding parameters only (a weights checkpoint) lacks the router's expert bias, a buffer: the
+    export refuses rather than writing HF's bias as zeros."""
+    cfg = DeepSeekV3Config(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=16,
+                           vocab_size=90, **MLA_KW, **MOE_KW)
+    model = DEEPSEEK_V3_SPEC.build_full(cfg)
+    with pytest.raises(CheckpointError, match="expert_bias is not among the tensors"):
+        to_hf_state({n: p.detach() for n, p in model.named_parameters()}, cfg)

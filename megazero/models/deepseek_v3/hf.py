@@ -218,7 +218,11 @@ def to_hf_state(tensors: dict[str, torch.Tensor], cfg: DeepSeekV3Config) -> dict
             prefix = f"model.layers.{index}."
         out.update({prefix + k: v for k, v in _layer_to_hf(rest, t).items()})
     for i in [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]:
-        out.setdefault(f"model.layers.{i}.mlp.gate.e_score_correction_bias", torch.zeros(cfg.num_experts))
+        key = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        if key not in out and cfg.moe_router_enable_expert_bias:
+            raise CheckpointError(f"layers.{i}.mlp.router.expert_bias is not among the tensors to export (a "
+                                  f"buffer, which this source does not hold): export from the model itself")
+        out.setdefault(key, torch.zeros(cfg.num_experts))          # routing without a bias: HF's zero bias
     for k in range(cfg.mtp_depth):
         prefix = f"model.layers.{cfg.num_layers + k}."
         out[prefix + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
