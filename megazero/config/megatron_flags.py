@@ -40,6 +40,8 @@ AS_IS = (
     "--moe-shared-expert-intermediate-size", "--moe-router-score-function", "--moe-router-topk-scaling-factor",
     "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-enable-expert-bias",
     "--moe-router-bias-update-rate", "--moe-router-load-balancing-type",
+    "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+    "--v-head-dim", "--mtp-num-layers", "--mtp-loss-scaling-factor",
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
     "--context-parallel-size", "--cp-comm-type",
     "--sequence-parallel", "--distributed-timeout-minutes", "--overlap-grad-reduce", "--overlap-param-gather",
