@@ -152,7 +152,8 @@ def test_hf_export_loads_in_transformers_with_our_logits(tmp_path):
 # --------------------------------------------------------------------------- parallel == serial
 
 STEPS = 5
-LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags[, cp comm type]); 2 ranks each
+LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags[, other parallel settings]); 2 ranks
+
     "tp2-sp": (2, 1, True, 0, {}),
     "tp2-plain-q": (2, 1, False, 0, dict(q_lora_rank=None)),
     "pp2-1f1b": (1, 2, False, 0, {}),
@@ -161,9 +162,11 @@ LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags[, c
     "tp2-sp-mtp": (2, 1, True, 0, dict(mtp_num_layers=2)),
     "pp2-1f1b-mtp": (1, 2, False, 0, dict(mtp_num_layers=2)),
     "dp2-zero3-mtp": (1, 1, False, 3, dict(mtp_num_layers=1)),
-    "cp2-p2p": (1, 1, False, 0, {}, "p2p"),
-    "cp2-a2a": (1, 1, False, 0, {}, "a2a"),
-    "cp2-allgather": (1, 1, False, 0, {}, "allgather"),
+    "pp2-interleaved-mtp": (1, 2, False, 1, dict(mtp_num_layers=1),
+                            dict(num_layers_per_virtual_pipeline_stage=1, pipeline_schedule="interleaved")),
+    "cp2-p2p": (1, 1, False, 0, {}, dict(cp=2, cp_comm_type="p2p")),
+    "cp2-a2a": (1, 1, False, 0, {}, dict(cp=2, cp_comm_type="a2a")),
+    "cp2-allgather": (1, 1, False, 0, {}, dict(cp=2, cp_comm_type="allgather")),
     "tp2-sp-moe": (2, 1, True, 0, {**MOE_KW, "moe_layer_freq": "([0]*1+[1]*3)",
                                    "moe_router_enable_expert_bias": False}),
 }
@@ -194,11 +197,10 @@ def _layouts_body(rank, world_size, names):
     meta device and materialised by the engine as the trainer does."""
     out = {}
     for name in names:
-        tp, pp, sp, stage, model_kw, *comm = LAYOUTS[name]
-        cp = 2 if comm else 1
-        topo = Topology(tp=tp, pp=pp, cp=cp)
-        par = ParallelConfig(tp=tp, pp=pp, cp=cp, dp=topo.dp_size, sequence_parallel=sp,
-                             **({"cp_comm_type": comm[0]} if comm else {}))
+        tp, pp, sp, stage, model_kw, *other = LAYOUTS[name]
+        par_kw = other[0] if other else {}
+        topo = Topology(tp=tp, pp=pp, cp=par_kw.get("cp", 1))
+        par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, **par_kw)
         job = validate(JobConfig(model=DeepSeekV3Config(**{**PARITY_KW, **model_kw}), parallel=par,
                                  train=TrainConfig(micro_batch_size=MB_SIZE, seed=SEED)), world_size)
         chunks = build_model_chunks(DEEPSEEK_V3_SPEC, job, topo, device="meta")
@@ -211,14 +213,15 @@ def _layouts_body(rank, world_size, names):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_serial(name):
     """tp 2 (with sequence parallelism, and with a plain query projection), pp 2 (1F1B), dp 2 under ZeRO 1
-    and 3, with MTP tp 2 + SP, pp 2 (the last stage's copy of the embedding) and ZeRO 3, and DeepSeek's MoE
+    and 3, with MTP tp 2 + SP, pp 2 (the last stage's copy of the embedding; 1F1B, and interleaved under ZeRO 1)
+    and ZeRO 3, and DeepSeek's MoE
     (sigmoid group-limited routing, a shared expert, the first layer dense) at tp 2 + SP, cp 2 by each comm type
     (the value head dim differs from the query/key one): losses and
     clipped gradient norms to 1e-5 relative, every parameter to 1e-5 relative (absolute floor 1e-5, as the
     Llama parity tests: Adam-normalised noise of elements whose gradient is ~0)."""
-    tp, pp, _, _, model_kw, *comm = LAYOUTS[name]
+    tp, pp, _, _, model_kw, *other = LAYOUTS[name]
     results = run_on_ranks(2, _layouts_body, [name], timeout=180)
-    dp = 2 // (tp * pp * (2 if comm else 1))
+    dp = 2 // (tp * pp * (other[0].get("cp", 1) if other else 1))
     ref_losses, ref_norms, ref_params = _serial_reference(tuple(sorted(model_kw.items())), dp)
     assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
     seen = set()
