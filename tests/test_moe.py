@@ -142,6 +142,58 @@ def test_init_does_not_depend_on_expert_parallelism():
     assert swiglu.get_parameter("layers.0.mlp.experts.2.fc1.weight").shape == (96, 32)
 
 
+# --------------------------------------------------------------------------- grouped GEMM == the loop
+
+def _experts_forward_backward(experts, x, counts, grouped: bool):
+    """Output, input gradient and every parameter gradient of ``experts`` on ``x`` (rows grouped by
+    ``counts``), through the grouped GEMMs or the per-expert loop."""
+    experts.grouped_gemm = grouped
+    experts.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    out = experts(x, counts)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    return out.detach(), x.grad, {n: p.grad for n, p in experts.named_parameters()}
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute-moe_act"])
+def test_grouped_gemm_equals_the_expert_loop_bitwise(swiglu, bias, recompute):
+    """--moe-grouped-gemm: the local experts' output, input gradient and every weight and bias gradient
+    equal the per-expert loop's bitwise (fp32, CPU), with empty experts (first, middle, last) and with
+    no rows at all."""
+    kw = dict(num_layers=1, num_experts=6, swiglu=swiglu, ffn_hidden_size=48, add_bias_linear=bias,
+              moe_grouped_gemm=True)
+    if recompute:
+        kw.update(recompute_granularity="selective", recompute_modules=["moe_act"])
+    experts = GPT(_cfg(**kw), seed=SEED).layers["0"].mlp.experts
+    assert experts.grouped_gemm and experts._grouped_runs(torch.empty(0, 32))
+    for counts in ([0, 5, 0, 9, 1, 0], [3, 4, 2, 7, 1, 6], [0] * 6):
+        x = torch.randn(sum(counts), 32, generator=torch.Generator().manual_seed(sum(counts)))
+        grouped = _experts_forward_backward(experts, x, counts, True)
+        loop = _experts_forward_backward(experts, x, counts, False)
+        assert torch.equal(grouped[0], loop[0]) and torch.equal(grouped[1], loop[1]), counts
+        assert grouped[2].keys() == loop[2].keys() and len(loop[2]) == 6 * (4 if bias else 2)
+        for name, grad in loop[2].items():
+            assert torch.equal(grouped[2][name], grad), (counts, name)
+
+
+def test_grouped_gemm_runs_the_loop_where_grouped_mm_refuses():
+    """fp64 (refused by torch._grouped_mm on CPU) and rows not a multiple of 16 bytes run the loop."""
+    from megazero.models.gpt.moe import grouped_mm_supported
+
+    cpu = torch.device("cpu")
+    assert grouped_mm_supported(torch.float32, cpu, (32, 96, 48))
+    assert grouped_mm_supported(torch.bfloat16, cpu, (32, 96, 48))
+    assert not grouped_mm_supported(torch.float64, cpu, (32, 96, 48))
+    assert not grouped_mm_supported(torch.float32, cpu, (32, 6, 3))
+    experts = GPT(_cfg(num_layers=1, moe_grouped_gemm=True), seed=SEED, dtype=torch.float64).layers["0"].mlp.experts
+    counts = [2, 0, 3, 1]
+    x = torch.randn(6, 32, dtype=torch.float64)
+    out = experts(x, counts)
+    assert torch.equal(out, torch.cat([e(p) for e, p in zip(experts.values(), torch.split(x, counts))]))
+
+
 # --------------------------------------------------------------------------- parallel == serial
 
 @functools.lru_cache(maxsize=8)

@@ -24,7 +24,7 @@ ACTIVATIONS = ("gelu_tanh", "gelu")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 MOE_FIELDS = ("moe_router_topk", "moe_layer_freq", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-              "moe_expert_capacity_factor")
+              "moe_expert_capacity_factor", "moe_grouped_gemm")
 
 _MODEL, _MOE = "model", "mixture of experts"
 
@@ -85,6 +85,10 @@ class GPTConfig(ModelConfig):
     moe_expert_capacity_factor: float | None = flag_field(
         None, "--moe-expert-capacity-factor", type=float, group=_MOE,
         help="drop tokens beyond this x the even share (default: dropless)")
+    moe_grouped_gemm: bool = flag_field(False, "--moe-grouped-gemm", action="store_true", group=_MOE, help=(
+        "each MoE layer's local experts as one grouped GEMM for fc1 and one for fc2 (torch._grouped_mm), "
+        "equal to the per-expert loop; the loop still runs under FP8 and where torch._grouped_mm refuses "
+        "the dtype or device (fp64; CUDA other than bf16)"))
 
     experts_field: ClassVar[str | None] = "num_experts"
 
