@@ -268,7 +268,8 @@ def _check(results, cases, cp: int = 1):
         for rank_results in results:
             tp_rank, tp, dp, losses, norms, params, metrics = rank_results[i]
             _check_metrics(metrics, dp, model_kw)
-            ref_losses, ref_norms, ref_params = _reference(dp, tuple(sorted(model_kw.items())))
+            serial_kw = {k: v for k, v in model_kw.items() if k != "moe_grouped_gemm"}   # the per-expert loop
+            ref_losses, ref_norms, ref_params = _reference(dp, tuple(sorted(serial_kw.items())))
             assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
             what = f"case tp{tp} pp{pp} ep{ep} sp{sp} zero{stage} cp{cp}"
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0, msg=what)
@@ -280,7 +281,9 @@ def _check(results, cases, cp: int = 1):
         assert seen == set(ref_params), f"{what}: parameters never compared: {set(ref_params) - seen}"
 
 
-DP4_CASES = [(1, 1, ep, False, stage, {}) for ep in (1, 2, 4) for stage in (0, 1, 2, 3)]
+GROUPED = dict(moe_grouped_gemm=True)
+DP4_CASES = [(1, 1, ep, False, stage, {}) for ep in (1, 2, 4) for stage in (0, 1, 2, 3)] + \
+            [(1, 1, 2, False, 3, GROUPED)]
 MIXED_CASES = [(2, 1, 2, False, stage, {}) for stage in (0, 3)] + [(2, 1, 2, True, 1, {}), (2, 1, 2, True, 2, {})] + \
               [(1, 2, 2, False, stage, {}) for stage in (0, 2, 3)] + \
               [(1, 2, 2, False, 1, dict(recompute_activations=True, moe_layer_freq=2))]
@@ -288,7 +291,8 @@ MIXED_CASES = [(2, 1, 2, False, stage, {}) for stage in (0, 3)] + [(2, 1, 2, Tru
 
 @pytest.mark.parametrize("ep", [2, pytest.param(1, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_expert_parallel_dp4_matches_serial(ep):
-    """dp 4 at expert parallelism ep, ZeRO 0, 1, 2 and 3, dropless top-2 over 4 experts."""
+    """dp 4 at expert parallelism ep, ZeRO 0, 1, 2 and 3, dropless top-2 over 4 experts; at ep 2 also with
+    --moe-grouped-gemm (ZeRO-3) against the serial per-expert loop."""
     cases = [c for c in DP4_CASES if c[2] == ep]
     _check(run_on_ranks(4, _parity_body, cases, timeout=600), cases)
 
@@ -301,11 +305,19 @@ def test_expert_parallel_with_tp_and_pp_matches_serial():
 
 
 def test_llama_experts_match_serial():
-    """SwiGLU experts (the Llama MLP form), ep 2 dp 2 with pp 2 and ZeRO 1... at world 4: tp 1, pp 2."""
-    cases = [(1, 2, 2, False, 1, dict(swiglu=True, ffn_hidden_size=64, add_bias_linear=False,
-                                      normalization="RMSNorm", position_embedding_type="rope",
-                                      untie_embeddings_and_output_weights=True, moe_layer_freq=2))]
+    """SwiGLU experts (the Llama MLP form), ep 2 dp 2 with pp 2 and ZeRO 1... at world 4: tp 1, pp 2; and
+    the same with --moe-grouped-gemm against the serial per-expert loop."""
+    llama = dict(swiglu=True, ffn_hidden_size=64, add_bias_linear=False, normalization="RMSNorm",
+                 position_embedding_type="rope", untie_embeddings_and_output_weights=True, moe_layer_freq=2)
+    cases = [(1, 2, 2, False, 1, llama), (1, 2, 2, False, 1, {**llama, **GROUPED})]
     _check(run_on_ranks(4, _parity_body, cases, timeout=600), cases)
+
+
+def test_grouped_gemm_dp2_zero3_matches_serial():
+    """--moe-grouped-gemm at dp 2 under ZeRO-3 (the experts' weights gathered, stacked, released), GELU
+    with biases, against the serial per-expert loop."""
+    cases = [(1, 1, 1, False, 3, GROUPED)]
+    _check(run_on_ranks(2, _parity_body, cases, timeout=600), cases)
 
 
 @pytest.mark.slow
