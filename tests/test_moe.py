@@ -577,6 +577,24 @@ def test_estimate_counts_experts_per_ep_rank():
     assert moe_alltoall_bytes_per_step(JobConfig(**{**vars(job), "model": every})) == 4 * per_layer * 3 // 2
 
 
+def test_estimate_counts_the_grouped_gemm_stacked_weights():
+    """--moe-grouped-gemm keeps one copy of an MoE layer's local experts' weights from forward to backward:
+    the estimate's MoE layer keeps that much more per micro-batch (E/ep experts, SwiGLU fc1 2 ffn wide,
+    biases), a dense layer nothing more."""
+    from megazero.models.gpt.memory import layer_activation_bytes
+
+    def job(**kw):
+        return JobConfig(model=_cfg(swiglu=True, ffn_hidden_size=48, moe_layer_freq=2, **kw),
+                         parallel=ParallelConfig(dp=4, expert_model_parallel_size=2),
+                         train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=32))
+
+    grouped, loop = job(moe_grouped_gemm=True), job()
+    stacked = 4 * (4 // 2) * (96 * 32 + 32 * 48 + 96 + 32)
+    assert layer_activation_bytes(grouped, 4, 4, 0)[0] - layer_activation_bytes(loop, 4, 4, 0)[0] == stacked
+    assert layer_activation_bytes(grouped, 4, 4, 1) == layer_activation_bytes(loop, 4, 4, 1)
+    assert layer_activation_bytes(grouped, 8, 8, 0) == layer_activation_bytes(loop, 8, 8, 0)   # fp64: the loop
+
+
 def test_flops_per_token_count_the_active_experts():
     """Training FLOPs of a top-2 MoE model = the dense model with an ffn twice as wide + the routers."""
     from megazero.models.gpt.spec import flops_per_token as model_flops_per_token
