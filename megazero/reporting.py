@@ -44,8 +44,12 @@ def describe_run(job: JobConfig, topo: Topology, chunks) -> str:
     spec = get_model_spec(m.model_family)
     cp = f" x cp {par.cp} ({par.cp_comm_type})" if par.cp > 1 else ""
     replicas = f" ({par.data_parallel_replicas} replicas x {par.shard_size})" if par.data_parallel_replicas > 1 else ""
+    z = job.zero
+    offload = "".join(f" + {what} on {where}" for what, where in (("optimizer", z.offload_optimizer),
+                                                                  ("params", z.offload_params)) if where != "none")
+    offload += " (one-step delayed update)" if z.offload_delayed_update else ""
     return (f" megazero: world {topo.world_size} = tp {par.tp}{cp} x pp {par.pp} x dp {par.dp}{replicas} | zero stage "
-            f"{job.zero.zero_stage} | {job.precision.dtype_name} | pipeline {schedule} | sequence parallel "
+            f"{job.zero.zero_stage}{offload} | {job.precision.dtype_name} | pipeline {schedule} | sequence parallel "
             f"{par.sequence_parallel} | micro-batch {job.train.micro_batch_size} x {job.num_micro_batches} "
             f"micro-batches x dp {par.dp} = global batch {job.train.largest_global_batch}{_stepped(job.train)}\n"
             f" model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, seq "

@@ -105,6 +105,7 @@ def train_step(chunks, micro_batches: list[dict], topo: Topology, engine: Engine
                         topo.expert_data_parallel().group, topo.device)
     engine.finalize_grads()
     grad_norm, skipped = engine.step(iteration)
+    spec.hooks.after_step(chunks, job, topo.tp_rank, topo.device)     # e.g. the MoE expert biases
     overflowed = not skipped and engine.params_overflowed
     late = out_of_time is not None and out_of_time()
     loss, (overflowed, late) = _global_figures(losses, topo, (overflowed, late))

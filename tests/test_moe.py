@@ -17,6 +17,7 @@ from megazero.models.gpt import GPT, GPTConfig, build_model_chunks, masked_mean
 from megazero.models.gpt.moe import (
     capacity_keep,
     collect_moe_metrics,
+    expert_bias_step,
     load_balancing_loss,
     moe_alltoall_bytes,
     moe_alltoall_bytes_per_step,
@@ -218,8 +219,13 @@ def _reference(dp: int, model_kw: tuple):
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), GPT_OPT.clip_grad)))
         opt.step()
         opt.zero_grad()
+        for layer in layers:                     # the expert biases' step on the step's loads
+            if layer.expert_bias is not None:
+                expert_bias_step(layer.expert_bias, layer.step_load, model.cfg.moe_router_bias_update_rate)
+            layer.step_load = None
         losses.append(total)
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}, \
+        {n: b.clone() for n, b in model.named_buffers()}
 
 
 def _parity_body(rank, world_size, cases, cp: int = 1):
@@ -236,6 +242,7 @@ def _parity_body(rank, world_size, cases, cp: int = 1):
         engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
         job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
         losses, norms, params = trainer_steps(chunks, topo, engine, job, STEPS)
+        params.update({n: (b.clone(), None) for c in chunks for n, b in c.named_buffers()})   # expert biases
         metrics = collect_moe_metrics(chunks, cfg.num_layers, cfg.num_experts, topo.tp_rank, sp, STEPS, topo.device)
         sized = JobConfig(model=cfg, parallel=par, zero=ZeroConfig(zero_stage=stage),
                           train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=MB_SIZE * MICRO * topo.dp_size))
@@ -269,16 +276,20 @@ def _check(results, cases, cp: int = 1):
             tp_rank, tp, dp, losses, norms, params, metrics = rank_results[i]
             _check_metrics(metrics, dp, model_kw)
             serial_kw = {k: v for k, v in model_kw.items() if k != "moe_grouped_gemm"}   # the per-expert loop
-            ref_losses, ref_norms, ref_params = _reference(dp, tuple(sorted(serial_kw.items())))
+            ref_losses, ref_norms, ref_params, ref_buffers = _reference(dp, tuple(sorted(serial_kw.items())))
             assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
             what = f"case tp{tp} pp{pp} ep{ep} sp{sp} zero{stage} cp{cp}"
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0, msg=what)
             torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0, msg=what)
             for name, (value, pdim) in params.items():
-                torch.testing.assert_close(value, shard(ref_params[name], pdim, tp_rank, tp), rtol=1e-5, atol=1e-5,
-                                           msg=lambda m: f"{what} {name}: {m}")
+                if pdim is None:                      # a buffer (expert bias): bitwise the serial run's
+                    assert torch.equal(value, ref_buffers[name]), (what, name, value, ref_buffers[name])
+                else:
+                    torch.testing.assert_close(value, shard(ref_params[name], pdim, tp_rank, tp), rtol=1e-5,
+                                               atol=1e-5, msg=lambda m: f"{what} {name}: {m}")
                 seen.add(name)
-        assert seen == set(ref_params), f"{what}: parameters never compared: {set(ref_params) - seen}"
+        assert seen == set(ref_params) | set(ref_buffers), \
+            f"{what}: never compared: {set(ref_params) | set(ref_buffers) - seen}"
 
 
 GROUPED = dict(moe_grouped_gemm=True)
@@ -455,19 +466,22 @@ def test_one_engine_fp16_with_experts_one_loss_scaler_and_a_named_nonfinite_expe
 
 # --------------------------------------------------------------------------- checkpoints
 
-def _resume_body(rank, world_size, tp, ep, stage, first, last, save_dir, load):
+def _resume_body(rank, world_size, tp, ep, stage, first, last, save_dir, load, model_kw=None):
     """Steps ``first``..``last`` - 1 of the 8-micro-batch run at (tp, ep, ZeRO stage) on these ranks,
-    after loading ``save_dir`` when ``load``; saves after the last step otherwise."""
+    after loading ``save_dir`` when ``load``; saves after the last step otherwise. With ``model_kw`` also
+    the expert biases (after the load, or at the save; and at the end)."""
     topo = Topology(tp=tp, ep=ep)
-    cfg = _cfg()
+    cfg = _cfg(**(model_kw or {}))
     par = ParallelConfig(tp=tp, dp=topo.dp_size, expert_model_parallel_size=ep)
     chunks = build_model_chunks(cfg, par, topo, seed=SEED, device="meta")
     engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
     job = JobConfig(model=cfg, parallel=par, optimizer=GPT_OPT, train=TrainConfig(micro_batch_size=MB_SIZE))
     state = TrainState()
+    biases = None
     if load:
         state = load_checkpoint(save_dir, chunks=chunks, engine=engine, topo=topo, job=job)
         assert state.iteration == first
+    biases = {n: b.clone() for c in chunks for n, b in c.named_buffers()} if load else None
     per = 2 * MICRO // topo.dp_size
     losses = []
     for batches in gpt_batches(STEPS, 2 * MICRO)[first:last]:
@@ -475,9 +489,12 @@ def _resume_body(rank, world_size, tp, ep, stage, first, last, save_dir, load):
         state.iteration += 1
     if not load:
         save_checkpoint(save_dir, state, chunks=chunks, engine=engine, topo=topo, job=job)
+        biases = {n: b.clone() for c in chunks for n, b in c.named_buffers()}
     with engine.gathered_parameters():
         params = {n: (p.detach().clone(), split_dim(p)) for c in chunks for n, p in c.named_parameters()}
-    return topo.tp_rank, tp, losses, params
+    if model_kw is None:
+        return topo.tp_rank, tp, losses, params
+    return topo.tp_rank, tp, losses, params, biases, {n: b.clone() for c in chunks for n, b in c.named_buffers()}
 
 
 @pytest.mark.slow
@@ -486,7 +503,7 @@ def test_save_at_ep2_resume_at_ep4_gives_the_uninterrupted_run(tmp_path):
     the 5 losses and the final parameters are the serial run's (8 micro-batches a step throughout)."""
     saved = run_on_ranks(4, _resume_body, 2, 2, 1, 0, 3, str(tmp_path), False, timeout=600)
     resumed = run_on_ranks(4, _resume_body, 1, 4, 2, 3, STEPS, str(tmp_path), True, timeout=600)
-    ref_losses, _, ref_params = _reference(2, ())
+    ref_losses, _, ref_params, _ = _reference(2, ())
     torch.testing.assert_close(torch.tensor(saved[0][2] + resumed[0][2]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     seen = set()
     for tp_rank, tp, _, params in resumed:
@@ -602,3 +619,230 @@ def test_flops_per_token_count_the_active_experts():
     moe, dense = _cfg(), GPTConfig(**{**GPT_CFG, "ffn_hidden_size": 2 * 4 * GPT_CFG["hidden_size"]})
     router = 3 * 2 * moe.num_layers * moe.hidden_size * moe.num_experts
     assert model_flops_per_token(moe, 256) == model_flops_per_token(dense, 256) + router
+
+
+# --------------------------------------------------------------------------- DeepSeek-V3 routing
+
+DSV3_KW = dict(num_experts=8, moe_router_topk=3, moe_router_score_function="sigmoid", moe_router_num_groups=4,
+               moe_router_group_topk=2, moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
+               moe_shared_expert_intermediate_size=24, moe_ffn_hidden_size=8, swiglu=True, ffn_hidden_size=64,
+               add_bias_linear=False, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
+
+
+def _interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Our SwiGLU fc1 layout: row 2j gate feature j, row 2j+1 up feature j."""
+    return torch.stack([gate, up], dim=1).reshape(-1, gate.shape[1])
+
+
+def test_sigmoid_group_limited_routing_with_shared_experts_equals_hf_deepseek_v3():
+    """Our MoE layer (sigmoid scores, expert bias, 4 groups keep 2, top-3, scaling 2.5, shared experts)
+    equals transformers' DeepseekV3MoE on the same weights at 1e-6 (fp32): routed + shared output, and
+    the chosen experts and gates equal its router's."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = _cfg(num_layers=1, **DSV3_KW)
+    layer = GPT(cfg, seed=SEED).layers["0"].mlp
+    hf_cfg = DeepseekV3Config(hidden_size=cfg.hidden_size, moe_intermediate_size=8, n_routed_experts=8,
+                              num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                              norm_topk_prob=True, n_shared_experts=3, hidden_act="silu")   # shared: 3 x 8 wide
+    hf = DeepseekV3MoE(hf_cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 0.5)
+        layer.expert_bias.copy_(torch.randn(8) * 0.1)
+        hf.gate.weight.copy_(layer.router.weight)
+        hf.gate.e_score_correction_bias.copy_(layer.expert_bias)
+        for e in range(8):
+            fc1 = layer.experts[str(e)].fc1.weight
+            hf.experts.gate_up_proj[e].copy_(torch.cat([fc1[0::2], fc1[1::2]]))
+            hf.experts.down_proj[e].copy_(layer.experts[str(e)].fc2.weight)
+        shared = layer.shared_experts
+        hf.shared_experts.gate_proj.weight.copy_(shared.fc1.weight[0::2])
+        hf.shared_experts.up_proj.weight.copy_(shared.fc1.weight[1::2])
+        hf.shared_experts.down_proj.weight.copy_(shared.fc2.weight)
+        torch.testing.assert_close(_interleaved(shared.fc1.weight[0::2], shared.fc1.weight[1::2]), shared.fc1.weight)
+    x = torch.randn(2, 12, cfg.hidden_size)                          # HF's [b, s, h]
+    with torch.no_grad():
+        ours = layer(x.transpose(0, 1)).transpose(0, 1)
+        theirs = hf(x)
+        _, hf_gates, hf_experts = hf.gate(x)
+        _, gates, experts = layer.route(x.transpose(0, 1).reshape(-1, cfg.hidden_size) @ layer.router.weight.t())
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    hf_order = x.shape[1] * torch.arange(2).repeat(12) + torch.arange(12).repeat_interleave(2)  # our row -> HF row
+    for ours_row, hf_row in ((experts, hf_experts[hf_order]), (gates, hf_gates[hf_order])):
+        torch.testing.assert_close(ours_row.sort(-1).values, hf_row.sort(-1).values, rtol=1e-6, atol=1e-6)
+    logits = x.transpose(0, 1).reshape(-1, cfg.hidden_size) @ layer.router.weight.t()
+    for without in (dict(num_groups=None, group_topk=None), dict(expert_bias=None)):   # both change some choice
+        args = {**dict(score_function="sigmoid", expert_bias=layer.expert_bias, num_groups=4, group_topk=2,
+                       scaling_factor=2.5), **without}
+        assert not torch.equal(route(logits, 3, **args)[2].sort(-1).values, experts.sort(-1).values), without
+
+
+DSV3_TRAIN_KW = dict(DSV3_KW, moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="seq_aux_loss",
+                     moe_z_loss_coeff=0.001, moe_layer_freq="([0]*1+[1]*3)", moe_router_bias_update_rate=0.05)
+DSV3_CASES = [(2, 1, 1, True, 1, DSV3_TRAIN_KW), (1, 1, 2, False, 0, DSV3_TRAIN_KW),
+              (1, 1, 4, False, 3, DSV3_TRAIN_KW), (2, 1, 2, True, 3, DSV3_TRAIN_KW),
+              (1, 2, 2, False, 1, DSV3_TRAIN_KW)]
+
+
+def test_deepseek_v3_routing_matches_serial():
+    """Sigmoid routing with 4 groups (best 2 kept), top-3 of 8 experts, the expert bias (rate 0.05, so it
+    changes choices within 5 steps), scaling 2.5, shared experts, 8-wide routed experts, the
+    sequence-wise balance loss and a dense first layer: tp 2 + SP (dp 2, ZeRO-1), ep 2 (dp 4), ep 4
+    (dp 4, ZeRO-3), tp 2 + SP with ep 2 (ZeRO-3), pp 2 with ep 2 (ZeRO-1), 5 steps each equal to the serial run (losses, norms,
+    parameters 1e-5; the expert biases bitwise on every rank)."""
+    _check(run_on_ranks(4, _parity_body, DSV3_CASES, timeout=600), DSV3_CASES)
+
+
+def test_expert_bias_saved_and_resumed_bitwise(tmp_path):
+    """3 steps at ep 2, dp 2 (ZeRO-1), saved; loaded at tp 2 (another layout): every expert bias is
+    bitwise the saved one, and after 2 more steps the losses and biases are the uninterrupted serial
+    run's (biases bitwise; the checkpoint holds each once, ``model.buffer/<name>``)."""
+    from megazero.checkpoint import format as fmt
+    from megazero.checkpoint.reader import CheckpointReader
+
+    kw = DSV3_TRAIN_KW
+    saved = run_on_ranks(2, _resume_body, 1, 2, 1, 0, 3, str(tmp_path), False, kw, timeout=600)
+    resumed = run_on_ranks(2, _resume_body, 2, 1, 0, 3, STEPS, str(tmp_path), True, kw, timeout=600)
+    names = CheckpointReader(fmt.checkpoint_dir(tmp_path, 3)).names(fmt.MODEL_BUFFER)
+    assert names == [f"layers.{i}.mlp.router.expert_bias" for i in (1, 2, 3)]
+    ref_losses, _, _, ref_buffers = _reference(2, tuple(sorted(kw.items())))
+    torch.testing.assert_close(torch.tensor(saved[0][2] + resumed[0][2]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for (*_, at_save, _), (*_, at_load, at_end) in zip(saved, resumed):
+        assert at_save.keys() == at_load.keys() == set(names)
+        for name in names:
+            assert torch.equal(at_load[name], saved[0][4][name]) and torch.equal(at_end[name], ref_buffers[name])
+        assert any(not torch.equal(at_save[n], ref_buffers[n]) for n in names)   # the last two steps moved some
+
+
+def _per_step_load_cv(with_bias: bool, steps: int = 100, rate: float = 0.01) -> list[float]:
+    """Coefficient of variation (std / mean) of the per-expert load at each of ``steps`` training steps of
+    a one-layer sigmoid-routed GPT (8 experts, top-2, no balancing loss) whose router starts skewed: feature
+    0 of its input is 1 for every token (the norm's weight 0, bias 1 there) and expert 0's weight on it is
+    4, so expert 0 wins every token. With the bias, the biases step by ``rate`` after each optimizer step
+    (:func:`expert_bias_step`, what the trainer's after-step hook runs on the summed loads)."""
+    cfg = _cfg(num_layers=1, num_experts=8, moe_router_score_function="sigmoid", moe_aux_loss_coeff=0.0,
+               moe_z_loss_coeff=0.0, moe_router_enable_expert_bias=with_bias,
+               moe_router_bias_update_rate=rate if with_bias else 1e-3)
+    model = GPT(cfg, seed=SEED)
+    layer = model.layers["0"].mlp
+    with torch.no_grad():
+        norm = model.layers["0"].post_attention_layernorm
+        norm.weight[0], norm.bias[0] = 0.0, 1.0
+        layer.router.weight[0, 0] = 4.0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    cvs = []
+    for _ in range(steps):
+        tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length), generator=gen)
+        model(tokens, tokens).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        load = layer.step_load.double()
+        cvs.append(float(load.std(unbiased=False) / load.mean()))
+        if with_bias:
+            expert_bias_step(layer.expert_bias, layer.step_load, rate)
+        layer.step_load = None
+    return cvs
+
+
+def test_expert_bias_balances_a_skewed_router_without_aux_loss():
+    """Auxiliary-loss-free balancing: from a router that sends every token to expert 0 (load CV ~1.25),
+    the expert bias (rate 0.01) brings the per-expert load's coefficient of variation below 0.5 within
+    100 steps (mean over the last 20 steps; 64 tokens x 2 a step, so sampling noise alone is ~0.25) with
+    no balancing loss; without the bias it stays above 1.0 at every step."""
+    with_bias, without = _per_step_load_cv(True), _per_step_load_cv(False)
+    assert with_bias[0] > 1.0
+    assert sum(with_bias[-20:]) / 20 < 0.5, with_bias
+    assert min(without) > 1.0, without
+
+
+def test_flops_and_activations_count_expert_widths_and_shared_experts():
+    """FLOPs: an MoE layer's MLP counts top-k experts of --moe-ffn-hidden-size plus the shared experts, so a
+    model whose layers are all MoE equals the dense model of ffn k*F + S plus the routers; a dense first
+    layer (pattern) counts the dense MLP. Activations: an MoE layer keeps k experts' inner activations
+    (whole experts; under SP its tokens only) and the shared experts' (split over tp)."""
+    from megazero.models.gpt.memory import layer_activation_bytes
+    from megazero.models.gpt.spec import flops_per_token as model_flops_per_token
+
+    kw = dict(num_experts=8, moe_router_topk=3, moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=24)
+    moe, h = _cfg(**kw), GPT_CFG["hidden_size"]
+    dense = GPTConfig(**{**GPT_CFG, "ffn_hidden_size": 3 * 8 + 24})
+    router = 3 * 2 * moe.num_layers * h * 8
+    assert model_flops_per_token(moe, 256) == model_flops_per_token(dense, 256) + router
+    first_dense = _cfg(**kw, moe_layer_freq="[0,1,1,1]")
+    dense_mlp = 3 * 2 * 2 * h * (first_dense.ffn_hidden_size - (3 * 8 + 24)) - 3 * 2 * h * 8
+    assert model_flops_per_token(first_dense, 256) == model_flops_per_token(moe, 256) + dense_mlp
+    for tp, sp in ((1, False), (2, False), (2, True)):
+        job = JobConfig(model=_cfg(**kw), parallel=ParallelConfig(tp=tp, sequence_parallel=sp),
+                        train=TrainConfig(micro_batch_size=MB_SIZE))
+        tokens = GPT_CFG["seq_length"] * MB_SIZE
+        moe_bytes = layer_activation_bytes(job, 4, 1, 0)[0]
+        dense_bytes = layer_activation_bytes(job, 4, 1, None)[0]      # the layer's parts with a dense MLP
+        inner = 4 * tokens * (3 * 2 * 8 // (tp if sp else 1) + 2 * 24 // tp)
+        assert moe_bytes - dense_bytes == inner - 4 * tokens * 2 * job.model.ffn_hidden_size // tp
+
+
+def test_sequence_balance_loss_is_the_mean_of_each_sequences_loss():
+    """seq_aux_loss: a * E * sum_e f_e P_e computed on each sequence alone, averaged over the batch; equal
+    to load_balancing_loss of each sequence's tokens."""
+    cfg = _cfg(num_layers=1, moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1,
+               moe_z_loss_coeff=0.0)
+    layer = GPT(cfg, seed=SEED).layers["0"].mlp
+    layer.keep_aux_graph = True
+    x = torch.randn(8, 3, cfg.hidden_size)                     # [s, b, h]
+    layer(x)
+    per_sequence = []
+    for b in range(3):
+        logits = x[:, b] @ layer.router.weight.t()
+        probs, _, experts = route(logits, 2)
+        counts = torch.bincount(experts.reshape(-1), minlength=4)
+        per_sequence.append(load_balancing_loss(probs, counts, 8, 2, 0.1))
+    torch.testing.assert_close(layer.last_aux_loss, torch.stack(per_sequence).mean())
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(moe_router_enable_expert_bias=True), r"^--moe-router-enable-expert-bias needs --moe-router-score-function "
+                                               r"sigmoid"),
+    (dict(moe_router_bias_update_rate=0.01), r"^--moe-router-bias-update-rate moves the expert bias: add "
+                                             r"--moe-router-enable-expert-bias"),
+    (dict(moe_router_num_groups=2), r"^--moe-router-num-groups and --moe-router-group-topk go together"),
+    (dict(moe_router_num_groups=3, moe_router_group_topk=1), r"^--num-experts 4 must split into "
+                                                             r"--moe-router-num-groups 3 equal groups"),
+    (dict(moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk=3),
+     r"^--moe-router-group-topk 1 must be <= --moe-router-num-groups 2 and keep at least --moe-router-topk 3"),
+    (dict(moe_router_topk_scaling_factor=0.0), r"^--moe-router-topk-scaling-factor must be > 0"),
+    (dict(moe_ffn_hidden_size=0), r"^--moe-ffn-hidden-size must be a positive integer"),
+    (dict(moe_shared_expert_intermediate_size=-1), r"^--moe-shared-expert-intermediate-size must be a positive"),
+    (dict(moe_router_score_function="tanh"), r"^--moe-router-score-function must be one of softmax, sigmoid"),
+    (dict(moe_router_load_balancing_type="none"), r"^--moe-router-load-balancing-type none adds no balancing loss, "
+                                                  r"yet --moe-aux-loss-coeff is 0.01: drop one of them"),
+    (dict(moe_layer_freq="[0,1]"), r"^--moe-layer-freq pattern \[0, 1\] must hold one 0 \(dense\) or 1 \(MoE\) per "
+                                   r"layer, 4 of them"),
+    (dict(moe_layer_freq="[0,2,1,1]"), r"^--moe-layer-freq pattern \[0, 2, 1, 1\] must hold one 0"),
+    (dict(moe_layer_freq="[0]+1"), r"^--moe-layer-freq '\[0\]\+1' is neither an integer nor a layer pattern"),
+    (dict(num_experts=None, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0, moe_router_score_function="sigmoid"),
+     r"^--moe-router-score-function sigmoid applies to Mixture-of-Experts layers and this model has none"),
+])
+def test_routing_flags_refused_in_one_line(kw, message):
+    from megazero.config import validate
+    from megazero.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as caught:
+        validate(JobConfig(model=_cfg(**kw)), 1)
+    assert "\n" not in str(caught.value)
+
+
+def test_layer_pattern_parses_megatrons_forms_without_eval():
+    from megazero.models.gpt.config import parse_layer_pattern
+
+    assert parse_layer_pattern("([0]*1+[1]*3)") == [0, 1, 1, 1] == parse_layer_pattern(" [0, 1,1 ,1] ")
+    assert parse_layer_pattern("([1]*1+[0]*1)*2") == [1, 0, 1, 0]
+    for bad in ("[0]*", "[0,1]+", "[0]]", "([0]", "__import__('os')", "[0]*-1", "[0.5]"):
+        with pytest.raises(ValueError):
+            parse_layer_pattern(bad)
+    cfg = _cfg(moe_layer_freq="([0]*1+[1]*3)")
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, True, True] and cfg.layer_period == 4
+    assert set(dict(GPT(cfg, device="meta").named_parameters())) >= {"layers.0.mlp.dense_h_to_4h.weight",
+                                                                      "layers.1.mlp.router.weight"}

@@ -182,7 +182,8 @@ def _accounting_body(rank, world_size, nvme_dir):
     from megazero.memory.estimate import estimate_memory
 
     out = {}
-    for name, stage, bf16, offload in (("zero2-bf16-optimizer-cpu", 2, True, {"offload_optimizer": "cpu"}),
+    for name, stage, bf16, offload in (("zero2-bf16-optimizer-cpu", 2, True, {"offload_optimizer": "cpu",
+                                                                             "offload_delayed_update": True}),
                                        ("zero3-fp32-params-nvme", 3, False, {"offload_params": "nvme"})):
         topo, job, chunks, engine = _engine(1, 1, stage, nvme_dir, bf16, **offload)
         train_one_step(topo, chunks, engine, 0)
@@ -194,7 +195,8 @@ def _accounting_body(rank, world_size, nvme_dir):
 
 def test_device_host_and_nvme_bytes_follow_the_formulas(tmp_path):
     """ZeRO-2 + optimizer offload (bf16): 2Ψ params and 2Ψ/N gradients on the device, 12Ψ/N of masters and
-    moments plus the 4Ψ/N fp32 gradient copy on the host. ZeRO-3 + parameter offload to nvme (fp32): the
+    moments plus the 4Ψ/N fp32 gradient copy on the host, and (delayed update) the 4Ψ/N gradients its update
+    steps with. ZeRO-3 + parameter offload to nvme (fp32): the
     4Ψ/N shards in the swap file, none on the device. The estimator counts the same host and NVMe bytes."""
     out = run_on_ranks(2, _accounting_body, str(tmp_path))[0]
     states, host, nvme = out["zero2-bf16-optimizer-cpu"]
@@ -202,7 +204,7 @@ def test_device_host_and_nvme_bytes_follow_the_formulas(tmp_path):
     assert states["master_weights"] == states["optimizer_state"] == 0
     assert states["grads"] == 2 * psi // 2
     assert states["host_master_weights"] == 4 * psi // 2 and states["host_optimizer_state"] == 8 * psi // 2
-    assert states["host_grads"] == 4 * psi // 2 and states["nvme_total"] == 0
+    assert states["host_grads"] == states["host_delayed_grads"] == 4 * psi // 2 and states["nvme_total"] == 0
     assert abs(host - states["host_total"]) <= 0.02 * states["host_total"] and nvme == 0, (host, states)
     states, host, nvme = out["zero3-fp32-params-nvme"]
     assert states["params"] == 0 and states["nvme_params"] > 0 and states["host_total"] == 0
@@ -223,3 +225,73 @@ def test_decoupled_lr_offloaded_is_bitwise_the_resident_run():
         assert off_losses == losses
         assert all(torch.equal(off_params[name], value) for name, value in params.items())
         assert not torch.equal(plain["embedding.word_embeddings.weight"], params["embedding.word_embeddings.weight"])
+
+
+# --------------------------------------------------------------------------- the delayed parameter update
+
+def _delayed_body(rank, world_size, steps):
+    """ZeRO 1, 2 and 3 with the optimizer on the host and ``--offload-delayed-update``, at dp 2; and the
+    stage-2 run saved after two steps and resumed by a fresh engine."""
+    from helpers.gpt_parity import engine_steps
+
+    topo = Topology()
+    par = ParallelConfig(dp=world_size)
+    out = {}
+    for stage in (1, 2, 3):
+        zero = ZeroConfig(zero_stage=stage, bucket_size=3000, offload_optimizer="cpu", offload_delayed_update=True)
+        out[stage], engine = engine_steps(topo, par, zero, steps)
+        engine.close()
+    return out
+
+
+def test_delayed_update_applies_each_step_one_step_late():
+    """Each layout equals the single-process reference that applies every step's clipped gradients one
+    step late (after the next step's backward; the last step's at the end): losses, norms and parameters
+    to 1e-5. The reference without delay ends elsewhere, so the comparison can tell them apart."""
+    from helpers.gpt_parity import check_against_reference, gpt_reference
+
+    steps = 4
+    results = run_on_ranks(2, _delayed_body, steps, timeout=300)
+    for stage in (1, 2, 3):
+        check_against_reference([r[stage] for r in results], steps, dp=2, delayed=True)
+    _, _, delayed = gpt_reference(steps, 2, delayed=True)
+    _, _, plain = gpt_reference(steps, 2)
+    assert max((delayed[n] - plain[n]).abs().max().item() for n in plain) > 1e-3
+
+
+def _delayed_resume_body(rank, world_size, ck_dir):
+    """Two steps, save, two more steps (one run); a fresh engine loading the save runs the last two."""
+    offload = {"offload_optimizer": "cpu", "offload_delayed_update": True}
+    topo, job, chunks, engine = _engine(1, 1, 2, None, **offload)
+    losses = [train_one_step(topo, chunks, engine, s) for s in range(2)]
+    save_checkpoint(ck_dir, TrainState(2, 0, 0), chunks=chunks, engine=engine, topo=topo, job=job)
+    losses += [train_one_step(topo, chunks, engine, s) for s in range(2, 4)]
+    params = full_params(chunks, topo, engine)
+    engine.close()
+    topo, job, chunks, engine = _engine(1, 1, 2, None, **offload)
+    load_checkpoint(ck_dir, chunks=chunks, engine=engine, topo=topo, job=replace(job))
+    resumed = [train_one_step(topo, chunks, engine, s) for s in range(2, 4)]
+    resumed_params = full_params(chunks, topo, engine)
+    engine.close()
+    return losses, params, resumed, resumed_params
+
+
+def test_delayed_update_resumes_exactly_from_a_checkpoint(tmp_path):
+    """A save applies the pending update first, so the run that saved and the run resumed from the save
+    continue bitwise alike."""
+    for losses, params, resumed, resumed_params in run_on_ranks(2, _delayed_resume_body, str(tmp_path / "ck"),
+                                                                timeout=300):
+        assert losses[2:] == resumed
+        for name, value in params.items():
+            assert torch.equal(resumed_params[name], value), name
+
+
+def test_delayed_update_needs_the_optimizer_on_the_host():
+    from megazero.config import validate
+    from megazero.errors import ConfigError
+
+    for where in ("none", "nvme"):
+        zero = ZeroConfig(zero_stage=1, offload_optimizer=where, offload_delayed_update=True,
+                          nvme_path="/tmp" if where == "nvme" else None)
+        with pytest.raises(ConfigError, match="--offload-delayed-update .* needs --offload-optimizer cpu"):
+            validate(JobConfig(zero=zero), 1)

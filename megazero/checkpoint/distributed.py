@@ -108,7 +108,28 @@ def rank_pieces(chunks, engine, topo, job) -> list[tuple]:
         if a < b:
             pieces += [(fmt.tensor_key(_KIND[kind], piece.name), shape, box, (a, b), view[:b - a])
                        for kind, view in piece.tensors.items()]
-    return pieces + fp8_history_pieces(chunks, topo)
+    return pieces + fp8_history_pieces(chunks, topo) + buffer_pieces(chunks, topo)
+
+
+def persistent_buffers(chunks) -> dict[str, torch.Tensor]:
+    """The chunks' persistent buffers by name (the same names on every layout): model state that is not
+    a parameter, e.g. an MoE router's expert bias."""
+    out = {}
+    for chunk in chunks or []:
+        for name, buffer in chunk.named_buffers():
+            owner, _, attr = name.rpartition(".")
+            if attr not in chunk.get_submodule(owner)._non_persistent_buffers_set:
+                out[name] = buffer
+    return out
+
+
+def buffer_pieces(chunks, topo) -> list[tuple]:
+    """The persistent buffers this rank writes, whole: a buffer is the same on every rank holding its
+    module (tp x dp x cp), so tp rank 0 of data-parallel rank 0 of each pipeline stage writes its chunks'."""
+    if topo.tp_rank != 0 or topo.data_context_parallel().rank != 0:
+        return []
+    return [(fmt.tensor_key(fmt.MODEL_BUFFER, name), list(b.shape), [[0, n] for n in b.shape], (0, b.numel()),
+             b.reshape(-1)) for name, b in persistent_buffers(chunks).items()]
 
 
 def fp8_history_pieces(chunks, topo) -> list[tuple]:
@@ -435,7 +456,7 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
     if iteration is None:
         return None
     directory = fmt.checkpoint_dir(load_dir, iteration)
-    error, reader = None, None
+    error, reader, no_buffer = None, None, []
     try:
         reader = CheckpointReader(directory)
         check_model_compatible(reader.index["job"]["model"], job.model, directory)
@@ -445,12 +466,15 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
         if not weights_only and load_optim:
             _check_optimizer(reader.index, job, directory)
         owned = _read_rank(reader, chunks, engine, topo, job, weights_only or not load_optim)
+        no_buffer = _read_buffers(reader, chunks)
         no_history = None if weights_only else _read_fp8_histories(reader, chunks, topo)
         if stats is not None:
             stats.update(bytes_read=reader.bytes_read, bytes_owned=owned)
     except Exception as e:  # noqa: BLE001 - raised on every rank, the failing rank's message, by the next line
         error = e
     raise_first_error(error)
+    if no_buffer and topo.rank == 0:
+        log.info("%s holds no %s: it starts as in a fresh run", directory, listed(no_buffer))
     if engine is not None:
         meta = reader.index.get("optimizer") or {}
         engine.loaded(meta.get("step", 0), meta.get("loss_scaler"), weights_only or not load_optim)
@@ -465,6 +489,19 @@ def load_checkpoint(load_dir, *, chunks, engine, topo, job, weights_only: bool =
         error = e
     raise_first_error(error)
     return TrainState(**reader.index["train_state"])
+
+
+def _read_buffers(reader: CheckpointReader, chunks) -> list[str]:
+    """Fill the chunks' persistent buffers from the checkpoint (bitwise); returns the names it lacks."""
+    missing = []
+    with torch.no_grad():
+        for name, buffer in persistent_buffers(chunks).items():
+            key = fmt.tensor_key(fmt.MODEL_BUFFER, name)
+            if reader.has(key):
+                buffer.copy_(reader.read_full(key, buffer.dtype).view(buffer.shape))
+            else:
+                missing.append(name)
+    return missing
 
 
 def _read_fp8_histories(reader: CheckpointReader, chunks, topo) -> list[str]:

@@ -21,6 +21,10 @@ checkpoint written before the name was recorded holds AdamW's, :func:`optimizer_
 of one FP8 linear (input, weight, output gradient; :mod:`megazero.parallel.fp8`), the same on every rank
 holding the layer, so one of them writes it whole; a run that does not scale from histories ignores it.
 Its output-gradient row is in the saving run's units (dp times the serial run's), rescaled at load.
+``model.buffer/<buffer name>``: a model's persistent buffers, state it keeps that gradients do not train
+(an MoE router's ``layers.<i>.mlp.router.expert_bias`` [E] fp32), whole, the same on every rank holding
+its module, written once; a run whose model has such a buffer that the checkpoint lacks starts it as a
+fresh run would (zeros) and says so.
 
 Each rank writes what it owns, in parallel: for every ZeRO bucket, its data-parallel shard of the
 elements (weights too, so replicated weights are written once, split over the dp ranks), of the
@@ -66,6 +70,7 @@ MANIFEST = "manifest.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL, EXP_AVG, EXP_AVG_SQ, MASTER = "model", "optim.exp_avg", "optim.exp_avg_sq", "optim.master"
 FP8_HISTORY = "fp8.amax_history"
+MODEL_BUFFER = "model.buffer"
 
 
 def optimizer_name(index: dict) -> str | None:

@@ -119,6 +119,10 @@ def build_full_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32
         for name, p in model.named_parameters():
             vocab = job.model.vocab_size if attribute(p, "vocab_padded") else None
             p.copy_(reader.read_local(fmt.tensor_key(fmt.MODEL, name), p.shape, split_dim(p), 0, 1, vocab, p.dtype))
+        for name, buffer in model.named_buffers():          # persistent model state (an MoE expert bias)
+            key = fmt.tensor_key(fmt.MODEL_BUFFER, name)
+            if reader.has(key):
+                buffer.copy_(reader.read_full(key, buffer.dtype).view(buffer.shape))
     return model.eval(), job
 
 

@@ -235,6 +235,9 @@ def _typed(path: str, key: str, value, spec: dict):
     elif kind is float:
         ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
         value = float(value) if ok else value
+    elif kind not in (None, str) and isinstance(value, (int, list)) and not isinstance(value, bool):
+        ok, want = True, "its text"           # a flag with its own parser (--moe-layer-freq N or [0,1,1,1])
+        value = kind(str(value))
     elif spec.get("nargs") == "+":
         value = value.split() if isinstance(value, str) else value
         ok, want = isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value), "a list"

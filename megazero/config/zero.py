@@ -65,6 +65,10 @@ class ZeroConfig:
     offload_sub_group_size: int | None = flag_field(   # None: offload.sub_group_elements
         None, "--offload-sub-group-size", type=int, group=_OFFLOAD,
         help="elements updated (and swapped) at a time on the host (default: 1/32 of the rank's shard, at most 4M)")
+    offload_delayed_update: bool = flag_field(
+        False, "--offload-delayed-update", action="store_true", group=_OFFLOAD,
+        help="ZeRO-Offload's one-step delayed parameter update (DPU): the host's optimizer step over step t's "
+             "gradients runs during step t+1, whose forward and backward use the parameters before it")
     quantized_weights: bool = flag_field(False, "--zero-quantized-weights", action="store_true", group=_PAR,
                                          help="ZeRO++ qwZ (stage 3): int8 parameter all-gathers")
     quantization_block_size: int = flag_field(4096, "--zero-quantization-block-size", type=int, group=_PAR,
@@ -137,6 +141,10 @@ class ZeroConfig:
                   f"{FLAG.offload_params} nvme: add one or drop {FLAG.nvme_path}")
         if self.offload_sub_group_size is not None:
             positive(self.offload_sub_group_size, "offload_sub_group_size")
+        if self.offload_delayed_update and self.offload_optimizer != "cpu":
+            fail(f"{FLAG.offload_delayed_update} delays the host's optimizer step: it needs {FLAG.offload_optimizer} "
+                 f"cpu (got {self.offload_optimizer}; with nvme it is not built): add {FLAG.offload_optimizer} cpu "
+                 f"or drop {FLAG.offload_delayed_update}")
 
     def _check_zeropp(self, par: ParallelConfig, world: int) -> None:
         """ZeRO++'s switches: what stage each needs, and a node layout they can use."""

@@ -330,6 +330,8 @@ def offloaded_parts(job: JobConfig, groups, e: int, parts: dict, ge: int = 4, de
     if z.offload_optimizer != "none":
         parts["master_weights"] = parts["optimizer_state"] = 0
         out["host_grads"] = 0 if device == "cpu" and ge == 4 else 4 * owned
+        if z.offload_delayed_update:                     # the gradients the delayed update steps with
+            out["host_delayed_grads"] = 4 * owned
         where = "host" if z.offload_optimizer == "cpu" else "nvme"
         out[f"{where}_master_weights"] = 4 * owned
         out[f"{where}_optimizer_state"] = 8 * owned

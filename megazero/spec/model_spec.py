@@ -85,9 +85,12 @@ class StepHooks:
     auxiliary losses that back-propagate outside the pipeline's loss. ``metrics(chunks, job,
     tp_rank, steps, device) -> dict``: extra log fields averaged over the last ``steps`` steps (a
     collective: every rank calls it at every log line); ``describe_metrics(dict) -> str``: their part
-    of the console line."""
+    of the console line. ``after_step(chunks, job, tp_rank, device)``: right after the optimizer step (applied
+    or skipped), e.g. for state moved by what the step's forwards saw rather than by gradients (a
+    collective: every rank calls it)."""
 
     before_step: Callable[[list, float], None] = lambda chunks, loss_scale: None
+    after_step: Callable[..., None] = lambda chunks, job, tp_rank, device: None
     metrics: Callable[..., dict] = lambda chunks, job, tp_rank, steps, device: {}
     describe_metrics: Callable[[dict], str] = lambda metrics: ""
 

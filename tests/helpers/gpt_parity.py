@@ -58,10 +58,12 @@ OPTIMIZERS = {"adamw": GPT_OPT, "muon": MUON_OPT, "muon_bf16": MUON_BF16_OPT}
 
 
 def gpt_reference(steps: int, dp: int, model_kw: dict | None = None, decoupled_lr: float | None = None,
-                  optimizer: str = "adamw"):
+                  optimizer: str = "adamw", delayed: bool = False):
     """``decoupled_lr``: the embedding's and output layer's own learning rate (GPT_OPT's decoupled_lr);
-    ``optimizer``: a key of OPTIMIZERS (Muon steps the layers' matrices with ``torch.optim.Muon``)."""
-    return _reference(steps, dp, tuple(sorted((model_kw or {}).items())), decoupled_lr, optimizer)
+    ``optimizer``: a key of OPTIMIZERS (Muon steps the layers' matrices with ``torch.optim.Muon``);
+    ``delayed``: each step's (clipped) gradients are applied one step late, after the next step's backward,
+    and the last step's after the loop (ZeRO-Offload's delayed parameter update)."""
+    return _reference(steps, dp, tuple(sorted((model_kw or {}).items())), decoupled_lr, optimizer, delayed)
 
 
 def fp32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
@@ -117,11 +119,17 @@ def reference_optimizer(model, decoupled_lr: float | None = None, optimizer: str
 
 
 @functools.lru_cache(maxsize=8)
-def _reference(steps: int, dp: int, model_kw: tuple, decoupled_lr: float | None, optimizer: str):
+def _reference(steps: int, dp: int, model_kw: tuple, decoupled_lr: float | None, optimizer: str, delayed: bool):
     model = GPT(GPTConfig(**{**GPT_CFG, **dict(model_kw)}), seed=SEED)
     opt = reference_optimizer(model, decoupled_lr, optimizer)
     clip = OPTIMIZERS[optimizer].clip_grad
-    losses, norms = [], []
+    losses, norms, pending = [], [], None
+
+    def step_with(grads):
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        opt.step()
+
     for batches in gpt_batches(steps, dp * MICRO):
         total = 0.0
         for mb in batches:
@@ -129,9 +137,16 @@ def _reference(steps: int, dp: int, model_kw: tuple, decoupled_lr: float | None,
             (loss / len(batches)).backward()
             total += loss.item() / len(batches)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
+        grads = [p.grad.clone() for p in model.parameters()]
+        if not delayed:
+            opt.step()
+        elif pending is not None:
+            step_with(pending)
+        pending = grads
         opt.zero_grad()
         losses.append(total)
+    if delayed and pending is not None:
+        step_with(pending)
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -165,12 +180,13 @@ def global_loss(losses, topo) -> float:
 
 
 def check_against_reference(results, steps: int, dp: int, model_kw: dict | None = None, param_atol: float = 1e-6,
-                            decoupled_lr: float | None = None, optimizer: str = "adamw", rtol: float = 1e-5):
+                            decoupled_lr: float | None = None, optimizer: str = "adamw", rtol: float = 1e-5,
+                            delayed: bool = False):
     """``param_atol``: the absolute floor for parameters. Adam normalises every update, so an element
     whose true gradient is ~0 moves by fp32 rounding noise of either sign, up to ~1% of an lr step.
     ``decoupled_lr``: the run gave the embedding and output layer that learning rate; ``optimizer``: the run's
-    optimizer, a key of OPTIMIZERS."""
-    ref_losses, ref_norms, ref_params = gpt_reference(steps, dp, model_kw, decoupled_lr, optimizer)
+    optimizer, a key of OPTIMIZERS; ``delayed``: against :func:`gpt_reference`'s delayed update."""
+    ref_losses, ref_norms, ref_params = gpt_reference(steps, dp, model_kw, decoupled_lr, optimizer, delayed)
     if optimizer != "muon_bf16":
         assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
     seen = set()

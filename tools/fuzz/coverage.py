@@ -24,6 +24,7 @@ from tools.fuzz.sampler import (
     AXES,
     COMMON,
     MODEL_AXES,
+    ROUTER_AXES,
     Draw,
     draw,
     draw_fp8,
@@ -93,7 +94,7 @@ def allowed_pairs(samples: int = 2000, seed: int = 0) -> set[Pair]:
     """The pairs of axis values seen in ``samples`` valid layouts drawn (and validated, not trained)."""
     rng, out, n = random.Random(seed), set(), 0
     while n < samples:
-        model = pick_axes(rng, MODEL_AXES)
+        model = {**pick_axes(rng, MODEL_AXES), **pick_axes(rng, ROUTER_AXES)}
         try:
             parse_and_validate(COMMON + model_flags(model), 1)
         except ConfigError:

@@ -6,7 +6,8 @@
     d.resume_axes, d.resume_world     # the second layout, which resumes the first one's checkpoint
 
 Every axis is drawn independently from its values (:data:`MODEL_AXES`, :data:`LAYOUT_AXES`, and FP8's,
-:data:`FP8_MODEL_AXES` and :data:`FP8_LAYOUT_AXES`, from their own stream); the draw is
+:data:`FP8_MODEL_AXES` and :data:`FP8_LAYOUT_AXES`, and the MoE router's :data:`ROUTER_AXES`, each from its
+own stream); the draw is
 turned into flags, parsed by the trainer's own parser and checked by the trainer's own
 :func:`~megazero.config.validate` (and the model family's rules) at its world size. A refused draw is
 drawn again: which combinations are allowed is never written down here, so a rule added to the
@@ -43,6 +44,11 @@ LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--s
          "--untie-embeddings-and-output-weights"]
 
 
+DEEPSEEK_ROUTER = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                   "--moe-router-bias-update-rate", "0.01", "--moe-router-topk-scaling-factor", "2.5",
+                   "--moe-shared-expert-intermediate-size", "32"]
+
+
 def every(values: tuple, **weights: int) -> tuple[tuple, tuple]:
     """(values, weights) of an axis whose values are the configuration's own list (a schedule or a device
     added there is drawn at once), each of weight 1 unless named: ``every(OFFLOAD_DEVICES, none=6)``."""
@@ -60,6 +66,10 @@ MODEL_AXES: dict[str, tuple[tuple, tuple]] = {
     "precision": (("fp32", "bf16", "fp16"), (3, 1, 1)),
     "micro_batch": ((1, 2), (1, 1)),
     "micro_batches": ((4, 8), (1, 1)),           # per step, before the data-parallel split
+}
+# The MoE router, drawn from its own stream (``router/<seed>``) so that the other axes of a seed stay as they were.
+ROUTER_AXES: dict[str, tuple[tuple, tuple]] = {
+    "router": (("softmax", "deepseek"), (2, 1)),   # deepseek: sigmoid scores, expert bias, scaling, shared experts
 }
 LAYOUT_AXES: dict[str, tuple[tuple, tuple]] = {
     "tp": ((1, 2, 4), (2, 2, 1)),
@@ -95,7 +105,7 @@ FP8_MODEL_AXES: dict[str, tuple[tuple, tuple]] = {
     "fp8_head": ((False, True), (2, 1)),
 }
 FP8_LAYOUT_AXES: dict[str, tuple[tuple, tuple]] = {"fp8_param_gather": ((False, True), (1, 1))}
-AXES = {**MODEL_AXES, **LAYOUT_AXES, **FP8_MODEL_AXES, **FP8_LAYOUT_AXES}
+AXES = {**MODEL_AXES, **ROUTER_AXES, **LAYOUT_AXES, **FP8_MODEL_AXES, **FP8_LAYOUT_AXES}
 FP8_OFF = {"fp8": "off", "fp8_recipe": NOT_APPLICABLE, "fp8_head": NOT_APPLICABLE}
 
 # The optimizer a draw steps with, with its settings (the serial twin and the resumed layout step with the same
@@ -121,6 +131,8 @@ def model_flags(a: dict) -> list[str]:
             out += ["--moe-aux-loss-coeff", str(a["aux_loss"])]
         if a["capacity"]:
             out += ["--moe-expert-capacity-factor", str(a["capacity"])]
+        if a.get("router", "softmax") == "deepseek":
+            out += DEEPSEEK_ROUTER
     out += {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1024"]}[a["precision"]]
     if a.get("fp8", "off") != "off":
         out += ["--fp8-format", a["fp8"], "--fp8-recipe", a["fp8_recipe"]] + (["--fp8-head"] if a["fp8_head"] else [])
@@ -195,7 +207,7 @@ def _applicable(model: dict, layout: dict) -> dict:
     if layout["cp"] == 1:
         layout["cp_comm"] = NOT_APPLICABLE
     if not model["experts"]:
-        model["topk"] = model["aux_loss"] = model["capacity"] = NOT_APPLICABLE
+        model["topk"] = model["aux_loss"] = model["capacity"] = model["router"] = NOT_APPLICABLE
     return {**model, **layout}
 
 
@@ -357,6 +369,7 @@ def draw(seed: int, fp8: bool = True) -> Draw:
     rng = random.Random(seed)
     for _ in range(1000):
         model = pick_axes(rng, MODEL_AXES)
+        model.update(pick_axes(random.Random(f"router/{seed}"), ROUTER_AXES))
         try:
             parse_and_validate(COMMON + model_flags(model), 1)      # the serial twin must run too
         except ConfigError:

@@ -145,6 +145,18 @@ def _scaled_sizes(full, layout: dict) -> tuple[dict, int]:
         e = max(2, 2 * layout.get("parallel.expert_model_parallel_size", 1))
         sizes["model.num_experts"] = e
         sizes["model.moe_router_topk"] = min(m.moe_router_topk, e)
+        if m.moe_router_num_groups:                 # groups of at least 2 experts, keeping at least top-k
+            groups = max(1, min(m.moe_router_num_groups, e // 2))
+            keep = min(m.moe_router_group_topk, groups)
+            sizes["model.moe_router_num_groups"] = groups
+            sizes["model.moe_router_group_topk"] = keep if keep * (e // groups) >= sizes["model.moe_router_topk"] \
+                else groups
+        if isinstance(m.moe_layer_freq, list):      # a layer pattern: its first layer's kind, then its last's
+            n = sizes["model.num_layers"]
+            sizes["model.moe_layer_freq"] = str([m.moe_layer_freq[0]] + [m.moe_layer_freq[-1]] * (n - 1))
+        for width in ("moe_shared_expert_intermediate_size", "moe_ffn_hidden_size"):   # shared: split over tp
+            if getattr(m, width):
+                sizes[f"model.{width}"] = 8 * heads
     if m.recompute_granularity == "full":
         sizes["model.recompute_num_layers"] = 1
     if m.cpu_offloading_num_layers:
@@ -181,6 +193,8 @@ def axes_of(job) -> dict:
         "experts": m.num_experts or 0, "topk": m.moe_router_topk if m.num_experts else NOT_APPLICABLE,
         "aux_loss": m.moe_aux_loss_coeff if m.num_experts else NOT_APPLICABLE,
         "capacity": (m.moe_expert_capacity_factor or 0.0) if m.num_experts else NOT_APPLICABLE,
+        "router": ("deepseek" if m.moe_router_score_function == "sigmoid" else "softmax") if m.num_experts
+        else NOT_APPLICABLE,
         "precision": job.precision.dtype_name, "micro_batch": job.train.micro_batch_size,
         "micro_batches": job.train.global_batch_size // job.train.micro_batch_size,
         "tp": par.tp, "sp": par.sequence_parallel, "cp": par.cp,

@@ -13,6 +13,7 @@ RoPE, grouped-query attention over the tensor-parallel ranks, the MoE flags::
 from __future__ import annotations
 
 import dataclasses
+import re
 from argparse import BooleanOptionalAction
 from dataclasses import dataclass
 from typing import ClassVar
@@ -24,9 +25,85 @@ ACTIVATIONS = ("gelu_tanh", "gelu")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 MOE_FIELDS = ("moe_router_topk", "moe_layer_freq", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-              "moe_expert_capacity_factor", "moe_grouped_gemm")
+              "moe_expert_capacity_factor", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+              "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+              "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+              "moe_router_load_balancing_type", "moe_grouped_gemm")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 
 _MODEL, _MOE = "model", "mixture of experts"
+
+
+_PATTERN_TOKEN = re.compile(r"\s*(\d+|[\[\]()*+,])")
+
+
+def moe_layer_freq_value(text: str) -> int | str:
+    """``--moe-layer-freq``'s value as typed: an integer, else the pattern text (parsed by
+    :class:`GPTConfig`, refused by its check when it is not one)."""
+    text = str(text).strip()
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def parse_layer_pattern(text: str) -> list[int]:
+    """Megatron's layer pattern without eval: lists of integers, ``*`` by an integer, ``+`` to concatenate,
+    parentheses. ``"([0]*1+[1]*3)"`` -> [0, 1, 1, 1]; ``"([1]*1+[0]*1)*2"`` -> [1, 0, 1, 0]. ValueError
+    for anything else."""
+    tokens, pos = [], 0
+    while pos < len(text.rstrip()):
+        match = _PATTERN_TOKEN.match(text, pos)
+        if match is None:
+            raise ValueError(f"unexpected {text[pos:]!r}")
+        tokens.append(match.group(1))
+        pos = match.end()
+    tokens.append("")
+    at = 0
+
+    def take(expected: str | None = None) -> str:
+        nonlocal at
+        token = tokens[at]
+        if expected is not None and token != expected:
+            raise ValueError(f"expected {expected!r}, got {token!r}")
+        at += 1
+        return token
+
+    def number() -> int:
+        token = take()
+        if not token.isdigit():
+            raise ValueError(f"expected an integer, got {token!r}")
+        return int(token)
+
+    def atom() -> list[int]:
+        if tokens[at] == "(":
+            take("(")
+            value = expr()
+            take(")")
+            return value
+        take("[")
+        items = [number()]
+        while tokens[at] == ",":
+            take(",")
+            items.append(number())
+        take("]")
+        return items
+
+    def term() -> list[int]:
+        value = atom()
+        while tokens[at] == "*":
+            take("*")
+            value = value * number()
+        return value
+
+    def expr() -> list[int]:
+        value = term()
+        while tokens[at] == "+":
+            take("+")
+            value = value + term()
+        return value
+
+    result = expr()
+    take("")
+    return result
 
 
 @dataclass
@@ -76,8 +153,10 @@ class GPTConfig(ModelConfig):
                                          help="experts per MoE layer (default: dense)")
     moe_router_topk: int = flag_field(2, "--moe-router-topk", type=int, group=_MOE,
                                       help="experts per token (default 2)")
-    moe_layer_freq: int = flag_field(1, "--moe-layer-freq", type=int, group=_MOE,
-                                     help="an MoE layer every N layers (default 1)")
+    moe_layer_freq: int | list[int] = flag_field(
+        1, "--moe-layer-freq", type=moe_layer_freq_value, group=_MOE, metavar="N|PATTERN",
+        help="an MoE layer every N layers (default 1), or Megatron's pattern of one 0 (dense) or 1 (MoE) per "
+             "layer, e.g. \"([0]*1+[1]*3)\" or \"[0,1,1,1]\"")
     moe_aux_loss_coeff: float = flag_field(0.0, "--moe-aux-loss-coeff", type=float, group=_MOE,  # E * sum f_e P_e
                                            help="load-balancing loss weight")
     moe_z_loss_coeff: float = flag_field(0.0, "--moe-z-loss-coeff", type=float, group=_MOE,  # mean logsumexp^2
@@ -90,6 +169,37 @@ class GPTConfig(ModelConfig):
         "equal to the per-expert loop; the loop still runs under FP8 and where torch._grouped_mm refuses "
         "the dtype or device (fp64; CUDA other than bf16)"))
 
+    moe_ffn_hidden_size: int | None = flag_field(None, "--moe-ffn-hidden-size", type=int, group=_MOE,
+                                                 help="each routed expert's ffn width (default: the dense MLP's)")
+    moe_shared_expert_intermediate_size: int | None = flag_field(
+        None, "--moe-shared-expert-intermediate-size", type=int, group=_MOE,
+        help="width of an always-on shared-expert MLP beside the routed experts, added to their output, "
+             "tensor-split like a dense MLP (default: none)")
+    moe_router_score_function: str = flag_field(
+        "softmax", "--moe-router-score-function", choices=SCORE_FUNCTIONS, group=_MOE,
+        help="router scores: softmax over the experts, or each expert's sigmoid (DeepSeek-V3)")
+    moe_router_topk_scaling_factor: float | None = flag_field(
+        None, "--moe-router-topk-scaling-factor", type=float, group=_MOE,
+        help="the gates multiplied by this (DeepSeek-V3's routed_scaling_factor; default 1)")
+    moe_router_num_groups: int | None = flag_field(
+        None, "--moe-router-num-groups", type=int, group=_MOE,
+        help="group-limited routing: the experts in this many equal groups (default: no groups)")
+    moe_router_group_topk: int | None = flag_field(
+        None, "--moe-router-group-topk", type=int, group=_MOE,
+        help="group-limited routing: a token picks its experts from its best this-many groups (a group's "
+             "score is the sum of its two best choice scores)")
+    moe_router_enable_expert_bias: bool = flag_field(
+        False, "--moe-router-enable-expert-bias", action="store_true", group=_MOE,
+        help="auxiliary-loss-free balancing: a per-expert bias added to the scores for choosing only, "
+             "moved after each step towards the even load (needs sigmoid scores)")
+    moe_router_bias_update_rate: float = flag_field(
+        1e-3, "--moe-router-bias-update-rate", type=float, group=_MOE,
+        help="the expert bias' step: bias += rate * sign(mean load - load) after each step (default 1e-3)")
+    moe_router_load_balancing_type: str = flag_field(
+        "aux_loss", "--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, group=_MOE,
+        help="aux_loss: the load-balancing loss over the micro-batch; seq_aux_loss: per sequence, averaged "
+             "(DeepSeek-V3), both weighted by the aux loss coefficient; none: no balancing loss")
+
     experts_field: ClassVar[str | None] = "num_experts"
 
     def __post_init__(self) -> None:
@@ -97,6 +207,15 @@ class GPTConfig(ModelConfig):
             self.ffn_hidden_size = int(4 * self.hidden_size * 2 / 3 / 64) * 64
         if self.group_query_attention and self.num_query_groups is None:
             self.num_query_groups = 1
+        if isinstance(self.moe_layer_freq, str):
+            self.moe_layer_freq = moe_layer_freq_value(self.moe_layer_freq)
+        if isinstance(self.moe_layer_freq, str):
+            try:
+                self.moe_layer_freq = parse_layer_pattern(self.moe_layer_freq)
+            except ValueError:
+                pass                       # check() refuses it in one line
+        elif isinstance(self.moe_layer_freq, tuple):
+            self.moe_layer_freq = list(self.moe_layer_freq)
         super().__post_init__()
 
     @property
@@ -114,12 +233,24 @@ class GPTConfig(ModelConfig):
         return int(self.head_dim * self.rotary_percent)
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Does global layer ``layer`` hold experts instead of a dense MLP (``moe_layer_freq``)?"""
-        return bool(self.num_experts) and layer % self.moe_layer_freq == 0
+        """Does global layer ``layer`` hold experts instead of a dense MLP (``moe_layer_freq``: every N-th
+        layer from layer 0, or the pattern's 1s)?"""
+        if not self.num_experts:
+            return False
+        if isinstance(self.moe_layer_freq, list):
+            return self.moe_layer_freq[layer] == 1
+        return layer % self.moe_layer_freq == 0
 
     @property
     def layer_period(self) -> int:
-        return self.moe_layer_freq if self.num_experts else 1
+        if not self.num_experts:
+            return 1
+        return len(self.moe_layer_freq) if isinstance(self.moe_layer_freq, list) else self.moe_layer_freq
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each routed expert's ffn width: ``--moe-ffn-hidden-size``, else ``--ffn-hidden-size``."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     def check(self, parallel: ParallelConfig) -> None:
         """The sizes any family has (:meth:`ModelConfig.check`), then the GPT family's: norm epsilon, the
@@ -183,13 +314,69 @@ class GPTConfig(ModelConfig):
                          f"has none: add {FLAG.num_experts} N, or drop {flag(name)}")
             return
         positive(self.moe_router_topk, "moe_router_topk")
-        positive(self.moe_layer_freq, "moe_layer_freq")
+        self._check_layer_freq()
         if self.moe_router_topk > self.num_experts:
             fail(f"{FLAG.moe_router_topk} {self.moe_router_topk} exceeds {FLAG.num_experts} {self.num_experts}: "
                  f"a token cannot pick more experts than there are")
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
             if getattr(self, name) < 0:
                 fail(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
+        self._check_routing()
         if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
             fail(f"{FLAG.moe_expert_capacity_factor} must be > 0, got {self.moe_expert_capacity_factor}: "
                  f"leave it unset for dropless routing")
+
+    def _check_layer_freq(self) -> None:
+        """``--moe-layer-freq``: a positive integer, or a pattern of num_layers 0s and 1s."""
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            positive(freq, "moe_layer_freq")
+            return
+        if isinstance(freq, str):
+            fail(f"{FLAG.moe_layer_freq} {freq!r} is neither an integer nor a layer pattern: write N, or one 0 "
+                 f"(dense) or 1 (MoE) per layer as \"[0,1,1,1]\" or \"([0]*1+[1]*3)\"")
+        if len(freq) != self.num_layers or set(freq) - {0, 1}:
+            fail(f"{FLAG.moe_layer_freq} pattern {freq} must hold one 0 (dense) or 1 (MoE) per layer, "
+                 f"{self.num_layers} of them ({FLAG.num_layers}): got {len(freq)} entries")
+
+    def _check_routing(self) -> None:
+        """Score function, group-limited top-k, the expert bias, the balancing loss, the expert widths."""
+        one_of(self, "moe_router_score_function")
+        one_of(self, "moe_router_load_balancing_type")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_num_groups",
+                     "moe_router_group_topk"):
+            if getattr(self, name) is not None:
+                positive(getattr(self, name), name)
+        factor = self.moe_router_topk_scaling_factor
+        if factor is not None and not factor > 0:
+            fail(f"{FLAG.moe_router_topk_scaling_factor} must be > 0, got {factor}: leave it unset for 1")
+        self._check_groups()
+        sigmoid = self.moe_router_score_function == "sigmoid"
+        if self.moe_router_enable_expert_bias and not sigmoid:
+            fail(f"{FLAG.moe_router_enable_expert_bias} needs {FLAG.moe_router_score_function} sigmoid (the bias "
+                 f"shifts each expert's own score): add it, or drop the bias")
+        if not self.moe_router_bias_update_rate >= 0:
+            fail(f"{FLAG.moe_router_bias_update_rate} must be >= 0, got {self.moe_router_bias_update_rate}")
+        if self.moe_router_bias_update_rate != 1e-3 and not self.moe_router_enable_expert_bias:
+            fail(f"{FLAG.moe_router_bias_update_rate} moves the expert bias: add "
+                 f"{FLAG.moe_router_enable_expert_bias}, or drop {FLAG.moe_router_bias_update_rate}")
+        if self.moe_router_load_balancing_type == "none" and self.moe_aux_loss_coeff > 0:
+            fail(f"{FLAG.moe_router_load_balancing_type} none adds no balancing loss, yet {FLAG.moe_aux_loss_coeff} "
+                 f"is {self.moe_aux_loss_coeff}: drop one of them")
+
+    def _check_groups(self) -> None:
+        """Group-limited routing: both group flags or neither; E in whole groups of at least two experts
+        (a group's score sums its two best); the kept groups hold at least top-k experts."""
+        groups, keep, e = self.moe_router_num_groups, self.moe_router_group_topk, self.num_experts
+        if (groups is None) != (keep is None):
+            fail(f"{FLAG.moe_router_num_groups} and {FLAG.moe_router_group_topk} go together: give both, or neither "
+                 f"for routing over all experts")
+        if groups is None:
+            return
+        if e % groups or e // groups < 2:
+            fail(f"{FLAG.num_experts} {e} must split into {FLAG.moe_router_num_groups} {groups} equal groups of at "
+                 f"least 2 experts: choose a group count dividing {e} at most {e // 2}")
+        if keep > groups or keep * (e // groups) < self.moe_router_topk:
+            fail(f"{FLAG.moe_router_group_topk} {keep} must be <= {FLAG.moe_router_num_groups} {groups} and keep at "
+                 f"least {FLAG.moe_router_topk} {self.moe_router_topk} experts ({e // groups} per group): raise it")
+

@@ -98,7 +98,14 @@ def _mixtral_config(cfg: GPTConfig) -> dict:
         (f"{FLAG.moe_layer_freq} {cfg.moe_layer_freq} (Mixtral's every layer is MoE)", cfg.moe_layer_freq != 1),
         (f"{FLAG.moe_router_topk} 1 (Mixtral renormalises the top-k gates, so its top-1 gate is always 1; megazero's "
          "keeps the softmax probability)", cfg.moe_router_topk == 1),
-        (f"biases (drop {FLAG.add_qkv_bias}; use {FLAG.add_bias_linear})", cfg.add_bias_linear or cfg.add_qkv_bias))
+        (f"biases (drop {FLAG.add_qkv_bias}; use {FLAG.add_bias_linear})", cfg.add_bias_linear or cfg.add_qkv_bias),
+        (f"{FLAG.moe_router_score_function} sigmoid", cfg.moe_router_score_function != "softmax"),
+        (f"{FLAG.moe_router_num_groups}", cfg.moe_router_num_groups is not None),
+        (f"{FLAG.moe_router_enable_expert_bias}", cfg.moe_router_enable_expert_bias),
+        (f"{FLAG.moe_router_topk_scaling_factor}", cfg.moe_router_topk_scaling_factor is not None),
+        (f"{FLAG.moe_shared_expert_intermediate_size}", cfg.moe_shared_expert_intermediate_size is not None),
+        (f"{FLAG.moe_ffn_hidden_size} other than {FLAG.ffn_hidden_size}",
+         cfg.expert_ffn_hidden_size != cfg.ffn_hidden_size))
         if differs]
     if unlike:
         _refuse(f"an MoE model exports as MixtralForCausalLM, which has no {', '.join(unlike)}")

@@ -61,6 +61,16 @@ def mlp_elements(cfg, t: int) -> int:
     return (4 if cfg.swiglu else 2) * cfg.ffn_hidden_size // t
 
 
+def moe_mlp_elements(cfg, t: int, sp: bool) -> tuple[int, int]:
+    """Elements per token (of the layer's s*b) one tp rank's MoE layer keeps, routing balanced: (routed,
+    shared). Routed: each of the top-k experts' inner activations, ``--moe-ffn-hidden-size`` wide; experts
+    are whole on every tp rank, which routes all tokens, or its s*b/tp under sequence parallelism. Shared:
+    the shared experts' (``--moe-shared-expert-intermediate-size``), tensor-split like a dense MLP."""
+    per_width = 4 if cfg.swiglu else 2
+    routed = cfg.moe_router_topk * per_width * cfg.expert_ffn_hidden_size // (t if sp else 1)
+    return routed, per_width * (cfg.moe_shared_expert_intermediate_size or 0) // t
+
+
 def _linears(cfg, t: int) -> list[tuple[str, int, int, str]]:
     """One layer's column- and row-parallel linears on one tp rank: (name, local in features, local out
     features, the input they keep: ``attention`` / ``mlp`` a norm's output, ``core`` the attention output,
@@ -147,7 +157,8 @@ def selective_savings(job, parts: dict[str, int]) -> dict[str, int]:
     core_attn the rotated queries/keys and the core's statistics (or dropout probabilities); mlp the
     inner activations (and under SP fc1's gathered input, keeping the sbh/t chunk instead); layernorm
     the norms' outputs (not under SP, where nothing keeps them); moe_act an MoE layer's activation
-    output (GELU's, or SwiGLU's silu(gate) and product: counted on the dense-MLP model above)."""
+    output (GELU's, or SwiGLU's silu(gate) and product: of the routed experts, when the layer's parts are an
+    MoE layer's)."""
     cfg, par = job.model, job.parallel
     modules = selective_modules(cfg)
     sp = par.sequence_parallel and par.tp > 1
@@ -171,7 +182,7 @@ def grouped_gemm_stacked_bytes(job, e: int) -> int:
     (experts in FP8; fp64; widths whose rows are not a multiple of 16 bytes). CPU's rule: on CUDA the loop
     also runs in fp32 and fp16, which this counts as grouped."""
     cfg, par = job.model, job.parallel
-    f, h = cfg.ffn_hidden_size, cfg.hidden_size
+    f, h = cfg.expert_ffn_hidden_size, cfg.hidden_size
     fc1 = 2 * f if cfg.swiglu else f
     experts_in_fp8 = any(name == "fc1" for name, *_ in fp8_linears(job))
     if not (cfg.num_experts and cfg.moe_grouped_gemm) or e > 4 or experts_in_fp8 or \
@@ -187,9 +198,13 @@ def layer_activation_bytes(job, e: int, mask: int, layer_id: int | None = None) 
     MoE layer's stacked expert weights under ``--moe-grouped-gemm`` then too)."""
     cfg, par = job.model, job.parallel
     parts = layer_parts(job, e, mask)
+    moe = layer_id is not None and cfg.is_moe_layer(layer_id)
+    if moe:                                       # the experts' widths, top-k of them, and the shared experts
+        routed, shared = moe_mlp_elements(cfg, par.tp, par.sequence_parallel and par.tp > 1)
+        tokens = cfg.seq_length * job.train.micro_batch_size
+        parts["mlp_inner"], parts["shared_experts_inner"] = e * tokens * routed, e * tokens * shared
     savings = selective_savings(job, parts)
     if layer_id is not None:
-        moe = cfg.is_moe_layer(layer_id)
         savings.pop("mlp" if moe else "moe_act", None)
         parts["grouped_gemm_weights"] = grouped_gemm_stacked_bytes(job, e) if moe else 0
     rows = cfg.seq_length * job.train.micro_batch_size // (par.tp if par.sequence_parallel and par.tp > 1 else 1)

@@ -12,7 +12,20 @@ One MoE layer on this rank's tokens x [s(/tp), b, h] (T = s(/tp) * b tokens)::
            unset = dropless. Under sequence and context parallelism T and the order are the whole
            sequence's (the tp and cp ranks' choices are gathered and put back in the serial token
            order, undoing the cp load balancing), so the same tokens drop as on one process
-    out[t] = sum over kept (t, e) of gates[t, e] * Expert_e(x[t])
+    out[t] = sum over kept (t, e) of gates[t, e] * Expert_e(x[t])  (+ SharedExperts(x[t]) when given)
+
+DeepSeek-V3 routing (``--moe-router-score-function sigmoid``, HF transformers' DeepseekV3TopkRouter)::
+
+    scores = sigmoid(logits)            [T, E]  probs (for the losses) = scores / (sum_e scores + 1e-20)
+    choice = scores + expert_bias       [T, E]  (--moe-router-enable-expert-bias; no gradient)
+    group-limited (--moe-router-num-groups G --moe-router-group-topk K): the E experts in G consecutive
+           groups, a group's score = sum of its two best choice values; the worst G - K groups -> -inf
+    experts = top-k(choice); gates = scores[experts] / (sum + 1e-20) when k > 1
+    gates *= --moe-router-topk-scaling-factor (either score function)
+
+After each optimizer step :func:`update_expert_biases` moves every expert bias by
+``rate * sign(mean load - load_e)`` on the step's loads summed over all micro-batches and ranks (the same
+on every rank; the checkpoint stores it as ``model.buffer/<name>``).
 
 Losses, added to the training loss of the micro-batch (they are not part of the returned per-token
 loss; the log line reports them):
@@ -52,7 +65,10 @@ checkpoints do not depend on EP::
     layers.<i>.mlp.router.weight                 [E, h]        replicated
     layers.<i>.mlp.experts.<e>.fc1.{weight,bias} [ffn, h]      ([2 ffn, h] with --swiglu: gate/up rows
                                                                 interleaved as in transformer.MLP)
-    layers.<i>.mlp.experts.<e>.fc2.{weight,bias} [h, ffn]
+    layers.<i>.mlp.experts.<e>.fc2.{weight,bias} [h, ffn]       (ffn: --moe-ffn-hidden-size)
+    layers.<i>.mlp.router.expert_bias            [E] fp32      a buffer, replicated (with the expert bias)
+    layers.<i>.mlp.shared_experts.fc1.weight     [S(/tp), h]   ([2S, h] with --swiglu), split dim 0
+    layers.<i>.mlp.shared_experts.fc2.weight     [h, S(/tp)]   split dim 1 (--moe-shared-expert-intermediate-size S)
 """
 from __future__ import annotations
 
@@ -105,7 +121,7 @@ class ExpertMLP(nn.Module):
         cfg = ctx.cfg
         self.ctx, self.swiglu = ctx, cfg.swiglu
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
-        f, h = cfg.ffn_hidden_size, cfg.hidden_size
+        f, h = cfg.expert_ffn_hidden_size, cfg.hidden_size
         kw = dict(tensor_parallel=False, sequence_parallel_grad=ctx.sp, dtype=ctx.dtype, device=ctx.device)
         self.fc1 = nn.Module()
         self.fc1.weight = new_parameter((2 * f if self.swiglu else f, h), **kw)
@@ -288,13 +304,50 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad, torch.full((), ctx.layer.aux_loss_scale, dtype=torch.float32, device=grad.device), None
 
 
-def route(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 logits [T, E] -> (probs [T, E], gates [T, k], experts [T, k]); see the module docstring."""
-    probs = torch.softmax(logits, dim=-1)
-    gates, experts = probs.topk(topk, dim=-1)
+def route(logits: torch.Tensor, topk: int, score_function: str = "softmax", expert_bias: torch.Tensor | None = None,
+          num_groups: int | None = None, group_topk: int | None = None,
+          scaling_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 logits [T, E] -> (probs [T, E], gates [T, k], experts [T, k]); see the module docstring.
+
+    ``probs`` are what the balancing losses average: the softmax, or the sigmoid scores normalised to sum
+    1 per token. The experts are chosen on the scores plus ``expert_bias`` (within the best
+    ``group_topk`` of ``num_groups`` groups when given); the gates are the unbiased scores of the chosen
+    experts, renormalised when k > 1, times ``scaling_factor``."""
+    sigmoid = score_function == "sigmoid"
+    scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+    probs = scores / (scores.sum(-1, keepdim=True) + 1e-20) if sigmoid else scores
+    if expert_bias is None and num_groups is None:
+        gates, experts = scores.topk(topk, dim=-1)
+    else:
+        choice = scores + expert_bias if expert_bias is not None else scores
+        if num_groups is not None:
+            choice = best_groups_only(choice, num_groups, group_topk)
+        experts = choice.topk(topk, dim=-1).indices
+        gates = scores.gather(1, experts)
     if topk > 1:
-        gates = gates / gates.sum(-1, keepdim=True)
+        gates = gates / (gates.sum(-1, keepdim=True) + 1e-20) if sigmoid else gates / gates.sum(-1, keepdim=True)
+    if scaling_factor is not None:
+        gates = gates * scaling_factor
     return probs, gates, experts
+
+
+def best_groups_only(choice: torch.Tensor, num_groups: int, group_topk: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3): the E experts in ``num_groups`` consecutive groups; a group's
+    score is the sum of its two best choice scores; each token keeps its best ``group_topk`` groups and
+    the other experts' choice scores become -inf. [T, E] -> [T, E]."""
+    t, e = choice.shape
+    grouped = choice.view(t, num_groups, e // num_groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+    kept = torch.zeros_like(group_scores, dtype=torch.bool)
+    kept.scatter_(1, group_scores.topk(group_topk, dim=-1).indices, True)
+    return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(t, e)
+
+
+def expert_bias_step(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
+    """Auxiliary-loss-free balancing, in place: ``bias += rate * sign(mean(load) - load)``; ``load`` [E]
+    is the step's assignments per expert over the whole global batch (exact integer counts)."""
+    load = load.to(torch.float64)
+    bias.add_(rate * torch.sign(load.mean() - load).to(bias.dtype))
 
 
 def capacity_keep(experts: torch.Tensor, num_experts: int, capacity_factor: float | None) -> torch.Tensor:
@@ -307,6 +360,15 @@ def capacity_keep(experts: torch.Tensor, num_experts: int, capacity_factor: floa
     one_hot = F.one_hot(experts.reshape(-1), num_experts)
     position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1          # 0-based place in its expert's queue
     return (position < capacity).reshape(t, k)
+
+
+def sequence_load_balancing_loss(prob_sums: torch.Tensor, counts: torch.Tensor, seq_length: int, topk: int,
+                                 coeff: float) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: the load-balancing loss of each sequence, averaged over the
+    batch. ``prob_sums`` and ``counts`` [b, E]: per sequence, the probabilities summed over its
+    ``seq_length`` tokens and the assignments per expert."""
+    b, e = prob_sums.shape
+    return coeff * e * (prob_sums * counts.to(prob_sums.dtype)).sum() / (seq_length * seq_length * topk * b)
 
 
 def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, num_tokens: int, topk: int,
@@ -324,9 +386,11 @@ def z_loss(logits: torch.Tensor, coeff: float, num_tokens: int) -> torch.Tensor:
 
 
 class MoELayer(nn.Module):
-    """Router + this rank's experts, in place of a layer's MLP: [s(/tp), b, h] -> same shape."""
+    """Router + this rank's experts (+ the shared experts, when given), in place of a layer's MLP:
+    [s(/tp), b, h] -> same shape. ``shared_experts``: an always-on MLP on the same input, tensor-split
+    like a dense MLP, its output added to the routed experts'."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, shared_experts: nn.Module | None = None):
         super().__init__()
         cfg = ctx.cfg
         self.ctx, self.num_experts, self.topk = ctx, cfg.num_experts, cfg.moe_router_topk
@@ -335,11 +399,28 @@ class MoELayer(nn.Module):
         self.router = nn.Module()
         self.router.weight = new_parameter((self.num_experts, cfg.hidden_size), tensor_parallel=False,
                                            sequence_parallel_grad=ctx.sp, dtype=ctx.dtype, device=ctx.device)
+        if cfg.moe_router_enable_expert_bias:      # not a parameter: moved by expert_bias_step after each step
+            self.router.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32,
+                                                                   device=ctx.rng.device))
         self.experts = LocalExperts(ctx, self.ep_rank * self.local_count, self.local_count)
+        if shared_experts is not None:
+            self.shared_experts = shared_experts
         self.aux_loss_scale = 1.0
         self.keep_aux_graph = False          # tests: keep the last forward's loss tensor (``last_aux_loss``)
         self.last_aux_loss = None
         self.stats = MoEStats()
+        self.step_load = None                # [E] this rank's assignments in the step's training forwards
+
+    @property
+    def expert_bias(self) -> torch.Tensor | None:
+        """The router's per-expert choice bias [E] fp32 (``--moe-router-enable-expert-bias``), else None."""
+        return getattr(self.router, "expert_bias", None)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`route` with this model's routing flags."""
+        cfg = self.ctx.cfg
+        return route(logits, self.topk, cfg.moe_router_score_function, self.expert_bias, cfg.moe_router_num_groups,
+                     cfg.moe_router_group_topk, cfg.moe_router_topk_scaling_factor)
 
     def _capacity_keep(self, experts: torch.Tensor, batch: int) -> torch.Tensor:
         """:func:`capacity_keep` over the whole sequence in its serial token order, as on one process.
@@ -368,9 +449,9 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(-1, h)
         logits = F.linear(tokens.float(), self.router.weight.float())
-        probs, gates, experts = route(logits, self.topk)
+        probs, gates, experts = self.route(logits)
         keep = self._capacity_keep(experts, b)
-        aux, aux_value = self._aux_loss(logits, probs, experts)
+        aux, aux_value = self._aux_loss(logits, probs, experts, b)
         self._record(aux, aux_value, experts, keep)
 
         flat_expert, flat_gate = experts.reshape(-1)[keep.reshape(-1)], gates.reshape(-1)[keep.reshape(-1)]
@@ -383,6 +464,8 @@ class MoELayer(nn.Module):
         out = out.view(s, b, h)
         if torch.is_grad_enabled() and aux.requires_grad:
             out = _AttachAuxLoss.apply(out, aux, self)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
         return out
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -410,25 +493,36 @@ class MoELayer(nn.Module):
         ctx = self.ctx
         return ([ctx.tp_group] if ctx.sp else []) + ([ctx.cp.group] if ctx.cp is not None else [])
 
-    def _aux_loss(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor):
+    def _aux_loss(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, batch: int):
         """(loss tensor to back-propagate on this rank, its value for the whole sequence): load balancing
-        + z-loss of this micro-batch. Under sequence or context parallelism the load-balancing loss is the
-        whole sequence's on every rank (counts and probability sums summed over tp and cp; the sums'
-        backward is the identity, so each rank back-propagates through its own tokens' probabilities);
-        the z-loss is this rank's tokens' share, so the value sums the shares. A zero without graph when
-        both are off."""
+        (over the micro-batch, or per sequence with ``seq_aux_loss``) + z-loss of this micro-batch. Under
+        sequence or context parallelism the load-balancing loss is the whole sequence's on every rank
+        (counts and probability sums summed over tp and cp; the sums' backward is the identity, so each
+        rank back-propagates through its own tokens' probabilities); the z-loss is this rank's tokens'
+        share, so the value sums the shares. A zero without graph when both are off."""
         cfg, ctx = self.ctx.cfg, self.ctx
         groups = self._token_groups()
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        num_tokens = logits.shape[0] * (ctx.tp_size if ctx.sp else 1) * (ctx.cp.size if ctx.cp is not None else 1)
-        if cfg.moe_aux_loss_coeff > 0:
-            counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
-            prob_sum = probs.sum(0)
+        spread = (ctx.tp_size if ctx.sp else 1) * (ctx.cp.size if ctx.cp is not None else 1)
+        num_tokens = logits.shape[0] * spread
+        balancing = cfg.moe_router_load_balancing_type
+        if cfg.moe_aux_loss_coeff > 0 and balancing != "none":
+            per_sequence = balancing == "seq_aux_loss"
+            if per_sequence:             # [b, E]: rows are (position, sample), position major
+                counts = F.one_hot(experts, self.num_experts).sum(1).view(-1, batch, self.num_experts).sum(0)
+                prob_sum = probs.view(-1, batch, self.num_experts).sum(0)
+            else:
+                counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+                prob_sum = probs.sum(0)
             for group in groups:
                 counts = counts.clone()
                 dist.all_reduce(counts, group=group)
                 prob_sum = reduce_from_tp_region(prob_sum, group)
-            total = total + load_balancing_loss(prob_sum, counts, num_tokens, self.topk, cfg.moe_aux_loss_coeff)
+            if per_sequence:
+                total = total + sequence_load_balancing_loss(prob_sum, counts, num_tokens // batch, self.topk,
+                                                             cfg.moe_aux_loss_coeff)
+            else:
+                total = total + load_balancing_loss(prob_sum, counts, num_tokens, self.topk, cfg.moe_aux_loss_coeff)
         value = total.detach().clone()
         if cfg.moe_z_loss_coeff > 0:
             z = z_loss(logits, cfg.moe_z_loss_coeff, num_tokens)
@@ -451,6 +545,7 @@ class MoELayer(nn.Module):
         st.forwards += 1
         counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
         st.tokens_per_expert = counts if st.tokens_per_expert is None else st.tokens_per_expert + counts
+        self.step_load = counts if self.step_load is None else self.step_load + counts
         st.assignments += experts.numel()
         st.dropped += int((~keep).sum())
 
@@ -465,6 +560,32 @@ def set_aux_loss_scale(chunks, scale: float) -> None:
     """The gradient the MoE losses get in backward: ``loss_scale / micro-batches``, as the main loss."""
     for _, layer in moe_layers(chunks):
         layer.aux_loss_scale = float(scale)
+
+
+def start_moe_step(chunks, loss_scale: float) -> None:
+    """Before a step's first forward: the MoE losses' gradient scale (:func:`set_aux_loss_scale`), and the
+    step's expert loads counted from zero."""
+    set_aux_loss_scale(chunks, loss_scale)
+    for _, layer in moe_layers(chunks):
+        layer.step_load = None
+
+
+def update_expert_biases(chunks, num_layers: int, num_experts: int, tp_rank: int, sequence_parallel: bool,
+                         rate: float, device) -> None:
+    """After a step: every MoE layer's expert bias moves by :func:`expert_bias_step` on the step's loads
+    summed over every micro-batch and every rank routing other tokens (dp and ep ranks, tp ranks under
+    sequence parallelism, else tp rank 0 only, cp ranks), so it stays the same on every rank holding the
+    layer. A collective over the world (one all-reduce of a [layers, E] table), every rank calls it."""
+    table = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+    layers = [(int(name.split(".")[1]), layer) for name, layer in moe_layers(chunks)]
+    for i, layer in layers:
+        if layer.step_load is not None and (sequence_parallel or tp_rank == 0):
+            table[i] = layer.step_load.to(device=device, dtype=torch.float64)
+    dist.all_reduce(table)
+    for i, layer in layers:
+        if layer.expert_bias is not None:
+            expert_bias_step(layer.expert_bias, table[i].to(layer.expert_bias.device), rate)
+        layer.step_load = None
 
 
 def reset_moe_stats(chunks) -> None:

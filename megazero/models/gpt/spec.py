@@ -5,7 +5,8 @@ the Llama family and Mixture of Experts (:mod:`megazero.spec` lists what a spec 
     boundary    [s / cp, b, h], or [s / cp / tp, b, h] under sequence parallelism
     loss        the masked mean of the per-token losses
     FLOPs       :func:`flops_per_token` (6N per token plus attention, Megatron/PaLM's convention)
-    hooks       MoE: the auxiliary losses' gradient scale before each step, the routing figures at each log line
+    hooks       MoE: the auxiliary losses' gradient scale before each step, the expert biases' update after
+                it, the routing figures at each log line
     HF          GPT-2 (learned positions) <-> ``GPT2LMHeadModel``; RoPE <-> ``LlamaForCausalLM`` / Qwen2
                 (:mod:`.hf_gpt2`, :mod:`.hf_llama`); HF norm weights are the scale, so zero-centred
                 ones (``--apply-layernorm-1p``) gain 1 on export and lose it on import
@@ -28,7 +29,8 @@ from megazero.models.gpt.moe import (
     collect_moe_metrics,
     describe_moe_metrics,
     is_expert_parameter,
-    set_aux_loss_scale,
+    start_moe_step,
+    update_expert_biases,
 )
 from megazero.models.gpt.transformer import norm_scales_from_stored
 from megazero.parallel.pipeline.generators import stage_shape
@@ -43,7 +45,8 @@ CHECKPOINT_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hi
                      "layernorm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent",
                      "use_rope_scaling", "rope_scaling_factor", "normalization", "apply_layernorm_1p", "swiglu",
                      "group_query_attention", "num_query_groups", "add_bias_linear", "add_qkv_bias", "num_experts",
-                     "moe_layer_freq")
+                     "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                     "moe_router_score_function")
 
 
 def build_chunk(model_cfg: GPTConfig, placement, groups, *, seed: int = 1234, dtype=None, device=None,
@@ -67,7 +70,7 @@ def flops_per_token(cfg: GPTConfig, vocab: int, recompute: float = 0.0) -> float
     layer forward (counted in full, as Megatron and PaLM do). Backward is twice forward; recompute adds
     ``recompute`` times the layers' forward (:func:`recomputed_share`: 1 = every layer again; True
     counts as 1). An MoE layer (``--num-experts``) counts the MLP of the ``--moe-router-topk`` experts a
-    token passes through, plus the router's h*E.
+    token passes through (``--moe-ffn-hidden-size`` wide) and of the shared experts, plus the router's h*E.
     """
     h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
     total_matmul = sum(_layer_matmul(cfg, i) for i in range(L))
@@ -76,10 +79,11 @@ def flops_per_token(cfg: GPTConfig, vocab: int, recompute: float = 0.0) -> float
 
 def _layer_matmul(cfg: GPTConfig, layer: int, part: str = "layer") -> int:
     """Matmul parameters a token meets in global layer ``layer``: the whole layer, or its "mlp" part."""
-    h = cfg.hidden_size
-    mlp = (3 if cfg.swiglu else 2) * h * cfg.ffn_hidden_size
+    h, per_width = cfg.hidden_size, (3 if cfg.swiglu else 2) * cfg.hidden_size
+    mlp = per_width * cfg.ffn_hidden_size
     if cfg.is_moe_layer(layer):
-        mlp = cfg.moe_router_topk * mlp + h * cfg.num_experts
+        shared = cfg.moe_shared_expert_intermediate_size or 0
+        mlp = per_width * (cfg.moe_router_topk * cfg.expert_ffn_hidden_size + shared) + h * cfg.num_experts
     return mlp if part == "mlp" else 2 * h * h + 2 * h * cfg.kv_heads * cfg.head_dim + mlp
 
 
@@ -116,7 +120,12 @@ def describe(m: GPTConfig) -> str:
         (f"GQA ({m.kv_heads} KV heads)", m.group_query_attention), ("no biases", not m.add_bias_linear),
         ("QKV bias", m.add_qkv_bias and not m.add_bias_linear),
         ("untied output", m.untie_embeddings_and_output_weights),
-        (f"MoE ({m.num_experts} experts, top-{m.moe_router_topk}, every {m.moe_layer_freq} layer(s)"
+        (f"MoE ({m.num_experts} experts, top-{m.moe_router_topk}, {m.moe_router_score_function}, "
+         + (f"every {m.moe_layer_freq} layer(s)" if isinstance(m.moe_layer_freq, int) else
+            f"layers {''.join(map(str, m.moe_layer_freq))}")
+         + (f", shared experts {m.moe_shared_expert_intermediate_size}" if m.moe_shared_expert_intermediate_size
+            else "")
+         + (", expert bias" if m.moe_router_enable_expert_bias else "")
          + (f", capacity factor {m.moe_expert_capacity_factor:g})" if m.moe_expert_capacity_factor else ", dropless)"),
          bool(m.num_experts))) if on]
     return ", " + ", ".join(parts) if parts else ""
@@ -129,6 +138,14 @@ def moe_metrics(chunks, job, tp_rank: int, steps: int, device) -> dict:
         return {}
     return collect_moe_metrics(chunks, m.num_layers, m.num_experts, tp_rank, job.parallel.sequence_parallel,
                                steps, device)
+
+
+def after_moe_step(chunks, job, tp_rank: int, device) -> None:
+    """The expert biases' step (``--moe-router-enable-expert-bias``; a collective, else nothing)."""
+    m = job.model
+    if m.num_experts and m.moe_router_enable_expert_bias:
+        update_expert_biases(chunks, m.num_layers, m.num_experts, tp_rank, job.parallel.sequence_parallel,
+                             m.moe_router_bias_update_rate, device)
 
 
 def compile_regions(chunk: GPT) -> list:
@@ -179,7 +196,8 @@ HF = HFAdapter(model_types=("gpt2",) + hf_llama.MODEL_TYPES, config_from_hf=_con
 GPT_SPEC = register_model_spec(ModelSpec(
     name="gpt", config=GPTConfig, build_chunk=build_chunk, boundary_shape=boundary_shape, loss=masked_mean,
     flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
-    hooks=StepHooks(before_step=set_aux_loss_scale, metrics=moe_metrics, describe_metrics=describe_moe_metrics),
+    hooks=StepHooks(before_step=start_moe_step, after_step=after_moe_step, metrics=moe_metrics,
+                    describe_metrics=describe_moe_metrics),
     hf=HF, activation_bytes=GPTActivations(), compile_regions=compile_regions, recomputed_share=recomputed_share,
     context_parallel=True, is_expert=is_expert_parameter, fp8_layers=lambda chunk, head: chunk.fp8_layers(head)))
 

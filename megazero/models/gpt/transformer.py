@@ -430,28 +430,43 @@ class MLP(nn.Module):
     and up come out contiguous; the input is gathered once for both.
     """
 
-    def __init__(self, ctx: LayerContext):
+    names = ("dense_h_to_4h", "dense_4h_to_h")          # the two linears' attribute (parameter) names
+
+    def __init__(self, ctx: LayerContext, ffn_hidden_size: int | None = None):
         super().__init__()
         cfg = ctx.cfg
+        ffn = ffn_hidden_size or cfg.ffn_hidden_size
         self.ctx, self.swiglu = ctx, cfg.swiglu
-        width = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
+        width = 2 * ffn if cfg.swiglu else ffn
         kw, bias = ctx.linear_kw(), cfg.add_bias_linear
-        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, width, ctx.tp_group, bias=bias, **kw)
-        self.dense_4h_to_h = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, ctx.tp_group, bias=bias, **kw)
+        setattr(self, self.names[0], ColumnParallelLinear(cfg.hidden_size, width, ctx.tp_group, bias=bias, **kw))
+        setattr(self, self.names[1], RowParallelLinear(ffn, cfg.hidden_size, ctx.tp_group, bias=bias, **kw))
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc_in, fc_out = (getattr(self, name) for name in self.names)
         if not self.swiglu:
-            return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate=self.approximate))
-        ctx, w, b = self.ctx, self.dense_h_to_4h.weight, self.dense_h_to_4h.bias
+            return fc_out(F.gelu(fc_in(x), approximate=self.approximate))
+        ctx, w, b = self.ctx, fc_in.weight, fc_in.bias
         x = gather_from_sequence_parallel_region(x, ctx.tp_group) if ctx.sp else copy_to_tp_region(x, ctx.tp_group)
-        if self.dense_h_to_4h.fp8 is not None:           # one FP8 product, one scale for gate and up
-            both = linear(x, w, b, self.dense_h_to_4h.fp8)
+        if fc_in.fp8 is not None:                        # one FP8 product, one scale for gate and up
+            both = linear(x, w, b, fc_in.fp8)
             gate, up = both[..., 0::2], both[..., 1::2]
         else:
             gate = F.linear(x, w[0::2], b[0::2] if b is not None else None)
             up = F.linear(x, w[1::2], b[1::2] if b is not None else None)
-        return self.dense_4h_to_h(F.silu(gate) * up)
+        return fc_out(F.silu(gate) * up)
+
+
+class SharedExpertMLP(MLP):
+    """An MoE layer's shared experts (``--moe-shared-expert-intermediate-size`` S): the dense MLP of width
+    S, tensor-split over tp the same way, its linears named ``fc1`` ([S, h], [2S, h] with --swiglu: gate/up
+    rows interleaved) and ``fc2`` ([h, S]) as an expert's are."""
+
+    names = ("fc1", "fc2")
+
+    def __init__(self, ctx: LayerContext):
+        super().__init__(ctx, ctx.cfg.moe_shared_expert_intermediate_size)
 
 
 class TransformerLayer(nn.Module):
@@ -465,7 +480,8 @@ class TransformerLayer(nn.Module):
         self.attention = GroupedQueryAttention(ctx) if ctx.cfg.group_query_attention else SelfAttention(ctx)
         self.post_attention_layernorm = ctx.norm()
         self.mlp_is_moe = ctx.cfg.is_moe_layer(layer_id)
-        self.mlp = MoELayer(ctx) if self.mlp_is_moe else MLP(ctx)
+        shared = SharedExpertMLP(ctx) if self.mlp_is_moe and ctx.cfg.moe_shared_expert_intermediate_size else None
+        self.mlp = MoELayer(ctx, shared) if self.mlp_is_moe else MLP(ctx)
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         ctx, p = self.ctx, self.ctx.cfg.hidden_dropout

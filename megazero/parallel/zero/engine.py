@@ -152,7 +152,7 @@ def _first_replica(dp: DataParallel) -> bool:
     return dp.replicas is None or dp.replicas.ranks[0] == dist.get_rank()
 
 
-OFFLOADED_KEYS = {"host": ("params", "grads", "master_weights", "optimizer_state", "buffers"),
+OFFLOADED_KEYS = {"host": ("params", "grads", "delayed_grads", "master_weights", "optimizer_state", "buffers"),
                   "nvme": ("params", "master_weights", "optimizer_state")}
 
 
@@ -164,7 +164,8 @@ def model_state_bytes(syncs, optimizer: BucketAdamW | None = None, shards=None) 
     stage 2 includes the transient full-size buckets of backward.
 
     These are device bytes. What offloading keeps elsewhere is counted apart, by the same names:
-    ``host_params``, ``host_grads`` (the fp32 gradient copy), ``host_master_weights``,
+    ``host_params``, ``host_grads`` (the fp32 gradient copy), ``host_delayed_grads`` (those the delayed
+    update steps with), ``host_master_weights``,
     ``host_optimizer_state``, ``host_buffers`` (staging and swap buffers), ``host_total``, and
     ``nvme_params``, ``nvme_master_weights``, ``nvme_optimizer_state``, ``nvme_total`` (all 0 without
     offload; on a CPU run "device" and "host" are the same memory, counted apart all the same)."""

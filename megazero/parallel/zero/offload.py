@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -168,6 +168,52 @@ def wait_event(event) -> None:
 
 
 # ---------------------------------------------------------------------------- optimizer state
+class DelayedUpdate:
+    """ZeRO-Offload's one-step delayed parameter update (DPU, Ren et al. 2021, ``--offload-delayed-update``):
+    the host's AdamW step over step t's gradients runs in a background thread while the device runs step
+    t + 1's forward and backward, which therefore use the parameters from before that update. At the end
+    of step t + 1 the update is waited for and its masters become the parameters, and step t + 1's update
+    starts. So the update of step t's gradients reaches the parameters one step late::
+
+        step 1:  forward/backward on P0            -> g1   launch update(g1)
+        step 2:  forward/backward on P0            -> g2   wait: P1 = update(g1); launch update(g2)
+        step 3:  forward/backward on P1            -> g3   wait: P2 = update(g2); launch update(g3)
+
+    The gradients are copied into a buffer of their own before the thread starts (the next step's
+    backward writes the gradient buffers meanwhile); norm, clipping and the overflow check run on them
+    before, in the step as without delay, and each update uses its own step's learning rate. Every rank
+    has an update pending or none at the same time (the step's decisions are global).
+    :meth:`settle` (before a checkpoint, a gathered model, the end) applies a pending update at once, so a
+    run resumed from a checkpoint continues exactly as the run that wrote it."""
+
+    def __init__(self, states: "OffloadedOptimizerState"):
+        self.states = states
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="delayed-update")
+        self.pending: Future | None = None
+        self.grads: list[torch.Tensor] | None = None
+
+    def launch(self, grads: list[torch.Tensor], **update) -> None:
+        """Start the update of ``grads`` (the step's clipped fp32 gradients; copied first). ``update``:
+        :meth:`OffloadedOptimizerState.update`'s keywords but ``write``."""
+        assert self.pending is None, "settle() the pending update first"
+        if self.grads is None:
+            self.grads = [torch.empty_like(g) for g in grads]
+        for mine, g in zip(self.grads, grads):
+            mine.copy_(g)
+        self.pending = self.pool.submit(self.states.update, self.grads, write=None, **update)
+
+    def settle(self) -> bool:
+        """Wait for the pending update (re-raising its error); whether there was one."""
+        if self.pending is None:
+            return False
+        pending, self.pending = self.pending, None
+        pending.result()
+        return True
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
 class OffloadedOptimizerState:
     """The optimizer's fp32 state of this rank's owned ranges, off the device: a flat host gradient buffer,
     and masters and Adam moments in host memory (this class) or in a swap file (:class:`SwappedOptimizerState`).
@@ -255,7 +301,8 @@ class OffloadedOptimizerState:
         (views of the host buffer, unscaled and clipped in place). ``decay_ranges[k]``: range k's elements
         with weight decay; ``decoupled_ranges[k]`` those at ``decoupled_lr``. ``write(k, a, b, values)``
         stores range k's new parameter values [a, b) where the model keeps them; it is called inside the mover's
-        side stream, and ``values`` stays untouched until that copy has completed."""
+        side stream, and ``values`` stays untouched until that copy has completed. ``write=None`` (the
+        delayed update, :class:`DelayedUpdate`): only the masters and moments change."""
         self._begin()
         for i, (s, e) in enumerate(self.subgroups):
             master, exp_avg, exp_avg_sq = self._acquire(i)
@@ -268,6 +315,10 @@ class OffloadedOptimizerState:
                          [exp_avg[x:y] for x, y in cut], [exp_avg_sq[x:y] for x, y in cut], step=step, lr=lr,
                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decay_ranges=decay,
                          decoupled_lr=decoupled_lr, decoupled_ranges=own)
+            if write is None:                            # a delayed update: the caller publishes the masters
+                self.stats.update_s += time.perf_counter() - t0
+                self._release(i, None)
+                continue
             values = master
             staging = self._staging[i % 2]
             if staging is not None:

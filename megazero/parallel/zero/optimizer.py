@@ -50,6 +50,7 @@ from megazero.parallel.zero.grad_norm import squared_norm
 from megazero.parallel.zero.grad_sync import BucketedGradSync
 from megazero.parallel.zero.muon import Muon
 from megazero.parallel.zero.offload import (
+    DelayedUpdate,
     OffloadedOptimizerState,
     build_optimizer_state,
 )
@@ -168,6 +169,7 @@ class BucketAdamW:
         self._adam_ranges = None if self.muon is None else \
             [complement_ranges(self.muon.ranges(k), r.hi - r.lo) for k, r in enumerate(self.ranges)]
         self.states = self._build_states(first.cfg, swap)
+        self.delayed = DelayedUpdate(self.states) if first.cfg.offload_delayed_update else None
 
     def _build_states(self, zero_cfg, swap: SwapDir | None):
         """Where the fp32 state lives: on the device, or (``--offload-optimizer``) on the host / NVMe,
@@ -218,7 +220,13 @@ class BucketAdamW:
 
     def wait_params(self) -> None:
         """Return once the parameters hold the last step's values (stages 1-2 with
-        ``--overlap-param-gather`` may still be gathering them)."""
+        ``--overlap-param-gather`` may still be gathering them; ``--offload-delayed-update``: its pending
+        update is applied now). A collective where publishing is (every rank calls it)."""
+        if self.delayed is not None:
+            self.publish.before_write()
+            if self.delayed.settle():
+                self.states.write_params(self._write_params)
+                self.publish.share(self.ranges)
         self.publish.wait()
 
     def _publish(self) -> None:
@@ -296,6 +304,8 @@ class BucketAdamW:
                 g.mul_(coef)
         self.step_count += 1
         self.publish.before_write()
+        if self.delayed is not None:
+            return self._delayed_step(grads, norm)
         muon = {}
         if self.muon is not None:
             self.muon.step(grads, [r.master for r in self.ranges], [r.exp_avg for r in self.ranges], lr=self.lr,
@@ -310,6 +320,23 @@ class BucketAdamW:
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
         self.params_overflowed = self._local_params_overflowed()
+        return norm, False
+
+    def _delayed_step(self, grads: list[torch.Tensor], norm: float) -> tuple[float, bool]:
+        """:meth:`step` under ``--offload-delayed-update`` (:class:`DelayedUpdate`): the previous step's update
+        becomes the parameters, then this step's starts in the background."""
+        if self.delayed.settle():
+            self.states.write_params(self._write_params)
+            self.publish.share(self.ranges)
+            self.params_overflowed = self._local_params_overflowed()
+        else:
+            self.params_overflowed = False
+        self.delayed.launch(grads, decay_ranges=[r.decay_ranges for r in self.ranges], step=self.step_count,
+                            lr=self.lr, decoupled_lr=self.decoupled_lr,
+                            decoupled_ranges=[r.decoupled_ranges for r in self.ranges], beta1=self.cfg.adam_beta1,
+                            beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps, weight_decay=self.cfg.weight_decay)
+        if self.scaler is not None:
+            self.scaler.update(found_inf=False)
         return norm, False
 
     def _local_params_overflowed(self) -> bool:
@@ -465,7 +492,11 @@ class BucketAdamW:
                 self.states.set_masters(k, self.range_params(r))
 
     def close(self) -> None:
-        """Stop the offload I/O threads and the overlapped gathers (the swap files belong to the engine)."""
+        """Stop the offload I/O threads and the overlapped gathers (the swap files belong to the engine). A
+        delayed update still pending is waited for and dropped (a save applies it first)."""
+        if self.delayed is not None:
+            self.delayed.settle()
+            self.delayed.close()
         self.publish.close()
         self.states.close()
 
@@ -484,7 +515,10 @@ class BucketAdamW:
 
     def offloaded_bytes(self) -> dict[str, int]:
         """Host and NVMe bytes of the offloaded state (``host_*`` / ``nvme_*`` keys)."""
-        return self.states.offloaded_bytes()
+        out = self.states.offloaded_bytes()
+        if self.delayed is not None:
+            out["host_delayed_grads"] = 4 * sum(r.hi - r.lo for r in self.ranges)
+        return out
 
     @property
     def offload_stats(self):
