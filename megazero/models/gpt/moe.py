@@ -192,7 +192,9 @@ class LocalExperts(nn.ModuleDict):
 
     def grouped_forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """All local experts on their rows as two grouped GEMMs (fc1, fc2), equal bitwise in fp32 on CPU to
-        the per-expert loop (tests/test_moe.py). Under SwiGLU fc1's interleaved gate/up rows are stacked as
+        the per-expert loop when the expert ffn width is a multiple of 32 elements (tests/test_moe.py); at
+        other widths torch's vectorised activation rounds an expert's last elements through its scalar
+        tail on one path and not the other, and the two agree to fp32 rounding. Under SwiGLU fc1's interleaved gate/up rows are stacked as
         [E, 2 (gate, up), ffn, h] in the same copy, so gate and up come out as contiguous column blocks (the
         activation then takes the loop's vectorised path, which strided columns would not)."""
         experts = list(self.values())
