@@ -20,6 +20,8 @@ Sections (see each module's docstring for the method):
     scaling  rows_scaling.py  model-state memory vs dp (1, 2, 4, 8); step time vs model size
     llama    rows_llama.py    GPT-2 style vs Llama style at equal parameter count (one process)
     moe      rows_moe.py      MoE at expert parallelism 1/2/4 vs dense of equal active size, DeepSpeed MoE (dp 4)
+    grouped-gemm rows_grouped_gemm.py  one MoE layer of 64 experts, forward + backward: --moe-grouped-gemm vs the
+                              per-expert loop, alternated, median ratio; the cost of stacking the weights
     offload  rows_offload.py  step time with and without optimizer / parameter offload (cpu, nvme), 63M
     zeropp   rows_zeropp.py   ZeRO-3 vs ZeRO++ qwZ / hpZ / qgZ at dp 8 on 2 simulated nodes: step time, bytes
     capacity rows_capacity.py largest GPT (layers) within a fixed memory budget per rank at dp = 4:
@@ -68,7 +70,7 @@ import torch  # noqa: E402
 from bench import report  # noqa: E402
 from bench.common import QUICK, REPO, WARMUP_STEPS, Spec, cores, num_params  # noqa: E402
 
-SECTIONS = ("dp", "tp", "pp", "pipeline-bubble", "scaling", "llama", "moe", "offload", "zeropp", "gpu", "capacity",
+SECTIONS = ("dp", "tp", "pp", "pipeline-bubble", "scaling", "llama", "moe", "grouped-gemm", "offload", "zeropp", "gpu", "capacity",
             "scale", "compile", "recompute", "cp", "save", "trainer", "fp8", "muon")
 
 
@@ -229,6 +231,14 @@ def moe(run: Run) -> list[str]:
     return moe_section(run.spec, run_moe(run.spec))
 
 
+def grouped_gemm(run: Run) -> list[str]:
+    from bench.rows_grouped_gemm import GROUPED_GEMM_SHAPES, QUICK_GROUPED_GEMM, grouped_gemm_section, run_grouped_gemm
+
+    shapes = QUICK_GROUPED_GEMM if run.a.quick else GROUPED_GEMM_SHAPES
+    shapes = [replace(s, rounds=run.a.rounds) for s in shapes] if run.a.rounds else shapes
+    return grouped_gemm_section([(shape, run_grouped_gemm(shape, run.log)) for shape in shapes])
+
+
 def capacity(run: Run) -> list[str]:
     from bench.rows_capacity import QUICK_CAPACITY, CapacitySpec, run_capacity
 
@@ -328,9 +338,9 @@ def gpu(run: Run) -> list[str]:
 
 # Each section's runner, in the order BENCHMARKS.md lists them.
 RUNNERS = {"dp": dp, "tp": tp, "pp": pp, "pipeline-bubble": pipeline_bubble, "scaling": scaling, "llama": llama,
-           "moe": moe, "capacity": capacity, "offload": offload, "zeropp": zeropp, "scale": scale, "compile": compile_,
+           "moe": moe, "grouped-gemm": grouped_gemm, "capacity": capacity, "offload": offload, "zeropp": zeropp, "scale": scale, "compile": compile_,
            "recompute": recompute, "cp": cp, "save": save, "trainer": trainer, "fp8": fp8, "muon": muon, "gpu": gpu}
-OWN_MODELS = {"gpu", "capacity", "scale", "compile", "recompute", "cp", "save", "pipeline-bubble", "fp8", "muon"}   # not the Spec's
+OWN_MODELS = {"gpu", "grouped-gemm", "capacity", "scale", "compile", "recompute", "cp", "save", "pipeline-bubble", "fp8", "muon"}   # not the Spec's
 
 
 def _head(run: Run, sections: list[str], command: str, started, wall: float, machine: list[str],

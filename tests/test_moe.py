@@ -143,6 +143,74 @@ def test_init_does_not_depend_on_expert_parallelism():
     assert swiglu.get_parameter("layers.0.mlp.experts.2.fc1.weight").shape == (96, 32)
 
 
+# --------------------------------------------------------------------------- grouped GEMM == the loop
+
+def _experts_forward_backward(experts, x, counts, grouped: bool):
+    """Output, input gradient and every parameter gradient of ``experts`` on ``x`` (rows grouped by
+    ``counts``), through the grouped GEMMs or the per-expert loop."""
+    experts.grouped_gemm = grouped
+    experts.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    out = experts(x, counts)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    return out.detach(), x.grad, {n: p.grad for n, p in experts.named_parameters()}
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute-moe_act"])
+def test_grouped_gemm_equals_the_expert_loop_bitwise(swiglu, bias, recompute):
+    """--moe-grouped-gemm: the local experts' output, input gradient and every weight and bias gradient
+    equal the per-expert loop's bitwise (fp32, CPU), with empty experts (first, middle, last), odd row
+    counts and no rows at all. The expert ffn width is a multiple of 32 floats: torch's vectorised CPU
+    activations then take the same path per expert as over all rows (see the next test)."""
+    kw = dict(num_layers=1, num_experts=6, swiglu=swiglu, ffn_hidden_size=64, add_bias_linear=bias,
+              moe_grouped_gemm=True)
+    if recompute:
+        kw.update(recompute_granularity="selective", recompute_modules=["moe_act"])
+    experts = GPT(_cfg(**kw), seed=SEED).layers["0"].mlp.experts
+    assert experts.grouped_gemm and experts._grouped_runs(torch.empty(0, 32))
+    for counts in ([0, 5, 0, 9, 1, 0], [3, 4, 2, 7, 1, 6], [9, 11, 0, 5, 7, 3], [0] * 6):
+        x = torch.randn(sum(counts), 32, generator=torch.Generator().manual_seed(sum(counts)))
+        grouped = _experts_forward_backward(experts, x, counts, True)
+        loop = _experts_forward_backward(experts, x, counts, False)
+        assert torch.equal(grouped[0], loop[0]) and torch.equal(grouped[1], loop[1]), counts
+        assert grouped[2].keys() == loop[2].keys() and len(loop[2]) == 6 * (4 if bias else 2)
+        for name, grad in loop[2].items():
+            assert torch.equal(grouped[2][name], grad), (counts, name)
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
+def test_grouped_gemm_at_an_ffn_width_off_the_vector_width_equals_the_loop_to_rounding(swiglu):
+    """At an ffn width of 48 floats the activation's last elements of an expert's rows go through torch's
+    scalar tail on one path and its vector loop on the other: the two then differ in the last bits of
+    the activation (the GEMMs are still the same), so only to fp32 rounding."""
+    experts = GPT(_cfg(num_layers=1, num_experts=8, swiglu=swiglu, ffn_hidden_size=48, moe_grouped_gemm=True),
+                  seed=SEED).layers["0"].mlp.experts
+    counts = [5, 0, 7, 3, 9, 0, 4, 4]
+    x = torch.randn(sum(counts), 32, generator=torch.Generator().manual_seed(0))
+    grouped = _experts_forward_backward(experts, x, counts, True)
+    loop = _experts_forward_backward(experts, x, counts, False)
+    torch.testing.assert_close(grouped[:2], loop[:2], rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(grouped[2], loop[2], rtol=1e-5, atol=1e-8)
+
+
+def test_grouped_gemm_runs_the_loop_where_grouped_mm_refuses():
+    """fp64 (refused by torch._grouped_mm on CPU) and rows not a multiple of 16 bytes run the loop."""
+    from megazero.models.gpt.moe import grouped_mm_supported
+
+    cpu = torch.device("cpu")
+    assert grouped_mm_supported(torch.float32, cpu, (32, 96, 48))
+    assert grouped_mm_supported(torch.bfloat16, cpu, (32, 96, 48))
+    assert not grouped_mm_supported(torch.float64, cpu, (32, 96, 48))
+    assert not grouped_mm_supported(torch.float32, cpu, (32, 6, 3))
+    experts = GPT(_cfg(num_layers=1, moe_grouped_gemm=True), seed=SEED, dtype=torch.float64).layers["0"].mlp.experts
+    counts = [2, 0, 3, 1]
+    x = torch.randn(6, 32, dtype=torch.float64)
+    out = experts(x, counts)
+    assert torch.equal(out, torch.cat([e(p) for e, p in zip(experts.values(), torch.split(x, counts))]))
+
+
 # --------------------------------------------------------------------------- parallel == serial
 
 @functools.lru_cache(maxsize=8)
@@ -223,7 +291,8 @@ def _check(results, cases, cp: int = 1):
         for rank_results in results:
             tp_rank, tp, dp, losses, norms, params, metrics = rank_results[i]
             _check_metrics(metrics, dp, model_kw)
-            ref_losses, ref_norms, ref_params, ref_buffers = _reference(dp, tuple(sorted(model_kw.items())))
+            serial_kw = {k: v for k, v in model_kw.items() if k != "moe_grouped_gemm"}   # the per-expert loop
+            ref_losses, ref_norms, ref_params, ref_buffers = _reference(dp, tuple(sorted(serial_kw.items())))
             assert max(ref_norms) > GPT_OPT.clip_grad, "clipping should be active in this test"
             what = f"case tp{tp} pp{pp} ep{ep} sp{sp} zero{stage} cp{cp}"
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0, msg=what)
@@ -239,7 +308,9 @@ def _check(results, cases, cp: int = 1):
             f"{what}: never compared: {set(ref_params) | set(ref_buffers) - seen}"
 
 
-DP4_CASES = [(1, 1, ep, False, stage, {}) for ep in (1, 2, 4) for stage in (0, 1, 2, 3)]
+GROUPED = dict(moe_grouped_gemm=True)
+DP4_CASES = [(1, 1, ep, False, stage, {}) for ep in (1, 2, 4) for stage in (0, 1, 2, 3)] + \
+            [(1, 1, 2, False, 3, GROUPED)]
 MIXED_CASES = [(2, 1, 2, False, stage, {}) for stage in (0, 3)] + [(2, 1, 2, True, 1, {}), (2, 1, 2, True, 2, {})] + \
               [(1, 2, 2, False, stage, {}) for stage in (0, 2, 3)] + \
               [(1, 2, 2, False, 1, dict(recompute_activations=True, moe_layer_freq=2))]
@@ -247,7 +318,8 @@ MIXED_CASES = [(2, 1, 2, False, stage, {}) for stage in (0, 3)] + [(2, 1, 2, Tru
 
 @pytest.mark.parametrize("ep", [2, pytest.param(1, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_expert_parallel_dp4_matches_serial(ep):
-    """dp 4 at expert parallelism ep, ZeRO 0, 1, 2 and 3, dropless top-2 over 4 experts."""
+    """dp 4 at expert parallelism ep, ZeRO 0, 1, 2 and 3, dropless top-2 over 4 experts; at ep 2 also with
+    --moe-grouped-gemm (ZeRO-3) against the serial per-expert loop."""
     cases = [c for c in DP4_CASES if c[2] == ep]
     _check(run_on_ranks(4, _parity_body, cases, timeout=600), cases)
 
@@ -260,11 +332,19 @@ def test_expert_parallel_with_tp_and_pp_matches_serial():
 
 
 def test_llama_experts_match_serial():
-    """SwiGLU experts (the Llama MLP form), ep 2 dp 2 with pp 2 and ZeRO 1... at world 4: tp 1, pp 2."""
-    cases = [(1, 2, 2, False, 1, dict(swiglu=True, ffn_hidden_size=64, add_bias_linear=False,
-                                      normalization="RMSNorm", position_embedding_type="rope",
-                                      untie_embeddings_and_output_weights=True, moe_layer_freq=2))]
+    """SwiGLU experts (the Llama MLP form), ep 2 dp 2 with pp 2 and ZeRO 1... at world 4: tp 1, pp 2; and
+    the same with --moe-grouped-gemm against the serial per-expert loop."""
+    llama = dict(swiglu=True, ffn_hidden_size=64, add_bias_linear=False, normalization="RMSNorm",
+                 position_embedding_type="rope", untie_embeddings_and_output_weights=True, moe_layer_freq=2)
+    cases = [(1, 2, 2, False, 1, llama), (1, 2, 2, False, 1, {**llama, **GROUPED})]
     _check(run_on_ranks(4, _parity_body, cases, timeout=600), cases)
+
+
+def test_grouped_gemm_dp2_zero3_matches_serial():
+    """--moe-grouped-gemm at dp 2 under ZeRO-3 (the experts' weights gathered, stacked, released), GELU
+    with biases, against the serial per-expert loop."""
+    cases = [(1, 1, 1, False, 3, GROUPED)]
+    _check(run_on_ranks(2, _parity_body, cases, timeout=600), cases)
 
 
 @pytest.mark.slow
@@ -528,6 +608,24 @@ def test_estimate_counts_experts_per_ep_rank():
     assert moe_alltoall_bytes_per_step(JobConfig(**{**vars(job), "model": block})) == 4 * per_layer + per_layer // 2
     every = _cfg(recompute_activations=True)
     assert moe_alltoall_bytes_per_step(JobConfig(**{**vars(job), "model": every})) == 4 * per_layer * 3 // 2
+
+
+def test_estimate_counts_the_grouped_gemm_stacked_weights():
+    """--moe-grouped-gemm keeps one copy of an MoE layer's local experts' weights from forward to backward:
+    the estimate's MoE layer keeps that much more per micro-batch (E/ep experts, SwiGLU fc1 2 ffn wide,
+    biases), a dense layer nothing more."""
+    from megazero.models.gpt.memory import layer_activation_bytes
+
+    def job(**kw):
+        return JobConfig(model=_cfg(swiglu=True, ffn_hidden_size=48, moe_layer_freq=2, **kw),
+                         parallel=ParallelConfig(dp=4, expert_model_parallel_size=2),
+                         train=TrainConfig(micro_batch_size=MB_SIZE, global_batch_size=32))
+
+    grouped, loop = job(moe_grouped_gemm=True), job()
+    stacked = 4 * (4 // 2) * (96 * 32 + 32 * 48 + 96 + 32)
+    assert layer_activation_bytes(grouped, 4, 4, 0)[0] - layer_activation_bytes(loop, 4, 4, 0)[0] == stacked
+    assert layer_activation_bytes(grouped, 4, 4, 1) == layer_activation_bytes(loop, 4, 4, 1)
+    assert layer_activation_bytes(grouped, 8, 8, 0) == layer_activation_bytes(loop, 8, 8, 0)   # fp64: the loop
 
 
 def test_flops_per_token_count_the_active_experts():

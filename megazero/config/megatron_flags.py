@@ -36,7 +36,7 @@ AS_IS = (
     "--use-rope-scaling", "--rope-scaling-factor", "--normalization", "--apply-layernorm-1p", "--swiglu",
     "--group-query-attention", "--num-query-groups", "--disable-bias-linear", "--add-qkv-bias",
     "--num-experts", "--moe-router-topk", "--moe-layer-freq", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
-    "--moe-expert-capacity-factor", "--expert-model-parallel-size", "--moe-ffn-hidden-size",
+    "--moe-expert-capacity-factor", "--moe-grouped-gemm", "--expert-model-parallel-size", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--moe-router-score-function", "--moe-router-topk-scaling-factor",
     "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-enable-expert-bias",
     "--moe-router-bias-update-rate", "--moe-router-load-balancing-type",
@@ -133,7 +133,6 @@ IMPLEMENTATION: dict[str, Implementation] = {
     "--no-gradient-accumulation-fusion": Implementation("gradients accumulate into their buckets with torch "
                                                         "operations (no fused weight-gradient kernel to turn off)"),
     "--no-async-tensor-model-parallel-allreduce": Implementation("tensor-parallel all-reduces are megazero's own"),
-    "--moe-grouped-gemm": Implementation("each rank runs its experts one after another (no grouped GEMM kernel)"),
     "--use-cpu-initialization": Implementation("parameters are built on the meta device and given their values "
                                                "where they live (--sharded-init)"),
     "--use-contiguous-parameters-in-local-ddp": Implementation("gradients always live in contiguous buckets"),

@@ -348,6 +348,20 @@ def draw_loss_fusion(seed: int, which: str, model_args: list[str], layout: list[
     return ["--cross-entropy-loss-fusion"]
 
 
+def draw_grouped_gemm(seed: int, which: str, model_args: list[str], layout: list[str], world: int) -> list[str]:
+    """``--moe-grouped-gemm`` for one layout of seed ``seed``'s draw, half the time, where the configuration
+    accepts it (models with experts; its own random stream, so the other axes are drawn as before). A
+    layout flag, as the fused loss: the serial twin runs the per-expert loop, so a grouped layout is
+    checked against it."""
+    if random.Random(f"grouped gemm {which} {seed}").random() < 0.5:
+        return []
+    try:
+        parse_and_validate(COMMON + model_args + layout + ["--moe-grouped-gemm"], world)
+    except ConfigError:
+        return []
+    return ["--moe-grouped-gemm"]
+
+
 def draw(seed: int, fp8: bool = True) -> Draw:
     """The draw of ``seed``: model axes, then a valid first layout and a valid resume layout for them, then
     their FP8 axes (``fp8=False``: FP8 off, the draw as it was before FP8 joined the space; fixed-seed tests
@@ -370,6 +384,7 @@ def draw(seed: int, fp8: bool = True) -> Draw:
         axes, flags = with_fp8(axes, flags, fp8, gather)
         resume_axes, resume_flags = with_fp8(resume_axes, resume_flags, fp8, resume_gather)
         flags, resume_flags = (layout + draw_loss_fusion(seed, which, model_flags({**model, **fp8}), layout, size)
+                               + draw_grouped_gemm(seed, which, model_flags({**model, **fp8}), layout, size)
                                for which, layout, size in (("first", flags, world), ("resume", resume_flags,
                                                                                      resume_world)))
         return Draw(seed, axes, world, model_flags({**model, **fp8}) + OPTIMIZERS[optimizer], flags, resume_axes,

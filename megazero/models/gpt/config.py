@@ -28,7 +28,7 @@ MOE_FIELDS = ("moe_router_topk", "moe_layer_freq", "moe_aux_loss_coeff", "moe_z_
               "moe_expert_capacity_factor", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
               "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_num_groups",
               "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
-              "moe_router_load_balancing_type")
+              "moe_router_load_balancing_type", "moe_grouped_gemm")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 
@@ -164,6 +164,10 @@ class GPTConfig(ModelConfig):
     moe_expert_capacity_factor: float | None = flag_field(
         None, "--moe-expert-capacity-factor", type=float, group=_MOE,
         help="drop tokens beyond this x the even share (default: dropless)")
+    moe_grouped_gemm: bool = flag_field(False, "--moe-grouped-gemm", action="store_true", group=_MOE, help=(
+        "each MoE layer's local experts as one grouped GEMM for fc1 and one for fc2 (torch._grouped_mm), "
+        "equal to the per-expert loop; the loop still runs under FP8 and where torch._grouped_mm refuses "
+        "the dtype or device (fp64; CUDA other than bf16)"))
 
     moe_ffn_hidden_size: int | None = flag_field(None, "--moe-ffn-hidden-size", type=int, group=_MOE,
                                                  help="each routed expert's ffn width (default: the dense MLP's)")

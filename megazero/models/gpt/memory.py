@@ -15,7 +15,8 @@ queries and keys, grouped-query attention 2h/t + 2Gd/t (+ Gd/t rotated keys) ins
 statistics (fp32), the attention's log-sum-exp (fp32; the fused kernel keeps no s x s scores, except
 with attention dropout, where the unfused path keeps the probabilities and the mask), dropout masks and
 the head's softmax (fp32, sbV/t). An MoE layer is counted as one dense MLP (router, top-k copies and
-all-to-all buffers left out).
+all-to-all buffers left out), plus, under ``--moe-grouped-gemm``, the copy of its local experts' weights
+stacked in forward and kept until its backward (:func:`grouped_gemm_stacked_bytes`).
 
 The recompute and offload choices (:mod:`megazero.spec.recompute`) change what a layer keeps
 (:func:`selective_savings` says what each ``--recompute-modules`` entry drops) and what a chunk holds:
@@ -174,9 +175,27 @@ def selective_savings(job, parts: dict[str, int]) -> dict[str, int]:
     return out
 
 
+def grouped_gemm_stacked_bytes(job, e: int) -> int:
+    """Bytes of the stacked weights one MoE layer keeps per micro-batch under ``--moe-grouped-gemm``: its
+    E/EP local experts' fc1 and fc2 weights and biases, one copy (megazero/models/gpt/moe.py,
+    ``LocalExperts.grouped_forward``); 0 without the flag and where the per-expert loop runs instead
+    (experts in FP8; fp64; widths whose rows are not a multiple of 16 bytes). CPU's rule: on CUDA the loop
+    also runs in fp32 and fp16, which this counts as grouped."""
+    cfg, par = job.model, job.parallel
+    f, h = cfg.expert_ffn_hidden_size, cfg.hidden_size
+    fc1 = 2 * f if cfg.swiglu else f
+    experts_in_fp8 = any(name == "fc1" for name, *_ in fp8_linears(job))
+    if not (cfg.num_experts and cfg.moe_grouped_gemm) or e > 4 or experts_in_fp8 or \
+            any(width * e % 16 for width in (h, fc1, f)):
+        return 0
+    per_expert = fc1 * h + h * f + ((fc1 + h) if cfg.add_bias_linear else 0)
+    return e * per_expert * (cfg.num_experts // par.expert_model_parallel_size)
+
+
 def layer_activation_bytes(job, e: int, mask: int, layer_id: int | None = None) -> tuple[int, int]:
     """(bytes one layer keeps for backward, bytes of its input) per micro-batch, after the selective
-    recompute in use (moe_act only on MoE layers, mlp only on dense ones, when ``layer_id`` is given)."""
+    recompute in use (moe_act only on MoE layers, mlp only on dense ones, when ``layer_id`` is given; an
+    MoE layer's stacked expert weights under ``--moe-grouped-gemm`` then too)."""
     cfg, par = job.model, job.parallel
     parts = layer_parts(job, e, mask)
     moe = layer_id is not None and cfg.is_moe_layer(layer_id)
@@ -187,6 +206,7 @@ def layer_activation_bytes(job, e: int, mask: int, layer_id: int | None = None) 
     savings = selective_savings(job, parts)
     if layer_id is not None:
         savings.pop("mlp" if moe else "moe_act", None)
+        parts["grouped_gemm_weights"] = grouped_gemm_stacked_bytes(job, e) if moe else 0
     rows = cfg.seq_length * job.train.micro_batch_size // (par.tp if par.sequence_parallel and par.tp > 1 else 1)
     return sum(parts.values()) - sum(savings.values()), e * rows * cfg.hidden_size
 

@@ -134,8 +134,7 @@ class ExpertMLP(nn.Module):
             p.expert_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """fc2(act(fc1(x))); under ``--recompute-modules moe_act`` the activation's output is freed once
-        fc2 has saved it and recomputed before fc2's backward (:func:`free_until_backward`)."""
+        """fc2(act(fc1(x))), recomputing the activation as :meth:`act_then_fc2` says."""
         w, b, fp8 = self.fc1.weight, self.fc1.bias, self.fc1.fp8
         if self.swiglu and fp8 is not None:         # one FP8 product, one scale for gate and up
             both = linear(x, w, b, fp8)
@@ -145,10 +144,15 @@ class ExpertMLP(nn.Module):
                      F.linear(x, w[1::2], b[1::2] if b is not None else None))
         else:
             inner = (linear(x, w, b, fp8),)
+        return self.act_then_fc2(inner, lambda y: linear(y, self.fc2.weight, self.fc2.bias, self.fc2.fp8))
+
+    def act_then_fc2(self, inner: tuple, fc2) -> torch.Tensor:
+        """``fc2(act(*inner))``; under ``--recompute-modules moe_act`` the activation's output is freed once
+        ``fc2`` has saved it and recomputed before fc2's backward (:func:`free_until_backward`)."""
         if not self.ctx.recomputes("moe_act"):
-            return linear(self._act(*inner), self.fc2.weight, self.fc2.bias, self.fc2.fp8)
+            return fc2(self._act(*inner))
         y = checkpointed(self._act, None, *inner) if self.swiglu else self._act(*inner)
-        out = linear(y, self.fc2.weight, self.fc2.bias, self.fc2.fp8)
+        out = fc2(y)
         free_until_backward(y, out, lambda: self._act(*inner))
         return out
 
@@ -158,20 +162,117 @@ class ExpertMLP(nn.Module):
 
 class LocalExperts(nn.ModuleDict):
     """The experts this ep rank holds, keyed by global index. ``forward(x, counts)``: rows of ``x`` grouped
-    by local expert, ``counts[j]`` rows for the j-th. A module of its own: ZeRO-3 gathers it as a unit."""
+    by local expert, ``counts[j]`` rows for the j-th. A module of its own: ZeRO-3 gathers it as a unit.
+
+    With ``--moe-grouped-gemm`` fc1 and fc2 each run as one grouped GEMM over all local experts
+    (:func:`grouped_linear`), on the experts' weights stacked at forward time (one copy of the local
+    experts' weights per MoE layer, kept until its backward). The per-expert loop runs instead under FP8
+    (each expert keeps its own scales) and where :func:`grouped_mm_supported` says no."""
 
     def __init__(self, ctx, first: int, count: int):
         super().__init__({str(e): ExpertMLP(ctx) for e in range(first, first + count)})
+        self.grouped_gemm = ctx.cfg.moe_grouped_gemm
 
     def forward(self, x: torch.Tensor, counts: list[int], by_source: list[list[int]] | None = None) -> torch.Tensor:
         """``by_source`` (FP8 under expert parallelism): ``by_source[j]`` the j-th expert's rows from each ep
         rank, in rank order. Each expert then runs on each rank's rows apart, so that its FP8 scales are
         those of one micro-batch's tokens, as in the serial run (megazero.parallel.fp8)."""
+        if self.grouped_gemm and self._grouped_runs(x):
+            return self.grouped_forward(x, counts)
         pieces = torch.split(x, counts)
         if by_source is None:
             return torch.cat([expert(piece) for expert, piece in zip(self.values(), pieces)])
         return torch.cat([expert(part) for expert, piece, sources in zip(self.values(), pieces, by_source)
                           for part in torch.split(piece, sources)])
+
+    def _grouped_runs(self, x: torch.Tensor) -> bool:
+        first = next(iter(self.values()))
+        widths = (first.fc1.weight.shape[1], first.fc1.weight.shape[0], first.fc2.weight.shape[1])
+        return first.fc1.fp8 is None and grouped_mm_supported(x.dtype, x.device, widths)
+
+    def grouped_forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """All local experts on their rows as two grouped GEMMs (fc1, fc2), equal bitwise in fp32 on CPU to
+        the per-expert loop when the expert ffn width is a multiple of 32 elements (tests/test_moe.py); at
+        other widths torch's vectorised activation rounds an expert's last elements through its scalar
+        tail on one path and not the other, and the two agree to fp32 rounding. Under SwiGLU fc1's interleaved gate/up rows are stacked as
+        [E, 2 (gate, up), ffn, h] in the same copy, so gate and up come out as contiguous column blocks (the
+        activation then takes the loop's vectorised path, which strided columns would not)."""
+        experts = list(self.values())
+        first = experts[0]
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        ffn = first.fc2.weight.shape[1]
+
+        def stacked(name: str, split):
+            weight = torch.stack([split(getattr(e, name).weight) for e in experts]).flatten(1, -2)
+            bias = None
+            if first.fc1.bias is not None:
+                bias = torch.stack([split(getattr(e, name).bias.unsqueeze(-1)) for e in experts]).flatten(1)
+            return weight, bias
+
+        gate_up = (lambda t: t.unflatten(0, (ffn, 2)).transpose(0, 1)) if first.swiglu else (lambda t: t)
+        both = grouped_linear(x, *stacked("fc1", gate_up), offsets, counts, 2 if first.swiglu else 1)
+        inner = (both[:, :ffn], both[:, ffn:]) if first.swiglu else (both,)
+        w2, b2 = stacked("fc2", lambda t: t)
+        return first.act_then_fc2(inner, lambda y: grouped_linear(y, w2, b2, offsets, counts))
+
+
+def grouped_mm_supported(dtype: torch.dtype, device: torch.device, widths) -> bool:
+    """Can ``torch._grouped_mm`` run the experts' products and their gradients here? It needs torch's
+    ``_grouped_mm`` (absent before torch 2.8), fp32, bf16 or fp16 on CPU or bf16 on CUDA (it refuses
+    fp64 on CPU; other CUDA dtypes are not taken on every GPU), and feature widths (hidden, fc1's and
+    fc2's input widths) whose rows are a multiple of 16 bytes (its stride rule). Else the loop runs."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    allowed = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+    if dtype not in allowed.get(device.type, ()):
+        return False
+    element = torch.empty((), dtype=dtype).element_size()
+    return all(w * element % 16 == 0 for w in widths)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``x`` [T, in] rows grouped by expert (``offsets`` the int32 cumulative ``counts``), ``weight``
+    [E, out, in], ``bias`` [E, out] or None -> [T, out], row block j times expert j's weight (plus its bias).
+
+    Backward in grouped GEMMs too: dX = grouped(dY, W), dW_j = dY_j^T X_j (``_grouped_mm``'s 2D x 2D form
+    with offsets over T: an empty group's dW is zero), dB_j = the sum of dY_j's rows. torch's own autograd
+    of ``_grouped_mm`` fails on an empty group, which routing makes common. ``out_blocks`` > 1 (SwiGLU's
+    gate and up): the output columns are that many equal blocks and dX sums one product per block, as the
+    loop's two linear layers do (one product over all columns would round differently)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, offsets, counts, out_blocks):
+        ctx.save_for_backward(x, weight, offsets)
+        ctx.counts, ctx.has_bias, ctx.out_blocks = counts, bias is not None, out_blocks
+        out = torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+        if bias is not None:
+            out = out + torch.repeat_interleave(bias, torch.tensor(counts, device=bias.device), dim=0,
+                                                output_size=x.shape[0])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        width = weight.shape[1] // ctx.out_blocks
+        blocks = [grad] if ctx.out_blocks == 1 else \
+            [grad[:, i * width:(i + 1) * width].contiguous() for i in range(ctx.out_blocks)]
+        grad_x = grad_b = None
+        if ctx.needs_input_grad[0]:
+            for i, block in enumerate(blocks):
+                part = torch._grouped_mm(block, weight[:, i * width:(i + 1) * width], offs=offsets)
+                grad_x = part if grad_x is None else grad_x + part
+        grad_w = torch._grouped_mm(grad.t(), x, offs=offsets) if ctx.needs_input_grad[1] else None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = torch.stack([torch.cat([rows.sum(0) for rows in per_expert])
+                                  for per_expert in zip(*(torch.split(block, ctx.counts) for block in blocks))])
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor,
+                   counts: list[int], out_blocks: int = 1) -> torch.Tensor:
+    """Each expert's linear layer on its block of rows, as one grouped GEMM (:class:`_GroupedLinear`)."""
+    return _GroupedLinear.apply(x, weight, bias, offsets, counts, out_blocks)
 
 
 class _AllToAll(torch.autograd.Function):
