@@ -169,6 +169,8 @@ LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags[, o
     "cp2-allgather": (1, 1, False, 0, {}, dict(cp=2, cp_comm_type="allgather")),
     "tp2-sp-moe": (2, 1, True, 0, {**MOE_KW, "moe_layer_freq": "([0]*1+[1]*3)",
                                    "moe_router_enable_expert_bias": False}),
+    "dp2-zero3-moe-grouped": (1, 1, False, 3, {**MOE_KW, "moe_layer_freq": "([0]*1+[1]*3)",
+                                               "moe_router_enable_expert_bias": False, "moe_grouped_gemm": True}),
 }
 
 
@@ -215,7 +217,8 @@ def test_layout_matches_serial(name):
     """tp 2 (with sequence parallelism, and with a plain query projection), pp 2 (1F1B), dp 2 under ZeRO 1
     and 3, with MTP tp 2 + SP, pp 2 (the last stage's copy of the embedding; 1F1B, and interleaved under ZeRO 1)
     and ZeRO 3, and DeepSeek's MoE
-    (sigmoid group-limited routing, a shared expert, the first layer dense) at tp 2 + SP, cp 2 by each comm type
+    (sigmoid group-limited routing, a shared expert, the first layer dense) at tp 2 + SP and, with grouped GEMM
+    experts, ZeRO 3, cp 2 by each comm type
     (the value head dim differs from the query/key one): losses and
     clipped gradient norms to 1e-5 relative, every parameter to 1e-5 relative (absolute floor 1e-5, as the
     Llama parity tests: Adam-normalised noise of elements whose gradient is ~0)."""
