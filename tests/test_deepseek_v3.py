@@ -171,6 +171,12 @@ LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags[, o
                                    "moe_router_enable_expert_bias": False}),
     "dp2-zero3-moe-grouped": (1, 1, False, 3, {**MOE_KW, "moe_layer_freq": "([0]*1+[1]*3)",
                                                "moe_router_enable_expert_bias": False, "moe_grouped_gemm": True}),
+    "ep2-zero3-moe": (1, 1, False, 3, {**MOE_KW, "moe_layer_freq": "([0]*1+[1]*3)",
+                                       "moe_router_enable_expert_bias": False},
+                      dict(expert_model_parallel_size=2)),
+    "pp2-zb-h1-moe-mtp": (1, 2, False, 0, {**MOE_KW, "moe_layer_freq": "([0]*1+[1]*3)", "mtp_num_layers": 1,
+                                           "moe_router_enable_expert_bias": False},
+                          dict(pipeline_schedule="zb-h1")),
 }
 
 
@@ -201,7 +207,7 @@ def _layouts_body(rank, world_size, names):
     for name in names:
         tp, pp, sp, stage, model_kw, *other = LAYOUTS[name]
         par_kw = other[0] if other else {}
-        topo = Topology(tp=tp, pp=pp, cp=par_kw.get("cp", 1))
+        topo = Topology(tp=tp, pp=pp, cp=par_kw.get("cp", 1), ep=par_kw.get("expert_model_parallel_size", 1))
         par = ParallelConfig(tp=tp, pp=pp, dp=topo.dp_size, sequence_parallel=sp, **par_kw)
         job = validate(JobConfig(model=DeepSeekV3Config(**{**PARITY_KW, **model_kw}), parallel=par,
                                  train=TrainConfig(micro_batch_size=MB_SIZE, seed=SEED)), world_size)
@@ -218,7 +224,7 @@ def test_layout_matches_serial(name):
     and 3, with MTP tp 2 + SP, pp 2 (the last stage's copy of the embedding; 1F1B, and interleaved under ZeRO 1)
     and ZeRO 3, and DeepSeek's MoE
     (sigmoid group-limited routing, a shared expert, the first layer dense) at tp 2 + SP and, with grouped GEMM
-    experts, ZeRO 3, cp 2 by each comm type
+    experts, ZeRO 3, at ep 2 under ZeRO 3, and with MTP at pp 2 under zero-bubble H1, cp 2 by each comm type
     (the value head dim differs from the query/key one): losses and
     clipped gradient norms to 1e-5 relative, every parameter to 1e-5 relative (absolute floor 1e-5, as the
     Llama parity tests: Adam-normalised noise of elements whose gradient is ~0)."""
