@@ -19,6 +19,7 @@ a peer gone, a collective timed out        1         every rank, the first to fa
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import logging
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()                         # --exit-duration-in-mins counts from here
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     job, args = parse_job(argv, world)                 # every flag validated here, once
+    job = _replica_group_save(job)
     rank = int(os.environ.get("RANK", "0"))
     embedded_default = not (job.data.mock_data or job.data.data_path)
     try:                                               # ... and every file, still before any process group
@@ -84,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if lock is not None:                           # however the run ended: the next run takes nothing over
             lock.release()
+
+
+def _replica_group_save(job):
+    """With torchft replica groups, each group's checkpoints go to a directory of its own under ``--save``."""
+    save = job.fault_tolerance.save_dir(job.checkpoint.save)
+    return job if save == job.checkpoint.save else dataclasses.replace(
+        job, checkpoint=dataclasses.replace(job.checkpoint, save=save))
 
 
 def stop(message: str, status: int, rank: int, every_rank: bool = False, secondhand: bool = False,
