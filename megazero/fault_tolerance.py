@@ -105,6 +105,8 @@ class ReplicaGroups:
             self.manager.start_quorum()
         except LayoutMismatch as e:                     # raised by _load, on this thread
             raise TrainingStopped(str(e)) from None
+        except RuntimeError as e:                       # torchft's quorum call failed: its Manager cannot go on
+            raise self._lost(e) from None
         participants = self.manager.num_participants()
         if participants != self._participants:
             was = f" (was {self._participants})" if self._participants is not None else ""
@@ -121,11 +123,20 @@ class ReplicaGroups:
 
     def should_commit(self) -> bool:
         """Did every group in the quorum finish this step (the same answer on every rank of this job)?"""
-        self.committed = self.manager.should_commit()
+        try:
+            self.committed = self.manager.should_commit()
+        except RuntimeError as e:
+            raise self._lost(e) from None
         if not self.committed:
             self.say(f" ft: iteration {self.state.iteration + 1} not committed (a replica group failed during it): "
                      f"nothing applied, the step runs again")
         return self.committed
+
+    def _lost(self, error: Exception) -> TrainingStopped:
+        """The line of a group whose Manager lost its quorum (e.g. it was stopped past the timeout): torchft
+        cannot continue in this process; restarted, the group heals from a live one."""
+        return TrainingStopped(f"{FLAG.fault_tolerance}: replica group {self.replica_id} lost its quorum "
+                               f"({str(error).splitlines()[0][:200]}): restart this group; it heals from a live one")
 
     def run_batch(self, group_batch: int) -> int:
         """Samples of the run's data stream one step covers: every group's share, taking part or not."""

@@ -93,6 +93,7 @@ class Group:
     saves: list = field(default_factory=list)        # (time, generation, iteration)
     uncommitted: list = field(default_factory=list)  # (time, generation, iteration)
     exits: list = field(default_factory=list)        # (generation, status, killed by the harness)
+    faulted: set = field(default_factory=set)        # generations the harness injected a fault into
 
     def start(self) -> None:
         self.generation += 1
@@ -283,6 +284,8 @@ def run_groups(args, out: Path, name: str, faults: list[str]) -> tuple[list[Grou
                 ok = False
                 break
             started = time.monotonic()
+            for g in groups:
+                g.faulted.discard(g.generation)
             if any(g.iteration() >= args.iters - 2 * args.gap for g in groups):
                 lines.append(f"fault {number} {kind}: not injected (the run is ending: raise --iters)")
                 ok = False
@@ -292,18 +295,28 @@ def run_groups(args, out: Path, name: str, faults: list[str]) -> tuple[list[Grou
             else:
                 victim = rng.choice(groups)
                 did = inject(kind, victim, groups, args.timeout, rng)
+            if victim is not None:
+                victim.faulted.add(victim.generation)
             if victim is None:
                 lines.append(f"fault {number} {kind}: not injected ({did})")
                 ok = False
                 continue
-            if kind != "stop-continue":
+            ended_itself = False
+            if kind == "stop-continue":       # it steps again, or its Manager lost the quorum and it ends itself
+                wait_for(lambda: not victim.alive() or any(c[0] > started + args.timeout + 3 for c in victim.checksums
+                                                           if c[1] == victim.generation), 120)
+                ended_itself = not victim.alive()
+                if ended_itself:
+                    did += "; the group ended itself (its quorum timed out)"
+            if kind != "stop-continue" or ended_itself:
                 if not wait_for(lambda: not victim.alive(), 20):      # torchrun ends a group that lost a rank
                     victim.kill_all()
+                victim.killed = True
                 victim.start()
             generation = victim.generation
             survivors = [g for g in groups if g is not victim]
-            back, how = rejoin_check(victim, groups, generation, 300) if kind != "stop-continue" else \
-                _resumed(victim, started, groups)
+            back, how = rejoin_check(victim, groups, generation, 300) if kind != "stop-continue" or ended_itself \
+                else _resumed(victim, started, groups)
             lost = max((sum(1 for u in g.uncommitted if u[0] >= started) for g in survivors), default=0)
             stopped = [g.gid for g in survivors if g.proc.poll() not in (None, 0)]
             good = back and lost <= 1 and not stopped
@@ -394,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"chaos: fault-free run of {args.iters} iterations: final loss {reference} ({time.monotonic() - t0:.0f} s)",
           flush=True)
     groups, lines, ok = run_groups(args, args.out, "chaos", faults)
-    stopped = [(g.gid, e) for g in groups for e in g.exits if e[1] != 0 and not e[2]]
+    stopped = [(g.gid, e) for g in groups for e in g.exits if e[1] != 0 and not e[2] and e[0] not in g.faulted]
     done = all(any(s[2] == args.iters for s in g.steps) for g in groups)
     loss = final_loss(groups, args.iters)
     close = loss is not None and reference is not None and abs(loss - reference) <= 0.01 * reference
