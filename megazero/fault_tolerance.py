@@ -88,7 +88,7 @@ class ReplicaGroups:
         timeout = timedelta(seconds=cfg.ft_timeout_seconds)
         host, port, self._store = _manager_store()
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=self._state_dict,
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self.load_peer_state, state_dict=self.peer_state,
             min_replica_size=cfg.ft_min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
             connect_timeout=timeout, rank=topo.rank, world_size=topo.world_size, store_addr=host, store_port=port,
             lighthouse_addr=cfg.ft_lighthouse, replica_id=f"replica_group_{self.replica_id}",
@@ -103,7 +103,7 @@ class ReplicaGroups:
         self.manager.load_state_dict({"step": state.iteration, "batches_committed": self.manager.batches_committed()})
         try:
             self.manager.start_quorum()
-        except LayoutMismatch as e:                     # raised by _load, on this thread
+        except LayoutMismatch as e:                     # raised by load_peer_state, on this thread
             raise TrainingStopped(str(e)) from None
         except RuntimeError as e:                       # torchft's quorum call failed: its Manager cannot go on
             raise self._lost(e) from None
@@ -162,7 +162,7 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
     # ------------------------------------------------------- healing state
-    def _state_dict(self) -> dict:
+    def peer_state(self) -> dict:
         """What a healing peer's same rank takes: weights and optimizer state by piece, the train state, RNG."""
         state, optimizer = self.state, self.engine.optimizer
         scaler = optimizer.scaler.state_dict() if optimizer.scaler is not None else None
@@ -174,8 +174,8 @@ class ReplicaGroups:
                 "tensors": {f"{p.name}[{p.lo}:{p.hi}].{key}": t
                             for p in self.engine.loaded_pieces() for key, t in sorted(p.tensors.items())}}
 
-    def _load(self, sent: dict) -> None:
-        """Take a peer's state (:meth:`_state_dict`): refused in one line when its layout is not ours."""
+    def load_peer_state(self, sent: dict) -> None:
+        """Take a peer's state (:meth:`peer_state`): refused in one line when its layout is not ours."""
         if sent["layout"] != self.layout:
             theirs = sent["layout"]
             differ = "; ".join(f"{k} {theirs.get(k)} there, {self.layout.get(k)} here"

@@ -63,6 +63,18 @@ def test_lighthouse_defaults_to_torchft_environment(monkeypatch):
     assert job.fault_tolerance.save_dir("/ckpt").endswith("replica-group-0")
 
 
+def test_a_peer_of_another_layout_is_refused_in_one_line():
+    """A healing group whose peer has another layout stops before loading anything, naming what differs."""
+    from megazero.fault_tolerance import LayoutMismatch, ReplicaGroups
+
+    groups = ReplicaGroups.__new__(ReplicaGroups)
+    groups.layout, groups.replica_id = {"tp": 1, "dp": 2, "zero_stage": 1}, 1
+    with pytest.raises(LayoutMismatch) as refused:
+        groups.load_peer_state({"layout": {"tp": 2, "dp": 1, "zero_stage": 1}, "tensors": {}})
+    line = str(refused.value)
+    assert "\n" not in line and "dp 1 there, 2 here; tp 2 there, 1 here" in line and "same parallel" in line
+
+
 def _state():
     g = torch.Generator().manual_seed(0)
     return {"layout": {"tp": 1, "order": "tp-cp-dp-pp"}, "train": {"iteration": 7, "consumed_samples": 56},
