@@ -169,9 +169,9 @@ def test_a_killed_replica_group_rejoins_bitwise_and_the_survivor_keeps_going(tmp
     """Two replica groups of two ranks (torchrun each): one rank of one group is SIGKILLed, the harness restarts that
     group, which heals from its peer; its weights equal the peer's bitwise before its first step, the survivor
     loses at most the step the kill interrupted and every group finishes."""
-    options = chaos.parse_args(["--groups", "2", "--ranks", "2", "--iters", "1500", "--save-interval", "500",
+    options = chaos.parse_args(["--groups", "2", "--ranks", "2", "--iters", "1000", "--batch", "16", "--save-interval", "400",
                                 "--out", str(tmp_path)])
     groups, lines, ok = chaos.run_groups(options, tmp_path, "chaos", ["kill-rank"])
     assert ok and len(lines) == 1 and "bitwise equal (healed)" in lines[0], lines
-    assert all(any(s[2] == 1500 for s in g.steps) for g in groups)
+    assert all(any(s[2] == 1000 for s in g.steps) for g in groups)
     assert not [e for g in groups for e in g.exits if e[1] != 0 and not e[2]]

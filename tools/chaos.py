@@ -71,7 +71,7 @@ def trainer_env() -> dict:
 def group_argv(gid: int, groups: int, lighthouse: str, iters: int, save: Path, save_interval: int,
                timeout_s: float, batch: int) -> list[str]:
     """The trainer's flags for replica group ``gid``."""
-    return TINY + ["--train-iters", str(iters), "--global-batch-size", str(batch), "--save", str(save),
+    return TINY + ["--train-iters", str(iters), "--global-batch-size", str(batch), "--save", str(save), "--load", str(save),
                    "--save-interval", str(save_interval), "--fault-tolerance", "torchft", "--ft-replica-groups",
                    str(groups), "--ft-replica-id", str(gid), "--ft-lighthouse", lighthouse,
                    "--ft-timeout-seconds", str(timeout_s), "--ft-param-checksums", "--distributed-timeout-minutes", "5"]
@@ -254,10 +254,10 @@ def rejoin_check(victim: Group, groups: list[Group], generation: int, timeout: f
         wait_for(lambda: any(c[2] == rank and c[3] == iteration for g in groups if g is not victim
                              for c in g.checksums), 10)
         peers = {c[4] for g in groups if g is not victim for c in g.checksums if c[2] == rank and c[3] == iteration}
-        results.append((rank, iteration, peers == {digest}, first[5]))
-    good = all(r[2] for r in results)
-    how = ", ".join(f"rank {r} at iteration {i} {'bitwise equal' if same else 'DIFFERS'}{' (healed)' if healed else ''}"
-                    for r, i, same, healed in results)
+        results.append((rank, iteration, "bitwise equal" if peers == {digest} else "DIFFERS" if peers else
+                        "no live peer took that iteration", first[5]))
+    good = all(r[2] == "bitwise equal" for r in results)
+    how = ", ".join(f"rank {r} at iteration {i} {same}{' (healed)' if healed else ''}" for r, i, same, healed in results)
     return good, how
 
 

@@ -89,10 +89,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _replica_group_save(job):
-    """With torchft replica groups, each group's checkpoints go to a directory of its own under ``--save``."""
-    save = job.fault_tolerance.save_dir(job.checkpoint.save)
-    return job if save == job.checkpoint.save else dataclasses.replace(
-        job, checkpoint=dataclasses.replace(job.checkpoint, save=save))
+    """With torchft replica groups, each group's checkpoints go to a directory of its own under ``--save``;
+    ``--load`` equal to ``--save`` (the restart pattern) resumes from that group's own directory."""
+    ck = job.checkpoint
+    save = job.fault_tolerance.save_dir(ck.save)
+    if save == ck.save:
+        return job
+    load = save if ck.load is not None and os.path.abspath(ck.load) == os.path.abspath(ck.save) else ck.load
+    return dataclasses.replace(job, checkpoint=dataclasses.replace(ck, save=save, load=load))
 
 
 def stop(message: str, status: int, rank: int, every_rank: bool = False, secondhand: bool = False,
