@@ -149,8 +149,10 @@ class Group:
                 _signal(pid, sig)
 
     def kill_all(self) -> None:
-        """SIGKILL of the torchrun and every rank (its whole session)."""
+        """SIGKILL of every rank and the torchrun (its whole session; ranks first: a stopped rank would not act on
+        the SIGTERM its launcher's death sends, and would keep the group's --save lock)."""
         self.killed = True
+        self.signal_ranks(signal.SIGKILL)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
