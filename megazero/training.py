@@ -43,6 +43,20 @@ class Saver(Protocol):
     def finish(self) -> None: ...
 
 
+class ReplicaSteps(Protocol):
+    """The replica dimension across jobs (:class:`megazero.fault_tolerance.ReplicaGroups`): ``start_step(state)``
+    joins the step's quorum before the first forward and returns True when ``state`` (with the weights
+    and optimizer) was just healed from a peer; ``should_commit()``, after the gradients are averaged
+    across the groups, says whether the optimizer may step (the same on every group); ``run_batch(b)``:
+    the samples of the run's data one step covers, for this group's batch ``b``."""
+
+    def start_step(self, state: TrainState) -> bool: ...
+
+    def should_commit(self) -> bool: ...
+
+    def run_batch(self, group_batch: int) -> int: ...
+
+
 def global_mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
     """Mean of the last stage's micro-batch losses over all data-parallel ranks, known on every rank.
 
@@ -88,13 +102,14 @@ def _boundary_shape(spec: ModelSpec, job: JobConfig, topo: Topology) -> tuple[in
 
 def train_step(chunks, micro_batches: list[dict], topo: Topology, engine: Engine, job: JobConfig,
                spec: ModelSpec | None = None, iteration: int | None = None,
-               out_of_time: Callable[[], bool] | None = None) -> StepResult:
+               out_of_time: Callable[[], bool] | None = None, replicas: ReplicaSteps | None = None) -> StepResult | None:
     """Forward and backward over every micro-batch, reduce gradients, clip, and step the optimizer.
     ``spec``: the model's (default: the one ``job.model.model_family`` names); ``iteration``: this
     step's, for the optimizer's messages. With fp16/bf16 parameters, whether an applied step left one
     non-finite (its fp32 master beyond the type's range) travels in the loss's all-reduce; so does
     ``out_of_time()`` (asked after the optimizer step: is this rank past its wall-clock limit?), so that
-    every rank agrees whether any is."""
+    every rank agrees whether any is. ``replicas`` (torchft replica groups): the optimizer steps only if
+    they commit the step; None is returned for a step not committed (nothing applied)."""
     spec = spec or get_model_spec(job.model.model_family)
     engine.zero_grad()
     spec.hooks.before_step(chunks, engine.loss_scale / len(micro_batches))   # e.g. MoE losses, as the main loss's
@@ -104,6 +119,8 @@ def train_step(chunks, micro_batches: list[dict], topo: Topology, engine: Engine
         fp8.finish_step(chunks, topo.tensor_parallel().group, topo.data_context_parallel().group,
                         topo.expert_data_parallel().group, topo.device)
     engine.finalize_grads()
+    if replicas is not None and not replicas.should_commit():
+        return None
     grad_norm, skipped = engine.step(iteration)
     spec.hooks.after_step(chunks, job, topo.tp_rank, topo.device)     # e.g. the MoE expert biases
     overflowed = not skipped and engine.params_overflowed
@@ -133,7 +150,7 @@ def evaluate(chunks, batches: Iterator[list[dict]], topo: Topology, job: JobConf
 def train(job: JobConfig, topo: Topology, chunks, engine: Engine, train_batches: Callable[[int], Iterator[list[dict]]],
           valid_batches: Callable[[], Iterator[list[dict]]] | None, log: MetricsLog, state: TrainState,
           save: Saver | None = None, compile_log: CompileLog | None = None,
-          started: float | None = None) -> TrainState:
+          started: float | None = None, replicas: ReplicaSteps | None = None) -> TrainState:
     """Run from ``state.iteration`` to ``train_iters``; evaluate and save at their intervals.
 
     ``train_batches(consumed_samples)`` yields, per step, this data-parallel rank's micro-batches of the
@@ -148,6 +165,9 @@ def train(job: JobConfig, topo: Topology, chunks, engine: Engine, train_batches:
     ``--exit-duration-in-mins``: once that many minutes have passed since ``started`` (a
     :func:`time.monotonic` reading taken when the process started; default: now) on any rank, the run
     ends after that step as at its last iteration -- saved, the save finished -- and says why it stopped.
+    ``replicas`` (``--fault-tolerance``): each step joins the replica groups' quorum first (a healed group
+    continues from its peer's position) and counts only if committed; an uncommitted step runs again on
+    the same data.
     """
     started = time.monotonic() if started is None else started
     finish = save.finish if save is not None else (lambda: None)
@@ -158,7 +178,7 @@ def train(job: JobConfig, topo: Topology, chunks, engine: Engine, train_batches:
                   f"(up to {job.logging.profile_step_end}): nothing is profiled")
     try:
         state, ended_early = _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save,
-                                         compile_log, profiler, started)
+                                         compile_log, profiler, started, replicas)
     except TrainingStopped as stopped:
         try:                                  # a background save of a good state still becomes the latest
             finish()
@@ -174,7 +194,7 @@ def train(job: JobConfig, topo: Topology, chunks, engine: Engine, train_batches:
 
 
 def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, state, save, compile_log, profiler,
-                started):
+                started, replicas=None):
     """:func:`train`'s loop, up to the last save (started, if it runs in the background); returns the
     state and, for a run that ended at ``--exit-duration-in-mins``, the line saying so."""
     t, opt = job.train, job.optimizer
@@ -199,17 +219,25 @@ def _train_loop(job, topo, chunks, engine, train_batches, valid_batches, log, st
     limit = t.exit_duration_in_mins
     out_of_time = (lambda: minutes_since(started) >= limit) if limit is not None else None
     while state.iteration < t.train_iters:
+        if replicas is not None and replicas.start_step(state):      # healed: the peer's position
+            batches = train_batches(state.consumed_samples)
+            saved_at = state.iteration
+            if state.iteration >= t.train_iters:
+                break
         position = t.lr_position(state.iteration, state.consumed_samples)
         engine.set_lr(learning_rate(position, opt), decoupled_learning_rate(position, opt))
         with profiler.step(state.iteration), live.step(state.iteration):
             result = train_step(chunks, next(batches), topo, engine, job, iteration=state.iteration + 1,
-                                out_of_time=out_of_time)
+                                out_of_time=out_of_time, replicas=replicas)
+        if result is None:                     # not committed by the replica groups: the same data again
+            batches = train_batches(state.consumed_samples)
+            continue
         skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
         stop = stop_reason(job, engine, result, state.iteration + 1, skipped_in_a_row, topo)
         time_up = result.out_of_time and not stop and state.iteration + 1 < t.train_iters
         state.iteration += 1
         step_batch = t.global_batch_at(state.consumed_samples)     # --step-batch-size-schedule, else constant
-        state.consumed_samples += step_batch
+        state.consumed_samples += replicas.run_batch(step_batch) if replicas is not None else step_batch
         state.skipped_iterations += int(result.skipped)
         window_iters += 1
         window_samples += step_batch

@@ -43,6 +43,7 @@ PACKAGES = [
     "megazero.memory",          # estimate, measurement, planner, activation offload
     "megazero.data",
     "megazero.checkpoint",
+    "megazero.fault_tolerance", # torchft replica groups: quorum, the average across jobs, healing
     "megazero.models",          # the model families
     "megazero.generation",
     "megazero.reporting",       # what a run says

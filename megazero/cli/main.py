@@ -19,6 +19,7 @@ a peer gone, a collective timed out        1         every rank, the first to fa
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import logging
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()                         # --exit-duration-in-mins counts from here
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     job, args = parse_job(argv, world)                 # every flag validated here, once
+    job = _replica_group_save(job)
     rank = int(os.environ.get("RANK", "0"))
     embedded_default = not (job.data.mock_data or job.data.data_path)
     try:                                               # ... and every file, still before any process group
@@ -84,6 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if lock is not None:                           # however the run ended: the next run takes nothing over
             lock.release()
+
+
+def _replica_group_save(job):
+    """With torchft replica groups, each group's checkpoints go to a directory of its own under ``--save``;
+    ``--load`` equal to ``--save`` (the restart pattern) resumes from that group's own directory."""
+    ck = job.checkpoint
+    save = job.fault_tolerance.save_dir(ck.save)
+    if save == ck.save:
+        return job
+    load = save if ck.load is not None and os.path.abspath(ck.load) == os.path.abspath(ck.save) else ck.load
+    return dataclasses.replace(job, checkpoint=dataclasses.replace(ck, save=save, load=load))
 
 
 def stop(message: str, status: int, rank: int, every_rank: bool = False, secondhand: bool = False,

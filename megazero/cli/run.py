@@ -18,6 +18,7 @@ from megazero.config import JobConfig
 from megazero.data.sample import default_sample, sample_tokenizer
 from megazero.data.samplers import build_data_iterators
 from megazero.data.tokenizers import Tokenizer, tokenizer_from_config
+from megazero.fault_tolerance import ReplicaGroups
 from megazero.generation import gather_full_model, greedy_continuation
 from megazero.kernels import describe_kernels
 from megazero.memory import describe_cpu_memory, return_freed_memory, reuse_freed_memory
@@ -99,24 +100,32 @@ def train_built(job: JobConfig, built: Built, tokenizer: Tokenizer | None, show_
     state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
     log_header(log, job, state)
     t = job.train
+    groups, group = _data_groups(job)                    # torchft replica groups: each reads its own share
     train_data, valid_data, _ = build_data_iterators(
         job.data, seq_length=job.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp_size,
-        cp_rank=topo.cp_rank, cp_size=topo.cp_size,
+        global_batch_size=t.global_batch_size * groups, dp_rank=group * topo.dp_size + topo.dp_rank,
+        dp_size=groups * topo.dp_size, cp_rank=topo.cp_rank, cp_size=topo.cp_size,
         train_iters=t.train_iters, eval_iters=t.eval_iters, eval_interval=t.eval_interval,
         vocab_size=job.model.vocab_size, eod=tokenizer.eod if tokenizer else None,
-        is_writer=topo.rank == 0, barrier=dist.barrier, batch_at=t.global_batch_at)
+        is_writer=topo.rank == 0, barrier=dist.barrier, batch_at=lambda consumed: groups * t.global_batch_at(consumed))
 
     def train_batches(consumed_samples: int):
         train_data.consumed_samples = consumed_samples
         return _steps(train_data, topo.device)
 
     if valid_data is not None:                           # evaluations already run continue where they were
-        valid_data.consumed_samples = (state.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
+        valid_data.consumed_samples = (state.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size * groups
     valid_steps = _steps(valid_data, topo.device) if valid_data is not None else None
-    state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
-                  log, state, save=checkpoint_saver(job, chunks, engine, topo, say=log.print, lock=lock),
-                  compile_log=CompileLog(len(built.regions)) if built.regions else None, started=started)
+    save = checkpoint_saver(job, chunks, engine, topo, say=log.print, lock=lock)
+    replicas = _replica_groups(job, built) if job.fault_tolerance.enabled else None
+    try:
+        state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
+                      log, state, save=replicas.saver(save) if replicas and save else save,
+                      compile_log=CompileLog(len(built.regions)) if built.regions else None, started=started,
+                      replicas=replicas)
+    finally:
+        if replicas is not None:
+            replicas.shutdown()
     if show_sample:                                      # show what the tiny GPT learnt
         model = gather_full_model(chunks, topo, job, engine)
         if model is not None:
@@ -124,6 +133,23 @@ def train_built(job: JobConfig, built: Built, tokenizer: Tokenizer | None, show_
             out = greedy_continuation(model, prompt, max_new_tokens=24)
             print(f" greedy continuation after {state.iteration} iterations: "
                   f"{SAMPLE_PROMPT!r} -> {tokenizer.detokenize(out)!r}", flush=True)
+
+
+def _data_groups(job: JobConfig) -> tuple[int, int]:
+    """(replica groups sharing the data, this job's place among them): (1, 0) without torchft."""
+    ft = job.fault_tolerance
+    return (ft.ft_replica_groups, ft.ft_replica_id) if ft.enabled else (1, 0)
+
+
+def _replica_groups(job: JobConfig, built: Built) -> ReplicaGroups:
+    """This rank's torchft replica groups; a peer's state is loaded here only with the same ``layout``."""
+    par, z = job.parallel, job.zero
+    layout = {"world": built.topo.world_size, "tp": par.tp, "pp": par.pp, "dp": par.dp, "order": par.order,
+              "virtual_stages": par.virtual_stages, "zero_stage": z.zero_stage, "model_family": job.model.model_family,
+              "num_layers": job.model.num_layers, "hidden_size": job.model.hidden_size,
+              "padded_vocab": job.model.padded_vocab_size(par.tp), "params": param_dtype(job).__repr__()}
+    return ReplicaGroups(job.fault_tolerance, built.topo, built.chunks, built.engine, layout, job.train.global_batch_size,
+                         built.log.print, checksums=job.fault_tolerance.ft_param_checksums)
 
 
 def resolve_data(job: JobConfig) -> tuple[JobConfig, Tokenizer | None]:

@@ -16,6 +16,7 @@ module                 section
 ``checkpoint``         ``CheckpointConfig``: saving and resuming
 ``logging``            ``LoggingConfig``: metrics files, TensorBoard, W&B, the profiler
 ``compile``            ``CompileConfig``: torch.compile
+``fault_tolerance``    ``FaultToleranceConfig``: replica groups as separate jobs joined by torchft
 ``job``                ``JobConfig`` (every section) and ``validate``
 ``fields``, ``rules``  the flag metadata (``flag_field``, ``flag``) and the vocabulary of checks
 ``megatron_flags``     Megatron-LM's flags and what each is here
@@ -29,6 +30,7 @@ Library components take their own section; only entry points parse command lines
 from megazero.config.checkpoint import CheckpointConfig
 from megazero.config.compile import COMPILE_MODES, CompileConfig
 from megazero.config.data import TOKENIZERS, DataConfig
+from megazero.config.fault_tolerance import FaultToleranceConfig
 from megazero.config.fp8 import FP8Config
 from megazero.config.fields import FLAG, flag, flag_field, flag_fields, flag_off, setting
 from megazero.config.job import JobConfig, validate
@@ -41,6 +43,6 @@ from megazero.config.train import TrainConfig
 from megazero.config.zero import OFFLOAD_DEVICES, ZERO_STAGES, ZeroConfig
 
 __all__ = ["BACKENDS", "COMPILE_MODES", "DECAY_STYLES", "FLAG", "OFFLOAD_DEVICES", "SCHEDULES", "TOKENIZERS",
-           "ZERO_STAGES", "CheckpointConfig", "CompileConfig", "DataConfig", "FP8Config", "JobConfig", "LoggingConfig",
+           "ZERO_STAGES", "CheckpointConfig", "CompileConfig", "DataConfig", "FaultToleranceConfig", "FP8Config", "JobConfig", "LoggingConfig",
            "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "TrainConfig", "ZeroConfig",
            "flag", "flag_field", "flag_fields", "flag_off", "setting", "validate"]

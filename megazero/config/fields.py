@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 # The help groups of the command line, in the order ``--help`` and docs/flags.md list them.
 GROUPS = ("parallelism", "model", "mixture of experts", "training", "optimizer", "mixed precision", "data",
-          "checkpointing", "logging", "offload", "compile", "activation memory")
+          "checkpointing", "fault tolerance", "logging", "offload", "compile", "activation memory")
 _BOOLEAN_ACTIONS = ("store_true", "store_false", argparse.BooleanOptionalAction)
 
 

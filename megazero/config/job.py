@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from megazero.config.checkpoint import CheckpointConfig
 from megazero.config.compile import CompileConfig
 from megazero.config.data import DataConfig
+from megazero.config.fault_tolerance import FaultToleranceConfig
 from megazero.config.fields import register_sections, setting
 from megazero.config.fp8 import FP8Config
 from megazero.config.logging import LoggingConfig
@@ -55,6 +56,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     compilation: CompileConfig = field(default_factory=CompileConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     @property
     def num_micro_batches(self) -> int:
@@ -134,6 +136,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     job.zero.fill_defaults(job.model, job.precision, job.parallel.tp)
     job.data.check()
     job.checkpoint.check()
+    job.fault_tolerance.check(job.parallel, job.zero, job.train)
     job.logging.check(job.train, world_size)
     job.compilation.check(job.model, job.parallel, job.fp8)
     return job

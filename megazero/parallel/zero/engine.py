@@ -238,6 +238,12 @@ class ZeroEngine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
+    def combine_replicas_with(self, reducer) -> None:
+        """Have every bucket group combine its reduced shards across replicas with ``reducer`` (the torchft
+        replica groups' average; :class:`~megazero.parallel.zero.grad_sync.GroupReplicaSum` says what it does)."""
+        for sync in self.bucket_groups:
+            sync.replica_reducer = reducer
+
     def step(self, iteration: int | None = None) -> tuple[float, bool]:
         """(global grad norm, skipped) of one optimizer step; ``iteration`` names it in messages."""
         return self.optimizer.step(iteration)

@@ -45,6 +45,22 @@ from megazero.parallel.zero.buckets import Bucket, ParamSlot, nbytes, weak_grad_
 from megazero.parallel.zero.replicated_params import ReplicatedParams
 
 
+class GroupReplicaSum:
+    """The replica dimension inside one job (``--data-parallel-replicas``): a reduced shard, already divided
+    by the whole dp, is summed with the same shard of the other replicas (the ranks of ``replicas``, tag
+    ``dp_replica``), giving the average over every data-parallel rank of every replica.
+
+    A grad sync's ``replica_reducer`` is this or any object with the same ``combine(shard)`` (in place, on
+    every bucket's held range once a step, in bucket order) and ``size`` (replicas averaged over, for the
+    log): :class:`megazero.fault_tolerance.ManagerReplicaAverage` averages across torchft replica groups."""
+
+    def __init__(self, replicas, comm_log: CommLog):
+        self.group, self.size, self.comm_log = replicas.group, len(replicas.ranks), comm_log
+
+    def combine(self, shard: torch.Tensor) -> None:
+        comm.all_reduce(shard, self.group, self.comm_log, "dp_replica")
+
+
 class BucketedGradSync:
     """The machinery every stage shares: buffers, buckets, hooks, the countdown, finalisation.
 
@@ -85,6 +101,10 @@ class BucketedGradSync:
         self._synced = False
         self.on_reduced = None     # f(bucket, lo, hi): the reduced gradient of bucket elements [lo, hi) held
                                    # here just changed (an offloading optimizer copies it to the host)
+        # --data-parallel-replicas: the sum over the other replicas' shards (GroupReplicaSum); the torchft
+        # replica groups put their average across jobs here instead.
+        self.replica_reducer = (GroupReplicaSum(dp.replicas, self.comm_log)
+                                if dp.replicas is not None and len(dp.replicas.ranks) > 1 else None)
         self.params = params if params is not None else ReplicatedParams()
         self.params.attach(self)
         for chunk_id, chunk in enumerate(self.chunks):
@@ -257,11 +277,11 @@ class BucketedGradSync:
         self.params.after_grad_sync()
 
     def _sum_over_replicas(self, bucket: Bucket, lo: int, hi: int) -> None:
-        """``--data-parallel-replicas``: the shard reduced within this replica, summed with the same shard of
-        the other replicas (the ranks of ``dp.replicas``): the sum over the whole dp."""
-        replicas = self.dp.replicas
-        if replicas is not None and replicas.size > 1 and lo < hi:
-            comm.all_reduce(self.reduced_grad(bucket, lo, hi), replicas.group, self.comm_log, "dp_replica")
+        """The shard reduced within this replica, combined with the same shard of the other replicas by
+        ``replica_reducer`` (``--data-parallel-replicas``' sum over the whole dp, or the torchft replica
+        groups' average); nothing without replicas."""
+        if self.replica_reducer is not None and lo < hi:
+            self.replica_reducer.combine(self.reduced_grad(bucket, lo, hi))
 
     def _reduced(self, bucket: Bucket, lo: int, hi: int) -> None:
         if self.on_reduced is not None and lo < hi:
