@@ -335,31 +335,24 @@ def draw_optimizer(seed: int, model_args: list[str], layouts: list[tuple[list[st
     return name
 
 
-def draw_loss_fusion(seed: int, which: str, model_args: list[str], layout: list[str], world: int) -> list[str]:
-    """``--cross-entropy-loss-fusion`` for one layout of seed ``seed``'s draw, half the time, where the
-    configuration accepts it (its own random stream, so the other axes are drawn as before). A layout
-    flag, not a model axis: the serial twin runs the unfused loss, so a fused layout is checked against it."""
-    if random.Random(f"loss fusion {which} {seed}").random() < 0.5:
-        return []
-    try:
-        parse_and_validate(COMMON + model_args + layout + ["--cross-entropy-loss-fusion"], world)
-    except ConfigError:
-        return []
-    return ["--cross-entropy-loss-fusion"]
+# Switches drawn per layout, half the time each, from its own random stream (so the other axes are drawn as
+# before), where the configuration accepts them. The serial twin runs without them, so each is checked
+# against what it replaces: the fused loss against the unfused one, grouped experts against the loop.
+LAYOUT_SWITCHES = {"--cross-entropy-loss-fusion": "loss fusion", "--moe-grouped-gemm": "grouped gemm"}
 
 
-def draw_grouped_gemm(seed: int, which: str, model_args: list[str], layout: list[str], world: int) -> list[str]:
-    """``--moe-grouped-gemm`` for one layout of seed ``seed``'s draw, half the time, where the configuration
-    accepts it (models with experts; its own random stream, so the other axes are drawn as before). A
-    layout flag, as the fused loss: the serial twin runs the per-expert loop, so a grouped layout is
-    checked against it."""
-    if random.Random(f"grouped gemm {which} {seed}").random() < 0.5:
-        return []
-    try:
-        parse_and_validate(COMMON + model_args + layout + ["--moe-grouped-gemm"], world)
-    except ConfigError:
-        return []
-    return ["--moe-grouped-gemm"]
+def draw_layout_switches(seed: int, which: str, model_args: list[str], layout: list[str], world: int) -> list[str]:
+    """The :data:`LAYOUT_SWITCHES` drawn for one layout (``which``: first or resume) of seed ``seed``'s draw."""
+    out = []
+    for flag, stream in LAYOUT_SWITCHES.items():
+        if random.Random(f"{stream} {which} {seed}").random() < 0.5:
+            continue
+        try:
+            parse_and_validate(COMMON + model_args + layout + [flag], world)
+        except ConfigError:
+            continue
+        out.append(flag)
+    return out
 
 
 def draw(seed: int, fp8: bool = True) -> Draw:
@@ -383,8 +376,7 @@ def draw(seed: int, fp8: bool = True) -> Draw:
             else (dict(FP8_OFF), [NOT_APPLICABLE, NOT_APPLICABLE]))
         axes, flags = with_fp8(axes, flags, fp8, gather)
         resume_axes, resume_flags = with_fp8(resume_axes, resume_flags, fp8, resume_gather)
-        flags, resume_flags = (layout + draw_loss_fusion(seed, which, model_flags({**model, **fp8}), layout, size)
-                               + draw_grouped_gemm(seed, which, model_flags({**model, **fp8}), layout, size)
+        flags, resume_flags = (layout + draw_layout_switches(seed, which, model_flags({**model, **fp8}), layout, size)
                                for which, layout, size in (("first", flags, world), ("resume", resume_flags,
                                                                                      resume_world)))
         return Draw(seed, axes, world, model_flags({**model, **fp8}) + OPTIMIZERS[optimizer], flags, resume_axes,
