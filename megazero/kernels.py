@@ -1,17 +1,36 @@
-"""Which kernels the layers and the optimizer run, and the line the trainer prints about it at start.
+"""Which kernels the layers and the optimizer run, and the line the trainer prints about it at start: the
+one place where a layer's norm and SwiGLU are picked for the device.
 
     normalisation   apex's FusedLayerNorm / FusedRMSNorm on CUDA when the real apex (NVIDIA's, with its
-                    CUDA extensions) is importable; torch's everywhere else. Under ``--compile`` torch's:
-                    inductor fuses a norm into its layer's graph, which apex's extension would break.
+                    CUDA extensions) is importable; torch's module everywhere else. Under ``--compile``
+                    torch's: inductor fuses a norm into its layer's graph, which apex's extension would break.
+    RMSNorm         (torch's module, :func:`rms_norm`) Liger-Kernel's Triton kernel on CUDA when
+                    ``liger-kernel`` is installed (``pip install megazero[gpu]``); else torch's fused
+                    ``F.rms_norm`` on CUDA; on a CPU and under ``--compile`` :class:`RMSNormFunction`, which
+                    keeps only x and the per-row statistic for backward (a CPU's composite ``F.rms_norm``
+                    also keeps the normalised x).
+    SwiGLU          (:func:`swiglu`) silu(gate) * up keeping only gate and up for backward (torch's own
+                    autograd also keeps silu(gate): one tensor of ffn features per token more), through
+                    :class:`SwiGLUFunction`: on CUDA its forward and backward are each one compiled
+                    elementwise kernel (Megatron's fused bias-SwiGLU does the same), or Liger-Kernel's
+                    ``LigerSiLUMulFunction`` when installed; on a CPU plain torch ops (one more in backward
+                    than torch's autograd runs: silu(gate) again); under ``--compile`` inside the layer's graph.
+    RoPE            torch's ops (:mod:`megazero.models.gpt.rotary`): its autograd keeps only the cos/sin table
+                    slice, shared by the layers; Liger's RoPE kernel takes HF's [b, heads, s, d] layout and
+                    would cost two transposes of ours ([s, b, heads, d]), so it is not used.
     AdamW           torch's fused kernel (``torch._fused_adamw_``) over the flat fp32 shards: one kernel for
                     the whole update, as apex's FusedAdam is (so apex's is not used).
 
 PyPI's package named ``apex`` is unrelated to NVIDIA's: only an ``apex`` that provides
-``apex.normalization.FusedLayerNorm`` counts.
+``apex.normalization.FusedLayerNorm`` counts. Which kernels ran is printed at start (:func:`describe_kernels`).
 """
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -36,9 +55,108 @@ def apex_norm(kind: str, hidden: int, eps: float, dtype, device) -> nn.Module:
     return norm.to(dtype=dtype, device=device)
 
 
+def liger_kernels():
+    """Liger-Kernel's autograd functions this module uses (``rms_norm``: LigerRMSNormFunction, ``silu_mul``:
+    LigerSiLUMulFunction), or None when ``liger-kernel`` (and its Triton) is not importable."""
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except (ImportError, AttributeError, OSError, RuntimeError):
+        return None
+    return SimpleNamespace(rms_norm=LigerRMSNormFunction, silu_mul=LigerSiLUMulFunction)
+
+
+def use_liger(device: torch.device) -> bool:
+    """Run RMSNorm and SwiGLU with Liger-Kernel's Triton kernels? On CUDA, when it is installed."""
+    return torch.device(device).type == "cuda" and liger_kernels() is not None
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """weight * (x * rstd), rstd = 1 / sqrt(mean(x^2) + eps) over the last dim, in float32 (as HF's
+    LlamaRMSNorm). Keeps only x and rstd for backward, as a fused kernel does (composite ``F.rms_norm``
+    on a CPU also keeps the normalised x: one more activation-sized tensor per norm)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        wide = torch.promote_types(x.dtype, torch.float32)       # float32, or float64 for float64
+        rstd = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x.to(wide) * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.to(rstd.dtype) * rstd
+        grad = grad.to(rstd.dtype)
+        grad_weight = (grad * normed.to(x.dtype).to(rstd.dtype)).reshape(-1, grad.shape[-1]).sum(0)
+        scaled = grad * weight.to(rstd.dtype)
+        grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dim scaled by ``weight`` (by 1 + ``weight`` when ``zero_centred``), by the
+    kernel the device has (the module docstring's table)."""
+    if not torch.compiler.is_compiling() and x.is_cuda:
+        liger = liger_kernels()
+        if liger is not None:
+            return liger.rms_norm.apply(x, weight, eps, 1.0 if zero_centred else 0.0, "llama", False)
+        return F.rms_norm(x, x.shape[-1:], weight + 1 if zero_centred else weight, eps)
+    return RMSNormFunction.apply(x, weight + 1 if zero_centred else weight, eps)
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+def swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of silu(gate) * up for the output's gradient ``grad``: torch's autograd's own ops and
+    order (so the result is bitwise autograd's), with silu(gate) made again rather than kept."""
+    return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
+@functools.cache
+def _compiled(fn):
+    """``fn`` as one compiled kernel (a CUDA device's SwiGLU; compiled at first use, for each shape)."""
+    return torch.compile(fn, dynamic=False)
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up keeping only ``gate`` and ``up`` for backward. ``fused``: forward and backward each run
+    as one compiled elementwise kernel (CUDA); else as torch's ops, bitwise torch's autograd."""
+
+    @staticmethod
+    def forward(ctx, gate, up, fused: bool):
+        ctx.save_for_backward(gate, up)
+        ctx.fused = fused
+        return (_compiled(swiglu_forward) if fused else swiglu_forward)(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        grad_gate, grad_up = (_compiled(swiglu_backward) if ctx.fused else swiglu_backward)(grad, gate, up)
+        return grad_gate, grad_up, None
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, by the kernel the device has (the module docstring's table); every path keeps only
+    ``gate`` and ``up`` for backward."""
+    if torch.compiler.is_compiling():
+        return SwiGLUFunction.apply(gate, up, False)            # inductor fuses it into the layer's graph
+    if gate.is_cuda:
+        liger = liger_kernels()
+        if liger is not None and gate.is_contiguous() and up.is_contiguous():
+            return liger.silu_mul.apply(gate, up)
+        return SwiGLUFunction.apply(gate, up, True)
+    return SwiGLUFunction.apply(gate, up, False)
+
+
 def describe_kernels(device: torch.device, compiling: bool, zero_centred_norms: bool = False) -> str:
     """The start-of-run line naming the kernels in use and why (``zero_centred_norms``: the model's norms
     scale by 1 + weight, which apex's modules do not, so they are torch's)."""
+    cuda = torch.device(device).type == "cuda"
+    liger = use_liger(device) and not compiling
     if use_apex_norms(device) and zero_centred_norms:
         norms = "torch (zero-centred norm weights; apex's scale by the weight itself)"
     elif use_apex_norms(device) and not compiling:
@@ -46,6 +164,17 @@ def describe_kernels(device: torch.device, compiling: bool, zero_centred_norms: 
     elif apex_norms() is not None and compiling:
         norms = "torch (compiled into each layer; apex's would break the graph)"
     else:
-        norms = "torch" + ("" if torch.device(device).type == "cuda" else " (CPU)") + \
-                ("" if apex_norms() is not None else ", apex not installed")
-    return f" kernels: normalisation {norms} | AdamW torch fused (one kernel over the flat shards)"
+        norms = "torch" + ("" if cuda else " (CPU)") + ("" if apex_norms() is not None else ", apex not installed")
+    if liger and not use_apex_norms(device):
+        norms += "; RMSNorm Liger-Kernel"
+    if compiling:
+        swiglu_kernels = "compiled into each layer"
+    elif liger:
+        swiglu_kernels = "Liger-Kernel"
+    elif cuda:
+        swiglu_kernels = "one compiled kernel each way" + ("" if liger_kernels() is not None else
+                                                          ", liger-kernel not installed")
+    else:
+        swiglu_kernels = "torch (CPU)"
+    return (f" kernels: normalisation {norms} | SwiGLU {swiglu_kernels}, keeps gate and up | "
+            f"AdamW torch fused (one kernel over the flat shards)")

@@ -29,8 +29,8 @@ mlp         the dense MLP's inner activations (fc1's output, the GELU or SwiGLU 
             products; under sequence parallelism also fc1's gathered input): keeps
             only its input
 moe_act     each expert's activation output (GELU, or silu(gate) * up), freed once fc2     the activation
-            has saved it and recomputed just before fc2's backward; SwiGLU's silu(gate)   (twice for
-            is not kept either (the activation is checkpointed)                           SwiGLU)
+            has saved it and recomputed just before fc2's backward (SwiGLU's gate and     (twice for
+            up stay: the activation is checkpointed on them)                              SwiGLU)
 layernorm   the two norms' outputs, freed once the next linear layer has saved them       the norm
             (the norms' statistics stay: a few bytes per token)
             (without sequence parallelism; under it the next layer keeps its gathered

@@ -11,9 +11,10 @@ of e bytes (s sequence, b micro-batch, h hidden, f ffn, t tp, a heads)::
 
 for GPT-2; the Llama-family layers change the attention and MLP terms (per token: RoPE keeps the rotated
 queries and keys, grouped-query attention 2h/t + 2Gd/t (+ Gd/t rotated keys) instead of 4h/t, SwiGLU
-4f/t instead of 2f/t) and RMSNorm keeps one statistic per row instead of two; plus the layer norms'
-statistics (fp32), the attention's log-sum-exp (fp32; the fused kernel keeps no s x s scores, except
-with attention dropout, where the unfused path keeps the probabilities and the mask), dropout masks and
+3f/t instead of 2f/t: gate, up and the product, :func:`megazero.kernels.swiglu` keeping no silu(gate)) and
+RMSNorm keeps one statistic per row instead of two; plus the layer norms' statistics (fp32), the
+attention's log-sum-exp (fp32; the fused kernel keeps no s x s scores, except with attention dropout,
+where the unfused path keeps the probabilities and the mask), dropout masks and
 the head's softmax (fp32, sbV/t). An MoE layer is counted as one dense MLP (router, top-k copies and
 all-to-all buffers left out), plus, under ``--moe-grouped-gemm``, the copy of its local experts' weights
 stacked in forward and kept until its backward (:func:`grouped_gemm_stacked_bytes`).
@@ -56,9 +57,10 @@ def _rope_elements(cfg, t: int) -> int:
 
 
 def mlp_elements(cfg, t: int) -> int:
-    """Elements per token one tp rank's MLP keeps: GELU's input and output; or SwiGLU's fused gate/up
-    output (2 ffn), silu(gate) and the product fed to the down projection."""
-    return (4 if cfg.swiglu else 2) * cfg.ffn_hidden_size // t
+    """Elements per token one tp rank's MLP keeps: GELU's input and output; or SwiGLU's gate and up (2 ffn,
+    kept by :func:`megazero.kernels.swiglu`, which makes silu(gate) again in backward) and the product fed
+    to the down projection."""
+    return (3 if cfg.swiglu else 2) * cfg.ffn_hidden_size // t
 
 
 def moe_mlp_elements(cfg, t: int, sp: bool) -> tuple[int, int]:
@@ -66,7 +68,7 @@ def moe_mlp_elements(cfg, t: int, sp: bool) -> tuple[int, int]:
     shared). Routed: each of the top-k experts' inner activations, ``--moe-ffn-hidden-size`` wide; experts
     are whole on every tp rank, which routes all tokens, or its s*b/tp under sequence parallelism. Shared:
     the shared experts' (``--moe-shared-expert-intermediate-size``), tensor-split like a dense MLP."""
-    per_width = 4 if cfg.swiglu else 2
+    per_width = 3 if cfg.swiglu else 2
     routed = cfg.moe_router_topk * per_width * cfg.expert_ffn_hidden_size // (t if sp else 1)
     return routed, per_width * (cfg.moe_shared_expert_intermediate_size or 0) // t
 
@@ -157,8 +159,8 @@ def selective_savings(job, parts: dict[str, int]) -> dict[str, int]:
     core_attn the rotated queries/keys and the core's statistics (or dropout probabilities); mlp the
     inner activations (and under SP fc1's gathered input, keeping the sbh/t chunk instead); layernorm
     the norms' outputs (not under SP, where nothing keeps them); moe_act an MoE layer's activation
-    output (GELU's, or SwiGLU's silu(gate) and product: of the routed experts, when the layer's parts are an
-    MoE layer's)."""
+    output (GELU's, or SwiGLU's product, whose gate and up the recompute keeps: of the routed experts, when the
+    layer's parts are an MoE layer's)."""
     cfg, par = job.model, job.parallel
     modules = selective_modules(cfg)
     sp = par.sequence_parallel and par.tp > 1
@@ -171,7 +173,7 @@ def selective_savings(job, parts: dict[str, int]) -> dict[str, int]:
     if "mlp" in modules:
         out["mlp"] = parts["mlp_inner"] + ((sbh - sbh // par.tp) if sp else 0)
     if "moe_act" in modules:
-        out["moe_act"] = parts["mlp_inner"] // 2
+        out["moe_act"] = parts["mlp_inner"] // (3 if cfg.swiglu else 2)
     return out
 
 

@@ -81,6 +81,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import JobConfig
+from megazero.kernels import swiglu
 from megazero.parallel import counted_comm
 from megazero.parallel.context_layout import gathered_order
 from megazero.parallel.fp8 import linear
@@ -157,7 +158,7 @@ class ExpertMLP(nn.Module):
         return out
 
     def _act(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-        return F.silu(gate) * up if self.swiglu else F.gelu(gate, approximate=self.approximate)
+        return swiglu(gate, up) if self.swiglu else F.gelu(gate, approximate=self.approximate)
 
 
 class LocalExperts(nn.ModuleDict):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import FLAG
-from megazero.kernels import apex_norm, use_apex_norms
+from megazero.kernels import apex_norm, rms_norm, swiglu, use_apex_norms
 from megazero.models.gpt.config import GPTConfig
 from megazero.models.gpt.moe import MoELayer
 from megazero.models.gpt.rotary import RotaryEmbedding
@@ -91,29 +91,6 @@ def interleaved_to_gate_up(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """weight * (x * rstd), rstd = 1 / sqrt(mean(x^2) + eps) over the last dim, in float32 (as HF's
-    LlamaRMSNorm). Keeps only x and rstd for backward, as a fused kernel does (composite ``F.rms_norm``
-    on a CPU also keeps the normalised x: one more activation-sized tensor per norm)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps: float):
-        wide = torch.promote_types(x.dtype, torch.float32)       # float32, or float64 for float64
-        rstd = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return weight * (x.to(wide) * rstd).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        normed = x.to(rstd.dtype) * rstd
-        grad = grad.to(rstd.dtype)
-        grad_weight = (grad * normed.to(x.dtype).to(rstd.dtype)).reshape(-1, grad.shape[-1]).sum(0)
-        scaled = grad * weight.to(rstd.dtype)
-        grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
-
-
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight over the last dim (Llama's norm: no mean removal, no bias).
     ``zero_centred`` (``--apply-layernorm-1p``): ``weight`` holds scale - 1, starts at 0, and the norm
@@ -126,7 +103,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(init(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return RMSNormFunction.apply(x, self.weight + 1 if self.zero_centred else self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.zero_centred)
 
 
 class ZeroCentredLayerNorm(nn.LayerNorm):
@@ -456,7 +433,7 @@ class MLP(nn.Module):
         else:
             gate = F.linear(x, w[0::2], b[0::2] if b is not None else None)
             up = F.linear(x, w[1::2], b[1::2] if b is not None else None)
-        return fc_out(F.silu(gate) * up)
+        return fc_out(swiglu(gate, up))
 
 
 class SharedExpertMLP(MLP):
