@@ -255,6 +255,20 @@ def test_fp32_moment_norms_exp_avg_sq_at_twice_the_gradients_rule():
     assert half and "norms; relative difference 7.5e-01" in half[3], half
 
 
+def test_a_deepseek_v3_moe_draw_at_ep4_over_dp2_x_cp2_zero3_equals_its_serial_twin(tmp_path, serial_cache):
+    """Draw 6682, a family drawn from the registry: DeepSeek-V3 (latent attention, 4 experts, its spec's tiny
+    model) at cp2 (all-gather) x dp2 ZeRO-3 kept gathered, small buckets, the optimizer offloaded, ep 4 carved
+    out of dp x cp (the smallest world with ep 4 and dp 2: 4 ranks), resumed at dp4 ZeRO-1 ep2 with full-block
+    recompute; its serial twin is the same family on one process."""
+    d = draw(6682)
+    assert d.axes["family"] == "deepseek_v3" and "--model-family" in d.serial_args
+    assert (d.world, d.axes["experts"], d.axes["ep"], d.axes["dp"], d.axes["cp"], d.axes["zero"]) == (4, 4, 4, 2, 2, 3)
+    assert not d.lossy and d.axes["precision"] == "fp32" and d.resume_world == 4
+    report = check(d, tmp_path, launch=fuzz_launcher(), cache=serial_cache)
+    assert report.ok, report.summary() + "\n" + report.step_table()
+    assert [r[0] for r in report.rows] == [1, 2, 3, 4] and report.tensors_compared >= 4 * 3 * 20
+
+
 def test_a_muon_draw_equals_its_serial_twin(tmp_path, serial_cache):
     """Draw 45: Muon (Nesterov, fp32 Newton-Schulz) at dp4 ZeRO-3 with the parameters offloaded, saved and
     resumed at cp2 dp2 ZeRO-1: the momentum crosses the checkpoint and the layout change."""
