@@ -1,6 +1,6 @@
 """tools/fuzz/coverage.py: axis values and pairs of them exercised, against the pairs the rules allow."""
 from tools.fuzz.coverage import Coverage, allowed_pairs, most_covering, pairs_of
-from tools.fuzz.sampler import AXES, draw
+from tools.fuzz.sampler import AXES, draw, other_families
 
 
 def test_pairs_of_one_layout():
@@ -29,6 +29,7 @@ def test_allowed_pairs_hold_no_pair_the_rules_refuse():
     assert (("cp", 2), ("qwz", True)) not in allowed                 # ZeRO++ with cp: refused
     assert (("tp", 2), ("sp", True)) in allowed and (("zero", 3), ("keep_gathered", True)) in allowed
     assert (("cp", 2), ("cp_comm", "a2a")) in allowed and (("zero", 3), ("offload_params", "nvme")) in allowed
+    assert {v for pair in allowed for name, v in pair if name == "family"} == {"gpt", "llama", *other_families()}
 
 
 def test_most_covering_picks_the_candidate_adding_the_most_new_pairs():

@@ -61,10 +61,10 @@ def test_fp8_is_never_drawn_without_torchao_and_leaves_the_other_axes_as_they_we
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     for seed in (1, 3, 24):                                            # FP8 draws where torchao is present
-        d = draw(seed)
-        assert not d.fp8 and d == draw(seed, fp8=False)
+        d = draw(seed, families=False)
+        assert not d.fp8 and d == draw(seed, fp8=False, families=False)
     monkeypatch.undo()
-    d, plain = draw(24), draw(24, fp8=False)
+    d, plain = draw(24, families=False), draw(24, fp8=False, families=False)
     assert d.fp8 and not plain.fp8
     assert {k: v for k, v in d.axes.items() if not k.startswith("fp8")} == \
         {k: v for k, v in plain.axes.items() if not k.startswith("fp8")}
@@ -123,3 +123,26 @@ def test_muon_is_drawn_with_its_settings_where_the_configuration_accepts_it():
     plain = parse_and_validate(drawn[24].serial_args, 1).optimizer
     assert (plain.muon_nesterov, plain.muon_momentum, plain.muon_ns_steps, plain.muon_adjust_lr) == \
         (False, 0.9, 3, "original")
+
+
+def test_every_built_in_family_is_drawn_and_other_seeds_keep_their_draw():
+    """The family comes from the registry (each built-in family's tiny models, from its spec), from the seed's
+    own stream: a seed that keeps the default family draws exactly what it drew before other families joined."""
+    from tools.fuzz.sampler import other_families
+
+    assert other_families() and all(flags[:2] == ("--model-family", value.split("+")[0])
+                                    for value, flags in other_families().items())
+    for flags in other_families().values():                          # the family's rules accept its tiny models
+        assert parse_and_validate(COMMON + ["--num-layers", "4", *flags], 1).model.model_family == flags[1]
+    drawn = set()
+    for seed in range(0, 40, 2):
+        d = draw(seed)
+        drawn.add(d.axes["family"])
+        assert d.axes["family"] == d.resume_axes["family"]
+        if d.axes["family"] in ("gpt", "llama"):
+            assert d == draw(seed, families=False)
+        else:
+            family = other_families()[d.axes["family"]][1]
+            assert all(parse_and_validate(args, world).model.model_family == family for args, world in
+                       ((d.args, d.world), (d.resume_args, d.resume_world), (d.serial_args, 1)))
+    assert drawn == {"gpt", "llama", *other_families()}

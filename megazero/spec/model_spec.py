@@ -46,6 +46,14 @@ field                  what                                                     
                        FP8 (:class:`~megazero.parallel.fp8.FP8Layer`: how each is   (validate() refuses
                        split, expert or not), the output layer with ``head``; None  without it)
                        if the family has none
+``tiny_models``        flags of tiny models of the family for tests and the fuzzer: tools/fuzz/sampler.py
+                       (variant name, flags) pairs, the flags added to the shared   (the model family
+                       tiny model (hidden 32, 4 heads, seq 16, vocab 100) for the   axis), tests
+                       family's rules to accept it and train it in seconds; the
+                       first pair (name "") the plain tiny model, the others its
+                       optional parts (drawn as ``<family>+<variant>``); empty: the
+                       shared flags alone (the default family's own variants are
+                       the fuzzer's model axes)
 =====================  ===========================================================  ======================
 
 A new model family is a package in ``megazero/models/`` (or anywhere: a test file registers its own)
@@ -137,6 +145,7 @@ class ModelSpec:
     context_parallel: bool = False
     is_expert: Callable[[str], bool] = lambda name: False
     fp8_layers: Callable[[nn.Module, bool], list] | None = None
+    tiny_models: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def build_full(self, model_cfg: ModelConfig, *, seed: int = 1234, dtype: torch.dtype = torch.float32,
                    device=None) -> nn.Module:

@@ -32,6 +32,7 @@ from tools.fuzz.sampler import (
     model_flags,
     parse_and_validate,
     pick_axes,
+    switch_family,
     with_fp8,
 )
 
@@ -95,6 +96,7 @@ def allowed_pairs(samples: int = 2000, seed: int = 0) -> set[Pair]:
     rng, out, n = random.Random(seed), set(), 0
     while n < samples:
         model = {**pick_axes(rng, MODEL_AXES), **pick_axes(rng, ROUTER_AXES)}
+        model["family"] = switch_family(rng, model["family"])
         try:
             parse_and_validate(COMMON + model_flags(model), 1)
         except ConfigError:

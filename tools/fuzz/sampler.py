@@ -7,7 +7,7 @@
 
 Every axis is drawn independently from its values (:data:`MODEL_AXES`, :data:`LAYOUT_AXES`, and FP8's,
 :data:`FP8_MODEL_AXES` and :data:`FP8_LAYOUT_AXES`, and the MoE router's :data:`ROUTER_AXES`, each from its
-own stream); the draw is
+own stream; the model family from every built-in family's tiny models, :func:`switch_family`); the draw is
 turned into flags, parsed by the trainer's own parser and checked by the trainer's own
 :func:`~megazero.config.validate` (and the model family's rules) at its world size. A refused draw is
 drawn again: which combinations are allowed is never written down here, so a rule added to the
@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 from megazero import config
 from megazero.cli.arguments import build_parser, flag_values, job_from_values
-from megazero.config import OFFLOAD_DEVICES, SCHEDULES, JobConfig
+from megazero.config import OFFLOAD_DEVICES, SCHEDULES, JobConfig, ModelConfig
 from megazero.config.fp8 import FP8_FORMATS, FP8_RECIPES
+from megazero.config.model import builtin_families
 from megazero.config.parallel import BUILT_CP_COMM_TYPES
 from megazero.errors import ConfigError
 
@@ -67,6 +68,32 @@ MODEL_AXES: dict[str, tuple[tuple, tuple]] = {
     "micro_batch": ((1, 2), (1, 1)),
     "micro_batches": ((4, 8), (1, 1)),           # per step, before the data-parallel split
 }
+# The model family: the default family's two shapes above, replaced in FAMILY_SWITCH of the draws by a tiny
+# model of another built-in family (:func:`switch_family`, from the seed's own stream ``family/<seed>``, so that
+# a seed not switched keeps its draw).
+FAMILY_SWITCH = 0.25
+
+
+@functools.cache
+def other_families() -> dict[str, tuple[str, ...]]:
+    """Family axis value -> its model flags, for the tiny models of every built-in family but the default one
+    (:attr:`~megazero.spec.ModelSpec.tiny_models`: ``<family>`` for the plain one, ``<family>+<variant>``
+    for the others; a family that gives none is drawn with the shared flags alone)."""
+    out = {}
+    for entry in builtin_families():
+        if entry.name != ModelConfig.model_family:
+            for variant, flags in entry.spec.tiny_models or (("", ()),):
+                out[entry.name + (f"+{variant}" if variant else "")] = ("--model-family", entry.name, *flags)
+    return out
+
+
+def switch_family(rng: random.Random, family: str) -> str:
+    """``family`` (a value of MODEL_AXES' family axis), or with probability FAMILY_SWITCH one of
+    :func:`other_families`' tiny models, each equally likely."""
+    others = sorted(other_families())
+    return rng.choice(others) if others and rng.random() < FAMILY_SWITCH else family
+
+
 # The MoE router, drawn from its own stream (``router/<seed>``) so that the other axes of a seed stay as they were.
 ROUTER_AXES: dict[str, tuple[tuple, tuple]] = {
     "router": (("softmax", "deepseek"), (2, 1)),   # deepseek: sigmoid scores, expert bias, scaling, shared experts
@@ -124,7 +151,8 @@ LOSSY_SWITCHES = ("qwz", "qgz")                   # ZeRO++'s int8 transfers: not
 
 def model_flags(a: dict) -> list[str]:
     """The model, precision and batch flags of model axes ``a`` (the serial twin runs exactly these)."""
-    out = ["--num-layers", str(a["layers"])] + (LLAMA if a["family"] == "llama" else [])
+    out = ["--num-layers", str(a["layers"])] + (LLAMA if a["family"] == "llama" else
+                                                 list(other_families().get(a["family"], ())))
     if a["experts"]:
         out += ["--num-experts", str(a["experts"]), "--moe-router-topk", str(a["topk"])]
         if a["aux_loss"]:
@@ -355,14 +383,17 @@ def draw_layout_switches(seed: int, which: str, model_args: list[str], layout: l
     return out
 
 
-def draw(seed: int, fp8: bool = True) -> Draw:
+def draw(seed: int, fp8: bool = True, families: bool = True) -> Draw:
     """The draw of ``seed``: model axes, then a valid first layout and a valid resume layout for them, then
-    their FP8 axes (``fp8=False``: FP8 off, the draw as it was before FP8 joined the space; fixed-seed tests
-    written then pin those layouts)."""
+    their FP8 axes (``fp8=False``: FP8 off, the draw as it was before FP8 joined the space;
+    ``families=False``: the default family's two shapes only, the draw as it was before other families
+    joined it; fixed-seed tests written then pin those layouts)."""
     rng = random.Random(seed)
     for _ in range(1000):
         model = pick_axes(rng, MODEL_AXES)
         model.update(pick_axes(random.Random(f"router/{seed}"), ROUTER_AXES))
+        if families:
+            model["family"] = switch_family(random.Random(f"family/{seed}"), model["family"])
         try:
             parse_and_validate(COMMON + model_flags(model), 1)      # the serial twin must run too
         except ConfigError:

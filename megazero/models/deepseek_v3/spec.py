@@ -9,6 +9,7 @@ spec supplies).
     HF          ``DeepseekV3ForCausalLM`` (:mod:`.hf`)
     activations the generic transformer formula (:mod:`megazero.spec.activations`)
     experts     the parameters of ``layers.<i>.mlp.experts.<e>``
+    tiny        :data:`TINY_MODELS`: small latent-attention ranks, with and without one MTP module
     config      :class:`~megazero.models.deepseek_v3.config.DeepSeekV3Config`
 """
 from __future__ import annotations
@@ -27,6 +28,12 @@ from megazero.spec import HFAdapter, ModelSpec, register_model_spec
 
 CHECKPOINT_FIELDS = GPT_CHECKPOINT_FIELDS + ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                                   "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers")
+
+# The family's tiny models (hidden 32, 4 heads: the layout fuzzer's shared sizes): latent ranks and head
+# dimensions of 8-16 features, a narrow MLP; the "mtp" variant adds one multi-token prediction module.
+TINY_FLAGS = ("--ffn-hidden-size", "64", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+              "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8")
+TINY_MODELS = (("", TINY_FLAGS), ("mtp", TINY_FLAGS + ("--mtp-num-layers", "1")))
 
 
 def build_chunk(model_cfg: DeepSeekV3Config, placement, groups, *, seed: int = 1234, dtype=None, device=None,
@@ -102,4 +109,5 @@ DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
     name=FAMILY, config=DeepSeekV3Config, build_chunk=build_chunk, boundary_shape=boundary_shape,
     loss=mtp_loss, flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
     hooks=dataclasses.replace(GPT_SPEC.hooks, metrics=metrics, describe_metrics=describe_metrics),
-    hf=HF, context_parallel=True, is_expert=is_expert_parameter))
+    hf=HF, context_parallel=True, is_expert=is_expert_parameter,
+    tiny_models=TINY_MODELS))
