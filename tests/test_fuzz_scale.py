@@ -103,3 +103,15 @@ def test_an_fp8_plan_keeps_fp8_in_the_serial_twin_and_the_param_gather_in_the_la
     assert d.fp8 and d.axes["fp8_recipe"] == "delayed" and d.axes["fp8_param_gather"] is True
     assert "--fp8-format" in d.serial_args and "--fp8-param-gather" not in d.serial_args
     assert "--fp8-param-gather" in d.args and tolerance_for(d).name == "bf16 + fp8"
+
+
+def test_the_fuzzing_tools_run_as_files_from_anywhere(tmp_path):
+    """``python tools/check_layout.py`` and ``python tools/fuzz_layouts.py``, run from another directory, find the
+    repository's ``tools`` package (as ``python -m`` from the root does)."""
+    import subprocess
+    import sys
+
+    for script in ("check_layout.py", "fuzz_layouts.py"):
+        done = subprocess.run([sys.executable, str(ROOT / "tools" / script), "--help"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.startswith("usage:"), (script, done.stderr[-500:])

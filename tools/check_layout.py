@@ -20,6 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):     # run as a file (python tools/check_layout.py): the repository root imports `tools`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from megazero.errors import ConfigError
 from tools.fuzz.checker import check, unusable_workdir
 from tools.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS

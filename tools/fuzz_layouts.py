@@ -23,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):     # run as a file (python tools/fuzz_layouts.py): the repository root imports `tools`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from tools.fuzz.checker import check, unusable_workdir
 from tools.fuzz.coverage import Coverage, allowed_pairs, most_covering
 from tools.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS
