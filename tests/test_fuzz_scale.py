@@ -105,13 +105,15 @@ def test_an_fp8_plan_keeps_fp8_in_the_serial_twin_and_the_param_gather_in_the_la
     assert "--fp8-param-gather" in d.args and tolerance_for(d).name == "bf16 + fp8"
 
 
-def test_the_fuzzing_tools_run_as_files_from_anywhere(tmp_path):
-    """``python tools/check_layout.py`` and ``python tools/fuzz_layouts.py``, run from another directory, find the
-    repository's ``tools`` package (as ``python -m`` from the root does)."""
+def test_the_fuzzing_tools_run_as_files_say_how_to_run_them(tmp_path):
+    """``python tools/check_layout.py`` (or fuzz_layouts.py), where the ``tools`` package does not import, ends in
+    one line giving the ``python -m`` command instead of an import traceback."""
     import subprocess
     import sys
 
-    for script in ("check_layout.py", "fuzz_layouts.py"):
-        done = subprocess.run([sys.executable, str(ROOT / "tools" / script), "--help"], cwd=tmp_path,
+    for script in ("check_layout", "fuzz_layouts"):
+        done = subprocess.run([sys.executable, str(ROOT / "tools" / f"{script}.py"), "--help"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0 and done.stdout.startswith("usage:"), (script, done.stderr[-500:])
+        assert done.returncode == 1 and "Traceback" not in done.stderr, (script, done.stderr[-500:])
+        assert done.stderr.strip().endswith(f"run it from the repository root as python -m tools.{script} ..."), \
+            done.stderr

@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):     # run as a file (python tools/check_layout.py): the repository root imports `tools`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):     # run as a file, where `tools` does not import: say how to run it
+    sys.exit("tools/check_layout.py is part of the tools package: run it from the repository root as python -m tools.check_layout ...")
 
 from megazero.errors import ConfigError
 from tools.fuzz.checker import check, unusable_workdir

@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):     # run as a file (python tools/fuzz_layouts.py): the repository root imports `tools`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):     # run as a file, where `tools` does not import: say how to run it
+    sys.exit("tools/fuzz_layouts.py is part of the tools package: run it from the repository root as python -m tools.fuzz_layouts ...")
 
 from tools.fuzz.checker import check, unusable_workdir
 from tools.fuzz.coverage import Coverage, allowed_pairs, most_covering
