@@ -6,13 +6,18 @@ MTP and DeepSeek's MoE) equal to the serial run over 5 steps, multi-token predic
 the compressed cache."""
 import dataclasses
 import functools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batches, reference_optimizer, trainer_steps
 
+from megazero.checkpoint import load_checkpoint
 from megazero.checkpoint.hf import load_hf, save_hf
+from megazero.checkpoint.offline import read_model
 from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
 from megazero.config.model import family, family_names
 from megazero.errors import CheckpointError, ConfigError
@@ -21,7 +26,7 @@ from megazero.models.deepseek_v3 import DEEPSEEK_V3_SPEC, DeepSeekV3Config
 from megazero.models.deepseek_v3.hf import to_hf_state
 from megazero.models.gpt import masked_mean
 from megazero.parallel.params import attribute
-from megazero.parallel.tensor import shard
+from megazero.parallel.tensor import gather_full, shard
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 from megazero.spec import build_model_chunks
@@ -147,6 +152,56 @@ def test_hf_export_loads_in_transformers_with_our_logits(tmp_path):
     assert set(back) == set(tensors)
     for name, t in tensors.items():
         assert torch.equal(back[name], t), name
+
+
+ROOT = Path(__file__).resolve().parents[1]
+BIAS = "mlp.gate.e_score_correction_bias"
+
+
+def _convert(*args):
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), *map(str, args)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _loaded_at_tp2_body(rank, world_size, load_dir, tokens):
+    """Load the checkpoint at tp 2 as the trainer does (weights only): (the full logits of ``tokens``, the
+    routers' expert biases) on tp rank 0."""
+    topo = Topology(tp=2)
+    cfg = read_model(load_dir)[0]
+    job = validate(JobConfig(model=cfg, parallel=ParallelConfig(tp=2)), world_size)
+    [chunk] = build_model_chunks(DEEPSEEK_V3_SPEC, job, topo)
+    load_checkpoint(load_dir, chunks=[chunk], engine=None, topo=topo, job=job, weights_only=True)
+    with torch.no_grad():
+        logits = gather_full(chunk.eval()(tokens), 2, topo.tp_group)[..., :cfg.vocab_size]
+    biases = {n: b.clone() for n, b in chunk.named_buffers() if n.endswith("expert_bias")}
+    return (logits, biases) if topo.tp_rank == 0 else None
+
+
+def test_converter_carries_the_expert_bias_both_ways(hf_tiny, tmp_path):
+    """An HF DeepSeek-V3 MoE checkpoint with nonzero expert biases converted to a megazero checkpoint split for
+    tp 2: loaded at tp 2 by the trainer's load, HF's logits (1e-5) and its biases bitwise; converted back to HF,
+    transformers gives the same logits and the same biases bitwise."""
+    hf, path = hf_tiny
+    _convert("--input", path, "--output", tmp_path / "mz", "--to", "megazero", "--target-tp", 2,
+             "--seq-length", 32)
+    tokens = torch.randint(0, HF_TINY["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    theirs = {n: b for n, b in hf.named_buffers() if n.endswith(BIAS)}
+    assert len(theirs) == 3 and all(b.abs().sum() > 0 for b in theirs.values())
+    [(logits, biases)] = [r for r in run_on_ranks(2, _loaded_at_tp2_body, str(tmp_path / "mz"), tokens) if r]
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert len(biases) == 3
+    for name, b in biases.items():
+        assert b.dtype == torch.float32 and torch.equal(b, theirs[f"model.{name.replace('mlp.router.expert_bias', BIAS)}"])
+    _convert("--input", tmp_path / "mz", "--output", tmp_path / "hf", "--to", "hf")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    for name, b in back.named_buffers():
+        if name.endswith(BIAS):
+            assert torch.equal(b, theirs[name]), name
 
 
 # --------------------------------------------------------------------------- parallel == serial
