@@ -368,3 +368,48 @@ def test_export_without_the_expert_bias_is_refused_not_zeroed():
     model = DEEPSEEK_V3_SPEC.build_full(cfg)
     with pytest.raises(CheckpointError, match="expert_bias is not among the tensors"):
         to_hf_state({n: p.detach() for n, p in model.named_parameters()}, cfg)
+
+
+# --------------------------------------------------------------------------- memory estimate
+
+ESTIMATE_SHAPE = ["--model-family", "deepseek_v3", "--mock-data", "--vocab-size", "500", "--num-layers", "4",
+                  "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--seq-length",
+                  "128", "--micro-batch-size", "4", "--q-lora-rank", "32", "--kv-lora-rank", "48", "--qk-head-dim",
+                  "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"]
+ESTIMATE_LAYOUTS = {  # id: (world size, flags)
+    "serial": (1, ["--zero-stage", "0"]),
+    "tp2-sp": (2, ["--tp", "2", "--sequence-parallel", "--zero-stage", "0"]),
+    "pp2-mtp": (2, ["--pp", "2", "--zero-stage", "0", "--global-batch-size", "8", "--mtp-num-layers", "2"]),
+    "tp2-mtp-core_attn": (2, ["--tp", "2", "--zero-stage", "1", "--mtp-num-layers", "1",
+                              "--recompute-granularity", "selective"]),
+}
+
+
+@pytest.mark.parametrize("name", list(ESTIMATE_LAYOUTS))
+def test_estimate_is_within_10_percent_of_measured(name):
+    """The estimator's per-rank peak against live tensor bytes measured over construction and a training step
+    (as the GPT family's, tests/test_memory.py), and its terms: the model states against the bytes alive after
+    the step, the activations and buffers against the rest of the peak, each within 10% of the measured peak
+    (printed)."""
+    from helpers.memory import measure_body
+
+    from megazero.cli.job import parse_job
+    from megazero.memory.estimate import estimate_memory
+
+    world, flags = ESTIMATE_LAYOUTS[name]
+    argv = ESTIMATE_SHAPE + flags
+    job, _ = parse_job(argv, world)
+    estimates = {e.pp_rank: e for e in estimate_memory(job, "cpu")}
+    measured, states = {}, {}
+    for pp_rank, peak, end in run_on_ranks(world, measure_body, argv):
+        measured[pp_rank] = max(measured.get(pp_rank, 0), peak)
+        states[pp_rank] = max(states.get(pp_rank, 0), end)
+    errors = {}
+    for pp_rank, est in estimates.items():
+        assert est.activations + est.buffers >= 0.4 * est.total
+        errors[pp_rank] = {"total": est.total / measured[pp_rank] - 1,
+                           "model states": (est.model_states - states[pp_rank]) / measured[pp_rank],
+                           "activations + buffers": (est.activations + est.buffers
+                                                     - (measured[pp_rank] - states[pp_rank])) / measured[pp_rank]}
+        print(f"{name} stage {pp_rank}:", {k: f"{v:+.1%}" for k, v in errors[pp_rank].items()})
+    assert all(abs(v) <= 0.10 for stage in errors.values() for v in stage.values()), errors
