@@ -413,3 +413,57 @@ def test_estimate_is_within_10_percent_of_measured(name):
                                                      - (measured[pp_rank] - states[pp_rank])) / measured[pp_rank]}
         print(f"{name} stage {pp_rank}:", {k: f"{v:+.1%}" for k, v in errors[pp_rank].items()})
     assert all(abs(v) <= 0.10 for stage in errors.values() for v in stage.values()), errors
+
+
+HELD_CHOICES = {  # id: flags on ESTIMATE_SHAPE (one process): what the activation model counts differently
+    "mla": [],
+    "plain-q-mtp2": ["--mtp-num-layers", "2"],
+    "core_attn": ["--recompute-granularity", "selective"],
+    "full-recompute": ["--recompute-activations"],
+    "fused-kernel": ["--v-head-dim", "24"],                 # D_v = D_nope + D_r: the fused kernel on a CPU too
+    "attention-dropout": ["--attention-dropout", "0.1"],
+}
+
+
+def _held_body(rank, world_size, argvs):
+    """For each argv: the live tensor bytes one micro-batch's forward leaves held (the loss and its inputs'
+    graph), gradients already allocated."""
+    from megazero.cli.job import parse_job
+    from megazero.memory import LiveTensorBytes
+
+    out = {}
+    for name, argv in argvs.items():
+        job, _ = parse_job(argv, world_size)
+        [chunk] = build_model_chunks(DEEPSEEK_V3_SPEC, job, Topology())
+        b, s, v = job.train.micro_batch_size, job.model.seq_length, job.model.vocab_size
+        g = torch.Generator().manual_seed(0)
+        tokens, labels = (torch.randint(0, v, (b, s), generator=g) for _ in range(2))
+        mask = torch.ones(b, s)
+        DEEPSEEK_V3_SPEC.loss(chunk(tokens, labels), mask).backward()
+        with LiveTensorBytes() as forward:
+            loss = DEEPSEEK_V3_SPEC.loss(chunk(tokens, labels), mask)
+        out[name] = forward.end
+        del loss, chunk
+    return out
+
+
+def test_held_activations_are_what_the_estimate_says():
+    """On one process, per activation choice: the bytes one forward leaves held against the activation model's
+    ``held`` (latent attention's parts, the MTP modules, selective and full recompute, either attention kernel),
+    each within 10% (printed)."""
+    from megazero.cli.job import parse_job
+    from megazero.parallel.pipeline.partition import placements
+
+    model = DEEPSEEK_V3_SPEC.activation_bytes
+    at = ESTIMATE_SHAPE.index("--q-lora-rank")
+    plain_q = ESTIMATE_SHAPE[:at] + ESTIMATE_SHAPE[at + 2:]
+    argvs = {name: (plain_q if "plain-q" in name else ESTIMATE_SHAPE) + ["--zero-stage", "0"] + flags
+             for name, flags in HELD_CHOICES.items()}
+    [measured] = run_on_ranks(1, _held_body, argvs)
+    errors = {}
+    for name, argv in argvs.items():
+        job, _ = parse_job(argv, 1)
+        [place] = placements(job.model.num_layers, 1, 0)
+        errors[name] = model.held(job, place, 4, 4) / measured[name] - 1
+    print("held error by choice:", {n: f"{e:+.1%}" for n, e in errors.items()})
+    assert all(abs(e) <= 0.10 for e in errors.values()), errors
