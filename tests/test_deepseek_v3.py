@@ -176,11 +176,11 @@ def _loaded_at_tp2_body(rank, world_size, load_dir, tokens):
 
 def test_converter_carries_the_expert_bias_both_ways(hf_tiny, tmp_path):
     """An HF DeepSeek-V3 MoE checkpoint with nonzero expert biases converted to a megazero checkpoint split for
-    tp 2: loaded at tp 2 by the trainer's load, HF's logits (1e-5) and its biases bitwise; converted back to HF,
+    tp 2 (``--check``: our model with the biases gives HF's logits): loaded at tp 2 by the trainer's load, HF's logits (1e-5) and its biases bitwise; converted back to HF,
     transformers gives the same logits and the same biases bitwise."""
     hf, path = hf_tiny
     _convert("--input", path, "--output", tmp_path / "mz", "--to", "megazero", "--target-tp", 2,
-             "--seq-length", 32)
+             "--seq-length", 32, "--check")              # --check runs our model with the biases too
     tokens = torch.randint(0, HF_TINY["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = hf(tokens).logits
