@@ -29,7 +29,12 @@ from pathlib import Path
 
 import torch
 
-from megazero.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, load_hf, persistent_buffers, save_hf
+from megazero.checkpoint.hf import (
+    DEFAULT_MAX_SHARD_BYTES,
+    load_hf,
+    persistent_buffers,
+    save_hf,
+)
 from megazero.checkpoint.hf_compare import DEFAULT_TEXT, Comparison, compare_with_hf
 from megazero.checkpoint.hf_tokenizer import tokenizer_of
 from megazero.checkpoint.offline import read_model, saved_job, write_weights_checkpoint
