@@ -12,7 +12,9 @@ import torch
 from helpers import run_on_ranks
 from helpers.gpt_parity import GPT_OPT, MB_SIZE, MICRO, SEED, gpt_batches, reference_optimizer, trainer_steps
 
+from megazero.checkpoint import load_checkpoint
 from megazero.checkpoint.hf import load_hf, save_hf
+from megazero.checkpoint.offline import read_model
 from megazero.config import JobConfig, ParallelConfig, TrainConfig, ZeroConfig, validate
 from megazero.config.model import family, family_names
 from megazero.errors import CheckpointError, ConfigError
@@ -21,7 +23,7 @@ from megazero.models.deepseek_v3 import DEEPSEEK_V3_SPEC, DeepSeekV3Config
 from megazero.models.deepseek_v3.hf import to_hf_state
 from megazero.models.gpt import masked_mean
 from megazero.parallel.params import attribute
-from megazero.parallel.tensor import shard
+from megazero.parallel.tensor import gather_full, shard
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 from megazero.spec import build_model_chunks
@@ -147,6 +149,55 @@ def test_hf_export_loads_in_transformers_with_our_logits(tmp_path):
     assert set(back) == set(tensors)
     for name, t in tensors.items():
         assert torch.equal(back[name], t), name
+
+
+BIAS = "mlp.gate.e_score_correction_bias"
+
+
+def _convert(*args):
+    from tools.convert_checkpoint import main as convert
+
+    assert convert([str(a) for a in args]) == 0
+
+
+def _loaded_at_tp2_body(rank, world_size, load_dir, tokens):
+    """Load the checkpoint at tp 2 as the trainer does (weights only): (the full logits of ``tokens``, the
+    routers' expert biases) on tp rank 0."""
+    topo = Topology(tp=2)
+    cfg = read_model(load_dir)[0]
+    job = validate(JobConfig(model=cfg, parallel=ParallelConfig(tp=2)), world_size)
+    [chunk] = build_model_chunks(DEEPSEEK_V3_SPEC, job, topo)
+    load_checkpoint(load_dir, chunks=[chunk], engine=None, topo=topo, job=job, weights_only=True)
+    with torch.no_grad():
+        logits = gather_full(chunk.eval()(tokens), 2, topo.tp_group)[..., :cfg.vocab_size]
+    biases = {n: b.clone() for n, b in chunk.named_buffers() if n.endswith("expert_bias")}
+    return (logits, biases) if topo.tp_rank == 0 else None
+
+
+def test_converter_carries_the_expert_bias_both_ways(hf_tiny, tmp_path):
+    """An HF DeepSeek-V3 MoE checkpoint with nonzero expert biases converted to a megazero checkpoint split for
+    tp 2 (``--check``: our model with the biases gives HF's logits): loaded at tp 2 by the trainer's load, HF's logits (1e-5) and its biases bitwise; converted back to HF,
+    transformers gives the same logits and the same biases bitwise."""
+    hf, path = hf_tiny
+    _convert("--input", path, "--output", tmp_path / "mz", "--to", "megazero", "--target-tp", 2,
+             "--seq-length", 32, "--check")              # --check runs our model with the biases too
+    tokens = torch.randint(0, HF_TINY["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    theirs = {n: b for n, b in hf.named_buffers() if n.endswith(BIAS)}
+    assert len(theirs) == 3 and all(b.abs().sum() > 0 for b in theirs.values())
+    [(logits, biases)] = [r for r in run_on_ranks(2, _loaded_at_tp2_body, str(tmp_path / "mz"), tokens) if r]
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert len(biases) == 3
+    for name, b in biases.items():
+        assert b.dtype == torch.float32 and torch.equal(b, theirs[f"model.{name.replace('mlp.router.expert_bias', BIAS)}"])
+    _convert("--input", tmp_path / "mz", "--output", tmp_path / "hf", "--to", "hf")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    for name, b in back.named_buffers():
+        if name.endswith(BIAS):
+            assert torch.equal(b, theirs[name]), name
 
 
 # --------------------------------------------------------------------------- parallel == serial
@@ -313,3 +364,102 @@ def test_export_without_the_expert_bias_is_refused_not_zeroed():
     model = DEEPSEEK_V3_SPEC.build_full(cfg)
     with pytest.raises(CheckpointError, match="expert_bias is not among the tensors"):
         to_hf_state({n: p.detach() for n, p in model.named_parameters()}, cfg)
+
+
+# --------------------------------------------------------------------------- memory estimate
+
+ESTIMATE_SHAPE = ["--model-family", "deepseek_v3", "--mock-data", "--vocab-size", "500", "--num-layers", "4",
+                  "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--seq-length",
+                  "128", "--micro-batch-size", "4", "--q-lora-rank", "32", "--kv-lora-rank", "48", "--qk-head-dim",
+                  "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"]
+ESTIMATE_LAYOUTS = {  # id: (world size, flags)
+    "serial": (1, ["--zero-stage", "0"]),
+    "tp2-sp": (2, ["--tp", "2", "--sequence-parallel", "--zero-stage", "0"]),
+    "pp2-mtp": (2, ["--pp", "2", "--zero-stage", "0", "--global-batch-size", "8", "--mtp-num-layers", "2"]),
+    "tp2-mtp-core_attn": (2, ["--tp", "2", "--zero-stage", "1", "--mtp-num-layers", "1",
+                              "--recompute-granularity", "selective"]),
+}
+
+
+@pytest.mark.parametrize("name", list(ESTIMATE_LAYOUTS))
+def test_estimate_is_within_10_percent_of_measured(name):
+    """The estimator's per-rank peak against live tensor bytes measured over construction and a training step
+    (as the GPT family's, tests/test_memory.py), and its terms: the model states against the bytes alive after
+    the step, the activations and buffers against the rest of the peak, each within 10% of the measured peak
+    (printed)."""
+    from helpers.memory import measure_body
+
+    from megazero.cli.job import parse_job
+    from megazero.memory.estimate import estimate_memory
+
+    world, flags = ESTIMATE_LAYOUTS[name]
+    argv = ESTIMATE_SHAPE + flags
+    job, _ = parse_job(argv, world)
+    estimates = {e.pp_rank: e for e in estimate_memory(job, "cpu")}
+    measured, states = {}, {}
+    for pp_rank, peak, end in run_on_ranks(world, measure_body, argv):
+        measured[pp_rank] = max(measured.get(pp_rank, 0), peak)
+        states[pp_rank] = max(states.get(pp_rank, 0), end)
+    errors = {}
+    for pp_rank, est in estimates.items():
+        assert est.activations + est.buffers >= 0.4 * est.total
+        errors[pp_rank] = {"total": est.total / measured[pp_rank] - 1,
+                           "model states": (est.model_states - states[pp_rank]) / measured[pp_rank],
+                           "activations + buffers": (est.activations + est.buffers
+                                                     - (measured[pp_rank] - states[pp_rank])) / measured[pp_rank]}
+        print(f"{name} stage {pp_rank}:", {k: f"{v:+.1%}" for k, v in errors[pp_rank].items()})
+    assert all(abs(v) <= 0.10 for stage in errors.values() for v in stage.values()), errors
+
+
+HELD_CHOICES = {  # id: flags on ESTIMATE_SHAPE (one process): what the activation model counts differently
+    "mla": [],
+    "plain-q-mtp2": ["--mtp-num-layers", "2"],
+    "core_attn": ["--recompute-granularity", "selective"],
+    "full-recompute": ["--recompute-activations"],
+    "fused-kernel": ["--v-head-dim", "24"],                 # D_v = D_nope + D_r: the fused kernel on a CPU too
+    "attention-dropout": ["--attention-dropout", "0.1"],
+}
+
+
+def _held_body(rank, world_size, argvs):
+    """For each argv: the live tensor bytes one micro-batch's forward leaves held (the loss and its inputs'
+    graph), gradients already allocated."""
+    from megazero.cli.job import parse_job
+    from megazero.memory import LiveTensorBytes
+
+    out = {}
+    for name, argv in argvs.items():
+        job, _ = parse_job(argv, world_size)
+        [chunk] = build_model_chunks(DEEPSEEK_V3_SPEC, job, Topology())
+        b, s, v = job.train.micro_batch_size, job.model.seq_length, job.model.vocab_size
+        g = torch.Generator().manual_seed(0)
+        tokens, labels = (torch.randint(0, v, (b, s), generator=g) for _ in range(2))
+        mask = torch.ones(b, s)
+        DEEPSEEK_V3_SPEC.loss(chunk(tokens, labels), mask).backward()
+        with LiveTensorBytes() as forward:
+            loss = DEEPSEEK_V3_SPEC.loss(chunk(tokens, labels), mask)
+        out[name] = forward.end
+        del loss, chunk
+    return out
+
+
+def test_held_activations_are_what_the_estimate_says():
+    """On one process, per activation choice: the bytes one forward leaves held against the activation model's
+    ``held`` (latent attention's parts, the MTP modules, selective and full recompute, either attention kernel),
+    each within 10% (printed)."""
+    from megazero.cli.job import parse_job
+    from megazero.parallel.pipeline.partition import placements
+
+    model = DEEPSEEK_V3_SPEC.activation_bytes
+    at = ESTIMATE_SHAPE.index("--q-lora-rank")
+    plain_q = ESTIMATE_SHAPE[:at] + ESTIMATE_SHAPE[at + 2:]
+    argvs = {name: (plain_q if "plain-q" in name else ESTIMATE_SHAPE) + ["--zero-stage", "0"] + flags
+             for name, flags in HELD_CHOICES.items()}
+    [measured] = run_on_ranks(1, _held_body, argvs)
+    errors = {}
+    for name, argv in argvs.items():
+        job, _ = parse_job(argv, 1)
+        [place] = placements(job.model.num_layers, 1, 0)
+        errors[name] = model.held(job, place, 4, 4) / measured[name] - 1
+    print("held error by choice:", {n: f"{e:+.1%}" for n, e in errors.items()})
+    assert all(abs(e) <= 0.10 for e in errors.values()), errors

@@ -15,7 +15,8 @@ with model.safetensors.index.json; the run's tokenizer is written so that AutoTo
 (tokenizer_config.json, bos/eos ids in config.json). megazero output is a weights-only checkpoint
 (iteration 0): train from it with ``--load DIR --finetune``; the input's tokenizer (tokenizer.json,
 vocab.json + merges.txt, or tokenizer.model) is recorded as its tokenizer (tools/generate.py uses it).
-Configurations the other side cannot express are refused. ``--check`` runs transformers' model and
+Persistent buffers (an MoE router's expert bias, HF ``e_score_correction_bias``) travel both ways, as
+``model.buffer/<name>`` in megazero checkpoints. Configurations the other side cannot express are refused. ``--check`` runs transformers' model and
 megazero's on the written weights and compares their logits and tokenizers (docs/checkpoints.md).
 """
 from __future__ import annotations
@@ -28,7 +29,12 @@ from pathlib import Path
 
 import torch
 
-from megazero.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, load_hf, save_hf
+from megazero.checkpoint.hf import (
+    DEFAULT_MAX_SHARD_BYTES,
+    load_hf,
+    persistent_buffers,
+    save_hf,
+)
 from megazero.checkpoint.hf_compare import DEFAULT_TEXT, Comparison, compare_with_hf
 from megazero.checkpoint.hf_tokenizer import tokenizer_of
 from megazero.checkpoint.offline import read_model, saved_job, write_weights_checkpoint
@@ -126,7 +132,8 @@ def convert(args: argparse.Namespace) -> tuple[Path, Comparison | None]:
                  args.target_tp * args.target_pp)
     except ConfigError as e:
         raise CheckpointError(str(e).replace(flag("tp"), "--target-tp").replace(flag("pp"), "--target-pp")) from None
-    tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    buffers = persistent_buffers(job.model)          # model state kept in its own dtype (an fp32 expert bias)
+    tensors = {k: v if k in buffers else v.to(dtype) for k, v in tensors.items()}
     out = write_weights_checkpoint(args.output, tensors, job, tp=args.target_tp, pp=args.target_pp)
     hf_side = src if (src / "config.json").is_file() else None
     return out, _check(args, hf_side, job.model, tensors, job.data)

@@ -85,7 +85,8 @@ def _tokenize(hf_dir: Path, source: DataConfig | None, text: str, transformers) 
 
 
 def _our_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
-    """The whole model of ``cfg`` in fp32 holding ``tensors`` (vocabulary rows beyond ``vocab_size``: 0)."""
+    """The whole model of ``cfg`` in fp32 holding ``tensors``, parameters and persistent buffers (vocabulary
+    rows beyond ``vocab_size``: 0)."""
     model = get_model_spec(cfg.model_family).build_full(cfg, dtype=torch.float32, device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -95,4 +96,7 @@ def _our_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
                 p[:t.shape[0]].copy_(t)
             else:
                 p.copy_(t)
+        for name, buffer in model.named_buffers():          # persistent model state (an MoE expert bias)
+            if name in tensors:
+                buffer.copy_(tensors[name])
     return model.eval()

@@ -5,7 +5,9 @@
     write_weights_checkpoint(out_dir, tensors, job, tp=2, pp=2)   # files sharded for that layout
 
 Whole tensors here are the layout-free form of :mod:`megazero.checkpoint.format`: the tp=1 shape,
-with exactly ``vocab_size`` rows for the word embedding and untied output layer.
+with exactly ``vocab_size`` rows for the word embedding and untied output layer. They include the
+model's persistent buffers (state that is not a parameter, e.g. an MoE router's expert bias), stored
+whole under ``model.buffer/<name>`` as the trainer saves them.
 """
 from __future__ import annotations
 
@@ -54,6 +56,20 @@ def declarations(cfg: ModelConfig, pp: int = 1) -> dict[str, ParamDecl]:
     return out
 
 
+def buffer_declarations(cfg: ModelConfig, pp: int = 1) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Every persistent buffer of the model, by name: (the first pipeline rank (v = 1) whose chunk holds it,
+    its shape), from a meta build of each rank's chunk."""
+    out: dict[str, tuple[int, tuple[int, ...]]] = {}
+    spec = get_model_spec(cfg.model_family)
+    for r in range(pp):
+        chunk, = spec.meta_chunks(cfg, pp, r)
+        parameters = {name for name, _ in chunk.named_parameters()}
+        for name, t in chunk.state_dict(keep_vars=True).items():
+            if name not in parameters and name not in out:
+                out[name] = (r, tuple(t.shape))
+    return out
+
+
 def check_shapes(tensors: dict[str, torch.Tensor], cfg: ModelConfig, decls: dict[str, ParamDecl] | None = None,
                  source: str = "the weights") -> None:
     """Every tensor has the whole shape the model config declares for it, or :class:`CheckpointError`
@@ -87,10 +103,11 @@ def saved_job(index: dict) -> JobConfig:
 
 
 def read_model(path: str | os.PathLike, verify: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
-    """(model config, {parameter name: whole tensor}, index) of a checkpoint."""
+    """(model config, {parameter or persistent buffer name: whole tensor}, index) of a checkpoint."""
     reader = CheckpointReader(resolve(path), verify=verify)
     job = saved_job(reader.index)
-    tensors = {name: reader.read_full(fmt.tensor_key(fmt.MODEL, name)) for name in reader.names(fmt.MODEL)}
+    tensors = {name: reader.read_full(fmt.tensor_key(kind, name))
+               for kind in (fmt.MODEL, fmt.MODEL_BUFFER) for name in reader.names(kind)}
     return job.model, tensors, reader.index
 
 
@@ -128,42 +145,55 @@ def build_full_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32
 
 def write_weights_checkpoint(save_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], job: JobConfig,
                              *, tp: int = 1, pp: int = 1, iteration: int = 0) -> Path:
-    """Write whole tensors as a weights-only checkpoint whose files are split for a tp x pp layout
-    (any layout can still load it). Crash-safe like the trainer's save. Returns the iter directory."""
+    """Write whole tensors (parameters, and persistent buffers as ``model.buffer/<name>``) as a weights-only
+    checkpoint whose files are split for a tp x pp layout (any layout can still load it); a buffer is written
+    whole, by tp rank 0 of the first stage holding it, as the trainer writes it. Crash-safe like the trainer's
+    save. Returns the iter directory."""
     cfg = job.model
     job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, tp=tp, pp=pp, dp=1))
     save_dir = Path(save_dir)
     final = save_dir / fmt.iter_dir_name(iteration)
     tmp = save_dir / f".{final.name}.tmp"
-    decls = declarations(cfg, pp)
-    unknown = sorted(set(tensors) - set(decls))
+    decls, buffers = declarations(cfg, pp), buffer_declarations(cfg, pp)
+    unknown = sorted(set(tensors) - set(decls) - set(buffers))
     if unknown:
-        raise CheckpointError(f"tensors {unknown[:5]} are not parameters of a {cfg.num_layers}-layer "
+        raise CheckpointError(f"tensors {unknown[:5]} are not parameters or buffers of a {cfg.num_layers}-layer "
                               f"{cfg.model_family} model")
     check_shapes(tensors, cfg, decls)                 # before anything is written
+    for name, (_, shape) in buffers.items():
+        if name in tensors and tuple(tensors[name].shape) != shape:
+            raise CheckpointError(f"buffer {name} is {list(tensors[name].shape)} but the config needs {list(shape)}: "
+                                  f"the config does not describe these tensors")
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        return _write_weights(save_dir, tmp, final, tensors, job, decls, tp, pp, iteration)
+        return _write_weights(save_dir, tmp, final, tensors, job, decls, buffers, tp, pp, iteration)
     except OSError as e:                          # a full disk, a vanished mount: one line, no .tmp left
         raise fmt.write_failed(e, tmp, final) from None
 
 
 def _write_weights(save_dir: Path, tmp: Path, final: Path, tensors: dict[str, torch.Tensor], job: JobConfig,
-                   decls: dict[str, ParamDecl], tp: int, pp: int, iteration: int) -> Path:
+                   decls: dict[str, ParamDecl], buffers: dict[str, tuple[int, tuple[int, ...]]], tp: int, pp: int,
+                   iteration: int) -> Path:
     cfg = job.model
+    dtype = next((t.dtype for name, t in tensors.items() if name in decls), next(iter(tensors.values())).dtype)
     index = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "iteration": iteration,
              "train_state": {"iteration": iteration, "consumed_samples": 0, "skipped_iterations": 0},
              "optimizer": None, "scheduler": None, "job": job.to_dict(), "tensors": {},
              "layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "virtual_stages": 1,
                         "order": job.parallel.order, "zero_stage": None, "sequence_parallel": False,
-                        "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch.")}}
+                        "dtype": str(dtype).removeprefix("torch.")}}
     files = {}
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             pieces = []
             for name, full in tensors.items():
+                if name in buffers:
+                    if buffers[name][0] == pp_rank and tp_rank == 0:
+                        pieces.append((fmt.tensor_key(fmt.MODEL_BUFFER, name), list(full.shape),
+                                       [[0, n] for n in full.shape], (0, full.numel()), full.reshape(-1)))
+                    continue
                 decl = decls[name]
                 if pp_rank != decl.stages[0] or (decl.partition_dim < 0 and tp_rank != 0):
                     continue                     # another stage's, or replicated over tp: written once

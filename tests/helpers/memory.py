@@ -1,4 +1,5 @@
 """The memory tests' model flags and measurement, shared by the estimator's and the planner's tests."""
+import dataclasses
 import gc
 
 import torch
@@ -14,11 +15,12 @@ BASE = ["--mock-data", "--vocab-size", "500", "--num-layers", "4", "--hidden-siz
 
 
 def measure_body(rank, world_size, argv):
-    """Peak live tensor bytes of construction + one training step on this rank."""
-    from megazero.models.gpt import build_model_chunks
+    """Peak live tensor bytes of construction + one training step on this rank (the model of the job's
+    ``--model-family``)."""
     from megazero.parallel.context_layout import rank_slice
     from megazero.parallel.topology import Topology
     from megazero.parallel.zero import build_engine
+    from megazero.spec import build_model_chunks, get_model_spec
     from megazero.training import train_step
 
     gc.collect()
@@ -31,7 +33,9 @@ def measure_body(rank, world_size, argv):
               "loss_mask": torch.ones(b, s)} for _ in range(job.num_micro_batches)]
     micro = [{k: rank_slice(t, 1, topo.cp_rank, topo.cp_size) for k, t in mb.items()} for mb in micro]
     with LiveTensorBytes() as build:
-        chunks = build_model_chunks(job.model, job.parallel, topo, seed=1, dtype=dtype, device="meta")
+        chunks = build_model_chunks(get_model_spec(job.model.model_family),
+                                    dataclasses.replace(job, train=dataclasses.replace(job.train, seed=1)), topo,
+                                    dtype=dtype, device="meta")
         engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
     with LiveTensorBytes(after=build) as step:      # one step: see LiveTensorBytes on tp > 1
         train_step(chunks, micro, topo, engine, job)

@@ -9,6 +9,7 @@ module              what
 ``model``           :class:`DeepSeekV3`: the decoder, or the chunk one pipeline stage owns
 ``spec``            its :class:`~megazero.spec.ModelSpec` (chunks, FLOPs, hooks, HF adapter)
 ``hf``              HuggingFace's ``DeepseekV3ForCausalLM`` format (config and key map)
+``memory``          its activation model for the memory estimator (latent attention, MTP modules)
 ==================  =====================================================================================
 """
 from megazero.models.deepseek_v3.config import DeepSeekV3Config

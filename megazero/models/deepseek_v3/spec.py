@@ -7,7 +7,8 @@ spec supplies).
     FLOPs       :func:`flops_per_token` (6 x the matmul parameters a token meets, plus attention)
     hooks       GPT's MoE hooks (auxiliary losses' scale, expert-bias updates, routing figures), the MTP loss
     HF          ``DeepseekV3ForCausalLM`` (:mod:`.hf`)
-    activations the generic transformer formula (:mod:`megazero.spec.activations`)
+    activations :class:`~megazero.models.deepseek_v3.memory.DeepSeekV3Activations` (GPT's count with latent
+                attention's parts and the MTP modules)
     experts     the parameters of ``layers.<i>.mlp.experts.<e>``
     tiny        :data:`TINY_MODELS`: small latent-attention ranks, with and without one MTP module
     config      :class:`~megazero.models.deepseek_v3.config.DeepSeekV3Config`
@@ -20,6 +21,7 @@ import torch
 
 from megazero.models.deepseek_v3 import hf
 from megazero.models.deepseek_v3.config import FAMILY, DeepSeekV3Config
+from megazero.models.deepseek_v3.memory import DeepSeekV3Activations
 from megazero.models.deepseek_v3.model import DeepSeekV3, mtp_loss, mtp_metrics
 from megazero.models.gpt.moe import is_expert_parameter
 from megazero.models.gpt.spec import CHECKPOINT_FIELDS as GPT_CHECKPOINT_FIELDS
@@ -109,5 +111,5 @@ DEEPSEEK_V3_SPEC = register_model_spec(ModelSpec(
     name=FAMILY, config=DeepSeekV3Config, build_chunk=build_chunk, boundary_shape=boundary_shape,
     loss=mtp_loss, flops_per_token=flops_per_token, checkpoint_fields=CHECKPOINT_FIELDS, describe=describe,
     hooks=dataclasses.replace(GPT_SPEC.hooks, metrics=metrics, describe_metrics=describe_metrics),
-    hf=HF, context_parallel=True, is_expert=is_expert_parameter,
+    hf=HF, activation_bytes=DeepSeekV3Activations(), context_parallel=True, is_expert=is_expert_parameter,
     tiny_models=TINY_MODELS))

@@ -29,6 +29,7 @@ from __future__ import annotations
 from megazero.parallel.tensor import linear_cross_entropy_chunk
 from megazero.spec.activations import TransformerActivations
 from megazero.spec.recompute import full_recompute_groups, selective_modules
+from megazero.spec.registry import get_model_spec
 
 
 def attention_elements(cfg, t: int) -> int:
@@ -130,12 +131,33 @@ def fp8_head_bytes(job, e: int) -> int:
     return tokens * h * (1 - e) + vocab * h
 
 
+def attention_parts(job, e: int, mask: int) -> dict[str, int]:
+    """Bytes one layer's attention keeps for backward per micro-batch (recomputing nothing), by what keeps
+    them: ``attention_projections`` the projections' outputs and the core's output, ``attention_rope`` RoPE's
+    rotated queries and keys beyond them, ``attention_core`` the core's statistics or dropout probabilities
+    (``--recompute-modules core_attn`` drops the last two)."""
+    cfg, t = job.model, job.parallel.tp
+    s, b, a = cfg.seq_length, job.train.micro_batch_size, cfg.num_attention_heads
+    return {
+        "attention_projections": e * s * b * _attention_projection_elements(cfg, t),
+        "attention_rope": e * s * b * _rope_elements(cfg, t),
+        "attention_core": (b * (a // t) * s * s * (2 * e + mask) if cfg.attention_dropout > 0
+                           else 4 * b * (a // t) * s),    # unfused probabilities, dropped, mask; or the lse
+    }
+
+
+def family_attention_parts(job, e: int, mask: int) -> dict[str, int]:
+    """:func:`attention_parts`, or those of the job's family where its activation model (a subclass of
+    :class:`GPTActivations`, registered in its spec) counts another attention."""
+    model = get_model_spec(job.model.model_family).activation_bytes
+    return (model.attention_parts if isinstance(model, GPTActivations) else attention_parts)(job, e, mask)
+
+
 def layer_parts(job, e: int, mask: int) -> dict[str, int]:
     """Bytes one layer keeps for backward per micro-batch, by what keeps them (recomputing nothing).
     ``mask``: bytes per element of a dropout mask (1 for CUDA's fused dropout, e on a CPU)."""
     cfg, par = job.model, job.parallel
     s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
-    a = cfg.num_attention_heads
     sp = par.sequence_parallel and t > 1
     rows = s * b // t if sp else s * b                    # the rows a layer norm (and dropout) sees
     stats = 2 if cfg.normalization == "LayerNorm" else 1  # LayerNorm: mean and rstd; RMSNorm: rstd
@@ -143,10 +165,7 @@ def layer_parts(job, e: int, mask: int) -> dict[str, int]:
         "norm_inputs": e * 2 * rows * h,                  # x and x after attention (the norms keep them)
         "linear_inputs": e * 2 * s * b * h,               # the norms' outputs, or (SP) their gathered copies
         "norm_stats": 2 * stats * 4 * rows,
-        "attention_projections": e * s * b * _attention_projection_elements(cfg, t),
-        "attention_rope": e * s * b * _rope_elements(cfg, t),
-        "attention_core": (b * (a // t) * s * s * (2 * e + mask) if cfg.attention_dropout > 0
-                           else 4 * b * (a // t) * s),    # unfused probabilities, dropped, mask; or the lse
+        **family_attention_parts(job, e, mask),
         "mlp_inner": e * s * b * mlp_elements(cfg, t),
         "dropout_masks": 2 * rows * h * mask if cfg.hidden_dropout > 0 else 0,
         "fp8": fp8_saved_bytes(job, e),                   # FP8 inputs and weights, less what they replace
@@ -267,14 +286,22 @@ def _chunk_ends(job, placement, e, mask, s, b, h, t) -> int:
     if not placement.post_process:                         # the output, held by the schedule for the backward
         out += e * rows * h
     if placement.post_process:
-        stats = 2 if cfg.normalization == "LayerNorm" else 1
-        out += e * rows * h + stats * 4 * rows + e * s * b * h   # final norm input and stats, the logits' input
-        out += fp8_head_bytes(job, e)
-        if fused_loss(job):                                # per-token log-sum-exp, target, mask
-            out += 4 * s * b + 9 * s * b
-        else:
-            out += 4 * s * b * cfg.padded_vocab_size(t) // t + 9 * s * b   # softmax (fp32), target, mask
+        out += head_activation_bytes(job, e)
     return out
+
+
+def head_activation_bytes(job, e: int) -> int:
+    """What the final norm and the head keep for backward per micro-batch: the norm's input and statistics,
+    the logits' input (gathered under sequence parallelism), the softmax (fp32) or the fused loss's
+    log-sum-exp, the target and the mask."""
+    cfg, par = job.model, job.parallel
+    s, b, h, t = cfg.seq_length, job.train.micro_batch_size, cfg.hidden_size, par.tp
+    rows = s * b // t if par.sequence_parallel and t > 1 else s * b
+    stats = 2 if cfg.normalization == "LayerNorm" else 1
+    out = e * rows * h + stats * 4 * rows + e * s * b * h + fp8_head_bytes(job, e)
+    if fused_loss(job):
+        return out + 4 * s * b + 9 * s * b
+    return out + 4 * s * b * cfg.padded_vocab_size(t) // t + 9 * s * b
 
 
 def fused_loss(job) -> bool:
@@ -336,6 +363,11 @@ def _recompute_extra(job, placement, e: int, mask: int) -> int:
 
 class GPTActivations(TransformerActivations):
     """The GPT family's activation model (the protocol of :mod:`megazero.spec.activations`)."""
+
+    def attention_parts(self, job, e: int, mask: int) -> dict[str, int]:
+        """What one layer's attention keeps (:func:`attention_parts`); a family with another attention
+        overrides it."""
+        return attention_parts(job, e, mask)
 
     def logits(self, job, e: int) -> int:
         """The fused loss's forward makes one chunk of logits at a time (in the weights' precision, then
