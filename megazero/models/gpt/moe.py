@@ -169,13 +169,33 @@ class LocalExperts(nn.ModuleDict):
     built here as views of one buffer per weight, it is a view of that buffer, no copy; where the
     parameters were moved since (ZeRO buckets in reverse order, a reload into separate tensors) it is a
     stacked copy, kept until backward. The per-expert loop runs instead under FP8 (each expert keeps its
-    own scales) and where :func:`grouped_mm_supported` says no."""
+    own scales) and where :func:`grouped_mm_supported` says no.
+
+    Iteration (``keys``, ``values``, ``items``) is by ascending expert index. With the flag the experts
+    are registered in descending order, so that their parameters come last expert first: the ZeRO
+    engines lay a chunk's parameters out in reverse registration order (megazero.parallel.zero), which
+    then holds each of the experts' weights ascending at one stride, where :func:`stack_experts` takes
+    them without a copy."""
 
     def __init__(self, ctx, first: int, count: int):
-        super().__init__({str(e): ExpertMLP(ctx) for e in range(first, first + count)})
         self.grouped_gemm = ctx.cfg.moe_grouped_gemm
+        indices = range(first, first + count)
+        super().__init__({str(e): ExpertMLP(ctx) for e in (reversed(indices) if self.grouped_gemm else indices)})
+        self.indices = [str(e) for e in indices]
         if self.grouped_gemm:
             self._share_one_buffer_per_weight()
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def keys(self):
+        return list(self.indices)
+
+    def values(self):
+        return [self[k] for k in self.indices]
+
+    def items(self):
+        return [(k, self[k]) for k in self.indices]
 
     def _share_one_buffer_per_weight(self) -> None:
         """Make each of fc1.weight, fc1.bias, fc2.weight, fc2.bias of the experts consecutive views of one
