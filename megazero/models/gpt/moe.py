@@ -339,7 +339,12 @@ class _GroupedLinear(torch.autograd.Function):
             for k, block in enumerate(blocks):
                 part = torch._grouped_mm(block, weight[:, k::step], offs=offsets)
                 grad_x = part if grad_x is None else grad_x + part
-        interleaved = blocks[0] if step == 1 else torch.stack(blocks, -1).flatten(1)
+        interleaved = blocks[0]
+        if step > 1:                                    # the weight's row order: row i * step + k from output k
+            interleaved = torch.empty(x.shape[0], blocks[0].shape[1], step, dtype=x.dtype, device=x.device)
+            for k, block in enumerate(blocks):
+                interleaved[:, :, k] = block
+            interleaved = interleaved.flatten(1)
         if ctx.needs_input_grad[1]:
             grad_w = torch._grouped_mm(interleaved.t(), x, offs=offsets)
         if ctx.has_bias and ctx.needs_input_grad[2]:
