@@ -251,15 +251,16 @@ class LocalExperts(nn.ModuleDict):
 
 def uniform_stride_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """``torch.stack(tensors)`` as a view, no copy, when the tensors are contiguous, of one shape, in one
-    storage at one positive stride (in their order); None otherwise."""
+    storage at one positive stride (in their order), the first and the stride 16-byte aligned (as
+    ``_grouped_mm`` wants its operands); None otherwise."""
     first = tensors[0]
-    if not first.is_contiguous():
+    if not first.is_contiguous() or first.data_ptr() % 16:
         return None
     if len(tensors) == 1:
         return first.unsqueeze(0)
     storage, start = first.untyped_storage().data_ptr(), first.storage_offset()
     step = tensors[1].storage_offset() - start
-    if step < first.numel():
+    if step < first.numel() or step * first.element_size() % 16:
         return None
     for i, t in enumerate(tensors):
         if (t.storage_offset() != start + i * step or t.shape != first.shape or not t.is_contiguous()
