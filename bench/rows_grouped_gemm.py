@@ -6,9 +6,10 @@ One process, one torch thread. The real :class:`megazero.models.gpt.moe.MoELayer
 random tokens with the flag off and on (fine-grained experts as DeepSeek's: ffn = hidden / 2, top-8) (the same layer and weights: only ``experts.grouped_gemm`` is
 switched), the two alternating, which goes first swapping each round. Reported: the median CPU time
 of each, the median over rounds of grouped / loop, the largest difference between the two outputs and
-input gradients (zero in fp32 on CPU), and what the grouped path adds: stacking the local experts'
-weights in forward (and routing the stacked gradient back to each expert's parameters in backward),
-timed alone, and the stacked copy's bytes, kept from forward to backward.
+input gradients (zero in fp32 on CPU), and what the grouped path adds: building the [experts, out, in]
+operands of the local experts' weights in forward (:func:`megazero.models.gpt.moe.stack_experts`, a view
+of the buffer the experts' weights share) and handing each expert its slice of the stacked gradient in
+backward, timed alone, and the bytes it copies (none while the weights lie at one stride).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from bench.common import median, ratio_of_medians_per_round, ratio_range
 from megazero.models.gpt import GPT, GPTConfig
+from megazero.models.gpt.moe import stack_experts
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def run_grouped_gemm(spec: GroupedGemmSpec, log=print) -> dict:
     g1, g2 = torch.randn(len(w1), *w1[0].shape), torch.randn(len(w2), *w2[0].shape)
 
     def stack():
-        torch.autograd.backward([torch.stack(w1), torch.stack(w2)], [g1, g2])
+        torch.autograd.backward([stack_experts(w1), stack_experts(w2)], [g1, g2])
 
     times = {False: [], True: [], "stack": []}
     for r in range(spec.rounds + 1):
@@ -88,7 +90,8 @@ def run_grouped_gemm(spec: GroupedGemmSpec, log=print) -> dict:
         log(f"grouped-gemm round {r}: loop {1e3 * measured[False]:.1f} ms, grouped {1e3 * measured[True]:.1f} ms "
             f"(CPU time)")
     diff = max(float((a - b).abs().max()) for a, b in zip(results[True], results[False]))
-    stacked_bytes = sum(w.numel() * w.element_size() for w in w1 + w2)
+    stacked_bytes = sum(w[0].numel() * w[0].element_size() * len(w) for w in (w1, w2)
+                        if stack_experts(w).data_ptr() != w[0].data_ptr())
     return {"loop": times[False], "grouped": times[True], "stack": times["stack"], "diff": diff,
             "stacked_bytes": stacked_bytes}
 
@@ -101,11 +104,13 @@ def grouped_gemm_section(results: list[tuple[GroupedGemmSpec, dict]]) -> list[st
            f"{rounds} rounds after one untimed. The real MoE layer (router, dispatch, experts, combine) forward + backward, "
            "`--moe-grouped-gemm` on and off on the same layer, alternating; ms: median CPU time of the process "
            "(one thread; these cores are shared, and wall time also counts other jobs' turns); grouped/loop: median over rounds of "
-           "the per-round ratio (range). stack: stacking the local experts' fc1 and fc2 weights and handing the "
-           "stacked gradient back to each expert's parameters, timed alone (part of the grouped time); stacked "
-           "bytes: that copy, held from forward to backward. |diff|: largest difference of the layer's output "
+           "the per-round ratio (range). operand: building the stacked [experts, out, in] operands of the local "
+           "experts' fc1 and fc2 weights (a view of the buffer they share) and handing each expert its slice "
+           "of the stacked gradient, timed alone (part of the grouped time); copied bytes: what that copies "
+           "(none while the weights lie at one stride; a ZeRO layout that breaks it costs a stacked copy, "
+           "held from forward to backward). |diff|: largest difference of the layer's output "
            "and input gradient between the two.", "",
-           "| shape | rows per expert | loop ms | grouped ms | grouped/loop | stack ms | stacked bytes | max abs diff |",
+           "| shape | rows per expert | loop ms | grouped ms | grouped/loop | operand ms | copied bytes | max abs diff |",
            "|---|---|---|---|---|---|---|---|"]
     for spec, res in results:
         loop, grouped = res["loop"], res["grouped"]

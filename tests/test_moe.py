@@ -24,6 +24,7 @@ from megazero.models.gpt.moe import (
     moe_layers,
     route,
     set_aux_loss_scale,
+    stack_experts,
     z_loss,
 )
 from megazero.parallel.params import split_dim
@@ -180,6 +181,35 @@ def test_grouped_gemm_equals_the_expert_loop_bitwise(swiglu, bias, recompute):
             assert torch.equal(grouped[2][name], grad), (counts, name)
 
 
+def _stacks_without_copy(experts) -> bool:
+    """Do the experts' fc1 and fc2 weights lie at one stride in one buffer (the grouped path's operand
+    then a view of it, no copy)?"""
+    weights = [[e.fc1.weight for e in experts.values()], [e.fc2.weight for e in experts.values()]]
+    return all(stack_experts(w).data_ptr() == w[0].data_ptr() for w in weights)
+
+
+def test_grouped_gemm_takes_the_weights_in_place_and_copies_them_where_moved():
+    """Built with --moe-grouped-gemm, each of the experts' weights is a view of one buffer and the grouped
+    GEMMs read it in place; once a weight has storage of its own (moved, reloaded) the path stacks
+    copies instead. Both equal the loop bitwise, gradients included, each expert's gradient its own."""
+    experts = GPT(_cfg(num_layers=1, num_experts=6, swiglu=True, ffn_hidden_size=64, add_bias_linear=True,
+                       moe_grouped_gemm=True), seed=SEED).layers["0"].mlp.experts
+    assert list(experts) == [str(e) for e in range(6)] and _stacks_without_copy(experts)
+    counts = [4, 0, 6, 3, 1, 5]
+    x = torch.randn(sum(counts), 32, generator=torch.Generator().manual_seed(1))
+    for moved in (False, True):
+        if moved:
+            expert = experts["2"]
+            expert.fc1.weight.data = expert.fc1.weight.data.clone()
+            expert.fc2.bias.data = expert.fc2.bias.data.clone()
+            assert not _stacks_without_copy(experts)
+        grouped = _experts_forward_backward(experts, x, counts, True)
+        loop = _experts_forward_backward(experts, x, counts, False)
+        assert torch.equal(grouped[0], loop[0]) and torch.equal(grouped[1], loop[1]), moved
+        for name, grad in loop[2].items():
+            assert torch.equal(grouped[2][name], grad), (moved, name)
+
+
 @pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
 def test_grouped_gemm_at_an_ffn_width_off_the_vector_width_equals_the_loop_to_rounding(swiglu):
     """At an ffn width of 48 floats the activation's last elements of an expert's rows go through torch's
@@ -244,6 +274,16 @@ def _reference(dp: int, model_kw: tuple):
         {n: b.clone() for n, b in model.named_buffers()}
 
 
+def _expect_weights_taken_in_place(chunks) -> None:
+    """Check, at each forward of every MoE layer's experts (after ZeRO-3 has gathered them), that the
+    engine's layout keeps their weights at one stride: the grouped GEMMs read them without a copy."""
+    def check(experts, args):
+        assert _stacks_without_copy(experts), "the engine's layout made the grouped path copy the weights"
+
+    for _, layer in moe_layers(chunks):
+        layer.experts.register_forward_pre_hook(check)
+
+
 def _parity_body(rank, world_size, cases, cp: int = 1):
     """Train each case (tp, pp, ep, sp, ZeRO stage, model flags) STEPS steps with the trainer's step on
     these ranks (at context parallelism ``cp``, ring attention); chunks built on the meta device, as the
@@ -257,6 +297,8 @@ def _parity_body(rank, world_size, cases, cp: int = 1):
         chunks = build_model_chunks(cfg, par, topo, seed=SEED, device="meta")
         engine = build_engine(chunks, topo, ZeroConfig(zero_stage=stage), GPT_OPT)
         job = JobConfig(model=cfg, parallel=par, train=TrainConfig(micro_batch_size=MB_SIZE))
+        if cfg.moe_grouped_gemm:
+            _expect_weights_taken_in_place(chunks)
         losses, norms, params = trainer_steps(chunks, topo, engine, job, STEPS)
         params.update({n: (b.clone(), None) for c in chunks for n, b in c.named_buffers()})   # expert biases
         metrics = collect_moe_metrics(chunks, cfg.num_layers, cfg.num_experts, topo.tp_rank, sp, STEPS, topo.device)

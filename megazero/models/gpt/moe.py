@@ -166,13 +166,50 @@ class LocalExperts(nn.ModuleDict):
     by local expert, ``counts[j]`` rows for the j-th. A module of its own: ZeRO-3 gathers it as a unit.
 
     With ``--moe-grouped-gemm`` fc1 and fc2 each run as one grouped GEMM over all local experts
-    (:func:`grouped_linear`), on the experts' weights stacked at forward time (one copy of the local
-    experts' weights per MoE layer, kept until its backward). The per-expert loop runs instead under FP8
-    (each expert keeps its own scales) and where :func:`grouped_mm_supported` says no."""
+    (:func:`grouped_linear`) on an [experts, out, in] operand of their weights (:func:`stack_experts`):
+    built here as views of one buffer per weight, it is a view of that buffer, no copy; where the
+    parameters were moved since (ZeRO buckets in reverse order, a reload into separate tensors) it is a
+    stacked copy, kept until backward. The per-expert loop runs instead under FP8 (each expert keeps its
+    own scales) and where :func:`grouped_mm_supported` says no.
+
+    Iteration (``keys``, ``values``, ``items``) is by ascending expert index. With the flag the experts
+    are registered in descending order, so that their parameters come last expert first: the ZeRO
+    engines lay a chunk's parameters out in reverse registration order (megazero.parallel.zero), which
+    then holds each of the experts' weights ascending at one stride, where :func:`stack_experts` takes
+    them without a copy."""
 
     def __init__(self, ctx, first: int, count: int):
-        super().__init__({str(e): ExpertMLP(ctx) for e in range(first, first + count)})
         self.grouped_gemm = ctx.cfg.moe_grouped_gemm
+        indices = range(first, first + count)
+        super().__init__({str(e): ExpertMLP(ctx) for e in (reversed(indices) if self.grouped_gemm else indices)})
+        self.indices = [str(e) for e in indices]
+        if self.grouped_gemm:
+            self._share_one_buffer_per_weight()
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def keys(self):
+        return list(self.indices)
+
+    def values(self):
+        return [self[k] for k in self.indices]
+
+    def items(self):
+        return [(k, self[k]) for k in self.indices]
+
+    def _share_one_buffer_per_weight(self) -> None:
+        """Make each of fc1.weight, fc1.bias, fc2.weight, fc2.bias of the experts consecutive views of one
+        buffer, so that :func:`stack_experts` finds them at one stride (values unchanged)."""
+        experts = list(self.values())
+        for layer in ("fc1", "fc2"):
+            for kind in ("weight", "bias"):
+                params = [getattr(getattr(e, layer), kind) for e in experts]
+                if params[0] is None or params[0].is_meta:
+                    continue
+                buffer = torch.stack([p.data for p in params])
+                for p, view in zip(params, buffer):
+                    p.data = view
 
     def forward(self, x: torch.Tensor, counts: list[int], by_source: list[list[int]] | None = None) -> torch.Tensor:
         """``by_source`` (FP8 under expert parallelism): ``by_source[j]`` the j-th expert's rows from each ep
@@ -192,29 +229,65 @@ class LocalExperts(nn.ModuleDict):
         return first.fc1.fp8 is None and grouped_mm_supported(x.dtype, x.device, widths)
 
     def grouped_forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """All local experts on their rows as two grouped GEMMs (fc1, fc2), equal bitwise in fp32 on CPU to
-        the per-expert loop when the expert ffn width is a multiple of 32 elements (tests/test_moe.py); at
-        other widths torch's vectorised activation rounds an expert's last elements through its scalar
-        tail on one path and not the other, and the two agree to fp32 rounding. Under SwiGLU fc1's interleaved gate/up rows are stacked as
-        [E, 2 (gate, up), ffn, h] in the same copy, so gate and up come out as contiguous column blocks (the
-        activation then takes the loop's vectorised path, which strided columns would not)."""
+        """All local experts on their rows as grouped GEMMs, equal bitwise in fp32 on CPU to the per-expert
+        loop when the expert ffn width is a multiple of 32 elements (tests/test_moe.py); at other widths
+        torch's vectorised activation rounds an expert's last elements through its scalar tail on one path
+        and not the other, and the two agree to fp32 rounding. Under SwiGLU fc1's interleaved gate/up rows
+        (even rows gate, odd rows up) run as two grouped GEMMs on the strided rows, as the loop's two
+        linear layers do, so gate and up come out as contiguous tensors (the activation then takes the
+        loop's vectorised path, which strided columns would not)."""
         experts = list(self.values())
         first = experts[0]
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        ffn = first.fc2.weight.shape[1]
 
-        def stacked(name: str, split):
-            weight = torch.stack([split(getattr(e, name).weight) for e in experts]).flatten(1, -2)
-            bias = None
-            if first.fc1.bias is not None:
-                bias = torch.stack([split(getattr(e, name).bias.unsqueeze(-1)) for e in experts]).flatten(1)
-            return weight, bias
+        def stacked(layer: str):
+            modules = [getattr(e, layer) for e in experts]
+            bias = stack_experts([m.bias for m in modules]) if first.fc1.bias is not None else None
+            return stack_experts([m.weight for m in modules]), bias
 
-        gate_up = (lambda t: t.unflatten(0, (ffn, 2)).transpose(0, 1)) if first.swiglu else (lambda t: t)
-        both = grouped_linear(x, *stacked("fc1", gate_up), offsets, counts, 2 if first.swiglu else 1)
-        inner = (both[:, :ffn], both[:, ffn:]) if first.swiglu else (both,)
-        w2, b2 = stacked("fc2", lambda t: t)
-        return first.act_then_fc2(inner, lambda y: grouped_linear(y, w2, b2, offsets, counts))
+        inner = grouped_linear(x, *stacked("fc1"), offsets, counts, 2 if first.swiglu else 1)
+        w2, b2 = stacked("fc2")
+        return first.act_then_fc2(inner, lambda y: grouped_linear(y, w2, b2, offsets, counts)[0])
+
+
+def uniform_stride_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.stack(tensors)`` as a view, no copy, when the tensors are contiguous, of one shape, in one
+    storage at one positive stride (in their order), the first and the stride 16-byte aligned (as
+    ``_grouped_mm`` wants its operands); None otherwise."""
+    first = tensors[0]
+    if not first.is_contiguous() or first.data_ptr() % 16:
+        return None
+    if len(tensors) == 1:
+        return first.unsqueeze(0)
+    storage, start = first.untyped_storage().data_ptr(), first.storage_offset()
+    step = tensors[1].storage_offset() - start
+    if step < first.numel() or step * first.element_size() % 16:
+        return None
+    for i, t in enumerate(tensors):
+        if (t.storage_offset() != start + i * step or t.shape != first.shape or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != storage or t.dtype != first.dtype):
+            return None
+    return first.as_strided((len(tensors), *first.shape), (step, *first.stride()), start)
+
+
+class _StackExperts(torch.autograd.Function):
+    """[E, ...] of E same-shape tensors (:func:`uniform_stride_view`, else a stacked copy); backward hands
+    each tensor its slice of the one stacked gradient (views, no copy)."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        view = uniform_stride_view(tensors)
+        return torch.stack(tensors) if view is None else view
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unbind(0)
+
+
+def stack_experts(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The experts' same-shape parameters as one [E, ...] operand, a view where their layout allows
+    (:class:`_StackExperts`); gradients flow back to each."""
+    return _StackExperts.apply(*tensors)
 
 
 def grouped_mm_supported(dtype: torch.dtype, device: torch.device, widths) -> bool:
@@ -233,46 +306,59 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, widths) -> bo
 
 class _GroupedLinear(torch.autograd.Function):
     """``x`` [T, in] rows grouped by expert (``offsets`` the int32 cumulative ``counts``), ``weight``
-    [E, out, in], ``bias`` [E, out] or None -> [T, out], row block j times expert j's weight (plus its bias).
+    [E, out, in], ``bias`` [E, out] or None -> ``out_blocks`` tensors [T, out / out_blocks], row block j
+    times expert j's weight (plus its bias). ``out_blocks`` > 1 (SwiGLU's interleaved gate and up): output
+    k takes the weight rows ``k::out_blocks``, a product of its own as the loop's linear layers run them.
 
-    Backward in grouped GEMMs too: dX = grouped(dY, W), dW_j = dY_j^T X_j (``_grouped_mm``'s 2D x 2D form
-    with offsets over T: an empty group's dW is zero), dB_j = the sum of dY_j's rows. torch's own autograd
-    of ``_grouped_mm`` fails on an empty group, which routing makes common. ``out_blocks`` > 1 (SwiGLU's
-    gate and up): the output columns are that many equal blocks and dX sums one product per block, as the
-    loop's two linear layers do (one product over all columns would round differently)."""
+    Backward in grouped GEMMs too: dX = the sum over outputs of grouped(dY_k, W_k), as the loop's layers
+    add up; dW_j = dY_j^T X_j (``_grouped_mm``'s 2D x 2D form with offsets over T: an empty group's dW is
+    zero) on the outputs' gradients interleaved back into the weight's row order; dB_j = the sum of dY_j's
+    rows. torch's own autograd of ``_grouped_mm`` fails on an empty group, which routing makes common."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, offsets, counts, out_blocks):
         ctx.save_for_backward(x, weight, offsets)
         ctx.counts, ctx.has_bias, ctx.out_blocks = counts, bias is not None, out_blocks
-        out = torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+        rows = None
         if bias is not None:
-            out = out + torch.repeat_interleave(bias, torch.tensor(counts, device=bias.device), dim=0,
-                                                output_size=x.shape[0])
-        return out
+            rows = torch.repeat_interleave(bias, torch.tensor(counts, device=bias.device), dim=0,
+                                           output_size=x.shape[0])
+        outs = []
+        for k in range(out_blocks):
+            out = torch._grouped_mm(x, weight[:, k::out_blocks].transpose(1, 2), offs=offsets)
+            outs.append(out if rows is None else out + rows[:, k::out_blocks])
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         x, weight, offsets = ctx.saved_tensors
-        grad = grad.contiguous()
-        width = weight.shape[1] // ctx.out_blocks
-        blocks = [grad] if ctx.out_blocks == 1 else \
-            [grad[:, i * width:(i + 1) * width].contiguous() for i in range(ctx.out_blocks)]
-        grad_x = grad_b = None
+        blocks, step = [], ctx.out_blocks
+        for grad in grads:
+            blocks.append(torch.zeros(x.shape[0], weight.shape[1] // step, dtype=x.dtype, device=x.device)
+                          if grad is None else grad.contiguous())
+        grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            for i, block in enumerate(blocks):
-                part = torch._grouped_mm(block, weight[:, i * width:(i + 1) * width], offs=offsets)
+            for k, block in enumerate(blocks):
+                part = torch._grouped_mm(block, weight[:, k::step], offs=offsets)
                 grad_x = part if grad_x is None else grad_x + part
-        grad_w = torch._grouped_mm(grad.t(), x, offs=offsets) if ctx.needs_input_grad[1] else None
+        interleaved = blocks[0]
+        if step > 1:                                    # the weight's row order: row i * step + k from output k
+            interleaved = torch.empty(x.shape[0], blocks[0].shape[1], step, dtype=x.dtype, device=x.device)
+            for k, block in enumerate(blocks):
+                interleaved[:, :, k] = block
+            interleaved = interleaved.flatten(1)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch._grouped_mm(interleaved.t(), x, offs=offsets)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = torch.stack([torch.cat([rows.sum(0) for rows in per_expert])
+            grad_b = torch.stack([torch.stack([rows.sum(0) for rows in per_expert], -1).flatten()
                                   for per_expert in zip(*(torch.split(block, ctx.counts) for block in blocks))])
         return grad_x, grad_w, grad_b, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor,
-                   counts: list[int], out_blocks: int = 1) -> torch.Tensor:
-    """Each expert's linear layer on its block of rows, as one grouped GEMM (:class:`_GroupedLinear`)."""
+                   counts: list[int], out_blocks: int = 1) -> tuple[torch.Tensor, ...]:
+    """Each expert's linear layer on its block of rows, as grouped GEMMs (:class:`_GroupedLinear`):
+    ``out_blocks`` outputs, of the weight's rows ``k::out_blocks`` each."""
     return _GroupedLinear.apply(x, weight, bias, offsets, counts, out_blocks)
 
 
