@@ -1,6 +1,7 @@
 """torchft replica groups (--fault-tolerance torchft): refusals, the state transport (bitwise, no pickle), the parity
-proof (two replica groups as separate jobs equal --data-parallel-replicas 2 inside one job), and a short chaos run
-(one kill and rejoin: the rejoined group's weights equal its peer's bitwise, the survivor keeps going)."""
+proofs (two replica groups as separate jobs equal --data-parallel-replicas 2 inside one job; groups missing from a
+step split its micro-batches and equal one process with the whole global batch), and a short chaos run (one kill
+and rejoin: the rejoined group's weights equal its peer's bitwise, the survivor keeps going)."""
 import importlib.util
 import io
 import math
@@ -195,6 +196,7 @@ def test_a_killed_replica_group_rejoins_bitwise_and_the_survivor_keeps_going(tmp
     assert not [e for g in groups for e in g.exits if e[1] != 0 and not e[2]]
 
 
+@pytest.mark.slow
 def test_groups_taking_part_split_the_step_so_it_trains_on_the_fault_free_samples(tmp_path):
     """--ft-batch-policy keep, groups missing from the first step on: one group alone of 2 (4 samples each) equals
     one process with the global batch of 8, and 2 groups of 3 (2 samples, one micro-batch each: the step's 3
