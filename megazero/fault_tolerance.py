@@ -127,7 +127,7 @@ class ReplicaGroups:
             self.manager.start_quorum()
         except LayoutMismatch as e:                     # raised by load_peer_state, on this thread
             raise TrainingStopped(str(e)) from None
-        except RuntimeError as e:                       # torchft's quorum call failed: its Manager cannot go on
+        except (RuntimeError, TimeoutError) as e:  # torchft's quorum call failed: its Manager cannot go on
             raise self._lost(e) from None
         participants = self.manager.num_participants()
         if self.keeps_batch:
@@ -170,7 +170,7 @@ class ReplicaGroups:
         """Did every group in the quorum finish this step (the same answer on every rank of this job)?"""
         try:
             self.committed = self.manager.should_commit()
-        except RuntimeError as e:
+        except (RuntimeError, TimeoutError) as e:
             raise self._lost(e) from None
         if not self.committed:
             self.say(f" ft: iteration {self.state.iteration + 1} not committed (a replica group failed during it): "
