@@ -51,8 +51,8 @@ def test_refused_in_one_line_without_torchft(monkeypatch):
     ({"fault_tolerance": None}, None, None, None, r"--ft-replica-id sets up torchft replica groups: add --fault-tolerance"),
     ({"ft_lighthouse": None}, None, None, None, r"needs a lighthouse"),
     ({"ft_batch_policy": "grow"}, None, None, None, r"--ft-batch-policy must be one of keep, shrink, got 'grow'"),
-    ({}, {"pp": 2, "num_layers_per_virtual_pipeline_stage": 1}, None, None, r"--ft-batch-policy keep with the interleaved .* add "
-                                                                   r"--ft-batch-policy shrink"),
+    ({}, {"pp": 2, "num_layers_per_virtual_pipeline_stage": 1}, None, None,
+     r"--ft-batch-policy keep with the interleaved .* add --ft-batch-policy shrink"),
     ({"fault_tolerance": None, "ft_replica_id": None, "ft_replica_groups": None, "ft_lighthouse": None,
       "ft_batch_policy": "shrink"}, None, None, None, r"--ft-batch-policy sets up torchft replica groups"),
 ])

@@ -82,9 +82,9 @@ class FaultToleranceConfig:
         """Replica-group settings only with ``--fault-tolerance``; torchft importable; the id within the
         groups; at least one replica group required per step and no more than there are; no second replica
         dimension inside the job, nor what the sum across groups is not built for; a lighthouse to join
-        (the flag or ``TORCHFT_LIGHTHOUSE``, filled in); the batch policy one of
-        :data:`BATCH_POLICIES`, ``keep`` not with the interleaved schedule. ``par``, ``zero``, ``train``: the parallel, ZeRO
-        and training sections (checked)."""
+        (the flag or ``TORCHFT_LIGHTHOUSE``, filled in); the batch policy one of :data:`BATCH_POLICIES`,
+        ``keep`` not with the interleaved schedule. ``par``, ``zero``, ``train``: the parallel, ZeRO and
+        training sections (checked)."""
         one_of(self, "ft_batch_policy")
         if not self.enabled:
             given = [name for name in ("ft_replica_id", "ft_replica_groups", "ft_lighthouse")
