@@ -11,10 +11,15 @@ Each step (:class:`ReplicaGroups`, driven by :mod:`megazero.training`):
    (restarted) heals here: each of its ranks fetches weights, optimizer state and the train state
    (iteration, samples consumed, RNG) from the same rank of a live group, over
    :class:`megazero.checkpoint.transport.TensorTransport` (JSON and raw bytes, nothing unpickled).
-2. The gradient sync reduces within the job, then :class:`ManagerReplicaAverage` (the grad syncs'
-   ``replica_reducer``) averages every reduced shard over the groups taking part: the global batch
-   shrinks while a group is missing (said in the log whenever the count changes).
-3. ``should_commit()`` -- the optimizer steps only if every participant finished the step; otherwise no
+2. The step's data: with ``--ft-batch-policy keep`` (the default) the groups taking part split the
+   step's micro-batches between them by their place in the quorum (:meth:`ReplicaGroups.data_share`),
+   so the step trains on the fault-free run's samples whoever is missing; with ``shrink`` each group
+   reads its own share and a missing group's samples are left out. Said in the log whenever the count
+   of groups taking part changes.
+3. The gradient sync reduces within the job, then :class:`ManagerReplicaAverage` (the grad syncs'
+   ``replica_reducer``) weights every reduced shard by the group's share of the step's samples and
+   averages it over the groups taking part: the mean gradient over the step's samples.
+4. ``should_commit()`` -- the optimizer steps only if every participant finished the step; otherwise no
    group applies it, the iteration counter stays, and the step is retried on the same data.
 
 Checkpoints (``--save``): each group writes under its own directory (``DIR/replica-group-<id>``), and
@@ -38,19 +43,32 @@ from megazero.state import TrainState
 
 
 class ManagerReplicaAverage:
-    """A grad sync's ``replica_reducer`` over torchft replica groups: each reduced shard (averaged over the
-    job's dp) averaged over the groups in the quorum by the Manager's fault-tolerant all-reduce. A failed
-    all-reduce is recorded by the Manager (the step then does not commit), never raised here."""
+    """A grad sync's ``replica_reducer`` over torchft replica groups: each reduced shard (this group's mean
+    gradient over its micro-batches, averaged over the job's dp) times ``weight``, then averaged over the
+    groups in the quorum by the Manager's fault-tolerant all-reduce (a sum divided by the participants).
+    ``weight`` is ``participants x`` this group's share of the step's samples (1 when the groups take equal
+    shares), so the result is the mean gradient over all the step's samples. A failed all-reduce is
+    recorded by the Manager (the step then does not commit), never raised here."""
 
     def __init__(self, manager):
         self.manager = manager
+        self.weight = 1.0
 
     @property
     def size(self) -> int:
         return self.manager.num_participants()
 
     def combine(self, shard: torch.Tensor) -> None:
+        if self.weight != 1.0:
+            shard.mul_(self.weight)
         self.manager.allreduce(shard).wait()
+
+
+def split_shares(micro_batches: int, participants: int) -> list[int]:
+    """How many of a step's ``micro_batches`` (of each data-parallel rank) each of ``participants`` groups
+    takes, by place in the quorum: every ``participants``-th from its place (the first ones take one more
+    when the split is uneven)."""
+    return [len(range(position, micro_batches, participants)) for position in range(participants)]
 
 
 def _manager_store() -> tuple[str, int, object]:
@@ -71,11 +89,11 @@ class ReplicaGroups:
 
     ``cfg``: the fault-tolerance section; ``topo``, ``chunks``, ``engine``: this job's; ``layout``: what
     a peer's state must match to be loaded here (tp, pp, dp, stage, model sizes...); ``global_batch``:
-    this group's batch per step; ``say``: rank 0's log (the participation lines); ``checksums``: log a
-    parameter checksum per rank each step (``--ft-param-checksums``)."""
+    this group's batch per step, of ``micro_batch_size`` micro-batches; ``say``: rank 0's log (the
+    participation lines); ``checksums``: log a parameter checksum per rank each step (``--ft-param-checksums``)."""
 
     def __init__(self, cfg: FaultToleranceConfig, topo, chunks, engine, layout: dict, global_batch: int, say,
-                 checksums: bool = False):
+                 checksums: bool = False, micro_batch_size: int = 1):
         from torchft import Manager, ProcessGroupGloo      # the optional extra: imported only when asked for
 
         self.cfg, self.topo, self.chunks, self.engine, self.layout = cfg, topo, chunks, engine, layout
@@ -85,6 +103,9 @@ class ReplicaGroups:
         self.healed = False
         self.committed = True
         self._participants = None
+        self.keeps_batch = cfg.ft_batch_policy == "keep"
+        self.step_micro_batches = global_batch * self.groups // (micro_batch_size * topo.dp_size)   # per dp rank
+        self._share = (self.replica_id, self.groups)
         timeout = timedelta(seconds=cfg.ft_timeout_seconds)
         host, port, self._store = _manager_store()
         self.manager = Manager(
@@ -93,7 +114,8 @@ class ReplicaGroups:
             connect_timeout=timeout, rank=topo.rank, world_size=topo.world_size, store_addr=host, store_port=port,
             lighthouse_addr=cfg.ft_lighthouse, replica_id=f"replica_group_{self.replica_id}",
             checkpoint_transport=TensorTransport(timeout), init_sync=False)
-        engine.combine_replicas_with(ManagerReplicaAverage(self.manager))
+        self.average = ManagerReplicaAverage(self.manager)
+        engine.combine_replicas_with(self.average)
 
     # ------------------------------------------------------------ each step
     def start_step(self, state: TrainState) -> bool:
@@ -105,13 +127,18 @@ class ReplicaGroups:
             self.manager.start_quorum()
         except LayoutMismatch as e:                     # raised by load_peer_state, on this thread
             raise TrainingStopped(str(e)) from None
-        except RuntimeError as e:                       # torchft's quorum call failed: its Manager cannot go on
+        except (RuntimeError, TimeoutError) as e:  # torchft's quorum call failed: its Manager cannot go on
             raise self._lost(e) from None
         participants = self.manager.num_participants()
+        if self.keeps_batch:
+            position = self.manager.participating_rank()
+            shares = split_shares(self.step_micro_batches, participants)
+            self._share = (position, participants)
+            self.average.weight = shares[position] * participants / self.step_micro_batches
         if participants != self._participants:
             was = f" (was {self._participants})" if self._participants is not None else ""
             self.say(f" ft: iteration {state.iteration + 1}: {participants} of {self.groups} replica groups take "
-                     f"part{was}: the step's global batch is {participants} x {self.global_batch} samples")
+                     f"part{was}: {self._batch_policy_words(participants)}")
             self._participants = participants
         if self.healed:
             self.say(f" ft: replica group {self.replica_id} healed from a live peer: at iteration {state.iteration}, "
@@ -121,11 +148,29 @@ class ReplicaGroups:
                   f"params {self.parameter_checksum()}{' healed' if self.healed else ''}", flush=True)
         return self.healed
 
+    def data_share(self) -> tuple[int, int]:
+        """``(position, count)``: which of the step's micro-batches this group reads (see
+        :func:`megazero.data.samplers.micro_batch_sample_ids`): with ``keep``, its place in this step's
+        quorum and the groups taking part; with ``shrink``, its replica id and every group."""
+        return self._share
+
+    def _batch_policy_words(self, participants: int) -> str:
+        """What the step's batch is with ``participants`` groups taking part, for the quorum-change line."""
+        if not self.keeps_batch:
+            return f"the step's global batch is {participants} x {self.global_batch} samples"
+        dp = self.topo.dp_size
+        shares = sorted({n * dp for n in split_shares(self.step_micro_batches, participants)}, reverse=True)
+        total = self.step_micro_batches * dp
+        if len(shares) == 1:
+            return f"each takes {shares[0]} of the step's {total} micro-batches"
+        return (f"each takes {shares[0]} or {shares[1]} of the step's {total} micro-batches (gradients weighted "
+                f"by each group's share)")
+
     def should_commit(self) -> bool:
         """Did every group in the quorum finish this step (the same answer on every rank of this job)?"""
         try:
             self.committed = self.manager.should_commit()
-        except RuntimeError as e:
+        except (RuntimeError, TimeoutError) as e:
             raise self._lost(e) from None
         if not self.committed:
             self.say(f" ft: iteration {self.state.iteration + 1} not committed (a replica group failed during it): "

@@ -170,6 +170,8 @@ REFUSALS = [
     ("faults.md", "`--fault-tolerance torchft` without torchft installed",
      ("flags", ["--fault-tolerance", "torchft", "--ft-replica-groups", "2", "--ft-replica-id", "2",
                 "--ft-lighthouse", "http://127.0.0.1:1"], 1, "--ft-replica-id must be 0 to 1")),
+    ("faults.md", "built with the interleaved pipeline schedule",
+     ("test", "tests/test_fault_tolerance.py::test_what_fault_tolerance_refuses")),
     ("memory.md", "`--compile`\ncompiles whole layers and takes full recompute only",
      ("flags", ["--compile", "--recompute-granularity", "selective"], 1, "--compile compiles whole layers, which")),
     ("memory.md", "`--compile`\ncompiles whole layers and takes full recompute only",

@@ -1,6 +1,7 @@
 """torchft replica groups (--fault-tolerance torchft): refusals, the state transport (bitwise, no pickle), the parity
-proof (two replica groups as separate jobs equal --data-parallel-replicas 2 inside one job), and a short chaos run
-(one kill and rejoin: the rejoined group's weights equal its peer's bitwise, the survivor keeps going)."""
+proofs (two replica groups as separate jobs equal --data-parallel-replicas 2 inside one job; groups missing from a
+step split its micro-batches and equal one process with the whole global batch), and a short chaos run (one kill
+and rejoin: the rejoined group's weights equal its peer's bitwise, the survivor keeps going)."""
 import importlib.util
 import io
 import math
@@ -49,6 +50,11 @@ def test_refused_in_one_line_without_torchft(monkeypatch):
     ({}, {"cp": 2}, None, None, r"with --context-parallel-size.* 2 is not built"),
     ({"fault_tolerance": None}, None, None, None, r"--ft-replica-id sets up torchft replica groups: add --fault-tolerance"),
     ({"ft_lighthouse": None}, None, None, None, r"needs a lighthouse"),
+    ({"ft_batch_policy": "grow"}, None, None, None, r"--ft-batch-policy must be one of keep, shrink, got 'grow'"),
+    ({}, {"pp": 2, "num_layers_per_virtual_pipeline_stage": 1}, None, None,
+     r"--ft-batch-policy keep with the interleaved .* add --ft-batch-policy shrink"),
+    ({"fault_tolerance": None, "ft_replica_id": None, "ft_replica_groups": None, "ft_lighthouse": None,
+      "ft_batch_policy": "shrink"}, None, None, None, r"--ft-batch-policy sets up torchft replica groups"),
 ])
 def test_what_fault_tolerance_refuses(ft, par, zero, train, words, monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
@@ -130,6 +136,30 @@ PARITY = ["--mock-data", "--vocab-size", "100", "--make-vocab-size-divisible-by"
           "--seed", "7", "--zero-stage", "1", "--save-interval", "5"]
 
 
+def _start_groups(out, argv: list[str], groups: int, present: list[int]) -> list:
+    """A lighthouse and the replica groups ``present`` of ``groups`` (one process each, under ``out``: logs
+    ``g<id>.log``, metrics ``g<id>.jsonl``, checkpoints ``ckpt``); the first quorum waits for all of them."""
+    out.mkdir(exist_ok=True)
+    port = chaos.free_port()
+    procs = [chaos.start_lighthouse(port, len(present), out / "lighthouse.log")]
+    for g in present:
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv, "--fault-tolerance", "torchft", "--ft-replica-groups",
+             str(groups), "--ft-replica-id", str(g), "--ft-lighthouse", f"http://127.0.0.1:{port}",
+             "--ft-timeout-seconds", "60", "--metrics-file", str(out / f"g{g}.jsonl"), "--save", str(out / "ckpt")],
+            env=chaos.trainer_env(), stdout=open(out / f"g{g}.log", "w"), stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait(procs: list, timeout: float = 300) -> None:
+    """Wait for the processes after the first (a lighthouse, killed then) to end with status 0."""
+    try:
+        for p in procs[1:]:
+            assert p.wait(timeout=timeout) == 0, p.args
+    finally:
+        procs[0].kill()
+
+
 def test_two_replica_groups_equal_the_replica_dimension_inside_one_job(tmp_path):
     """The parity proof: two torchft replica groups of one rank each (separate jobs, each reading its share of the
     data, global batch 4 each) against --data-parallel-replicas 2 on 2 ranks in one job (global batch 8): the
@@ -138,18 +168,7 @@ def test_two_replica_groups_equal_the_replica_dimension_inside_one_job(tmp_path)
     assert run_on_ranks(2, main_body, PARITY + ["--global-batch-size", "8", "--data-parallel-replicas", "2",
                                                 "--metrics-file", str(inside / "m.jsonl"),
                                                 "--save", str(inside / "ckpt")], timeout=180) == [0, 0]
-    port = chaos.free_port()
-    lighthouse = chaos.start_lighthouse(port, 2, tmp_path / "lighthouse.log")
-    try:
-        jobs = [subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *PARITY, "--global-batch-size", "4",
-                                  "--fault-tolerance", "torchft", "--ft-replica-groups", "2", "--ft-replica-id", str(g),
-                                  "--ft-lighthouse", f"http://127.0.0.1:{port}", "--ft-timeout-seconds", "60",
-                                  "--metrics-file", str(tmp_path / f"g{g}.jsonl"), "--save", str(tmp_path / "ckpt")],
-                                 env=chaos.trainer_env(), stdout=open(tmp_path / f"g{g}.log", "w"),
-                                 stderr=subprocess.STDOUT) for g in range(2)]
-        assert [j.wait(timeout=300) for j in jobs] == [0, 0], (tmp_path / "g0.log").read_text()[-3000:]
-    finally:
-        lighthouse.kill()
+    _wait(_start_groups(tmp_path, PARITY + ["--global-batch-size", "4"], groups=2, present=[0, 1]))
     want, _ = read_metrics(inside / "m.jsonl")
     groups = [read_metrics(tmp_path / f"g{g}.jsonl")[0] for g in range(2)]
     assert [r["iteration"] for r in want] == [1, 2, 3, 4, 5]
@@ -175,3 +194,44 @@ def test_a_killed_replica_group_rejoins_bitwise_and_the_survivor_keeps_going(tmp
     assert ok and len(lines) == 1 and "bitwise equal (healed)" in lines[0], lines
     assert all(any(s[2] == 1000 for s in g.steps) for g in groups)
     assert not [e for g in groups for e in g.exits if e[1] != 0 and not e[2]]
+
+
+@pytest.mark.slow
+def test_groups_taking_part_split_the_step_so_it_trains_on_the_fault_free_samples(tmp_path):
+    """--ft-batch-policy keep, groups missing from the first step on: one group alone of 2 (4 samples each) equals
+    one process with the global batch of 8, and 2 groups of 3 (2 samples, one micro-batch each: the step's 3
+    micro-batches split 2 and 1, gradients weighted 4/3 and 2/3 before torchft's average) equal one process with
+    the global batch of 6: per step the loss (the groups' losses weighted by their micro-batches), the gradient
+    norm and the samples consumed, and the final weights, at 1e-5 relative; the split is said in the log. No linear
+    biases: the key bias's gradient is zero but for rounding (softmax ignores a shift shared by all keys), and Adam
+    would move it by that rounding's sign."""
+    argv = PARITY + ["--disable-bias-linear"]
+    runs = {"alone": (8, 4, 2, [0], [4]), "uneven": (6, 2, 3, [0, 1], [2, 1])}
+    serial = {name: subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *argv, "--global-batch-size",
+                                      str(batch), "--metrics-file", str(tmp_path / f"{name}.jsonl"),
+                                      "--save", str(tmp_path / f"{name}-ckpt")], env=chaos.trainer_env(),
+                                     stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+              for name, (batch, *_) in runs.items()}
+    started = {name: _start_groups(tmp_path / name, argv + ["--global-batch-size", str(group_batch)], groups, present)
+               for name, (_, group_batch, groups, present, _) in runs.items()}
+    for name, (batch, group_batch, groups, present, micro_batches) in runs.items():
+        assert serial[name].wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        _wait(started[name])
+        want, _ = read_metrics(tmp_path / f"{name}.jsonl")
+        got = [read_metrics(tmp_path / name / f"g{g}.jsonl")[0] for g in present]
+        assert [r["iteration"] for r in want] == [1, 2, 3, 4, 5]
+        for step, w in enumerate(want):
+            rows = [g[step] for g in got]
+            loss = sum(n * r["loss"] for n, r in zip(micro_batches, rows)) / sum(micro_batches)
+            assert math.isclose(loss, w["loss"], rel_tol=1e-5), (name, w, rows)
+            for r in rows:
+                assert math.isclose(r["grad_norm"], w["grad_norm"], rel_tol=1e-5), (name, w, r)
+                assert r["consumed_samples"] == w["consumed_samples"]
+        _, serial_weights, _ = read_model(tmp_path / f"{name}-ckpt")
+        _, ft_weights, _ = read_model(tmp_path / name / "ckpt" / "replica-group-0")
+        for key, w in serial_weights.items():
+            torch.testing.assert_close(ft_weights[key], w, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+    log = (tmp_path / "uneven" / "g0.log").read_text()
+    assert ("2 of 3 replica groups take part: each takes 2 or 1 of the step's 3 micro-batches" in log and
+            "1 of 2 replica groups take part: each takes 4 of the step's 4 micro-batches"
+            in (tmp_path / "alone" / "g0.log").read_text()), log[-2000:]

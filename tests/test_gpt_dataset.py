@@ -200,6 +200,26 @@ def test_micro_batch_ids_partition_the_global_batch():
         micro_batch_sample_ids(0, 2, 0, 2, 10)
 
 
+def test_shares_of_a_step_split_the_same_samples_whoever_takes_part():
+    """Replica groups reading one data stream: with every group taking part, group g's share (g, G) is what
+    dp rank g*dp + d read of the G x dp sharding; any count of groups (even or not) splits the same samples,
+    each exactly once, taking every count-th micro-batch from its place."""
+    mbs, dp, groups, group_batch = 2, 2, 3, 8                # 2 micro-batches per dp rank per group, 6 in all
+    step = groups * group_batch
+    for g in range(groups):
+        for d in range(dp):
+            got = micro_batch_sample_ids(40, mbs, d, dp, step, share=(g, groups))
+            old = micro_batch_sample_ids(40, mbs, g * dp + d, groups * dp, step)
+            assert [m.tolist() for m in got] == [m.tolist() for m in old]
+    for count in (1, 2, 3, 4, 5):
+        ids = [np.concatenate(micro_batch_sample_ids(40, mbs, d, dp, step, share=(p, count)))
+               for p in range(count) for d in range(dp)]
+        assert sorted(np.concatenate(ids).tolist()) == list(range(40, 40 + step))
+    assert [m.tolist() for m in micro_batch_sample_ids(0, 1, 0, 1, 5, share=(1, 2))] == [[1], [3]]
+    with pytest.raises(ValueError, match="share position 2 outside"):
+        micro_batch_sample_ids(0, 1, 0, 1, 4, share=(2, 2))
+
+
 def test_batch_format_and_eod_mask():
     samples = np.array([[5, 6, 0, 7, 8], [0, 1, 2, 3, 0]])
     b = samples_to_batch(samples)

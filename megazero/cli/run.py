@@ -100,11 +100,11 @@ def train_built(job: JobConfig, built: Built, tokenizer: Tokenizer | None, show_
     state = resume(job, chunks, engine, topo, say=log.print)   # --load / --finetune / auto-resume
     log_header(log, job, state)
     t = job.train
-    groups, group = _data_groups(job)                    # torchft replica groups: each reads its own share
+    groups, group = _data_groups(job)                    # torchft replica groups: each reads its share of the step
     train_data, valid_data, _ = build_data_iterators(
         job.data, seq_length=job.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size * groups, dp_rank=group * topo.dp_size + topo.dp_rank,
-        dp_size=groups * topo.dp_size, cp_rank=topo.cp_rank, cp_size=topo.cp_size,
+        global_batch_size=t.global_batch_size * groups, dp_rank=topo.dp_rank,
+        dp_size=topo.dp_size, cp_rank=topo.cp_rank, cp_size=topo.cp_size,
         train_iters=t.train_iters, eval_iters=t.eval_iters, eval_interval=t.eval_interval,
         vocab_size=job.model.vocab_size, eod=tokenizer.eod if tokenizer else None,
         is_writer=topo.rank == 0, barrier=dist.barrier, batch_at=lambda consumed: groups * t.global_batch_at(consumed))
@@ -115,9 +115,12 @@ def train_built(job: JobConfig, built: Built, tokenizer: Tokenizer | None, show_
 
     if valid_data is not None:                           # evaluations already run continue where they were
         valid_data.consumed_samples = (state.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size * groups
+        valid_data.share = lambda: (group, groups)       # each group evaluates its own share
     valid_steps = _steps(valid_data, topo.device) if valid_data is not None else None
     save = checkpoint_saver(job, chunks, engine, topo, say=log.print, lock=lock)
     replicas = _replica_groups(job, built) if job.fault_tolerance.enabled else None
+    if replicas is not None:
+        train_data.share = replicas.data_share           # the step's micro-batches split by the quorum
     try:
         state = train(job, topo, chunks, engine, train_batches, (lambda: valid_steps) if valid_steps else None,
                       log, state, save=replicas.saver(save) if replicas and save else save,
@@ -149,7 +152,8 @@ def _replica_groups(job: JobConfig, built: Built) -> ReplicaGroups:
               "num_layers": job.model.num_layers, "hidden_size": job.model.hidden_size,
               "padded_vocab": job.model.padded_vocab_size(par.tp), "params": param_dtype(job).__repr__()}
     return ReplicaGroups(job.fault_tolerance, built.topo, built.chunks, built.engine, layout, job.train.global_batch_size,
-                         built.log.print, checksums=job.fault_tolerance.ft_param_checksums)
+                         built.log.print, checksums=job.fault_tolerance.ft_param_checksums,
+                         micro_batch_size=job.train.micro_batch_size)
 
 
 def resolve_data(job: JobConfig) -> tuple[JobConfig, Tokenizer | None]:

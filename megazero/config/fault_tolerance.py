@@ -9,8 +9,10 @@ before its first step. The flags follow torchtitan's ``--fault_tolerance.*`` (``
 
     --fault-tolerance torchft --ft-replica-groups 3 --ft-replica-id 1 --ft-min-replicas 1 --ft-lighthouse HOST:29510
 
-``--global-batch-size`` stays each replica group's batch: the run's is that times the replica groups
-taking part in a step. The data is sharded over replica groups x dp, so each group reads its own share.
+``--global-batch-size`` is each replica group's batch: the run's is that times ``--ft-replica-groups``.
+While a group is out, ``--ft-batch-policy keep`` (the default) has the groups taking part split the
+step's micro-batches between them, so every step trains on the samples of the fault-free run; ``shrink``
+leaves the missing groups' samples out (the step's batch is the present groups' share).
 What runs and how it is proven: docs/faults.md.
 """
 from __future__ import annotations
@@ -20,9 +22,10 @@ import os
 from dataclasses import dataclass
 
 from megazero.config.fields import FLAG, flag, flag_field
-from megazero.config.rules import fail
+from megazero.config.rules import fail, one_of
 
 FAULT_TOLERANCE_KINDS = ("torchft",)
+BATCH_POLICIES = ("keep", "shrink")
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"        # torchft's own default for the lighthouse address
 
 _FT = "fault tolerance"
@@ -60,6 +63,12 @@ class FaultToleranceConfig:
         help="how long a replica group waits on its peers (quorum, gradient average, healing) before it leaves "
              "them out of the step (default 60)")
 
+    ft_batch_policy: str = flag_field(
+        "keep", "--ft-batch-policy", choices=BATCH_POLICIES, group=_FT,
+        help="while a replica group is out: keep (the groups taking part split the step's micro-batches, "
+             "gradients weighted by each one's share: every step sees the fault-free run's samples) or shrink "
+             "(the missing groups' samples are left out of the step) (default keep)")
+
     ft_param_checksums: bool = flag_field(
         False, "--ft-param-checksums", action="store_true", group=_FT,
         help="every rank logs a checksum of its weights before each step (peers' must agree; the chaos harness "
@@ -73,13 +82,16 @@ class FaultToleranceConfig:
         """Replica-group settings only with ``--fault-tolerance``; torchft importable; the id within the
         groups; at least one replica group required per step and no more than there are; no second replica
         dimension inside the job, nor what the sum across groups is not built for; a lighthouse to join
-        (the flag or ``TORCHFT_LIGHTHOUSE``, filled in). ``par``, ``zero``, ``train``: the parallel, ZeRO
-        and training sections (checked)."""
+        (the flag or ``TORCHFT_LIGHTHOUSE``, filled in); the batch policy one of :data:`BATCH_POLICIES`,
+        ``keep`` not with the interleaved schedule. ``par``, ``zero``, ``train``: the parallel, ZeRO and
+        training sections (checked)."""
+        one_of(self, "ft_batch_policy")
         if not self.enabled:
             given = [name for name in ("ft_replica_id", "ft_replica_groups", "ft_lighthouse")
                      if getattr(self, name) is not None]
             given += ["ft_min_replicas"] if self.ft_min_replicas != 1 else []
             given += ["ft_param_checksums"] if self.ft_param_checksums else []
+            given += ["ft_batch_policy"] if self.ft_batch_policy != "keep" else []
             if given:
                 fail(f"{flag(given[0])} sets up torchft replica groups: add {FLAG.fault_tolerance} torchft, or drop it")
             return
@@ -98,6 +110,10 @@ class FaultToleranceConfig:
             fail(f"{FLAG.fault_tolerance} torchft makes each job one replica group; {FLAG.data_parallel_replicas} "
                  f"{par.data_parallel_replicas} adds a second replica dimension inside it: drop {FLAG.data_parallel_replicas}")
         self._check_not_built(par, zero, train)
+        if self.ft_batch_policy == "keep" and par.pp > 1 and par.pipeline_schedule == "interleaved":
+            fail(f"{FLAG.ft_batch_policy} keep with the interleaved pipeline schedule is not built (a group's share "
+                 f"of a step's micro-batches need not be a multiple of {FLAG.pp} {par.pp}): add "
+                 f"{FLAG.ft_batch_policy} shrink")
         if not self.ft_timeout_seconds > 0:
             fail(f"{FLAG.ft_timeout_seconds} must be > 0, got {self.ft_timeout_seconds}")
         self.ft_lighthouse = self.ft_lighthouse or os.environ.get(LIGHTHOUSE_ENV)

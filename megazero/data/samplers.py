@@ -27,17 +27,25 @@ from megazero.parallel.context_layout import rank_slice
 
 
 def micro_batch_sample_ids(consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                           global_batch_size: int) -> list[np.ndarray]:
-    """Sample ids of this rank's micro-batches for the step that starts after ``consumed_samples``."""
+                           global_batch_size: int, share: tuple[int, int] = (0, 1)) -> list[np.ndarray]:
+    """Sample ids of this rank's micro-batches for the step that starts after ``consumed_samples``.
+
+    The step's micro-batches of a data-parallel rank are numbered 0, 1, ... in sample order; ``share``
+    ``(position, count)`` takes every ``count``-th of them from ``position`` (default: all), so that
+    ``count`` jobs reading the same data (torchft replica groups) split the step's samples between them:
+    the same samples form the step whoever takes part."""
     per_micro_step = micro_batch_size * dp_size
     if global_batch_size % per_micro_step:
         raise ValueError(f"{FLAG.global_batch_size} {global_batch_size} is not divisible by "
                          f"{FLAG.micro_batch_size} {micro_batch_size} * dp {dp_size}")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
+    position, count = share
+    if not 0 <= position < count:
+        raise ValueError(f"share position {position} outside [0, {count})")
     first = consumed_samples + dp_rank * micro_batch_size
     return [first + m * per_micro_step + np.arange(micro_batch_size)
-            for m in range(global_batch_size // per_micro_step)]
+            for m in range(position, global_batch_size // per_micro_step, count)]
 
 
 def samples_to_batch(samples: np.ndarray, eod: int | None = None, eod_mask_loss: bool = False) -> dict:
@@ -66,6 +74,8 @@ class MicroBatchIterator:
     ``consumed_samples`` by the step's global batch, ``batch_at(consumed_samples)`` (default: always
     ``global_batch_size``; a batch-size schedule varies it), the same on every rank, so it is what a
     checkpoint stores. ``wrap=True`` (evaluation) cycles through the dataset instead of stopping at its end.
+    ``share`` (None: every micro-batch of the step): called at each step, the ``(position, count)`` of
+    :func:`micro_batch_sample_ids` this rank's job takes of the step (torchft replica groups).
     """
 
     def __init__(self, dataset, *, micro_batch_size: int, global_batch_size: int, dp_rank: int = 0,
@@ -77,6 +87,7 @@ class MicroBatchIterator:
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.dp_rank, self.dp_size, self.consumed_samples = dp_rank, dp_size, consumed_samples
         self.eod, self.eod_mask_loss, self.wrap = eod, eod_mask_loss, wrap
+        self.share: Callable[[], tuple[int, int]] | None = None
         micro_batch_sample_ids(0, micro_batch_size, dp_rank, dp_size, global_batch_size)  # validate
 
     def next_step(self) -> list[dict]:
@@ -86,7 +97,7 @@ class MicroBatchIterator:
             raise StopIteration(f"dataset of {n} samples exhausted after {self.consumed_samples} consumed "
                                 f"(a step takes {batch}): build it with more samples")
         ids = micro_batch_sample_ids(self.consumed_samples, self.micro_batch_size, self.dp_rank,
-                                     self.dp_size, batch)
+                                     self.dp_size, batch, self.share() if self.share is not None else (0, 1))
         batches = [samples_to_batch(np.stack([self.dataset[int(i) % n] for i in m]), self.eod, self.eod_mask_loss)
                    for m in ids]
         self.consumed_samples += batch
