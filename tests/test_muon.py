@@ -1,9 +1,8 @@
 """Muon (--optimizer muon) under ZeRO: its arithmetic against torch.optim.Muon, the serial engine against
 torch.optim.Muon + AdamW on the same parameter split, and every layout against the serial run."""
+import contextlib
+import io
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from helpers.gpt_parity import (
     fp32_newton_schulz,
     gpt_reference,
 )
-from helpers.trainer import ROOT, TINY, read_metrics
+from helpers.trainer import TINY, read_metrics
 from torch.optim import _muon as torch_muon
 
 from megazero.cli.job import parse_job
@@ -141,20 +140,28 @@ def test_four_rank_layouts_equal_the_serial_muon_run():
     _check_layouts(run_on_ranks(4, _layout_body, WORLD4, timeout=600), WORLD4, 4)
 
 
+def _main_printing(rank, world_size, argv):
+    """The trainer's main on this rank, and what it printed (rank 0 prints the start lines)."""
+    from helpers.trainer import main_body
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main_body(rank, world_size, argv)
+    return code, out.getvalue()
+
+
 def test_the_trainer_runs_muon_and_says_what_each_optimizer_steps(tmp_path):
-    """pretrain_gpt.py --optimizer muon at dp 2 under ZeRO-1 (torchrun): the start line splits the parameters
-    between Muon (the 4 layers' matrices) and AdamW, and every iteration's loss is finite (mock data: nothing to
+    """The trainer's main with --optimizer muon at dp 2 under ZeRO-1 (the pool's two processes; the
+    torchrun launch itself is tested in test_pretrain_gpt): the start line splits the parameters between
+    Muon (the 4 layers' matrices) and AdamW, and every iteration's loss is finite (mock data: nothing to
     learn; the parity tests above prove the numbers)."""
     path = tmp_path / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "pretrain_gpt.py"), *TINY, "--zero-stage", "1", "--optimizer", "muon", "--muon-ns-steps", "4",
-           "--metrics-file", str(path)]
-    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
+    argv = [*TINY, "--zero-stage", "1", "--optimizer", "muon", "--muon-ns-steps", "4", "--metrics-file", str(path)]
+    (code, stdout), (other_code, _) = run_on_ranks(2, _main_printing, argv, timeout=300)
+    assert code == other_code == 0
     hidden, ffn = 32, 128
     matrices = 4 * (3 * hidden * hidden + hidden * hidden + 2 * hidden * ffn)
-    line = next(x for x in run.stdout.splitlines() if x.startswith(" optimizer:"))
+    line = next(x for x in stdout.splitlines() if x.startswith(" optimizer:"))
     assert f"muon on the layers' matrices, {matrices:,} parameters" in line, line
     assert "4 Newton-Schulz steps in fp32" in line and "adamw on the other" in line, line
     flops = 4 * (newton_schulz_flops((3 * hidden, hidden), 4) + newton_schulz_flops((hidden, hidden), 4)

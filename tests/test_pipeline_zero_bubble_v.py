@@ -154,8 +154,8 @@ def serial_runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("world,flags", [pytest.param(*c[1:], marks=() if c[0] == "pp2" else pytest.mark.slow)
-                                         for c in TRAINER_LAYOUTS], ids=[c[0] for c in TRAINER_LAYOUTS])
+@pytest.mark.slow          # the quick tier has zb-v against serial in test_pipeline's schedule grid
+@pytest.mark.parametrize("world,flags", [c[1:] for c in TRAINER_LAYOUTS], ids=[c[0] for c in TRAINER_LAYOUTS])
 def test_trainer_with_zb_v_matches_serial(world, flags, serial_runs, tmp_path):
     import torch
     from helpers.trainer import assert_same_losses
