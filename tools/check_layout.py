@@ -20,13 +20,17 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):     # run as a file, where `tools` does not import: say how to run it
-    sys.exit("tools/check_layout.py is part of the tools package: run it from the repository root as python -m tools.check_layout ...")
-
 from megazero.errors import ConfigError
-from tools.fuzz.checker import check, unusable_workdir
-from tools.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS
-from tools.fuzz.scale import scale_down
+
+try:
+    from tools.fuzz.checker import check, unusable_workdir
+    from tools.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS
+    from tools.fuzz.scale import scale_down
+except ModuleNotFoundError as missing:        # run as a file, where `tools` does not import
+    if missing.name != "tools":
+        raise
+    sys.exit("tools/check_layout.py is part of the tools package: run it from the repository root as "
+             "python -m tools.check_layout ...")
 
 
 def main(argv: list[str] | None = None, launch=None) -> int:

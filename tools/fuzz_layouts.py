@@ -23,12 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):     # run as a file, where `tools` does not import: say how to run it
-    sys.exit("tools/fuzz_layouts.py is part of the tools package: run it from the repository root as python -m tools.fuzz_layouts ...")
-
-from tools.fuzz.checker import check, unusable_workdir
-from tools.fuzz.coverage import Coverage, allowed_pairs, most_covering
-from tools.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS
+try:
+    from tools.fuzz.checker import check, unusable_workdir
+    from tools.fuzz.coverage import Coverage, allowed_pairs, most_covering
+    from tools.fuzz.launch import DEFAULT_LAUNCHER, LAUNCHER_HELP, LAUNCHERS
+except ModuleNotFoundError as missing:        # run as a file, where `tools` does not import
+    if missing.name != "tools":
+        raise
+    sys.exit("tools/fuzz_layouts.py is part of the tools package: run it from the repository root as "
+             "python -m tools.fuzz_layouts ...")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,11 +31,18 @@ from megazero.spec import HFAdapter, ModelSpec, register_model_spec
 CHECKPOINT_FIELDS = GPT_CHECKPOINT_FIELDS + ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                                   "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers")
 
+def _own_flag(name: str) -> str:
+    """The command-line spelling of this family's config field ``name``, read from the class itself (at import
+    the configuration's registry may not know the family yet)."""
+    return {f.name: f for f in dataclasses.fields(DeepSeekV3Config)}[name].metadata["flag"].spellings[0]
+
+
 # The family's tiny models (hidden 32, 4 heads: the layout fuzzer's shared sizes): latent ranks and head
 # dimensions of 8-16 features, a narrow MLP; the "mtp" variant adds one multi-token prediction module.
-TINY_FLAGS = ("--ffn-hidden-size", "64", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8",
-              "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8")
-TINY_MODELS = (("", TINY_FLAGS), ("mtp", TINY_FLAGS + ("--mtp-num-layers", "1")))
+TINY_FLAGS = tuple(part for name, value in (("ffn_hidden_size", 64), ("q_lora_rank", 16), ("kv_lora_rank", 16),
+                                            ("qk_head_dim", 8), ("qk_pos_emb_head_dim", 8), ("v_head_dim", 8))
+                   for part in (_own_flag(name), str(value)))
+TINY_MODELS = (("", TINY_FLAGS), ("mtp", TINY_FLAGS + (_own_flag("mtp_num_layers"), "1")))
 
 
 def build_chunk(model_cfg: DeepSeekV3Config, placement, groups, *, seed: int = 1234, dtype=None, device=None,
