@@ -252,6 +252,9 @@ def test_converter_carries_the_expert_bias_both_ways(hf_tiny, tmp_path):
 # --------------------------------------------------------------------------- parallel == serial
 
 STEPS = 5
+# YaRN with its ramp inside the rotated part and both magnitudes != 1 (sequence 16 is 4x the original context)
+YARN_KW = dict(rope_type="yarn", rotary_scaling_factor=4.0, original_max_position_embeddings=4, beta_fast=2.0,
+               beta_slow=0.1, mscale_all_dim=0.707, rotary_base=100.0)
 LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags[, other parallel settings]); 2 ranks
 
     "tp2-sp": (2, 1, True, 0, {}),
@@ -265,6 +268,8 @@ LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags[, o
     "pp2-interleaved-mtp": (1, 2, False, 1, dict(mtp_num_layers=1),
                             dict(num_layers_per_virtual_pipeline_stage=1, pipeline_schedule="interleaved")),
     "cp2-p2p": (1, 1, False, 0, {}, dict(cp=2, cp_comm_type="p2p")),
+    "cp2-p2p-yarn": (1, 1, False, 0, YARN_KW, dict(cp=2, cp_comm_type="p2p")),
+    "tp2-sp-yarn": (2, 1, True, 0, YARN_KW),
     "cp2-a2a": (1, 1, False, 0, {}, dict(cp=2, cp_comm_type="a2a")),
     "cp2-allgather": (1, 1, False, 0, {}, dict(cp=2, cp_comm_type="allgather")),
     "tp2-sp-moe": (2, 1, True, 0, {**MOE_KW, "moe_layer_freq": "([0]*1+[1]*3)",
@@ -325,7 +330,7 @@ def test_layout_matches_serial(name):
     and ZeRO 3, and DeepSeek's MoE
     (sigmoid group-limited routing, a shared expert, the first layer dense) at tp 2 + SP and, with grouped GEMM
     experts, ZeRO 3, at ep 2 under ZeRO 3, and with MTP at pp 2 under zero-bubble H1, cp 2 by each comm type
-    (the value head dim differs from the query/key one): losses and
+    (the value head dim differs from the query/key one), YaRN RoPE at cp 2 and tp 2 + SP: losses and
     clipped gradient norms to 1e-5 relative, every parameter to 1e-5 relative (absolute floor 1e-5, as the
     Llama parity tests: Adam-normalised noise of elements whose gradient is ~0)."""
     tp, pp, _, _, model_kw, *other = LAYOUTS[name]
