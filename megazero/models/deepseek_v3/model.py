@@ -22,8 +22,8 @@ from torch import nn
 
 from megazero.models.deepseek_v3.attention import MultiLatentAttention
 from megazero.models.deepseek_v3.mtp import MTPModule, shifted, shifted_mask
-from megazero.models.gpt import GPT, masked_mean
 from megazero.models.deepseek_v3.yarn import yarn_attention_factor, yarn_inverse_frequencies
+from megazero.models.gpt import GPT, masked_mean
 from megazero.models.gpt.rotary import RotaryEmbedding
 from megazero.models.gpt.transformer import Embedding, LayerContext, TransformerLayer
 from megazero.parallel.zero.units import UnitUse, Zero3Plan, trainable
