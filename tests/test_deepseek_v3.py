@@ -32,7 +32,7 @@ from megazero.spec import build_model_chunks
 from megazero.spec.kv_cache import KVCache
 
 transformers = pytest.importorskip("transformers", reason="the HF comparison needs the test extra")
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 # A tiny DeepSeek-V3: every MLA part (query bottleneck, latent, shared RoPE key, v head dim != qk head dim), the
 # first layer dense, then 8 routed experts and 1 shared, top-2 of the experts of 1 of 2 groups, scaled gates.
