@@ -20,8 +20,10 @@ from megazero.config.model import family, family_names
 from megazero.errors import CheckpointError, ConfigError
 from megazero.generation import generate, greedy_continuation
 from megazero.models.deepseek_v3 import DEEPSEEK_V3_SPEC, DeepSeekV3Config
-from megazero.models.deepseek_v3.hf import to_hf_state
+from megazero.models.deepseek_v3.hf import model_config_from_hf, to_hf_state
+from megazero.models.deepseek_v3.yarn import yarn_attention_factor, yarn_inverse_frequencies
 from megazero.models.gpt import masked_mean
+from megazero.models.gpt.rotary import inverse_frequencies
 from megazero.parallel.params import attribute
 from megazero.parallel.tensor import gather_full, shard
 from megazero.parallel.topology import Topology
@@ -30,6 +32,7 @@ from megazero.spec import build_model_chunks
 from megazero.spec.kv_cache import KVCache
 
 transformers = pytest.importorskip("transformers", reason="the HF comparison needs the test extra")
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 # A tiny DeepSeek-V3: every MLA part (query bottleneck, latent, shared RoPE key, v head dim != qk head dim), the
 # first layer dense, then 8 routed experts and 1 shared, top-2 of the experts of 1 of 2 groups, scaled gates.
@@ -87,6 +90,10 @@ def test_the_family_is_found_by_name_with_deepseek_defaults():
     (dict(rotary_percent=0.5), 1, "plain RoPE"),
     (dict(num_attention_heads=6, hidden_size=96), 4, "whole heads"),
     (dict(mtp_num_layers=0), 1, "mtp"),
+    (dict(rope_type="yarn", rotary_scaling_factor=0.5), 1, "rotary-scaling-factor must be >= 1"),
+    (dict(rope_type="yarn", beta_fast=1.0, beta_slow=1.0), 1, "beta-fast 1.0 must be > --beta-slow"),
+    (dict(rope_type="yarn", original_max_position_embeddings=0), 1, "original-max-position-embeddings"),
+    (dict(rope_type="yarn", use_rope_scaling=True), 1, "use-rope-scaling"),
 ])
 def test_config_rules(kw, tp, match):
     _refused(match, tp, **kw)
@@ -151,6 +158,48 @@ def test_hf_export_loads_in_transformers_with_our_logits(tmp_path):
         assert torch.equal(back[name], t), name
 
 
+# Base 100 and betas 2 / 0.1 put the ramp of 16 rotated features over pairs 0..5: kept, blended and interpolated.
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8, beta_fast=2.0, beta_slow=0.1,
+            mscale=1.0, mscale_all_dim=0.707, rope_theta=100.0)
+
+
+def test_hf_yarn_import_gives_hf_logits_beyond_the_original_context_and_exports_back(tmp_path):
+    """YaRN with a ramp over the rotated pairs (original context 8, sequence 32): HF's logits at every position,
+    with the latent cache's greedy continuation, and the exported config reads back to the same flags."""
+    dims = dict(HF_TINY, num_hidden_layers=2, first_k_dense_replace=2, qk_rope_head_dim=16)
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**dims, rope_parameters=YARN)).eval()
+    hf.save_pretrained(tmp_path / "in")
+    cfg, tensors = load_hf(tmp_path / "in", seq_length=32)
+    assert (cfg.rope_type, cfg.rotary_scaling_factor, cfg.original_max_position_embeddings, cfg.mscale,
+            cfg.mscale_all_dim) == ("yarn", 4.0, 8, 1.0, 0.707)
+    hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hf.config)
+    ramp = yarn_inverse_frequencies(cfg) / inverse_frequencies(cfg)
+    assert ramp[0] == 1 and ramp[-1] == 0.25 and ((ramp > 0.25) & (ramp < 1)).sum() >= 3
+    torch.testing.assert_close(yarn_inverse_frequencies(cfg), hf_inv_freq, rtol=1e-6, atol=0)
+    assert yarn_attention_factor(cfg) == pytest.approx(hf_factor, rel=1e-12)
+    model = DEEPSEEK_V3_SPEC.build_full(cfg).eval()
+    _load_whole(model, tensors, cfg.vocab_size)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = model(tokens)[..., :cfg.vocab_size], hf(tokens).logits
+        plain = DEEPSEEK_V3_SPEC.build_full(dataclasses.replace(cfg, rope_type="rope")).eval()
+        _load_whole(plain, tensors, cfg.vocab_size)
+        assert not torch.allclose(plain(tokens)[..., :cfg.vocab_size], theirs, atol=1e-3)   # YaRN matters
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    prompt = tokens[0, :12].tolist()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 12:].tolist()
+    assert greedy_continuation(model, prompt, 8) == expected
+    save_hf(tmp_path / "out", tensors, cfg)
+    back_cfg, _ = load_hf(tmp_path / "out", seq_length=32)
+    assert back_cfg == cfg
+
+
+def test_hf_import_refuses_other_rope_scaling(tmp_path):
+    with pytest.raises(CheckpointError, match="rope scaling .*linear"):
+        model_config_from_hf(dict(HF_TINY, rope_scaling={"rope_type": "linear", "factor": 2.0}))
+
+
 BIAS = "mlp.gate.e_score_correction_bias"
 
 
@@ -203,6 +252,9 @@ def test_converter_carries_the_expert_bias_both_ways(hf_tiny, tmp_path):
 # --------------------------------------------------------------------------- parallel == serial
 
 STEPS = 5
+# YaRN with its ramp inside the rotated part and both magnitudes != 1 (sequence 16 is 4x the original context)
+YARN_KW = dict(rope_type="yarn", rotary_scaling_factor=4.0, original_max_position_embeddings=4, beta_fast=2.0,
+               beta_slow=0.1, mscale_all_dim=0.707, rotary_base=100.0)
 LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags[, other parallel settings]); 2 ranks
 
     "tp2-sp": (2, 1, True, 0, {}),
@@ -216,6 +268,8 @@ LAYOUTS = {  # id: (tp, pp, sequence parallel, ZeRO stage, extra model flags[, o
     "pp2-interleaved-mtp": (1, 2, False, 1, dict(mtp_num_layers=1),
                             dict(num_layers_per_virtual_pipeline_stage=1, pipeline_schedule="interleaved")),
     "cp2-p2p": (1, 1, False, 0, {}, dict(cp=2, cp_comm_type="p2p")),
+    "cp2-p2p-yarn": (1, 1, False, 0, YARN_KW, dict(cp=2, cp_comm_type="p2p")),
+    "tp2-sp-yarn": (2, 1, True, 0, YARN_KW),
     "cp2-a2a": (1, 1, False, 0, {}, dict(cp=2, cp_comm_type="a2a")),
     "cp2-allgather": (1, 1, False, 0, {}, dict(cp=2, cp_comm_type="allgather")),
     "tp2-sp-moe": (2, 1, True, 0, {**MOE_KW, "moe_layer_freq": "([0]*1+[1]*3)",
@@ -276,7 +330,7 @@ def test_layout_matches_serial(name):
     and ZeRO 3, and DeepSeek's MoE
     (sigmoid group-limited routing, a shared expert, the first layer dense) at tp 2 + SP and, with grouped GEMM
     experts, ZeRO 3, at ep 2 under ZeRO 3, and with MTP at pp 2 under zero-bubble H1, cp 2 by each comm type
-    (the value head dim differs from the query/key one): losses and
+    (the value head dim differs from the query/key one), YaRN RoPE at cp 2 and tp 2 + SP: losses and
     clipped gradient norms to 1e-5 relative, every parameter to 1e-5 relative (absolute floor 1e-5, as the
     Llama parity tests: Adam-normalised noise of elements whose gradient is ~0)."""
     tp, pp, _, _, model_kw, *other = LAYOUTS[name]

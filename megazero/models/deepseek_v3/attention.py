@@ -10,6 +10,9 @@ On the layer's input x [s, b, h] (gathered once under sequence parallelism), n h
     query, key   = [rope(q_r), q_nope], [rope(k_r) for every head, k_nope]
     out          = o_proj(softmax(query key^T / sqrt(D_nope + D_r)) v)       causal
 
+Under ``--rope-type yarn`` the rope is YaRN's and the softmax scale is multiplied by mscale^2 (:mod:`.yarn`),
+applied to the queries so that every attention path (cp, the latent cache) keeps torch's default scale.
+
 Queries and keys are laid out RoPE part first (the dot product does not depend on the order of features, and
 the shared attention core rotates a head's first ``rotary_dim`` features). RoPE pairs features the "rotate
 half" way; DeepSeek's checkpoints store the rotated rows of ``q_b_proj`` / ``q_proj`` and
@@ -46,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.models.deepseek_v3.yarn import softmax_scale_factor
 from megazero.models.gpt.transformer import LayerContext, ReplicatedLinear, RMSNorm, core_attention
 from megazero.parallel.fp8 import linear
 from megazero.parallel.tensor import (
@@ -92,12 +96,15 @@ class MultiLatentAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_rank, heads * (self.nope + self.value), ctx.tp_group,
                                               bias=False, **kw)
         self.dense = RowParallelLinear(heads * self.value, h, ctx.tp_group, bias=False, **kw)
+        self.softmax_factor = softmax_scale_factor(cfg)
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         ctx = self.ctx
         x = gather_from_sequence_parallel_region(x, ctx.tp_group) if ctx.sp else copy_to_tp_region(x, ctx.tp_group)
         s, b = x.shape[:2]
         q = self._queries(x).view(s, b, self.heads_local, self.nope + self.rope)
+        if self.softmax_factor != 1.0:                 # YaRN's softmax scale, folded into the queries
+            q = q * self.softmax_factor
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = linear(x, self.kv_a_proj_with_mqa.weight, None, None).split([self.kv_rank, self.rope], -1)
         if cache is not None:

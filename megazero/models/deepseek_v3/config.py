@@ -12,6 +12,9 @@ whose attention is multi-head latent attention (MLA, DeepSeek-V2), with Megatron
     --v-head-dim D_v           value features per head (the output projection takes heads * D_v)
     --mtp-num-layers D         multi-token prediction modules after the decoder (DeepSeek-V3's MTP)
     --mtp-loss-scaling-factor  their losses' weight: loss = main + factor / D * sum_d CE_d
+    --rope-type yarn           YaRN scaling of the rotated part (DeepSeek-V3's long-context checkpoints), with
+                               --rotary-scaling-factor, --original-max-position-embeddings, --beta-fast,
+                               --beta-slow, --mscale, --mscale-all-dim (:mod:`.yarn`)
 
 The family's defaults are DeepSeek-V3's shape (RoPE, RMSNorm with epsilon 1e-6, SwiGLU, an untied output
 layer, no biases); the sizes default to the GPT family's tiny model and Megatron's MLA defaults.
@@ -68,6 +71,23 @@ class DeepSeekV3Config(GPTConfig):
         "multi-token prediction: this many modules after the decoder, module d predicting token t+d+1"))
     mtp_loss_scaling_factor: float = flag_field(0.1, "--mtp-loss-scaling-factor", type=float, group=_MTP,
                                                 help="weight of the multi-token prediction losses (default 0.1)")
+    rope_type: str = flag_field("rope", "--rope-type", choices=("rope", "yarn"), group=_MODEL, help=(
+        "MLA: plain RoPE, or YaRN-scaled RoPE for a context longer than the original one (default rope)"))
+    rotary_scaling_factor: float = flag_field(1.0, "--rotary-scaling-factor", type=float, group=_MODEL,
+                                              help="YaRN: context extension factor (default 1.0)")
+    original_max_position_embeddings: int = flag_field(
+        4096, "--original-max-position-embeddings", type=int, group=_MODEL,
+        help="YaRN: the context length the model was pretrained with (default 4096)")
+    beta_fast: float = flag_field(32.0, "--beta-fast", type=float, group=_MODEL,
+                                  help="YaRN: rotations within the original context above which a pair is kept")
+    beta_slow: float = flag_field(1.0, "--beta-slow", type=float, group=_MODEL,
+                                  help="YaRN: rotations below which a pair is interpolated by the factor")
+    mscale: float = flag_field(1.0, "--mscale", type=float, group=_MODEL,
+                               help="YaRN: the cos/sin magnitude is mscale(factor, mscale) / mscale(factor, "
+                                    "mscale-all-dim) (default 1.0)")
+    mscale_all_dim: float = flag_field(0.0, "--mscale-all-dim", type=float, group=_MODEL,
+                                       help="YaRN: the softmax scale is multiplied by mscale(factor, this)^2 "
+                                            "(default 0: unchanged)")
 
     @property
     def rotary_dim(self) -> int:
@@ -105,7 +125,8 @@ class DeepSeekV3Config(GPTConfig):
         if self.position_embedding_type != "rope" or self.rotary_percent != 1.0 or self.use_rope_scaling:
             fail(f"{FLAG.model_family} {FAMILY} rotates the {FLAG.qk_pos_emb_head_dim} part of each head with plain "
                  f"RoPE: keep {FLAG.position_embedding_type} rope and drop {FLAG.rotary_percent} and "
-                 f"{FLAG.use_rope_scaling}")
+                 f"{FLAG.use_rope_scaling} (for a longer context: {FLAG.rope_type} yarn)")
+        self._check_yarn()
         if self.group_query_attention:
             fail(f"{FLAG.group_query_attention} with {FLAG.model_family} {FAMILY}: latent attention derives every "
                  f"head's key and value from one shared latent ({FLAG.kv_lora_rank}); drop it")
@@ -113,6 +134,17 @@ class DeepSeekV3Config(GPTConfig):
             fail(f"{FLAG.apply_layernorm_1p} with {FLAG.model_family} {FAMILY}: its latent norms store the scale "
                  f"itself; drop it")
         self._check_mtp(parallel)
+
+    def _check_yarn(self) -> None:
+        if self.rope_type != "yarn":
+            return
+        if not self.rotary_scaling_factor >= 1.0:
+            fail(f"{FLAG.rotary_scaling_factor} must be >= 1 with {FLAG.rope_type} yarn, got "
+                 f"{self.rotary_scaling_factor}: set it to the context extension factor")
+        if not self.beta_fast > self.beta_slow > 0:
+            fail(f"{FLAG.beta_fast} {self.beta_fast} must be > {FLAG.beta_slow} {self.beta_slow} > 0 with "
+                 f"{FLAG.rope_type} yarn: pass e.g. {FLAG.beta_fast} 32 {FLAG.beta_slow} 1")
+        positive(self.original_max_position_embeddings, "original_max_position_embeddings")
 
     def _check_mtp(self, parallel: ParallelConfig) -> None:
         if self.mtp_num_layers is None:

@@ -76,11 +76,36 @@ def hf_config(cfg: DeepSeekV3Config) -> dict:
             "qk_rope_head_dim": cfg.qk_pos_emb_head_dim, "v_head_dim": cfg.v_head_dim,
             **moe, "num_nextn_predict_layers": cfg.mtp_depth,
             "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
-            "rms_norm_eps": cfg.layernorm_epsilon, "rope_parameters": {"rope_type": "default",
-                                                                       "rope_theta": cfg.rotary_base},
+            "rms_norm_eps": cfg.layernorm_epsilon, "rope_parameters": _rope_parameters(cfg),
             "rope_interleave": True, "attention_bias": False, "tie_word_embeddings": False,
             "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
             "use_cache": True, "torch_dtype": "float32"}
+
+
+def _rope_parameters(cfg: DeepSeekV3Config) -> dict:
+    """HF's ``rope_parameters``: plain RoPE, or YaRN's with our ``--rope-type yarn`` flags."""
+    if cfg.rope_type != "yarn":
+        return {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    return {"rope_type": "yarn", "rope_theta": cfg.rotary_base, "factor": cfg.rotary_scaling_factor,
+            "original_max_position_embeddings": cfg.original_max_position_embeddings,
+            "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow, "mscale": cfg.mscale,
+            "mscale_all_dim": cfg.mscale_all_dim}
+
+
+def _rope_from_hf(params: dict, n_pos: int) -> dict:
+    """Our RoPE flags of HF's ``rope_parameters`` / ``rope_scaling`` (plain or YaRN; others refused)."""
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return {}
+    unsupported = [k for k in ("attention_factor", "truncate") if k in params and params[k] not in (None, True)]
+    if kind != "yarn" or unsupported:
+        _refuse("import", f"rope scaling {params} (plain RoPE and YaRN without attention_factor/truncate only)")
+    original = params.get("original_max_position_embeddings")
+    factor = params.get("factor") or (n_pos / original if original else None)
+    return dict(rope_type="yarn", rotary_scaling_factor=float(factor or 1.0),
+                original_max_position_embeddings=int(original or n_pos),
+                beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
 
 
 def _dense_first(cfg: DeepSeekV3Config) -> int | None:
@@ -135,13 +160,12 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> DeepSeekV3C
         (f"num_key_value_heads {hf.get('num_key_value_heads')} != num_attention_heads {heads}",
          hf.get("num_key_value_heads") not in (None, heads)),
         ("attention_bias true", bool(hf.get("attention_bias", False))),
-        ("tied word embeddings", bool(hf.get("tie_word_embeddings", False))),
-        (f"rope scaling {params} (plain RoPE only)",
-         params.get("rope_type", params.get("type", "default")) != "default"))
+        ("tied word embeddings", bool(hf.get("tie_word_embeddings", False))))
     refused = [what for what, bad in checks if bad]
     if refused:
         _refuse("import", ", ".join(refused))
     n_pos = hf.get("max_position_embeddings", 4096)
+    rope = _rope_from_hf(params, n_pos)
     return DeepSeekV3Config(
         num_layers=layers, hidden_size=hf["hidden_size"], num_attention_heads=heads,
         ffn_hidden_size=hf["intermediate_size"], seq_length=seq_length or n_pos, max_position_embeddings=n_pos,
@@ -150,7 +174,7 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> DeepSeekV3C
         rotary_base=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
         q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
         qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-        mtp_num_layers=hf.get("num_nextn_predict_layers") or None, **_moe_from_hf(hf, layers))
+        mtp_num_layers=hf.get("num_nextn_predict_layers") or None, **_moe_from_hf(hf, layers), **rope)
 
 
 def _rope_rows(w: torch.Tensor, rope: int, heads: int, to_interleaved: bool) -> torch.Tensor:

@@ -22,7 +22,9 @@ from torch import nn
 
 from megazero.models.deepseek_v3.attention import MultiLatentAttention
 from megazero.models.deepseek_v3.mtp import MTPModule, shifted, shifted_mask
+from megazero.models.deepseek_v3.yarn import yarn_attention_factor, yarn_inverse_frequencies
 from megazero.models.gpt import GPT, masked_mean
+from megazero.models.gpt.rotary import RotaryEmbedding
 from megazero.models.gpt.transformer import Embedding, LayerContext, TransformerLayer
 from megazero.parallel.zero.units import UnitUse, Zero3Plan, trainable
 
@@ -42,8 +44,11 @@ class DeepSeekV3(GPT):
         return DeepSeekV3Layer(ctx, layer_id)
 
     def add_modules(self, ctx: LayerContext) -> None:
-        """The MTP modules on the last stage, and there the word embedding they read (a tied copy when this
-        chunk is not also the first stage)."""
+        """The YaRN-scaled RoPE table under ``--rope-type yarn`` (every stage), the MTP modules on the last
+        stage, and there the word embedding they read (a tied copy when this chunk is not also the first
+        stage)."""
+        if ctx.cfg.rope_type == "yarn":
+            ctx.rotary = RotaryEmbedding(ctx.cfg, yarn_inverse_frequencies, yarn_attention_factor(ctx.cfg))
         depth = ctx.cfg.mtp_depth
         if depth and self.pre_process:      # the first stage's embedding: its gradient summed with the copy's
             self.embedding.word_embeddings.weight.shared_embedding = True

@@ -29,7 +29,10 @@ from megazero.models.gpt.spec import GPT_SPEC, boundary_shape
 from megazero.spec import HFAdapter, ModelSpec, register_model_spec
 
 CHECKPOINT_FIELDS = GPT_CHECKPOINT_FIELDS + ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
-                                                  "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers")
+                                                  "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
+                                                  "rope_type", "rotary_scaling_factor",
+                                                  "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                                  "mscale", "mscale_all_dim")
 
 def _own_flag(name: str) -> str:
     """The command-line spelling of this family's config field ``name``, read from the class itself (at import

@@ -31,6 +31,7 @@ nothing materialised here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -69,11 +70,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """The cos/sin table of a model chunk, shared by its layers (holds no parameters)."""
+    """The cos/sin table of a model chunk, shared by its layers (holds no parameters).
 
-    def __init__(self, cfg: GPTConfig):
+    ``frequencies`` gives the rotation speeds from the config (default: :func:`inverse_frequencies`) and
+    ``magnitude`` multiplies cos and sin (a family's RoPE scaling, e.g. YaRN's, passes both)."""
+
+    def __init__(self, cfg: GPTConfig, frequencies: Callable[[GPTConfig], torch.Tensor] = inverse_frequencies,
+                 magnitude: float = 1.0):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.frequencies, self.magnitude = cfg, frequencies, magnitude
         self.rotary_dim = cfg.rotary_dim
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -82,11 +87,14 @@ class RotaryEmbedding(nn.Module):
         key = (device, dtype)
         if key not in self._tables or self._tables[key][0].shape[0] < length:
             rows = min(max(length, self.cfg.seq_length), self.cfg.max_position_embeddings)
-            inv_freq = inverse_frequencies(self.cfg).to(device)
+            inv_freq = self.frequencies(self.cfg).to(device)
             positions = torch.arange(rows, device=device, dtype=torch.int64).float()
             angles = torch.outer(positions, inv_freq)
             angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]
-            self._tables[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
+            cos, sin = angles.cos(), angles.sin()
+            if self.magnitude != 1.0:
+                cos, sin = cos * self.magnitude, sin * self.magnitude
+            self._tables[key] = (cos.to(dtype), sin.to(dtype))
         return self._tables[key]
 
     def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
