@@ -388,3 +388,16 @@ def test_an_hpz_partition_stays_inside_a_node(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="of nodes of 2 ranks"):
         z.check(ParallelConfig(dp=8), world_size=8)
+
+
+def test_a_family_registered_outside_its_package_is_not_built_in():
+    """A spec registered under a new name with a built-in family's config class (a test's, a user's) is not one of
+    megazero's own families: the fuzzer draws built-in families only."""
+    from megazero.config.model import builtin_families
+    from megazero.spec import ModelSpec, get_model_spec, register_model_spec
+
+    gpt = get_model_spec("gpt")
+    register_model_spec(ModelSpec("registered-elsewhere-test", gpt.config, gpt.build_chunk, gpt.boundary_shape,
+                                  gpt.loss, gpt.flops_per_token))
+    names = [entry.name for entry in builtin_families()]
+    assert "gpt" in names and len(names) >= 2 and "registered-elsewhere-test" not in names

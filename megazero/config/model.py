@@ -367,10 +367,11 @@ def family_names() -> list[str]:
 
 
 def builtin_families() -> list[Family]:
-    """The families megazero comes with (those defined in ``megazero/models/``), by name."""
+    """The families megazero comes with, by name: each defined in its own package ``megazero/models/<name>/``
+    (a family registered elsewhere under another name, with a built-in family's config class, is not one)."""
     load_builtin_families()
     return [entry for name, entry in sorted(_FAMILIES.items())
-            if entry.config.__module__.startswith(f"{MODELS_PACKAGE}.")]
+            if entry.config.__module__.startswith(f"{MODELS_PACKAGE}.{name}.")]
 
 
 def registered_families() -> list[Family]:
