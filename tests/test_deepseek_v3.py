@@ -24,7 +24,6 @@ from megazero.models.deepseek_v3.hf import model_config_from_hf, to_hf_state
 from megazero.models.deepseek_v3.yarn import yarn_attention_factor, yarn_inverse_frequencies
 from megazero.models.gpt import masked_mean
 from megazero.models.gpt.rotary import inverse_frequencies
-from megazero.parallel.params import attribute
 from megazero.parallel.tensor import gather_full, shard
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
@@ -441,26 +440,12 @@ def test_estimate_is_within_10_percent_of_measured(name):
     (as the GPT family's, tests/test_memory.py), and its terms: the model states against the bytes alive after
     the step, the activations and buffers against the rest of the peak, each within 10% of the measured peak
     (printed)."""
-    from helpers.memory import measure_body
-
-    from megazero.cli.job import parse_job
-    from megazero.memory.estimate import estimate_memory
+    from helpers.memory import estimate_errors
 
     world, flags = ESTIMATE_LAYOUTS[name]
-    argv = ESTIMATE_SHAPE + flags
-    job, _ = parse_job(argv, world)
-    estimates = {e.pp_rank: e for e in estimate_memory(job, "cpu")}
-    measured, states = {}, {}
-    for pp_rank, peak, end in run_on_ranks(world, measure_body, argv):
-        measured[pp_rank] = max(measured.get(pp_rank, 0), peak)
-        states[pp_rank] = max(states.get(pp_rank, 0), end)
     errors = {}
-    for pp_rank, est in estimates.items():
+    for pp_rank, (est, errors[pp_rank]) in estimate_errors(ESTIMATE_SHAPE + flags, world).items():
         assert est.activations + est.buffers >= 0.4 * est.total
-        errors[pp_rank] = {"total": est.total / measured[pp_rank] - 1,
-                           "model states": (est.model_states - states[pp_rank]) / measured[pp_rank],
-                           "activations + buffers": (est.activations + est.buffers
-                                                     - (measured[pp_rank] - states[pp_rank])) / measured[pp_rank]}
         print(f"{name} stage {pp_rank}:", {k: f"{v:+.1%}" for k, v in errors[pp_rank].items()})
     assert all(abs(v) <= 0.10 for stage in errors.values() for v in stage.values()), errors
 

@@ -41,3 +41,25 @@ def measure_body(rank, world_size, argv):
         train_step(chunks, micro, topo, engine, job)
     inputs = sum(t.untyped_storage().nbytes() for mb in micro for t in mb.values())
     return topo.pp_rank, step.peak, reachable_tensor_bytes() - inputs   # after the step: the model states
+
+
+def estimate_errors(argv: list[str], world: int) -> dict[int, tuple]:
+    """pipeline rank -> (the estimator's figures, each term's error as a share of the measured peak), the peak
+    and the bytes alive after the step measured by :func:`measure_body` on ``world`` processes: ``total`` the
+    estimated peak against the measured one, ``model states`` against the bytes alive after the step,
+    ``activations + buffers`` against the rest of the peak."""
+    from helpers.multiproc import run_on_ranks
+
+    from megazero.memory.estimate import estimate_memory
+
+    job, _ = parse_job(argv, world)
+    estimates = {e.pp_rank: e for e in estimate_memory(job, "cpu")}
+    measured, states = {}, {}
+    for pp_rank, peak, end in run_on_ranks(world, measure_body, argv):
+        measured[pp_rank] = max(measured.get(pp_rank, 0), peak)
+        states[pp_rank] = max(states.get(pp_rank, 0), end)
+    return {pp_rank: (est, {"total": est.total / measured[pp_rank] - 1,
+                            "model states": (est.model_states - states[pp_rank]) / measured[pp_rank],
+                            "activations + buffers": (est.activations + est.buffers
+                                                      - (measured[pp_rank] - states[pp_rank])) / measured[pp_rank]})
+            for pp_rank, est in estimates.items()}
