@@ -4,8 +4,10 @@ import gc
 
 import torch
 
+from helpers.multiproc import run_on_ranks
 from megazero.cli.job import parse_job
 from megazero.memory import LiveTensorBytes, reachable_tensor_bytes
+from megazero.memory.estimate import estimate_memory
 
 # RoPE, RMSNorm, SwiGLU, 2 key/value groups, no biases, untied output
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
@@ -48,10 +50,6 @@ def estimate_errors(argv: list[str], world: int) -> dict[int, tuple]:
     and the bytes alive after the step measured by :func:`measure_body` on ``world`` processes: ``total`` the
     estimated peak against the measured one, ``model states`` against the bytes alive after the step,
     ``activations + buffers`` against the rest of the peak."""
-    from helpers.multiproc import run_on_ranks
-
-    from megazero.memory.estimate import estimate_memory
-
     job, _ = parse_job(argv, world)
     estimates = {e.pp_rank: e for e in estimate_memory(job, "cpu")}
     measured, states = {}, {}
