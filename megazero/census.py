@@ -14,6 +14,9 @@ aten op of the step (forward, backward, gradient sync, optimizer) and sorts it:
     collective  a torch.distributed collective (c10d)
     other       every other op: one kernel, its input and output bytes; copies (``copy_``, ``_to_copy``,
                 ``clone``) counted apart, and among them casts (a copy that changes the dtype)
+    fused       a region :func:`megazero.kernels.one_kernel` marks (RMSNorm, SwiGLU, ...), which CUDA runs as one
+                kernel (Liger's, torch's fused norm or one compiled kernel) and a CPU as several ops: counted as
+                the one kernel, by its name, its tensor arguments read and results written
 
 :func:`layer_census` runs the trainer's own step (``megazero.training.train_step``, one process) at two
 depths and two micro-batch counts and splits the counts into what each layer adds per micro-batch, what each
@@ -106,11 +109,32 @@ class OpCensus(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.census = Census()
+        self._fused = 0                     # depth of one_kernel regions being run
+
+    def count_one_kernel(self, name: str, fn, args):
+        """Run ``fn(*args)``, a region :func:`megazero.kernels.one_kernel` marks as one fused kernel on CUDA, and
+        count it as that kernel (``name`` in ``by_op``): its tensor arguments read, its tensor results written.
+        A region holding a GEMM is that GEMM (its epilogue fused): only the GEMM is counted."""
+        gemms = self.census.gemms
+        self._fused += 1
+        try:
+            out = fn(*args)
+        finally:
+            self._fused -= 1
+        if self.census.gemms == gemms and not self._fused:
+            c = self.census
+            c.ops += 1
+            c.bytes += _nbytes(tree_leaves(args)) + _nbytes(tree_leaves(out))
+            c.by_op[name] += 1
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         c = self.census
+        if self._fused and not (func in GEMMS or func.__name__.split(".")[0] in GEMM_NAMES
+                                or func.namespace == "c10d" or func is aten._local_scalar_dense.default):
+            return out                      # inside a fused region: counted at its end, as one kernel
         if func in GEMMS or func.__name__.split(".")[0] in GEMM_NAMES:
             c.gemms += 1
             c.gemm_flops += _gemm_flops(func, args, out)

@@ -21,6 +21,10 @@ one place where a layer's norm and SwiGLU are picked for the device.
     AdamW           torch's fused kernel (``torch._fused_adamw_``) over the flat fp32 shards: one kernel for
                     the whole update, as apex's FusedAdam is (so apex's is not used).
 
+Each kernel that runs as one fused kernel on CUDA (Liger's, torch's fused norm, or one compiled kernel) runs on
+a CPU as several torch ops; :func:`one_kernel` marks such a region, so that the op census
+(:mod:`megazero.census`) counts it as the one kernel a GPU runs.
+
 PyPI's package named ``apex`` is unrelated to NVIDIA's: only an ``apex`` that provides
 ``apex.normalization.FusedLayerNorm`` counts. Which kernels ran is printed at start (:func:`describe_kernels`).
 """
@@ -32,6 +36,18 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _python_dispatch
+
+
+def one_kernel(name: str, fn, *args):
+    """``fn(*args)``: a computation that runs as one fused kernel on CUDA (``name`` says which) but may run as
+    several torch ops here. Outside the op census it is just the call; a census counting the step
+    (:class:`megazero.census.OpCensus`, the dispatch mode in force) counts it as one kernel reading the tensors
+    in ``args`` and writing those it returns. A GEMM inside (a product with a fused epilogue) stays a GEMM."""
+    if torch.compiler.is_compiling():
+        return fn(*args)
+    count = getattr(_python_dispatch._get_current_dispatch_mode(), "count_one_kernel", None)
+    return fn(*args) if count is None else count(name, fn, args)
 
 
 def apex_norms():
@@ -78,20 +94,33 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        wide = torch.promote_types(x.dtype, torch.float32)       # float32, or float64 for float64
-        rstd = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps)
+        y, rstd = one_kernel("rms_norm", rms_norm_forward, x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (x.to(wide) * rstd).to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        normed = x.to(rstd.dtype) * rstd
-        grad = grad.to(rstd.dtype)
-        grad_weight = (grad * normed.to(x.dtype).to(rstd.dtype)).reshape(-1, grad.shape[-1]).sum(0)
-        scaled = grad * weight.to(rstd.dtype)
-        grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+        grad_x, grad_weight = one_kernel("rms_norm_backward", rms_norm_backward, grad, x, weight, rstd)
+        return grad_x, grad_weight, None
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * x * rstd in x's dtype, rstd in float32 or wider): :class:`RMSNormFunction`'s forward."""
+    wide = torch.promote_types(x.dtype, torch.float32)       # float32, or float64 for float64
+    rstd = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x.to(wide) * rstd).to(x.dtype), rstd
+
+
+def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gradient of x, gradient of the weight) of :func:`rms_norm_forward` for the output's gradient ``grad``."""
+    normed = x.to(rstd.dtype) * rstd
+    grad = grad.to(rstd.dtype)
+    grad_weight = (grad * normed.to(x.dtype).to(rstd.dtype)).reshape(-1, grad.shape[-1]).sum(0)
+    scaled = grad * weight.to(rstd.dtype)
+    grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
+    return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
@@ -130,12 +159,13 @@ class SwiGLUFunction(torch.autograd.Function):
     def forward(ctx, gate, up, fused: bool):
         ctx.save_for_backward(gate, up)
         ctx.fused = fused
-        return (_compiled(swiglu_forward) if fused else swiglu_forward)(gate, up)
+        return one_kernel("swiglu", _compiled(swiglu_forward) if fused else swiglu_forward, gate, up)
 
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        grad_gate, grad_up = (_compiled(swiglu_backward) if ctx.fused else swiglu_backward)(grad, gate, up)
+        grad_gate, grad_up = one_kernel("swiglu_backward", _compiled(swiglu_backward) if ctx.fused else swiglu_backward,
+                                        grad, gate, up)
         return grad_gate, grad_up, None
 
 
