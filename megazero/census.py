@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from megazero.config import validate
+from megazero.config import FLAG, validate
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import build_engine
 from megazero.spec import build_model_chunks, get_model_spec
@@ -57,6 +57,7 @@ class Census:
     gemms: int = 0
     gemm_flops: int = 0
     attention: int = 0
+    attention_flops: int = 0
     ops: int = 0
     bytes: int = 0
     copies: int = 0
@@ -79,7 +80,8 @@ class Census:
 
     def line(self) -> str:
         return (f"{self.ops} ops ({self.copies} copies, {self.casts} casts), {self.bytes / 2**20:.2f} MiB moved, "
-                f"{self.gemms} GEMMs ({self.gemm_flops / 1e9:.3g} GFLOP), {self.attention} attention, "
+                f"{self.gemms} GEMMs ({self.gemm_flops / 1e9:.3g} GFLOP), {self.attention} attention "
+                f"({self.attention_flops / 1e9:.3g} GFLOP), "
                 f"{self.syncs} host syncs, {self.collectives} collectives")
 
 
@@ -140,6 +142,7 @@ class OpCensus(TorchDispatchMode):
             c.gemm_flops += _gemm_flops(func, args, out)
         elif "scaled_dot_product" in func.__name__ or "flash_attention" in func.__name__:
             c.attention += 1
+            c.attention_flops += _attention_flops(func, args)
         elif func is aten._local_scalar_dense.default:
             c.syncs += 1
         elif func.namespace == "c10d":
@@ -162,6 +165,17 @@ class OpCensus(TorchDispatchMode):
         return out
 
 
+def _attention_flops(func, args) -> int:
+    """FLOPs of a fused attention kernel: forward 4 b h s s_k d (its two products; half when causal), backward
+    2.5 times that (FlashAttention's count: the scores made again, then four products)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    backward = func.__name__.split(".")[0].endswith("backward")
+    q, k = tensors[1:3] if backward else tensors[:2]
+    causal = any(a is True for a in args)
+    forward = 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3] // (2 if causal else 1)
+    return int(forward * 2.5) if backward else forward
+
+
 def _gemm_flops(func, args, out) -> int:
     """2 M N K of a matrix product (batched: times the batch), from its output and its contracted size."""
     a = args[1] if func in (aten.addmm.default, aten.baddbmm.default) else args[0]
@@ -174,13 +188,21 @@ class LayerCensus:
     """A step's census split by where it comes from: ``per_layer_micro`` each transformer layer adds per
     micro-batch (forward and backward), ``per_layer_step`` each layer adds once per step (its parameters'
     gradient sync and optimizer update), ``rest`` everything else of a step of ``micro`` micro-batches at
-    ``layers`` layers (embedding, head and loss per micro-batch; the step's fixed work)."""
+    ``layers`` layers (embedding, head and loss per micro-batch; the step's fixed work), itself split into
+    ``rest_micro`` (what the embedding, head and loss add per micro-batch) and ``rest_step`` (once a step)."""
 
     per_layer_micro: Census
     per_layer_step: Census
     rest: Census
     layers: int
     micro: int
+    rest_micro: Census = field(default_factory=Census)
+    rest_step: Census = field(default_factory=Census)
+
+    def step(self, layers: int, micro: int) -> Census:
+        """The census of a step of ``micro`` micro-batches at ``layers`` layers, from the parts."""
+        return (_times(self.per_layer_micro, layers * micro) + _times(self.per_layer_step, layers)
+                + _times(self.rest_micro, micro) + self.rest_step)
 
 
 def step_census(job, micro_batches: int, steps: int = 2) -> Census:
@@ -223,8 +245,89 @@ def layer_census(job, layers: int = 2, micro: int = 1) -> LayerCensus:
     per_layer = (runs[2 * layers, micro] - runs[layers, micro]) / layers
     per_layer_step = per_layer - _times(per_layer_micro, micro)
     rest = runs[layers, micro] - _times(per_layer, layers)
-    return LayerCensus(per_layer_micro, per_layer_step, rest, layers, micro)
+    rest_micro = (runs[layers, 2 * micro] - runs[layers, micro]) / micro - _times(per_layer_micro, layers)
+    rest_step = rest - _times(rest_micro, micro)
+    return LayerCensus(per_layer_micro, per_layer_step, rest, layers, micro, rest_micro, rest_step)
 
 
 def _times(c: Census, k: int) -> Census:
     return c / (1 / k)
+
+
+# ----------------------------------------------------------------------------- a shape too large to run here
+
+def shape_census(job, probe_seq: tuple[int, int] = (16, 32),
+                 probe_vocab: tuple[int, int] = (512, 1024)) -> LayerCensus:
+    """The census of one step of ``job`` at its own shape (its parts; ``.step(layers, micro)`` the whole), which may be far too large to run on this CPU (the
+    GPU issue's GPT-2 350M and Llama 1.5B shapes), extrapolated from small runs at the job's own widths.
+
+    Everything a step runs is linear in the tokens of a micro-batch at fixed widths (per-token activations; a
+    per-parameter kernel or a weight-sized gradient fold adds a constant), and the embedding, head and loss are
+    in addition linear in the vocabulary (the logits: tokens x vocab). So :func:`layer_census` runs at the job's
+    hidden, ffn and head sizes, one sequence of each of ``probe_seq`` tokens and each of ``probe_vocab`` vocabulary
+    sizes (four censuses), and each figure is read off the bilinear function through them at the job's tokens
+    (micro-batch x sequence) and vocabulary, then composed for its layers and micro-batches
+    (:meth:`LayerCensus.step`). Op counts come out exact where they do not depend on the shape; attention FLOPs
+    (quadratic in the sequence) are taken per micro-batch from the formula at the job's sequence instead.
+
+        probe (1 x 16 tokens, vocab 512) ... (1 x 32, 1024)  ->  Llama 1.5B: 4 x 2048 tokens, vocab 128256
+
+    Takes the job's widths, so a probe of a wide model needs its memory: the 1.5B shape's layers at hidden 2048
+    hold about 1.2 GB each with fp32 masters and Adam state (the probe runs 1 and 2 layers)."""
+    cfg = job.model
+    if getattr(cfg, "cross_entropy_loss_fusion", False):
+        raise ValueError(f"the census of a whole shape assumes a step linear in its tokens and vocabulary; "
+                         f"{FLAG.cross_entropy_loss_fusion}'s chunks of tokens are not: census it without the flag")
+    tokens, vocab = job.train.micro_batch_size * cfg.seq_length, cfg.padded_vocab_size(1)
+    micro = job.train.global_batch_size // job.train.micro_batch_size
+    probes = {}
+    for s in probe_seq:
+        for v in probe_vocab:
+            small = dataclasses.replace(job, model=dataclasses.replace(cfg, seq_length=s, vocab_size=v),
+                                        train=dataclasses.replace(job.train, micro_batch_size=1, global_batch_size=1))
+            probes[s, v] = layer_census(small, layers=1, micro=1)
+    (s1, s2), (v1, v2) = probe_seq, probe_vocab
+    t, u = (tokens - s1) / (s2 - s1), (vocab - v1) / (v2 - v1)
+
+    def at_shape(part: str) -> Census:
+        c11, c12 = getattr(probes[s1, v1], part), getattr(probes[s1, v2], part)
+        c21, c22 = getattr(probes[s2, v1], part), getattr(probes[s2, v2], part)
+        return c11 + _times(c21 - c11, t) + _times(c12 - c11, u) + _times(c22 - c21 - c12 + c11, t * u)
+
+    per_layer_micro = at_shape("per_layer_micro")
+    per_layer_micro.attention_flops = layer_attention_flops(cfg, job.train.micro_batch_size)
+    rest_micro, rest_step = at_shape("rest_micro"), at_shape("rest_step")
+    return LayerCensus(per_layer_micro, at_shape("per_layer_step"), _times(rest_micro, micro) + rest_step,
+                       cfg.num_layers, micro, rest_micro, rest_step)
+
+
+def layer_attention_flops(cfg, micro_batch: int) -> int:
+    """A layer's causal attention FLOPs for one micro-batch, forward and backward (:func:`_attention_flops`'s
+    count: 3.5 x 4 b h s^2 d / 2)."""
+    return int(3.5 * 4 * micro_batch * cfg.num_attention_heads * cfg.seq_length ** 2 * cfg.head_dim / 2)
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """A GPU step's time from its census: GEMM FLOPs at the GEMMs' rate, attention FLOPs at flash attention's,
+    every other kernel's bytes at the memory's bandwidth plus a fixed cost per kernel (its launch and the host's
+    Python around it). The defaults are one H200 in bf16, from the profile of the Llama 1.5B shape's eager step
+    at fcda14e (200.3 ms): GEMMs ran at ~820 TFLOP/s, flash attention ~11 ms for its 3.85 TFLOP (~350 TFLOP/s),
+    5 us a kernel; the bandwidth is calibrated so that fcda14e's census at that shape (2820 kernels, 270 GiB
+    moved: ``python -m tools.op_census --shape llama-1.5B`` on that checkout) predicts the measured step. At
+    4 TB/s it predicted 172 ms; the profile's elementwise kernels, many small ones, reach 2.85 TB/s of the
+    HBM's 4.8. The GPT-2 350M step (71.2 ms measured) is bound by the host, not the GPU: the model predicts
+    64.6 ms for it."""
+
+    gemm_flops_per_s: float = 800e12
+    attention_flops_per_s: float = 350e12
+    bytes_per_s: float = 2.85e12
+    seconds_per_kernel: float = 5e-6
+
+    def seconds(self, c: Census) -> dict[str, float]:
+        """The step's predicted seconds by part (``gemm``, ``attention``, ``bytes``, ``kernels``) and ``total``."""
+        parts = {"gemm": c.gemm_flops / self.gemm_flops_per_s,
+                 "attention": c.attention_flops / self.attention_flops_per_s,
+                 "bytes": c.bytes / self.bytes_per_s,
+                 "kernels": c.ops * self.seconds_per_kernel}
+        return {**parts, "total": sum(parts.values())}
