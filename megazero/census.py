@@ -12,8 +12,9 @@ aten op of the step (forward, backward, gradient sync, optimizer) and sorts it:
                 queries with no tensor out (``promote_types``)
     sync        a value read back by the host (``.item()``: ``_local_scalar_dense``), a GPU stall
     collective  a torch.distributed collective (c10d)
-    other       every other op: one kernel, its input and output bytes; copies (``copy_``, ``_to_copy``,
-                ``clone``) counted apart, and among them casts (a copy that changes the dtype)
+    other       every other op: one kernel, its input and output bytes (an op returning nothing, as the fused
+                AdamW, writes its in-place arguments); copies (``copy_``, ``_to_copy``, ``clone``) counted
+                apart, and among them casts (a copy that changes the dtype)
     fused       a region :func:`megazero.kernels.one_kernel` marks (RMSNorm, SwiGLU, ...), which CUDA runs as one
                 kernel (Liger's, torch's fused norm or one compiled kernel) and a CPU as several ops: counted as
                 the one kernel, by its name, its tensor arguments read and results written
@@ -149,7 +150,7 @@ class OpCensus(TorchDispatchMode):
             c.collectives += 1
         elif not (func.is_view or func in FREE or func.namespace == "prim"):
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)] or _written(func, args, kwargs)
             if not outputs:                     # a query (promote_types, ...): no kernel
                 return out
             moved = _nbytes(inputs) + _nbytes(outputs)
@@ -163,6 +164,17 @@ class OpCensus(TorchDispatchMode):
                     c.casts += 1
                     c.cast_bytes += moved
         return out
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op that returns nothing writes in place (the fused AdamW's parameters and moments, a
+    ``_foreach_*_`` op's list): its schema's arguments marked as written."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
 
 
 def _attention_flops(func, args) -> int:

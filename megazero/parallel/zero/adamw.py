@@ -123,10 +123,10 @@ def _adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     CPU and CUDA): one pass over every tensor, no temporaries, and a handful of kernel launches
     for the whole model instead of several per tensor (which left a GPU step launch-bound).
     """
-    if weight_decay != 0.0 and lr != 0.0:
-        for param, ranges in zip(params, decay_ranges):
-            for a, b in ranges:
-                param[a:b].mul_(1.0 - lr * weight_decay)
+    if weight_decay != 0.0 and lr != 0.0:        # one foreach kernel over every decayed slice
+        decayed = [param[a:b] for param, ranges in zip(params, decay_ranges) for a, b in ranges if b > a]
+        for device in {t.device for t in decayed}:
+            torch._foreach_mul_([t for t in decayed if t.device == device], 1.0 - lr * weight_decay)
     live = [i for i, p in enumerate(params) if p.numel() > 0]
     if not live:
         return

@@ -14,9 +14,10 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
     ranges would see another norm: the layout fuzzer's draws 11, 23 and 2023 (1.2e-5 apart)."""
     t = t.reshape(-1)
     whole = t.numel() // NORM_ROW * NORM_ROW
-    sq = torch.zeros((), dtype=torch.float64, device=t.device)
+    sq = None
     if whole:
-        sq += torch.linalg.vector_norm(t[:whole].view(-1, NORM_ROW), dim=1).double().square().sum()
+        sq = torch.linalg.vector_norm(t[:whole].view(-1, NORM_ROW), dim=1).double().square().sum()
     if whole < t.numel():
-        sq += torch.linalg.vector_norm(t[whole:]).double() ** 2
-    return sq
+        tail = torch.linalg.vector_norm(t[whole:]).double() ** 2
+        sq = tail if sq is None else sq + tail
+    return sq if sq is not None else torch.zeros((), dtype=torch.float64, device=t.device)

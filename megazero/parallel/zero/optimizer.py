@@ -300,8 +300,7 @@ class BucketAdamW:
             return norm, True
         if self.cfg.clip_grad > 0:
             coef = min(self.cfg.clip_grad / (norm + 1e-6), 1.0)
-            for g in grads:
-                g.mul_(coef)
+            _foreach_scale(grads, coef)
         self.step_count += 1
         self.publish.before_write()
         if self.delayed is not None:
@@ -345,10 +344,10 @@ class BucketAdamW:
         ranges = [r for r in self.ranges if not r.param_fp32 and r.sync.params.on_device]
         if not ranges:
             return False
-        bad = torch.zeros((), dtype=torch.int32, device=self.device)
-        for r in ranges:            # a non-finite value makes the (fp32) sum non-finite: ~10x a full isfinite
-            bad += (~torch.isfinite(self.range_params(r).sum(dtype=torch.float32))).to(bad.device)
-        return bool(bad.item()) and any(not bool(torch.isfinite(self.range_params(r)).all()) for r in ranges)
+        # The largest magnitude of each range (one foreach kernel for them all): inf or nan where a value is.
+        values = [self.range_params(r) for r in ranges]
+        largest = torch._foreach_norm([v for v in values if v.numel()], float("inf"))
+        return bool(largest) and not bool(torch.isfinite(torch.stack(largest).to(self.device)).all())
 
     def _main_grads(self) -> list[torch.Tensor]:
         """fp32, unscaled gradient of every owned range (where the state lives: the device or the host)."""
@@ -544,3 +543,14 @@ def merge_optimizer_states(states: list[dict]) -> dict:
             end += p["master"].numel()
         params[name] = {"offset": 0, **{k: torch.cat([p[k] for p in pieces]) for k in BucketAdamW._STATE_KEYS}}
     return {"step": states[0]["step"], "loss_scaler": states[0]["loss_scaler"], "params": params}
+
+
+def _foreach_scale(tensors: list[torch.Tensor], factor: float) -> None:
+    """Multiply every tensor in place by ``factor``: one foreach kernel for the list (per device) instead of
+    one per tensor; bitwise each tensor's own ``mul_``."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_device.setdefault(t.device, []).append(t)
+    for same in by_device.values():
+        torch._foreach_mul_(same, factor)
