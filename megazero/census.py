@@ -325,15 +325,15 @@ class TimeModel:
     every other kernel's bytes at the memory's bandwidth plus a fixed cost per kernel (its launch and the host's
     Python around it). The defaults are one H200 in bf16, from the profile of the Llama 1.5B shape's eager step
     at fcda14e (200.3 ms): GEMMs ran at ~820 TFLOP/s, flash attention ~11 ms for its 3.85 TFLOP (~350 TFLOP/s),
-    5 us a kernel; the bandwidth is calibrated so that fcda14e's census at that shape (2820 kernels, 270 GiB
-    moved: ``python -m tools.op_census --shape llama-1.5B`` on that checkout) predicts the measured step. At
-    4 TB/s it predicted 172 ms; the profile's elementwise kernels, many small ones, reach 2.85 TB/s of the
-    HBM's 4.8. The GPT-2 350M step (71.2 ms measured) is bound by the host, not the GPU: the model predicts
-    64.6 ms for it."""
+    5 us a kernel; the bandwidth is calibrated so that fcda14e's census at that shape (2821 kernels, 309 GiB
+    moved: ``python -m tools.op_census --shape llama-1.5B`` on that checkout) predicts the measured step: its
+    kernels, many of them small, reach 3.34 TB/s of the HBM's 4.8. The GPT-2 350M step (71.2 ms measured at
+    fcda14e) is bound by the host, not the GPU: the model predicts 64.1 ms for it.
+    """
 
     gemm_flops_per_s: float = 800e12
     attention_flops_per_s: float = 350e12
-    bytes_per_s: float = 2.85e12
+    bytes_per_s: float = 3.34e12
     seconds_per_kernel: float = 5e-6
 
     def seconds(self, c: Census) -> dict[str, float]:

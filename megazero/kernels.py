@@ -151,6 +151,13 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
+def fused(fn, like: torch.Tensor):
+    """``fn`` as the device of ``like`` runs a computation it fuses: compiled into one kernel (or the few a
+    reduction needs) on CUDA, as its torch ops elsewhere and inside a compiled region (which fuses it with
+    its neighbours). Pass the result to :func:`one_kernel` so the op census counts it as the GPU runs it."""
+    return _compiled(fn) if like.is_cuda and not torch.compiler.is_compiling() else fn
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """silu(gate) * up keeping only ``gate`` and ``up`` for backward. ``fused``: forward and backward each run
     as one compiled elementwise kernel (CUDA); else as torch's ops, bitwise torch's autograd."""

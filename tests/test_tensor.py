@@ -315,3 +315,37 @@ def test_fused_loss_holds_under_an_eighth_of_the_unfused_loss_bytes_at_a_128k_vo
         peaks[fused] = probe.peak
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-6, atol=0)
     assert peaks[True] * 8 <= peaks[False], f"fused {peaks[True] / 2**20:.0f} MiB, unfused {peaks[False] / 2**20:.0f} MiB"
+
+
+def test_one_ranks_cross_entropy_is_one_kernel_each_way_with_torchs_values():
+    """At tp 1 the cross-entropy is one region each way (what CUDA runs as its compiled kernels; the op census
+    counts two kernels), equal to torch's F.cross_entropy in value and gradient for bf16 logits."""
+    from megazero.census import OpCensus
+    from megazero.parallel.tensor import vocab_parallel_cross_entropy
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5, 40).to(torch.bfloat16).requires_grad_(True)
+    target = torch.randint(0, 40, (6, 5))
+    with OpCensus() as counted:
+        loss = vocab_parallel_cross_entropy(logits, target)
+        loss.sum().backward()
+    assert counted.census.by_op["cross_entropy"] == 1 and counted.census.by_op["cross_entropy_backward"] == 1
+    ref_logits = logits.detach().float().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(ref_logits.reshape(-1, 40), target.reshape(-1), reduction="none")
+    ref.sum().backward()
+    torch.testing.assert_close(loss, ref.reshape(6, 5), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits.grad, ref_logits.grad.to(torch.bfloat16))
+
+
+@pytest.mark.slow
+def test_one_ranks_cross_entropy_compiled_as_on_cuda_equals_its_ops():
+    """The CUDA path (each way compiled), compiled here for the CPU: equal to the ops within fp32 rounding."""
+    from megazero.parallel.tensor import _cross_entropy, _cross_entropy_backward
+    torch.manual_seed(0)
+    logits, target, grad = torch.randn(8, 300).to(torch.bfloat16), torch.randint(0, 300, (8,)), torch.rand(8)
+    compiled = (torch.compile(_cross_entropy, dynamic=False), torch.compile(_cross_entropy_backward, dynamic=False))
+    outs = []
+    for forward, backward in ((_cross_entropy, _cross_entropy_backward), compiled):
+        loss, softmax = forward(logits, target)
+        outs.append((loss, backward(softmax, target, grad, torch.bfloat16)))
+    for plain, fused in zip(*outs):
+        torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)

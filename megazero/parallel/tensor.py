@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.kernels import fused, one_kernel
 from megazero.parallel.fp8 import linear
 from megazero.parallel.params import set_tp_attributes
 from megazero.parallel.raw_comm import (
@@ -360,6 +361,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start):
         ctx.in_dtype = logits.dtype
+        ctx.used = False
+        if _single(group):          # no collective between the steps: one fused kernel each way on CUDA
+            loss, softmax = one_kernel("cross_entropy", fused(_cross_entropy, logits), logits, target)
+            ctx.save_for_backward(softmax, target, None)
+            return loss
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()                  # the loss is at least float32
         local_vocab = logits.shape[-1]
@@ -386,10 +392,33 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                                "buffer, so its graph can be back-propagated only once (no retain_graph)")
         ctx.used = True
         softmax, local_target, owned = ctx.saved_tensors
+        if owned is None:           # one rank: every target is its own
+            grad = one_kernel("cross_entropy_backward", fused(_cross_entropy_backward, softmax), softmax,
+                              local_target, grad_loss, ctx.in_dtype)
+            return grad, None, None, None
         grad = softmax                                  # in place: saves a logits-sized buffer
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None
+
+
+def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss, softmax) of whole-vocabulary ``logits`` (one rank): the steps of
+    :class:`_VocabParallelCrossEntropy` with nothing to reduce over ranks, in the same ops (bitwise its result)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    shifted = logits - logits.amax(dim=-1).unsqueeze(-1)
+    target_logit = shifted.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    exp = shifted.exp_()
+    sum_exp = exp.sum(dim=-1)
+    return torch.log(sum_exp) - target_logit, exp.div_(sum_exp.unsqueeze(-1))
+
+
+def _cross_entropy_backward(softmax: torch.Tensor, target: torch.Tensor, grad_loss: torch.Tensor,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """The logits' gradient (softmax - one_hot(target)) * grad_loss in ``dtype``, made in ``softmax``'s storage."""
+    grad = softmax.scatter_add_(-1, target.unsqueeze(-1), torch.full_like(target, -1, dtype=softmax.dtype).unsqueeze(-1))
+    return grad.mul_(grad_loss.unsqueeze(-1)).to(dtype)
 
 
 def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, vocab_size: int | None = None,
