@@ -339,12 +339,13 @@ def test_one_ranks_cross_entropy_is_one_kernel_each_way_with_torchs_values():
 @pytest.mark.slow
 def test_one_ranks_cross_entropy_compiled_as_on_cuda_equals_its_ops():
     """The CUDA path (each way compiled), compiled here for the CPU: equal to the ops within fp32 rounding."""
-    from megazero.parallel.tensor import _cross_entropy, _cross_entropy_backward
+    from megazero.parallel.tensor import whole_vocab_cross_entropy, whole_vocab_cross_entropy_backward
     torch.manual_seed(0)
     logits, target, grad = torch.randn(8, 300).to(torch.bfloat16), torch.randint(0, 300, (8,)), torch.rand(8)
-    compiled = (torch.compile(_cross_entropy, dynamic=False), torch.compile(_cross_entropy_backward, dynamic=False))
+    compiled = (torch.compile(whole_vocab_cross_entropy, dynamic=False),
+                torch.compile(whole_vocab_cross_entropy_backward, dynamic=False))
     outs = []
-    for forward, backward in ((_cross_entropy, _cross_entropy_backward), compiled):
+    for forward, backward in ((whole_vocab_cross_entropy, whole_vocab_cross_entropy_backward), compiled):
         loss, softmax = forward(logits, target)
         outs.append((loss, backward(softmax, target, grad, torch.bfloat16)))
     for plain, fused in zip(*outs):

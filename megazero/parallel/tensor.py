@@ -363,7 +363,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.in_dtype = logits.dtype
         ctx.used = False
         if _single(group):          # no collective between the steps: one fused kernel each way on CUDA
-            loss, softmax = one_kernel("cross_entropy", fused(_cross_entropy, logits), logits, target)
+            loss, softmax = one_kernel("cross_entropy", fused(whole_vocab_cross_entropy, logits), logits, target)
             ctx.save_for_backward(softmax, target, None)
             return loss
         if logits.dtype in (torch.float16, torch.bfloat16):
@@ -393,7 +393,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.used = True
         softmax, local_target, owned = ctx.saved_tensors
         if owned is None:           # one rank: every target is its own
-            grad = one_kernel("cross_entropy_backward", fused(_cross_entropy_backward, softmax), softmax,
+            grad = one_kernel("cross_entropy_backward", fused(whole_vocab_cross_entropy_backward, softmax), softmax,
                               local_target, grad_loss, ctx.in_dtype)
             return grad, None, None, None
         grad = softmax                                  # in place: saves a logits-sized buffer
@@ -402,7 +402,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None
 
 
-def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def whole_vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token loss, softmax) of whole-vocabulary ``logits`` (one rank): the steps of
     :class:`_VocabParallelCrossEntropy` with nothing to reduce over ranks, in the same ops (bitwise its result)."""
     if logits.dtype in (torch.float16, torch.bfloat16):
@@ -414,7 +414,7 @@ def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Te
     return torch.log(sum_exp) - target_logit, exp.div_(sum_exp.unsqueeze(-1))
 
 
-def _cross_entropy_backward(softmax: torch.Tensor, target: torch.Tensor, grad_loss: torch.Tensor,
+def whole_vocab_cross_entropy_backward(softmax: torch.Tensor, target: torch.Tensor, grad_loss: torch.Tensor,
                             dtype: torch.dtype) -> torch.Tensor:
     """The logits' gradient (softmax - one_hot(target)) * grad_loss in ``dtype``, made in ``softmax``'s storage."""
     grad = softmax.scatter_add_(-1, target.unsqueeze(-1), torch.full_like(target, -1, dtype=softmax.dtype).unsqueeze(-1))
