@@ -270,8 +270,9 @@ def _times(c: Census, k: int) -> Census:
 
 def shape_census(job, probe_seq: tuple[int, int] = (16, 32),
                  probe_vocab: tuple[int, int] = (512, 1024)) -> LayerCensus:
-    """The census of one step of ``job`` at its own shape (its parts; ``.step(layers, micro)`` the whole), which may be far too large to run on this CPU (the
-    GPU issue's GPT-2 350M and Llama 1.5B shapes), extrapolated from small runs at the job's own widths.
+    """The census of one step of ``job`` at its own shape (its parts; ``.step(layers, micro)`` the whole), which
+    may be far too large to run on this CPU (the GPU issue's GPT-2 350M and Llama 1.5B shapes), extrapolated
+    from small runs at the job's own widths.
 
     Everything a step runs is linear in the tokens of a micro-batch at fixed widths (per-token activations; a
     per-parameter kernel or a weight-sized gradient fold adds a constant), and the embedding, head and loss are

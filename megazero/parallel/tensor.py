@@ -417,7 +417,8 @@ def whole_vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tup
 def whole_vocab_cross_entropy_backward(softmax: torch.Tensor, target: torch.Tensor, grad_loss: torch.Tensor,
                             dtype: torch.dtype) -> torch.Tensor:
     """The logits' gradient (softmax - one_hot(target)) * grad_loss in ``dtype``, made in ``softmax``'s storage."""
-    grad = softmax.scatter_add_(-1, target.unsqueeze(-1), torch.full_like(target, -1, dtype=softmax.dtype).unsqueeze(-1))
+    minus_one = torch.full_like(target, -1, dtype=softmax.dtype).unsqueeze(-1)
+    grad = softmax.scatter_add_(-1, target.unsqueeze(-1), minus_one)
     return grad.mul_(grad_loss.unsqueeze(-1)).to(dtype)
 
 
