@@ -119,18 +119,23 @@ def _adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
         m  = lerp(m, g, 1 - beta1);  v = beta2 v + (1 - beta2) g^2
         p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-    The moment and parameter update is torch's fused AdamW kernel (``torch.optim.AdamW(fused=True)``,
-    CPU and CUDA): one pass over every tensor, no temporaries, and a handful of kernel launches
-    for the whole model instead of several per tensor (which left a GPU step launch-bound).
+    The decay, moment and parameter update is torch's fused AdamW kernel (``torch.optim.AdamW(fused=True)``,
+    CPU and CUDA): one pass over every tensor, no temporaries, and a handful of kernel launches for the whole
+    model instead of several per tensor (which left a GPU step launch-bound). It runs twice: over the decayed
+    slices with the kernel's own decay (on a CPU bitwise the separate ``p *= 1 - lr * wd`` before it), and over
+    the rest without.
     """
-    if weight_decay != 0.0 and lr != 0.0:        # one foreach kernel over every decayed slice
-        decayed = [param[a:b] for param, ranges in zip(params, decay_ranges) for a, b in ranges if b > a]
-        for device in {t.device for t in decayed}:
-            torch._foreach_mul_([t for t in decayed if t.device == device], 1.0 - lr * weight_decay)
-    live = [i for i, p in enumerate(params) if p.numel() > 0]
-    if not live:
-        return
-    steps = [torch.tensor(float(step), dtype=torch.float32, device=params[i].device) for i in live]
-    torch._fused_adamw_([params[i] for i in live], [grads[i] for i in live], [exp_avgs[i] for i in live],
-                        [exp_avg_sqs[i] for i in live], [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                        weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
+    state = (params, grads, exp_avgs, exp_avg_sqs)
+    if weight_decay != 0.0 and lr != 0.0:
+        decayed = [(i, a, b) for i, ranges in enumerate(decay_ranges) for a, b in ranges if b > a]
+        kept = [(i, a, b) for i, p in enumerate(params) for a, b in complement_ranges(decay_ranges[i], p.numel())]
+        groups = ((decayed, weight_decay), (kept, 0.0))
+    else:
+        groups = (([(i, 0, p.numel()) for i, p in enumerate(params) if p.numel() > 0], 0.0),)
+    for cuts, decay in groups:
+        if not cuts:
+            continue
+        views = [[t[i][a:b] for i, a, b in cuts] for t in state]
+        steps = [torch.tensor(float(step), dtype=torch.float32, device=v.device) for v in views[0]]
+        torch._fused_adamw_(*views, [], steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=decay, eps=eps,
+                            amsgrad=False, maximize=False)
