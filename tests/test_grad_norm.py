@@ -1,7 +1,7 @@
 """The gradient norm's sum of squares over a range (megazero/parallel/zero/grad_norm.py)."""
 import torch
 
-from megazero.parallel.zero.grad_norm import squared_norm
+from megazero.parallel.zero.grad_norm import NORM_ROW, squared_norm, squared_norms
 
 
 def test_squared_norm_of_a_long_range_is_float64_accurate():
@@ -14,3 +14,15 @@ def test_squared_norm_of_a_long_range_is_float64_accurate():
     assert abs(float(squared_norm(g)) - want) / want < 1e-7
     halves = float(squared_norm(g[:200_000]) + squared_norm(g[200_000:]))
     assert abs(halves - want) / want < 1e-7
+
+
+def test_squared_norms_of_many_ranges_are_bitwise_each_ranges_own():
+    """The batched norms (row norms of each range, one cast and square for all, a sum per range) equal
+    squared_norm of each range bitwise: whole rows only, rows and a tail, a tail only, an empty range."""
+    torch.manual_seed(0)
+    flat = torch.randn(5 * NORM_ROW + 777) * 3
+    cuts = [(0, 2 * NORM_ROW), (2 * NORM_ROW, 3 * NORM_ROW + 5), (3 * NORM_ROW + 5, 3 * NORM_ROW + 5),
+            (3 * NORM_ROW + 5, 3 * NORM_ROW + 900), (3 * NORM_ROW + 900, 5 * NORM_ROW + 777)]
+    ranges = [flat[a:b] for a, b in cuts]
+    for batched, own in zip(squared_norms(ranges), [squared_norm(r) for r in ranges]):
+        assert batched.dtype == torch.float64 and torch.equal(batched, own), (batched, own)

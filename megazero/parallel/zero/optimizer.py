@@ -46,7 +46,7 @@ from megazero.parallel.groups import ModelReplica
 from megazero.parallel.params import attribute, counts_once
 from megazero.parallel.zero.adamw import adamw_update, complement_ranges, decays, merge_ranges
 from megazero.parallel.zero.buckets import Bucket
-from megazero.parallel.zero.grad_norm import squared_norm
+from megazero.parallel.zero.grad_norm import squared_norms
 from megazero.parallel.zero.grad_sync import BucketedGradSync
 from megazero.parallel.zero.muon import Muon
 from megazero.parallel.zero.offload import (
@@ -386,10 +386,16 @@ class BucketAdamW:
         """Squared L2 norm (float64, [1], on this rank's device) of the gradients of ``sync``'s owned
         ranges that count once (see the module doc), before any sum over ranks."""
         sq = torch.zeros(1, dtype=torch.float64, device=self._grads_device(grads))
-        for r, g in zip(self.ranges, grads):
-            if r.sync is sync:
-                for a, b in r.norm_ranges:
-                    sq += squared_norm(g[a:b])
+        pieces = [g[a:b] for r, g in zip(self.ranges, grads) if r.sync is sync for a, b in r.norm_ranges]
+        by_device = {}
+        for i, piece in enumerate(pieces):
+            by_device.setdefault(piece.device, []).append(i)
+        squares = [None] * len(pieces)
+        for indices in by_device.values():
+            for i, value in zip(indices, squared_norms([pieces[i] for i in indices])):
+                squares[i] = value
+        for value in squares:                       # summed in range order, as one range at a time was
+            sq += value.to(sq.device)
         return sq.to(self.device)
 
     def nonfinite_parameters(self, limit: int = 3, everywhere: bool = False) -> list[str]:
