@@ -1,5 +1,5 @@
 """Which kernels the layers and the optimizer run, and the line the trainer prints about it at start: the
-one place where a layer's norm and SwiGLU are picked for the device.
+one place where a layer's norm, SwiGLU and RoPE are picked for the device.
 
     normalisation   apex's FusedLayerNorm / FusedRMSNorm on CUDA when the real apex (NVIDIA's, with its
                     CUDA extensions) is importable; torch's module everywhere else. Under ``--compile``
@@ -15,9 +15,12 @@ one place where a layer's norm and SwiGLU are picked for the device.
                     elementwise kernel (Megatron's fused bias-SwiGLU does the same), or Liger-Kernel's
                     ``LigerSiLUMulFunction`` when installed; on a CPU plain torch ops (one more in backward
                     than torch's autograd runs: silu(gate) again); under ``--compile`` inside the layer's graph.
-    RoPE            torch's ops (:mod:`megazero.models.gpt.rotary`): its autograd keeps only the cos/sin table
-                    slice, shared by the layers; Liger's RoPE kernel takes HF's [b, heads, s, d] layout and
-                    would cost two transposes of ours ([s, b, heads, d]), so it is not used.
+    RoPE            (:func:`rope`, called by :mod:`megazero.models.gpt.rotary`) through :class:`RoPEFunction`,
+                    keeping only the cos/sin table slice the layers share: on CUDA its forward and backward are
+                    each one compiled elementwise kernel (torch's ops are five each way, per tensor rotated);
+                    on a CPU torch's ops, bitwise torch's autograd; under ``--compile`` inside the layer's
+                    graph. Liger's RoPE kernel takes HF's [b, heads, s, d] layout and would cost two transposes
+                    of ours ([s, b, heads, d]), so it is not used.
     AdamW           torch's fused kernel (``torch._fused_adamw_``) over the flat fp32 shards: one kernel for
                     the whole update, as apex's FusedAdam is (so apex's is not used).
 
@@ -189,6 +192,64 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return SwiGLUFunction.apply(gate, up, False)
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dim: RoPE's "rotate half" pairing of feature j with j + d/2."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin on the first ``cos.shape[-1]`` features of ``x``; the rest pass through
+    (partial rotary)."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :rotary], x[..., rotary:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+
+def rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of x of :func:`rope_forward` for the output's gradient ``grad``: torch's autograd's own ops
+    and order (so the result is bitwise autograd's)."""
+    rotary = cos.shape[-1]
+    partial = rotary != grad.shape[-1]
+    grad_rot = grad[..., :rotary] if partial else grad
+    by_sin = grad_rot * sin
+    first, second = by_sin[..., :rotary // 2], by_sin[..., rotary // 2:]
+    # rotate_half's backward, then the sum; contiguous as autograd's (its sum adds into the contiguous cat's
+    # result), whatever the layout of ``grad``, so a reshape after it needs no copy
+    grad_x = torch.cat((second, -first), dim=-1) + grad_rot * cos
+    if not partial:
+        return grad_x
+    # autograd sums the two slices' zero-filled gradients: + 0.0 turns a -0 into +0 as that sum does
+    return torch.cat((grad_x, grad[..., rotary:]), dim=-1) + 0.0
+
+
+class RoPEFunction(torch.autograd.Function):
+    """:func:`rope_forward` keeping only ``cos`` and ``sin`` (the layers' shared table slice) for backward. On
+    CUDA forward and backward each run as one compiled elementwise kernel; else as torch's ops, bitwise torch's
+    autograd."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return one_kernel("rope", fused(rope_forward, x), x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return one_kernel("rope_backward", fused(rope_backward, grad), grad, cos, sin), None, None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``x`` [..., head_dim] by the table slice ``cos``, ``sin`` [..., rotary_dim] (broadcast to ``x``;
+    rotary_dim <= head_dim, the features past it pass through), by the kernel the device has (the module
+    docstring's table); every path keeps only ``cos`` and ``sin`` for backward."""
+    if torch.compiler.is_compiling():
+        return rope_forward(x, cos, sin)                       # inductor fuses it into the layer's graph
+    return RoPEFunction.apply(x, cos, sin)
+
+
 def describe_kernels(device: torch.device, compiling: bool, zero_centred_norms: bool = False) -> str:
     """The start-of-run line naming the kernels in use and why (``zero_centred_norms``: the model's norms
     scale by 1 + weight, which apex's modules do not, so they are torch's)."""
@@ -213,5 +274,7 @@ def describe_kernels(device: torch.device, compiling: bool, zero_centred_norms: 
                                                           ", liger-kernel not installed")
     else:
         swiglu_kernels = "torch (CPU)"
-    return (f" kernels: normalisation {norms} | SwiGLU {swiglu_kernels}, keeps gate and up | "
+    rope_kernels = ("compiled into each layer" if compiling else "one compiled kernel each way" if cuda else
+                    "torch (CPU)")
+    return (f" kernels: normalisation {norms} | SwiGLU {swiglu_kernels}, keeps gate and up | RoPE {rope_kernels} | "
             f"AdamW torch fused (one kernel over the flat shards)")

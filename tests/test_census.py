@@ -16,16 +16,19 @@ LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
              untie_embeddings_and_output_weights=True)
 # Non-GEMM kernels each transformer layer runs per micro-batch (forward + backward, bf16 with fp32 masters) and
 # once per step (gradient sync + optimizer), at torch 2.13 on CPU, counting each region megazero/kernels.py runs as
-# one fused kernel on CUDA (RMSNorm and SwiGLU, each way) as that kernel. Lower them when a change removes glue; a
-# change that raises them adds kernels to every layer of every step on a GPU. Llama's layer was 95 (20 casts) before
-# its norms and SwiGLU were counted as the kernels CUDA runs.
+# one fused kernel on CUDA (RMSNorm, SwiGLU and RoPE, each way) as that kernel. Lower them when a change removes
+# glue; a change that raises them adds kernels to every layer of every step on a GPU. Llama's layer was 95 (20 casts)
+# before its norms and SwiGLU were counted as the kernels CUDA runs, 45 before RoPE was (its 20 torch ops, mul, add,
+# neg and cat each way for q and k, now 4) and before the attention's q/k/v and SwiGLU's gate/up rows were taken
+# apart by unbind (backward: one stack) rather than by indexing (one zero-filled select_backward or slice_backward
+# each, and their sum): GPT-2's layer was 31 then.
 # "llama_buckets" puts each of a layer's parameters in a bucket of its own (as the 1.5B shape's large matrices
 # are): its step ops are the per-bucket glue of the gradient norm, clipping, weight decay, the finite checks and
 # the bf16 copy (81 at fcda14e, 26 since clipping, decay and the parameters' finite check are one foreach
 # kernel each for all buckets).
-PINNED = {"gpt2": {"micro_ops": 31, "micro_casts": 0, "step_ops": 0},
-          "llama": {"micro_ops": 45, "micro_casts": 0, "step_ops": 0},
-          "llama_buckets": {"micro_ops": 45, "micro_casts": 0, "step_ops": 26}}
+PINNED = {"gpt2": {"micro_ops": 27, "micro_casts": 0, "step_ops": 0},
+          "llama": {"micro_ops": 25, "micro_casts": 0, "step_ops": 0},
+          "llama_buckets": {"micro_ops": 25, "micro_casts": 0, "step_ops": 26}}
 
 
 def _job(bucket_size: int = 4_000_000, **model_kw):

@@ -113,6 +113,13 @@ class MoEStats:
     dropped: int = 0
 
 
+def gate_up_rows(t: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The even (gate) and odd (up) rows of SwiGLU's interleaved fc1 weight or bias (a dense MLP's or an
+    expert's), as strided views whose gradients come back as one stack (two slices' would cost a zero-filled
+    tensor each and their sum)."""
+    return (None, None) if t is None else t.unflatten(0, (-1, 2)).unbind(1)
+
+
 class ExpertMLP(nn.Module):
     """One expert: the model's MLP form, whole (not tensor-split). GELU MLP, or SwiGLU with fc1's rows
     interleaved gate/up (row 2j gate feature j, row 2j+1 up feature j)."""
@@ -141,8 +148,8 @@ class ExpertMLP(nn.Module):
             both = linear(x, w, b, fp8)
             inner = (both[..., 0::2], both[..., 1::2])
         elif self.swiglu:
-            inner = (F.linear(x, w[0::2], b[0::2] if b is not None else None),
-                     F.linear(x, w[1::2], b[1::2] if b is not None else None))
+            (gate_w, up_w), (gate_b, up_b) = gate_up_rows(w), gate_up_rows(b)
+            inner = (F.linear(x, gate_w, gate_b), F.linear(x, up_w, up_b))
         else:
             inner = (linear(x, w, b, fp8),)
         return self.act_then_fc2(inner, lambda y: linear(y, self.fc2.weight, self.fc2.bias, self.fc2.fp8))

@@ -10,6 +10,9 @@ in HF's ``LlamaAttention`` and Megatron's default (not the interleaved ``2j, 2j+
     angle[p, j] = p * inv_freq[j mod rotary_dim/2]           p: the token's position
     rope(x)     = x * cos(angle) + rotate_half(x) * sin(angle),   rotate_half([x1, x2]) = [-x2, x1]
 
+The rotation itself is :func:`megazero.kernels.rope` (one fused kernel each way on CUDA); this module holds
+the table and where positions come from.
+
 Where positions come from, per layout:
 
 - **tensor / sequence parallel**: the attention runs on the whole sequence on every tp rank (under
@@ -37,6 +40,7 @@ import torch
 from torch import nn
 
 from megazero.config import FLAG
+from megazero.kernels import rope
 from megazero.models.gpt.config import GPTConfig
 
 # Llama 3.1's scaling constants (Megatron's ``apply_rope_scaling`` fixes the same values).
@@ -62,11 +66,6 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -110,7 +109,4 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
         else:
             cos, sin = cos[offset:offset + s], sin[offset:offset + s]
-        if self.rotary_dim == x.shape[-1]:
-            return x * cos + rotate_half(x) * sin
-        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
-        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+        return rope(x, cos, sin)

@@ -29,7 +29,7 @@ from torch import nn
 from megazero.config import FLAG
 from megazero.kernels import apex_norm, rms_norm, swiglu, use_apex_norms
 from megazero.models.gpt.config import GPTConfig
-from megazero.models.gpt.moe import MoELayer
+from megazero.models.gpt.moe import MoELayer, gate_up_rows
 from megazero.models.gpt.rotary import RotaryEmbedding
 from megazero.parallel.context import context_parallel_attention, grouped_key_values
 from megazero.parallel.context_layout import rank_positions
@@ -315,7 +315,7 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x)                                               # [s, b, heads_local*3*d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim)
-        q, k, v = (qkv[:, :, :, i] for i in range(3))                  # [s, b, heads_local, d]
+        q, k, v = qkv.unbind(3)                     # [s, b, heads_local, d]; backward: one stack
         return self.dense(core_attention(self.ctx, q, k, v, cache, self.training))
 
 
@@ -391,7 +391,8 @@ class GroupedQueryAttention(nn.Module):
         s, b = q.shape[:2]
         q = q.view(s, b, self.heads_local, self.head_dim)
         kv = kv.view(s, b, self.groups_local, 2, self.head_dim)
-        return self.dense(core_attention(ctx, q, kv[:, :, :, 0], kv[:, :, :, 1], cache, self.training))
+        k, v = kv.unbind(3)                                             # backward: one stack
+        return self.dense(core_attention(ctx, q, k, v, cache, self.training))
 
 
 class MLP(nn.Module):
@@ -431,8 +432,8 @@ class MLP(nn.Module):
             both = linear(x, w, b, fc_in.fp8)
             gate, up = both[..., 0::2], both[..., 1::2]
         else:
-            gate = F.linear(x, w[0::2], b[0::2] if b is not None else None)
-            up = F.linear(x, w[1::2], b[1::2] if b is not None else None)
+            (gate_w, up_w), (gate_b, up_b) = gate_up_rows(w), gate_up_rows(b)
+            gate, up = F.linear(x, gate_w, gate_b), F.linear(x, up_w, up_b)
         return fc_out(swiglu(gate, up))
 
 
