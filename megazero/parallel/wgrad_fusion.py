@@ -1,0 +1,91 @@
+"""Gradient-accumulation fusion (Megatron's ``--gradient-accumulation-fusion``): a linear layer's weight
+gradient made straight into the fp32 main gradient of a bf16 (or fp16) weight.
+
+With fp32 main gradients and parameters in a narrower dtype, autograd would make a fresh bf16 weight
+gradient every backward and the grad sync would fold it into the fp32 bucket storage (one more kernel and
+one gradient-sized tensor per weight per micro-batch). Where the fusion applies, the grad sync gives each
+such weight its fp32 target, ``weight.main_grad`` (a view of its bucket's storage: :func:`install_main_grad`),
+and :func:`linear` runs :class:`LinearIntoMainGrad`, whose backward accumulates ``dY^T X`` into it:
+
+    CUDA    one GEMM writing fp32: ``addmm(main_grad, dY^T, X, out_dtype=float32, out=main_grad)``
+    CPU     ``main_grad += dY^T @ X``: the same product and add as autograd's gradient folded by the hook,
+            so the result is bitwise unchanged; marked one kernel (:func:`megazero.kernels.one_kernel`),
+            the GEMM a GPU runs
+
+The backward then marks the weight (``grad_added_to_main_grad``) and returns an uninitialised gradient
+(an allocation, no kernel), so that autograd still runs the weight's post-accumulate-grad hook, through
+which the grad sync counts its bucket down; the hook drops that gradient unread. The dummy is why a
+weight must have no other use in the same backward (it would be summed into garbage): the grad sync
+installs no target on the tied word embedding. Input and bias gradients are autograd's own formulas
+(``dY @ W``, ``dY`` summed over tokens), bitwise.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megazero.kernels import one_kernel
+
+MAIN_GRAD = "main_grad"                       # the fp32 target of a weight's gradient
+ADDED = "grad_added_to_main_grad"             # set by the fused backward, cleared by the grad sync's hook
+
+
+def install_main_grad(param: torch.nn.Parameter, storage: torch.Tensor) -> None:
+    """Give ``param`` its fp32 gradient target ``storage`` (flat, ``param.numel()`` elements)."""
+    setattr(param, MAIN_GRAD, storage.view(param.shape))
+    setattr(param, ADDED, False)
+
+
+def take_fused(param: torch.nn.Parameter) -> bool:
+    """Was the gradient of this backward already added to ``param.main_grad`` by the fused backward? If so,
+    forget the mark and the dummy ``.grad`` autograd stored."""
+    if not getattr(param, ADDED, False):
+        return False
+    setattr(param, ADDED, False)
+    param.grad = None
+    return True
+
+
+def fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Does a linear of ``x`` by ``weight`` accumulate its weight gradient into ``weight.main_grad``? Where the
+    grad sync installed one, in a training forward outside a compiled region, for an input whose products
+    autograd would run as the 2-D ``mm`` this backward runs (contiguous)."""
+    return (getattr(weight, MAIN_GRAD, None) is not None and weight.requires_grad and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and x.dim() >= 2 and x.is_contiguous())
+
+
+def _accumulate(main_grad: torch.Tensor, grad2d: torch.Tensor, x2d: torch.Tensor) -> None:
+    """``main_grad += dY^T @ X`` in fp32."""
+    if main_grad.is_cuda and main_grad.dtype != grad2d.dtype:
+        torch.addmm(main_grad, grad2d.t(), x2d, out_dtype=main_grad.dtype, out=main_grad)
+    else:
+        main_grad.add_(grad2d.t().mm(x2d))
+
+
+class LinearIntoMainGrad(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose weight gradient is accumulated into ``weight.main_grad`` (see the
+    module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad2d.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        one_kernel("wgrad_accumulate", _accumulate, getattr(weight, MAIN_GRAD), grad2d, x.reshape(-1, x.shape[-1]))
+        setattr(weight, ADDED, True)
+        grad_bias = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, torch.empty_like(weight), grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, its weight gradient accumulated into ``weight.main_grad`` where that
+    applies (:func:`fuses`)."""
+    if fuses(x, weight):
+        return LinearIntoMainGrad.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
