@@ -13,6 +13,7 @@ from megazero.config import (
     CompileConfig,
     FP8Config,
     JobConfig,
+    ParallelConfig,
     PrecisionConfig,
     TrainConfig,
     ZeroConfig,
@@ -114,7 +115,8 @@ def _steps(job: JobConfig, fuse: bool, rank: int):
     job = dataclasses.replace(job, zero=dataclasses.replace(job.zero, gradient_accumulation_fusion=fuse))
     job = validate(job, torch.distributed.get_world_size())
     assert job.zero.gradient_accumulation_fusion is fuse
-    topo = Topology()
+    par = job.parallel
+    topo = Topology(par.tp, par.pp, par.dp, order=par.order, cp=par.cp, ep=par.expert_model_parallel_size)
     torch.manual_seed(0)
     chunks = build_model_chunks(get_model_spec(job.model.model_family), job, topo, dtype=torch.bfloat16)
     engine = build_engine(chunks, topo, job.zero, job.optimizer, job.precision)
@@ -152,10 +154,12 @@ def _steps(job: JobConfig, fuse: bool, rank: int):
     return [n for c in chunks for n, p in c.named_parameters() if id(p) in added], seen, launched_by
 
 
-def _parity_body(rank, world_size, stage, model_kw):
-    job = _job(stage)
+def _parity_body(rank, world_size, stage, model_kw, parallel_kw=None):
+    parallel = ParallelConfig(**(parallel_kw or {}))
+    dp = world_size // (parallel.tp * parallel.pp)
+    job = _job(stage, parallel=parallel)
     job = dataclasses.replace(job, model=dataclasses.replace(job.model, **model_kw),
-                              train=dataclasses.replace(job.train, global_batch_size=2 * MICRO * world_size))
+                              train=dataclasses.replace(job.train, global_batch_size=2 * MICRO * dp))
     off_names, off, off_launches = _steps(job, False, rank)
     on_names, on, on_launches = _steps(job, True, rank)
     same = len(off) == len(on) == 4 and all(len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))
@@ -185,3 +189,19 @@ def test_gpt2_with_biases_and_a_tied_embedding_trains_bitwise_the_same():
     for off_names, on_names, same in run_on_ranks(2, _parity_body, 1, gpt2, timeout=300):
         assert same and on_names == [f"layers.{i}.{name}.weight" for i in (0, 1) for name in (
             "attention.qkv", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")], on_names
+
+
+@pytest.mark.parametrize("layout", ["tp2-sequence-parallel-recompute", "pp2-tied"])
+def test_tensor_and_pipeline_layouts_train_bitwise_the_same(layout):
+    """Tensor parallelism with sequence parallelism and full recompute (Llama), and two pipeline stages whose last
+    holds the tied embedding's copy (GPT-2), at ZeRO 1: bitwise the same with the fusion as without."""
+    if layout.startswith("tp2"):
+        model_kw, parallel_kw = {"recompute_granularity": "full", "recompute_method": "uniform",
+                                 "recompute_num_layers": 1}, {"tp": 2, "sequence_parallel": True}
+    else:
+        model_kw, parallel_kw = {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
+                                 "swiglu": False, "ffn_hidden_size": 256, "group_query_attention": False,
+                                 "num_query_groups": None, "add_bias_linear": True,
+                                 "untie_embeddings_and_output_weights": False}, {"pp": 2}
+    results = run_on_ranks(2, _parity_body, 1, model_kw, parallel_kw, timeout=300)
+    assert all(same and on_names for _, on_names, same in results), results

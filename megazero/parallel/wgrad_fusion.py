@@ -69,6 +69,7 @@ class LinearIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
+        ctx.param = weight            # the parameter itself: a saved tensor comes back another object under recompute
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
@@ -77,8 +78,8 @@ class LinearIntoMainGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad2d.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        one_kernel("wgrad_accumulate", _accumulate, getattr(weight, MAIN_GRAD), grad2d, x.reshape(-1, x.shape[-1]))
-        setattr(weight, ADDED, True)
+        one_kernel("wgrad_accumulate", _accumulate, getattr(ctx.param, MAIN_GRAD), grad2d, x.reshape(-1, x.shape[-1]))
+        setattr(ctx.param, ADDED, True)
         grad_bias = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, torch.empty_like(weight), grad_bias
 
