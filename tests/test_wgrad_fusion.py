@@ -89,19 +89,22 @@ def _job(stage: int = 0, **kw) -> JobConfig:
 
 
 def test_it_is_on_where_it_applies_and_refused_where_asked_and_not():
-    assert validate(_job(0), 1).zero.gradient_accumulation_fusion
-    assert validate(_job(1), 1).zero.gradient_accumulation_fusion
-    assert not validate(_job(2), 1).zero.gradient_accumulation_fusion
+    assert validate(_job(0), 1).zero.wgrad_into_main_grad
+    assert validate(_job(1), 1).zero.wgrad_into_main_grad
+    assert not validate(_job(2), 1).zero.wgrad_into_main_grad
     off = _job(0)
     off.zero.gradient_accumulation_fusion = False
-    assert not validate(off, 1).zero.gradient_accumulation_fusion
+    assert not validate(off, 1).zero.wgrad_into_main_grad
     fp32 = dataclasses.replace(_job(0), precision=PrecisionConfig())
-    assert not validate(fp32, 1).zero.gradient_accumulation_fusion
+    assert not validate(fp32, 1).zero.wgrad_into_main_grad
     bf16_grads = _job(0)
     bf16_grads.zero.accumulate_allreduce_grads_in_fp32 = False
-    assert not validate(bf16_grads, 1).zero.gradient_accumulation_fusion
-    assert not validate(_job(0, compilation=CompileConfig(compile=True)), 1).zero.gradient_accumulation_fusion
-    assert not validate(_job(0, fp8=FP8Config(fp8_format="e4m3")), 1).zero.gradient_accumulation_fusion
+    assert not validate(bf16_grads, 1).zero.wgrad_into_main_grad
+    assert not validate(_job(0, compilation=CompileConfig(compile=True)), 1).zero.wgrad_into_main_grad
+    assert not validate(_job(0, fp8=FP8Config(fp8_format="e4m3")), 1).zero.wgrad_into_main_grad
+    validated = validate(_job(0), 1)
+    again = validate(dataclasses.replace(validated, zero=dataclasses.replace(validated.zero, zero_stage=2)), 1)
+    assert not again.zero.wgrad_into_main_grad      # settled afresh (the memory planner tries other stages)
     asked = _job(2)
     asked.zero.gradient_accumulation_fusion = True
     with pytest.raises(ConfigError, match="--gradient-accumulation-fusion needs --zero-stage 0 or 1"):
@@ -114,7 +117,7 @@ def _steps(job: JobConfig, fuse: bool, rank: int):
     each bucket's reduction."""
     job = dataclasses.replace(job, zero=dataclasses.replace(job.zero, gradient_accumulation_fusion=fuse))
     job = validate(job, torch.distributed.get_world_size())
-    assert job.zero.gradient_accumulation_fusion is fuse
+    assert job.zero.wgrad_into_main_grad is fuse
     par = job.parallel
     topo = Topology(par.tp, par.pp, par.dp, order=par.order, cp=par.cp, ep=par.expert_model_parallel_size)
     torch.manual_seed(0)

@@ -57,6 +57,7 @@ class ZeroConfig:
         help="linear layers' weight gradients made straight into the fp32 main gradients (default: on where "
              "that applies: bf16/fp16 parameters with fp32 gradient buckets at ZeRO stage 0 or 1, without "
              "--fp8-format, --compile or a zero-bubble pipeline schedule)")
+    wgrad_into_main_grad: bool = False           # derived by validate(): gradient_accumulation_fusion, where it applies
     offload_optimizer: str = flag_field(
         "none", "--offload-optimizer", choices=OFFLOAD_DEVICES, group=_OFFLOAD,
         help="ZeRO 1-3: fp32 masters, Adam moments and the update on the host (cpu) or in swap files (nvme)")
@@ -200,12 +201,13 @@ class ZeroConfig:
 
     def settle_gradient_accumulation_fusion(self, precision: PrecisionConfig, parallel: ParallelConfig,
                                             fp8_enabled: bool, compiling: bool) -> None:
-        """``gradient_accumulation_fusion`` on where it applies when not given (after :meth:`fill_defaults`);
-        refused, with the reason, where it was asked for and does not apply."""
+        """``wgrad_into_main_grad``: ``gradient_accumulation_fusion`` (default on) where it applies (after
+        :meth:`fill_defaults`); refused, with the reason, where it was asked for and does not apply. The flag's
+        own value stays as given, so a validated job validated again with other settings is settled afresh."""
         blocker = self._fusion_blocker(precision, parallel, fp8_enabled, compiling)
         if self.gradient_accumulation_fusion and blocker:
             fail(f"{FLAG.gradient_accumulation_fusion} needs {blocker}: drop it")
-        self.gradient_accumulation_fusion = blocker is None and self.gradient_accumulation_fusion is not False
+        self.wgrad_into_main_grad = blocker is None and self.gradient_accumulation_fusion is not False
 
     def _fusion_blocker(self, precision: PrecisionConfig, parallel: ParallelConfig, fp8_enabled: bool,
                         compiling: bool) -> str | None:

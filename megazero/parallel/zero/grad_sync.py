@@ -154,7 +154,7 @@ class BucketedGradSync:
         """Does ``slot``'s parameter get its fp32 gradient target for gradient-accumulation fusion
         (:mod:`megazero.parallel.wgrad_fusion`)? Where the job asks for it and the storage's dtype is not
         the parameter's; never the tied word embedding, which has a second use in the same backward."""
-        return (bool(self.cfg.gradient_accumulation_fusion) and storage.dtype != slot.param.dtype
+        return (self.cfg.wgrad_into_main_grad and storage.dtype != slot.param.dtype
                 and not attribute(slot.param, "shared_embedding"))
 
     @staticmethod
