@@ -30,7 +30,7 @@ from megazero.training import train_step
 LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "ffn_hidden_size": 128,
          "group_query_attention": True, "num_query_groups": 2, "add_bias_linear": False,
          "untie_embeddings_and_output_weights": True}
-LINEARS = ("attention.query", "attention.key_value", "attention.dense", "mlp.dense_4h_to_h")
+LINEARS = ("attention.query", "attention.key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
 MICRO = 2                               # micro-batches per rank and step
 
 
@@ -65,6 +65,39 @@ def test_the_fused_linear_is_bitwise_autograd_and_the_fold(shape, with_bias):
         y = wgrad_fusion.linear(x_fused, fused_w, fused_b)
         y.backward(dy)
         assert torch.equal(_bits(y), _bits(y_ref)) and torch.equal(_bits(x_fused.grad), _bits(x_ref.grad))
+        if with_bias:
+            assert torch.equal(_bits(fused_b.grad), _bits(ref_b.grad))
+    assert hooked == [True, True] and fused_w.grad is None
+    assert torch.equal(_bits(main), _bits(folded))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_swiglus_two_halves_add_into_their_rows_bitwise_autograd_and_the_fold(with_bias):
+    """gate_up: the products of rows 0::2 and 1::2 of one weight, each half's weight gradient added into its rows
+    of the fp32 target (autograd: ``(X^T dY)^T`` for a strided weight, scattered, summed, folded), one dummy
+    gradient for the hook; outputs, input and bias gradients bitwise autograd's."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 2, 8, generator=g).bfloat16()
+    w = torch.randn(10, 8, generator=g).bfloat16()
+    b = torch.randn(10, generator=g).bfloat16() if with_bias else None
+    ref_w, ref_b = w.clone().requires_grad_(), b.clone().requires_grad_() if with_bias else None
+    fused_w, fused_b = w.clone().requires_grad_(), b.clone().requires_grad_() if with_bias else None
+    folded, main = torch.zeros(w.numel()), torch.zeros(w.numel())
+    wgrad_fusion.install_main_grad(fused_w, main)
+    hooked = []
+    fused_w.register_post_accumulate_grad_hook(lambda p: hooked.append(wgrad_fusion.take_fused(p)))
+    for _ in range(2):
+        dys = [torch.randn(3, 2, 5, generator=g).bfloat16() for _ in range(2)]
+        x_ref, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ref = (F.linear(x_ref, ref_w[0::2], ref_b[0::2] if with_bias else None),
+               F.linear(x_ref, ref_w[1::2], ref_b[1::2] if with_bias else None))
+        torch.autograd.backward(ref, dys)
+        folded.add_(ref_w.grad.reshape(-1))
+        ref_w.grad = None
+        out = wgrad_fusion.gate_up(x_fused, fused_w, fused_b)
+        torch.autograd.backward(out, dys)
+        assert all(torch.equal(_bits(a), _bits(r)) for a, r in zip(out, ref))
+        assert torch.equal(_bits(x_fused.grad), _bits(x_ref.grad))
         if with_bias:
             assert torch.equal(_bits(fused_b.grad), _bits(ref_b.grad))
     assert hooked == [True, True] and fused_w.grad is None
@@ -194,11 +227,15 @@ def test_gpt2_with_biases_and_a_tied_embedding_trains_bitwise_the_same():
             "attention.qkv", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")], on_names
 
 
-@pytest.mark.parametrize("layout", ["tp2-sequence-parallel-recompute", "pp2-tied"])
+@pytest.mark.parametrize("layout", ["tp2-sequence-parallel-recompute", "pp2-tied", "ep2-moe"])
 def test_tensor_and_pipeline_layouts_train_bitwise_the_same(layout):
-    """Tensor parallelism with sequence parallelism and full recompute (Llama), and two pipeline stages whose last
-    holds the tied embedding's copy (GPT-2), at ZeRO 1: bitwise the same with the fusion as without."""
-    if layout.startswith("tp2"):
+    """Tensor parallelism with sequence parallelism and full recompute (Llama), two pipeline stages whose last
+    holds the tied embedding's copy (GPT-2), and MoE layers (experts and a shared expert) over two expert-parallel
+    ranks (Llama), at ZeRO 1: bitwise the same with the fusion as without."""
+    if layout == "ep2-moe":
+        model_kw, parallel_kw = {"num_experts": 4, "moe_router_topk": 2,
+                                 "moe_shared_expert_intermediate_size": 64}, {"expert_model_parallel_size": 2}
+    elif layout.startswith("tp2"):
         model_kw, parallel_kw = {"recompute_granularity": "full", "recompute_method": "uniform",
                                  "recompute_num_layers": 1}, {"tp": 2, "sequence_parallel": True}
     else:
@@ -208,3 +245,5 @@ def test_tensor_and_pipeline_layouts_train_bitwise_the_same(layout):
                                  "untie_embeddings_and_output_weights": False}, {"pp": 2}
     results = run_on_ranks(2, _parity_body, 1, model_kw, parallel_kw, timeout=300)
     assert all(same and on_names for _, on_names, same in results), results
+    if layout == "ep2-moe":                     # each rank's own experts' and the shared expert's linears too
+        assert {"layers.0.mlp.experts.0.fc1.weight", "layers.0.mlp.shared_experts.fc2.weight"} <= set(results[0][1])

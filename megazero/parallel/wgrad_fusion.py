@@ -16,8 +16,9 @@ The backward then marks the weight (``grad_added_to_main_grad``) and returns an 
 (an allocation, no kernel), so that autograd still runs the weight's post-accumulate-grad hook, through
 which the grad sync counts its bucket down; the hook drops that gradient unread. The dummy is why a
 weight must have no other use in the same backward (it would be summed into garbage): the grad sync
-installs no target on the tied word embedding. Input and bias gradients are autograd's own formulas
-(``dY @ W``, ``dY`` summed over tokens), bitwise.
+installs no target on the tied word embedding. SwiGLU's interleaved gate/up weight (:func:`gate_up`) is two
+products of its even and odd rows, each adding into its rows of the target and one of them returning the dummy.
+Input and bias gradients are autograd's own formulas (``dY @ W``, ``dY`` summed over tokens), bitwise.
 """
 from __future__ import annotations
 
@@ -55,38 +56,57 @@ def fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _accumulate(main_grad: torch.Tensor, grad2d: torch.Tensor, x2d: torch.Tensor) -> None:
-    """``main_grad += dY^T @ X`` in fp32."""
-    if main_grad.is_cuda and main_grad.dtype != grad2d.dtype:
+    """``main_grad += dY^T @ X`` in fp32, the product in the layout autograd's ``mm`` backward takes for a weight
+    laid out as ``main_grad`` (rows of a contiguous matrix: ``dY^T X``; every other row: ``(X^T dY)^T``)."""
+    if main_grad.is_cuda and main_grad.dtype != grad2d.dtype and main_grad.is_contiguous():
         torch.addmm(main_grad, grad2d.t(), x2d, out_dtype=main_grad.dtype, out=main_grad)
-    else:
+    elif main_grad.is_contiguous():
         main_grad.add_(grad2d.t().mm(x2d))
+    else:
+        main_grad.add_(x2d.t().mm(grad2d).t())
 
 
 class LinearIntoMainGrad(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` whose weight gradient is accumulated into ``weight.main_grad`` (see the
-    module docstring)."""
+    """``F.linear(x, weight[rows], bias)`` whose weight gradient is accumulated into ``weight.main_grad[rows]``
+    (see the module docstring). ``rows``: a slice of the weight's rows, or None for all of them. ``reports``:
+    return the dummy weight gradient that runs the grad sync's hook; of several uses of one weight in a
+    backward (SwiGLU's two halves) one reports, so that autograd has no dummies to add."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, rows, reports):
         ctx.save_for_backward(x, weight)
         ctx.param = weight            # the parameter itself: a saved tensor comes back another object under recompute
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        ctx.has_bias, ctx.rows, ctx.reports = bias is not None, rows, reports
+        return F.linear(x, weight if rows is None else weight[rows], bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        rows = ctx.rows
         grad2d = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad2d.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        one_kernel("wgrad_accumulate", _accumulate, getattr(ctx.param, MAIN_GRAD), grad2d, x.reshape(-1, x.shape[-1]))
+        w = weight if rows is None else weight[rows]
+        grad_x = grad2d.mm(w).view(x.shape) if ctx.needs_input_grad[0] else None
+        target = getattr(ctx.param, MAIN_GRAD)
+        one_kernel("wgrad_accumulate", _accumulate, target if rows is None else target[rows], grad2d,
+                   x.reshape(-1, x.shape[-1]))
         setattr(ctx.param, ADDED, True)
         grad_bias = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, torch.empty_like(weight), grad_bias
+        return grad_x, torch.empty_like(weight) if ctx.reports else None, grad_bias, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, its weight gradient accumulated into ``weight.main_grad`` where that
     applies (:func:`fuses`)."""
     if fuses(x, weight):
-        return LinearIntoMainGrad.apply(x, weight, bias)
+        return LinearIntoMainGrad.apply(x, weight, bias, None, True)
     return F.linear(x, weight, bias)
+
+
+def gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU's two halves of one interleaved weight (gate rows 0::2, up rows 1::2, bias likewise): two products,
+    each weight gradient accumulated into its rows of ``weight.main_grad`` where that applies (:func:`fuses`)."""
+    halves = (slice(0, None, 2), slice(1, None, 2))
+    if fuses(x, weight):
+        return tuple(LinearIntoMainGrad.apply(x, weight, None if bias is None else bias[rows], rows, rows is halves[0])
+                     for rows in halves)
+    return tuple(F.linear(x, weight[rows], None if bias is None else bias[rows]) for rows in halves)

@@ -89,6 +89,7 @@ from megazero.parallel.pipeline.generators import stage_shape
 from megazero.parallel.pipeline.partition import stage_layer_ids
 from megazero.parallel.raw_comm import all_gather_dim0
 from megazero.parallel.tensor import new_parameter, reduce_from_tp_region
+from megazero.parallel.wgrad_fusion import gate_up
 from megazero.spec.recompute import (
     checkpointed,
     free_until_backward,
@@ -141,8 +142,7 @@ class ExpertMLP(nn.Module):
             both = linear(x, w, b, fp8)
             inner = (both[..., 0::2], both[..., 1::2])
         elif self.swiglu:
-            inner = (F.linear(x, w[0::2], b[0::2] if b is not None else None),
-                     F.linear(x, w[1::2], b[1::2] if b is not None else None))
+            inner = gate_up(x, w, b)
         else:
             inner = (linear(x, w, b, fp8),)
         return self.act_then_fc2(inner, lambda y: linear(y, self.fc2.weight, self.fc2.bias, self.fc2.fp8))

@@ -47,6 +47,7 @@ from megazero.parallel.tensor import (
     new_parameter,
     set_tp_attributes,
 )
+from megazero.parallel.wgrad_fusion import gate_up
 from megazero.spec.kv_cache import LayerKVCache
 from megazero.spec.recompute import checkpointed, free_until_backward, selective_modules
 
@@ -431,8 +432,7 @@ class MLP(nn.Module):
             both = linear(x, w, b, fc_in.fp8)
             gate, up = both[..., 0::2], both[..., 1::2]
         else:
-            gate = F.linear(x, w[0::2], b[0::2] if b is not None else None)
-            up = F.linear(x, w[1::2], b[1::2] if b is not None else None)
+            gate, up = gate_up(x, w, b)
         return fc_out(swiglu(gate, up))
 
 
