@@ -55,10 +55,15 @@ def fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and x.dim() >= 2 and x.is_contiguous())
 
 
+_FP32_OUT_ADDMM = "dtype_out" in torch.ops.aten.addmm.overloads()     # a GEMM writing fp32 from bf16 (torch >= 2.8)
+
+
 def _accumulate(main_grad: torch.Tensor, grad2d: torch.Tensor, x2d: torch.Tensor) -> None:
-    """``main_grad += dY^T @ X`` in fp32, the product in the layout autograd's ``mm`` backward takes for a weight
-    laid out as ``main_grad`` (rows of a contiguous matrix: ``dY^T X``; every other row: ``(X^T dY)^T``)."""
-    if main_grad.is_cuda and main_grad.dtype != grad2d.dtype and main_grad.is_contiguous():
+    """``main_grad += dY^T @ X`` in fp32. On CUDA one GEMM accumulating into ``main_grad`` (rows with a stride, as
+    SwiGLU's halves, are a leading dimension to cuBLAS); elsewhere the product in the layout autograd's ``mm``
+    backward takes for a weight laid out as ``main_grad`` (contiguous rows: ``dY^T X``; every other row:
+    ``(X^T dY)^T``), then the add."""
+    if main_grad.is_cuda and main_grad.dtype != grad2d.dtype and _FP32_OUT_ADDMM:
         torch.addmm(main_grad, grad2d.t(), x2d, out_dtype=main_grad.dtype, out=main_grad)
     elif main_grad.is_contiguous():
         main_grad.add_(grad2d.t().mm(x2d))
