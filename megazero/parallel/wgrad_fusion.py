@@ -55,7 +55,7 @@ def fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and x.dim() >= 2 and x.is_contiguous())
 
 
-_FP32_OUT_ADDMM = "dtype_out" in torch.ops.aten.addmm.overloads()     # a GEMM writing fp32 from bf16 (torch >= 2.8)
+_FP32_OUT_ADDMM = "dtype_out" in torch.ops.aten.addmm.overloads()     # a GEMM writing fp32 from bf16 inputs
 
 
 def _accumulate(main_grad: torch.Tensor, grad2d: torch.Tensor, x2d: torch.Tensor) -> None:
