@@ -225,7 +225,7 @@ def test_megatron_llama2_7b_script_stops_one_line_per_refused_flag_then_runs(tmp
     no_ops = [line for line in run.stdout.splitlines() if line.startswith(NO_OPS)]
     assert len(no_ops) == 1 and set(no_ops[0][len(NO_OPS):].split(", ")) == {
         "--no-position-embedding", "--no-async-tensor-model-parallel-allreduce", "--no-masked-softmax-fusion",
-        "--num-workers 8", "--log-throughput", "--no-gradient-accumulation-fusion",
+        "--num-workers 8", "--log-throughput",
         "--use-flash-attn", "--use-mcore-models", "--transformer-impl local"}, no_ops
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records if "loss" in r] == [1, 2]

@@ -139,6 +139,7 @@ def validate(job: JobConfig, world_size: int) -> JobConfig:
     job.fault_tolerance.check(job.parallel, job.zero, job.train)
     job.logging.check(job.train, world_size)
     job.compilation.check(job.model, job.parallel, job.fp8)
+    job.zero.settle_gradient_accumulation_fusion(job.precision, job.parallel, job.fp8.enabled, job.compilation.compile)
     return job
 
 

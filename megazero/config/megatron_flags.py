@@ -46,7 +46,7 @@ AS_IS = (
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
     "--context-parallel-size", "--cp-comm-type",
     "--sequence-parallel", "--distributed-timeout-minutes", "--overlap-grad-reduce", "--overlap-param-gather",
-    "--accumulate-allreduce-grads-in-fp32",
+    "--accumulate-allreduce-grads-in-fp32", "--no-gradient-accumulation-fusion",
     "--micro-batch-size", "--global-batch-size", "--step-batch-size-schedule", "--train-iters", "--train-samples",
     "--exit-duration-in-mins",
     "--seed", "--eval-interval", "--eval-iters", "--log-interval", "--check-for-nan-in-loss-and-grad",
@@ -131,8 +131,6 @@ IMPLEMENTATION: dict[str, Implementation] = {
                                                "to turn off)"),
     "--no-rope-fusion": Implementation("RoPE is torch operations (no fused kernel to turn off)"),
     "--no-persist-layer-norm": Implementation("the norms are torch's or apex's (the kernels line below says which)"),
-    "--no-gradient-accumulation-fusion": Implementation("gradients accumulate into their buckets with torch "
-                                                        "operations (no fused weight-gradient kernel to turn off)"),
     "--no-async-tensor-model-parallel-allreduce": Implementation("tensor-parallel all-reduces are megazero's own"),
     "--use-cpu-initialization": Implementation("parameters are built on the meta device and given their values "
                                                "where they live (--sharded-init)"),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from megazero.config.fields import FLAG, choices, flag_field
 from megazero.config.model import ModelConfig
-from megazero.config.parallel import ParallelConfig
+from megazero.config.parallel import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from megazero.config.precision import PrecisionConfig
 from megazero.config.rules import fail, one_of, positive
 from megazero.ranks import dp_partitions, local_world_size, rank_grid
@@ -52,6 +52,12 @@ class ZeroConfig:
     accumulate_allreduce_grads_in_fp32: bool | None = flag_field(
         None, "--accumulate-allreduce-grads-in-fp32", action=BooleanOptionalAction, group=_PAR,
         help="accumulate and reduce gradients in fp32 (default: on with --bf16)")
+    gradient_accumulation_fusion: bool | None = flag_field(
+        None, "--gradient-accumulation-fusion", action=BooleanOptionalAction, group=_PAR,
+        help="linear layers' weight gradients made straight into the fp32 main gradients (default: on where "
+             "that applies: bf16/fp16 parameters with fp32 gradient buckets at ZeRO stage 0 or 1, without "
+             "--fp8-format, --compile or a zero-bubble pipeline schedule)")
+    wgrad_into_main_grad: bool = False           # derived by validate(): gradient_accumulation_fusion, where it applies
     offload_optimizer: str = flag_field(
         "none", "--offload-optimizer", choices=OFFLOAD_DEVICES, group=_OFFLOAD,
         help="ZeRO 1-3: fp32 masters, Adam moments and the update on the host (cpu) or in swap files (nvme)")
@@ -192,6 +198,32 @@ class ZeroConfig:
                 fail(f"{FLAG.hpz_partition_size} {self.hpz_partition_size} puts ranks {part} of nodes of {rpn} "
                      f"ranks in one secondary partition, which spans nodes: use the number of dp ranks per node "
                      f"(or fewer), or drop the flag")
+
+    def settle_gradient_accumulation_fusion(self, precision: PrecisionConfig, parallel: ParallelConfig,
+                                            fp8_enabled: bool, compiling: bool) -> None:
+        """``wgrad_into_main_grad``: ``gradient_accumulation_fusion`` (default on) where it applies (after
+        :meth:`fill_defaults`); refused, with the reason, where it was asked for and does not apply. The flag's
+        own value stays as given, so a validated job validated again with other settings is settled afresh."""
+        blocker = self._fusion_blocker(precision, parallel, fp8_enabled, compiling)
+        if self.gradient_accumulation_fusion and blocker:
+            fail(f"{FLAG.gradient_accumulation_fusion} needs {blocker}: drop it")
+        self.wgrad_into_main_grad = blocker is None and self.gradient_accumulation_fusion is not False
+
+    def _fusion_blocker(self, precision: PrecisionConfig, parallel: ParallelConfig, fp8_enabled: bool,
+                        compiling: bool) -> str | None:
+        """What gradient-accumulation fusion would need and this job lacks, or None."""
+        if not (precision.bf16 or precision.fp16) or not self.accumulate_allreduce_grads_in_fp32:
+            return (f"bf16 or fp16 parameters with fp32 gradients ({FLAG.bf16} or {FLAG.fp16}, "
+                    f"{FLAG.accumulate_allreduce_grads_in_fp32})")
+        if self.zero_stage not in (0, 1):
+            return f"{FLAG.zero_stage} 0 or 1 (persistent gradient buffers)"
+        if fp8_enabled:
+            return f"linear layers in the parameters' precision (no {FLAG.fp8_format})"
+        if compiling:
+            return f"eager layers (no {FLAG.compile})"
+        if parallel.pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
+            return "a backward that is not split (no zero-bubble pipeline schedule)"
+        return None
 
     def fill_defaults(self, model: ModelConfig, precision: PrecisionConfig, tp: int) -> None:
         """ZeRO settings whose defaults come from other sections: fp32 gradient buckets on with bf16

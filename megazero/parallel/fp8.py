@@ -64,9 +64,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megazero.config import FLAG, FP8Config
+from megazero.parallel import wgrad_fusion
 from megazero.parallel.raw_comm import all_reduce, group_size
 
 X, W, G = 0, 1, 2                     # the operands whose amaxes a linear records: input, weight, output gradient
@@ -339,9 +339,11 @@ class _FP8Linear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: LinearFP8 | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, in FP8 when ``fp8`` is given (the layers' one entry point)."""
+    """``F.linear(x, weight, bias)``, in FP8 when ``fp8`` is given (the layers' one entry point); else its
+    weight gradient made into the fp32 main gradient where the grad sync installed one
+    (:mod:`megazero.parallel.wgrad_fusion`)."""
     if fp8 is None:
-        return F.linear(x, weight, bias)
+        return wgrad_fusion.linear(x, weight, bias)
     y = _FP8Linear.apply(x, weight, bias, fp8, torch.is_grad_enabled())     # delayed: amaxes of training only
     return y.reshape(*x.shape[:-1], weight.shape[0])   # a view made outside the Function: callers may write into it
 

@@ -89,6 +89,7 @@ from megazero.parallel.pipeline.generators import stage_shape
 from megazero.parallel.pipeline.partition import stage_layer_ids
 from megazero.parallel.raw_comm import all_gather_dim0
 from megazero.parallel.tensor import new_parameter, reduce_from_tp_region
+from megazero.parallel.wgrad_fusion import gate_up
 from megazero.spec.recompute import (
     checkpointed,
     free_until_backward,
@@ -111,13 +112,6 @@ class MoEStats:
     tokens_per_expert: torch.Tensor | None = None   # [E] assignments before dropping, summed
     assignments: int = 0
     dropped: int = 0
-
-
-def gate_up_rows(t: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The even (gate) and odd (up) rows of SwiGLU's interleaved fc1 weight or bias (a dense MLP's or an
-    expert's), as strided views whose gradients come back as one stack (two slices' would cost a zero-filled
-    tensor each and their sum)."""
-    return (None, None) if t is None else t.unflatten(0, (-1, 2)).unbind(1)
 
 
 class ExpertMLP(nn.Module):
@@ -148,8 +142,7 @@ class ExpertMLP(nn.Module):
             both = linear(x, w, b, fp8)
             inner = (both[..., 0::2], both[..., 1::2])
         elif self.swiglu:
-            (gate_w, up_w), (gate_b, up_b) = gate_up_rows(w), gate_up_rows(b)
-            inner = (F.linear(x, gate_w, gate_b), F.linear(x, up_w, up_b))
+            inner = gate_up(x, w, b)
         else:
             inner = (linear(x, w, b, fp8),)
         return self.act_then_fc2(inner, lambda y: linear(y, self.fc2.weight, self.fc2.bias, self.fc2.fp8))

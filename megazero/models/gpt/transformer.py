@@ -29,7 +29,7 @@ from torch import nn
 from megazero.config import FLAG
 from megazero.kernels import apex_norm, rms_norm, swiglu, use_apex_norms
 from megazero.models.gpt.config import GPTConfig
-from megazero.models.gpt.moe import MoELayer, gate_up_rows
+from megazero.models.gpt.moe import MoELayer
 from megazero.models.gpt.rotary import RotaryEmbedding
 from megazero.parallel.context import context_parallel_attention, grouped_key_values
 from megazero.parallel.context_layout import rank_positions
@@ -47,6 +47,7 @@ from megazero.parallel.tensor import (
     new_parameter,
     set_tp_attributes,
 )
+from megazero.parallel.wgrad_fusion import gate_up
 from megazero.spec.kv_cache import LayerKVCache
 from megazero.spec.recompute import checkpointed, free_until_backward, selective_modules
 
@@ -432,8 +433,7 @@ class MLP(nn.Module):
             both = linear(x, w, b, fc_in.fp8)
             gate, up = both[..., 0::2], both[..., 1::2]
         else:
-            (gate_w, up_w), (gate_b, up_b) = gate_up_rows(w), gate_up_rows(b)
-            gate, up = F.linear(x, gate_w, gate_b), F.linear(x, up_w, up_b)
+            gate, up = gate_up(x, w, b)
         return fc_out(swiglu(gate, up))
 
 

@@ -19,7 +19,10 @@ pipeline-parallel sums.
 A grad sync works over one :class:`~megazero.parallel.groups.DataParallel` view: the ZeRO engine builds
 one per bucket group (dense parameters over dp, experts over the expert-data-parallel group), each over
 the parameters of its group. Stages 0 and 1 keep one persistent gradient buffer per chunk, as
-``param.grad`` views, so autograd accumulates micro-batches in place.
+``param.grad`` views, so autograd accumulates micro-batches in place; where the parameters are narrower
+than fp32 gradients, with gradient-accumulation fusion (``--gradient-accumulation-fusion``), each weight
+gets its view as ``param.main_grad``, into which a linear's backward adds its weight gradient
+(:mod:`megazero.parallel.wgrad_fusion`); the hook then only counts the bucket down.
 
 Parameters are not the grad sync's: it is composed with a parameter component (``params``) that lays
 the chunks out in buckets and holds their values, :class:`~.replicated_params.ReplicatedParams` at
@@ -38,6 +41,7 @@ import torch.nn as nn
 
 from megazero.config import ZeroConfig
 from megazero.parallel import counted_comm as comm
+from megazero.parallel import wgrad_fusion
 from megazero.parallel.counted_comm import CommLog
 from megazero.parallel.groups import DataParallel, PipelineLayout, TensorParallel
 from megazero.parallel.params import attribute
@@ -143,6 +147,15 @@ class BucketedGradSync:
         bucket.grad_data = buf[bucket.offset:bucket.offset + bucket.numel]
         for s in bucket.slots:
             self._point_grad(s, bucket.grad_data)
+            if self._fuses_wgrad(s, bucket.grad_data):
+                wgrad_fusion.install_main_grad(s.param, bucket.grad_data[s.start:s.end])
+
+    def _fuses_wgrad(self, slot: ParamSlot, storage: torch.Tensor) -> bool:
+        """Does ``slot``'s parameter get its fp32 gradient target for gradient-accumulation fusion
+        (:mod:`megazero.parallel.wgrad_fusion`)? Where the job asks for it and the storage's dtype is not
+        the parameter's; never the tied word embedding, which has a second use in the same backward."""
+        return (self.cfg.wgrad_into_main_grad and storage.dtype != slot.param.dtype
+                and not attribute(slot.param, "shared_embedding"))
 
     @staticmethod
     def _point_grad(slot: ParamSlot, storage: torch.Tensor) -> None:
@@ -205,7 +218,8 @@ class BucketedGradSync:
         if bucket.chunk_id not in self._input_only:  # in an I (its marked weights, a nested backward): I's own end counts
             self.watch_backward(bucket.chunk_id)
         storage = self._grad_storage(bucket)
-        if param.grad is not None and param.grad.data_ptr() != storage[slot.start:slot.end].data_ptr():
+        fused = wgrad_fusion.take_fused(param)       # a linear's backward added it to param.main_grad
+        if not fused and param.grad is not None and param.grad.data_ptr() != storage[slot.start:slot.end].data_ptr():
             self._fold(slot, storage, param.grad)    # a fresh .grad: into the bucket
             self._point_grad(slot, storage)
         if self._reducing[bucket.chunk_id] and self._countdown_launches:
