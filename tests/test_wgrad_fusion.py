@@ -38,6 +38,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.uint8)
 
 
+def _reference_and_fused(w, b):
+    """Two copies of weight ``w`` and bias ``b`` (None: no bias) as leaves: the reference's, and the fused one's
+    with an fp32 main gradient installed and a hook recording what ``take_fused`` says each backward; the fold's
+    fp32 target for the reference; the main gradient; the hook's record."""
+    ref = (w.clone().requires_grad_(), None if b is None else b.clone().requires_grad_())
+    fused = (w.clone().requires_grad_(), None if b is None else b.clone().requires_grad_())
+    folded, main = torch.zeros(w.numel()), torch.zeros(w.numel())
+    wgrad_fusion.install_main_grad(fused[0], main)
+    hooked = []
+    fused[0].register_post_accumulate_grad_hook(lambda p: hooked.append(wgrad_fusion.take_fused(p)))
+    return ref, fused, folded, main, hooked
+
+
 @pytest.mark.parametrize("shape", [(6, 8), (3, 2, 8)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_fused_linear_is_bitwise_autograd_and_the_fold(shape, with_bias):
@@ -50,12 +63,7 @@ def test_the_fused_linear_is_bitwise_autograd_and_the_fold(shape, with_bias):
     b = torch.randn(5, generator=g).bfloat16() if with_bias else None
     dys = [torch.randn(*shape[:-1], 5, generator=g).bfloat16() for _ in range(2)]
 
-    ref_w, ref_b = w.clone().requires_grad_(), b.clone().requires_grad_() if with_bias else None
-    fused_w, fused_b = w.clone().requires_grad_(), b.clone().requires_grad_() if with_bias else None
-    folded, main = torch.zeros(w.numel()), torch.zeros(w.numel())
-    wgrad_fusion.install_main_grad(fused_w, main)
-    hooked = []
-    fused_w.register_post_accumulate_grad_hook(lambda p: hooked.append(wgrad_fusion.take_fused(p)))
+    (ref_w, ref_b), (fused_w, fused_b), folded, main, hooked = _reference_and_fused(w, b)
     for dy in dys:
         x_ref, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
         y_ref = F.linear(x_ref, ref_w, ref_b)
@@ -80,12 +88,7 @@ def test_swiglus_two_halves_add_into_their_rows_bitwise_autograd_and_the_fold(wi
     x = torch.randn(3, 2, 8, generator=g).bfloat16()
     w = torch.randn(10, 8, generator=g).bfloat16()
     b = torch.randn(10, generator=g).bfloat16() if with_bias else None
-    ref_w, ref_b = w.clone().requires_grad_(), b.clone().requires_grad_() if with_bias else None
-    fused_w, fused_b = w.clone().requires_grad_(), b.clone().requires_grad_() if with_bias else None
-    folded, main = torch.zeros(w.numel()), torch.zeros(w.numel())
-    wgrad_fusion.install_main_grad(fused_w, main)
-    hooked = []
-    fused_w.register_post_accumulate_grad_hook(lambda p: hooked.append(wgrad_fusion.take_fused(p)))
+    (ref_w, ref_b), (fused_w, fused_b), folded, main, hooked = _reference_and_fused(w, b)
     for _ in range(2):
         dys = [torch.randn(3, 2, 5, generator=g).bfloat16() for _ in range(2)]
         x_ref, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
