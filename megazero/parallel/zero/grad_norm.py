@@ -12,21 +12,14 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
     elements (one kernel, plus one for the tail). A float32 norm over one long range loses ~1e-5 relative
     on CPU (3e-6 at 400k elements, against 4e-9 in rows), so a layout that cuts the gradients into other
     ranges would see another norm: the layout fuzzer's draws 11, 23 and 2023 (1.2e-5 apart)."""
-    t = t.reshape(-1)
-    whole = t.numel() // NORM_ROW * NORM_ROW
-    sq = None
-    if whole:
-        sq = torch.linalg.vector_norm(t[:whole].view(-1, NORM_ROW), dim=1).double().square().sum()
-    if whole < t.numel():
-        tail = torch.linalg.vector_norm(t[whole:]).double() ** 2
-        sq = tail if sq is None else sq + tail
-    return sq if sq is not None else torch.zeros((), dtype=torch.float64, device=t.device)
+    return squared_norms([t])[0]
 
 
 def squared_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """:func:`squared_norm` of each flat tensor, bitwise, in fewer kernels: each tensor's row norms (and its
-    tail's) as there, then one cast to float64 and one square for all of them, and each tensor's sum of its
-    squares. A GPU step with a gradient bucket per large matrix saves two or four kernels per bucket."""
+    """:func:`squared_norm` of each flat tensor (all on one device) in few kernels: each tensor's row norms (and
+    its tail's), one cast to float64 and one square for all of them together (not one of each per tensor), then
+    each tensor's sum of its squares. With a gradient bucket per large matrix that is two to four kernels a
+    bucket fewer in every step."""
     pieces, spans = [], []
     for t in tensors:
         t = t.reshape(-1)

@@ -300,7 +300,7 @@ class BucketAdamW:
             return norm, True
         if self.cfg.clip_grad > 0:
             coef = min(self.cfg.clip_grad / (norm + 1e-6), 1.0)
-            _foreach_scale(grads, coef)
+            torch._foreach_mul_(grads, coef)     # one kernel for every range; bitwise each range's mul_
         self.step_count += 1
         self.publish.before_write()
         if self.delayed is not None:
@@ -387,15 +387,8 @@ class BucketAdamW:
         ranges that count once (see the module doc), before any sum over ranks."""
         sq = torch.zeros(1, dtype=torch.float64, device=self._grads_device(grads))
         pieces = [g[a:b] for r, g in zip(self.ranges, grads) if r.sync is sync for a, b in r.norm_ranges]
-        by_device = {}
-        for i, piece in enumerate(pieces):
-            by_device.setdefault(piece.device, []).append(i)
-        squares = [None] * len(pieces)
-        for indices in by_device.values():
-            for i, value in zip(indices, squared_norms([pieces[i] for i in indices])):
-                squares[i] = value
-        for value in squares:                       # summed in range order, as one range at a time was
-            sq += value.to(sq.device)
+        for value in squared_norms(pieces):         # summed in range order, one range at a time
+            sq += value
         return sq.to(self.device)
 
     def nonfinite_parameters(self, limit: int = 3, everywhere: bool = False) -> list[str]:
@@ -550,13 +543,3 @@ def merge_optimizer_states(states: list[dict]) -> dict:
         params[name] = {"offset": 0, **{k: torch.cat([p[k] for p in pieces]) for k in BucketAdamW._STATE_KEYS}}
     return {"step": states[0]["step"], "loss_scaler": states[0]["loss_scaler"], "params": params}
 
-
-def _foreach_scale(tensors: list[torch.Tensor], factor: float) -> None:
-    """Multiply every tensor in place by ``factor``: one foreach kernel for the list (per device) instead of
-    one per tensor; bitwise each tensor's own ``mul_``."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            by_device.setdefault(t.device, []).append(t)
-    for same in by_device.values():
-        torch._foreach_mul_(same, factor)
