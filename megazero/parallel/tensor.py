@@ -382,7 +382,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = torch.log(sum_exp) - target_logit
 
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, owned)
-        ctx.used = False
         return loss
 
     @staticmethod
@@ -415,7 +414,7 @@ def whole_vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tup
 
 
 def whole_vocab_cross_entropy_backward(softmax: torch.Tensor, target: torch.Tensor, grad_loss: torch.Tensor,
-                            dtype: torch.dtype) -> torch.Tensor:
+                                       dtype: torch.dtype) -> torch.Tensor:
     """The logits' gradient (softmax - one_hot(target)) * grad_loss in ``dtype``, made in ``softmax``'s storage."""
     minus_one = torch.full_like(target, -1, dtype=softmax.dtype).unsqueeze(-1)
     grad = softmax.scatter_add_(-1, target.unsqueeze(-1), minus_one)
