@@ -6,8 +6,16 @@ import pytest
 import torch
 from helpers import run_on_ranks
 
-from megazero.census import Census, OpCensus, TimeModel, layer_census, shape_census, step_census
+from megazero.census import (
+    Census,
+    OpCensus,
+    TimeModel,
+    layer_census,
+    shape_census,
+    step_census,
+)
 from megazero.config import JobConfig, PrecisionConfig, TrainConfig, ZeroConfig
+from megazero.kernels import one_kernel, rms_norm_forward
 from megazero.models.gpt import GPTConfig
 
 HIDDEN, FFN, TOKENS = 64, 128, 2 * 32
@@ -91,7 +99,6 @@ def test_the_census_sorts_gemms_views_copies_and_casts():
 def test_a_region_marked_as_one_kernel_is_counted_as_one():
     """RMSNorm's several CPU ops count as the one kernel CUDA runs, reading x and the weight and writing y and
     rstd; a GEMM inside a region stays a GEMM; outside a census the region is the plain call."""
-    from megazero.kernels import one_kernel, rms_norm_forward
     x, w = torch.randn(4, 8), torch.randn(8)
     with OpCensus() as counted:
         y, rstd = one_kernel("rms_norm", rms_norm_forward, x, w, 1e-5)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero import kernels
+from megazero.census import OpCensus
 
 
 def _saved_bytes(fn, *inputs) -> int:
@@ -106,7 +107,6 @@ def test_rope_is_bitwise_torchs_autograd_and_keeps_only_the_table(dtype, rotary)
 
 def test_rope_counts_as_one_kernel_each_way():
     """Under the op census the rotation is one ``rope`` kernel forward and one ``rope_backward`` backward."""
-    from megazero.census import OpCensus
     x, cos, sin, grad = _rope_case(torch.float32, 16)
     leaf = x.clone().requires_grad_(True)
     with OpCensus() as counted:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import run_on_ranks
 
+from megazero.census import OpCensus
 from megazero.config import ZeroConfig
 from megazero.models.gpt import GPT, GPTConfig
 from megazero.parallel.tensor import (
@@ -26,6 +27,8 @@ from megazero.parallel.tensor import (
     scatter_to_tp_region,
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy,
+    whole_vocab_cross_entropy,
+    whole_vocab_cross_entropy_backward,
 )
 from megazero.parallel.topology import Topology
 from megazero.parallel.zero import wrap_data_parallel
@@ -320,8 +323,6 @@ def test_fused_loss_holds_under_an_eighth_of_the_unfused_loss_bytes_at_a_128k_vo
 def test_one_ranks_cross_entropy_is_one_kernel_each_way_with_torchs_values():
     """At tp 1 the cross-entropy is one region each way (what CUDA runs as its compiled kernels; the op census
     counts two kernels), equal to torch's F.cross_entropy in value and gradient for bf16 logits."""
-    from megazero.census import OpCensus
-    from megazero.parallel.tensor import vocab_parallel_cross_entropy
     torch.manual_seed(0)
     logits = torch.randn(6, 5, 40).to(torch.bfloat16).requires_grad_(True)
     target = torch.randint(0, 40, (6, 5))
@@ -339,7 +340,6 @@ def test_one_ranks_cross_entropy_is_one_kernel_each_way_with_torchs_values():
 @pytest.mark.slow
 def test_one_ranks_cross_entropy_compiled_as_on_cuda_equals_its_ops():
     """The CUDA path (each way compiled), compiled here for the CPU: equal to the ops within fp32 rounding."""
-    from megazero.parallel.tensor import whole_vocab_cross_entropy, whole_vocab_cross_entropy_backward
     torch.manual_seed(0)
     logits, target, grad = torch.randn(8, 300).to(torch.bfloat16), torch.randint(0, 300, (8,)), torch.rand(8)
     compiled = (torch.compile(whole_vocab_cross_entropy, dynamic=False),
