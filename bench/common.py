@@ -266,6 +266,40 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+def hf_llama_step(shape: dict, seq: int, opt_cfg: OptimizerConfig, device: torch.device, compiled: bool = False):
+    """The HF twin of the trainer's Llama rows, set up as ``Trainer(bf16=True)`` steps it, without the
+    Trainer: ``LlamaForCausalLM`` in fp32 (SDPA attention, its own seeded init), bf16 autocast, torch
+    AdamW (fused on CUDA), clipping; ``compiled``: each decoder layer ``.compile()``d, the per-layer
+    compilation HF documents. ``shape``: num_layers, hidden_size, num_attention_heads, num_query_groups,
+    ffn_hidden_size, vocab_size. Returns (step(tokens [b, seq + 1]) -> loss, model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                      intermediate_size=shape["ffn_hidden_size"], num_hidden_layers=shape["num_layers"],
+                      num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_query_groups"],
+                      max_position_embeddings=seq, rope_theta=500000.0, tie_word_embeddings=False,
+                      attention_bias=False, mlp_bias=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device)
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay,
+                            fused=device.type == "cuda")
+
+    def step(tok):
+        ids = tok[:, :-1]                                  # HF shifts the labels itself
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.clip_grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step, model
+
+
 # ---------------------------------------------------------------------------------------- memory
 
 def _status_kib(key: str) -> float:
@@ -574,7 +608,8 @@ def table(head: str, rows: list[list[str]]) -> list[str]:
 
 
 __all__ = ["Spec", "QUICK", "TrainerRun", "step_batches", "random_micro_batches", "trainer_argv", "trainer_engine",
-           "deepspeed_config", "deepspeed_param_groups", "deepspeed_error", "torch_adamw", "PlainGPT", "spawn",
+           "deepspeed_config", "deepspeed_param_groups", "deepspeed_error", "torch_adamw", "PlainGPT", "hf_llama_step",
+           "spawn",
            "torchrun", "REPO", "cores", "largest_over_ranks", "losses_over_ranks", "loss_diffs", "Variant",
            "run_variants", "Unavailable", "median", "ratio_of_medians_per_round", "ratio_range", "zero_fp32_bytes",
            "dp_comm_bytes", "tp_layer_comm_bytes", "flag", "deviation", "num_params", "loss_check", "table",

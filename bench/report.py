@@ -360,28 +360,53 @@ def _link(path: str, outdir: str) -> str:
     return os.path.relpath(path, outdir).replace(os.sep, "/")
 
 
+GPU_LOSS_TOL = 2e-2       # two bf16 runs from the same weights: their last losses agree within this
+GPU_HEADING = "## GPU: GPT-2 124M / 350M and Llama 1.5B, bf16, single GPU, vs nanoGPT-style and HF twins"
+
+
+def _gpu_mib(x) -> str:
+    return "n/a" if x is None else f"{x:.0f}"
+
+
 def gpu_section(gpu: dict, outdir: str) -> list[str]:
-    out = ["## GPU: GPT-2 124M / 350M, bf16, single GPU, vs plain nanoGPT-style PyTorch", ""]
+    """The GPU section from ``bench.gpu.run_gpu``: a line per side of each row (eager, compiled, offload),
+    then the row's ratio; or the reason it was skipped and where a GPU machine's figures are."""
+    out = [GPU_HEADING, ""]
     if "skipped" in gpu:
         elsewhere = (f" Figures from a GPU machine: [{os.path.basename(GPU_REPORT)}]({_link(GPU_REPORT, outdir)}), "
                      f"generated there by `python -m bench.run --sections gpu --out bench/results/BENCHMARKS_GPU.md`."
                      if os.path.exists(GPU_REPORT) else "")
         return out + [gpu["skipped"] + " (the section is coded in bench/gpu.py and runs when CUDA is present)."
                       + elsewhere, ""]
-    out += ["Ours is the trainer's path (`parse_job` of `--bf16` flags, `build_model_chunks`, `build_engine`, "
-            "`train_step`) and keeps fp32 master weights and Adam state (Megatron's mixed precision); the plain side "
-            "keeps bf16 weights and state in torch's fused AdamW (nanoGPT's usual setup: less memory, less "
-            "exact). Step time is the whole step: forward, backward, clipping and the optimizer.", ""]
+    out += [f"Commit measured: {gpu['commit']}; torch {gpu['torch']}; device: {gpu['device']}.", "",
+            "Ours is the trainer's path (`parse_job` of `--bf16` flags, `build_model_chunks`, `build_engine`, "
+            "`train_step`) and keeps fp32 master weights and Adam state (Megatron's mixed precision); `--compile` "
+            "adds the trainer's regional compile (each layer its own graph). GPT-2's twin is nanoGPT-style PyTorch "
+            "with our initial weights, bf16 weights and AdamW state (less memory, less exact), and `torch.compile` "
+            "of the whole model when compiled. Llama's twin is HF `LlamaForCausalLM` (fp32 weights, bf16 autocast, "
+            "its own initial weights), each decoder layer compiled when compiled. The offload row is ours at "
+            "ZeRO-1 with `--offload-optimizer cpu` against ours on-device. Step time is the whole step: forward, "
+            "backward, clipping and the optimizer; each row's two sides alternate, and the ratio is the first "
+            "side's over the second's.", ""]
     rows = []
-    for name, r in gpu.items():
-        for side in ("ours", "plain"):
-            x = r[side]
-            rows.append([name, side, f"{x['step_ms']:.1f}", f"{x['tokens_s']:,.0f}", _f(x["mfu"], "{:.1%}"),
-                         f"{x['peak_mib']:.0f}", f"{x['loss']:.4f}"])
-        diff = abs(r["ours"]["loss"] - r["plain"]["loss"])
-        rows.append([name, "ratio ours/plain", f"{r['ratio']:.2f}x", "", "", "",
-                     f"|d| {diff:.1e} ({'same within bf16 tolerance 2e-2' if diff <= 2e-2 else '**DIVERGED**'})"])
-    return out + table("| model | side | step ms | tokens/s | MFU | peak alloc MiB | loss |", rows) + [""]
+    for name, m in gpu["models"].items():
+        for row, r in m["rows"].items():
+            if "unavailable" in r:
+                rows.append([name, row, "-", "", "", "", "", "", r["unavailable"]])
+                continue
+            labels = list(r["sides"])
+            for side in labels:
+                x = r["sides"][side]
+                rows.append([name, row, side, f"{x['step_ms']:.1f}", f"{x['tokens_s']:,.0f}", _f(x["mfu"], "{:.1%}"),
+                             _gpu_mib(x["peak_mib"]), f"{x['loss_first']:.4f}", f"{x['loss_last']:.4f}"])
+            first, second = (r["sides"][side]["loss_last"] for side in labels)
+            diff = abs(first - second)
+            verdict = f"same within bf16 tolerance {GPU_LOSS_TOL:g}" if diff <= GPU_LOSS_TOL else "**DIVERGED**"
+            same = f"\\|d\\| {diff:.1e} ({verdict})" if r["same_start"] else "own initial weights"
+            rows.append([name, row, f"ratio {labels[0]} / {labels[1]}", f"{r['ratio']:.2f}x", "", "", "", "", same])
+    return (out + [f"- {name}: {m['describe']}" for name, m in gpu["models"].items()] + [""]
+            + table("| model | row | side | step ms | tokens/s | MFU | peak alloc MiB | first loss | last loss |", rows)
+            + [""])
 
 
 CAPACITY_HEAD = ("| variant | largest L within budget | parameters at L | measured peak MiB at L (phase) "

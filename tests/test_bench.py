@@ -497,3 +497,62 @@ def test_grouped_gemm_section_quick_times_the_layer_both_ways(tmp_path):
     assert cells[1] == "16 (mean)" and cells[6] == "0.00 MiB", cells        # the weights read in place
     assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[4].split()[0]) > 0 and float(cells[5]) > 0
     assert cells[7] == "0.0e+00", cells
+
+
+def _check_gpu_rows(res: dict, compiled: bool) -> str:
+    """Every row of the toy GPU section ran (a positive step time, finite losses, sides from the same
+    weights agreeing) and the section renders each; returns the rendered text."""
+    import math
+
+    from bench.gpu import TOY
+    from bench.report import gpu_section
+
+    assert res["torch"] and res["commit"] and res["device"] == "cpu"
+    expected = {m.name: {"eager", "compiled"} | ({"offload"} if m.llama else set()) for m in TOY.models}
+    assert {name: set(m["rows"]) for name, m in res["models"].items()} == expected
+    for name, m in res["models"].items():
+        for row, r in m["rows"].items():
+            if row == "compiled" and not compiled:
+                assert r == {"unavailable": "compiled rows not requested"}
+                continue
+            assert len(r["sides"]) == 2 and r["ratio"] > 0, (name, row)
+            for side, x in r["sides"].items():
+                assert x["step_ms"] > 0 and x["tokens_s"] > 0 and x["peak_mib"] is None and x["mfu"] is None, side
+                assert math.isfinite(x["loss_first"]) and math.isfinite(x["loss_last"]), (name, row, side)
+            if r["same_start"]:                                  # the plain twin and the offload row
+                first, second = (x["loss_first"] for x in r["sides"].values())
+                assert abs(first - second) < 2e-2, (name, row)
+    assert set(res["models"]["llama-toy"]["rows"]["eager"]["sides"]) == {"ours", "hf"}
+    assert set(res["models"]["gpt2-toy"]["rows"]["eager"]["sides"]) == {"ours", "plain"}
+    text = "\n".join(gpu_section(res, ROOT))
+    assert f"Commit measured: {res['commit']}" in text and "DIVERGED" not in text
+    for side in ("| ours |", "| plain |", "| hf |", "| ours offload-optimizer cpu |", "ratio ours / hf"):
+        assert side in text, side
+    return text
+
+
+@pytest.mark.timeout(120)
+def test_gpu_section_runs_every_row_at_toy_size_on_the_cpu():
+    """``run_gpu(TOY)``: GPT-2 ours vs the nanoGPT twin, Llama ours vs the HF twin, the offload row, on the CPU
+    (the compiled rows are the slow test's)."""
+    from bench.gpu import TOY, run_gpu
+
+    text = _check_gpu_rows(run_gpu(TOY), compiled=False)
+    assert "compiled rows not requested" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gpu_section_compiled_rows_run_at_toy_size_on_the_cpu():
+    """The compiled rows too: ours with ``--compile`` against ``torch.compile`` of the nanoGPT twin and the HF
+    twin with each decoder layer compiled."""
+    from dataclasses import replace
+
+    from bench.gpu import TOY, run_gpu
+    from megazero.compile import compile_unavailable
+
+    if compile_unavailable("cpu"):
+        pytest.skip(compile_unavailable("cpu"))
+    text = _check_gpu_rows(run_gpu(replace(TOY, compiled=True)), compiled=True)
+    for side in ("| ours --compile |", "| plain compiled |", "| hf compiled |"):
+        assert side in text, side
