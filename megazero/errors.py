@@ -15,6 +15,8 @@ class                  raised when                                    the run en
                        or does not fit the model
 ``TrainingStopped``    the run cannot go on (a non-finite loss, too   status 1, nothing saved
                        many skipped steps)
+``ReplicaGroupLost``   this rank's torchft Manager lost the replica   status 1, said by each rank
+                       groups' quorum (a ``TrainingStopped``)         that saw it
 =====================  =============================================  ==========================
 """
 
@@ -47,3 +49,9 @@ class CheckpointError(RuntimeError):
 class TrainingStopped(RuntimeError):
     """The run cannot go on (a non-finite loss or gradient, too many skipped steps): the message says
     why and at which iteration; nothing of the bad state has been saved."""
+
+
+class ReplicaGroupLost(TrainingStopped):
+    """This rank's torchft Manager lost the replica groups' quorum or commit vote and cannot go on in this
+    process (``--fault-tolerance torchft``): the group is to be restarted, and heals from a live one. The
+    ranks of a group can meet it at different moments, or only some of them, so each says it."""

@@ -23,7 +23,12 @@ Each step (:class:`ReplicaGroups`, driven by :mod:`megazero.training`):
    group applies it, the iteration counter stays, and the step is retried on the same data.
 
 Checkpoints (``--save``): each group writes under its own directory (``DIR/replica-group-<id>``), and
-only the group first in the step's quorum saves -- group 0 while it is alive, else whichever is.
+only the group first in the step's quorum saves -- group 0 while it is alive, else whichever is. A saver
+that leaves the quorum right after its save may have died writing it: the group first in the next quorum
+then saves the same iteration (its state is still that iteration's, no step having run since), so a
+fault during a save never leaves the run without that checkpoint. For example, 3 groups, a save at
+iteration 500 by group 0, killed while writing: the quorum before iteration 501 holds groups 1 and 2,
+and group 1 (first in it) writes ``replica-group-1/iter_0000500`` before stepping.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ import torch.distributed as dist
 from megazero.checkpoint.rng_state import capture_rng_state, restore_rng_state
 from megazero.checkpoint.transport import TensorTransport
 from megazero.config import FLAG, FaultToleranceConfig
-from megazero.errors import TrainingStopped
+from megazero.errors import ReplicaGroupLost, TrainingStopped
 from megazero.state import TrainState
 
 
@@ -106,12 +111,18 @@ class ReplicaGroups:
         self.keeps_batch = cfg.ft_batch_policy == "keep"
         self.step_micro_batches = global_batch * self.groups // (micro_batch_size * topo.dp_size)   # per dp rank
         self._share = (self.replica_id, self.groups)
+        self._saver: FirstGroupSaves | None = None
+        self._unconfirmed_save: int | None = None   # the iteration another group saved, until the next quorum
+        # The gradient average and healing give up on a peer group after --ft-timeout-seconds; what waits on
+        # this group's own other ranks (the quorum, the commit vote: the group's first rank gathers them)
+        # waits --ft-quorum-timeout-seconds, longer, since one rank may sit out a whole collective timeout.
         timeout = timedelta(seconds=cfg.ft_timeout_seconds)
+        group_wait = timedelta(seconds=cfg.ft_quorum_timeout_seconds)
         host, port, self._store = _manager_store()
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self.load_peer_state, state_dict=self.peer_state,
-            min_replica_size=cfg.ft_min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
-            connect_timeout=timeout, rank=topo.rank, world_size=topo.world_size, store_addr=host, store_port=port,
+            min_replica_size=cfg.ft_min_replicas, use_async_quorum=False, timeout=group_wait,
+            quorum_timeout=group_wait, connect_timeout=timeout, rank=topo.rank, world_size=topo.world_size, store_addr=host, store_port=port,
             lighthouse_addr=cfg.ft_lighthouse, replica_id=f"replica_group_{self.replica_id}",
             checkpoint_transport=TensorTransport(timeout), init_sync=False)
         self.average = ManagerReplicaAverage(self.manager)
@@ -135,6 +146,7 @@ class ReplicaGroups:
             shares = split_shares(self.step_micro_batches, participants)
             self._share = (position, participants)
             self.average.weight = shares[position] * participants / self.step_micro_batches
+        self._save_again_if_saver_left(state, participants)
         if participants != self._participants:
             was = f" (was {self._participants})" if self._participants is not None else ""
             self.say(f" ft: iteration {state.iteration + 1}: {participants} of {self.groups} replica groups take "
@@ -147,6 +159,27 @@ class ReplicaGroups:
             print(f" ft checksum: group {self.replica_id} rank {self.topo.rank} iteration {state.iteration} "
                   f"params {self.parameter_checksum()}{' healed' if self.healed else ''}", flush=True)
         return self.healed
+
+    def saves_with(self, saver: FirstGroupSaves) -> None:
+        """The saver :meth:`_save_again_if_saver_left` writes with."""
+        self._saver = saver
+
+    def saved_elsewhere(self, iteration: int) -> None:
+        """Another group (the first in the quorum) saves ``iteration``: checked at the next quorum."""
+        self._unconfirmed_save = iteration
+
+    def _save_again_if_saver_left(self, state: TrainState, participants: int) -> None:
+        """After the quorum: if another group saved this very iteration and the quorum has lost a group
+        since (the saver, maybe killed while writing), the group now first in it saves the iteration
+        again, under its own directory, before any step changes the state. Redundant when the group
+        that left was another one or its save had finished; never skipped when it was the saver."""
+        pending, self._unconfirmed_save = self._unconfirmed_save, None
+        if (pending is None or self._saver is None or self.healed or pending != state.iteration
+                or self._participants is None or participants >= self._participants or not self.saves()):
+            return
+        self.say(f" ft: replica group {self.replica_id} saves iteration {state.iteration} again: a replica group "
+                 f"left the quorum right after the save (the saver's may not have finished)")
+        self._saver.save(state)
 
     def data_share(self) -> tuple[int, int]:
         """``(position, count)``: which of the step's micro-batches this group reads (see
@@ -177,10 +210,10 @@ class ReplicaGroups:
                      f"nothing applied, the step runs again")
         return self.committed
 
-    def _lost(self, error: Exception) -> TrainingStopped:
+    def _lost(self, error: Exception) -> ReplicaGroupLost:
         """The line of a group whose Manager lost its quorum (e.g. it was stopped past the timeout): torchft
         cannot continue in this process; restarted, the group heals from a live one."""
-        return TrainingStopped(f"{FLAG.fault_tolerance}: replica group {self.replica_id} lost its quorum "
+        return ReplicaGroupLost(f"{FLAG.fault_tolerance}: replica group {self.replica_id} lost its quorum "
                                f"({str(error).splitlines()[0][:200]}): restart this group; it heals from a live one")
 
     def run_batch(self, group_batch: int) -> int:
@@ -246,9 +279,11 @@ class FirstGroupSaves:
 
     def __init__(self, save, groups: ReplicaGroups):
         self.save, self.groups = save, groups
+        groups.saves_with(self)
 
     def __call__(self, state: TrainState) -> float | None:
         if not self.groups.saves():
+            self.groups.saved_elsewhere(state.iteration)
             return None
         self.groups.say(f" ft: replica group {self.groups.replica_id} saves iteration {state.iteration} "
                         f"(first in the quorum)")

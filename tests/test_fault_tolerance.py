@@ -55,11 +55,64 @@ def test_refused_in_one_line_without_torchft(monkeypatch):
      r"--ft-batch-policy keep with the interleaved .* add --ft-batch-policy shrink"),
     ({"fault_tolerance": None, "ft_replica_id": None, "ft_replica_groups": None, "ft_lighthouse": None,
       "ft_batch_policy": "shrink"}, None, None, None, r"--ft-batch-policy sets up torchft replica groups"),
+    ({"fault_tolerance": None, "ft_replica_id": None, "ft_replica_groups": None, "ft_lighthouse": None,
+      "ft_quorum_timeout_seconds": 30.0}, None, None, None, r"--ft-quorum-timeout-seconds sets up torchft"),
+    ({"ft_timeout_seconds": 0.0}, None, None, None, r"--ft-timeout-seconds must be > 0, got 0"),
+    ({"ft_timeout_seconds": 10.0, "ft_quorum_timeout_seconds": 10.0}, None, None, None,
+     r"--ft-quorum-timeout-seconds must be above --ft-timeout-seconds 10, got 10: a group's ranks reach the quorum"),
 ])
 def test_what_fault_tolerance_refuses(ft, par, zero, train, words, monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     with pytest.raises(ConfigError, match=words):
         validate(_job(ft, par, zero, train), 2)
+
+
+def test_quorum_waits_twice_the_gradient_average_unless_given():
+    """The quorum's timeout is filled in as twice ``--ft-timeout-seconds``, or kept as given above it."""
+    assert validate(_job({"ft_timeout_seconds": 8.0}), 1).fault_tolerance.ft_quorum_timeout_seconds == 16.0
+    given = validate(_job({"ft_timeout_seconds": 8.0, "ft_quorum_timeout_seconds": 9.0}), 1)
+    assert given.fault_tolerance.ft_quorum_timeout_seconds == 9.0
+
+
+@pytest.mark.parametrize("env,value,refused", [
+    ("TORCHFT_TIMEOUT_SEC", "60", True), ("TORCHFT_TIMEOUT_SEC", "120", False),
+    ("TORCHFT_QUORUM_TIMEOUT_SEC", "60", True), ("TORCHFT_QUORUM_TIMEOUT_SEC", "120", False),
+    ("TORCHFT_QUORUM_TIMEOUT_SEC", "two", True)])
+def test_torchft_timeout_variables_never_override_the_flags(env, value, refused, monkeypatch):
+    """torchft reads its timeout variables over the Manager's arguments (both given the quorum's timeout, by
+    default 120 s): one that disagrees with the flag is refused in one line naming both; one that agrees is
+    taken."""
+    monkeypatch.setenv(env, value)
+    if not refused:
+        validate(_job(), 1)
+        return
+    name = "--ft-quorum-timeout-seconds"
+    with pytest.raises(ConfigError, match=rf"{env}={value} in the environment would replace {name} .*unset {env}"):
+        validate(_job(), 1)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_loses_the_quorum_says_so_itself(rank, monkeypatch, capsys):
+    """The ranks of a replica group lose torchft's quorum at different moments, or only some of them: each rank
+    that does ends with status 1 and its own line, rank 1 as well as rank 0 (not the silent exit a line said by
+    rank 0 alone would leave)."""
+    import megazero.cli.main as cli
+    from megazero.errors import ReplicaGroupLost
+
+    def lost(*args, **kwargs):
+        raise ReplicaGroupLost("--fault-tolerance: replica group 1 lost its quorum (Timeout expired): restart "
+                               "this group; it heals from a live one")
+    monkeypatch.setattr(cli, "run", lost)
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["--mock-data", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+                  "--seq-length", "8", "--vocab-size", "64", "--micro-batch-size", "1", "--train-iters", "1"])
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pretrain_gpt.py: error: rank {rank}: --fault-tolerance: replica group 1 lost its quorum "
+                   f"(Timeout expired): restart this group; it heals from a live one"], err
 
 
 def test_lighthouse_defaults_to_torchft_environment(monkeypatch):
@@ -79,6 +132,65 @@ def test_a_peer_of_another_layout_is_refused_in_one_line():
         groups.load_peer_state({"layout": {"tp": 2, "dp": 1, "zero_stage": 1}, "tensors": {}})
     line = str(refused.value)
     assert "\n" not in line and "dp 1 there, 2 here; tp 2 there, 1 here" in line and "same parallel" in line
+
+
+class _Quorums:
+    """A stand-in for torchft's Manager: each ``start_quorum`` takes the next (participants, place) given."""
+
+    def __init__(self, quorums):
+        self.quorums, self.now = list(quorums), None
+
+    def start_quorum(self):
+        self.now = self.quorums.pop(0)
+
+    def num_participants(self):
+        return self.now[0]
+
+    def participating_rank(self):
+        return self.now[1]
+
+    def load_state_dict(self, state):
+        pass
+
+    def batches_committed(self):
+        return 0
+
+
+@pytest.mark.parametrize("quorums,saved_again", [
+    ([(3, 1), (2, 0)], [500]),        # the saver (first) left right after its save; this group is first now
+    ([(3, 1), (3, 1)], []),           # everyone still there
+    ([(3, 1), (2, 1)], []),           # a group left, but another is first now and saves again
+    ([(3, 0), (2, 0)], []),           # this group was the saver: its own save finished before the quorum
+])
+def test_the_first_group_saves_again_when_the_saver_leaves_right_after_its_save(quorums, saved_again):
+    """Groups 0-2 step; at iteration 500 the group first in the quorum saves. If the next quorum has lost a group
+    and this group is first in it, it writes iteration 500 too, before any step, saying why; otherwise it does
+    not (and it never saves twice a save it made itself)."""
+    from megazero.fault_tolerance import FirstGroupSaves, ReplicaGroups
+    from megazero.state import TrainState
+
+    groups = ReplicaGroups.__new__(ReplicaGroups)
+    said, written = [], []
+    groups.manager, groups.say, groups.replica_id, groups.groups = _Quorums(quorums), said.append, 1, 3
+    groups.keeps_batch, groups.checksums, groups.global_batch, groups._participants = False, False, 16, None
+    groups._saver = groups._unconfirmed_save = None
+
+    class Save:
+        def __call__(self, state):
+            written.append(state.iteration)
+
+        def finish(self):
+            pass
+
+    saver = FirstGroupSaves(Save(), groups)
+    state = TrainState(iteration=499, consumed_samples=0)
+    groups.start_step(state)
+    state.iteration = 500                           # the step ran; the loop saves
+    saver(state)
+    own = list(written)
+    groups.start_step(state)
+    assert written[len(own):] == saved_again
+    assert any("saves iteration 500 again" in line for line in said) == bool(saved_again), said
 
 
 def _state():
@@ -185,15 +297,20 @@ def test_two_replica_groups_equal_the_replica_dimension_inside_one_job(tmp_path)
 
 @pytest.mark.slow
 def test_a_killed_replica_group_rejoins_bitwise_and_the_survivor_keeps_going(tmp_path):
-    """Two replica groups of two ranks (torchrun each): one rank of one group is SIGKILLed, the harness restarts that
-    group, which heals from its peer; its weights equal the peer's bitwise before its first step, the survivor
-    loses at most the step the kill interrupted and every group finishes."""
-    options = chaos.parse_args(["--groups", "2", "--ranks", "2", "--iters", "1000", "--batch", "16", "--save-interval", "400",
-                                "--out", str(tmp_path)])
-    groups, lines, ok = chaos.run_groups(options, tmp_path, "chaos", ["kill-rank"])
-    assert ok and len(lines) == 1 and "bitwise equal (healed)" in lines[0], lines
-    assert all(any(s[2] == 1000 for s in g.steps) for g in groups)
+    """Two replica groups of two ranks (torchrun each): one rank of one group is SIGKILLed, then the group saving a
+    checkpoint while it writes; the harness restarts each, which heals from its peer: its weights equal the peer's
+    bitwise before its first step, the survivor loses at most the step the kill interrupted, every group finishes,
+    and the interrupted checkpoint is written by the survivor (no --save-interval checkpoint is missing)."""
+    options = chaos.parse_args(["--groups", "2", "--ranks", "2", "--iters", "1200", "--batch", "16",
+                                "--save-interval", "300", "--out", str(tmp_path)])
+    groups, lines, ok = chaos.run_groups(options, tmp_path, "chaos", ["kill-rank", "kill-in-save"])
+    assert ok and len(lines) == 2 and all("bitwise equal (healed)" in line for line in lines), lines
+    assert all(any(s[2] == 1200 for s in g.steps) for g in groups)
     assert not [e for g in groups for e in g.exits if e[1] != 0 and not e[2]]
+    saved, report = chaos.checkpoint_report(groups, tmp_path / "chaos-save", 1200, 300)
+    assert saved and "missing none" in report and "(written: " in report, report
+    logs = "".join((tmp_path / f"chaos-group{g}.log").read_text() for g in range(2))
+    assert " again: a replica group left the quorum right after the save" in logs
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ a bad flag, file or tokenizer (before      2         rank 0 (another rank only a
 any process group)
 the checkpoint resumed has finished        0         rank 0
 ``TrainingStopped``, ``CheckpointError``   1         rank 0 (every rank has the same line)
+``ReplicaGroupLost`` (torchft)             1         every rank that saw it, with its rank
 ``DataError``, ``OSError`` in the run      1         every rank that saw it, with its rank
 a peer gone, a collective timed out        1         every rank, the first to fail dated first
 =========================================  ========  ===================================================
@@ -41,6 +42,7 @@ from megazero.errors import (
     DataError,
     NothingToDo,
     PreflightError,
+    ReplicaGroupLost,
     TokenizerError,
     TrainingStopped,
 )
@@ -67,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         stop(f"{e}", 2, rank, after_rank0=True)        # bad input: status 2, as for a bad flag
     try:
         return run(job, args.backend, tokenizer, show_sample=embedded_default, lock=lock, started=started)
+    except ReplicaGroupLost as e:                      # met by some ranks of a group, or at different moments
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        stop(f"rank {rank}: {e}" if world > 1 else f"{e}", 1, rank, every_rank=True)
     except (TrainingStopped, CheckpointError) as e:   # the same line on every rank: rank 0 says it
         stop(f"{e}", 1, rank)
     except (DataError, OSError) as e:                  # found by some ranks only (an index cache, a disk)

@@ -27,6 +27,10 @@ from megazero.config.rules import fail, one_of
 FAULT_TOLERANCE_KINDS = ("torchft",)
 BATCH_POLICIES = ("keep", "shrink")
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"        # torchft's own default for the lighthouse address
+# torchft reads these over the Manager's arguments; both are given --ft-quorum-timeout-seconds (the Manager's
+# own waits: the quorum and the commit vote), the process group's --ft-timeout-seconds (read by no variable).
+TIMEOUT_ENVS = (("TORCHFT_TIMEOUT_SEC", "ft_quorum_timeout_seconds"),
+                ("TORCHFT_QUORUM_TIMEOUT_SEC", "ft_quorum_timeout_seconds"))
 
 _FT = "fault tolerance"
 
@@ -34,6 +38,14 @@ _FT = "fault tolerance"
 def torchft_importable() -> bool:
     """Is torchft installed (the ``ft`` extra)?"""
     return importlib.util.find_spec("torchft") is not None
+
+
+def _same_seconds(text: str, seconds: float) -> bool:
+    """Does a torchft timeout variable (whole seconds: torchft reads it with ``int``) say ``seconds``?"""
+    try:
+        return int(text) == seconds
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -60,8 +72,13 @@ class FaultToleranceConfig:
         help="the torchft lighthouse, e.g. http://host:29510 (default: the TORCHFT_LIGHTHOUSE environment variable)")
     ft_timeout_seconds: float = flag_field(
         60.0, "--ft-timeout-seconds", type=float, group=_FT,
-        help="how long a replica group waits on its peers (quorum, gradient average, healing) before it leaves "
-             "them out of the step (default 60)")
+        help="how long a replica group waits on its peers in the gradient average and in healing before it "
+             "leaves them out of the step (default 60)")
+    ft_quorum_timeout_seconds: float | None = flag_field(
+        None, "--ft-quorum-timeout-seconds", type=float, group=_FT,
+        help="how long a rank waits for the step's quorum and commit vote, which gather its group's ranks; "
+             "above --ft-timeout-seconds, since one of them may sit out a whole gradient average that timed out "
+             "(default 2 x --ft-timeout-seconds)")
 
     ft_batch_policy: str = flag_field(
         "keep", "--ft-batch-policy", choices=BATCH_POLICIES, group=_FT,
@@ -87,7 +104,8 @@ class FaultToleranceConfig:
         training sections (checked)."""
         one_of(self, "ft_batch_policy")
         if not self.enabled:
-            given = [name for name in ("ft_replica_id", "ft_replica_groups", "ft_lighthouse")
+            given = [name for name in ("ft_replica_id", "ft_replica_groups", "ft_lighthouse",
+                                       "ft_quorum_timeout_seconds")
                      if getattr(self, name) is not None]
             given += ["ft_min_replicas"] if self.ft_min_replicas != 1 else []
             given += ["ft_param_checksums"] if self.ft_param_checksums else []
@@ -114,12 +132,35 @@ class FaultToleranceConfig:
             fail(f"{FLAG.ft_batch_policy} keep with the interleaved pipeline schedule is not built (a group's share "
                  f"of a step's micro-batches need not be a multiple of {FLAG.pp} {par.pp}): add "
                  f"{FLAG.ft_batch_policy} shrink")
-        if not self.ft_timeout_seconds > 0:
-            fail(f"{FLAG.ft_timeout_seconds} must be > 0, got {self.ft_timeout_seconds}")
+        self._check_timeouts()
         self.ft_lighthouse = self.ft_lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         if not self.ft_lighthouse:
             fail(f"{FLAG.fault_tolerance} torchft needs a lighthouse: give {FLAG.ft_lighthouse} http://HOST:PORT or set "
                  f"{LIGHTHOUSE_ENV} (start one with torchft_lighthouse --min_replicas 1)")
+
+    def _check_timeouts(self) -> None:
+        """Both timeouts positive, the quorum's (filled in: twice the other) above the gradient average's, and
+        no torchft environment variable that would replace one of them behind the flags' back (torchft reads
+        ``TORCHFT_TIMEOUT_SEC`` and ``TORCHFT_QUORUM_TIMEOUT_SEC`` over what it is given).
+
+        Why the quorum waits longer: a replica group's ranks ask for the quorum, and vote on the commit,
+        together (the group's first rank gathers them), and after a peer group dies or stops mid-average one
+        rank may learn it at once, from its dead neighbour, while another waits out the whole
+        ``--ft-timeout-seconds``; with equal timeouts the first rank's call expires just as the second
+        arrives, and the surviving group stops."""
+        if not self.ft_timeout_seconds > 0:
+            fail(f"{FLAG.ft_timeout_seconds} must be > 0, got {self.ft_timeout_seconds}")
+        if self.ft_quorum_timeout_seconds is None:
+            self.ft_quorum_timeout_seconds = 2 * self.ft_timeout_seconds
+        if not self.ft_quorum_timeout_seconds > self.ft_timeout_seconds:
+            fail(f"{FLAG.ft_quorum_timeout_seconds} must be above {FLAG.ft_timeout_seconds} "
+                 f"{self.ft_timeout_seconds:g}, got {self.ft_quorum_timeout_seconds:g}: a group's ranks reach the "
+                 f"quorum up to one gradient-average timeout apart (leave it out for twice the timeout)")
+        for env, name in TIMEOUT_ENVS:
+            given = os.environ.get(env)
+            if given is not None and not _same_seconds(given, getattr(self, name)):
+                fail(f"{env}={given} in the environment would replace {flag(name)} {getattr(self, name):g} inside "
+                     f"torchft: unset {env}, or give {flag(name)} {given}")
 
     @staticmethod
     def _check_not_built(par, zero, train) -> None:
