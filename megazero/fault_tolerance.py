@@ -111,7 +111,7 @@ class ReplicaGroups:
         self.keeps_batch = cfg.ft_batch_policy == "keep"
         self.step_micro_batches = global_batch * self.groups // (micro_batch_size * topo.dp_size)   # per dp rank
         self._share = (self.replica_id, self.groups)
-        self._saver: FirstGroupSaves | None = None
+        self._save = None                            # the checkpoint saver, once :meth:`saver` wraps it
         self._unconfirmed_save: int | None = None   # the iteration another group saved, until the next quorum
         # The gradient average and healing give up on a peer group after --ft-timeout-seconds; what waits on
         # this group's own other ranks (the quorum, the commit vote: the group's first rank gathers them)
@@ -122,7 +122,8 @@ class ReplicaGroups:
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self.load_peer_state, state_dict=self.peer_state,
             min_replica_size=cfg.ft_min_replicas, use_async_quorum=False, timeout=group_wait,
-            quorum_timeout=group_wait, connect_timeout=timeout, rank=topo.rank, world_size=topo.world_size, store_addr=host, store_port=port,
+            quorum_timeout=group_wait, connect_timeout=timeout, rank=topo.rank, world_size=topo.world_size,
+            store_addr=host, store_port=port,
             lighthouse_addr=cfg.ft_lighthouse, replica_id=f"replica_group_{self.replica_id}",
             checkpoint_transport=TensorTransport(timeout), init_sync=False)
         self.average = ManagerReplicaAverage(self.manager)
@@ -160,10 +161,6 @@ class ReplicaGroups:
                   f"params {self.parameter_checksum()}{' healed' if self.healed else ''}", flush=True)
         return self.healed
 
-    def saves_with(self, saver: FirstGroupSaves) -> None:
-        """The saver :meth:`_save_again_if_saver_left` writes with."""
-        self._saver = saver
-
     def saved_elsewhere(self, iteration: int) -> None:
         """Another group (the first in the quorum) saves ``iteration``: checked at the next quorum."""
         self._unconfirmed_save = iteration
@@ -174,12 +171,12 @@ class ReplicaGroups:
         again, under its own directory, before any step changes the state. Redundant when the group
         that left was another one or its save had finished; never skipped when it was the saver."""
         pending, self._unconfirmed_save = self._unconfirmed_save, None
-        if (pending is None or self._saver is None or self.healed or pending != state.iteration
+        if (pending is None or self._save is None or self.healed or pending != state.iteration
                 or self._participants is None or participants >= self._participants or not self.saves()):
             return
         self.say(f" ft: replica group {self.replica_id} saves iteration {state.iteration} again: a replica group "
                  f"left the quorum right after the save (the saver's may not have finished)")
-        self._saver.save(state)
+        self._save(state)
 
     def data_share(self) -> tuple[int, int]:
         """``(position, count)``: which of the step's micro-batches this group reads (see
@@ -214,7 +211,7 @@ class ReplicaGroups:
         """The line of a group whose Manager lost its quorum (e.g. it was stopped past the timeout): torchft
         cannot continue in this process; restarted, the group heals from a live one."""
         return ReplicaGroupLost(f"{FLAG.fault_tolerance}: replica group {self.replica_id} lost its quorum "
-                               f"({str(error).splitlines()[0][:200]}): restart this group; it heals from a live one")
+                                f"({str(error).splitlines()[0][:200]}): restart this group; it heals from a live one")
 
     def run_batch(self, group_batch: int) -> int:
         """Samples of the run's data stream one step covers: every group's share, taking part or not."""
@@ -225,7 +222,9 @@ class ReplicaGroups:
         return self.manager.participating_rank() == 0
 
     def saver(self, save):
-        """``save`` (a :class:`megazero.training.Saver`) run only by the group first in the step's quorum."""
+        """``save`` (a :class:`megazero.training.Saver`) run only by the group first in the step's quorum
+        (and again by the next first group when the saver leaves right after its save)."""
+        self._save = save
         return FirstGroupSaves(save, self)
 
     def parameter_checksum(self) -> str:
@@ -279,7 +278,6 @@ class FirstGroupSaves:
 
     def __init__(self, save, groups: ReplicaGroups):
         self.save, self.groups = save, groups
-        groups.saves_with(self)
 
     def __call__(self, state: TrainState) -> float | None:
         if not self.groups.saves():

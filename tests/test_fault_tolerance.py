@@ -166,14 +166,14 @@ def test_the_first_group_saves_again_when_the_saver_leaves_right_after_its_save(
     """Groups 0-2 step; at iteration 500 the group first in the quorum saves. If the next quorum has lost a group
     and this group is first in it, it writes iteration 500 too, before any step, saying why; otherwise it does
     not (and it never saves twice a save it made itself)."""
-    from megazero.fault_tolerance import FirstGroupSaves, ReplicaGroups
+    from megazero.fault_tolerance import ReplicaGroups
     from megazero.state import TrainState
 
     groups = ReplicaGroups.__new__(ReplicaGroups)
     said, written = [], []
     groups.manager, groups.say, groups.replica_id, groups.groups = _Quorums(quorums), said.append, 1, 3
     groups.keeps_batch, groups.checksums, groups.global_batch, groups._participants = False, False, 16, None
-    groups._saver = groups._unconfirmed_save = None
+    groups._save = groups._unconfirmed_save = None
 
     class Save:
         def __call__(self, state):
@@ -182,7 +182,7 @@ def test_the_first_group_saves_again_when_the_saver_leaves_right_after_its_save(
         def finish(self):
             pass
 
-    saver = FirstGroupSaves(Save(), groups)
+    saver = groups.saver(Save())
     state = TrainState(iteration=499, consumed_samples=0)
     groups.start_step(state)
     state.iteration = 500                           # the step ran; the loop saves

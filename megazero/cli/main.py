@@ -69,14 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         stop(f"{e}", 2, rank, after_rank0=True)        # bad input: status 2, as for a bad flag
     try:
         return run(job, args.backend, tokenizer, show_sample=embedded_default, lock=lock, started=started)
-    except ReplicaGroupLost as e:                      # met by some ranks of a group, or at different moments
+    except (ReplicaGroupLost, DataError, OSError) as e:   # found by some ranks only (a lost quorum, a disk)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         stop(f"rank {rank}: {e}" if world > 1 else f"{e}", 1, rank, every_rank=True)
     except (TrainingStopped, CheckpointError) as e:   # the same line on every rank: rank 0 says it
         stop(f"{e}", 1, rank)
-    except (DataError, OSError) as e:                  # found by some ranks only (an index cache, a disk)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        stop(f"rank {rank}: {e}" if world > 1 else f"{e}", 1, rank, every_rank=True)
     except RuntimeError as e:                          # gloo and NCCL say "timed out" / "Timeout"
         if any(text in str(e) for text in PEER_GONE):  # another rank stopped first, with its own line
             stop(f"rank {rank}: {SECONDHAND}: {what_the_other_rank_said()} ({str(e).splitlines()[0][:200]})",
